@@ -1,0 +1,1 @@
+"""kvlens exporters: the SQLite trace store, the OTel pipeline and Prometheus metrics."""

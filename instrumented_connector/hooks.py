@@ -1,0 +1,77 @@
+"""Hook-point contract: which private vLLM methods kvlens overrides, for which
+phase, and the check that disables a phase when its hook point is missing.
+
+vLLM's NIXL internals are private and move between releases. At import the
+instrumented classes drop every override whose base method is gone (so vLLM
+never calls into a half-hooked path); at start-up the connector logs one
+warning naming the disabled phases. ``tests/test_hooks_contract.py`` pins the
+supported vLLM versions against this table.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from instrumented_connector.semconv import Phase
+
+SUPPORTED_VLLM: Final = ("0.32", "0.33")
+"""vLLM minor versions whose NIXL layout this table was checked against."""
+
+# (base class name, method) -> phases that depend on it.
+SCHEDULER_HOOKS: Final[dict[str, dict[str, tuple[Phase, ...]]]] = {
+    "NixlPushConnectorScheduler": {
+        "request_finished": (Phase.PREFILL, Phase.PREFILL_FINISHED),
+        "update_state_after_alloc": (Phase.REGISTRATION_STAGE,),
+        "build_connector_meta": (Phase.KV_READY,),  # registration-timeout outcome
+    },
+    "NixlPullConnectorScheduler": {
+        "request_finished": (Phase.PREFILL, Phase.PREFILL_FINISHED),
+        "update_state_after_alloc": (Phase.ALLOC,),
+    },
+}
+
+WORKER_COMMON_HOOKS: Final[dict[str, tuple[Phase, ...]]] = {
+    "get_transfer_results": (Phase.KV_READY,),
+    "_pop_done_transfers": (Phase.WRITE_COMPLETE, Phase.READ_COMPLETE),
+    "_reap_expired_send_leases": (Phase.WRITE_COMPLETE,),
+}
+
+WORKER_HOOKS: Final[dict[str, dict[str, tuple[Phase, ...]]]] = {
+    "NixlPushConnectorWorker": {
+        **WORKER_COMMON_HOOKS,
+        "_send_registration_to_p": (Phase.REGISTRATION_SEND,),
+        "_do_send_reg_notif": (Phase.REGISTRATION_SEND,),
+        "_pop_matching_finished_blocks": (Phase.REGISTRATION_RECEIVE, Phase.MATCH),
+        "_pop_matching_registration": (Phase.MATCH,),
+        "_do_start_push_kv": (Phase.HANDSHAKE,),
+        "_xfer_blocks_for_req": (Phase.DESCRIPTOR_PREP, Phase.WRITE_POST),
+        "_xfer_blocks": (Phase.WRITE_POST,),
+    },
+    "NixlPullConnectorWorker": {
+        **WORKER_COMMON_HOOKS,
+        "_background_nixl_handshake": (Phase.HANDSHAKE,),
+        "_read_blocks_for_req": (Phase.DESCRIPTOR_PREP, Phase.READ_POST, Phase.HANDSHAKE),
+        "_read_blocks": (Phase.READ_POST,),
+    },
+}
+
+#: Instance attributes read (never written) by the hooks, per base class.
+WORKER_ATTRS: Final = ("nixl_wrapper", "_recving_transfers")
+PUSH_SCHEDULER_ATTRS: Final = ("_push_registration_deadlines",)
+
+
+def all_hooks() -> dict[str, dict[str, tuple[Phase, ...]]]:
+    return {**SCHEDULER_HOOKS, **WORKER_HOOKS}
+
+
+def prune(cls: type, base: type, hooks: dict[str, tuple[Phase, ...]]) -> set[Phase]:
+    """Remove from ``cls`` each override whose hook point ``base`` lacks.
+
+    Returns the phases disabled as a result. Idempotent."""
+    disabled: set[Phase] = set()
+    for name, phases in hooks.items():
+        if not callable(getattr(base, name, None)):
+            if name in cls.__dict__:
+                delattr(cls, name)
+            disabled.update(phases)
+    return disabled

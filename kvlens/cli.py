@@ -1,0 +1,59 @@
+"""``kvlens`` command line. Each subcommand lives in its own module exposing
+``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only
+when their subcommand runs, so ``kvlens --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS = {
+    "up": ("kvlens.up", "start P and D (real vLLM with the instrumented connector) and the router"),
+    "proxy": ("kvlens.proxy", "OpenAI-compatible P/D router that emits the root span per request"),
+    "bench": ("kvlens.bench", "push-vs-pull benchmark grid on a real stack"),
+    "traces": ("kvlens.traces", "slowest requests by handoff, with a text waterfall"),
+    "dashboard": ("kvlens.dashboard_cmd", "start the Streamlit dashboard"),
+    "demo": ("kvlens.demo", "the main job: model, push and pull runs, table, traces, dashboard"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvlens",
+        description="Measure vLLM's prefill->decode KV handoff over NIXL, push vs pull. "
+        "Files live under $KVLENS_HOME (default ./.kvlens).",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (modname, help_) in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.set_defaults(_module=modname)
+        try:
+            importlib.import_module(modname).add_arguments(sp)
+        except ModuleNotFoundError as e:  # a subcommand not built yet
+            if e.name != modname:
+                raise
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    mod = importlib.import_module(args._module)
+    try:
+        return int(mod.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
