@@ -133,7 +133,7 @@ class Recorder:
         self._pid = os.getpid()
         self._provider = None
         self._tracer = None
-        self.on_drop: Callable[[int], None] | None = None
+        self._ready = threading.Event()  # set once the pipeline is built (or failed)
 
     # ------------------------------------------------------------------ hot path
     def record(
@@ -173,6 +173,12 @@ class Recorder:
             log_once("recorder-start", "could not start the recorder thread", exc_info=True)
 
     def _setup(self) -> None:
+        try:
+            self._build()
+        finally:
+            self._ready.set()
+
+    def _build(self) -> None:
         if self._factory is None:
             return
         try:
@@ -196,6 +202,8 @@ class Recorder:
         """Turn every buffered event into a span. Background thread (or tests)."""
         n = 0
         q = self._q
+        if not self._ready.is_set():
+            return 0  # pipeline still being built: keep the events
         while True:
             try:
                 ev = q.popleft()
@@ -262,6 +270,8 @@ class Recorder:
         """Drain now and flush exporters (tests, shutdown). Not for hot paths."""
         if self._thread is None:
             self._setup_if_needed()
+        else:
+            self._ready.wait(timeout_s)
         self.drain()
         if self._provider is not None:
             try:
@@ -271,7 +281,7 @@ class Recorder:
 
     def _setup_if_needed(self) -> None:
         with self._start_lock:
-            if self._tracer is None and self._factory is not None and self._provider is None:
+            if not self._ready.is_set():
                 self._setup()
 
     def close(self, timeout_s: float = 3.0) -> None:
@@ -282,6 +292,7 @@ class Recorder:
             t = self._thread
             if t is not None and t is not threading.current_thread():
                 t.join(timeout_s)
+            self.drain()
             if self._provider is not None:
                 self._provider.force_flush(int(timeout_s * 1000))
                 self._provider.shutdown()

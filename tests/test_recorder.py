@@ -1,0 +1,147 @@
+"""Recorder: trace-id derivation, bounded buffer, span building, fail-safety."""
+
+import time
+import tracemalloc
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from instrumented_connector import semconv as sc
+from instrumented_connector.recorder import (
+    Recorder,
+    base_request_id,
+    make_id_generator,
+    root_span_id,
+    trace_id_for,
+)
+
+TID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.fixture
+def mem():
+    exporter = InMemorySpanExporter()
+
+    def factory():
+        p = TracerProvider(id_generator=make_id_generator())
+        p.add_span_processor(SimpleSpanProcessor(exporter))
+        return p
+
+    return exporter, factory
+
+
+def test_base_request_id_strips_vllm_suffix():
+    assert base_request_id(f"cmpl-{TID}-0-1a2b3c4d") == f"cmpl-{TID}-0"
+    assert base_request_id("plain") == "plain"
+
+
+def test_trace_id_read_from_router_request_id_on_both_sides():
+    p_id, d_id = f"cmpl-{TID}-0-deadbeef", f"cmpl-{TID}-0-0badf00d"
+    assert trace_id_for(p_id) == trace_id_for(d_id) == int(TID, 16)
+
+
+def test_trace_id_hashed_for_foreign_ids_and_suffix_insensitive():
+    a, b = trace_id_for("cmpl-my-req-0-12345678"), trace_id_for("cmpl-my-req-0-87654321")
+    assert a == b and a != 0 and a < 2**128
+    assert trace_id_for("cmpl-other-0-12345678") != a
+
+
+def test_root_span_id_deterministic_nonzero():
+    assert root_span_id(int(TID, 16)) == root_span_id(int(TID, 16)) != 0
+
+
+def test_spans_share_trace_and_parent_to_router_root(mem):
+    exporter, factory = mem
+    r = Recorder(role="prefill", mode="push", engine_id="p0", pipeline_factory=factory)
+    router = Recorder(role="router", mode="push", pipeline_factory=factory)
+    now = time.time_ns()
+    r.record(sc.Phase.PREFILL_FINISHED, f"cmpl-{TID}-0-aaaaaaaa", now, now, "ok", {sc.ATTR_BLOCKS: 3})
+    router.record(sc.Phase.REQUEST, TID, now - 10, now + 10, "ok", {"_trace_id": int(TID, 16), sc.ATTR_TTFT_S: 0.1})
+    r.flush()
+    router.flush()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root, child = spans["request"], spans["prefill.finished"]
+    assert root.context.trace_id == child.context.trace_id == int(TID, 16)
+    assert root.parent is None
+    assert child.parent.span_id == root.context.span_id == root_span_id(int(TID, 16))
+    assert child.attributes[sc.ATTR_MODE] == "push" and child.attributes[sc.ATTR_ROLE] == "prefill"
+    assert child.attributes[sc.ATTR_BLOCKS] == 3 and child.attributes[sc.ATTR_ENGINE_ID] == "p0"
+    assert "_trace_id" not in root.attributes
+
+
+def test_incoming_traceparent_parents_the_root(mem):
+    exporter, factory = mem
+    router = Recorder(role="router", mode="pull", pipeline_factory=factory)
+    t = time.time_ns()
+    router.record(sc.Phase.REQUEST, TID, t, t + 5, "ok", {"_trace_id": int(TID, 16), "_parent_span_id": 0x1234})
+    router.flush()
+    (s,) = exporter.get_finished_spans()
+    assert s.parent.span_id == 0x1234 and s.context.trace_id == int(TID, 16)
+
+
+def test_buffer_is_bounded_and_counts_drops():
+    r = Recorder(role="decode", mode="pull", capacity=10, pipeline_factory=None)
+    r._thread = object()  # keep the drain thread away: simulates a stalled exporter
+    for i in range(25):
+        r.record(sc.Phase.KV_READY, f"r{i}", 1, 1)
+    assert len(r._q) == 10 and r.dropped == 15
+
+
+def test_unknown_outcome_and_role_map_to_other(mem):
+    exporter, factory = mem
+    r = Recorder(role="weird", mode="push", pipeline_factory=factory)
+    r.record(sc.Phase.MATCH, "x", 1, 2, "banana")
+    r.flush()
+    (s,) = exporter.get_finished_spans()
+    assert s.attributes[sc.ATTR_ROLE] == sc.OTHER and s.attributes[sc.ATTR_OUTCOME] == sc.OTHER
+
+
+def test_failing_pipeline_never_raises_into_caller():
+    def broken():
+        raise RuntimeError("exporter setup exploded")
+
+    r = Recorder(role="prefill", mode="push", pipeline_factory=broken)
+    r.record(sc.Phase.PREFILL_FINISHED, "a", 1, 2)
+    r.flush()  # logs once, drops
+    r.record(sc.Phase.PREFILL_FINISHED, "b", 1, 2)
+    r.close()
+
+
+def test_bad_event_is_skipped_others_exported(mem):
+    exporter, factory = mem
+    r = Recorder(role="prefill", mode="push", pipeline_factory=factory)
+    r.record(sc.Phase.MATCH, None, 1, 2)  # a None request id cannot be hashed
+    r.record(sc.Phase.MATCH, "good", 1, 2)
+    r.flush()
+    assert [s.name for s in exporter.get_finished_spans()] == ["match"]
+
+
+def test_negative_interval_is_clamped(mem):
+    exporter, factory = mem
+    r = Recorder(role="prefill", mode="push", pipeline_factory=factory)
+    r.record(sc.Phase.MATCH, "x", 100, 50)
+    r.flush()
+    (s,) = exporter.get_finished_spans()
+    assert s.end_time >= s.start_time
+
+
+def test_capacity_must_be_positive():
+    with pytest.raises(ValueError, match="capacity"):
+        Recorder(role="prefill", mode="push", capacity=0)
+
+
+def test_memory_stays_under_cap_when_exporter_stalls():
+    """64 MiB cap per process: a stalled drain thread leaves a full buffer, no more."""
+    r = Recorder(role="prefill", mode="push", pipeline_factory=None)
+    r._thread = object()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    attrs = {sc.ATTR_BLOCKS: 12, sc.ATTR_REMOTE_ENGINE_ID: "d0", sc.ATTR_REMOTE_RANK: 0}
+    for i in range(200_000):
+        r.record(sc.Phase.WRITE_POST, f"cmpl-{i:032x}-0-abcdef01", i, i + 1, "ok", dict(attrs))
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert r.dropped == 200_000 - r.capacity
+    assert used < 64 * 2**20, used
