@@ -1,0 +1,1 @@
+"""kvlens Streamlit dashboard: ``app.py`` draws, ``data.py`` loads."""

@@ -1,0 +1,595 @@
+"""Span-derived Prometheus metrics (in the spirit of the Collector's spanmetrics).
+
+:class:`PhaseMetricsProcessor` is an OTel ``SpanProcessor`` that
+:mod:`exporters.pipeline` adds to every kvlens process (router, P and D
+scheduler/worker). ``on_end`` runs on the recorder's background thread (the
+SDK calls processors synchronously from ``span.end()``), never on vLLM's
+engine loop; it costs a few dict look-ups and one ``observe`` per span, never
+blocks on I/O and never raises (a failure is logged once and the span is
+skipped).
+
+Metrics (labels are closed sets from :mod:`instrumented_connector.semconv`;
+anything else becomes ``_OTHER``; request and trace ids are never labels)::
+
+    kvlens_phase_duration_seconds{mode,role,phase,outcome}   histogram
+        # p99 of one phase, by mode:
+        # histogram_quantile(0.99, sum by (le, mode, phase) (rate(kvlens_phase_duration_seconds_bucket[1m])))
+    kvlens_handoff_seconds{mode}                              histogram (router)
+        # critical path prefill.finished (P) -> kv.ready (D):
+        # histogram_quantile(0.5, sum by (le, mode) (rate(kvlens_handoff_seconds_bucket[1m])))
+    kvlens_handoff_unresolved_total{mode,reason}              counter (router)
+        # requests whose handoff could not be read: reason missing|overflow|no_store
+    kvlens_ttft_seconds{mode,dispatch}                        histogram (router)
+    kvlens_requests_total{mode,outcome}                       counter (router)
+        # error ratio: sum by (mode) (rate(kvlens_requests_total{outcome!="ok"}[5m]))
+        #              / sum by (mode) (rate(kvlens_requests_total[5m]))
+    kvlens_transfer_bytes{mode,role}                          histogram (write/read.complete)
+        # throughput: sum by (mode) (rate(kvlens_transfer_bytes_sum[1m]))
+    kvlens_transfer_descriptors{mode,role}                    histogram (write/read.complete)
+    kvlens_push_registrations_waiting                         gauge (P, push)
+    kvlens_push_prefills_waiting                              gauge (P, push)
+    kvlens_telemetry_dropped_total{role}                      counter
+        # events the recorder dropped because its buffer was full
+
+Handoff: where it is computed, and why
+--------------------------------------
+Its two ends come from different processes: ``prefill.finished`` ends in P's
+scheduler, ``kv.ready`` in D's worker, so no single span processor sees both.
+Both land in the host's SQLite trace store, whose ``traces`` row folds them
+(``handoff_s``). The metric is therefore read from the store, and it is read
+**in the router**, when the router's root ``request`` span ends:
+
+* exactly one ``request`` span per request, and only the router emits it, so
+  ``count(kvlens_handoff_seconds{mode})`` + ``kvlens_handoff_unresolved_total``
+  equals ``kvlens_requests_total`` per mode, and each observation matches one
+  store row with ``handoff_s`` set (the reconciliation the tests check);
+* the request span ends after the last byte went to the client, long after
+  P's and D's spans were exported in the usual case; a bounded retry queue
+  (``max_pending`` entries, each polled until ``deadline_s``) absorbs the
+  store's export lag (recorder flush ~0.1 s + batch export ~0.2 s). A request
+  whose row never gets both ends (P failed, store off) is counted once in
+  ``kvlens_handoff_unresolved_total{reason="missing"}``, never observed;
+* the router is a single process served by :func:`metrics_app` with
+  OpenMetrics, so handoff observations keep their ``trace_id`` exemplar
+  (vLLM's ``/metrics`` runs prometheus_client in multiprocess mode, which
+  drops exemplars).
+
+The lookup happens on a small daemon thread (``kvlens-handoff``), batched
+(one ``SELECT ... WHERE trace_id IN (...)`` per poll), so ``on_end`` only
+appends to a dict. Deployments without the kvlens router (a third-party
+router on one host) can set ``KVLENS_HANDOFF_FROM=decode``: the trigger then
+is D's ``kv.ready`` span, with the same store lookup (no exemplars there).
+Across hosts the store is per host, so the router needs P's and D's spans on
+its host (same store file); otherwise use OTLP + the collector. Negative
+values (wall-clock skew) are clamped to 0.
+
+Push waiting gauges
+-------------------
+Derived from spans in the P processes: ``registration.receive`` +1
+registration; ``prefill.finished`` (push, ok) +1 prefill; ``match`` -1 of
+each (a match always pairs one of each); ``write.complete`` with outcome
+``expired`` -1 prefill (lease reaped with no registration). The scheduler
+(+prefill) and the worker (-prefill) may be different processes: in vLLM's
+multiprocess mode the gauges use ``multiprocess_mode='livesum'``, so the
+instance's ``/metrics`` shows the sum, which is the real count. Exact for
+TP=1; registrations that expire on P without a match are not seen (no span),
+so the registration gauge can overstate after D-side timeouts.
+
+Exemplars
+---------
+Histogram observations carry ``{"trace_id": <32 hex>}``. Exemplars are only
+exposed in the OpenMetrics exposition (Prometheus negotiates it;
+``--enable-feature=exemplar-storage`` stores them) and are **not**
+available in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), where
+prometheus_client silently ignores them: vLLM's ``/metrics`` has none, the
+router's has them.
+
+Multiprocess
+------------
+With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM always sets one), metrics created
+in the EngineCore/worker process on the default registry are written to that
+directory and vLLM's API server serves them. Metric families are created once
+per (process, registry) and shared by every processor instance of the
+process (several recorders in one EngineCore).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from instrumented_connector import semconv as sc
+from instrumented_connector.recorder import log_once
+
+try:  # the SDK's base class, so the provider accepts us; duck-typed otherwise
+    from opentelemetry.sdk.trace import SpanProcessor as _SpanProcessor
+except Exception:  # pragma: no cover
+    _SpanProcessor = object  # type: ignore[assignment,misc]
+
+logger = logging.getLogger("kvlens")
+
+# ------------------------------------------------------------------ buckets
+#: Phases range from a few microseconds (point phases, descriptor prep) to
+#: tens of seconds (handshake on a cold start, prefill under load).
+PHASE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+#: Handoff: sub-ms (same-host push that overlapped) to seconds (handshake).
+HANDOFF_BUCKETS = PHASE_BUCKETS
+#: Client TTFT: milliseconds to minutes (queueing under overload).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: KV bytes per request: 4 KiB .. 64 GiB in powers of 4 (a block is KiB-MiB).
+BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))
+#: NIXL descriptors per request: 1 .. 65536 in powers of 2... of 4 past 64.
+DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
+
+#: Where the handoff trigger runs (see module docstring): router | decode.
+HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
+
+_OTHER = sc.OTHER
+
+
+def _table(enum_cls) -> dict[str, str]:
+    return {m.value: m.value for m in enum_cls}
+
+
+_MODES = _table(sc.Mode)
+_ROLES = _table(sc.Role)
+_PHASES = _table(sc.Phase)
+_OUTCOMES = _table(sc.Outcome)
+_DISPATCHES = _table(sc.Dispatch)
+
+
+def _label(value: Any, table: Mapping[str, str], enum_cls) -> str:
+    """Closed label value: O(1) for plain strings, :func:`semconv.closed` otherwise."""
+    try:
+        return table[value]
+    except (KeyError, TypeError):  # str-enum members hash by name; lists are unhashable
+        return sc.closed(value, enum_cls)
+
+
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+# ------------------------------------------------------------ metric families
+class _Families:
+    """Metric families of one registry (created once per process and registry).
+
+    Labelled children are bound once and cached by their closed label tuple,
+    so the cache is bounded by the product of the closed sets."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.phase = Histogram(
+            "kvlens_phase_duration_seconds",
+            "Duration of one kvlens phase (span) of a P/D KV handoff, seconds.",
+            ("mode", "role", "phase", "outcome"), buckets=PHASE_BUCKETS, registry=r,
+        )
+        self.handoff = Histogram(
+            "kvlens_handoff_seconds",
+            "Critical-path handoff prefill.finished (P) -> kv.ready (D), seconds; read from the trace store.",
+            ("mode",), buckets=HANDOFF_BUCKETS, registry=r,
+        )
+        self.unresolved = Counter(
+            "kvlens_handoff_unresolved",
+            "Requests whose handoff could not be read from the trace store (missing end, queue overflow, no store).",
+            ("mode", "reason"), registry=r,
+        )
+        self.ttft = Histogram(
+            "kvlens_ttft_seconds",
+            "Client-seen time to first token measured at the kvlens router, seconds.",
+            ("mode", "dispatch"), buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.requests = Counter(
+            "kvlens_requests", "Requests finished by the kvlens router.", ("mode", "outcome"), registry=r,
+        )
+        self.xfer_bytes = Histogram(
+            "kvlens_transfer_bytes", "KV bytes moved by NIXL per request (write/read.complete), bytes.",
+            ("mode", "role"), buckets=BYTES_BUCKETS, registry=r,
+        )
+        self.xfer_desc = Histogram(
+            "kvlens_transfer_descriptors", "NIXL descriptors per request (write/read.complete).",
+            ("mode", "role"), buckets=DESCRIPTOR_BUCKETS, registry=r,
+        )
+        self.regs_waiting = Gauge(
+            "kvlens_push_registrations_waiting",
+            "Push: D registrations received on P and not yet matched with a finished prefill.",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.prefills_waiting = Gauge(
+            "kvlens_push_prefills_waiting",
+            "Push: finished prefills on P waiting for D's registration.",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.dropped = Counter(
+            "kvlens_telemetry_dropped",
+            "Telemetry events dropped by the kvlens recorder (buffer full).", ("role",), registry=r,
+        )
+        self.lock = threading.Lock()
+        self.children: dict[tuple, Any] = {}
+        self.drop_seen: dict[Any, int] = {}
+
+    def child(self, metric, key: tuple):
+        """Cached labelled child of ``metric`` for the closed label tuple ``key``."""
+        k = (id(metric),) + key
+        c = self.children.get(k)
+        if c is None:
+            with self.lock:
+                c = self.children.get(k)
+                if c is None:
+                    c = metric.labels(*key)
+                    self.children[k] = c
+        return c
+
+
+_families: dict[int, tuple[CollectorRegistry, _Families]] = {}
+_families_lock = threading.Lock()
+
+
+def _families_for(registry: CollectorRegistry) -> _Families:
+    key = id(registry)
+    with _families_lock:
+        hit = _families.get(key)
+        if hit is not None and hit[0] is registry:
+            return hit[1]
+        fam = _Families(registry)
+        _families[key] = (registry, fam)
+        return fam
+
+
+# ----------------------------------------------------------- dropped telemetry
+def _recorder_drops() -> dict[str, int]:
+    """Events dropped by this process's recorders, by role (default source)."""
+    from instrumented_connector import recorder as rec
+
+    out: dict[str, int] = {}
+    pid = os.getpid()
+    for key, r in list(rec._recorders.items()):
+        if key[0] == pid:
+            out[r.role] = out.get(r.role, 0) + int(r.dropped)
+    return out
+
+
+_drop_source: Callable[[], Mapping[str, int] | int] = _recorder_drops
+
+
+def set_dropped_source(fn: Callable[[], Mapping[str, int] | int] | None) -> None:
+    """Replace where ``kvlens_telemetry_dropped_total`` reads drop counts from.
+
+    ``fn()`` returns a monotonic total (int, labelled ``role="_OTHER"``) or a
+    mapping role -> total; it is polled at most once a second from a
+    processor's ``on_end`` and the counter grows by the delta. ``None``
+    restores the default (every kvlens ``Recorder.dropped`` of this process).
+    """
+    global _drop_source
+    _drop_source = fn if fn is not None else _recorder_drops
+
+
+# --------------------------------------------------------- handoff resolver
+def _default_store_path() -> Path:
+    return Path(os.environ.get("KVLENS_HOME") or ".kvlens").resolve() / "traces.db"
+
+
+class _HandoffResolver:
+    """Bounded queue of trace ids whose handoff is read from the trace store.
+
+    ``submit`` (any thread) only touches a dict; a daemon thread polls the
+    store every ``poll_s`` with one batched query and observes each handoff
+    exactly once, or counts it unresolved after ``deadline_s``."""
+
+    def __init__(self, fam: _Families, store_path: Path, *, deadline_s: float, max_pending: int,
+                 poll_s: float, exemplars: bool) -> None:
+        self.fam = fam
+        self.path = Path(store_path)
+        self.deadline_s = deadline_s
+        self.max_pending = max_pending
+        self.poll_s = poll_s
+        self.exemplars = exemplars
+        self._pending: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn = None
+        self._pid = os.getpid()
+
+    def submit(self, trace_id: str, mode: str) -> None:
+        with self._lock:
+            if trace_id in self._pending:
+                return
+            if len(self._pending) >= self.max_pending:
+                overflow = True
+            else:
+                overflow = False
+                self._pending[trace_id] = (mode, time.monotonic() + self.deadline_s)
+        if overflow:
+            self.fam.child(self.fam.unresolved, (mode, "overflow")).inc()
+            return
+        if self._thread is None or self._pid != os.getpid():
+            self._start()
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._conn = None
+            t = threading.Thread(target=self._run, name="kvlens-handoff", daemon=True)
+            self._thread = t
+            t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            try:
+                self.resolve_once()
+            except Exception as e:
+                log_once("handoff:" + type(e).__name__, "handoff lookup failed (%s); retrying", e, exc_info=True)
+
+    def _connection(self):
+        if self._conn is None:
+            from exporters.store import connect
+
+            self._conn = connect(self.path, readonly=True, timeout_s=1.0)
+        return self._conn
+
+    def resolve_once(self, *, expire: bool = True) -> int:
+        """One pass: observe resolved handoffs, expire overdue ones. Returns resolved count."""
+        with self._lock:
+            items = list(self._pending.items())
+        if not items:
+            return 0
+        found: dict[str, float] = {}
+        store_ok = True
+        try:
+            conn = self._connection()
+            ids = [t for t, _ in items]
+            for i in range(0, len(ids), 500):
+                chunk = ids[i : i + 500]
+                q = (
+                    "SELECT trace_id, handoff_s FROM traces WHERE handoff_s IS NOT NULL "
+                    f"AND trace_id IN ({','.join('?' * len(chunk))})"
+                )
+                for tid, h in conn.execute(q, chunk):
+                    found[tid] = h
+        except FileNotFoundError:
+            store_ok = False
+            log_once("handoff-store", "trace store %s not found yet; handoff metrics wait for it", self.path)
+        except Exception as e:
+            store_ok = False
+            log_once("handoff-read:" + type(e).__name__, "trace store read failed (%s); retrying", e)
+            try:
+                if self._conn is not None:
+                    self._conn.close()
+            except Exception:
+                pass
+            self._conn = None
+        now = time.monotonic()
+        resolved, expired = [], []
+        with self._lock:
+            for tid, (mode, deadline) in items:
+                if tid in found:
+                    self._pending.pop(tid, None)
+                    resolved.append((tid, mode, found[tid]))
+                elif expire and now >= deadline:
+                    self._pending.pop(tid, None)
+                    expired.append(mode)
+        fam = self.fam
+        for tid, mode, h in resolved:
+            child = fam.child(fam.handoff, (mode,))
+            v = max(float(h), 0.0)  # cross-host wall-clock skew can make it negative
+            if self.exemplars:
+                child.observe(v, {"trace_id": tid})
+            else:
+                child.observe(v)
+        reason = "missing" if store_ok else "no_store"
+        for mode in expired:
+            fam.child(fam.unresolved, (mode, reason)).inc()
+        return len(resolved)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Resolve until nothing is pending or ``timeout_s`` passed (tests, shutdown)."""
+        end = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < end:
+            self.resolve_once()
+            if self._pending:
+                time.sleep(min(self.poll_s, 0.05))
+        return not self._pending
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)
+        try:
+            if self._conn is not None:
+                self._conn.close()
+        except Exception:
+            pass
+        self._conn = None
+
+
+# -------------------------------------------------------------- the processor
+class PhaseMetricsProcessor(_SpanProcessor):
+    """OTel span processor turning kvlens spans into Prometheus metrics.
+
+    Thread: ``on_end`` is called by the SDK from whichever thread ends the
+    span (kvlens: the recorder thread). It never blocks on I/O and never
+    raises. ``registry`` defaults to prometheus_client's ``REGISTRY`` (what
+    vLLM's multiprocess ``/metrics`` and :func:`metrics_app` serve).
+
+    ``store_path``: trace store for the handoff lookup (default
+    ``$KVLENS_HOME/traces.db``). ``handoff_from``: ``"router"`` (default;
+    env ``KVLENS_HANDOFF_FROM``) or ``"decode"``. ``exemplars``: attach
+    ``trace_id`` exemplars (default: on unless ``PROMETHEUS_MULTIPROC_DIR``
+    is set, where prometheus_client cannot store them).
+    """
+
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        store_path: str | Path | None = None,
+        handoff_from: str | None = None,
+        handoff_deadline_s: float = 10.0,
+        handoff_max_pending: int = 10000,
+        handoff_poll_s: float = 0.25,
+        exemplars: bool | None = None,
+    ) -> None:
+        handoff_from = (handoff_from or os.environ.get(HANDOFF_FROM_ENV) or "router").strip().lower()
+        if handoff_from not in ("router", "decode", "off"):
+            raise ValueError(f"handoff_from must be router, decode or off, got {handoff_from!r}")
+        if handoff_deadline_s <= 0 or handoff_poll_s <= 0:
+            raise ValueError("handoff_deadline_s and handoff_poll_s must be > 0")
+        if int(handoff_max_pending) <= 0:
+            raise ValueError(f"handoff_max_pending must be > 0, got {handoff_max_pending!r}")
+        self.registry = registry if registry is not None else REGISTRY
+        self.fam = _families_for(self.registry)
+        if exemplars is None:
+            exemplars = not os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        self.exemplars = bool(exemplars)
+        self._trigger = {
+            "router": sc.Phase.REQUEST.value,
+            "decode": sc.Phase.KV_READY.value,
+            "off": None,
+        }[handoff_from]
+        self.handoff = _HandoffResolver(
+            self.fam,
+            Path(store_path) if store_path is not None else _default_store_path(),
+            deadline_s=float(handoff_deadline_s),
+            max_pending=int(handoff_max_pending),
+            poll_s=float(handoff_poll_s),
+            exemplars=self.exemplars,
+        )
+        self._next_drop_check = 0.0
+
+    # SpanProcessor API ----------------------------------------------------
+    def on_start(self, span, parent_context=None) -> None:
+        pass
+
+    def on_end(self, span) -> None:
+        try:
+            self._observe(span)
+        except Exception as e:
+            log_once("metrics:" + type(e).__name__, "span metrics failed (%s); span skipped", e, exc_info=True)
+        try:
+            now = time.monotonic()
+            if now >= self._next_drop_check:
+                self._next_drop_check = now + 1.0
+                self.sync_dropped()
+        except Exception as e:
+            log_once("metrics-dropped:" + type(e).__name__, "dropped-telemetry source failed (%s)", e)
+
+    def shutdown(self) -> None:
+        try:
+            self.handoff.flush(1.0)
+            self.handoff.close()
+        except Exception:
+            log_once("metrics-shutdown", "span metrics shutdown failed", exc_info=True)
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            self.sync_dropped()
+            return self.handoff.flush(timeout_millis / 1000.0)
+        except Exception:
+            log_once("metrics-flush", "span metrics flush failed", exc_info=True)
+            return False
+
+    # ----------------------------------------------------------------------
+    def _observe(self, span) -> None:
+        t0, t1 = span.start_time, span.end_time
+        if t0 is None or t1 is None:
+            return
+        a = span.attributes or {}
+        fam = self.fam
+        name = span.name
+        phase = _label(name, _PHASES, sc.Phase)
+        mode = _label(a.get(sc.ATTR_MODE), _MODES, sc.Mode)
+        role = _label(a.get(sc.ATTR_ROLE), _ROLES, sc.Role)
+        outcome = _label(a.get(sc.ATTR_OUTCOME, "ok"), _OUTCOMES, sc.Outcome)
+        ex = {"trace_id": format(span.context.trace_id, "032x")} if self.exemplars else None
+        d = max(t1 - t0, 0) / 1e9
+        fam.child(fam.phase, (mode, role, phase, outcome)).observe(d, ex)
+
+        if phase == "request":
+            fam.child(fam.requests, (mode, outcome)).inc()
+            ttft = _num(a.get(sc.ATTR_TTFT_S))
+            if ttft is not None and ttft >= 0:
+                disp = _label(a.get(sc.ATTR_DISPATCH), _DISPATCHES, sc.Dispatch)
+                fam.child(fam.ttft, (mode, disp)).observe(ttft, ex)
+        elif phase == "write.complete" or phase == "read.complete":
+            b = _num(a.get(sc.ATTR_BYTES))
+            if b is not None and b > 0:  # 0: NIXL telemetry unavailable
+                fam.child(fam.xfer_bytes, (mode, role)).observe(b, ex)
+            n = _num(a.get(sc.ATTR_DESCRIPTORS))
+            if n is not None and n > 0:
+                fam.child(fam.xfer_desc, (mode, role)).observe(n, ex)
+            if phase == "write.complete" and outcome == "expired" and mode == "push":
+                fam.prefills_waiting.dec()
+        elif mode == "push":
+            if phase == "registration.receive":
+                fam.regs_waiting.inc()
+            elif phase == "match":
+                fam.regs_waiting.dec()
+                fam.prefills_waiting.dec()
+            elif phase == "prefill.finished" and outcome == "ok":
+                fam.prefills_waiting.inc()
+
+        if name == self._trigger:
+            self.handoff.submit(format(span.context.trace_id, "032x"), mode)
+
+    def sync_dropped(self) -> None:
+        """Add the recorders' new drops to ``kvlens_telemetry_dropped_total``."""
+        src = _drop_source()
+        if isinstance(src, int):
+            src = {_OTHER: src}
+        fam = self.fam
+        with fam.lock:
+            deltas = []
+            for role, total in src.items():
+                key = (_drop_source, role)
+                last = fam.drop_seen.get(key, 0)
+                total = int(total)
+                if total > last:
+                    deltas.append((role, total - last))
+                    fam.drop_seen[key] = total
+        for role, delta in deltas:
+            fam.child(fam.dropped, (_label(role, _ROLES, sc.Role),)).inc(delta)
+
+
+# ---------------------------------------------------------------- /metrics
+def metrics_app(registry: CollectorRegistry | None = None):
+    """ASGI app serving ``registry`` (default: the process's REGISTRY, or a
+    multiprocess collector when ``PROMETHEUS_MULTIPROC_DIR`` is set).
+
+    The exposition format follows the scraper's ``Accept`` header, so a
+    Prometheus with exemplar storage gets OpenMetrics with exemplars. The
+    router mounts it: ``app.mount("/metrics", metrics_app())``.
+    """
+    from prometheus_client import make_asgi_app
+
+    if registry is None:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = REGISTRY
+    return make_asgi_app(registry)

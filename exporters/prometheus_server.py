@@ -1,0 +1,275 @@
+"""A real Prometheus server for kvlens: writes its config and the kvlens
+recording rules, runs ``/usr/bin/prometheus`` (Debian package ``prometheus``,
+2.42) with exemplar storage, and queries it over the HTTP API.
+
+Used by ``kvlens up`` / the demo and by the tests. Scrape jobs are named by the
+caller (``kvlens-router``, ``vllm-prefill``, ``vllm-decode``); ``instance`` is
+the scraped ``host:port``, so fleet figures come from aggregating over
+``instance`` - kvlens adds no host labels of its own.
+
+Lifecycle: :meth:`PrometheusServer.start` blocks until ``/-/ready``;
+:meth:`stop` sends SIGTERM, waits, then SIGKILL. The child is its own session
+and gets SIGTERM if the parent dies (Linux ``PR_SET_PDEATHSIG``), so a killed
+test run leaves no orphan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import httpx
+
+DEFAULT_BINARY = "/usr/bin/prometheus"
+DEFAULT_JOBS = ("kvlens-router", "vllm-prefill", "vllm-decode")
+RULES_FILE = "recording_rules.yml"
+_JOB_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_DURATION_RE = re.compile(r"^[0-9]+(ms|s|m|h)$")
+_INSTALL_HINT = "install Debian package prometheus: apt-get install prometheus (make setup does it)"
+
+
+def rules_path() -> Path:
+    """The packaged recording rules (``exporters/assets/recording_rules.yml``)."""
+    return Path(str(resources.files("exporters") / "assets" / RULES_FILE))
+
+
+def _check_target(job: str, target: str) -> None:
+    if not isinstance(target, str) or target.count(":") < 1 or "/" in target:
+        raise ValueError(f"target {target!r} of job {job!r} must be 'host:port'")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"target {target!r} of job {job!r} must be 'host:port' with a port in 1..65535")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pdeathsig() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class PrometheusError(RuntimeError):
+    """Prometheus could not start, or a query failed."""
+
+
+class PrometheusServer:
+    """One local Prometheus process scraping ``targets`` (job -> ``host:port`` list).
+
+    ``port=0`` picks a free port. ``rules=True`` loads the kvlens recording
+    rules (evaluated every ``scrape_interval``). Strict at construction:
+    bad ports, empty targets or intervals raise ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        targets: Mapping[str, Sequence[str]],
+        port: int = 9090,
+        data_dir: str | Path = Path(".kvlens/prometheus"),
+        rules: bool = True,
+        scrape_interval: str = "2s",
+        *,
+        binary: str | Path = DEFAULT_BINARY,
+        retention: str = "1d",
+    ) -> None:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+            raise ValueError(f"port must be an integer in 0..65535 (0: pick a free one), got {port!r}")
+        if not targets:
+            raise ValueError("targets is empty: give at least one job -> ['host:port', ...]")
+        clean: dict[str, list[str]] = {}
+        for job, tl in targets.items():
+            if not isinstance(job, str) or not _JOB_RE.match(job):
+                raise ValueError(f"invalid job name {job!r} (letters, digits, '_', '-', '.')")
+            if isinstance(tl, str) or not tl:
+                raise ValueError(f"job {job!r} needs a non-empty list of 'host:port' targets, got {tl!r}")
+            for t in tl:
+                _check_target(job, t)
+            clean[job] = list(tl)
+        if not _DURATION_RE.match(str(scrape_interval)):
+            raise ValueError(f"scrape_interval must look like 2s / 500ms / 1m, got {scrape_interval!r}")
+        if not _DURATION_RE.match(str(retention)):
+            raise ValueError(f"retention must look like 1d / 12h, got {retention!r}")
+        self.targets = clean
+        self.port = port
+        self.data_dir = Path(data_dir).resolve()
+        self.rules = rules
+        self.scrape_interval = str(scrape_interval)
+        self.binary = Path(binary)
+        self.retention = retention
+        self.proc: subprocess.Popen | None = None
+        self._log = None
+
+    # ------------------------------------------------------------- config
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.data_dir / "prometheus.yml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "prometheus.log"
+
+    def config(self) -> dict[str, Any]:
+        """The ``prometheus.yml`` content (a dict; written as JSON, which is YAML)."""
+        cfg: dict[str, Any] = {
+            "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
+            "scrape_configs": [
+                {
+                    "job_name": job,
+                    "metrics_path": "/metrics",
+                    "static_configs": [{"targets": tl}],
+                }
+                for job, tl in self.targets.items()
+            ],
+        }
+        if self.rules:
+            cfg["rule_files"] = [RULES_FILE]
+        return cfg
+
+    def write_config(self) -> Path:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if self.rules:
+            shutil.copyfile(rules_path(), self.data_dir / RULES_FILE)
+        self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
+        return self.config_path
+
+    # ----------------------------------------------------------- lifecycle
+    def start(self, timeout: float = 30.0) -> "PrometheusServer":
+        """Write config, start Prometheus, wait for ``/-/ready``; raise PrometheusError otherwise."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        if not (self.binary.is_file() and os.access(self.binary, os.X_OK)):
+            raise PrometheusError(f"Prometheus binary not found at {self.binary}: {_INSTALL_HINT}")
+        if self.port == 0:
+            self.port = _free_port()
+        elif not _port_free(self.port):
+            raise PrometheusError(
+                f"port {self.port} on 127.0.0.1 is busy (another Prometheus?): stop it or pass another port (0: any free)"
+            )
+        self.write_config()
+        argv = [
+            str(self.binary),
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.data_dir / 'data'}",
+            f"--storage.tsdb.retention.time={self.retention}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--enable-feature=exemplar-storage",
+        ]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
+        )
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=1.0) as c:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    tail = self._tail()
+                    self.stop()
+                    raise PrometheusError(f"prometheus exited with code {self.proc.returncode}:\n{tail}")
+                try:
+                    if c.get(self.url + "/-/ready").status_code == 200:
+                        return self
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
+        tail = self._tail()
+        self.stop()
+        raise PrometheusError(f"prometheus not ready on {self.url} after {timeout:.0f}s:\n{tail}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, wait ``timeout``, SIGKILL. Idempotent."""
+        p = self.proc
+        if p is not None and p.poll() is None:
+            try:
+                p.terminate()
+                p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def __enter__(self) -> "PrometheusServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    # --------------------------------------------------------------- API
+    def _get(self, path: str, params: Mapping[str, Any]) -> Any:
+        try:
+            r = httpx.get(self.url + path, params=params, timeout=10.0)
+        except httpx.HTTPError as e:
+            raise PrometheusError(f"prometheus at {self.url} unreachable: {e}") from e
+        try:
+            body = r.json()
+        except ValueError:
+            raise PrometheusError(f"{path}: HTTP {r.status_code}: {r.text[:200]}") from None
+        if body.get("status") != "success":
+            raise PrometheusError(f"{path} {dict(params)}: {body.get('errorType')}: {body.get('error')}")
+        return body["data"]
+
+    def query(self, promql: str, time_s: float | None = None) -> list[dict[str, Any]]:
+        """Instant query: the ``data.result`` list (``[{"metric": {...}, "value": [t, "v"]}]``)."""
+        params: dict[str, Any] = {"query": promql}
+        if time_s is not None:
+            params["time"] = time_s
+        data = self._get("/api/v1/query", params)
+        res = data.get("result")
+        if data.get("resultType") in ("scalar", "string"):
+            return [{"metric": {}, "value": res}]
+        return res
+
+    def query_exemplars(self, promql: str, start_s: float, end_s: float) -> list[dict[str, Any]]:
+        """Exemplars of the series selected by ``promql`` in [start, end]."""
+        return self._get("/api/v1/query_exemplars", {"query": promql, "start": start_s, "end": end_s})
+
+    def targets_health(self) -> list[dict[str, Any]]:
+        """Active targets with ``labels``, ``health`` and ``lastError``."""
+        return self._get("/api/v1/targets", {"state": "active"})["activeTargets"]

@@ -1,0 +1,105 @@
+"""``kvlens dashboard``: run the Streamlit app (``dashboard/app.py``) as a
+child process bound to 127.0.0.1 unless ``--host`` says otherwise, print its
+URL, forward SIGINT/SIGTERM to it and exit with it.
+
+The child runs in its own session (process group) so that stopping it also
+stops anything Streamlit starts; a child that ignores SIGTERM is killed after
+a grace period. A missing trace store is not an error: the page says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PORT = 8501
+DEFAULT_HOST = "127.0.0.1"
+STOP_GRACE_S = 10.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", default=None, help="trace store (default: $KVLENS_HOME/traces.db)")
+    p.add_argument("--prometheus", default=None, metavar="URL",
+                   help="Prometheus base URL (e.g. http://127.0.0.1:9090); live figures come from it")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+
+
+def app_path() -> Path:
+    import dashboard
+
+    return Path(dashboard.__file__).resolve().parent / "app.py"
+
+
+def command(args: argparse.Namespace, store: Path) -> list[str]:
+    """The streamlit command line for ``args``."""
+    cmd = [
+        sys.executable, "-m", "streamlit", "run", str(app_path()),
+        "--server.port", str(args.port),
+        "--server.address", args.host,
+        "--server.headless", "true",
+        "--browser.gatherUsageStats", "false",
+        "--", "--store", str(store),
+    ]
+    if args.prometheus:
+        cmd += ["--prometheus", args.prometheus]
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlens.home import store_path
+
+    if not 0 < args.port < 65536:
+        print(f"kvlens dashboard: invalid port {args.port}", file=sys.stderr)
+        return 2
+    if args.prometheus and not args.prometheus.startswith(("http://", "https://")):
+        print(f"kvlens dashboard: --prometheus must be an http(s) URL, got {args.prometheus!r}", file=sys.stderr)
+        return 2
+    store = Path(args.store).expanduser().resolve() if args.store else store_path()
+    if not store.exists():
+        print(f"kvlens dashboard: no trace store at {store} yet (the page will say so)", file=sys.stderr)
+    # The app imports dashboard/, exporters/, instrumented_connector/ from the
+    # package root, which `streamlit run` does not put on sys.path.
+    root = str(app_path().parents[1])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    proc = subprocess.Popen(command(args, store), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
+    print(f"kvlens dashboard: http://{shown}:{args.port}  (store {store}; Ctrl-C to stop)", flush=True)
+
+    stopping: list[int] = []
+
+    def forward(signum, _frame):
+        stopping.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    deadline = None
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if stopping and deadline is None:
+                deadline = time.monotonic() + STOP_GRACE_S
+            if deadline is not None and time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        # Anything left in the child's group (it should be empty by now).
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    if stopping:
+        return 0
+    return rc

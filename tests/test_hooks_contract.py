@@ -1,0 +1,128 @@
+"""Hook-point contract for the installed vLLM, and the fail-safety of hooks."""
+
+import inspect
+import types
+
+import pytest
+import vllm
+
+from instrumented_connector import connector, hooks
+from instrumented_connector import semconv as sc
+from vllm.distributed.kv_transfer.kv_connector.v1 import nixl
+
+# Parameters our overrides read by name (positional order is forwarded as is).
+EXPECTED_PARAMS = {
+    ("NixlPushConnectorScheduler", "request_finished"): ["request", "block_ids"],
+    ("NixlPushConnectorScheduler", "update_state_after_alloc"): ["request", "blocks", "num_external_tokens"],
+    ("NixlPullConnectorScheduler", "update_state_after_alloc"): ["request", "blocks", "num_external_tokens"],
+    ("NixlPushConnectorWorker", "_xfer_blocks_for_req"): ["req_id", "meta"],
+    ("NixlPushConnectorWorker", "_do_start_push_kv"): ["request_id", "local_block_ids", "registration_data"],
+    ("NixlPushConnectorWorker", "_send_registration_to_p"): ["req_id", "reg_data"],
+    ("NixlPushConnectorWorker", "_do_send_reg_notif"): ["req_id", "reg_data"],
+    ("NixlPullConnectorWorker", "_read_blocks_for_req"): ["req_id", "meta"],
+    ("NixlPullConnectorWorker", "_background_nixl_handshake"): ["req_id", "remote_engine_id", "meta"],
+}
+
+
+def test_installed_vllm_is_a_supported_version():
+    assert vllm.__version__.rsplit(".", 1)[0] in hooks.SUPPORTED_VLLM, vllm.__version__
+
+
+@pytest.mark.parametrize("cls_name,method", [(c, m) for c, t in hooks.all_hooks().items() for m in t])
+def test_every_hook_point_exists(cls_name, method):
+    assert callable(getattr(getattr(nixl, cls_name), method, None)), f"{cls_name}.{method} moved"
+
+
+@pytest.mark.parametrize("key,params", EXPECTED_PARAMS.items())
+def test_hook_signatures(key, params):
+    cls_name, method = key
+    sig = inspect.signature(getattr(getattr(nixl, cls_name), method))
+    assert list(sig.parameters)[1:] == params
+
+
+def test_per_rank_post_is_called_with_read_spec_keyword():
+    for cls, meth, inner in ((nixl.NixlPushConnectorWorker, "_xfer_blocks_for_req", "self._xfer_blocks("),
+                             (nixl.NixlPullConnectorWorker, "_read_blocks_for_req", "self._read_blocks(")):
+        src = inspect.getsource(getattr(cls, meth))
+        assert inner in src and "read_spec=spec" in src
+
+
+def test_push_facade_init_does_only_what_we_replicate():
+    # InstrumentedNixlPushConnector skips NixlPushConnector.__init__ (it would
+    # build a throw-away stock worker); pin what that __init__ does.
+    src = inspect.getsource(nixl.NixlPushConnector.__init__)
+    assert "decode_context_parallel_size > 1" in src
+    assert src.count("raise") == 2  # the DCP check and the unsupported role
+
+
+def test_no_phase_disabled_on_this_vllm():
+    assert connector.DISABLED == set()
+
+
+def test_missing_hook_point_disables_its_phase_only():
+    class Base:
+        def kept(self):
+            return "base"
+
+    class Hooked(Base):
+        def kept(self):
+            return "hooked"
+
+        def gone(self):  # would call super().gone() -> AttributeError
+            return super().gone()
+
+    table = {"kept": (sc.Phase.MATCH,), "gone": (sc.Phase.WRITE_POST, sc.Phase.DESCRIPTOR_PREP)}
+    disabled = hooks.prune(Hooked, Base, table)
+    assert disabled == {sc.Phase.WRITE_POST, sc.Phase.DESCRIPTOR_PREP}
+    assert "gone" not in Hooked.__dict__ and Hooked().kept() == "hooked"
+    assert hooks.prune(Hooked, Base, table) == disabled  # idempotent
+
+
+class _ExplodingRecorder:
+    dropped = 0
+
+    def record(self, *a, **k):
+        raise RuntimeError("telemetry bug")
+
+    point = record
+
+
+def _request(params):
+    return types.SimpleNamespace(kv_transfer_params=params, request_id="cmpl-x-0-12345678",
+                                 num_prompt_tokens=7, arrival_time=1.0)
+
+
+def test_failing_telemetry_leaves_vllm_result_untouched(caplog):
+    class Host:
+        def request_finished(self, request, block_ids):
+            return True, {"remote_block_ids": block_ids}
+
+    class T(connector._SchedulerHooks, Host):
+        pass
+
+    t = T()
+    t._kvl_setup(_ExplodingRecorder())
+    out = t.request_finished(_request({"do_remote_decode": True}), ([1, 2],))
+    assert out == (True, {"remote_block_ids": ([1, 2],)})
+
+
+def test_host_exceptions_pass_through_unchanged():
+    class Boom(Exception):
+        pass
+
+    class Host:
+        def request_finished(self, request, block_ids):
+            raise Boom("vllm's own error")
+
+    class T(connector._SchedulerHooks, Host):
+        pass
+
+    with pytest.raises(Boom, match="vllm's own error"):
+        T().request_finished(_request({"do_remote_decode": True}), ([1],))
+
+
+def test_pending_bookkeeping_is_bounded():
+    p = connector._Pending()
+    for i in range(connector._PENDING_CAP + 100):
+        p.put(i, i)
+    assert len(p) == connector._PENDING_CAP and 0 not in p and connector._PENDING_CAP + 99 in p

@@ -1,0 +1,388 @@
+"""Span-derived Prometheus metrics: labels, buckets, handoff from the store,
+bounded cardinality, exemplars, and a processor that never raises."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from opentelemetry import trace as otel_trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest as om_latest
+
+from exporters import metrics as m
+from exporters.metrics import PhaseMetricsProcessor, metrics_app
+from exporters.store import SQLiteSpanExporter, connect
+from instrumented_connector import semconv as sc
+from instrumented_connector.recorder import Recorder, make_id_generator
+
+TID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.fixture
+def reg():
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def env(tmp_path, reg):
+    """(registry, tracer, processor, store path): store processor first, as in pipeline.py."""
+    db = tmp_path / "traces.db"
+    proc = PhaseMetricsProcessor(reg, store_path=db, handoff_deadline_s=0.5, handoff_poll_s=0.02)
+    provider = TracerProvider(id_generator=make_id_generator())
+    provider.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
+    provider.add_span_processor(proc)
+    yield reg, provider.get_tracer("t"), proc, db
+    provider.shutdown()
+
+
+def A(mode="push", role="prefill", **kw):
+    d = {sc.ATTR_MODE: mode, sc.ATTR_ROLE: role}
+    d.update(kw)
+    return d
+
+
+def emit(tracer, name, trace_hex=TID, dur_s=0.001, end_ns=None, attrs=None):
+    end = end_ns or time.time_ns()
+    ctx = otel_trace.set_span_in_context(
+        NonRecordingSpan(SpanContext(int(trace_hex, 16), 0x1234, True, TraceFlags(1)))
+    )
+    a = {sc.ATTR_OUTCOME: "ok"}
+    a.update(attrs or {})
+    s = tracer.start_span(name, context=ctx, attributes=a, start_time=end - int(dur_s * 1e9))
+    s.end(end_time=end)
+
+
+def val(reg, name, **labels):
+    return reg.get_sample_value(name, labels)
+
+
+def series_count(reg) -> int:
+    return sum(len(mf.samples) for mf in reg.collect())
+
+
+# --------------------------------------------------------------- phases
+def test_phase_histogram_labels_and_value(env):
+    reg, tr, _, _ = env
+    emit(tr, "write.post", dur_s=0.003, attrs=A("push", "prefill"))
+    emit(tr, "write.post", dur_s=0.2, attrs=A("push", "prefill"))
+    emit(tr, "read.post", dur_s=0.004, attrs=A("pull", "decode"))
+    lab = dict(mode="push", role="prefill", phase="write.post", outcome="ok")
+    assert val(reg, "kvlens_phase_duration_seconds_count", **lab) == 2
+    assert val(reg, "kvlens_phase_duration_seconds_sum", **lab) == pytest.approx(0.203)
+    assert val(reg, "kvlens_phase_duration_seconds_bucket", le="0.005", **lab) == 1
+    assert val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="read.post",
+               outcome="ok") == 1
+
+
+def test_unknown_label_values_map_to_other(env):
+    reg, tr, _, _ = env
+    emit(tr, "mystery.phase", attrs={sc.ATTR_MODE: "sideways", sc.ATTR_ROLE: "janitor", sc.ATTR_OUTCOME: "meh"})
+    emit(tr, "match", attrs={sc.ATTR_MODE: ["not", "hashable"]})  # no role at all
+    assert val(reg, "kvlens_phase_duration_seconds_count", mode="_OTHER", role="_OTHER", phase="_OTHER",
+               outcome="_OTHER") == 1
+    assert val(reg, "kvlens_phase_duration_seconds_count", mode="_OTHER", role="_OTHER", phase="match",
+               outcome="ok") == 1
+
+
+def test_enum_members_as_attribute_values_are_accepted(env):
+    reg, tr, _, _ = env
+    emit(tr, sc.Phase.ALLOC.value, attrs={sc.ATTR_MODE: sc.Mode.PULL, sc.ATTR_ROLE: sc.Role.DECODE})
+    assert val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="alloc",
+               outcome="ok") == 1
+
+
+# ---------------------------------------------------------- router metrics
+def test_request_span_gives_ttft_and_request_counter(env):
+    reg, tr, _, _ = env
+    emit(tr, "request", attrs=A("push", "router", **{sc.ATTR_TTFT_S: 0.12, sc.ATTR_DISPATCH: "overlapped"}))
+    emit(tr, "request", "1" * 32, attrs=A("push", "router", **{sc.ATTR_OUTCOME: "failed",
+                                                               sc.ATTR_DISPATCH: "overlapped"}))
+    emit(tr, "request", "2" * 32, attrs=A("pull", "router", **{sc.ATTR_TTFT_S: 0.3, sc.ATTR_DISPATCH: "x"}))
+    assert val(reg, "kvlens_ttft_seconds_count", mode="push", dispatch="overlapped") == 1
+    assert val(reg, "kvlens_ttft_seconds_sum", mode="push", dispatch="overlapped") == pytest.approx(0.12)
+    assert val(reg, "kvlens_ttft_seconds_count", mode="pull", dispatch="_OTHER") == 1
+    assert val(reg, "kvlens_requests_total", mode="push", outcome="ok") == 1
+    assert val(reg, "kvlens_requests_total", mode="push", outcome="failed") == 1
+    assert val(reg, "kvlens_requests_total", mode="pull", outcome="ok") == 1
+
+
+# ------------------------------------------------------------- transfers
+def test_transfer_bytes_and_descriptors(env):
+    reg, tr, _, _ = env
+    emit(tr, "write.complete", attrs=A("push", "prefill", **{sc.ATTR_BYTES: 1 << 20, sc.ATTR_DESCRIPTORS: 48}))
+    emit(tr, "read.complete", attrs=A("pull", "decode", **{sc.ATTR_BYTES: 5000, sc.ATTR_DESCRIPTORS: 3}))
+    emit(tr, "read.complete", attrs=A("pull", "decode", **{sc.ATTR_BYTES: 0, sc.ATTR_DESCRIPTORS: "many"}))
+    assert val(reg, "kvlens_transfer_bytes_sum", mode="push", role="prefill") == 1 << 20
+    assert val(reg, "kvlens_transfer_descriptors_bucket", mode="push", role="prefill", le="64.0") == 1
+    assert val(reg, "kvlens_transfer_descriptors_bucket", mode="push", role="prefill", le="32.0") == 0
+    # 0 bytes (NIXL telemetry off) and non-numeric counts are not observed
+    assert val(reg, "kvlens_transfer_bytes_count", mode="pull", role="decode") == 1
+    assert val(reg, "kvlens_transfer_descriptors_count", mode="pull", role="decode") == 1
+
+
+# ---------------------------------------------------------- push gauges
+def test_push_waiting_gauges_follow_registration_and_match(env):
+    reg, tr, _, _ = env
+    g = lambda: (val(reg, "kvlens_push_registrations_waiting"), val(reg, "kvlens_push_prefills_waiting"))  # noqa: E731
+    emit(tr, "registration.receive", "a" * 32, attrs=A())  # D registered first
+    assert g() == (1, 0)
+    emit(tr, "prefill.finished", "a" * 32, attrs=A())
+    assert g() == (1, 1)
+    emit(tr, "match", "a" * 32, attrs=A(**{sc.ATTR_MATCH_FIRST: "registration"}))
+    assert g() == (0, 0)
+    emit(tr, "prefill.finished", "b" * 32, attrs=A())  # prefill first
+    emit(tr, "prefill.finished", "c" * 32, attrs=A())
+    emit(tr, "prefill.finished", "d" * 32, attrs=A(**{sc.ATTR_OUTCOME: "failed"}))  # nothing to send
+    assert g() == (0, 2)
+    emit(tr, "registration.receive", "b" * 32, attrs=A())
+    emit(tr, "match", "b" * 32, attrs=A(**{sc.ATTR_MATCH_FIRST: "prefill"}))
+    assert g() == (0, 1)
+    emit(tr, "write.complete", "c" * 32, attrs=A(**{sc.ATTR_OUTCOME: "expired"}))  # lease reaped
+    assert g() == (0, 0)
+    emit(tr, "prefill.finished", "e" * 32, attrs=A("pull"))  # pull never counts
+    assert g() == (0, 0)
+
+
+# ------------------------------------------------------------- handoff
+def test_handoff_read_from_store_when_request_ends(env):
+    reg, tr, proc, _ = env
+    t = time.time_ns()
+    emit(tr, "prefill.finished", end_ns=t, dur_s=0, attrs=A("push", "prefill"))
+    emit(tr, "kv.ready", end_ns=t + 7_000_000, dur_s=0, attrs=A("push", "decode"))
+    emit(tr, "request", end_ns=t + 9_000_000, attrs=A("push", "router", **{sc.ATTR_TTFT_S: 0.02}))
+    assert proc.force_flush(5000)
+    assert val(reg, "kvlens_handoff_seconds_count", mode="push") == 1
+    assert val(reg, "kvlens_handoff_seconds_sum", mode="push") == pytest.approx(0.007)
+    text = om_latest(reg).decode()
+    line = next(x for x in text.splitlines() if x.startswith('kvlens_handoff_seconds_bucket{le="0.01",mode="push"}'))
+    assert f'# {{trace_id="{TID}"}} 0.007' in line
+
+
+def test_handoff_waits_for_late_spans_and_gives_up_when_missing(env):
+    reg, tr, proc, _ = env
+    t = time.time_ns()
+    # router finishes first; P's and D's spans land in the store a bit later
+    emit(tr, "request", "a" * 32, end_ns=t, attrs=A("pull", "router"))
+    emit(tr, "request", "b" * 32, end_ns=t, attrs=A("pull", "router", **{sc.ATTR_OUTCOME: "failed"}))
+    proc.handoff.resolve_once()
+    assert proc.handoff.pending() == 2
+    emit(tr, "prefill.finished", "a" * 32, end_ns=t - 5_000_000, dur_s=0, attrs=A("pull", "prefill"))
+    emit(tr, "kv.ready", "a" * 32, end_ns=t - 1_000_000, dur_s=0, attrs=A("pull", "decode"))
+    emit(tr, "prefill.finished", "b" * 32, end_ns=t, dur_s=0, attrs=A("pull", "prefill"))  # D never ready
+    proc.force_flush(3000)
+    assert proc.handoff.pending() == 0
+    assert val(reg, "kvlens_handoff_seconds_count", mode="pull") == 1
+    assert val(reg, "kvlens_handoff_seconds_sum", mode="pull") == pytest.approx(0.004)
+    assert val(reg, "kvlens_handoff_unresolved_total", mode="pull", reason="missing") == 1
+
+
+def test_handoff_queue_is_bounded(tmp_path, reg):
+    proc = PhaseMetricsProcessor(reg, store_path=tmp_path / "none.db", handoff_max_pending=3,
+                                 handoff_deadline_s=0.1, handoff_poll_s=0.02)
+    provider = TracerProvider()
+    provider.add_span_processor(proc)
+    tr = provider.get_tracer("t")
+    for i in range(5):
+        emit(tr, "request", f"{i + 1:032x}", attrs=A("push", "router"))
+    assert proc.handoff.pending() == 3
+    assert val(reg, "kvlens_handoff_unresolved_total", mode="push", reason="overflow") == 2
+    proc.force_flush(2000)
+    assert val(reg, "kvlens_handoff_unresolved_total", mode="push", reason="no_store") == 3
+    provider.shutdown()
+
+
+def test_handoff_count_reconciles_with_store_through_recorders(tmp_path, reg):
+    """Router, P and D recorders (real trace ids from request ids) -> store + metrics:
+    per mode, handoff count == store traces with handoff_s; + unresolved == requests."""
+    db = tmp_path / "traces.db"
+    proc = PhaseMetricsProcessor(reg, store_path=db, handoff_deadline_s=1.0, handoff_poll_s=0.02)
+
+    def factory():
+        p = TracerProvider(id_generator=make_id_generator())
+        p.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
+        p.add_span_processor(proc)
+        return p
+
+    recs = {(role, mode): Recorder(role=role, mode=mode, pipeline_factory=factory)
+            for role in ("router", "prefill", "decode") for mode in ("push", "pull")}
+    expected = {"push": 0, "pull": 0}
+    for i in range(40):
+        mode = "push" if i % 2 else "pull"
+        tid = f"{i + 1:032x}"
+        t = time.time_ns()
+        recs["prefill", mode].record(sc.Phase.PREFILL_FINISHED, f"cmpl-{tid}-0-aaaaaaaa", t, t)
+        if i % 5:  # every fifth request never reaches kv.ready
+            recs["decode", mode].record(sc.Phase.KV_READY, f"cmpl-{tid}-0-bbbbbbbb", t + 2000, t + 2000 + i)
+            expected[mode] += 1
+        recs["router", mode].record(sc.Phase.REQUEST, tid, t - 1000, t + 10_000, "ok",
+                                    {"_trace_id": int(tid, 16), sc.ATTR_TTFT_S: 0.01})
+    for r in recs.values():
+        r.flush()
+    assert proc.force_flush(5000)
+    conn = connect(db, readonly=True)
+    for mode in ("push", "pull"):
+        n_store = conn.execute("SELECT count(*) FROM traces WHERE mode = ? AND handoff_s IS NOT NULL",
+                               (mode,)).fetchone()[0]
+        assert n_store == expected[mode]
+        assert val(reg, "kvlens_handoff_seconds_count", mode=mode) == n_store
+        assert (val(reg, "kvlens_handoff_seconds_count", mode=mode)
+                + val(reg, "kvlens_handoff_unresolved_total", mode=mode, reason="missing")
+                == val(reg, "kvlens_requests_total", mode=mode, outcome="ok") == 20)
+    conn.close()
+    for r in recs.values():
+        r._provider = None  # shared processor: shut down once below
+        r.close()
+    proc.shutdown()
+
+
+def test_handoff_from_decode_trigger(tmp_path, reg):
+    db = tmp_path / "traces.db"
+    proc = PhaseMetricsProcessor(reg, store_path=db, handoff_from="decode", handoff_poll_s=0.02)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
+    provider.add_span_processor(proc)
+    tr = provider.get_tracer("t")
+    t = time.time_ns()
+    emit(tr, "prefill.finished", end_ns=t, dur_s=0, attrs=A("push", "prefill"))
+    emit(tr, "kv.ready", end_ns=t + 3_000_000, dur_s=0, attrs=A("push", "decode"))
+    emit(tr, "request", end_ns=t + 4_000_000, attrs=A("push", "router"))  # not a trigger now
+    proc.force_flush(3000)
+    assert val(reg, "kvlens_handoff_seconds_count", mode="push") == 1
+    provider.shutdown()
+
+
+def test_bad_configuration_raises_at_construction(reg):
+    with pytest.raises(ValueError, match="handoff_from"):
+        PhaseMetricsProcessor(reg, handoff_from="somewhere")
+    with pytest.raises(ValueError, match="max_pending"):
+        PhaseMetricsProcessor(reg, handoff_max_pending=0)
+
+
+# ------------------------------------------------------- cardinality, safety
+def test_ten_thousand_request_ids_add_no_series(env):
+    reg, tr, proc, _ = env
+    proc._trigger = None  # no store traffic: this test is about label cardinality
+    for i in range(10):
+        emit(tr, "write.complete", f"{i + 1:032x}",
+             attrs=A(**{sc.ATTR_REQUEST_ID: f"cmpl-{i}", sc.ATTR_BYTES: 4096, sc.ATTR_DESCRIPTORS: 2}))
+    before = series_count(reg)
+    for i in range(10_000):
+        emit(tr, "write.complete", f"{i + 100:032x}",
+             attrs=A(**{sc.ATTR_REQUEST_ID: f"cmpl-{i}-0-deadbeef", sc.ATTR_BYTES: 4096 + i,
+                        sc.ATTR_DESCRIPTORS: 2}))
+    assert series_count(reg) == before
+    assert val(reg, "kvlens_phase_duration_seconds_count", mode="push", role="prefill", phase="write.complete",
+               outcome="ok") == 10_010
+    assert len(m._families_for(reg).children) < 20
+
+
+class _Garbage:
+    name = None
+    start_time = 5
+    end_time = 10
+    context = None
+    attributes = {sc.ATTR_MODE: object()}
+
+
+def test_processor_never_raises_on_garbage_spans(reg, caplog):
+    proc = PhaseMetricsProcessor(reg)
+    for bad in (None, object(), _Garbage(), 42, "span"):
+        proc.on_end(bad)
+    proc.on_start(None)
+    assert proc.force_flush(100)
+    proc.shutdown()
+
+
+def test_failing_dropped_source_leaves_metrics_working(env):
+    reg, tr, proc, _ = env
+
+    def boom():
+        raise RuntimeError("no")
+
+    m.set_dropped_source(boom)
+    try:
+        proc._next_drop_check = 0
+        emit(tr, "alloc", attrs=A("pull", "decode"))
+        assert val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="alloc",
+                   outcome="ok") == 1
+    finally:
+        m.set_dropped_source(None)
+
+
+def test_dropped_counter_tracks_recorder_drops(reg):
+    proc = PhaseMetricsProcessor(reg, handoff_from="off")
+    drops = {"prefill": 0}
+    m.set_dropped_source(lambda: dict(drops))
+    try:
+        drops["prefill"] = 3
+        proc.sync_dropped()
+        drops["prefill"] = 10
+        proc.sync_dropped()
+        proc.sync_dropped()
+        assert val(reg, "kvlens_telemetry_dropped_total", role="prefill") == 10
+    finally:
+        m.set_dropped_source(None)
+
+
+def test_default_dropped_source_reads_recorders(reg):
+    from instrumented_connector import recorder as rec
+
+    r = rec.get_recorder("decode", "pull", "dropper-test", {"kvlens_store": "off", "kvlens_metrics": "off",
+                                                             "kvlens_buffer_events": 1})
+    try:
+        before = m._recorder_drops().get("decode", 0)
+        r._thread = object()  # keep the buffer full: no drain thread
+        r.record(sc.Phase.ALLOC, "x", 1, 1)
+        r.record(sc.Phase.ALLOC, "y", 1, 1)
+        r.record(sc.Phase.ALLOC, "z", 1, 1)
+        assert m._recorder_drops()["decode"] == before + 2
+        proc = PhaseMetricsProcessor(reg, handoff_from="off")
+        proc.sync_dropped()
+        assert val(reg, "kvlens_telemetry_dropped_total", role="decode") >= 2
+    finally:
+        rec._recorders.pop(next(k for k, v in rec._recorders.items() if v is r), None)
+
+
+def test_two_processors_share_one_registry(reg):
+    a = PhaseMetricsProcessor(reg, handoff_from="off")
+    b = PhaseMetricsProcessor(reg, handoff_from="off")  # no "Duplicated timeseries"
+    assert a.fam is b.fam
+
+
+# ------------------------------------------------------------- exposition
+def test_exemplar_in_openmetrics_exposition(env):
+    reg, tr, _, _ = env
+    emit(tr, "descriptor.prep", dur_s=0.0002, attrs=A())
+    text = om_latest(reg).decode()
+    assert f'# {{trace_id="{TID}"}}' in text
+    assert text.rstrip().endswith("# EOF")
+
+
+def test_exemplars_off_in_multiprocess_mode(monkeypatch, reg):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/nonexistent")
+    assert PhaseMetricsProcessor(reg, handoff_from="off").exemplars is False
+
+
+def test_metrics_app_negotiates_openmetrics(env):
+    import asyncio
+
+    import httpx
+
+    reg, tr, _, _ = env
+    emit(tr, "handshake", dur_s=0.5, attrs=A("pull", "decode"))
+    app = metrics_app(reg)
+
+    async def get(accept):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.get("/", headers={"accept": accept})
+
+    om = asyncio.run(get("application/openmetrics-text; version=1.0.0"))
+    assert om.headers["content-type"].startswith("application/openmetrics-text")
+    assert f'trace_id="{TID}"' in om.text
+    plain = asyncio.run(get("text/plain"))
+    assert "kvlens_phase_duration_seconds_bucket" in plain.text and "trace_id" not in plain.text
