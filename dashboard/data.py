@@ -348,13 +348,13 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
         a = s["attributes"] or {}
         start, end = s["start_ns"], s["end_ns"]
         point = start == end or s["name"] in {p.value for p in sc.POINT_PHASES}
-        if pf is not None and kv is not None:
+        if pf is None or kv is None or s["name"] == sc.Phase.REQUEST.value:
+            critical = False  # the root span contains everything: not a phase of the handoff
+        else:
             if point:
                 critical = pf <= start <= kv
             else:
                 critical = min(end, kv) - max(start, pf) > 0
-        else:
-            critical = False
         row = {
             "phase": s["name"],
             "role": s["role"] or "?",
@@ -365,7 +365,7 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
             "point": bool(point),
             "critical": bool(critical),
             "outcome": s["outcome"],
-            "request_id": s["request_id"],
+            "request_id": a.get(sc.ATTR_REQUEST_ID),
             "attributes": json.dumps(a, sort_keys=True, default=str),
         }
         for k, v in a.items():
