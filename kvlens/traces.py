@@ -56,7 +56,7 @@ def waterfall(summary: dict, spans: list[dict], width: int = 60) -> str:
     if cp0 and cp1:
         for i in range(col(cp0), col(cp1) + 1):
             axis[i] = "~"
-    lines.append(f"  {'critical path':<28}[{''.join(axis)}]")
+    lines.append(f"  {'critical path':<30}[{''.join(axis)}]")
     name_w = 22
     for lane, role in LANES:
         lane_spans = sorted(
@@ -72,8 +72,8 @@ def waterfall(summary: dict, spans: list[dict], width: int = 60) -> str:
                 bar[i] = ch
             dur = (s["end_ns"] - s["start_ns"]) / 1e9
             flag = "" if s["outcome"] in (None, "ok") else f" !{s['outcome']}"
-            lines.append(f"  {lane:<5}{s['name'][:name_w]:<{name_w + 1}}[{''.join(bar)}] {_fmt_s(dur)}{flag}")
-    lines.append(f"  {'':<28} 0{'':>{width - 10}}{_fmt_s(span_ns / 1e9):>9}")
+            lines.append(f"  {lane:<7}{s['name'][:name_w]:<{name_w + 1}}[{''.join(bar)}] {_fmt_s(dur)}{flag}")
+    lines.append(f"  {'':<30} 0{'':>{width - 10}}{_fmt_s(span_ns / 1e9):>9}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,162 @@
+"""End-to-end: real vLLM P/D with the instrumented connector -> one trace per
+request with every phase of its mode, in causal order (issue: walking skeleton)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from exporters import store
+from instrumented_connector import semconv as sc
+
+pytestmark = pytest.mark.e2e
+
+N = 4
+
+
+def _send(url: str, n: int, *, max_tokens: int = 6, stream: bool = False) -> list[str]:
+    """n completions through the router; returns the trace ids (our X-Request-Id)."""
+    ids = []
+    with httpx.Client(timeout=180) as c:
+        for i in range(n):
+            tid = uuid.uuid4().hex
+            body = {"prompt": f"kvlens request {i} " + "tokens " * (40 + 30 * i), "max_tokens": max_tokens,
+                    "temperature": 0, "stream": stream}
+            r = c.post(url + "/v1/completions", json=body, headers={"X-Request-Id": tid})
+            assert r.status_code == 200, r.text
+            ids.append(tid)
+    return ids
+
+
+def _wait_traces(db, ids, phases, timeout=60.0):
+    """Spans arrive asynchronously from three processes: poll until complete."""
+    deadline = time.time() + timeout
+    while True:
+        conn = store.connect(db, readonly=True)
+        try:
+            rows = {r["trace_id"]: r for r in store.slowest(conn, 10_000, trace_ids=ids)}
+            spans = store.spans_for(conn, ids)
+        finally:
+            conn.close()
+        done = all(
+            t in rows and rows[t]["handoff_s"] is not None and rows[t]["ttft_s"] is not None
+            and {p.value for p in phases} <= {s["name"] for s in spans[t]}
+            for t in ids
+        )
+        if done or time.time() > deadline:
+            return rows, spans
+        time.sleep(0.5)
+
+
+def _one(spans, name, role=None):
+    found = [s for s in spans if s["name"] == name and (role is None or s["role"] == role)]
+    assert len(found) == 1, (name, [(s["name"], s["role"]) for s in spans])
+    return found[0]
+
+
+def _check_common(rows, spans, ids, mode, phases):
+    assert set(rows) == set(ids), "N requests -> N traces"
+    for tid in ids:
+        row, sp = rows[tid], spans[tid]
+        names = {s["name"] for s in sp}
+        missing = {p.value for p in phases} - names
+        assert not missing, f"{tid} lacks {missing}"
+        assert row["mode"] == mode and row["outcome"] == "ok", row
+        for s in sp:
+            assert s["end_ns"] >= s["start_ns"], s
+            assert s["trace_id"] == tid and s["mode"] == mode
+            assert s["outcome"] == "ok", s
+        pf, kv = _one(sp, "prefill.finished", "prefill"), _one(sp, "kv.ready", "decode")
+        assert row["handoff_s"] == pytest.approx((kv["end_ns"] - pf["end_ns"]) / 1e9)
+        assert row["handoff_s"] > 0
+        root = _one(sp, "request", "router")
+        assert root["parent_id"] is None
+        assert all(s["parent_id"] == root["span_id"] for s in sp if s is not root)
+        assert 0 < row["ttft_s"] <= (root["end_ns"] - root["start_ns"]) / 1e9 + 1e-6
+        assert root["start_ns"] <= pf["end_ns"] <= kv["end_ns"] <= root["end_ns"]
+
+
+def _check_push_order(sp):
+    pf = _one(sp, "prefill.finished")
+    rr = _one(sp, "registration.receive")
+    rs = _one(sp, "registration.send")
+    m = _one(sp, "match")
+    dp = _one(sp, "descriptor.prep")
+    wp, wc, kv = _one(sp, "write.post"), _one(sp, "write.complete"), _one(sp, "kv.ready")
+    assert _one(sp, "registration.stage")["end_ns"] <= rs["end_ns"] <= rr["end_ns"]
+    assert m["end_ns"] >= pf["end_ns"] and m["end_ns"] >= rr["end_ns"]
+    assert m["attributes"][sc.ATTR_MATCH_FIRST] in ("registration", "prefill")
+    assert m["end_ns"] <= dp["start_ns"] <= dp["end_ns"] == wp["start_ns"] <= wp["end_ns"]
+    # write.complete spans post -> DONE seen by P's engine loop. P may observe
+    # DONE after D got the completion notif, so only its start precedes kv.ready.
+    assert wc["start_ns"] == wp["end_ns"] and wp["end_ns"] <= kv["end_ns"]
+    assert wc["attributes"][sc.ATTR_BYTES] > 0 and wc["attributes"][sc.ATTR_DESCRIPTORS] > 0
+    assert wp["attributes"][sc.ATTR_BLOCKS] > 0
+    assert wp["role"] == wc["role"] == m["role"] == rr["role"] == "prefill"
+    assert rs["role"] == kv["role"] == "decode"
+
+
+def test_push_overlapped_every_phase_in_causal_order(push_stack):
+    ids = _send(push_stack.router_url, N)
+    phases = sc.PUSH_PHASES + (sc.Phase.REQUEST, sc.Phase.PREFILL)
+    rows, spans = _wait_traces(push_stack.store_path, ids, phases)
+    _check_common(rows, spans, ids, "push", phases)
+    for tid in ids:
+        _check_push_order(spans[tid])
+        assert rows[tid]["dispatch"] == "overlapped"
+
+
+def test_push_sequential_every_phase_in_causal_order(push_stack):
+    url = push_stack.sequential_router_url
+    ids = _send(url, N, stream=True)
+    phases = sc.PUSH_PHASES + (sc.Phase.REQUEST, sc.Phase.RELAY)
+    rows, spans = _wait_traces(push_stack.store_path, ids, phases)
+    _check_common(rows, spans, ids, "push", phases)
+    for tid in ids:
+        sp = spans[tid]
+        _check_push_order(sp)
+        relay = _one(sp, "relay")
+        # sequential: D is asked only after P answered, so D registers after prefill
+        assert _one(sp, "prefill.finished")["end_ns"] <= relay["end_ns"] <= _one(sp, "registration.stage")["end_ns"]
+        assert _one(sp, "match")["attributes"][sc.ATTR_MATCH_FIRST] == "prefill"
+        assert rows[tid]["dispatch"] == "sequential"
+
+
+def test_pull_every_phase_in_causal_order(pull_stack):
+    ids = _send(pull_stack.router_url, N)
+    phases = sc.PULL_PHASES + (sc.Phase.REQUEST, sc.Phase.RELAY, sc.Phase.PREFILL)
+    rows, spans = _wait_traces(pull_stack.store_path, ids, phases)
+    _check_common(rows, spans, ids, "pull", phases)
+    for tid in ids:
+        sp = spans[tid]
+        pf, relay, alloc = _one(sp, "prefill.finished"), _one(sp, "relay"), _one(sp, "alloc")
+        dp, rp, rc, kv = (_one(sp, n) for n in ("descriptor.prep", "read.post", "read.complete", "kv.ready"))
+        assert pf["end_ns"] <= relay["end_ns"] <= alloc["end_ns"] <= dp["start_ns"]
+        assert dp["end_ns"] == rp["start_ns"] <= rp["end_ns"] == rc["start_ns"] <= rc["end_ns"] <= kv["end_ns"]
+        assert rc["attributes"][sc.ATTR_BYTES] > 0 and rc["attributes"][sc.ATTR_DESCRIPTORS] > 0
+        assert {alloc["role"], dp["role"], rp["role"], rc["role"], kv["role"]} == {"decode"}
+    # the first request to a new P waits for the NIXL handshake: recorded once
+    hs = [s for t in ids for s in spans[t] if s["name"] == "handshake"]
+    assert len(hs) <= 1
+
+
+def test_traces_cli_json_matches_the_store(pull_stack, capsys):
+    from kvlens.cli import main
+
+    assert main(["traces", "--store", str(pull_stack.store_path), "--mode", "pull", "--slowest", "2", "--json"]) == 0
+    import json
+
+    lines = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert 1 <= len(lines) <= 2
+    for rec in lines:
+        assert rec["mode"] == "pull" and rec["handoff_s"] > 0
+        assert {s["name"] for s in rec["spans"]} >= {p.value for p in sc.PULL_PHASES}
+        for s in rec["spans"]:
+            assert set(s) >= {"name", "role", "start_ns", "end_ns", "attributes"}
+    assert lines == sorted(lines, key=lambda r: -r["handoff_s"])
+    assert main(["traces", "--store", str(pull_stack.store_path), "--slowest", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "critical path" in out and "kv.ready" in out
