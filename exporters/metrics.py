@@ -217,19 +217,22 @@ class _Families:
             "Telemetry events dropped by the kvlens recorder (buffer full).", ("role",), registry=r,
         )
         self.lock = threading.Lock()
-        self.children: dict[tuple, Any] = {}
+        self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child
         self.drop_seen: dict[Any, int] = {}
 
     def child(self, metric, key: tuple):
         """Cached labelled child of ``metric`` for the closed label tuple ``key``."""
-        k = (id(metric),) + key
-        c = self.children.get(k)
+        cache = self.children.get(metric)
+        if cache is None:
+            with self.lock:
+                cache = self.children.setdefault(metric, {})
+        c = cache.get(key)
         if c is None:
             with self.lock:
-                c = self.children.get(k)
+                c = cache.get(key)
                 if c is None:
                     c = metric.labels(*key)
-                    self.children[k] = c
+                    cache[key] = c
         return c
 
 
@@ -383,12 +386,14 @@ class _HandoffResolver:
         resolved, expired = [], []
         with self._lock:
             for tid, (mode, deadline) in items:
+                # pop() decides: a concurrent pass (thread vs force_flush) may
+                # have taken this id already, and each id counts exactly once.
                 if tid in found:
-                    self._pending.pop(tid, None)
-                    resolved.append((tid, mode, found[tid]))
+                    if self._pending.pop(tid, None) is not None:
+                        resolved.append((tid, mode, found[tid]))
                 elif expire and now >= deadline:
-                    self._pending.pop(tid, None)
-                    expired.append(mode)
+                    if self._pending.pop(tid, None) is not None:
+                        expired.append(mode)
         fam = self.fam
         for tid, mode, h in resolved:
             child = fam.child(fam.handoff, (mode,))

@@ -100,7 +100,7 @@ def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Map
             except ImportError:
                 PhaseMetricsProcessor = None  # metrics module optional
             if PhaseMetricsProcessor is not None:
-                provider.add_span_processor(PhaseMetricsProcessor())
+                provider.add_span_processor(PhaseMetricsProcessor(store_path=store_file(cfg)))
         return provider
 
     return build

@@ -34,7 +34,7 @@ DEFAULT_BINARY = "/usr/bin/prometheus"
 DEFAULT_JOBS = ("kvlens-router", "vllm-prefill", "vllm-decode")
 RULES_FILE = "recording_rules.yml"
 _JOB_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
-_DURATION_RE = re.compile(r"^[0-9]+(ms|s|m|h)$")
+_DURATION_RE = re.compile(r"^[0-9]+(ms|s|m|h|d|w|y)$")
 _INSTALL_HINT = "install Debian package prometheus: apt-get install prometheus (make setup does it)"
 
 

@@ -3,6 +3,7 @@ bounded cardinality, exemplars, and a processor that never raises."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -278,7 +279,7 @@ def test_ten_thousand_request_ids_add_no_series(reg):
     assert series_count(reg) == before
     assert val(reg, "kvlens_phase_duration_seconds_count", mode="push", role="prefill", phase="write.complete",
                outcome="ok") == 10_010
-    assert len(m._families_for(reg).children) < 20
+    assert sum(len(c) for c in m._families_for(reg).children.values()) < 20
 
 
 class _Garbage:
@@ -387,3 +388,40 @@ def test_metrics_app_negotiates_openmetrics(env):
     assert f'trace_id="{TID}"' in om.text
     plain = asyncio.run(get("text/plain"))
     assert "kvlens_phase_duration_seconds_bucket" in plain.text and "trace_id" not in plain.text
+
+
+def test_multiprocess_mode_like_vllm(tmp_path):
+    """With PROMETHEUS_MULTIPROC_DIR set (as vLLM does), a worker process's
+    metrics on the default REGISTRY reach a MultiProcessCollector in another
+    process; gauges sum across processes (livesum); no exemplars."""
+    import subprocess
+    import sys
+    import textwrap
+
+    mp = tmp_path / "mp"
+    mp.mkdir()
+    worker = textwrap.dedent(f"""
+        import time
+        from opentelemetry.sdk.trace import TracerProvider
+        from exporters.metrics import PhaseMetricsProcessor
+        p = TracerProvider(); proc = PhaseMetricsProcessor(handoff_from="off"); p.add_span_processor(proc)
+        assert proc.exemplars is False
+        t = p.get_tracer("w")
+        attrs = {{"kvlens.mode": "push", "kvlens.role": "prefill", "kvlens.outcome": "ok"}}
+        for name in ("write.post", "prefill.finished", "registration.receive"):
+            t.start_span(name, attributes=attrs, start_time=1_000_000).end(end_time=3_000_000)
+    """)
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(mp))
+    for _ in range(2):  # two worker processes of one instance
+        subprocess.run([sys.executable, "-c", worker], env=env, check=True, timeout=60)
+    server = textwrap.dedent("""
+        from prometheus_client import CollectorRegistry, multiprocess, generate_latest
+        r = CollectorRegistry(); multiprocess.MultiProcessCollector(r)
+        print(generate_latest(r).decode())
+    """)
+    out = subprocess.run([sys.executable, "-c", server], env=env, check=True, timeout=60,
+                         capture_output=True, text=True).stdout
+    assert ('kvlens_phase_duration_seconds_count{mode="push",outcome="ok",phase="write.post",role="prefill"} 2.0'
+            in out)
+    assert "kvlens_push_prefills_waiting 2.0" in out  # livesum; dead workers kept: not marked dead
+    assert "trace_id" not in out
