@@ -17,8 +17,6 @@ Per request:
 * D's answer is streamed back; client-visible TTFT is measured here.
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import contextlib
@@ -30,11 +28,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-
 from kvlens import home as kvhome
+
+# httpx / fastapi are imported inside functions: ``kvlens --help`` imports
+# this module to build its parser and must stay fast.
 
 logger = logging.getLogger("kvlens.proxy")
 
@@ -238,7 +235,9 @@ class Upstream(Exception):
         super().__init__(message)
         self.who, self.status, self.message, self.outcome = who, status, message, outcome
 
-    def response(self, tid: str) -> JSONResponse:
+    def response(self, tid: str):
+        from fastapi.responses import JSONResponse
+
         return JSONResponse(
             {
                 "error": {
@@ -255,12 +254,14 @@ class Upstream(Exception):
 
 
 def _from_http_error(who: str, url: str, e: Exception) -> Upstream:
+    import httpx
+
     if isinstance(e, httpx.TimeoutException):
         return Upstream(who, 504, f"{who} instance at {url} timed out ({type(e).__name__})", "timeout")
     return Upstream(who, 502, f"{who} instance at {url} unreachable: {type(e).__name__}: {e}")
 
 
-async def _upstream_status_error(who: str, resp: httpx.Response) -> Upstream:
+async def _upstream_status_error(who: str, resp) -> Upstream:
     try:
         body = (await resp.aread()).decode("utf-8", "replace")
     except Exception:
@@ -275,7 +276,11 @@ async def _upstream_status_error(who: str, resp: httpx.Response) -> Upstream:
 
 
 # -------------------------------------------------------------------- app
-def create_app(config: ProxyConfig) -> FastAPI:
+def create_app(config: ProxyConfig):
+    import httpx
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+
     cfg = config
     state: dict[str, Any] = {}
 
@@ -297,6 +302,14 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="kvlens proxy", lifespan=lifespan)
     app.state.kvlens_config = cfg
+    try:
+        from exporters.metrics import metrics_app
+
+        # The router's span-derived metrics (TTFT, handoff with trace-id
+        # exemplars, requests by outcome) for the Prometheus users already run.
+        app.mount("/metrics", metrics_app())
+    except Exception:
+        logger.warning("kvlens proxy: /metrics unavailable", exc_info=True)
 
     def client() -> httpx.AsyncClient:
         return state["client"]
@@ -323,7 +336,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         ok = p == "ok" and d == "ok"
         return JSONResponse(
             {"status": "ok" if ok else "unhealthy", "prefill": p, "decode": d,
-             "mode": cfg.mode, "dispatch": cfg.dispatch},
+             "mode": cfg.mode, "dispatch": cfg.dispatch if cfg.mode == "push" else "sequential"},
             status_code=200 if ok else 503,
         )
 
@@ -420,6 +433,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
                 except BaseException:
                     p_task.cancel()
                     raise
+                if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
+                    # both finished in the same tick: P's failure still wins
+                    await d_resp.aclose()
+                    raise p_task.exception()
                 if not stream:
                     # non-streaming D answers only at the end: P is long done
                     await _settle(p_task)
@@ -574,6 +591,7 @@ def run(args: argparse.Namespace) -> int:
         telemetry=not args.no_telemetry,
         kvlens_home=str(kvhome.home()),
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     app = create_app(cfg)
     logger.info("kvlens proxy %s/%s on %s:%d -> P %s, D %s", cfg.mode, cfg.dispatch,
                 args.host, args.port, cfg.prefill_url, cfg.decode_url)

@@ -249,8 +249,9 @@ class Stack:
         self.stop()
 
     def _say(self, msg: str) -> None:
-        logger.info(msg)
-        if not self.quiet:
+        if self.quiet:
+            logger.info(msg)
+        else:
             print(f"[kvlens up] {msg}", flush=True)
 
     def preflight(self) -> None:
@@ -258,7 +259,7 @@ class Stack:
         if self.model is None:
             from kvlens.model import ensure_model
 
-            self.model = ensure_model(kvhome.model_dir())
+            self.model = ensure_model(Path(self.kvlens_home) / "model")
         self.model = check_model(Path(self.model))
         used: set[int] = set()
         named = {
@@ -405,6 +406,8 @@ class Stack:
     # ----------------------------------------------------------- internal
     def _wait(self, children: list[Child], deadline: float) -> None:
         import httpx
+
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
 
         pending = list(children)
         last_note = 0.0

@@ -1,0 +1,106 @@
+"""Shared fixtures: one real P/D stack per (mode, connector) for the whole
+session, and at most one alive at a time (2 cores, 24 GiB: two pairs at once
+starve each other). Asking for a different stack stops the current one, so
+keep tests that use the same stack in the same module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+class StackManager:
+    """Starts stacks on demand and keeps only the last one alive."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.current_key: tuple | None = None
+        self.current = None
+        self.failed: dict[tuple, str] = {}
+
+    def get(self, mode: str, stock: bool = False, dispatch: str = "overlapped"):
+        from kvlens.up import Stack, StackError
+
+        key = (mode, stock, dispatch)
+        if key in self.failed:
+            pytest.fail(f"stack {key} failed to start earlier: {self.failed[key]}")
+        if self.current_key == key and self.current is not None:
+            dead = self.current.dead_child()
+            if dead is None:
+                return self.current
+        self.stop()
+        stack = Stack(
+            mode=mode,
+            dispatch=dispatch,
+            model=self.model(),
+            port=0,
+            stock=stock,
+            kvlens_home=self.home,
+            log_dir=self.home / "runs" / f"{mode}-{'stock' if stock else 'instr'}-{dispatch}",
+            quiet=True,
+        )
+        try:
+            stack.start(timeout=float(os.environ.get("KVLENS_TEST_STACK_TIMEOUT", "420")))
+        except StackError as e:
+            self.failed[key] = str(e)
+            pytest.fail(f"could not start {key} stack: {e}")
+        self.current_key, self.current = key, stack
+        return stack
+
+    def model(self) -> Path:
+        from kvlens.model import ensure_model
+
+        return ensure_model(self.home / "model")
+
+    def stop(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+        self.current, self.current_key = None, None
+
+
+@pytest.fixture(scope="session")
+def kvlens_home(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("kvlens_home")
+    os.environ["KVLENS_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_model(kvlens_home) -> Path:
+    from kvlens.model import ensure_model
+
+    return ensure_model(kvlens_home / "model")
+
+
+@pytest.fixture(scope="session")
+def stack_factory(kvlens_home, tiny_model):
+    mgr = StackManager(kvlens_home)
+    yield mgr
+    mgr.stop()
+
+
+@pytest.fixture
+def push_stack(stack_factory):
+    """Instrumented push pair, overlapped router."""
+    return stack_factory.get("push")
+
+
+@pytest.fixture
+def pull_stack(stack_factory):
+    """Instrumented pull pair."""
+    return stack_factory.get("pull")
+
+
+@pytest.fixture
+def stock_push_stack(stack_factory):
+    """vLLM's own NixlPushConnector (baseline / greedy-equality tests)."""
+    return stack_factory.get("push", stock=True)
+
+
+@pytest.fixture
+def stock_pull_stack(stack_factory):
+    """vLLM's own NixlConnector (baseline / greedy-equality tests)."""
+    return stack_factory.get("pull", stock=True)

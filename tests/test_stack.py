@@ -1,0 +1,280 @@
+"""``kvlens up`` / ``kvlens proxy`` on a real vLLM P/D pair (CPU build).
+
+Order matters: the stack tests are grouped by stack (push, then pull) so the
+session starts each pair once; only one pair is alive at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvlens import proxy
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Hello world, the cache is fast and the river is blue. Once upon a time"
+
+
+def _cli(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvlens.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+# ------------------------------------------------------------- unit: ids
+def test_trace_id_from_traceparent_wins():
+    tid, parent = proxy.trace_ids(
+        {
+            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            "x-request-id": "f" * 32,
+        }
+    )
+    assert tid == "0af7651916cd43dd8448eb211c80319c"
+    assert parent == 0xB7AD6B7169203331
+
+
+def test_trace_id_from_hex_request_id_then_fresh():
+    assert proxy.trace_ids({"x-request-id": "ab" * 16}) == ("ab" * 16, None)
+    tid, parent = proxy.trace_ids({"x-request-id": "not-a-trace-id"})
+    assert len(tid) == 32 and int(tid, 16) and parent is None
+    bad = proxy.trace_ids({"traceparent": "00-" + "0" * 32 + "-b7ad6b7169203331-01"})
+    assert bad[0] != "0" * 32
+
+
+def test_prefill_body_and_overlapped_params():
+    body = {"prompt": "x", "max_tokens": 50, "stream": True, "min_tokens": 3,
+            "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
+    p = proxy.prefill_body(body)
+    assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["stream"] is False
+    assert "min_tokens" not in p and "stream_options" not in p
+    assert p["kv_transfer_params"]["do_remote_decode"] is True
+    assert body["max_tokens"] == 50  # not mutated
+    cfg = proxy.ProxyConfig("http://p", "http://d", prefill_side_port=5600, kvlens_home="/tmp")
+    d = proxy.overlapped_d_params(cfg, "/v1/completions", "ab" * 16)
+    assert d["do_remote_prefill"] is True and d["remote_engine_id"] == "p0"
+    assert d["remote_port"] == 5600 and d["tp_size"] == 1
+    assert d["remote_request_id"] == f"cmpl-{'ab' * 16}-0"
+    assert proxy.overlapped_d_params(cfg, "/v1/chat/completions", "ab" * 16)["remote_request_id"] == (
+        f"chatcmpl-{'ab' * 16}"
+    )
+
+
+def test_sse_watcher_finds_first_text():
+    w = proxy._SSEWatcher()
+    role_only = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    assert not w.feed(role_only)
+    assert not w.feed(b'data: {"choices":[{"delta":{"cont')
+    assert w.feed(b'ent":"hi"}}]}\n\n')
+
+
+# ------------------------------------------------------------ fail fast
+def test_up_bad_model_path_fails_fast(tmp_path):
+    missing = tmp_path / "no-such-model"
+    t0 = time.monotonic()
+    r = _cli("up", "--mode", "push", "--model", str(missing), "--port", "0")
+    assert r.returncode != 0
+    assert str(missing) in r.stderr
+    assert time.monotonic() - t0 < 60
+
+
+def test_up_model_without_config_fails_fast(tmp_path):
+    r = _cli("up", "--mode", "pull", "--model", str(tmp_path), "--port", "0")
+    assert r.returncode != 0
+    assert "config.json" in r.stderr and str(tmp_path) in r.stderr
+
+
+def test_up_busy_port_fails_fast(tiny_model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = _cli("up", "--mode", "push", "--model", str(tiny_model), "--port", str(port))
+    assert r.returncode != 0
+    assert f"{port} is already in use" in r.stderr
+
+
+# ------------------------------------------------------------ e2e helpers
+def _complete(url: str, stream: bool, chat: bool = False, max_tokens: int = 6, **extra) -> tuple[int, str]:
+    if chat:
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
+                "temperature": 0, "stream": stream, **extra}
+        path = "/v1/chat/completions"
+    else:
+        body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **extra}
+        path = "/v1/completions"
+    with httpx.Client(timeout=180, trust_env=False) as c:
+        if not stream:
+            r = c.post(url + path, json=body)
+            if r.status_code != 200:
+                return r.status_code, r.text
+            ch = r.json()["choices"][0]
+            return 200, ch["message"]["content"] if chat else ch["text"]
+        text = []
+        with c.stream("POST", url + path, json=body) as r:
+            if r.status_code != 200:
+                return r.status_code, r.read().decode()
+            for line in r.iter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                ev = json.loads(line[5:])
+                assert "error" not in ev, ev
+                ch = ev["choices"][0] if ev.get("choices") else {}
+                text.append((ch.get("delta") or {}).get("content") or "" if chat else ch.get("text") or "")
+        return 200, "".join(text)
+
+
+def _local(url: str, max_tokens: int = 6) -> str:
+    """Greedy output computed on one instance alone (no KV handoff)."""
+    with httpx.Client(timeout=180, trust_env=False) as c:
+        r = c.post(url + "/v1/completions",
+                   json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+
+def _check_stack(stack) -> None:
+    manifest = json.loads((Path(stack.log_dir) / "stack.json").read_text())
+    assert manifest["router_url"] == stack.router_url
+    assert manifest["mode"] == stack.mode
+    r = httpx.get(stack.router_url + "/health", timeout=10, trust_env=False)
+    assert r.status_code == 200 and r.json()["prefill"] == "ok" and r.json()["decode"] == "ok"
+    r = httpx.get(stack.router_url + "/v1/models", timeout=10, trust_env=False)
+    assert r.status_code == 200 and r.json()["data"]
+
+
+# ------------------------------------------------------------ e2e: push
+@pytest.mark.e2e
+def test_push_stack_up(push_stack):
+    _check_stack(push_stack)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_push_overlapped_completions(push_stack, stream):
+    status, text = _complete(push_stack.router_url, stream)
+    assert status == 200, text
+    assert text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_push_chat_completions(push_stack, stream):
+    status, text = _complete(push_stack.router_url, stream, chat=True)
+    assert status == 200, text
+    assert text
+
+
+@pytest.mark.e2e
+def test_push_greedy_matches_single_instance(push_stack):
+    status, text = _complete(push_stack.router_url, False)
+    assert status == 200, text
+    assert text == _local(push_stack.prefill_url)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_push_sequential_completions(push_stack, stream):
+    url = getattr(push_stack, "_seq_router", None) or push_stack.add_router("sequential")
+    push_stack._seq_router = url
+    status, text = _complete(url, stream)
+    assert status == 200, text
+    assert text
+
+
+@pytest.mark.e2e
+def test_push_upstream_error_is_json_and_fast(push_stack):
+    t0 = time.monotonic()
+    with httpx.Client(timeout=60, trust_env=False) as c:
+        r = c.post(push_stack.router_url + "/v1/completions",
+                   json={"prompt": "hi", "max_tokens": 4, "temperature": -1})
+    assert time.monotonic() - t0 < 30
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["upstream"] in ("prefill", "decode") and err["upstream_status"] == 400
+
+
+# ------------------------------------------------------------ e2e: pull
+@pytest.mark.e2e
+def test_pull_stack_up(pull_stack):
+    _check_stack(pull_stack)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_pull_completions(pull_stack, stream):
+    status, text = _complete(pull_stack.router_url, stream)
+    assert status == 200, text
+    assert text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_pull_chat_completions(pull_stack, stream):
+    status, text = _complete(pull_stack.router_url, stream, chat=True)
+    assert status == 200, text
+    assert text
+
+
+@pytest.mark.e2e
+def test_pull_greedy_matches_single_instance(pull_stack):
+    status, text = _complete(pull_stack.router_url, False)
+    assert status == 200, text
+    assert text == _local(pull_stack.prefill_url)
+
+
+# ------------------------------------------------------- e2e: shutdown
+@pytest.mark.e2e
+def test_sigterm_leaves_no_children(stack_factory, tiny_model, tmp_path):
+    """SIGTERM to ``kvlens up`` once vLLM has spawned its engine processes:
+    every process of the tree is gone afterwards."""
+    import psutil
+
+    stack_factory.stop()  # one pair at a time
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvlens.cli", "up", "--mode", "push", "--stock",
+         "--model", str(tiny_model), "--port", "0", "--log-dir", str(tmp_path / "logs")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    seen: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            try:
+                kids = psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                break
+            for k in kids:
+                seen.setdefault(k.pid, k)
+            names = []
+            for k in kids:
+                try:
+                    names.append(k.name())
+                except psutil.Error:
+                    pass
+            if sum("EngineCore" in n for n in names) >= 2:
+                break
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            time.sleep(1)
+        assert len(seen) >= 4, "vLLM never spawned its processes"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    gone, alive = psutil.wait_procs(list(seen.values()), timeout=10)
+    assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], alive
