@@ -57,9 +57,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 # ------------------------------------------------------------------ cached loaders
-def _now_bucket() -> int:
-    """Current time rounded to the cache TTL, so windowed loads share a cache entry."""
-    return int(time.time() // CACHE_TTL_S) * CACHE_TTL_S
+def _now_bucket(range_key: str | None = None) -> int:
+    """Current time rounded down to a step, so windowed loads share a cache
+    entry. Wide ranges (a whole store can be 100k+ traces, ~1 s to load)
+    refresh less often than the live ones."""
+    secs = D.TIME_RANGES.get(range_key) if range_key else 0
+    step = CACHE_TTL_S if secs is not None and secs <= 3600 else 30 if secs and secs <= 86400 else 60
+    return int(time.time() // step) * step
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -67,13 +71,13 @@ def load_info(path: str, _bucket: int) -> dict[str, Any]:
     return D.store_info(path)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@st.cache_data(ttl=60, max_entries=16, show_spinner=False)
 def load_window(path: str, range_key: str, now_s: int) -> pd.DataFrame:
     since, until = D.since_until(range_key, now_s)
     return D.window_traces(path, since, until)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+@st.cache_data(ttl=60, max_entries=16, show_spinner=False)
 def load_phases(path: str, range_key: str, now_s: int) -> pd.DataFrame:
     since, until = D.since_until(range_key, now_s)
     return D.phase_breakdown(path, since, until)
@@ -152,34 +156,40 @@ def handoff_hist_chart(h: pd.DataFrame, mode: str, x_max: float | None) -> alt.C
     x_scale = alt.Scale(domain=[0, x_max * 1e3]) if x_max else alt.Undefined
     return (
         alt.Chart(d, title="handoff distribution (click a bar: its traces)")
-        .mark_bar(color="#4c78a8" if mode == "push" else "#f58518", cursor="pointer")
+        .mark_bar(color="#4c78a8" if mode == "push" else "#f58518", cursor="pointer", stroke="white",
+                  strokeWidth=0.5)
         .encode(
             x=alt.X("lo_ms:Q", title="handoff (ms)", scale=x_scale),
             x2="hi_ms:Q",
             y=alt.Y("count:Q", title="requests"),
+            y2=alt.datum(0),
             href="link:N",
             tooltip=[alt.Tooltip("lo_ms:Q", title="from ms", format=".2f"),
                      alt.Tooltip("hi_ms:Q", title="to ms", format=".2f"), alt.Tooltip("count:Q")],
         )
-        .properties(height=170)
+        .properties(height=230)
     )
 
 
-def phase_chart(ph: pd.DataFrame, mode: str, x_max: float | None) -> alt.Chart:
-    d = ph[ph["mode"] == mode].assign(ms=lambda x: x["seconds"] * 1e3)
+def phase_chart(ph: pd.DataFrame, mode: str, path: str, x_max: float | None, title: str) -> alt.Chart:
+    """One stacked bar: mean ms per request of each phase on ``path``."""
+    d = ph[(ph["mode"] == mode) & (ph["path"] == path)].assign(ms=lambda x: x["seconds"] * 1e3, bar=mode)
+    present = sorted(set(d["phase"]), key=D.phase_rank)
     x_scale = alt.Scale(domain=[0, x_max * 1e3]) if x_max else alt.Undefined
     return (
-        alt.Chart(d, title="mean per request, by phase")
+        alt.Chart(d, title=title)
         .mark_bar()
         .encode(
-            y=alt.Y("path:N", title=None, sort=[D.CRITICAL, D.OVERLAP],
-                    scale=alt.Scale(domain=[D.CRITICAL, D.OVERLAP])),
-            x=alt.X("sum(ms):Q", title="ms per request", stack="zero", scale=x_scale),
-            color=alt.Color("phase:N", scale=phase_color_scale(), legend=alt.Legend(title="phase", columns=2)),
+            y=alt.Y("bar:N", title=None, axis=None),
+            x=alt.X("sum(ms):Q", title="ms per request (mean)", stack="zero", scale=x_scale),
+            color=alt.Color("phase:N", scale=phase_color_scale(),
+                            legend=alt.Legend(title=None, orient="bottom", columns=4, values=present)),
             order=alt.Order("rank:Q"),
-            tooltip=["phase:N", "role:N", "path:N", alt.Tooltip("ms:Q", title="ms / request", format=".3f")],
+            tooltip=["phase:N", "role:N", alt.Tooltip("ms:Q", title="ms / request", format=".3f"),
+                     alt.Tooltip("requests:Q", title="over requests")],
         )
-        .properties(height=120)
+        # fit-x: the width follows the column, the height is the plot's own (legend below it)
+        .properties(height=40, autosize=alt.AutoSizeParams(type="fit-x", contains="padding"))
     )
 
 
@@ -267,7 +277,7 @@ def overview_body(cfg: Config, pages: dict[str, Any], range_key: str) -> None:
         info = store_banner(cfg)
         if info is None:
             return
-        now = _now_bucket()
+        now = _now_bucket(range_key)
         ok, df = guarded(cfg, lambda: load_window(cfg.store, range_key, now))
         if not ok:
             return
@@ -287,8 +297,9 @@ def overview_body(cfg: Config, pages: dict[str, Any], range_key: str) -> None:
     st.caption(f"Source: {source}. Updated {datetime.now().strftime('%H:%M:%S')}. "
                "Handoff = prefill.finished (P) → kv.ready (D).")
 
-    tot = phases.groupby(["mode", "path"])["seconds"].sum() if len(phases) else pd.Series(dtype=float)
-    ph_max = float(tot.max()) if len(tot) else None
+    crit = phases[phases["path"] == D.CRITICAL] if len(phases) else phases
+    tot = crit.groupby("mode")["seconds"].sum() if len(crit) else pd.Series(dtype=float)
+    ph_max = float(tot.max()) if len(tot) else None  # one x scale: push and pull bars compare
     h_max = float(hist["hi"].max()) if len(hist) else None
     cols = st.columns(2, gap="large")
     for col, mode in zip(cols, D.MODES):
@@ -312,24 +323,33 @@ def mode_column(pages, mode: str, s: D.ModeStats, phases: pd.DataFrame, hist: pd
         b.metric("TTFT p99 (client)", fmt_s(s.ttft.get("p99")))
         c.metric("TPOT mean", fmt_s(s.tpot_mean), help="Not recorded per request; see Compare for bench TPOT.")
         a, b, c = st.columns(3)
-        a.metric("request rate", fmt_n(s.req_per_s, 2) + " req/s" if s.req_per_s is not None else "n/a")
+        a.metric("requests / s", f"{s.req_per_s:.3g}" if s.req_per_s is not None else "n/a")
         a.caption(f"{fmt_n(s.requests)} requests")
         bad = {k: v for k, v in s.outcomes.items() if k != sc.Outcome.OK.value}
         b.metric("ok", fmt_n(s.outcomes.get(sc.Outcome.OK.value)))
         b.caption(" · ".join(f"{k} {fmt_n(v)}" for k, v in bad.items()))
         c.metric("dropped telemetry", fmt_n(s.dropped) if s.dropped is not None else "n/a",
-                 help="kvlens_telemetry_dropped_total (needs --prometheus)")
+                 help="Spans dropped by kvlens in this range, all processes "
+                      "(increase of kvlens_telemetry_dropped_total; needs --prometheus)")
         links = st.columns(3)
         for lc, (name, v) in zip(links, s.handoff.items()):
             if v is not None:
                 lc.page_link(pages["traces"], label=f"≥ {name} traces", icon=":material/search:",
                              query_params={"mode": mode, "min_handoff": f"{v:.6g}"})
         if hist is not None and len(hist[hist["mode"] == mode]):
-            st.altair_chart(handoff_hist_chart(hist, mode, h_max), use_container_width=True)
-        if phases is not None and len(phases[phases["mode"] == mode]):
-            st.altair_chart(phase_chart(phases, mode, ph_max), use_container_width=True)
-        elif phases is not None:
+            st.altair_chart(handoff_hist_chart(hist, mode, h_max), width="stretch")
+        mine = phases[phases["mode"] == mode] if phases is not None and len(phases) else pd.DataFrame()
+        if not len(mine):
             st.caption("No completed handoffs with phase spans in this range.")
+            return
+        if (mine["path"] == D.CRITICAL).any():
+            st.altair_chart(phase_chart(phases, mode, D.CRITICAL, ph_max,
+                                        "critical path by phase (prefill.finished → kv.ready)"), width="stretch")
+        if (mine["path"] == D.OVERLAP).any():
+            st.altair_chart(phase_chart(phases, mode, D.OVERLAP, None,
+                                        "overlapped with prefill (off the critical path)"), width="stretch")
+        else:
+            st.caption("Nothing overlaps prefill: every phase starts after prefill.finished.")
 
 
 def compare_page(cfg: Config, pages: dict[str, Any]) -> None:
@@ -347,39 +367,19 @@ def compare_page(cfg: Config, pages: dict[str, Any]) -> None:
         run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="cmp_run")
         ok, df = guarded(cfg, lambda: load_bench(cfg.store, run_id))
         if ok and len(df):
-            st.dataframe(
-                df, hide_index=True, use_container_width=True,
-                column_config={
-                    **{c: st.column_config.NumberColumn(c, format="%.4f") for c in df.columns if c.endswith("_s")},
-                    **{c: st.column_config.NumberColumn(c, format="%.2f×") for c in df.columns if "÷" in c},
-                },
-            )
-            st.caption("Ratio columns: push ÷ pull for the same input length, output length and QPS (< 1: push is faster).")
-            long = df.melt(id_vars=["mode", "dispatch", "input_len", "qps"],
-                           value_vars=["handoff_p50_s", "handoff_p99_s"], var_name="stat", value_name="s").dropna()
-            long["ms"] = long["s"] * 1e3
-            long["series"] = long["mode"] + long["dispatch"].fillna("").map(lambda d: f" ({d})" if d else "")
-            long["stat"] = long["stat"].str.replace("handoff_", "").str.replace("_s", "")
-            chart = (
-                alt.Chart(long, title="handoff vs QPS")
-                .mark_line(point=True)
-                .encode(
-                    x=alt.X("qps:Q", title="QPS"),
-                    y=alt.Y("ms:Q", title="handoff (ms)"),
-                    color=alt.Color("series:N", title="mode"),
-                    strokeDash=alt.StrokeDash("stat:N", title="percentile"),
-                    column=alt.Column("input_len:O", title="input length (tokens)"),
-                    tooltip=["series:N", "stat:N", "input_len:O", "qps:Q", alt.Tooltip("ms:Q", format=".2f")],
-                )
-                .properties(width=320, height=260)
-            )
-            st.altair_chart(chart)
+            st.dataframe(bench_display(df), hide_index=True, width="stretch",
+                         column_config=ms_columns(bench_display(df)))
+            st.caption("Times in ms. Ratio columns: push ÷ pull for the same input length, output length and QPS "
+                       "(< 1: push is faster).")
+            with st.expander("All columns of this run"):
+                st.dataframe(df, hide_index=True, width="stretch")
+            st.altair_chart(bench_chart(df))
         elif ok:
             st.info("The selected run has no rows.")
 
     st.header("Live window")
     range_key = st.select_slider("Time range", options=list(D.TIME_RANGES), value="1h", key="cmp_range")
-    now = _now_bucket()
+    now = _now_bucket(range_key)
     ok, win = guarded(cfg, lambda: load_window(cfg.store, range_key, now))
     if not ok:
         return
@@ -387,8 +387,75 @@ def compare_page(cfg: Config, pages: dict[str, Any]) -> None:
         st.info(f"No traced requests in the last {range_key}.")
         return
     live = D.live_compare(D.stats_from_traces(win, D.TIME_RANGES[range_key]))
-    st.dataframe(live, hide_index=True, use_container_width=True,
-                 column_config={c: st.column_config.NumberColumn(c, format="%.4f") for c in live.columns if c != "mode"})
+    show = live.rename(columns=_LABELS)
+    for c in show.columns:
+        if c.endswith("(ms)"):
+            show[c] = pd.to_numeric(show[c], errors="coerce") * 1e3
+    # the push÷pull row is a ratio, not ms: show it as such
+    if len(show) == 3:
+        for c in show.columns[1:]:
+            if c.endswith("(ms)"):
+                show.loc[2, c] = live.loc[2, [k for k, v in _LABELS.items() if v == c][0]]
+    st.dataframe(show, hide_index=True, width="stretch",
+                 column_config={c: st.column_config.NumberColumn(c, format="%.3f") for c in show.columns[1:]})
+    st.caption("Last row: push ÷ pull (< 1: push is lower).")
+
+
+_LABELS = {
+    "input_len": "input len", "qps": "QPS",
+    "ttft_mean_s": "TTFT mean (ms)", "ttft_p50_s": "TTFT p50 (ms)", "ttft_p99_s": "TTFT p99 (ms)",
+    "tpot_mean_s": "TPOT mean (ms)", "handoff_p50_s": "handoff p50 (ms)", "handoff_p90_s": "handoff p90 (ms)",
+    "handoff_p99_s": "handoff p99 (ms)",
+}
+_MODE_COLORS = alt.Scale(domain=["push", "pull"], range=["#4c78a8", "#f58518"])
+
+
+def bench_display(df: pd.DataFrame) -> pd.DataFrame:
+    """The grid table: mode, input length, QPS, TTFT, TPOT, handoff (ms), then push÷pull ratios."""
+    keep = ["mode", "dispatch", "input_len", "qps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s",
+            "handoff_p50_s", "handoff_p99_s"]
+    out = df[keep].copy()
+    for c in keep[4:]:
+        out[c] = out[c] * 1e3
+    out = out.rename(columns=_LABELS)
+    for c in df.columns:
+        if "÷" in c:
+            out[c] = df[c]
+    return out
+
+
+def ms_columns(df: pd.DataFrame) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    for c in df.columns:
+        if c.endswith("(ms)"):
+            cfg[c] = st.column_config.NumberColumn(c, format="%.2f")
+        elif "÷" in c:
+            cfg[c] = st.column_config.NumberColumn(c, format="%.2f×")
+    return cfg
+
+
+def bench_chart(df: pd.DataFrame) -> alt.Chart:
+    long = df.melt(id_vars=["mode", "dispatch", "input_len", "qps"],
+                   value_vars=["handoff_p50_s", "handoff_p99_s"], var_name="stat", value_name="s").dropna(subset=["s"])
+    long["ms"] = long["s"] * 1e3
+    long["dispatch"] = long["dispatch"].fillna("n/a")
+    long["stat"] = long["stat"].str.replace("handoff_", "").str.replace("_s", "")
+    long["series"] = long["mode"] + " " + long["dispatch"] + " " + long["stat"]
+    return (
+        alt.Chart(long, title="handoff vs QPS, per mode (solid p50, dashed p99)")
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("qps:Q", title="QPS"),
+            y=alt.Y("ms:Q", title="handoff (ms)"),
+            color=alt.Color("mode:N", scale=_MODE_COLORS, title="mode"),
+            strokeDash=alt.StrokeDash("stat:N", title="percentile", sort=["p50", "p99"]),
+            shape=alt.Shape("dispatch:N", title="dispatch"),
+            detail="series:N",
+            column=alt.Column("input_len:O", title="input length (tokens)"),
+            tooltip=["mode:N", "dispatch:N", "stat:N", "input_len:O", "qps:Q", alt.Tooltip("ms:Q", format=".2f")],
+        )
+        .properties(width=360, height=260)
+    )
 
 
 _TR_KEYS = {"mode": "tr_mode", "outcome": "tr_outcome", "range": "tr_range", "min_handoff": "tr_min",
@@ -432,30 +499,33 @@ def traces_page(cfg: Config, pages: dict[str, Any]) -> None:
     apply_trace_query_params()
     if store_banner(cfg) is None:
         return
+    # Defaults live in session state (not in the widgets' value=), so that
+    # query params can pre-set any of them without Streamlit's double-default warning.
+    for k, v in (("tr_mode", "any"), ("tr_outcome", "any"), ("tr_range", "all"), ("tr_min", None),
+                 ("tr_max", None), ("tr_n", 50), ("tr_order", "handoff")):
+        st.session_state.setdefault(k, v)
     f = st.columns([1, 1, 1, 1, 1, 1])
     mode = f[0].selectbox("Mode", ["any", *D.MODES], key="tr_mode")
     outcome = f[1].selectbox("Outcome", ["any", *D.OUTCOMES], key="tr_outcome")
-    if "tr_range" not in st.session_state:
-        st.session_state["tr_range"] = "all"
     range_key = f[2].selectbox("Started in the last", list(D.TIME_RANGES), key="tr_range")
     min_h = f[3].number_input("Min handoff (s)", min_value=0.0, value=None, step=0.001, format="%.4f", key="tr_min")
     max_h = f[4].number_input("Max handoff (s)", min_value=0.0, value=None, step=0.001, format="%.4f", key="tr_max")
-    n = int(f[5].number_input("Show N", min_value=1, max_value=500, value=50, step=10, key="tr_n"))
+    n = int(f[5].number_input("Show N", min_value=1, max_value=500, step=10, key="tr_n"))
     order = st.radio("Order by", ["handoff", "ttft"], horizontal=True, key="tr_order")
 
     ok, df = guarded(cfg, lambda: load_slowest(
         cfg.store, n, None if mode == "any" else mode, None if outcome == "any" else outcome,
-        range_key, _now_bucket(), min_h, max_h, order))
+        range_key, _now_bucket(range_key), min_h, max_h, order))
     if not ok:
         return
     if not len(df):
         st.info("No traces match these filters.")
         return
     show = df.assign(
-        started=pd.to_datetime(df["start_ns"], unit="ns", utc=True).dt.tz_convert(None),
+        started_utc=pd.to_datetime(df["start_ns"], unit="ns"),
         handoff_ms=df["handoff_s"] * 1e3, ttft_ms=df["ttft_s"] * 1e3,
-    )[["trace_id", "mode", "dispatch", "outcome", "handoff_ms", "ttft_ms", "n_spans", "started", "request_id"]]
-    st.dataframe(show, hide_index=True, use_container_width=True, height=min(38 + 35 * len(show), 320),
+    )[["trace_id", "mode", "dispatch", "outcome", "handoff_ms", "ttft_ms", "n_spans", "started_utc", "request_id"]]
+    st.dataframe(show, hide_index=True, width="stretch", height=min(38 + 35 * len(show), 320),
                  column_config={"handoff_ms": st.column_config.NumberColumn("handoff (ms)", format="%.3f"),
                                 "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.3f")})
 
@@ -502,10 +572,10 @@ def trace_view(cfg: Config, tid: str) -> None:
     st.caption(f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
                "wall-clock timestamps; P↔D intervals assume synchronised host clocks. "
                "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases.")
-    st.altair_chart(waterfall_chart(spans, rec["critical_ms"]), use_container_width=True)
+    st.altair_chart(waterfall_chart(spans, rec["critical_ms"]), width="stretch")
     st.dataframe(
         spans[["role", "phase", "start_ms", "duration_ms", "critical", "outcome", "attributes"]],
-        hide_index=True, use_container_width=True,
+        hide_index=True, width="stretch",
         column_config={"start_ms": st.column_config.NumberColumn("start (ms)", format="%.3f"),
                        "duration_ms": st.column_config.NumberColumn("duration (ms)", format="%.3f")},
     )

@@ -1,0 +1,115 @@
+"""``kvlens demo`` (what ``make demo`` runs): the whole story on one machine.
+
+1. generate the tiny random-weight model under ``$KVLENS_HOME/model``;
+2. start a real push P/D pair (overlapped and sequential routers), bench a
+   small grid, stop it; the same for pull (pull first, see ``kvlens.bench``);
+3. print the table, what it measured in plain words (computed from the
+   rows), the cross-checks, and the slowest traces per mode as waterfalls;
+4. start the dashboard on the same store and keep it running until Ctrl-C
+   (``--no-dashboard``: exit instead).
+
+The default grid is sized to finish in about ten minutes on a 2-core host,
+stack start-ups included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+from kvlens import bench
+from kvlens import home as kvhome
+
+DEMO_QPS = "1,4"
+DEMO_INPUT_LEN = "256,2048"
+DEMO_OUTPUT_LEN = 16
+DEMO_NUM_PROMPTS = 8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    bench.add_grid_arguments(p, qps=DEMO_QPS, input_len=DEMO_INPUT_LEN, output_len=DEMO_OUTPUT_LEN,
+                             num_prompts=DEMO_NUM_PROMPTS)
+    p.add_argument("--no-dashboard", action="store_true", help="exit after the report instead of serving the dashboard")
+    p.add_argument("--dashboard-port", type=int, default=8501, help="dashboard port (default 8501)")
+
+
+def _traces(store: Path, since_s: float) -> None:
+    from kvlens import traces
+
+    for mode in ("push", "pull"):
+        print(f"\n== slowest {mode} requests of this demo (kvlens traces --slowest 3 --mode {mode}) ==", flush=True)
+        ns = argparse.Namespace(store=str(store), slowest=3, mode=mode, outcome=None, since=f"{max(1, int(since_s))}s",
+                                trace=None, json=False, width=60)
+        traces.run(ns)
+
+
+def _dashboard(store: Path, port: int) -> int:
+    try:
+        from kvlens import dashboard_cmd
+    except ModuleNotFoundError as e:
+        if e.name != "kvlens.dashboard_cmd":
+            raise
+        print(f"\nThe dashboard module is not installed here; once it is, start it with:\n"
+              f"  kvlens dashboard --store {store}", flush=True)
+        return 0
+    print("\nStarting the dashboard (Ctrl-C to stop):", flush=True)
+    ns = argparse.Namespace(store=str(store), prometheus=None, port=port, host="127.0.0.1")
+    return int(dashboard_cmd.run(ns) or 0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvlens.up import StackError
+
+    bench.quiet_http_logs(args)
+    try:
+        opts = bench.options_from_args(args)
+        bench.validate_grid(modes=list(bench.MODES), dispatches=list(bench.DISPATCHES), qps=opts.qps,
+                            input_lens=opts.input_lens, output_len=opts.output_len, num_prompts=opts.num_prompts,
+                            max_model_len=bench.model_max_len(opts.model) or bench.DEFAULT_MAX_MODEL_LEN)
+        if not 0 < args.dashboard_port < 65536:
+            raise bench.BenchError(f"invalid --dashboard-port {args.dashboard_port}")
+    except bench.BenchError as e:
+        print(f"kvlens demo: error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    t0 = time.time()
+    if opts.model is None:
+        from kvlens.model import ensure_model
+
+        print(f"kvlens demo: tiny model at {kvhome.model_dir()} (generated on first use)", flush=True)
+        opts.model = ensure_model(kvhome.model_dir())
+    n_cells = len(opts.qps) * len(opts.input_lens)
+    print(
+        f"kvlens demo: push (overlapped, sequential) vs pull on a real P/D pair; {n_cells} cells per variant "
+        f"(QPS {','.join(f'{q:g}' for q in opts.qps)} x input {','.join(map(str, opts.input_lens))} tokens), "
+        f"{opts.num_prompts} requests each, {opts.output_len} output tokens, prefix caching "
+        f"{'on' if opts.prefix_caching else 'off'}",
+        flush=True,
+    )
+    run_ = bench._new_run(opts)
+    old = signal.signal(signal.SIGTERM, bench._on_term)
+    try:
+        bench.bench_stacks(list(bench.MODES), list(bench.DISPATCHES), opts, run=run_)
+    except bench.BenchError as e:
+        print(f"kvlens demo: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except StackError as e:
+        print(f"kvlens demo: could not start a stack: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nkvlens demo: interrupted; {len(run_.cells)} finished cells kept", file=sys.stderr, flush=True)
+        if run_.cells:
+            bench.report(run_)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    bench.report(run_)
+    print(f"(bench part took {time.time() - t0:.0f}s)", flush=True)
+    _traces(run_.store, time.time() - t0 + 5)
+    if args.no_dashboard:
+        print(f"\nkvlens demo: done. Browse the results with: kvlens dashboard --store {run_.store}", flush=True)
+        return 0
+    return _dashboard(run_.store, args.dashboard_port)

@@ -1,0 +1,426 @@
+"""kvlens bench, pure parts: grid validation, percentile/ratio math, rows,
+table and findings, cross-checks, CLI errors before any load."""
+
+import argparse
+import json
+
+import numpy as np
+
+from exporters import store
+import pytest
+
+from kvlens import bench
+from kvlens.bench import BenchError, Cell, RequestResult, Target
+
+
+# ------------------------------------------------------------ validation
+def _grid(**kw):
+    base = dict(modes=["push", "pull"], dispatches=["overlapped"], qps=[1.0, 2.0], input_lens=[256, 1024],
+                output_len=32, num_prompts=8, max_model_len=4096)
+    base.update(kw)
+    return base
+
+
+def test_valid_grid_passes():
+    bench.validate_grid(**_grid())
+    bench.validate_grid(**_grid(input_lens=[4064], output_len=32))  # exactly 4096
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(qps=[1.0, 0.0]), "QPS must be > 0"),
+        (dict(qps=[-2.0]), "QPS must be > 0"),
+        (dict(qps=[float("nan")]), "QPS must be > 0"),
+        (dict(qps=[]), "no QPS"),
+        (dict(input_lens=[4065], output_len=32), "exceeds the model's max-model-len 4096"),
+        (dict(input_lens=[0]), "input length must be a positive integer"),
+        (dict(output_len=0), "output length"),
+        (dict(num_prompts=0), "num-prompts"),
+        (dict(modes=["push", "teleport"]), "unknown mode 'teleport'"),
+        (dict(modes=[]), "no mode"),
+        (dict(dispatches=["sideways"]), "unknown dispatch 'sideways'"),
+    ],
+)
+def test_invalid_grid_names_the_problem(kw, words):
+    with pytest.raises(BenchError, match=words.replace("(", r"\(")):
+        bench.validate_grid(**_grid(**kw))
+
+
+def test_parse_lists():
+    assert bench.parse_list("1, 2,4", float, "--qps") == [1.0, 2.0, 4.0]
+    assert bench.parse_list("256,1024", int, "--input-len") == [256, 1024]
+    with pytest.raises(BenchError, match="'1.5' is not an integer"):
+        bench.parse_list("1.5", int, "--input-len")
+    with pytest.raises(BenchError, match="empty"):
+        bench.parse_list(" , ", float, "--qps")
+    with pytest.raises(BenchError, match="not a finite"):
+        bench.parse_list("inf", float, "--qps")
+    assert bench.parse_names("push,PULL,push", bench.MODES, "mode") == ["push", "pull"]
+    with pytest.raises(BenchError, match="unknown mode 'x'"):
+        bench.parse_names("x", bench.MODES, "mode")
+
+
+# ------------------------------------------------------------------ math
+@pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
+def test_percentile_matches_numpy(q):
+    xs = list(np.random.default_rng(3).exponential(0.05, size=37))
+    assert bench.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+
+
+def test_percentile_edges():
+    assert bench.percentile([], 50) is None
+    assert bench.percentile([None, None], 50) is None
+    assert bench.percentile([0.3], 99) == 0.3
+    assert bench.percentile([1.0, None, 3.0], 50) == 2.0
+    assert bench.mean([1.0, None, 2.0]) == 1.5 and bench.mean([]) is None
+    assert bench.ratio(1.0, 2.0) == 0.5
+    assert bench.ratio(None, 2.0) is None and bench.ratio(1.0, 0.0) is None and bench.ratio(1.0, None) is None
+    assert bench.rel_diff(1.02, 1.0) == pytest.approx(0.02)
+
+
+def _row(mode, dispatch, il, q, ttft, handoff, **kw):
+    r = dict(mode=mode, dispatch=dispatch, input_len=il, output_len=16, qps=q, num_prompts=8, completed=8,
+             failed=0, ttft_mean_s=ttft, ttft_p50_s=ttft, ttft_p99_s=ttft * 2, tpot_mean_s=0.01,
+             handoff_p50_s=handoff, handoff_p99_s=handoff and handoff * 2, req_per_s=q)
+    r.update(kw)
+    return r
+
+
+def test_ratios_each_push_dispatch_vs_pull():
+    rows = [
+        _row("pull", None, 256, 1.0, 0.100, 0.020),
+        _row("push", "overlapped", 256, 1.0, 0.080, 0.005),
+        _row("push", "sequential", 256, 1.0, 0.120, 0.010),
+        _row("push", "overlapped", 1024, 1.0, 0.2, 0.01),  # no pull for this cell
+    ]
+    bench.add_ratios(rows)
+    assert rows[0]["ttft_p50_push_over_pull"] is None  # pull rows carry none
+    assert rows[1]["ttft_p50_push_over_pull"] == pytest.approx(0.8)
+    assert rows[1]["handoff_p50_push_over_pull"] == pytest.approx(0.25)
+    assert rows[2]["ttft_p50_push_over_pull"] == pytest.approx(1.2)
+    assert rows[3]["ttft_p50_push_over_pull"] is None
+
+
+def test_table_and_findings():
+    rows = bench.add_ratios([
+        _row("pull", None, 256, 1.0, 0.100, 0.020),
+        _row("push", "overlapped", 256, 1.0, 0.080, 0.005),
+        _row("push", "sequential", 256, 1.0, 0.101, None),
+    ])
+    t = bench.format_table(rows).splitlines()
+    assert t[0].split()[:4] == ["mode", "dispatch", "input", "QPS"]
+    assert "TTFT p50 push/pull" in t[0] and "handoff p50 push/pull" in t[0]
+    body = t[2:]
+    assert [b.split()[:2] for b in body] == [["push", "overlapped"], ["push", "sequential"], ["pull", "-"]]
+    assert "80.0" in body[0] and "0.80" in body[0] and "0.25" in body[0]
+    assert body[1].rstrip().endswith("-")  # handoff ratio missing -> "-"
+    words = bench.describe(rows)
+    assert any("push (overlapped) vs pull" in w and "push 20% lower" in w and "push 75% lower" in w for w in words)
+    assert any("push (sequential)" in w and "a tie" in w for w in words)
+    assert any(w.startswith("Overall, push (overlapped) had the lower TTFT p50 in 1 of 1 cells") for w in words)
+    assert bench.format_table([]) == "(no rows)"
+    assert "nothing to compare" in bench.describe([_row("pull", None, 256, 1.0, 0.1, 0.01)])[0]
+
+
+def test_pull_wins_wording():
+    rows = bench.add_ratios([_row("pull", None, 256, 2.0, 0.100, 0.010), _row("push", "overlapped", 256, 2.0, 0.125, 0.02)])
+    (cell, *_rest) = bench.describe(rows)
+    assert "pull 20% lower" in cell and "pull 50% lower" in cell
+
+
+# ------------------------------------------------------ rows, cross-checks
+def _res(rid, ok=True, ttft=0.05, lat=0.2, last=0.15, n=16, error=None):
+    return RequestResult(request_id=rid, ok=ok, status=200 if ok else 502, error=error, send_s=0.0,
+                         ttft_s=ttft if ok else None, latency_s=lat, last_token_s=last if ok else None,
+                         output_tokens=n if ok else None, prompt_tokens=256)
+
+
+def test_summarize_cell_and_cross_check():
+    results = [_res("a" * 32, ttft=0.050), _res("b" * 32, ttft=0.070), _res("c" * 32, ok=False, error="HTTP 502: boom")]
+    traces = {
+        "a" * 32: dict(trace_id="a" * 32, outcome="ok", ttft_s=0.049, handoff_s=0.004),
+        "b" * 32: dict(trace_id="b" * 32, outcome="ok", ttft_s=0.070, handoff_s=0.006),
+        "c" * 32: dict(trace_id="c" * 32, outcome="failed", ttft_s=None, handoff_s=None),
+    }
+    cell = Cell(Target("push", "overlapped", "http://x"), 2.0, 256, results, traces, duration_s=1.0)
+    row = bench.summarize_cell(cell, bench.BenchOptions(output_len=16), "run1", "off")
+    assert set(bench.ROW_KEYS) <= set(row)
+    assert (row["completed"], row["failed"], row["num_prompts"]) == (2, 1, 3)
+    assert row["ttft_p50_s"] == pytest.approx(0.06) and row["ttft_mean_s"] == pytest.approx(0.06)
+    assert row["handoff_p50_s"] == pytest.approx(0.005) and row["handoff_n"] == 2
+    assert row["tpot_mean_s"] == pytest.approx(((0.15 - 0.05) + (0.15 - 0.07)) / 2 / 15)
+    assert row["req_per_s"] == pytest.approx(2.0)
+    assert row["failed_outcomes"] == {"failed": 1}
+    json.dumps(row)
+    cc = bench.cross_check([cell])
+    assert cc.n_compared == 2 and cc.completed == 2 and cc.ok_traces_in_store == 2 and cc.traces_in_store == 3
+    assert cc.ttft_rel_diff_p50 == pytest.approx((0.001 / 0.049) / 2)
+    assert cc.failed == [("push/overlapped", "c" * 32, "HTTP 502: boom", "failed")]
+    text = "\n".join(cc.lines())
+    assert "match" in text and "failed requests (1)" in text and "WARNING" not in text.split("failed requests")[0]
+    assert bench.TTFT_CROSSCHECK_WARN == 0.02
+
+
+def test_cross_check_warns_and_counts_missing():
+    cell = Cell(Target("pull", None, "http://x"), 1.0, 256, [_res("d" * 32, ttft=0.060)],
+                {"d" * 32: dict(trace_id="d" * 32, outcome="ok", ttft_s=0.050, handoff_s=None)}, 1.0)
+    cc = bench.cross_check([cell])
+    assert cc.ttft_warn and cc.handoff_missing == 1
+    assert any(line.startswith("WARNING: client and router TTFT") for line in cc.lines())
+
+
+def test_request_ids_are_trace_ids():
+    ids = {bench.new_request_id() for _ in range(100)}
+    assert len(ids) == 100 and all(len(i) == 32 and int(i, 16) and i == i.lower() for i in ids)
+
+
+def test_plan_groups_runs_pull_first():
+    assert bench.plan_groups(["push", "pull"], ["overlapped", "sequential"]) == [
+        ("pull", [None]), ("push", ["overlapped", "sequential"])]
+    assert bench.plan_groups(["push"], ["sequential"]) == [("push", ["sequential"])]
+
+
+def test_prompts_have_exact_token_counts(tmp_path):
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    tr = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"])
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 12345"] * 50, tr)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    maker = bench.PromptMaker(tmp_path)
+    rng = np.random.default_rng(0)
+    for n in (1, 17, 256, 1000):
+        p = maker.make(n, rng)
+        assert len(tok.encode(p, add_special_tokens=False).ids) == n
+
+
+# ------------------------------------------------------------------- CLI
+def _cli(*argv):
+    from kvlens.cli import main
+
+    return main(["bench", *argv])
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--qps", "0"], "QPS must be > 0"),
+        (["--qps", "1,fast"], "'fast' is not a number"),
+        (["--input-len", "4090", "--output-len", "32"], "exceeds the model's max-model-len 4096"),
+        (["--modes", "push,teleport"], "unknown mode 'teleport'"),
+        (["--dispatch", "sideways"], "unknown dispatch"),
+        (["--proxy", "http://127.0.0.1:9"], "router at http://127.0.0.1:9 is unreachable"),
+        (["--proxy", "localhost:8000"], "must be an http(s) URL"),
+        (["--num-prompts", "0"], "num-prompts"),
+    ],
+)
+def test_cli_bad_input_exits_2_before_load(argv, words, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLENS_HOME", str(tmp_path))
+    assert _cli(*argv) == 2
+    err = capsys.readouterr().err
+    assert "kvlens bench: error:" in err and words in err
+    assert not (tmp_path / "model").exists()  # nothing generated, nothing started
+
+
+def test_cli_proxy_mode_conflict(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "probe_router", lambda url: bench.RouterInfo(url, "pull", None, "m", None, 4096))
+    assert _cli("--proxy", "http://127.0.0.1:1", "--modes", "push") == 2
+    assert "serves pull, but --modes says push" in capsys.readouterr().err
+
+
+def test_demo_has_no_dashboard_flag():
+    from kvlens import demo
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    a = p.parse_args(["--no-dashboard"])
+    assert a.no_dashboard and bench.options_from_args(a).num_prompts == demo.DEMO_NUM_PROMPTS
+
+
+# ------------------------------------------- load generator on a fake router
+class FakeRouter:
+    """An in-process OpenAI-ish streaming router that writes one ``traces``
+    row per request (trace id = X-Request-Id) like the real one does, with a
+    known handoff. No vLLM: tests the generator, the join and Ctrl-C."""
+
+    HANDOFF_NS = 3_000_000
+
+    def __init__(self, store_path, mode="push", dispatch="overlapped", fail_every=0, on_request=None):
+        import threading
+
+        import uvicorn
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        from exporters import store
+        from kvlens.up import free_port
+
+        self.store_path, self.n = store_path, 0
+        app = FastAPI()
+        conn = store.connect(store_path)
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok", "mode": mode, "dispatch": dispatch}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"data": [{"id": "fake", "root": "/nonexistent", "max_model_len": 1024}]}
+
+        @app.post("/v1/completions")
+        async def completions(req: Request):
+            import asyncio
+            import time
+
+            t0 = time.time_ns()
+            tid = req.headers["x-request-id"]
+            body = await req.json()
+            self.n += 1
+            if on_request:
+                on_request(self.n)
+            if fail_every and self.n % fail_every == 0:
+                with conn:
+                    conn.execute("INSERT INTO traces (trace_id, request_id, mode, outcome, start_ns, end_ns) "
+                                 "VALUES (?,?,?,?,?,?)", (tid, tid, mode, "timeout", t0, time.time_ns()))
+                return JSONResponse({"error": {"message": "decode timed out"}}, status_code=504)
+
+            async def gen():
+                await asyncio.sleep(0.01)
+                ttft = None
+                for _ in range(body["max_tokens"]):
+                    if ttft is None:
+                        ttft = (time.time_ns() - t0) / 1e9
+                    yield b'data: {"choices":[{"text":"x"}]}\n\n'
+                    await asyncio.sleep(0.002)
+                usage = {"completion_tokens": body["max_tokens"], "prompt_tokens": 7}
+                yield ("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode()
+                yield b"data: [DONE]\n\n"
+                pf = t0 + 5_000_000
+                with conn:
+                    conn.execute(
+                        "INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s,"
+                        " prefill_finished_ns, kv_ready_ns) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                        (tid, tid, mode, dispatch, "ok", t0, time.time_ns(), ttft, pf, pf + self.HANDOFF_NS))
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        import time
+
+        import httpx
+
+        self.thread.start()
+        for _ in range(100):
+            try:
+                if httpx.get(self.url + "/health", trust_env=False).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        raise RuntimeError("fake router did not start")
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture
+def tiny_tokenizer_dir(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["push pull prefill decode handoff 0123456789"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    d = tmp_path / "model"
+    d.mkdir()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    return d
+
+
+def _opts(tmp_path, model, **kw):
+    base = dict(qps=[50.0], input_lens=[16, 32], output_len=3, num_prompts=6, seed=1, warmup=1, trace_wait_s=3.0,
+                store=tmp_path / "h" / "traces.db", json_path=tmp_path / "rows.jsonl", progress=False, model=model)
+    base.update(kw)
+    return bench.BenchOptions(**base)
+
+
+def test_generator_joins_router_traces(tmp_path, tiny_tokenizer_dir):
+    opts = _opts(tmp_path, tiny_tokenizer_dir)
+    opts.store.parent.mkdir()
+    with FakeRouter(opts.store, "pull", fail_every=5) as pull, FakeRouter(opts.store, "push", "sequential") as push:
+        run = bench.bench_routers([push.url, pull.url], opts)
+    # cells in turn, pull before push inside each cell (so push rows get their ratio)
+    assert [(r["mode"], r["input_len"]) for r in run.rows] == [("pull", 16), ("push", 16), ("pull", 32), ("push", 32)]
+    for r in run.rows:
+        assert r["completed"] + r["failed"] == 6 and r["output_tokens_mean"] == 3
+        assert r["handoff_p50_s"] == pytest.approx(FakeRouter.HANDOFF_NS / 1e9)
+        assert r["traces_in_store"] == 6 and r["handoff_n"] == r["completed"]
+        assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["e2e_p99_s"]
+    pulls = [r for r in run.rows if r["mode"] == "pull"]
+    assert sum(r["failed"] for r in pulls) >= 2 and all(set(r["failed_outcomes"]) <= {"timeout"} for r in pulls)
+    assert all(r["dispatch"] == "sequential" and r["ttft_p50_push_over_pull"] is not None
+               for r in run.rows if r["mode"] == "push")
+    cc = bench.cross_check(run.cells)
+    assert cc.completed == cc.ok_traces_in_store and cc.n_compared == cc.completed
+    assert {f[3] for f in cc.failed} == {"timeout"} and all("HTTP 504" in f[2] for f in cc.failed)
+    # written as each cell finished: store and JSON agree, push rows with their ratio
+    conn = store.connect(opts.store, readonly=True)
+    saved = store.bench_rows(conn, run.run_id)
+    conn.close()
+    assert [s["ttft_p50_push_over_pull"] for s in saved] == [r["ttft_p50_push_over_pull"] for r in run.rows]
+    assert len(opts.json_path.read_text().splitlines()) == 4
+
+
+def test_grid_over_router_max_len_refused_before_load(tmp_path, tiny_tokenizer_dir):
+    opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[1020], output_len=8)
+    opts.store.parent.mkdir()
+    with FakeRouter(opts.store) as r:
+        with pytest.raises(BenchError, match="max-model-len 1024"):
+            bench.bench_routers([r.url], opts)
+        assert r.n == 0
+
+
+def test_ctrl_c_stops_the_stack_and_keeps_finished_rows(tmp_path, tiny_tokenizer_dir):
+    import os
+    import signal
+
+    opts = _opts(tmp_path, tiny_tokenizer_dir, warmup=0)
+    stopped = []
+
+    def interrupt(n):  # during the second cell
+        if n == 8:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with FakeRouter(opts.store, "pull", on_request=interrupt) as fake:
+        class FakeStack:
+            def __init__(self, **kw):
+                self.kw, self.router_url = kw, fake.url
+
+            def start(self):
+                assert "--no-enable-prefix-caching" in self.kw["vllm_args"]
+
+            def add_router(self, d):
+                raise AssertionError("pull has one router")
+
+            def stop(self):
+                stopped.append(True)
+
+        run = bench._new_run(opts)
+        with pytest.raises(KeyboardInterrupt):
+            bench.bench_stacks(["pull"], ["overlapped"], opts, run=run, stack_factory=FakeStack)
+    assert stopped == [True]
+    assert len(run.rows) == 1 and run.rows[0]["input_len"] == 16
+    conn = store.connect(opts.store, readonly=True)
+    assert len(store.bench_rows(conn, run.run_id)) == 1
+    conn.close()

@@ -1,0 +1,436 @@
+"""Dashboard tests: pure loaders (dashboard/data.py), the pages through
+Streamlit's AppTest, the Prometheus path against a local fake Prometheus
+HTTP API, and the ``kvlens dashboard`` command line.
+
+The store is written through the real pipeline (tests/store_fixture.py).
+Set ``KVLENS_TEST_STORE`` to a store from a real vLLM run to run the page
+checks against it too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from store_fixture import make_store  # noqa: E402
+
+from dashboard import data as D  # noqa: E402
+from exporters import store  # noqa: E402
+from instrumented_connector import semconv as sc  # noqa: E402
+
+APP = str(REPO / "dashboard" / "app.py")
+
+
+# ------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def store_path(tmp_path_factory) -> Path:
+    return make_store(tmp_path_factory.mktemp("kvlens_home"), n_per_mode=30)
+
+
+@pytest.fixture
+def app(monkeypatch):
+    """``app(store, prometheus=None, **query_params)`` -> a run AppTest."""
+    from streamlit.testing.v1 import AppTest
+
+    def make(path, prometheus: str | None = None, run: bool = True, **qp):
+        argv = ["app.py", "--store", str(path)] + (["--prometheus", prometheus] if prometheus else [])
+        monkeypatch.setattr(sys, "argv", argv)
+        at = AppTest.from_file(APP, default_timeout=60)
+        for k, v in qp.items():
+            at.query_params[k] = v
+        if run:
+            at.run()
+        return at
+
+    return make
+
+
+def charts(at) -> list[dict]:
+    return [json.loads(e.proto.spec) for e in at.main if getattr(e, "type", "") == "vega_lite_chart"]
+
+
+def chart_titles(at) -> list[str]:
+    out = []
+    for s in charts(at):
+        t = s.get("title")
+        out.append(t.get("text") if isinstance(t, dict) else t)
+    return out
+
+
+def metric(at, label: str) -> list[str]:
+    return [m.value for m in at.metric if m.label == label]
+
+
+def no_exception(at) -> None:
+    assert not at.exception, [e.value for e in at.exception]
+
+
+# ------------------------------------------------------------------ loaders
+def test_fixture_store_is_grouped_into_traces(store_path):
+    conn = store.connect(store_path, readonly=True)
+    try:
+        rows = conn.execute("SELECT mode, COUNT(*), MIN(n_spans) FROM traces GROUP BY mode").fetchall()
+    finally:
+        conn.close()
+    by = {r[0]: (r[1], r[2]) for r in rows}
+    assert by["push"][0] == 30 and by["pull"][0] == 30
+    assert by["push"][1] >= 9 and by["pull"][1] >= 7  # router + P + D spans folded into one trace
+
+
+def test_stats_and_histogram(store_path):
+    df = D.window_traces(store_path, None, None)
+    stats = D.stats_from_traces(df, None)
+    for mode in D.MODES:
+        s = stats[mode]
+        assert s.requests == 30
+        assert 0 < s.handoff["p50"] <= s.handoff["p90"] <= s.handoff["p99"]
+        assert s.ttft["p50"] > s.handoff["p50"]
+        assert sum(s.outcomes.values()) == 30
+    assert stats["pull"].outcomes["failed"] == 3 and stats["push"].outcomes["timeout"] == 2
+    h = D.handoff_histogram(df)
+    assert set(h["mode"]) == {"push", "pull"}
+    assert h.groupby("mode")["count"].sum().to_dict() == {"push": 28, "pull": 27}  # completed handoffs
+    assert all(link.startswith("./?page=traces&mode=") and "min_handoff=" in link for link in h["link"])
+
+
+def test_phase_breakdown_splits_push_overlap(store_path):
+    ph = D.phase_breakdown(store_path, None, None)
+    push = ph[ph["mode"] == "push"]
+    over = set(push.loc[push["path"] == D.OVERLAP, "phase"])
+    assert "registration.send" in over and "match" in over  # overlapped push: before prefill.finished
+    crit = set(push.loc[push["path"] == D.CRITICAL, "phase"])
+    assert {"write.post", "write.complete", "descriptor.prep"} <= crit
+    assert "registration.send" not in crit
+    pull = ph[ph["mode"] == "pull"]
+    assert set(pull["path"]) == {D.CRITICAL}
+    assert {"read.post", "read.complete", "relay"} <= set(pull["phase"])
+    # the critical-path segments add up to the mean handoff
+    df = D.window_traces(store_path, None, None)
+    for mode in D.MODES:
+        mean_h = df.loc[df["mode"] == mode, "handoff_s"].dropna().mean()
+        got = ph.loc[(ph["mode"] == mode) & (ph["path"] == D.CRITICAL), "seconds"].sum()
+        assert got == pytest.approx(mean_h, rel=0.05)
+
+
+def test_trace_detail_marks_critical_path(store_path):
+    push = D.slowest(store_path, 1, mode="push", outcome="ok")
+    rec, spans = D.trace_detail(store_path, push["trace_id"][0])
+    assert rec["mode"] == "push" and rec["critical_ms"] is not None
+    flags = dict(zip(spans["phase"], spans["critical"]))
+    assert flags["write.complete"] and flags["kv.ready"] and flags["prefill.finished"]
+    assert not flags["registration.send"] and not flags["registration.stage"] and not flags["request"]
+    assert spans.loc[spans["phase"] == "kv.ready", "point"].all()
+    assert "attr_blocks" in spans.columns
+    assert list(spans["role"].drop_duplicates()) == ["router", "prefill", "decode"]
+    dec = rec["decomposition"]
+    assert dec["queue_prefill_s"] + dec["handoff_s"] + dec["first_decode_s"] == pytest.approx(rec["ttft_s"], rel=1e-6)
+    missing, empty = D.trace_detail(store_path, "0" * 32)
+    assert missing is None and empty.empty
+
+
+def test_bench_ratios(store_path):
+    df = D.with_ratios(D.bench_table(store_path))
+    assert len(df) == 12
+    r = df[(df["mode"] == "push") & (df["input_len"] == 128) & (df["qps"] == 2.0)].iloc[0]
+    assert r["handoff_p50 push÷pull"] == pytest.approx(0.8)
+    assert df.loc[df["mode"] == "pull", "handoff_p50 push÷pull"].isna().all()
+
+
+def test_missing_and_empty_store(tmp_path):
+    with pytest.raises(D.StoreMissing):
+        D.window_traces(tmp_path / "nope.db", None, None)
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"not a database" * 100)
+    with pytest.raises(D.StoreError):
+        D.store_info(bad)
+    store.connect(tmp_path / "empty.db").close()
+    assert D.store_info(tmp_path / "empty.db")["traces"] == 0
+    assert D.bench_table(tmp_path / "empty.db").empty
+
+
+def test_promql_label_escaping():
+    assert D.escape_label_value('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
+    assert D.selector("kvlens_requests_total", mode='pu"sh') == 'kvlens_requests_total{mode="pu\\"sh"}'
+    assert D.selector("x") == "x"
+    with pytest.raises(ValueError):
+        D.since_until("3 weeks")
+
+
+# ------------------------------------------------------------------ fake Prometheus
+class _FakeProm(BaseHTTPRequestHandler):
+    queries: list[str] = []
+
+    def log_message(self, *a):  # quiet
+        pass
+
+    def do_GET(self):
+        u = urlparse(self.path)
+        q = parse_qs(u.query).get("query", [""])[0]
+        type(self).queries.append(q)
+        mode = "push" if 'mode="push"' in q else "pull"
+        fast = mode == "push"
+        res: list = []
+        if q.startswith("histogram_quantile(0.5,") and "handoff" in q:
+            res = [{"metric": {}, "value": [0, "0.004" if fast else "0.009"]}]
+        elif q.startswith("histogram_quantile") and "handoff" in q:
+            res = [{"metric": {}, "value": [0, "0.02" if fast else "0.03"]}]
+        elif q.startswith("histogram_quantile") and "ttft" in q:
+            res = [{"metric": {}, "value": [0, "0.07"]}]
+        elif "kvlens_ttft_seconds_sum" in q:
+            res = [{"metric": {}, "value": [0, "0.075"]}]
+        elif q.startswith("sum(rate(kvlens_requests_total"):
+            res = [{"metric": {}, "value": [0, "1.5"]}]
+        elif "by (outcome)" in q:
+            res = [{"metric": {"outcome": "ok"}, "value": [0, "88"]},
+                   {"metric": {"outcome": "timeout"}, "value": [0, "2"]}]
+        elif "kvlens_telemetry_dropped_total" in q:
+            res = [{"metric": {}, "value": [0, "5"]}]
+        elif "kvlens_phase_duration_seconds" in q:
+            phases = ([("decode", "registration.send", 0.001), ("prefill", "write.complete", 0.003)] if fast
+                      else [("decode", "read.complete", 0.006)])
+            res = [{"metric": {"role": r, "phase": p}, "value": [0, str(v)]} for r, p, v in phases]
+        elif "kvlens_handoff_seconds_bucket" in q and "increase" in q:
+            res = [{"metric": {"le": le}, "value": [0, v]}
+                   for le, v in (("0.005", "40"), ("0.01", "80"), ("0.05", "90"), ("+Inf", "90"))]
+        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": res}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def fake_prometheus():
+    _FakeProm.queries = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeProm)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_prom_overview(fake_prometheus):
+    stats, phases, hist = D.prom_overview(fake_prometheus, "15m")
+    assert stats["push"].handoff["p50"] == 0.004 and stats["pull"].handoff["p50"] == 0.009
+    assert stats["push"].requests == 90 and stats["push"].outcomes["timeout"] == 2
+    assert stats["push"].dropped == 5 and stats["push"].req_per_s == 1.5
+    push = phases[phases["mode"] == "push"].set_index("phase")["path"].to_dict()
+    assert push == {"registration.send": D.OVERLAP, "write.complete": D.CRITICAL}
+    assert list(hist[hist["mode"] == "push"]["count"]) == [40, 40, 10]
+    assert any('{mode="push"}[15m]' in q for q in _FakeProm.queries)
+
+
+def test_prometheus_down_is_an_error_not_a_crash():
+    with pytest.raises(D.PrometheusError):
+        D.prom_overview("http://127.0.0.1:9", "5m", timeout_s=1.0)
+
+
+# ------------------------------------------------------------------ pages (AppTest)
+def test_overview_page(app, store_path):
+    at = app(store_path)
+    no_exception(at)
+    assert len(metric(at, "handoff p50")) == 2  # push and pull side by side
+    assert [s for s in ("Push", "Pull") if any(s in h.value for h in at.subheader)] == ["Push", "Pull"]
+    titles = chart_titles(at)
+    assert titles.count("critical path by phase (prefill.finished → kv.ready)") == 2
+    assert titles.count("overlapped with prefill (off the critical path)") == 1  # push only
+    assert titles.count("handoff distribution (click a bar: its traces)") == 2
+    assert "n/a" in metric(at, "dropped telemetry")  # no Prometheus given
+    # links from percentiles to the Traces page carry the filters
+    links = [e for e in at.main if getattr(e, "type", "") == "page_link"]
+    assert len(links) == 6
+    # the phase chart uses the one fixed colour scale over every Phase
+    spec = next(s for s in charts(at) if str(s.get("title")).startswith("critical path by phase"))
+    domain = spec["encoding"]["color"]["scale"]["domain"]
+    assert set(p.value for p in sc.Phase) <= set(domain)
+    # the time range changes what is shown: 5m holds only a part of the 10-minute fixture
+    before = [m for m in at.caption if "requests" in m.value]
+    at.select_slider(key="ov_range").set_value("5m").run()
+    no_exception(at)
+    after = [m for m in at.caption if "requests" in m.value]
+    assert before and after and [c.value for c in before] != [c.value for c in after]
+
+
+def test_overview_with_prometheus(app, store_path, fake_prometheus):
+    at = app(store_path, prometheus=fake_prometheus)
+    no_exception(at)
+    assert metric(at, "handoff p50") == ["4.0 ms", "9.0 ms"]
+    assert metric(at, "dropped telemetry") == ["5", "5"]
+    assert any("Prometheus" in c.value for c in at.caption)
+
+
+def test_overview_prometheus_down_falls_back(app, store_path):
+    at = app(store_path, prometheus="http://127.0.0.1:9")
+    no_exception(at)
+    assert any("Prometheus" in w.value for w in at.warning)
+    assert len(metric(at, "handoff p50")) == 2  # from the store
+
+
+def test_compare_page(app, store_path):
+    at = app(store_path, page="compare")
+    no_exception(at)
+    grid = at.dataframe[0].value
+    assert "handoff_p50 push÷pull" in grid.columns and "TTFT p99 (ms)" in grid.columns and len(grid) == 12
+    assert any("handoff vs QPS" in str(t) for t in chart_titles(at))
+    live = at.dataframe[-1].value
+    assert list(live["mode"]) == ["push", "pull", "push÷pull"]
+
+
+def test_compare_without_bench_rows(app, tmp_path):
+    p = make_store(tmp_path, n_per_mode=3, bench=False)
+    at = app(p, page="compare")
+    no_exception(at)
+    assert any("No benchmark results" in i.value for i in at.info)
+
+
+def test_traces_page_filters_and_waterfall(app, store_path):
+    at = app(store_path, page="traces")
+    no_exception(at)
+    rows = at.dataframe[0].value
+    assert set(rows["mode"]) == {"push", "pull"}
+    at.selectbox(key="tr_mode").set_value("pull").run()
+    no_exception(at)
+    rows = at.dataframe[0].value
+    assert set(rows["mode"]) == {"pull"}
+    spans = at.dataframe[1].value
+    assert {"read.post", "read.complete", "kv.ready"} <= set(spans["phase"])
+    # select another trace: its phases are shown
+    tids = list(rows["trace_id"])
+    at.selectbox(key="tr_trace").set_value(tids[-1]).run()
+    no_exception(at)
+    assert at.query_params.get("trace") in (tids[-1], [tids[-1]])
+    # outcome filter
+    at.selectbox(key="tr_outcome").set_value("failed").run()
+    no_exception(at)
+    assert set(at.dataframe[0].value["outcome"]) == {"failed"}
+    # minimum handoff filter
+    at.selectbox(key="tr_outcome").set_value("any").run()
+    at.selectbox(key="tr_mode").set_value("push").run()
+    p50 = float(at.dataframe[0].value["handoff_ms"].median()) / 1e3
+    at.number_input(key="tr_min").set_value(p50).run()
+    no_exception(at)
+    got = at.dataframe[0].value
+    assert len(got) and (got["handoff_ms"] >= p50 * 1e3 - 1e-6).all()
+    wf = [s for s in charts(at) if "layer" in s]
+    assert wf, "waterfall chart missing"
+    spans = at.dataframe[1].value
+    assert {"write.post", "write.complete", "registration.send"} <= set(spans["phase"])
+    assert spans.loc[spans["phase"] == "write.complete", "critical"].all()
+
+
+def test_traces_page_query_params_preset_filters(app, store_path):
+    df = D.window_traces(store_path, None, None)
+    h = df.loc[df["mode"] == "push", "handoff_s"].dropna().sort_values()
+    lo, hi = float(h.iloc[5]), float(h.iloc[15])
+    at = app(store_path, page="traces", mode="push", min_handoff=f"{lo:.9g}", max_handoff=f"{hi:.9g}")
+    no_exception(at)
+    assert at.selectbox(key="tr_mode").value == "push"
+    assert at.number_input(key="tr_min").value == pytest.approx(lo)
+    rows = at.dataframe[0].value
+    assert len(rows) == 10 and set(rows["mode"]) == {"push"}
+    assert (rows["handoff_ms"] >= lo * 1e3 - 1e-6).all() and (rows["handoff_ms"] < hi * 1e3).all()
+    # n and trace too, and no "default value set twice" warning from Streamlit
+    pick = rows["trace_id"].iloc[3]
+    at = app(store_path, page="traces", mode="push", n="5", trace=rows["trace_id"].iloc[0], order="ttft")
+    no_exception(at)
+    assert not at.warning
+    assert len(at.dataframe[0].value) == 5 and at.radio(key="tr_order").value == "ttft"
+    at = app(store_path, page="traces", trace=pick, min_handoff=f"{lo:.9g}", max_handoff=f"{hi:.9g}")
+    assert at.selectbox(key="tr_trace").value == pick
+
+
+def test_overview_link_targets_the_traces_page(app, store_path):
+    """A histogram bucket link (its query string) opens Traces with the bucket's filters."""
+    at = app(store_path)
+    spec = next(s for s in charts(at) if "handoff distribution" in str(s.get("title")))
+    assert spec["encoding"]["href"]["field"] == "link"
+    link = D.handoff_histogram(D.window_traces(store_path, None, None))["link"].iloc[0]
+    qs = {k: v[0] for k, v in parse_qs(urlparse(link).query).items()}
+    at2 = app(store_path, **qs)
+    no_exception(at2)
+    assert at2.selectbox(key="tr_mode").value == qs["mode"]
+    rows = at2.dataframe[0].value
+    assert len(rows) >= 1 and set(rows["mode"]) == {qs["mode"]}
+
+
+@pytest.mark.parametrize("page", ["overview", "compare", "traces"])
+def test_missing_store_shows_a_message(app, tmp_path, page):
+    at = app(tmp_path / "absent" / "traces.db", page=page)
+    no_exception(at)
+    assert any("No trace store" in w.value for w in at.warning)
+
+
+@pytest.mark.parametrize("page", ["overview", "compare", "traces"])
+def test_empty_store_shows_a_message(app, tmp_path, page):
+    p = tmp_path / "traces.db"
+    store.connect(p).close()
+    at = app(p, page=page)
+    no_exception(at)
+    assert any("empty" in i.value for i in at.info)
+
+
+def test_corrupt_store_shows_a_message(app, tmp_path):
+    p = tmp_path / "traces.db"
+    p.write_bytes(b"garbage" * 1000)
+    at = app(p, page="traces")
+    no_exception(at)
+    assert any("could not be read" in e.value for e in at.error)
+
+
+@pytest.mark.skipif(not os.environ.get("KVLENS_TEST_STORE"), reason="KVLENS_TEST_STORE not set")
+@pytest.mark.parametrize("page", ["overview", "compare", "traces"])
+def test_pages_on_a_real_store(app, page):
+    p = Path(os.environ["KVLENS_TEST_STORE"])
+    assert p.exists(), p
+    at = app(p, page=page, run=False)
+    at.run()
+    if page == "overview":
+        at.select_slider(key="ov_range").set_value("all").run()
+    no_exception(at)
+    if page == "overview":
+        assert len(metric(at, "handoff p50")) == 2 or at.info
+    if page == "traces" and len(at.dataframe) > 1:
+        spans = at.dataframe[1].value
+        assert len(spans) and set(spans["phase"]) <= set(sc.PHASE_ORDER)
+
+
+# ------------------------------------------------------------------ CLI
+def test_dashboard_cmd_arguments(tmp_path, monkeypatch):
+    import argparse
+
+    from kvlens import dashboard_cmd
+
+    p = argparse.ArgumentParser()
+    dashboard_cmd.add_arguments(p)
+    args = p.parse_args([])
+    assert (args.port, args.host, args.store, args.prometheus) == (8501, "127.0.0.1", None, None)
+    args = p.parse_args(["--store", str(tmp_path / "t.db"), "--prometheus", "http://x:9090", "--port", "9999"])
+    cmd = dashboard_cmd.command(args, tmp_path / "t.db")
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("dashboard/app.py")
+    i = cmd.index("--")
+    assert cmd[i + 1:] == ["--store", str(tmp_path / "t.db"), "--prometheus", "http://x:9090"]
+    for flag, val in (("--server.port", "9999"), ("--server.address", "127.0.0.1"),
+                      ("--server.headless", "true"), ("--browser.gatherUsageStats", "false")):
+        assert cmd[cmd.index(flag) + 1] == val
+    assert dashboard_cmd.run(p.parse_args(["--port", "0"])) == 2
+    assert dashboard_cmd.run(p.parse_args(["--prometheus", "localhost:9090"])) == 2
+
+
+def test_app_default_store_is_kvlens_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVLENS_HOME", str(tmp_path))
+    from dashboard.app import parse_config
+
+    assert parse_config([]).store == str(tmp_path.resolve() / "traces.db")
+    assert parse_config(["--store", "x.db", "--prometheus", "http://p:9090"]).prometheus == "http://p:9090"

@@ -1,0 +1,184 @@
+"""End-to-end: ``kvlens dashboard`` started as users start it, loaded in the
+system's headless Chromium through Playwright, screenshots saved, then
+stopped with a signal and checked for orphans.
+
+Never downloads a browser: skips when /usr/bin/chromium (or playwright) is
+missing. Screenshots: the test's tmp_path and ``test-output/`` (git-ignored).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from store_fixture import make_store  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+OUT = REPO / "test-output"
+
+pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} not installed")
+sync_api = pytest.importorskip("playwright.sync_api")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendants of ``pid`` (from /proc)."""
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                if k not in out:
+                    out.add(k)
+                    todo.append(k)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class Dashboard:
+    """``python -m kvlens.cli dashboard`` on a free port, in the repo."""
+
+    def __init__(self, store: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self._logf = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvlens.cli", "dashboard", "--store", str(store), "--port", str(self.port)],
+            cwd=REPO, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        self.kids: set[int] = set()
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"dashboard exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/_stcore/health", timeout=1).text.strip() == "ok":
+                    self.kids = descendants(self.proc.pid)
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"dashboard not ready after {timeout_s}s: {self.log.read_text()[-3000:]}")
+
+    def stop(self, sig: int) -> int:
+        self.kids |= descendants(self.proc.pid)
+        self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(20)
+        finally:
+            if self.proc.poll() is None:  # must not happen; do not leak it either
+                self.proc.kill()
+                self.proc.wait(5)
+            self._logf.close()
+        return rc
+
+
+def save(page, tmp_path: Path, name: str) -> Path:
+    shot = tmp_path / name
+    page.screenshot(path=str(shot), full_page=True)
+    OUT.mkdir(exist_ok=True)
+    shutil.copy(shot, OUT / name)
+    return shot
+
+
+def wait_charts(page, n: int, timeout_ms: int = 45_000) -> None:
+    page.wait_for_function(
+        f"document.querySelectorAll('.vega-embed svg, .vega-embed canvas').length >= {n}", timeout=timeout_ms)
+
+
+@pytest.fixture
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def test_dashboard_in_chromium(tmp_path, browser):
+    store = make_store(tmp_path / "home", n_per_mode=40)
+    dash = Dashboard(store, tmp_path / "dashboard.log")
+    try:
+        dash.wait_ready()
+        assert dash.kids, "streamlit child not found"
+        page = browser.new_page(viewport={"width": 1600, "height": 2000})
+        page.goto(dash.url, wait_until="domcontentloaded")
+        page.get_by_text("Overview: push vs pull, live").wait_for(timeout=45_000)
+        page.get_by_text("Push (NixlPushConnector)").wait_for(timeout=45_000)
+        wait_charts(page, 4)
+        assert page.get_by_text("Pull (NixlConnector)").is_visible()
+        assert page.locator('[data-testid="stMetric"]').count() >= 18
+        body = page.inner_text("body")
+        assert "handoff p99" in body and "Traceback" not in body
+        page.wait_for_timeout(1500)  # let vega finish layout before the picture
+        save(page, tmp_path, "dashboard.png")
+
+        page.goto(dash.url + "/?page=traces&mode=push", wait_until="domcontentloaded")
+        page.get_by_text("Traces: slowest requests").wait_for(timeout=45_000)
+        wait_charts(page, 1)
+        page.wait_for_timeout(1500)
+        assert "write.complete" in page.inner_text("body") or page.locator(".vega-embed").count() >= 1
+        save(page, tmp_path, "dashboard-traces.png")
+
+        page.goto(dash.url + "/compare", wait_until="domcontentloaded")
+        page.get_by_text("Benchmark grid").wait_for(timeout=45_000)
+        wait_charts(page, 1)
+        page.wait_for_timeout(1500)
+        save(page, tmp_path, "dashboard-compare.png")
+        page.close()
+    finally:
+        rc = dash.stop(signal.SIGINT)
+    assert rc == 0, dash.log.read_text()[-3000:]
+    time.sleep(0.5)
+    assert not [k for k in dash.kids if alive(k)], "orphaned dashboard processes"
+
+
+def test_dashboard_missing_store_and_sigterm(tmp_path, browser):
+    dash = Dashboard(tmp_path / "nowhere" / "traces.db", tmp_path / "dashboard.log")
+    try:
+        dash.wait_ready()
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(dash.url, wait_until="domcontentloaded")
+        page.get_by_text("No trace store at").first.wait_for(timeout=45_000)
+        assert "Traceback" not in page.inner_text("body")
+        page.close()
+    finally:
+        rc = dash.stop(signal.SIGTERM)
+    assert rc == 0
+    assert "no trace store" in dash.log.read_text()
+    time.sleep(0.5)
+    assert not [k for k in dash.kids if alive(k)]
