@@ -9,9 +9,10 @@ Tables
             generated column ``(kv_ready_ns - prefill_finished_ns) / 1e9``.
 ``bench_rows`` results of ``kvlens bench`` (one row per grid cell).
 
-Indexes are chosen for the two hot reads: "slowest N by handoff, filtered by
-mode / outcome / time" (``traces_mode_handoff``, ``traces_handoff``,
-``traces_start``) and "all spans of these traces" (the spans primary key).
+Indexes are chosen for the two hot reads: "slowest N by handoff (or TTFT),
+filtered by mode / outcome / time" (``traces_*_handoff``, ``traces_*_ttft``,
+``traces_start``: SQLite walks the matching index in order and stops after N)
+and "all spans of these traces" (the spans primary key).
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ CREATE TABLE IF NOT EXISTS traces (
     handoff_s           REAL GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED
 );
 CREATE INDEX IF NOT EXISTS traces_mode_handoff ON traces (mode, handoff_s DESC);
+CREATE INDEX IF NOT EXISTS traces_mode_outcome_handoff ON traces (mode, outcome, handoff_s DESC);
+CREATE INDEX IF NOT EXISTS traces_outcome_handoff ON traces (outcome, handoff_s DESC);
 CREATE INDEX IF NOT EXISTS traces_handoff ON traces (handoff_s DESC);
+CREATE INDEX IF NOT EXISTS traces_mode_ttft ON traces (mode, ttft_s DESC);
+CREATE INDEX IF NOT EXISTS traces_ttft ON traces (ttft_s DESC);
 CREATE INDEX IF NOT EXISTS traces_start ON traces (start_ns);
 CREATE TABLE IF NOT EXISTS bench_rows (
     run_id      TEXT NOT NULL,
@@ -282,7 +287,7 @@ def slowest(
     sql = (
         "SELECT trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, "
         "prefill_finished_ns, kv_ready_ns, handoff_s, n_spans FROM traces "
-        f"WHERE {' AND '.join(where)} ORDER BY {col} IS NULL, {col} DESC LIMIT ?"
+        f"WHERE {' AND '.join(where)} ORDER BY {col} DESC LIMIT ?"  # NULLs sort last in DESC
     )
     params.append(int(n))
     return [dict(r) for r in conn.execute(sql, params)]

@@ -64,6 +64,9 @@ class _Pending(dict):
 class _NullRecorder:
     dropped = 0
 
+    def start(self) -> "_NullRecorder":
+        return self
+
     def record(self, *a, **k) -> None:
         pass
 
@@ -82,7 +85,7 @@ def _make_recorder(vllm_config, mode: str, engine_id: str) -> Recorder | _NullRe
     cfg = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     validate_config(cfg)  # strict at start: a bad kvlens option raises here
     try:
-        return get_recorder(_role(vllm_config), mode, engine_id, cfg)
+        return get_recorder(_role(vllm_config), mode, engine_id, cfg).start()
     except Exception:
         log_once("recorder-init", "telemetry disabled: recorder setup failed", exc_info=True)
         return _NullRecorder()

@@ -160,6 +160,14 @@ class Recorder:
         self.record(phase, request_id, t, t, outcome, attrs)
 
     # --------------------------------------------------------------- background
+    def start(self) -> "Recorder":
+        """Start the background thread now (at engine start-up), so building
+        the OTel pipeline - imports, SQLite schema, exporters - never competes
+        with the first request. Idempotent; ``record`` also starts it lazily."""
+        if self._thread is None:
+            self._ensure_started()
+        return self
+
     def _ensure_started(self) -> None:
         try:
             with self._start_lock:

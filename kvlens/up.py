@@ -94,17 +94,39 @@ def check_model(model: Path) -> Path:
     return model.resolve()
 
 
-def kv_transfer_config(mode: str, role: str, engine_id: str, stock: bool, kvlens_home: Path) -> dict:
+#: vLLM's KV lease (P keeps blocks for D this long) defaults to 30 s and a
+#: push registration waits 480 s. On a small CPU box a cold or busy engine
+#: can take longer than 30 s to register, and the request then hangs until
+#: the 480 s watchdog. The stacks kvlens starts (stock and instrumented alike,
+#: so comparisons stay fair) use a longer lease and a shorter watchdog.
+DEFAULT_KV_LEASE_S = 120
+DEFAULT_PUSH_REGISTRATION_TIMEOUT_S = 150
+
+
+def kv_transfer_config(
+    mode: str,
+    role: str,
+    engine_id: str,
+    stock: bool,
+    kvlens_home: Path,
+    kv_lease_s: int = DEFAULT_KV_LEASE_S,
+    push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
+) -> dict:
     name, module = CONNECTORS[(mode, stock)]
+    extra: dict[str, Any] = {
+        "kv_lease_duration": int(kv_lease_s),
+        "push_registration_timeout": int(push_registration_timeout_s),
+    }
     cfg: dict[str, Any] = {
         "kv_connector": name,
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_buffer_device": "cpu",
         "engine_id": engine_id,
+        "kv_connector_extra_config": extra,
     }
     if module:
         cfg["kv_connector_module_path"] = module
-        cfg["kv_connector_extra_config"] = {"kvlens_home": str(kvlens_home)}
+        extra["kvlens_home"] = str(kvlens_home)
     return cfg
 
 
@@ -220,6 +242,9 @@ class Stack:
     decode_side_port: int | None = None
     vllm_args: list[str] = field(default_factory=list)
     quiet: bool = False
+    warmup: bool = True
+    kv_lease_s: int = DEFAULT_KV_LEASE_S
+    push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S
 
     # filled by start()
     router_url: str = ""
@@ -319,7 +344,8 @@ class Stack:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
         if self.env_extra:
             env.update({k: str(v) for k, v in self.env_extra.items()})
-        ktc = kv_transfer_config(self.mode, role, engine_id, self.stock, Path(self.kvlens_home))
+        ktc = kv_transfer_config(self.mode, role, engine_id, self.stock, Path(self.kvlens_home),
+                                 self.kv_lease_s, self.push_registration_timeout_s)
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(self.model),
@@ -369,6 +395,8 @@ class Stack:
             self.children.append(r)
             self.router_url = r.url
             self._wait([r], t0 + timeout)
+            if self.warmup:
+                self._warm_up()
         except BaseException:
             self.stop()
             raise
@@ -376,6 +404,37 @@ class Stack:
         self._write_manifest()
         self._say(f"ready in {self.startup_s:.0f}s")
         return self
+
+    def _warm_up(self, tries: int = 3, timeout_s: float = 90.0) -> None:
+        """One tiny request end to end before reporting ready.
+
+        The first request to a new P/D pair pays for kernel warm-up and the
+        first-contact NIXL handshakes; vLLM gives a handshake reply 5 s, and
+        on a loaded machine a cold engine can miss that, which strands that
+        request until vLLM's registration timeout. Paying it here keeps it
+        out of the user's (and the tests') first measured request. A failed
+        handshake is retried by vLLM on the next request, hence the retries.
+        """
+        import httpx
+
+        for i in range(1, tries + 1):
+            try:
+                r = httpx.post(
+                    self.router_url + "/v1/completions",
+                    json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
+                    timeout=timeout_s,
+                    headers={"X-Request-Id": "0" * 31 + str(i)},
+                )
+                if r.status_code == 200:
+                    self._say(f"warm-up request ok ({i}/{tries})")
+                    return
+                self._say(f"warm-up request returned HTTP {r.status_code} ({i}/{tries})")
+            except httpx.HTTPError as e:
+                self._say(f"warm-up request failed: {type(e).__name__} ({i}/{tries})")
+            dead = self.dead_child()
+            if dead is not None:
+                raise StackError(dead.died_message())
+        self._say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
 
     def add_router(self, dispatch: str, port: int | None = None, timeout: float = 60.0) -> str:
         """Start one more router on the same P/D (e.g. sequential next to
@@ -387,6 +446,25 @@ class Stack:
         self.children.append(c)
         self._wait([c], time.monotonic() + timeout)
         return c.url
+
+    def router_for(self, dispatch: str) -> str:
+        """URL of a router with this dispatch on this P/D pair, started on
+        first use (tests and the bench share one pair per mode)."""
+        if dispatch == self.dispatch and self.router_url:
+            return self.router_url
+        extra = self.__dict__.setdefault("_extra_routers", {})
+        if dispatch not in extra:
+            extra[dispatch] = self.add_router(dispatch)
+        return extra[dispatch]
+
+    @property
+    def sequential_router_url(self) -> str:
+        return self.router_for("sequential")
+
+    @property
+    def store_path(self) -> Path:
+        """The trace store every process of this stack writes to."""
+        return Path(self.kvlens_home) / "traces.db"
 
     def dead_child(self) -> Child | None:
         for c in self.children:
@@ -489,6 +567,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for readiness")
+    p.add_argument("--kv-lease", type=int, default=DEFAULT_KV_LEASE_S, metavar="S",
+                   help=f"vLLM kv_lease_duration: how long P keeps a request's KV for D (default {DEFAULT_KV_LEASE_S}; vLLM's own default is 30)")
+    p.add_argument("--push-registration-timeout", type=int, default=DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, metavar="S",
+                   help=f"vLLM push_registration_timeout on D (default {DEFAULT_PUSH_REGISTRATION_TIMEOUT_S}; vLLM's own default is 480)")
 
 
 class _Terminate(Exception):
@@ -512,6 +594,8 @@ def run(args: argparse.Namespace) -> int:
             stock=args.stock,
             log_dir=args.log_dir,
             host=args.host,
+            kv_lease_s=args.kv_lease,
+            push_registration_timeout_s=args.push_registration_timeout,
         )
         stack.start(timeout=args.timeout)
         print(

@@ -104,3 +104,30 @@ def stock_push_stack(stack_factory):
 def stock_pull_stack(stack_factory):
     """vLLM's own NixlConnector (baseline / greedy-equality tests)."""
     return stack_factory.get("pull", stock=True)
+
+
+# Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
+# the e2e tests grouped by the stack they need, so each pair starts once:
+# stock push, instrumented push, stock pull, instrumented pull, then the tests
+# that drive stacks themselves (bench grid: pull then push; demo; SIGTERM).
+_STACK_ORDER = ("stock_push_stack", "push_stack", "stock_pull_stack", "pull_stack")
+
+
+def _stack_group(item) -> int:
+    if item.get_closest_marker("e2e") is None:
+        return 0
+    names = getattr(item, "fixturenames", ())
+    for i, fx in enumerate(_STACK_ORDER, start=1):
+        if fx in names:
+            return i
+    return len(_STACK_ORDER) + 1
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=_stack_group)  # stable: module order kept within a group
+
+
+@pytest.fixture(scope="session")
+def greedy_outputs():
+    """Greedy completions per (mode, connector), shared across tests."""
+    return {}

@@ -27,15 +27,11 @@ NUM_PROMPTS = 4
 
 
 def _store_path(stack) -> Path:
-    return Path(getattr(stack, "store_path", None) or Path(stack.kvlens_home) / "traces.db")
+    return stack.store_path
 
 
 def _sequential_url(stack) -> str:
-    url = getattr(stack, "sequential_router_url", None) or getattr(stack, "_seq_router", None)
-    if not url:
-        url = stack.add_router("sequential")
-        stack._seq_router = url  # the convention tests/test_stack.py uses
-    return url
+    return stack.sequential_router_url
 
 
 @pytest.fixture(scope="module")

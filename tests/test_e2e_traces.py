@@ -160,3 +160,65 @@ def test_traces_cli_json_matches_the_store(pull_stack, capsys):
     assert main(["traces", "--store", str(pull_stack.store_path), "--slowest", "1"]) == 0
     out = capsys.readouterr().out
     assert "critical path" in out and "kv.ready" in out
+
+
+GREEDY_PROMPTS = [f"greedy check {i}: " + "alpha beta gamma " * (10 + 25 * i) for i in range(3)]
+
+
+def _greedy(url: str) -> list[str]:
+    out = []
+    with httpx.Client(timeout=180) as c:
+        for p in GREEDY_PROMPTS:
+            r = c.post(url + "/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0})
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+# Greedy equality with vLLM's own connector. The conftest runs the stock stack
+# of a mode before the instrumented one, so the stock outputs are recorded first.
+def test_greedy_stock_push_reference(stock_push_stack, greedy_outputs):
+    greedy_outputs["push"] = _greedy(stock_push_stack.router_url)
+    assert all(greedy_outputs["push"])
+
+
+def test_greedy_stock_pull_reference(stock_pull_stack, greedy_outputs):
+    greedy_outputs["pull"] = _greedy(stock_pull_stack.router_url)
+    assert all(greedy_outputs["pull"])
+
+
+def test_greedy_push_identical_to_vllms_own_connector(push_stack, greedy_outputs):
+    if "push" not in greedy_outputs:
+        pytest.skip("stock push reference not recorded (run the whole module)")
+    assert _greedy(push_stack.router_url) == greedy_outputs["push"]
+
+
+def test_greedy_pull_identical_to_vllms_own_connector(pull_stack, greedy_outputs):
+    if "pull" not in greedy_outputs:
+        pytest.skip("stock pull reference not recorded (run the whole module)")
+    assert _greedy(pull_stack.router_url) == greedy_outputs["pull"]
+
+
+def test_dashboard_pages_on_the_real_run_store(pull_stack, monkeypatch):
+    """The dashboard against the store this session's real P/D runs wrote
+    (push traces from the push tests, pull traces from this stack)."""
+    import sys
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    app = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(pull_stack.store_path)])
+    at = AppTest.from_file(app, default_timeout=90)
+    at.run()
+    at.select_slider(key="ov_range").set_value("all").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len([m for m in at.metric if m.label == "handoff p50"]) == 2  # push and pull side by side
+
+    at = AppTest.from_file(app, default_timeout=90)
+    at.query_params["page"] = "traces"
+    at.query_params["mode"] = "pull"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    spans = at.dataframe[-1].value
+    assert {p.value for p in sc.PULL_PHASES} <= set(spans["phase"])

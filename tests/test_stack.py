@@ -188,8 +188,7 @@ def test_push_greedy_matches_single_instance(push_stack):
 @pytest.mark.e2e
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_push_sequential_completions(push_stack, stream):
-    url = getattr(push_stack, "_seq_router", None) or push_stack.add_router("sequential")
-    push_stack._seq_router = url
+    url = push_stack.sequential_router_url
     status, text = _complete(url, stream)
     assert status == 200, text
     assert text
