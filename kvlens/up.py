@@ -245,6 +245,9 @@ class Stack:
     warmup: bool = True
     kv_lease_s: int = DEFAULT_KV_LEASE_S
     push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S
+    prometheus: bool = False
+    prometheus_port: int = 9090
+    prometheus_server: Any = None
 
     # filled by start()
     router_url: str = ""
@@ -294,6 +297,10 @@ class Stack:
             "prefill side-channel port": self.prefill_side_port,
             "decode side-channel port": self.decode_side_port,
         }
+        if self.prometheus:
+            named["prometheus port"] = self.prometheus_port
+            if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
+                raise StackError("--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)")
         for what, p in named.items():
             if p is None or p == 0:
                 continue
@@ -397,6 +404,8 @@ class Stack:
             self._wait([r], t0 + timeout)
             if self.warmup:
                 self._warm_up()
+            if self.prometheus:
+                self.start_prometheus(self.prometheus_port)
         except BaseException:
             self.stop()
             raise
@@ -472,7 +481,36 @@ class Stack:
                 return c
         return None
 
+    def start_prometheus(self, port: int = 9090, timeout: float = 60.0):
+        """Start a real Prometheus scraping this stack's router, P and D
+        (data and config under the log dir). Returns the server; its URL is
+        ``self.prometheus_server.url``. Stopped with the stack."""
+        from exporters.prometheus_server import PrometheusServer
+
+        if self.prometheus_server is not None:
+            return self.prometheus_server
+        routers = [self.router_url] + list(self.__dict__.get("_extra_routers", {}).values())
+        hostport = lambda u: u.split("://", 1)[-1].rstrip("/")  # noqa: E731
+        server = PrometheusServer(
+            {
+                "kvlens-router": [hostport(u) for u in routers],
+                "vllm-prefill": [hostport(self.prefill_url)],
+                "vllm-decode": [hostport(self.decode_url)],
+            },
+            port=port,
+            data_dir=Path(self.log_dir) / "prometheus",
+        )
+        server.start(timeout=timeout)
+        self.prometheus_server = server
+        self._say(f"prometheus ready at {server.url}")
+        return server
+
     def stop(self) -> None:
+        if self.prometheus_server is not None:
+            try:
+                self.prometheus_server.stop()
+            finally:
+                self.prometheus_server = None
         if self.children:
             _stop_children(list(reversed(self.children)))
             self._say("stopped")
@@ -567,6 +605,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for readiness")
+    p.add_argument("--prometheus", action="store_true",
+                   help="also start a Prometheus server (Debian package prometheus) scraping router, P and D, "
+                        "with the kvlens recording rules and exemplar storage; data under the log dir")
+    p.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus port (default 9090)")
     p.add_argument("--kv-lease", type=int, default=DEFAULT_KV_LEASE_S, metavar="S",
                    help=f"vLLM kv_lease_duration: how long P keeps a request's KV for D (default {DEFAULT_KV_LEASE_S}; vLLM's own default is 30)")
     p.add_argument("--push-registration-timeout", type=int, default=DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, metavar="S",
@@ -596,6 +638,8 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             kv_lease_s=args.kv_lease,
             push_registration_timeout_s=args.push_registration_timeout,
+            prometheus=args.prometheus,
+            prometheus_port=args.prometheus_port,
         )
         stack.start(timeout=args.timeout)
         print(

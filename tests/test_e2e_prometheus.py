@@ -1,0 +1,88 @@
+"""End-to-end with a real Prometheus server scraping the real stack: the
+router's, P's and D's /metrics (issue: phase metrics in Prometheus).
+
+Counts are compared as deltas: the shared stack has served the warm-up and
+earlier tests before Prometheus starts, and a first scrape records that."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import httpx
+import pytest
+
+from instrumented_connector import semconv as sc
+
+pytestmark = pytest.mark.e2e
+N = 4
+
+
+def _value(prom, q: str) -> float | None:
+    res = prom.query(q)
+    return float(res[0]["value"][1]) if res else None
+
+
+def _wait(pred, timeout: float = 90.0, step: float = 1.0):
+    deadline = time.time() + timeout
+    while True:
+        v = pred()
+        if v or time.time() > deadline:
+            return v
+        time.sleep(step)
+
+
+def _prom(stack):
+    prom = stack.start_prometheus(port=0)
+    up = _wait(lambda: all(t["health"] == "up" for t in prom.targets_health()) and len(prom.targets_health()) >= 3)
+    assert up, prom.targets_health()
+    return prom
+
+
+def _send(url: str, n: int) -> None:
+    with httpx.Client(timeout=180) as c:
+        for i in range(n):
+            r = c.post(url + "/v1/completions", headers={"X-Request-Id": uuid.uuid4().hex},
+                       json={"prompt": f"prometheus {i} " + "word " * 60, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+
+
+def _check_mode(stack, mode: str, phases, owner_job: str, complete_phase: str) -> None:
+    prom = _prom(stack)
+    q_handoff = f'sum(kvlens_handoff_seconds_count{{mode="{mode}"}})'
+    q_req = f'sum(kvlens_requests_total{{mode="{mode}",outcome="ok"}})'
+    before = _wait(lambda: _value(prom, q_handoff) is not None and _value(prom, q_req) is not None)
+    assert before, "router metrics never scraped"
+    h0, r0 = _value(prom, q_handoff), _value(prom, q_req)
+    _send(stack.router_url, N)
+    assert _wait(lambda: _value(prom, q_handoff) == h0 + N), (_value(prom, q_handoff), h0)
+    assert _value(prom, q_req) == r0 + N
+
+    # every phase of the mode has a series, scraped from vLLM's own /metrics
+    got = {r["metric"]["phase"] for r in prom.query(
+        f'count by (phase) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})')}
+    assert {p.value for p in phases} <= got, got
+    jobs = {r["metric"]["job"] for r in prom.query(f'count by (job) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})')}
+    assert {"vllm-prefill", "vllm-decode", "kvlens-router"} <= jobs
+
+    # the recording rules evaluate (interval 2 s; rate windows need 2 samples)
+    assert _wait(lambda: prom.query(f'kvlens:handoff_seconds:p50_1m{{mode="{mode}"}}'), timeout=60)
+
+    # reconciliation with vLLM's own NIXL histogram on the side that owns the
+    # transfer: one completion span per NIXL transfer (TP=1), and our
+    # post->DONE-seen duration contains NIXL's xferDuration (post->done).
+    q_ours = f'sum(kvlens_phase_duration_seconds_count{{mode="{mode}",phase="{complete_phase}"}})'
+    q_vllm = f'sum(vllm:nixl_xfer_time_seconds_count{{job="{owner_job}"}})'
+    assert _wait(lambda: _value(prom, q_vllm) is not None and _value(prom, q_ours) == _value(prom, q_vllm)), (
+        _value(prom, q_ours), _value(prom, q_vllm))
+    ours_sum = _value(prom, f'sum(kvlens_phase_duration_seconds_sum{{mode="{mode}",phase="{complete_phase}"}})')
+    vllm_sum = _value(prom, f'sum(vllm:nixl_xfer_time_seconds_sum{{job="{owner_job}"}})')
+    assert ours_sum >= vllm_sum * 0.99, (ours_sum, vllm_sum)
+
+
+def test_push_metrics_in_a_real_prometheus(push_stack):
+    _check_mode(push_stack, "push", sc.PUSH_PHASES, "vllm-prefill", "write.complete")
+
+
+def test_pull_metrics_in_a_real_prometheus(pull_stack):
+    _check_mode(pull_stack, "pull", sc.PULL_PHASES, "vllm-decode", "read.complete")
