@@ -537,21 +537,28 @@ class PromptMaker:
         )
 
     def make(self, n_tokens: int, rng) -> str:
+        """A prompt that re-encodes to exactly ``n_tokens`` (with the server's
+        special tokens). Decode/encode does not always round-trip, so a few
+        random starting points are tried; the closest one is the fallback."""
         target = max(1, n_tokens - self.num_special)
-        off = int(rng.integers(0, len(self.allowed)))
-        ids = [self.allowed[(off + i) % len(self.allowed)] for i in range(target)]
-        text = ""
-        for _ in range(12):
-            text = self.tok.decode(ids)
-            ids = self.tok.encode(text, add_special_tokens=False).ids
-            if len(ids) == target:
-                return text
-            if len(ids) > target:
-                ids = ids[:target]
-            else:
-                extra = rng.integers(0, len(self.allowed), size=target - len(ids))
-                ids = ids + [self.allowed[int(j)] for j in extra]
-        return self.tok.decode(ids)
+        best, best_err = "", None
+        for _attempt in range(20):
+            off = int(rng.integers(0, len(self.allowed)))
+            ids = [self.allowed[(off + i) % len(self.allowed)] for i in range(target)]
+            for _ in range(12):
+                text = self.tok.decode(ids)
+                ids = self.tok.encode(text, add_special_tokens=False).ids
+                err = abs(len(ids) - target)
+                if best_err is None or err < best_err:
+                    best, best_err = text, err
+                if err == 0:
+                    return text
+                if len(ids) > target:
+                    ids = ids[:target]
+                else:
+                    extra = rng.integers(0, len(self.allowed), size=target - len(ids))
+                    ids = ids + [self.allowed[int(j)] for j in extra]
+        return best
 
 
 # ================================================================ load side

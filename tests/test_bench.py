@@ -67,7 +67,8 @@ def test_every_row_present_and_sane(grid_run):
         assert r["ttft_p50_s"] <= r["e2e_p50_s"]
         assert r["handoff_p50_s"] < r["e2e_p99_s"]  # the handoff is part of the request
         assert r["output_tokens_mean"] == OUTPUT_LEN  # ignore_eos: exactly output_len tokens
-        assert r["prompt_tokens_mean"] == r["input_len"]  # prompts of exactly input_len tokens
+        # prompts of input_len tokens (decode/encode round trips can miss by one)
+        assert abs(r["prompt_tokens_mean"] - r["input_len"]) <= 1
         assert r["handoff_n"] == r["completed"] and r["traces_in_store"] == r["num_prompts"]
 
 
