@@ -222,3 +222,16 @@ def test_dashboard_pages_on_the_real_run_store(pull_stack, monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     spans = at.dataframe[-1].value
     assert {p.value for p in sc.PULL_PHASES} <= set(spans["phase"])
+
+
+def test_malformed_kv_transfer_params_leave_serving_intact(push_stack):
+    """Garbage kv_transfer_params sent straight to P: vLLM answers as it
+    does without kvlens (whatever its status), and the stack keeps serving."""
+    with httpx.Client(timeout=180) as c:
+        for params in ({"do_remote_decode": True, "remote_block_ids": "not-a-list", "remote_engine_id": 7},
+                       {"do_remote_decode": "maybe"}, ["not", "a", "dict"]):
+            r = c.post(push_stack.prefill_url + "/v1/completions",
+                       json={"prompt": "malformed", "max_tokens": 1, "kv_transfer_params": params})
+            assert r.status_code < 500, r.text
+    assert _send(push_stack.router_url, 1)
+    assert push_stack.dead_child() is None

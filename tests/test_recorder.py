@@ -145,3 +145,22 @@ def test_memory_stays_under_cap_when_exporter_stalls():
     tracemalloc.stop()
     assert r.dropped == 200_000 - r.capacity
     assert used < 64 * 2**20, used
+
+
+def test_unreachable_otlp_endpoint_never_raises(tmp_path):
+    """An OTLP collector that is down: spans still reach the store, nothing raises."""
+    import socket
+
+    from exporters import pipeline, store
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    cfg = {"kvlens_home": str(tmp_path), "otlp_endpoint": f"http://127.0.0.1:{port}", "kvlens_metrics": "off"}
+    r = Recorder(role="decode", mode="pull",
+                 pipeline_factory=pipeline.provider_factory(role="decode", mode="pull", engine_id="d0", config=cfg))
+    r.record(sc.Phase.KV_READY, f"cmpl-{TID}-0-abcdef12", 1, 2)
+    r.close()
+    conn = store.connect(tmp_path / "traces.db", readonly=True)
+    assert [s["name"] for s in store.spans_for(conn, [TID])[TID]] == ["kv.ready"]
