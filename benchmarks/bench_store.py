@@ -60,13 +60,14 @@ def populate(path: Path, n: int, seed: int = 1, span_h: float = 24.0) -> tuple[i
 
     def flush():
         nonlocal spans, traces
-        with conn:
-            conn.executemany(
-                "INSERT INTO spans (trace_id, span_id, parent_id, name, role, mode, request_id, start_ns, end_ns, "
-                "outcome, attributes) VALUES (?,?,?,?,?,?,?,?,?,?,?)", spans)
-            conn.executemany(
-                "INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, "
-                "prefill_finished_ns, kv_ready_ns, n_spans) VALUES (?,?,?,?,?,?,?,?,?,?,?)", traces)
+        conn.execute("BEGIN")  # the store's connections are autocommit: one transaction per batch
+        conn.executemany(
+            "INSERT INTO spans (trace_id, span_id, parent_id, name, role, mode, request_id, start_ns, end_ns, "
+            "outcome, attributes) VALUES (?,?,?,?,?,?,?,?,?,?,?)", spans)
+        conn.executemany(
+            "INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, "
+            "prefill_finished_ns, kv_ready_ns, n_spans) VALUES (?,?,?,?,?,?,?,?,?,?,?)", traces)
+        conn.execute("COMMIT")
         spans, traces = [], []
 
     for k in range(n):

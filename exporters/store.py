@@ -121,7 +121,8 @@ def connect(path: str | Path, *, readonly: bool = False, timeout_s: float = 5.0)
         conn.row_factory = sqlite3.Row
         return conn
     path.parent.mkdir(parents=True, exist_ok=True)
-    conn = sqlite3.connect(str(path), timeout=timeout_s, check_same_thread=False)
+    # isolation_level=None: transactions are explicit (see write_spans).
+    conn = sqlite3.connect(str(path), timeout=timeout_s, check_same_thread=False, isolation_level=None)
     conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
@@ -167,15 +168,24 @@ def _base_id(rid: str) -> str:
 
 
 def write_spans(conn: sqlite3.Connection, spans: Sequence) -> None:
-    """Insert spans and fold them into ``traces`` in one transaction."""
+    """Insert spans and fold them into ``traces`` in one transaction.
+
+    ``BEGIN IMMEDIATE`` takes the write lock up front, so waiting for another
+    process's writer goes through SQLite's busy handler (the connection
+    timeout) instead of failing on a read-to-write lock upgrade."""
     rows, ups = [], []
     for s in spans:
         r, u = _span_rows(s)
         rows.append(r)
         ups.append(u)
-    with conn:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
         conn.executemany(_INSERT_SPAN, rows)
         conn.executemany(_UPSERT_TRACE, ups)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 class SQLiteSpanExporter:
@@ -189,9 +199,15 @@ class SQLiteSpanExporter:
         self._lock = threading.Lock()
         self._warned = False
 
+    #: Every kvlens process of a host writes this one file; on a loaded host a
+    #: writer can hold the lock for seconds. Waiting here only delays the SDK's
+    #: export thread (its queue is bounded), so wait generously before dropping.
+    BUSY_TIMEOUT_S = 30.0
+    LOCKED_RETRIES = 4
+
     def _connection(self) -> sqlite3.Connection:
         if self._conn is None:
-            self._conn = connect(self.path)
+            self._conn = connect(self.path, timeout_s=self.BUSY_TIMEOUT_S)
         return self._conn
 
     def export(self, spans):
@@ -199,7 +215,15 @@ class SQLiteSpanExporter:
 
         try:
             with self._lock:
-                write_spans(self._connection(), spans)
+                for attempt in range(self.LOCKED_RETRIES + 1):
+                    try:
+                        write_spans(self._connection(), spans)
+                        break
+                    except sqlite3.OperationalError as e:
+                        msg = str(e).lower()
+                        if attempt == self.LOCKED_RETRIES or ("locked" not in msg and "busy" not in msg):
+                            raise
+                        time.sleep(0.5 * 2**attempt)
             return SpanExportResult.SUCCESS
         except Exception as e:
             if not self._warned:
@@ -340,7 +364,8 @@ def trace_record(summary: dict[str, Any], spans: list[dict[str, Any]]) -> dict[s
 def save_bench_rows(conn: sqlite3.Connection, run_id: str, rows: Sequence[dict[str, Any]]) -> None:
     """Persist ``kvlens bench`` rows (dicts with the --json keys)."""
     now = time.time_ns()
-    with conn:
+    conn.execute("BEGIN IMMEDIATE")
+    try:
         conn.executemany(
             "INSERT INTO bench_rows (run_id, created_ns, mode, dispatch, qps, input_len, output_len, "
             "num_prompts, row) VALUES (?,?,?,?,?,?,?,?,?)",
@@ -350,6 +375,10 @@ def save_bench_rows(conn: sqlite3.Connection, run_id: str, rows: Sequence[dict[s
                 for r in rows
             ],
         )
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
 
 
 def bench_rows(conn: sqlite3.Connection, run_id: str | None = None) -> list[dict[str, Any]]:
