@@ -42,7 +42,7 @@ def grid_run(stack_factory, tmp_path_factory):
     opts = bench.BenchOptions(
         qps=QPS, input_lens=INPUT_LENS, output_len=OUTPUT_LEN, num_prompts=NUM_PROMPTS,
         seed=int.from_bytes(bench.new_request_id()[:8].encode(), "big") % 10_000,  # fresh prompts: shared stacks cache prefixes
-        warmup=1, trace_wait_s=30.0, store=_store_path(pull), json_path=out / "rows.jsonl", progress=False,
+        warmup=1, trace_wait_s=60.0, store=_store_path(pull), json_path=out / "rows.jsonl", progress=False,
     )
     run = bench._new_run(opts)
     bench.bench_routers([pull.router_url], opts, run=run)
