@@ -40,8 +40,8 @@ def main() -> None:
                                       trace_wait_s=2.0 if label == "stock" else 30.0, progress=False, model=model)
             factory = functools.partial(Stack, stock=(label == "stock"), quiet=True)
             run = bench.bench_stacks([a.mode], ["overlapped"], opts, stack_factory=factory)
-            results[label].extend(run.rows())
-            r = run.rows()[-1]
+            results[label].extend(run.rows)
+            r = run.rows[-1]
             print(f"round {rnd} {label:12s} ttft_p50={r['ttft_p50_s']*1e3:.1f}ms ttft_mean={r['ttft_mean_s']*1e3:.1f}ms "
                   f"tpot_mean={(r['tpot_mean_s'] or 0)*1e3:.2f}ms completed={r['completed']}", flush=True)
     med = {k: {m: statistics.median(r[m] for r in v if r.get(m)) for m in ("ttft_p50_s", "ttft_mean_s", "tpot_mean_s")}
