@@ -376,12 +376,7 @@ class _HandoffResolver:
         except Exception as e:
             store_ok = False
             log_once("handoff-read:" + type(e).__name__, "trace store read failed (%s); retrying", e)
-            try:
-                if self._conn is not None:
-                    self._conn.close()
-            except Exception:
-                pass
-            self._conn = None
+            self._close_conn()
         now = time.monotonic()
         resolved, expired = [], []
         with self._lock:
@@ -422,6 +417,10 @@ class _HandoffResolver:
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(2.0)
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        """Drop the read-only store connection (reopened on the next poll)."""
         try:
             if self._conn is not None:
                 self._conn.close()

@@ -247,10 +247,9 @@ class _WorkerHooks:
         self._kvl_failed: set[str] = set()
         self._kvl_xfer = _Pending()  # NIXL handle -> (bytes, descs, xfer us)
 
-    def _kvl_setup(self, rec, role: str) -> None:
+    def _kvl_setup(self, rec) -> None:
         """Connect the recorder and tap NIXL telemetry (called once, after __init__)."""
         self._kvl = rec
-        self._kvl_role = role
         try:
             self.nixl_wrapper = _NixlTap(self.nixl_wrapper, self._kvl_xfer)
         except Exception:
@@ -536,7 +535,7 @@ def _attach(connector: NixlBaseConnector, vllm_config, role, mode: str, sched_cl
     elif role == KVConnectorRole.WORKER:
         connector.connector_scheduler = None
         connector.connector_worker = worker_cls(vllm_config, connector.engine_id, connector.kv_cache_config)
-        connector.connector_worker._kvl_setup(rec, _role(vllm_config))
+        connector.connector_worker._kvl_setup(rec)
     else:
         raise ValueError(f"Unsupported KVConnectorRole: {role}")
 
