@@ -21,10 +21,12 @@ class StackManager:
         self.current = None
         self.failed: dict[tuple, str] = {}
 
-    def get(self, mode: str, stock: bool = False, dispatch: str = "overlapped"):
+    def get(self, mode: str, stock: bool = False, dispatch: str = "overlapped", **stack_kw):
+        """The stack for this key; ``stack_kw`` (e.g. short vLLM timeouts for
+        fault tests) are ``Stack`` fields and part of the key."""
         from kvlens.up import Stack, StackError
 
-        key = (mode, stock, dispatch)
+        key = (mode, stock, dispatch, tuple(sorted(stack_kw.items())))
         if key in self.failed:
             pytest.fail(f"stack {key} failed to start earlier: {self.failed[key]}")
         if self.current_key == key and self.current is not None:
@@ -39,8 +41,9 @@ class StackManager:
             port=0,
             stock=stock,
             kvlens_home=self.home,
-            log_dir=self.home / "runs" / f"{mode}-{'stock' if stock else 'instr'}-{dispatch}",
+            log_dir=self.home / "runs" / f"{mode}-{'stock' if stock else 'instr'}-{dispatch}{'-faults' if stack_kw else ''}",
             quiet=True,
+            **stack_kw,
         )
         try:
             stack.start(timeout=float(os.environ.get("KVLENS_TEST_STACK_TIMEOUT", "420")))
@@ -106,11 +109,29 @@ def stock_pull_stack(stack_factory):
     return stack_factory.get("pull", stock=True)
 
 
+#: Short vLLM timeouts for the fault tests, so a registration that never
+#: matches and a lease that runs out end within seconds, not minutes.
+FAULT_REGISTRATION_TIMEOUT_S = 15
+FAULT_KV_LEASE_S = 20
+
+
+@pytest.fixture
+def fault_push_stack(stack_factory):
+    """Instrumented push pair with short registration timeout and KV lease.
+    Its tests may kill D, so nothing else shares it."""
+    return stack_factory.get(
+        "push",
+        push_registration_timeout_s=FAULT_REGISTRATION_TIMEOUT_S,
+        kv_lease_s=FAULT_KV_LEASE_S,
+    )
+
+
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
 # the e2e tests grouped by the stack they need, so each pair starts once:
-# stock push, instrumented push, stock pull, instrumented pull, then the tests
-# that drive stacks themselves (bench grid: pull then push; demo; SIGTERM).
-_STACK_ORDER = ("stock_push_stack", "push_stack", "stock_pull_stack", "pull_stack")
+# stock push, instrumented push, stock pull, the fault pair, instrumented pull,
+# then the tests that drive stacks themselves (bench grid: pull, reusing the
+# pull pair, then push; demo; SIGTERM).
+_STACK_ORDER = ("stock_push_stack", "push_stack", "stock_pull_stack", "fault_push_stack", "pull_stack")
 
 
 def _stack_group(item) -> int:
