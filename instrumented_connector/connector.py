@@ -369,14 +369,20 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._kvl_reg_t0 = _Pending()  # D: rid -> registration dequeued ns
+        self._kvl_reg_t0 = _Pending()  # D: rid -> (registration dequeued ns, handshake waited)
         self._kvl_reg_seen = _Pending()  # P: base id -> PUSH_REG received ns
         self._kvl_fin_seen = _Pending()  # P: base id -> finished blocks seen ns
 
     # -- D side, writer thread -----------------------------------------------
     def _send_registration_to_p(self, req_id, reg_data):
         try:
-            self._kvl_reg_t0.put_first(req_id, _now())
+            # vLLM calls this again once a handshake it had to start is done:
+            # keep the first dequeue time and mark the send deferred.
+            first = self._kvl_reg_t0.get(req_id)
+            if first is None:
+                self._kvl_reg_t0.put(req_id, (_now(), False))
+            else:
+                self._kvl_reg_t0[req_id] = (first[0], True)
         except Exception:
             _fail("_send_registration_to_p")
         return super()._send_registration_to_p(req_id, reg_data)
@@ -385,7 +391,7 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
         t = _now()
         res = super()._do_send_reg_notif(req_id, reg_data)
         try:
-            t0 = self._kvl_reg_t0.pop(req_id, t)
+            t0, deferred = self._kvl_reg_t0.pop(req_id, (t, False))
             self._kvl.record(
                 P.REGISTRATION_SEND,
                 req_id,
@@ -395,7 +401,7 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
                 {
                     sc.ATTR_REMOTE_ENGINE_ID: reg_data.get("remote_engine_id"),
                     sc.ATTR_BLOCKS: _nblocks(reg_data.get("local_block_ids")),
-                    sc.ATTR_DEFERRED: t0 < t,
+                    sc.ATTR_DEFERRED: deferred,
                 },
             )
         except Exception:

@@ -62,9 +62,31 @@ def port_in_use(port: int, host: str = DEFAULT_HOST) -> bool:
     return False
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except Exception:
+        return 32768, 60999
+
+
 def free_port(host: str = DEFAULT_HOST, avoid: set[int] | None = None) -> int:
-    """A currently free TCP port (not in ``avoid``)."""
-    for _ in range(50):
+    """A currently free TCP port (not in ``avoid``), chosen outside the
+    kernel's ephemeral range: a port handed out by ``bind(0)`` is free now,
+    but vLLM's ZMQ, NIXL and UCX sockets draw from that same range while the
+    pair starts, and one of them took a router port before it could bind."""
+    import random
+
+    lo, hi = _ephemeral_range()
+    pool = [(a, b) for a, b in ((20000, min(lo, 32768) - 1), (hi + 1, 65535)) if b - a > 100]
+    for _ in range(200):
+        if not pool:
+            break
+        a, b = random.choice(pool)
+        p = random.randint(a, b)
+        if (not avoid or p not in avoid) and not port_in_use(p, host):
+            return p
+    for _ in range(50):  # fall back to the kernel's choice
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
             p = s.getsockname()[1]

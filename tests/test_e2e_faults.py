@@ -137,6 +137,8 @@ def test_registration_that_never_matches_ends_timeout(fault_push_stack):
     stage = next(s for s in _spans(stack.store_path, tid) if s["name"] == sc.Phase.REGISTRATION_STAGE.value)
     assert ready["start_ns"] - stage["start_ns"] >= FAULT_REGISTRATION_TIMEOUT_S * 1e9 * 0.99
     assert sent["start_ns"] >= stage["start_ns"]
+    # the warm-up request already did D's handshake with P: sent at once
+    assert sent["attributes"][sc.ATTR_DEFERRED] is False, sent
     names = {s["name"] for s in _spans(stack.store_path, tid)}
     assert not names & {sc.Phase.MATCH.value, sc.Phase.WRITE_POST.value, sc.Phase.WRITE_COMPLETE.value}
 
