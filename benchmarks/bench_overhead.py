@@ -1,26 +1,23 @@
 """Serving overhead of the instrumented connector vs vLLM's own, same
 workload, side by side in one run:
 
-    .venv/bin/python benchmarks/bench_overhead.py [--mode push] [--pairs 60]
+    .venv/bin/python benchmarks/bench_overhead.py [--mode push] [--rounds 4] [--requests 40]
 
-Both P/D pairs (stock and instrumented) are alive at once and get the same
-prompts one request at a time, interleaved A B, B A, A B, ... so both see
-the same machine at the same moment. An earlier design (one pair at a time,
-restarted every round) measured the difference between two vLLM start-ups
-more than the connector: round-to-round TTFT medians moved 4x either way on
-this 2-core box, where every idle vLLM worker spins a core in NIXL's
-progress thread.
+Each round starts the stock pair and the instrumented pair in turn (ABBA
+order across rounds), and sends each the same prompts one request at a time
+(closed loop: no queueing to amplify a stall). Two pairs cannot run at once
+on a 2-core box: the second one's start-up starves behind the first one's
+NIXL progress threads (each idle vLLM worker spins a core) and times out.
 
-Prints the medians per connector, the ratio of medians with a bootstrap 95 %
-interval over the pairs, and the median of the per-pair ratios. Nothing is
-asserted: a shared machine is noisy, and the interval says how noisy.
+Prints per-round medians, the ratio of pooled medians, and the spread of the
+per-round ratios: on a noisy machine the spread between two start-ups of the
+same pair is the number to read before any ratio. Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import signal
 import statistics
 import sys
@@ -32,96 +29,80 @@ from kvlens import bench
 from kvlens.up import Stack
 
 LABELS = ("stock", "instrumented")
+METRICS = ("ttft_s", "tpot_s", "latency_s")
 
 
-def _bootstrap_ratio(a: list[float], b: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95 % percentile interval of median(b)/median(a), resampling pairs."""
-    rng = random.Random(seed)
-    idx = range(len(a))
-    ratios = []
-    for _ in range(n):
-        s = [rng.choice(idx) for _ in idx]
-        ratios.append(statistics.median(b[i] for i in s) / statistics.median(a[i] for i in s))
-    ratios.sort()
-    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
-
-
-async def _run_pairs(urls: dict[str, str], maker: bench.PromptMaker, a) -> dict[str, list]:
+async def _closed_loop(url: str, prompts: list[str], a) -> list:
     import httpx
 
-    rng = random.Random(a.seed)
-    out: dict[str, list] = {k: [] for k in LABELS}
-    t0 = time.monotonic()
+    out = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.request_timeout, connect=10)) as client:
-        for i in range(a.warmup + a.pairs):
-            prompt = maker.make(a.input_len, rng)
-            order = LABELS if i % 2 == 0 else LABELS[::-1]
-            got = {}
-            for label in order:
-                got[label] = await bench.one_request(client, urls[label], None, prompt, a.output_len, bench.new_request_id())
-            if i < a.warmup:
-                continue
-            for label in LABELS:
-                out[label].append(got[label])
-            done = i + 1 - a.warmup
-            if done % 10 == 0 or done == a.pairs:
-                print(f"  {done}/{a.pairs} pairs ({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
+        for i, prompt in enumerate(prompts):
+            r = await bench.one_request(client, url, None, prompt, a.output_len, bench.new_request_id())
+            if i >= a.warmup:
+                out.append(r)
     return out
 
 
-def _report(res: dict[str, list], metric: str) -> None:
-    pairs = [(s, i) for s, i in zip(res["stock"], res["instrumented"])
-             if s.ok and i.ok and getattr(s, metric) is not None and getattr(i, metric) is not None]
-    if len(pairs) < 3:
-        print(f"{metric}: too few successful pairs ({len(pairs)})")
-        return
-    st = [getattr(s, metric) for s, _ in pairs]
-    ins = [getattr(i, metric) for _, i in pairs]
-    ms, mi = statistics.median(st), statistics.median(ins)
-    lo, hi = _bootstrap_ratio(st, ins)
-    per_pair = statistics.median(i / s for s, i in zip(st, ins) if s > 0)
-    print(f"{metric:7s} n={len(pairs):3d}  stock median={ms * 1e3:8.2f} ms  instrumented median={mi * 1e3:8.2f} ms  "
-          f"ratio of medians={mi / ms:.3f} (95% CI {lo:.3f}-{hi:.3f})  median per-pair ratio={per_pair:.3f}")
+def _med(results: list, metric: str) -> float | None:
+    vals = [getattr(r, metric) for r in results if r.ok and getattr(r, metric) is not None]
+    return statistics.median(vals) if vals else None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", default="push", choices=["push", "pull"])
-    ap.add_argument("--pairs", type=int, default=60, help="measured request pairs (default 60)")
-    ap.add_argument("--warmup", type=int, default=4, help="unmeasured pairs first (default 4)")
+    ap.add_argument("--rounds", type=int, default=4, help="start-ups of each pair (default 4)")
+    ap.add_argument("--requests", type=int, default=40, help="measured requests per pair per round (default 40)")
+    ap.add_argument("--warmup", type=int, default=4, help="unmeasured requests first (default 4)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=120.0)
     a = ap.parse_args()
-    if a.pairs < 3 or a.input_len < 1 or a.output_len < 2:
-        ap.error("need --pairs >= 3, --input-len >= 1, --output-len >= 2")
-    signal.signal(signal.SIGTERM, bench._on_term)  # unwind: stop both pairs
+    if a.rounds < 1 or a.requests < 3 or a.input_len < 1 or a.output_len < 2:
+        ap.error("need --rounds >= 1, --requests >= 3, --input-len >= 1, --output-len >= 2")
+    signal.signal(signal.SIGTERM, bench._on_term)  # unwind like Ctrl-C: the pair is stopped
 
     home = Path(tempfile.mkdtemp(prefix="kvlens-overhead-"))
     from kvlens.model import ensure_model
 
     model = ensure_model(home / "model")
-    stacks: dict[str, Stack] = {}
+    maker = bench.PromptMaker(model)
+    rng = bench._rng(a.seed)  # numpy Generator, as kvlens bench uses
+    prompts = [maker.make(a.input_len, rng) for _ in range(a.warmup + a.requests)]
+    res: dict[str, list[list]] = {k: [] for k in LABELS}
+    t0 = time.monotonic()
     try:
-        for label in LABELS:
-            print(f"starting {label} {a.mode} pair ...", file=sys.stderr, flush=True)
-            stacks[label] = Stack(mode=a.mode, stock=(label == "stock"), model=model, port=None,
-                                  kvlens_home=home, quiet=True,
-                                  vllm_args=["--no-enable-prefix-caching"]).start(timeout=1200)
-        maker = bench.PromptMaker(model)
-        urls = {k: s.router_url for k, s in stacks.items()}
-        res = asyncio.run(_run_pairs(urls, maker, a))
+        for rnd in range(a.rounds):
+            order = LABELS if rnd % 2 == 0 else LABELS[::-1]
+            for label in order:
+                stack = Stack(mode=a.mode, stock=(label == "stock"), model=model, port=None, kvlens_home=home,
+                              quiet=True, vllm_args=["--no-enable-prefix-caching"])
+                try:
+                    stack.start()
+                    rs = asyncio.run(_closed_loop(stack.router_url, prompts, a))
+                finally:
+                    bench._stop_quietly(stack)
+                res[label].append(rs)
+                line = "  ".join(f"{m}={(_med(rs, m) or 0) * 1e3:.1f}ms" for m in METRICS)
+                print(f"round {rnd} {label:12s} {line} failed={sum(not r.ok for r in rs)} "
+                      f"({time.monotonic() - t0:.0f}s)", flush=True)
     except KeyboardInterrupt:
-        print("interrupted; stopping both pairs", file=sys.stderr)
-        return 130
-    finally:
-        for s in stacks.values():
-            bench._stop_quietly(s)
-    failed = {k: sum(not r.ok for r in v) for k, v in res.items()}
-    print(f"mode={a.mode} input={a.input_len} output={a.output_len} pairs={a.pairs} failed={failed}")
-    for metric in ("ttft_s", "tpot_s", "latency_s"):
-        _report(res, metric)
+        print("interrupted; the pair was stopped", file=sys.stderr)
+        if not all(res.values()):
+            return 130
+    n = min(len(v) for v in res.values())
+    print(f"\nmode={a.mode} input={a.input_len} output={a.output_len} rounds={n} requests/round={a.requests}")
+    for m in METRICS:
+        pooled = {k: _med([r for rs in v[:n] for r in rs], m) for k, v in res.items()}
+        per_round = [(_med(i, m) or 0) / (_med(s, m) or 1) for s, i in zip(res["stock"][:n], res["instrumented"][:n])]
+        if not pooled["stock"] or not pooled["instrumented"]:
+            print(f"{m:9s} no successful requests")
+            continue
+        print(f"{m:9s} stock={pooled['stock'] * 1e3:8.2f}ms  instrumented={pooled['instrumented'] * 1e3:8.2f}ms  "
+              f"ratio={pooled['instrumented'] / pooled['stock']:.3f}  per-round ratios "
+              f"{', '.join(f'{x:.2f}' for x in per_round)}")
     return 0
 
 
