@@ -490,6 +490,10 @@ def create_app(config: ProxyConfig):
                         # overlapped push: D's stream is open but P may still
                         # fail; then D would wait for a push that never comes.
                         nxt = asyncio.ensure_future(it.__anext__())
+                        # if the client goes away while this read is pending,
+                        # closing D's stream fails it: retrieve that error
+                        # instead of logging "Task exception was never retrieved"
+                        nxt.add_done_callback(_retrieve)
                         done, _ = await asyncio.wait({nxt, p_task}, return_when=asyncio.FIRST_COMPLETED)
                         if p_task in done:
                             watch_p = False
@@ -538,6 +542,11 @@ def create_app(config: ProxyConfig):
         )
 
     return app
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _settle(task: asyncio.Task, cancel: bool = False) -> None:
