@@ -280,8 +280,10 @@ class FakeRouter:
             tid = req.headers["x-request-id"]
             body = await req.json()
             self.n += 1
-            if on_request:
-                on_request(self.n)
+            if on_request and on_request(self.n):
+                # hold this request open: the bench cannot finish the cell
+                # before the test's signal has been handled (no race)
+                await asyncio.sleep(30)
             if fail_every and self.n % fail_every == 0:
                 with conn:
                     conn.execute("INSERT INTO traces (trace_id, request_id, mode, outcome, start_ns, end_ns) "
@@ -401,6 +403,8 @@ def test_ctrl_c_stops_the_stack_and_keeps_finished_rows(tmp_path, tiny_tokenizer
     def interrupt(n):  # during the second cell
         if n == 8:
             os.kill(os.getpid(), signal.SIGINT)
+            return True
+        return False
 
     with FakeRouter(opts.store, "pull", on_request=interrupt) as fake:
         class FakeStack:
