@@ -107,6 +107,15 @@ def test_up_busy_port_fails_fast(tiny_model):
     assert f"{port} is already in use" in r.stderr
 
 
+def test_parse_cpu_list():
+    from kvlens.up import parse_cpu_list
+
+    assert parse_cpu_list("1") == {1}
+    assert parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+    for spec in ("auto", "nobind", "0|1", "", None, "a-b"):
+        assert parse_cpu_list(spec) is None, spec
+
+
 # ------------------------------------------------------------ e2e helpers
 def _complete(url: str, stream: bool, chat: bool = False, max_tokens: int = 6, **extra) -> tuple[int, str]:
     if chat:
@@ -160,6 +169,37 @@ def _check_stack(stack) -> None:
 @pytest.mark.e2e
 def test_push_stack_up(push_stack):
     _check_stack(push_stack)
+
+
+def _worker_cpus(stack, name: str) -> list[set[int]]:
+    """CPU sets of every thread of the vLLM worker process(es) under the
+    named server (``prefill`` or ``decode``)."""
+    import psutil
+
+    child = next(c for c in stack.children if c.name == name)
+    sets = []
+    for proc in psutil.Process(child.proc.pid).children(recursive=True):
+        if proc.name().startswith("VLLM::Worker"):
+            sets += [set(os.sched_getaffinity(t.id)) for t in proc.threads()]
+    return sets
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: P and D share it anyway")
+def test_worker_threads_stay_on_their_own_cpu(push_stack):
+    """vLLM's CPU NIXL worker pins each worker's main thread to the host's
+    last core, the same one for P and D; ``kvlens up`` moves every worker
+    thread back to the CPU its instance was given (requests stalled for tens
+    of seconds otherwise, README: 'CPU pinning')."""
+    from kvlens.up import parse_cpu_list
+
+    want = {c.name: parse_cpu_list(c.env["VLLM_CPU_OMP_THREADS_BIND"])
+            for c in push_stack.children if c.name in ("prefill", "decode")}
+    assert want["prefill"] == {0} and want["decode"] == {1}, want
+    for name, cpus in want.items():
+        sets = _worker_cpus(push_stack, name)
+        assert len(sets) > 5, f"no worker threads found under {name}"
+        assert all(s == cpus for s in sets), (name, cpus, sets)
 
 
 @pytest.mark.e2e
