@@ -421,8 +421,14 @@ def test_ctrl_c_stops_the_stack_and_keeps_finished_rows(tmp_path, tiny_tokenizer
                 stopped.append(True)
 
         run = bench._new_run(opts)
-        with pytest.raises(KeyboardInterrupt):
-            bench.bench_stacks(["pull"], ["overlapped"], opts, run=run, stack_factory=FakeStack)
+        # a shell starts background jobs with SIGINT ignored, and Python then
+        # installs no handler: put Ctrl-C's usual handler in place for this test
+        old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                bench.bench_stacks(["pull"], ["overlapped"], opts, run=run, stack_factory=FakeStack)
+        finally:
+            signal.signal(signal.SIGINT, old_handler)
     assert stopped == [True]
     assert len(run.rows) == 1 and run.rows[0]["input_len"] == 16
     conn = store.connect(opts.store, readonly=True)

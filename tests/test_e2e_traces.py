@@ -111,10 +111,7 @@ def test_push_overlapped_every_phase_in_causal_order(push_stack):
 
 def test_push_sequential_every_phase_in_causal_order(push_stack):
     url = push_stack.sequential_router_url
-    # vLLM push on this 2-core box sometimes leaves a request unscheduled on D
-    # for minutes (README, "stalls"; stock connector too): fewer requests and
-    # a longer client timeout keep that vLLM behaviour from failing CI.
-    ids = _send(url, 2, stream=True, timeout=360)
+    ids = _send(url, N, stream=True)
     phases = sc.PUSH_PHASES + (sc.Phase.REQUEST, sc.Phase.RELAY)
     rows, spans = _wait_traces(push_stack.store_path, ids, phases)
     _check_common(rows, spans, ids, "push", phases)
