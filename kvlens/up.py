@@ -493,7 +493,8 @@ class Stack:
 
     def _repin(self, c: Child) -> None:
         """Undo vLLM's CPU NIXL worker pinning (see ``repin_worker_threads``);
-        the stack works without it, only slower, so a failure is a warning."""
+        the stack still serves without it (with long stalls), so a failure is
+        a warning."""
         cpus = parse_cpu_list(c.env.get("VLLM_CPU_OMP_THREADS_BIND"))
         if cpus is None or c.proc is None or not hasattr(os, "sched_setaffinity"):
             return
