@@ -94,12 +94,13 @@ def _together(a, model: Path, home: Path, prompts: list[str]) -> int:
     stacks: list[Stack] = []
     try:
         urls = {}
-        for label in LABELS:
+        for label in LABELS if a.start_first == "stock" else LABELS[::-1]:
             print(f"starting the {label} {a.mode} pair ...", file=sys.stderr, flush=True)
             st = Stack(mode=a.mode, stock=(label == "stock"), model=model, port=None, kvlens_home=home,
                        quiet=True, vllm_args=["--no-enable-prefix-caching"])
             stacks.append(st)
-            urls[label] = st.start().router_url
+            # the second pair starts next to a live one, whose idle workers spin two cores: give it time
+            urls[label] = st.start(timeout=900).router_url
         res = asyncio.run(_interleaved(urls, prompts, a))
     except KeyboardInterrupt:
         print("interrupted; stopping both pairs", file=sys.stderr)
@@ -109,7 +110,7 @@ def _together(a, model: Path, home: Path, prompts: list[str]) -> int:
             bench._stop_quietly(st)
     failed = {k: sum(not r.ok for r in v) for k, v in res.items()}
     print(f"\nmode={a.mode} input={a.input_len} output={a.output_len} prompts={a.requests} (both pairs alive, "
-          f"alternating order) failed={failed}")
+          f"{a.start_first} started first, alternating order) failed={failed}")
     for m in METRICS:
         both = [(getattr(s_, m), getattr(i_, m)) for s_, i_ in zip(res["stock"], res["instrumented"])
                 if s_.ok and i_.ok and getattr(s_, m) and getattr(i_, m)]
@@ -139,6 +140,8 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--together", action="store_true",
                     help="both pairs alive at once, each prompt to both in alternating order (see above)")
+    ap.add_argument("--start-first", choices=LABELS, default="stock",
+                    help="--together: which pair starts first (run both ways: the order moves the ratio)")
     a = ap.parse_args()
     if a.rounds < 1 or a.requests < 3 or a.input_len < 1 or a.output_len < 2:
         ap.error("need --rounds >= 1, --requests >= 3, --input-len >= 1, --output-len >= 2")
