@@ -14,8 +14,9 @@ of the same pair is the number to read before any ratio.
 request at a time, in alternating order (A B, B A, ...), so both see the
 same machine at the same moment and start-up differences cancel within
 each pair of requests. Prints the ratio of medians with a bootstrap 95 %
-interval and the median of per-prompt ratios. (Before ``kvlens up`` undid
-vLLM's CPU worker pinning, a second pair could not even start on 2 cores.)
+interval and the median of per-prompt ratios. On 2 cores the second pair
+starts slowly next to a live one (3 min and more; 900 s allowed), and which
+pair started first moves the ratio: run it both ways (``--start-first``).
 
 Nothing is asserted: a shared machine is noisy; the spread says how noisy.
 """
