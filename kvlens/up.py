@@ -247,7 +247,9 @@ def _stop_children(children: list[Child], grace_s: float = 15.0) -> None:
 def parse_cpu_list(spec: str | None) -> set[int] | None:
     """CPU ids of a one-rank ``VLLM_CPU_OMP_THREADS_BIND`` value ("1",
     "0-3,6"); None for "auto", "nobind", a multi-rank "a|b" or anything else
-    this launcher did not choose itself."""
+    this launcher did not choose itself. (vLLM's own parser,
+    ``vllm.utils.cpu_resource_utils.parse_id_list``, would import the vllm
+    package into the launcher, which otherwise never imports it.)"""
     if not spec or "|" in spec:
         return None
     cpus: set[int] = set()
