@@ -35,7 +35,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .kvlens test-output

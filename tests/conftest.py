@@ -1,7 +1,8 @@
-"""Shared fixtures: one real P/D stack per (mode, connector) for the whole
-session, and at most one alive at a time (2 cores, 24 GiB: two pairs at once
-starve each other). Asking for a different stack stops the current one, so
-keep tests that use the same stack in the same module.
+"""Fixtures every test folder may use: a session kvlens home and the tiny
+generated model. The real P/D stacks live in ``tests/e2e/conftest.py``.
+
+``tests/`` itself is on ``sys.path`` (pytest's ``pythonpath`` option), so
+helpers such as ``store_fixture`` import by name.
 """
 
 from __future__ import annotations
@@ -10,58 +11,6 @@ import os
 from pathlib import Path
 
 import pytest
-
-
-class StackManager:
-    """Starts stacks on demand and keeps only the last one alive."""
-
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.current_key: tuple | None = None
-        self.current = None
-        self.failed: dict[tuple, str] = {}
-
-    def get(self, mode: str, stock: bool = False, dispatch: str = "overlapped", **stack_kw):
-        """The stack for this key; ``stack_kw`` (e.g. short vLLM timeouts for
-        fault tests) are ``Stack`` fields and part of the key."""
-        from kvlens.up import Stack, StackError
-
-        key = (mode, stock, dispatch, tuple(sorted(stack_kw.items())))
-        if key in self.failed:
-            pytest.fail(f"stack {key} failed to start earlier: {self.failed[key]}")
-        if self.current_key == key and self.current is not None:
-            dead = self.current.dead_child()
-            if dead is None:
-                return self.current
-        self.stop()
-        stack = Stack(
-            mode=mode,
-            dispatch=dispatch,
-            model=self.model(),
-            port=0,
-            stock=stock,
-            kvlens_home=self.home,
-            log_dir=self.home / "runs" / f"{mode}-{'stock' if stock else 'instr'}-{dispatch}{'-faults' if stack_kw else ''}",
-            quiet=True,
-            **stack_kw,
-        )
-        try:
-            stack.start(timeout=float(os.environ.get("KVLENS_TEST_STACK_TIMEOUT", "420")))
-        except StackError as e:
-            self.failed[key] = str(e)
-            pytest.fail(f"could not start {key} stack: {e}")
-        self.current_key, self.current = key, stack
-        return stack
-
-    def model(self) -> Path:
-        from kvlens.model import ensure_model
-
-        return ensure_model(self.home / "model")
-
-    def stop(self) -> None:
-        if self.current is not None:
-            self.current.stop()
-        self.current, self.current_key = None, None
 
 
 @pytest.fixture(scope="session")
@@ -76,79 +25,3 @@ def tiny_model(kvlens_home) -> Path:
     from kvlens.model import ensure_model
 
     return ensure_model(kvlens_home / "model")
-
-
-@pytest.fixture(scope="session")
-def stack_factory(kvlens_home, tiny_model):
-    mgr = StackManager(kvlens_home)
-    yield mgr
-    mgr.stop()
-
-
-@pytest.fixture
-def push_stack(stack_factory):
-    """Instrumented push pair, overlapped router."""
-    return stack_factory.get("push")
-
-
-@pytest.fixture
-def pull_stack(stack_factory):
-    """Instrumented pull pair."""
-    return stack_factory.get("pull")
-
-
-@pytest.fixture
-def stock_push_stack(stack_factory):
-    """vLLM's own NixlPushConnector (baseline / greedy-equality tests)."""
-    return stack_factory.get("push", stock=True)
-
-
-@pytest.fixture
-def stock_pull_stack(stack_factory):
-    """vLLM's own NixlConnector (baseline / greedy-equality tests)."""
-    return stack_factory.get("pull", stock=True)
-
-
-#: Short vLLM timeouts for the fault tests, so a registration that never
-#: matches and a lease that runs out end within seconds, not minutes.
-FAULT_REGISTRATION_TIMEOUT_S = 15
-FAULT_KV_LEASE_S = 20
-
-
-@pytest.fixture
-def fault_push_stack(stack_factory):
-    """Instrumented push pair with short registration timeout and KV lease.
-    Its tests may kill D, so nothing else shares it."""
-    return stack_factory.get(
-        "push",
-        push_registration_timeout_s=FAULT_REGISTRATION_TIMEOUT_S,
-        kv_lease_s=FAULT_KV_LEASE_S,
-    )
-
-
-# Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
-# the e2e tests grouped by the stack they need, so each pair starts once:
-# stock push, instrumented push, stock pull, the fault pair, instrumented pull,
-# then the tests that drive stacks themselves (bench grid: pull, reusing the
-# pull pair, then push; demo; SIGTERM).
-_STACK_ORDER = ("stock_push_stack", "push_stack", "stock_pull_stack", "fault_push_stack", "pull_stack")
-
-
-def _stack_group(item) -> int:
-    if item.get_closest_marker("e2e") is None:
-        return 0
-    names = getattr(item, "fixturenames", ())
-    for i, fx in enumerate(_STACK_ORDER, start=1):
-        if fx in names:
-            return i
-    return len(_STACK_ORDER) + 1
-
-
-def pytest_collection_modifyitems(session, config, items):
-    items.sort(key=_stack_group)  # stable: module order kept within a group
-
-
-@pytest.fixture(scope="session")
-def greedy_outputs():
-    """Greedy completions per (mode, connector), shared across tests."""
-    return {}

@@ -19,8 +19,7 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[2]
 
 from store_fixture import make_store  # noqa: E402
 

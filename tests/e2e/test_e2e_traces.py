@@ -207,7 +207,7 @@ def test_dashboard_pages_on_the_real_run_store(pull_stack, monkeypatch):
 
     from streamlit.testing.v1 import AppTest
 
-    app = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+    app = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
     monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(pull_stack.store_path)])
     at = AppTest.from_file(app, default_timeout=90)
     at.run()

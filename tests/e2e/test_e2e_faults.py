@@ -27,7 +27,7 @@ import pytest
 from exporters import store
 from instrumented_connector import semconv as sc
 from kvlens import proxy
-from conftest import FAULT_KV_LEASE_S, FAULT_REGISTRATION_TIMEOUT_S
+from stack_settings import FAULT_KV_LEASE_S, FAULT_REGISTRATION_TIMEOUT_S
 
 pytestmark = pytest.mark.e2e
 

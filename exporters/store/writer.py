@@ -1,0 +1,159 @@
+"""Writing spans into the store: one transaction per batch, spans folded
+into their request's ``traces`` row as they arrive."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+from exporters.store.schema import connect
+from instrumented_connector import semconv as sc
+from instrumented_connector.ids import base_request_id
+
+logger = logging.getLogger("kvlens")
+
+# Worst outcome wins when folding spans into a trace. instr() positions in
+# this string rank them: ok(1) < expired(4) < timeout(12) < failed(20).
+_OUTCOME_RANK = "'ok expired timeout failed'"
+
+_UPSERT_TRACE = f"""
+INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns,
+                    ttft_s, prefill_finished_ns, kv_ready_ns, n_spans)
+VALUES (:trace_id, :request_id, :mode, :dispatch, :outcome, :start_ns, :end_ns,
+        :ttft_s, :prefill_finished_ns, :kv_ready_ns, 1)
+ON CONFLICT (trace_id) DO UPDATE SET
+    request_id = CASE WHEN :is_router OR traces.request_id IS NULL
+                      THEN excluded.request_id ELSE traces.request_id END,
+    mode = COALESCE(traces.mode, excluded.mode),
+    dispatch = COALESCE(excluded.dispatch, traces.dispatch),
+    outcome = CASE WHEN instr({_OUTCOME_RANK}, excluded.outcome) > instr({_OUTCOME_RANK}, traces.outcome)
+                   THEN excluded.outcome ELSE traces.outcome END,
+    start_ns = MIN(traces.start_ns, excluded.start_ns),
+    end_ns = MAX(traces.end_ns, excluded.end_ns),
+    ttft_s = COALESCE(excluded.ttft_s, traces.ttft_s),
+    prefill_finished_ns = COALESCE(traces.prefill_finished_ns, excluded.prefill_finished_ns),
+    kv_ready_ns = COALESCE(traces.kv_ready_ns, excluded.kv_ready_ns),
+    n_spans = traces.n_spans + 1
+"""
+
+_INSERT_SPAN = """
+INSERT OR REPLACE INTO spans (trace_id, span_id, parent_id, name, role, mode, request_id,
+                              start_ns, end_ns, outcome, attributes)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+"""
+
+
+def _span_rows(span) -> tuple[tuple, dict]:
+    """(spans row, traces upsert params) for one OTel ReadableSpan."""
+    ctx = span.context
+    a = dict(span.attributes or {})
+    tid = format(ctx.trace_id, "032x")
+    name = span.name
+    role = a.get(sc.ATTR_ROLE)
+    mode = a.get(sc.ATTR_MODE)
+    outcome = a.get(sc.ATTR_OUTCOME, "ok")
+    rid = a.get(sc.ATTR_REQUEST_ID)
+    parent = format(span.parent.span_id, "016x") if span.parent else None
+    start, end = int(span.start_time or 0), int(span.end_time or span.start_time or 0)
+    row = (tid, format(ctx.span_id, "016x"), parent, name, role, mode, rid, start, end, outcome,
+           json.dumps(a, default=str, separators=(",", ":")))
+    is_router = role == sc.Role.ROUTER.value
+    up = {
+        "trace_id": tid,
+        "request_id": rid if is_router or rid is None else base_request_id(rid),
+        "mode": mode,
+        "dispatch": a.get(sc.ATTR_DISPATCH),
+        "outcome": outcome,
+        "start_ns": start,
+        "end_ns": end,
+        "ttft_s": a.get(sc.ATTR_TTFT_S) if name == sc.Phase.REQUEST.value else None,
+        "prefill_finished_ns": end if name == sc.Phase.PREFILL_FINISHED.value else None,
+        "kv_ready_ns": end if name == sc.Phase.KV_READY.value else None,
+        "is_router": is_router,
+    }
+    return row, up
+
+
+def write_spans(conn: sqlite3.Connection, spans: Sequence) -> None:
+    """Insert spans and fold them into ``traces`` in one transaction.
+
+    ``BEGIN IMMEDIATE`` takes the write lock up front, so waiting for another
+    process's writer goes through SQLite's busy handler (the connection
+    timeout) instead of failing on a read-to-write lock upgrade."""
+    rows, ups = [], []
+    for s in spans:
+        r, u = _span_rows(s)
+        rows.append(r)
+        ups.append(u)
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        conn.executemany(_INSERT_SPAN, rows)
+        conn.executemany(_UPSERT_TRACE, ups)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+class SQLiteSpanExporter:
+    """OTel ``SpanExporter`` writing to the store. Called by the SDK's
+    BatchSpanProcessor thread only; a failure (unwritable file, lock held too
+    long) is logged once and the batch is dropped - serving never notices."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._conn: sqlite3.Connection | None = None
+        self._lock = threading.Lock()
+        self._warned = False
+
+    #: Every kvlens process of a host writes this one file; on a loaded host a
+    #: writer can hold the lock for seconds. Waiting here only delays the SDK's
+    #: export thread (its queue is bounded), so wait generously before dropping.
+    BUSY_TIMEOUT_S = 30.0
+    LOCKED_RETRIES = 4
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self._conn = connect(self.path, timeout_s=self.BUSY_TIMEOUT_S)
+        return self._conn
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        try:
+            with self._lock:
+                for attempt in range(self.LOCKED_RETRIES + 1):
+                    try:
+                        write_spans(self._connection(), spans)
+                        break
+                    except sqlite3.OperationalError as e:
+                        msg = str(e).lower()
+                        if attempt == self.LOCKED_RETRIES or ("locked" not in msg and "busy" not in msg):
+                            raise
+                        time.sleep(0.5 * 2**attempt)
+            return SpanExportResult.SUCCESS
+        except Exception as e:
+            if not self._warned:
+                self._warned = True
+                logger.warning("kvlens: trace store %s not writable (%s); spans dropped", self.path, e)
+            if self._conn is not None:
+                try:
+                    self._conn.close()
+                except Exception:
+                    pass
+                self._conn = None
+            return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True

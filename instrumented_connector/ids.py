@@ -1,0 +1,139 @@
+"""Request and trace ids: the one module that chooses, parses and derives them.
+
+How one request gets one trace across router, P and D without any change to
+vLLM (docs/phases.md, "Trace correlation"):
+
+* the router picks a 32-hex W3C trace id (:func:`incoming_trace`): a valid
+  client ``traceparent`` wins, then a client ``X-Request-Id`` that already is
+  32 lowercase hex, else a fresh one (:func:`new_trace_id`);
+* it sends that id to P and D as ``X-Request-Id``; vLLM turns it into
+  ``cmpl-<id>-0-<8 hex>`` (``chatcmpl-<id>-<8 hex>``) on each side;
+* every kvlens process reads the trace id back out of its vLLM request id
+  (:func:`trace_id_for`) and parents its spans to the router's root span,
+  whose span id is derived from the trace id (:func:`root_span_id`).
+
+:class:`PinnedIdGenerator` is the OTel ``IdGenerator`` that lets the recorder
+give the root span those derived ids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import secrets
+import threading
+from typing import Iterator, Mapping
+
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # as vLLM's get_base_request_id
+_HEX32_RE = re.compile(r"[0-9a-f]{32}")
+_HEX32_FULL = re.compile(r"^[0-9a-f]{32}$")
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+
+
+# ------------------------------------------------------------ choosing (router)
+def new_trace_id() -> str:
+    """A fresh W3C-valid trace id: 32 lowercase hex, not all zero."""
+    while True:
+        tid = secrets.token_hex(16)
+        if int(tid, 16):
+            return tid
+
+
+def parse_traceparent(value: str | None) -> tuple[str, int] | None:
+    """(trace id hex, parent span id) of a valid W3C ``traceparent``, else None."""
+    m = _TRACEPARENT.match((value or "").strip().lower())
+    if m and m.group(1) != "ff" and int(m.group(2), 16) and int(m.group(3), 16):
+        return m.group(2), int(m.group(3), 16)
+    return None
+
+
+def incoming_trace(headers: Mapping[str, str]) -> tuple[str, int | None]:
+    """(32-hex trace id, parent span id or None) for a request reaching the router."""
+    tp = parse_traceparent(headers.get("traceparent"))
+    if tp is not None:
+        return tp
+    rid = (headers.get("x-request-id") or "").strip()
+    if _HEX32_FULL.match(rid) and int(rid, 16):
+        return rid, None
+    return new_trace_id(), None
+
+
+def vllm_request_id_base(endpoint: str, trace_id: str) -> str:
+    """The id vLLM gives a request sent with ``X-Request-Id: trace_id``, without
+    its random suffix (what push matching on P compares)."""
+    if endpoint.endswith("chat/completions"):
+        return f"chatcmpl-{trace_id}"
+    return f"cmpl-{trace_id}-0"
+
+
+# ----------------------------------------------------------- parsing (P, D)
+def base_request_id(request_id: str) -> str:
+    """Strip vLLM's per-request ``-<8 hex>`` suffix (``get_base_request_id``)."""
+    return _SUFFIX_RE.sub("", request_id)
+
+
+def trace_id_for(request_id: str) -> int:
+    """The 128-bit trace id shared by router, P and D for one request.
+
+    A request id holding a 32-hex id (what the router sends) yields that id;
+    any other id (a third-party router's uuid) is hashed after stripping the
+    random suffix, which P and D do not share."""
+    base = base_request_id(request_id)
+    m = _HEX32_RE.search(base.lower())
+    if m:
+        tid = int(m.group(0), 16)
+        if tid:
+            return tid
+    return int.from_bytes(hashlib.blake2b(base.encode(), digest_size=16).digest(), "big") or 1
+
+
+def root_span_id(trace_id: int) -> int:
+    """Span id of the request's root span (the router's ``request`` span),
+    derived from the trace id so P and D can parent to it without talking to
+    the router."""
+    d = hashlib.blake2b(trace_id.to_bytes(16, "big"), digest_size=8, person=b"kvlens-root").digest()
+    return int.from_bytes(d, "big") or 1
+
+
+def trace_hex(trace_id: int) -> str:
+    """OTel/W3C text form of a trace id (32 lowercase hex)."""
+    return format(trace_id, "032x")
+
+
+def span_hex(span_id: int) -> str:
+    """OTel/W3C text form of a span id (16 lowercase hex)."""
+    return format(span_id, "016x")
+
+
+# ------------------------------------------------------------ OTel generator
+class _Pinned(threading.local):
+    trace_id: int | None = None
+    span_id: int | None = None
+
+
+class PinnedIdGenerator(RandomIdGenerator):
+    """Random ids, except inside :meth:`pin`, where the calling thread's next
+    span gets the pinned ids (the root span's derived ids)."""
+
+    def __init__(self) -> None:
+        self._pinned = _Pinned()
+
+    @contextlib.contextmanager
+    def pin(self, *, span_id: int, trace_id: int | None = None) -> Iterator[None]:
+        p = self._pinned
+        p.span_id, p.trace_id = span_id, trace_id
+        try:
+            yield
+        finally:
+            p.span_id = p.trace_id = None
+
+    def generate_span_id(self) -> int:
+        sid = self._pinned.span_id
+        return sid if sid is not None else super().generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        tid = self._pinned.trace_id
+        return tid if tid is not None else super().generate_trace_id()

@@ -1,0 +1,66 @@
+"""Server-sent events from vLLM's OpenAI server: the one "first text token"
+rule, shared by the router (client-seen TTFT) and the bench (its own TTFT).
+
+An event counts as the first token when one of its choices carries generated
+text: ``text`` (completions) or ``delta.content`` / ``delta.reasoning_content``
+(chat). Role-only chat deltas and empty chunks do not count.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def parse_data_line(line: str | bytes) -> dict[str, Any] | None:
+    """The JSON object of one ``data: {...}`` SSE line; None for anything else
+    (comments, ``[DONE]``, blank keep-alives, broken JSON, non-objects)."""
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", "replace")
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    if not data or data == "[DONE]":
+        return None
+    try:
+        ev = json.loads(data)
+    except ValueError:
+        return None
+    return ev if isinstance(ev, dict) else None
+
+
+def has_text(event: dict[str, Any]) -> bool:
+    """True when one of the event's choices carries generated text."""
+    for ch in event.get("choices") or ():
+        if not isinstance(ch, dict):
+            continue
+        if ch.get("text"):
+            return True
+        delta = ch.get("delta")
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")):
+            return True
+    return False
+
+
+class FirstTextWatcher:
+    """Finds the first SSE event with generated text in a byte stream fed in
+    arbitrary chunks. ``feed`` returns True exactly once, on the chunk that
+    completes that event."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.seen = False
+
+    def feed(self, chunk: bytes) -> bool:
+        if self.seen:
+            return False
+        self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            ev = parse_data_line(line)
+            if ev is not None and has_text(ev):
+                self.seen = True
+                self.buf = b""
+                return True
+        return False
