@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
-from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
-from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
-from prometheus_client.openmetrics.exposition import generate_latest as om_latest  # noqa: E402
-
-from exporters.metrics import PhaseMetricsProcessor  # noqa: E402
-from instrumented_connector import semconv as sc  # noqa: E402
+from exporters.metrics import PhaseMetricsProcessor
+from instrumented_connector import semconv as sc
 
 
 class _Keep(SpanExporter):

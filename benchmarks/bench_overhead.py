@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from instrumented_connector.ids import new_trace_id
 from kvlens import bench
+from kvlens.signals import sigterm_as_interrupt
+from kvlens.stack.supervise import signals_ignored
 from kvlens.up import Stack
 
 LABELS = ("stock", "instrumented")
@@ -45,7 +47,7 @@ async def _closed_loop(url: str, prompts: list[str], a) -> list:
     out = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.request_timeout, connect=10)) as client:
         for i, prompt in enumerate(prompts):
-            r = await bench.one_request(client, url, None, prompt, a.output_len, bench.new_request_id())
+            r = await bench.one_request(client, url, None, prompt, a.output_len, new_trace_id())
             if i >= a.warmup:
                 out.append(r)
     return out
@@ -80,7 +82,7 @@ async def _interleaved(urls: dict[str, str], prompts: list[str], a) -> dict[str,
             got = {}
             for label in LABELS if i % 2 == 0 else LABELS[::-1]:
                 got[label] = await bench.one_request(client, urls[label], None, prompt, a.output_len,
-                                                     bench.new_request_id())
+                                                     new_trace_id())
             if i < a.warmup:
                 continue
             for label in LABELS:
@@ -108,7 +110,8 @@ def _together(a, model: Path, home: Path, prompts: list[str]) -> int:
         return 130
     finally:
         for st in stacks:
-            bench._stop_quietly(st)
+            with signals_ignored():
+                st.stop()
     failed = {k: sum(not r.ok for r in v) for k, v in res.items()}
     print(f"\nmode={a.mode} input={a.input_len} output={a.output_len} prompts={a.requests} (both pairs alive, "
           f"{a.start_first} started first, alternating order) failed={failed}")
@@ -146,14 +149,13 @@ def main() -> int:
     a = ap.parse_args()
     if a.rounds < 1 or a.requests < 3 or a.input_len < 1 or a.output_len < 2:
         ap.error("need --rounds >= 1, --requests >= 3, --input-len >= 1, --output-len >= 2")
-    signal.signal(signal.SIGTERM, bench._on_term)  # unwind like Ctrl-C: the pair is stopped
 
     home = Path(tempfile.mkdtemp(prefix="kvlens-overhead-"))
     from kvlens.model import ensure_model
 
     model = ensure_model(home / "model")
     maker = bench.PromptMaker(model)
-    rng = bench._rng(a.seed)  # numpy Generator, as kvlens bench uses
+    rng = bench.rng(a.seed)  # numpy Generator, as kvlens bench uses
     prompts = [maker.make(a.input_len, rng) for _ in range(a.warmup + a.requests)]
     if a.together:
         return _together(a, model, home, prompts)
@@ -169,7 +171,8 @@ def main() -> int:
                     stack.start()
                     rs = asyncio.run(_closed_loop(stack.router_url, prompts, a))
                 finally:
-                    bench._stop_quietly(stack)
+                    with signals_ignored():
+                        stack.stop()
                 res[label].append(rs)
                 line = "  ".join(f"{m}={(_med(rs, m) or 0) * 1e3:.1f}ms" for m in METRICS)
                 print(f"round {rnd} {label:12s} {line} failed={sum(not r.ok for r in rs)} "
@@ -193,4 +196,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with sigterm_as_interrupt():  # SIGTERM unwinds like Ctrl-C: the pair is stopped
+        sys.exit(main())

@@ -61,8 +61,8 @@ def bench_inline_otel() -> list[float]:
 
 def bench_drain() -> float:
     """Background cost: events -> OTel spans -> (null) exporter, per event."""
-    def factory():
-        p = TracerProvider()
+    def factory(id_generator):
+        p = TracerProvider(id_generator=id_generator)
         p.add_span_processor(BatchSpanProcessor(_Null(), max_queue_size=100_000))
         return p
 

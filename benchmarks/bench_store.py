@@ -1,9 +1,10 @@
 """Trace-store read benchmark for the dashboard and ``kvlens traces``.
 
 Writes N traces (default 100 000, ~10 spans each: ~1 M spans) straight into
-a store created by ``exporters.store.connect`` (same schema, direct SQL
-inserts: the OTel pipeline would take minutes), then times the reads the
-dashboard makes and prints medians and the query plans.
+a store created by ``exporters.store.connect`` (same schema, rows inserted
+as they are with ``store.bulk_insert``: the OTel pipeline would take
+minutes), then times the reads the dashboard makes and prints medians and
+the query plans (``store.slowest_plan``).
 
     python benchmarks/bench_store.py [--traces 100000] [--store PATH] [--repeat 15]
 
@@ -22,22 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from exporters import store  # noqa: E402
-from instrumented_connector import semconv as sc  # noqa: E402
+from dashboard import data as D
+from exporters import store
+from instrumented_connector import semconv as sc
 
 MS = 1_000_000
-
-#: Indexes suggested for exporters/store.py (with ORDER BY <col> DESC: SQLite
-#: already sorts NULLs last in DESC order, and the extra "IS NULL" term stops
-#: the planner from walking an index in order).
-PROPOSED_INDEXES = (
-    "CREATE INDEX IF NOT EXISTS traces_mode_outcome_handoff ON traces (mode, outcome, handoff_s DESC)",
-    "CREATE INDEX IF NOT EXISTS traces_outcome_handoff ON traces (outcome, handoff_s DESC)",
-    "CREATE INDEX IF NOT EXISTS traces_mode_ttft ON traces (mode, ttft_s DESC)",
-    "CREATE INDEX IF NOT EXISTS traces_ttft ON traces (ttft_s DESC)",
-)
 GOAL_MS = 200.0
 
 
@@ -49,8 +39,7 @@ def _span(tid, i, parent, name, role, mode, rid, t0, t1, outcome, attrs):
 def populate(path: Path, n: int, seed: int = 1, span_h: float = 24.0) -> tuple[int, int]:
     """Write ``n`` traces spread over the last ``span_h`` hours. Returns (traces, spans)."""
     rng = random.Random(seed)
-    conn = store.connect(path)
-    conn.execute("PRAGMA synchronous=OFF")
+    conn = store.connect(path, durable=False)
     now = time.time_ns()
     base = now - int(span_h * 3600e9)
     step = int(span_h * 3600e9 / n)
@@ -60,14 +49,7 @@ def populate(path: Path, n: int, seed: int = 1, span_h: float = 24.0) -> tuple[i
 
     def flush():
         nonlocal spans, traces
-        conn.execute("BEGIN")  # the store's connections are autocommit: one transaction per batch
-        conn.executemany(
-            "INSERT INTO spans (trace_id, span_id, parent_id, name, role, mode, request_id, start_ns, end_ns, "
-            "outcome, attributes) VALUES (?,?,?,?,?,?,?,?,?,?,?)", spans)
-        conn.executemany(
-            "INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, "
-            "prefill_finished_ns, kv_ready_ns, n_spans) VALUES (?,?,?,?,?,?,?,?,?,?,?)", traces)
-        conn.execute("COMMIT")
+        store.bulk_insert(conn, spans, traces)  # one transaction per batch
         spans, traces = [], []
 
     for k in range(n):
@@ -121,7 +103,7 @@ def populate(path: Path, n: int, seed: int = 1, span_h: float = 24.0) -> tuple[i
         if len(spans) >= 50_000:
             flush()
     flush()
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    store.checkpoint(conn)
     conn.close()
     return n, n_spans
 
@@ -140,11 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", type=int, default=100_000)
     ap.add_argument("--store", type=Path, default=None, help="store file (default: a temp file, removed after)")
     ap.add_argument("--repeat", type=int, default=15)
-    ap.add_argument("--proposed", action="store_true",
-                    help="then add PROPOSED_INDEXES, drop '<col> IS NULL' from ORDER BY, and time again")
     args = ap.parse_args(argv)
-
-    from dashboard import data as D
 
     tmp = None
     if args.store is None:
@@ -208,47 +186,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\nquery plans:")
         for name, kw in cases.items():
-            sql, params = _slowest_sql(**kw)
-            plan = " | ".join(r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, params))
-            print(f"  {name:44s} {plan}")
+            print(f"  {name:44s} {store.slowest_plan(conn, 50, **kw)}")
         conn.close()
-
-        if args.proposed:
-            w = store.connect(path)
-            t = time.perf_counter()
-            for ddl in PROPOSED_INDEXES:
-                w.execute(ddl)
-            w.commit()
-            w.close()
-            print(f"\nproposed: ORDER BY <col> DESC (no '<col> IS NULL,') + {len(PROPOSED_INDEXES)} indexes "
-                  f"(built in {time.perf_counter() - t:.1f} s)")
-            conn = store.connect(path, readonly=True)
-            for name, kw in cases.items():
-                sql, _ = _slowest_sql(**kw)
-                sql = sql.replace("ORDER BY handoff_s IS NULL,", "ORDER BY").replace("ORDER BY ttft_s IS NULL,", "ORDER BY")
-                ms, res = timeit(lambda sql=sql: conn.execute(sql).fetchall(), args.repeat)
-                plan = " | ".join(r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + sql))
-                print(f"  {name:44s} {ms:8.1f} ms {len(res):4d}  {plan}")
-            conn.close()
     finally:
         if tmp is not None:
             tmp.cleanup()
     return 0
-
-
-def _slowest_sql(**kw) -> tuple[str, list]:
-    """The SQL ``store.slowest`` runs for these filters (captured via a trace callback)."""
-    import sqlite3
-
-    c = sqlite3.connect(":memory:")
-    c.executescript(store.SCHEMA)
-    c.row_factory = sqlite3.Row
-    seen: list[str] = []
-    c.set_trace_callback(seen.append)
-    store.slowest(c, 50, **kw)
-    c.close()
-    # The callback shows the expanded SQL (values inlined): fine for EXPLAIN.
-    return seen[-1], []
 
 
 if __name__ == "__main__":

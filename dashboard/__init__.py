@@ -1,1 +1,3 @@
-"""kvlens Streamlit dashboard: ``app.py`` draws, ``data.py`` loads."""
+"""kvlens Streamlit dashboard: ``app.py`` (entry and navigation), ``pages/``
+(one module per page), ``charts.py`` (Altair), ``loaders.py`` (cached
+loaders) over ``data.py`` (the store) and ``prom.py`` (Prometheus)."""

@@ -31,37 +31,11 @@ anything else becomes ``_OTHER``; request and trace ids are never labels)::
     kvlens_telemetry_dropped_total{role}                      counter
         # events the recorder dropped because its buffer was full
 
-Handoff: where it is computed, and why
---------------------------------------
-Its two ends come from different processes: ``prefill.finished`` ends in P's
-scheduler, ``kv.ready`` in D's worker, so no single span processor sees both.
-Both land in the host's SQLite trace store, whose ``traces`` row folds them
-(``handoff_s``). The metric is therefore read from the store, and it is read
-**in the router**, when the router's root ``request`` span ends:
-
-* exactly one ``request`` span per request, and only the router emits it, so
-  ``count(kvlens_handoff_seconds{mode})`` + ``kvlens_handoff_unresolved_total``
-  equals ``kvlens_requests_total`` per mode, and each observation matches one
-  store row with ``handoff_s`` set (the reconciliation the tests check);
-* the request span ends after the last byte went to the client, long after
-  P's and D's spans were exported in the usual case; a bounded retry queue
-  (``max_pending`` entries, each polled until ``deadline_s``) absorbs the
-  store's export lag (recorder flush ~0.1 s + batch export ~0.2 s). A request
-  whose row never gets both ends (P failed, store off) is counted once in
-  ``kvlens_handoff_unresolved_total{reason="missing"}``, never observed;
-* the router is a single process served by :func:`metrics_app` with
-  OpenMetrics, so handoff observations keep their ``trace_id`` exemplar
-  (vLLM's ``/metrics`` runs prometheus_client in multiprocess mode, which
-  drops exemplars).
-
-The lookup happens on a small daemon thread (``kvlens-handoff``), batched
-(one ``SELECT ... WHERE trace_id IN (...)`` per poll), so ``on_end`` only
-appends to a dict. Deployments without the kvlens router (a third-party
-router on one host) can set ``KVLENS_HANDOFF_FROM=decode``: the trigger then
-is D's ``kv.ready`` span, with the same store lookup (no exemplars there).
-Across hosts the store is per host, so the router needs P's and D's spans on
-its host (same store file); otherwise use OTLP + the collector. Negative
-values (wall-clock skew) are clamped to 0.
+Handoff
+-------
+Its two ends come from different processes, so it is read back from the
+trace store when the router's root ``request`` span ends: see
+:mod:`exporters.handoff` for where and why.
 
 Push waiting gauges
 -------------------
@@ -75,45 +49,33 @@ instance's ``/metrics`` shows the sum, which is the real count. Exact for
 TP=1; registrations that expire on P without a match are not seen (no span),
 so the registration gauge can overstate after D-side timeouts.
 
-Exemplars
----------
-Histogram observations carry ``{"trace_id": <32 hex>}``. Exemplars are only
-exposed in the OpenMetrics exposition (Prometheus negotiates it;
-``--enable-feature=exemplar-storage`` stores them) and are **not**
-available in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``), where
-prometheus_client silently ignores them: vLLM's ``/metrics`` has none, the
-router's has them.
-
-Multiprocess
-------------
-With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM always sets one), metrics created
-in the EngineCore/worker process on the default registry are written to that
-directory and vLLM's API server serves them. Metric families are created once
-per (process, registry) and shared by every processor instance of the
-process (several recorders in one EngineCore).
+Exemplars and multiprocess
+--------------------------
+Histogram observations carry ``{"trace_id": <32 hex>}``, exposed only in the
+OpenMetrics exposition (Prometheus negotiates it; ``--enable-feature=
+exemplar-storage`` stores them). With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM
+always sets one), metrics of the EngineCore/worker process on the default
+registry are written to that directory and vLLM's API server serves them,
+without exemplars (prometheus_client drops them there); the router's
+:func:`metrics_app` has them. Metric families are created once per (process,
+registry) and shared by every processor of the process.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from opentelemetry.sdk.trace import SpanProcessor
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app, multiprocess
 
+from exporters.handoff import HandoffResolver
+from instrumented_connector import config
 from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import log_once
-
-try:  # the SDK's base class, so the provider accepts us; duck-typed otherwise
-    from opentelemetry.sdk.trace import SpanProcessor as _SpanProcessor
-except Exception:  # pragma: no cover
-    _SpanProcessor = object  # type: ignore[assignment,misc]
-
-logger = logging.getLogger("kvlens")
+from instrumented_connector.logutil import log_once
 
 # ------------------------------------------------------------------ buckets
 #: Phases range from a few microseconds (point phases, descriptor prep) to
@@ -131,7 +93,7 @@ BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))
 #: NIXL descriptors per request: 1 .. 65536 in powers of 2... of 4 past 64.
 DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
 
-#: Where the handoff trigger runs (see module docstring): router | decode.
+#: Where the handoff trigger runs (see :mod:`exporters.handoff`): router | decode | off.
 HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
 
 _OTHER = sc.OTHER
@@ -252,185 +214,28 @@ def _families_for(registry: CollectorRegistry) -> _Families:
 
 
 # ----------------------------------------------------------- dropped telemetry
-def _recorder_drops() -> dict[str, int]:
-    """Events dropped by this process's recorders, by role (default source)."""
-    from instrumented_connector import recorder as rec
-
-    out: dict[str, int] = {}
-    pid = os.getpid()
-    for key, r in list(rec._recorders.items()):
-        if key[0] == pid:
-            out[r.role] = out.get(r.role, 0) + int(r.dropped)
-    return out
+DroppedSource = Callable[[], "Mapping[str, int] | int"]
+_no_drops: DroppedSource = dict  # a processor given no source sees no drops
+_drop_override: DroppedSource | None = None
 
 
-_drop_source: Callable[[], Mapping[str, int] | int] = _recorder_drops
-
-
-def set_dropped_source(fn: Callable[[], Mapping[str, int] | int] | None) -> None:
-    """Replace where ``kvlens_telemetry_dropped_total`` reads drop counts from.
+def set_dropped_source(fn: DroppedSource | None) -> None:
+    """Override where every processor of this process reads drop counts from.
 
     ``fn()`` returns a monotonic total (int, labelled ``role="_OTHER"``) or a
     mapping role -> total; it is polled at most once a second from a
-    processor's ``on_end`` and the counter grows by the delta. ``None``
-    restores the default (every kvlens ``Recorder.dropped`` of this process).
+    processor's ``on_end`` and ``kvlens_telemetry_dropped_total`` grows by
+    the delta. ``None`` removes the override: each processor reads its own
+    ``dropped_source`` again (:mod:`exporters.pipeline` passes
+    :func:`exporters.pipeline.dropped_counts`, every kvlens recorder of the
+    process).
     """
-    global _drop_source
-    _drop_source = fn if fn is not None else _recorder_drops
-
-
-# --------------------------------------------------------- handoff resolver
-def _default_store_path() -> Path:
-    return Path(os.environ.get("KVLENS_HOME") or ".kvlens").resolve() / "traces.db"
-
-
-class _HandoffResolver:
-    """Bounded queue of trace ids whose handoff is read from the trace store.
-
-    ``submit`` (any thread) only touches a dict; a daemon thread polls the
-    store every ``poll_s`` with one batched query and observes each handoff
-    exactly once, or counts it unresolved after ``deadline_s``."""
-
-    def __init__(self, fam: _Families, store_path: Path, *, deadline_s: float, max_pending: int,
-                 poll_s: float, exemplars: bool) -> None:
-        self.fam = fam
-        self.path = Path(store_path)
-        self.deadline_s = deadline_s
-        self.max_pending = max_pending
-        self.poll_s = poll_s
-        self.exemplars = exemplars
-        self._pending: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._conn = None
-        self._pid = os.getpid()
-
-    def submit(self, trace_id: str, mode: str) -> None:
-        with self._lock:
-            if trace_id in self._pending:
-                return
-            if len(self._pending) >= self.max_pending:
-                overflow = True
-            else:
-                overflow = False
-                self._pending[trace_id] = (mode, time.monotonic() + self.deadline_s)
-        if overflow:
-            self.fam.child(self.fam.unresolved, (mode, "overflow")).inc()
-            return
-        if self._thread is None or self._pid != os.getpid():
-            self._start()
-
-    def pending(self) -> int:
-        return len(self._pending)
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is not None and self._pid == os.getpid():
-                return
-            self._pid = os.getpid()
-            self._conn = None
-            t = threading.Thread(target=self._run, name="kvlens-handoff", daemon=True)
-            self._thread = t
-            t.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.poll_s)
-            self._wake.clear()
-            try:
-                self.resolve_once()
-            except Exception as e:
-                log_once("handoff:" + type(e).__name__, "handoff lookup failed (%s); retrying", e, exc_info=True)
-
-    def _connection(self):
-        if self._conn is None:
-            from exporters.store import connect
-
-            self._conn = connect(self.path, readonly=True, timeout_s=1.0)
-        return self._conn
-
-    def resolve_once(self, *, expire: bool = True) -> int:
-        """One pass: observe resolved handoffs, expire overdue ones. Returns resolved count."""
-        with self._lock:
-            items = list(self._pending.items())
-        if not items:
-            return 0
-        found: dict[str, float] = {}
-        store_ok = True
-        try:
-            conn = self._connection()
-            ids = [t for t, _ in items]
-            for i in range(0, len(ids), 500):
-                chunk = ids[i : i + 500]
-                q = (
-                    "SELECT trace_id, handoff_s FROM traces WHERE handoff_s IS NOT NULL "
-                    f"AND trace_id IN ({','.join('?' * len(chunk))})"
-                )
-                for tid, h in conn.execute(q, chunk):
-                    found[tid] = h
-        except FileNotFoundError:
-            store_ok = False
-            log_once("handoff-store", "trace store %s not found yet; handoff metrics wait for it", self.path)
-        except Exception as e:
-            store_ok = False
-            log_once("handoff-read:" + type(e).__name__, "trace store read failed (%s); retrying", e)
-            self._close_conn()
-        now = time.monotonic()
-        resolved, expired = [], []
-        with self._lock:
-            for tid, (mode, deadline) in items:
-                # pop() decides: a concurrent pass (thread vs force_flush) may
-                # have taken this id already, and each id counts exactly once.
-                if tid in found:
-                    if self._pending.pop(tid, None) is not None:
-                        resolved.append((tid, mode, found[tid]))
-                elif expire and now >= deadline:
-                    if self._pending.pop(tid, None) is not None:
-                        expired.append(mode)
-        fam = self.fam
-        for tid, mode, h in resolved:
-            child = fam.child(fam.handoff, (mode,))
-            v = max(float(h), 0.0)  # cross-host wall-clock skew can make it negative
-            if self.exemplars:
-                child.observe(v, {"trace_id": tid})
-            else:
-                child.observe(v)
-        reason = "missing" if store_ok else "no_store"
-        for mode in expired:
-            fam.child(fam.unresolved, (mode, reason)).inc()
-        return len(resolved)
-
-    def flush(self, timeout_s: float) -> bool:
-        """Resolve until nothing is pending or ``timeout_s`` passed (tests, shutdown)."""
-        end = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < end:
-            self.resolve_once()
-            if self._pending:
-                time.sleep(min(self.poll_s, 0.05))
-        return not self._pending
-
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        t = self._thread
-        if t is not None and t is not threading.current_thread():
-            t.join(2.0)
-        self._close_conn()
-
-    def _close_conn(self) -> None:
-        """Drop the read-only store connection (reopened on the next poll)."""
-        try:
-            if self._conn is not None:
-                self._conn.close()
-        except Exception:
-            pass
-        self._conn = None
+    global _drop_override
+    _drop_override = fn
 
 
 # -------------------------------------------------------------- the processor
-class PhaseMetricsProcessor(_SpanProcessor):
+class PhaseMetricsProcessor(SpanProcessor):
     """OTel span processor turning kvlens spans into Prometheus metrics.
 
     Thread: ``on_end`` is called by the SDK from whichever thread ends the
@@ -439,10 +244,12 @@ class PhaseMetricsProcessor(_SpanProcessor):
     vLLM's multiprocess ``/metrics`` and :func:`metrics_app` serve).
 
     ``store_path``: trace store for the handoff lookup (default
-    ``$KVLENS_HOME/traces.db``). ``handoff_from``: ``"router"`` (default;
-    env ``KVLENS_HANDOFF_FROM``) or ``"decode"``. ``exemplars``: attach
+    :func:`config.store_path`). ``handoff_from``: ``"router"`` (default;
+    env ``KVLENS_HANDOFF_FROM``), ``"decode"`` or ``"off"``. ``exemplars``: attach
     ``trace_id`` exemplars (default: on unless ``PROMETHEUS_MULTIPROC_DIR``
-    is set, where prometheus_client cannot store them).
+    is set, where prometheus_client cannot store them). ``dropped_source``:
+    where ``kvlens_telemetry_dropped_total`` reads drop counts (see
+    :func:`set_dropped_source`; default: none).
     """
 
     def __init__(
@@ -455,6 +262,7 @@ class PhaseMetricsProcessor(_SpanProcessor):
         handoff_max_pending: int = 10000,
         handoff_poll_s: float = 0.25,
         exemplars: bool | None = None,
+        dropped_source: DroppedSource | None = None,
     ) -> None:
         handoff_from = (handoff_from or os.environ.get(HANDOFF_FROM_ENV) or "router").strip().lower()
         if handoff_from not in ("router", "decode", "off"):
@@ -468,19 +276,13 @@ class PhaseMetricsProcessor(_SpanProcessor):
         if exemplars is None:
             exemplars = not os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.exemplars = bool(exemplars)
-        self._trigger = {
-            "router": sc.Phase.REQUEST.value,
-            "decode": sc.Phase.KV_READY.value,
-            "off": None,
-        }[handoff_from]
-        self.handoff = _HandoffResolver(
-            self.fam,
-            Path(store_path) if store_path is not None else _default_store_path(),
-            deadline_s=float(handoff_deadline_s),
-            max_pending=int(handoff_max_pending),
-            poll_s=float(handoff_poll_s),
-            exemplars=self.exemplars,
+        self._trigger = {"router": sc.Phase.REQUEST.value, "decode": sc.Phase.KV_READY.value, "off": None}[handoff_from]
+        self.handoff = HandoffResolver(
+            self.fam, Path(store_path) if store_path is not None else config.store_path(),
+            deadline_s=float(handoff_deadline_s), max_pending=int(handoff_max_pending),
+            poll_s=float(handoff_poll_s), exemplars=self.exemplars,
         )
+        self._dropped_source = dropped_source or _no_drops
         self._next_drop_check = 0.0
 
     # SpanProcessor API ----------------------------------------------------
@@ -560,14 +362,15 @@ class PhaseMetricsProcessor(_SpanProcessor):
 
     def sync_dropped(self) -> None:
         """Add the recorders' new drops to ``kvlens_telemetry_dropped_total``."""
-        src = _drop_source()
+        fn = _drop_override or self._dropped_source
+        src = fn()
         if isinstance(src, int):
             src = {_OTHER: src}
         fam = self.fam
         with fam.lock:
             deltas = []
             for role, total in src.items():
-                key = (_drop_source, role)
+                key = (fn, role)
                 last = fam.drop_seen.get(key, 0)
                 total = int(total)
                 if total > last:
@@ -586,12 +389,8 @@ def metrics_app(registry: CollectorRegistry | None = None):
     Prometheus with exemplar storage gets OpenMetrics with exemplars. The
     router mounts it: ``app.mount("/metrics", metrics_app())``.
     """
-    from prometheus_client import make_asgi_app
-
     if registry is None:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import multiprocess
-
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
         else:

@@ -1,6 +1,7 @@
 """A real Prometheus server for kvlens: writes its config and the kvlens
 recording rules, runs ``/usr/bin/prometheus`` (Debian package ``prometheus``,
-2.42) with exemplar storage, and queries it over the HTTP API.
+2.42) with exemplar storage, and queries it over the HTTP API (through
+:mod:`exporters.promapi`, the one client).
 
 Used by ``kvlens up`` / the demo and by the tests. Scrape jobs are named by the
 caller (``kvlens-router``, ``vllm-prefill``, ``vllm-decode``); ``instance`` is
@@ -15,6 +16,7 @@ test run leaves no orphan.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -28,13 +30,17 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import httpx
+from exporters import promapi
+from exporters.promapi import PrometheusError
+
+__all__ = ["PrometheusError", "PrometheusServer", "rules_path"]
 
 DEFAULT_BINARY = "/usr/bin/prometheus"
 DEFAULT_JOBS = ("kvlens-router", "vllm-prefill", "vllm-decode")
 RULES_FILE = "recording_rules.yml"
 _JOB_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DURATION_RE = re.compile(r"^[0-9]+(ms|s|m|h|d|w|y)$")
+_API_TIMEOUT_S = 10.0
 _INSTALL_HINT = "install Debian package prometheus: apt-get install prometheus (make setup does it)"
 
 
@@ -68,15 +74,9 @@ def _free_port() -> int:
 
 def _pdeathsig() -> None:  # runs in the child between fork and exec
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
-
-
-class PrometheusError(RuntimeError):
-    """Prometheus could not start, or a query failed."""
 
 
 class PrometheusServer:
@@ -194,18 +194,14 @@ class PrometheusServer:
             preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
         )
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=1.0) as c:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    tail = self._tail()
-                    self.stop()
-                    raise PrometheusError(f"prometheus exited with code {self.proc.returncode}:\n{tail}")
-                try:
-                    if c.get(self.url + "/-/ready").status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.1)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self._tail()
+                self.stop()
+                raise PrometheusError(f"prometheus exited with code {self.proc.returncode}:\n{tail}")
+            if promapi.ready(self.url, timeout_s=1.0):
+                return self
+            time.sleep(0.1)
         tail = self._tail()
         self.stop()
         raise PrometheusError(f"prometheus not ready on {self.url} after {timeout:.0f}s:\n{tail}")
@@ -242,34 +238,15 @@ class PrometheusServer:
             return ""
 
     # --------------------------------------------------------------- API
-    def _get(self, path: str, params: Mapping[str, Any]) -> Any:
-        try:
-            r = httpx.get(self.url + path, params=params, timeout=10.0)
-        except httpx.HTTPError as e:
-            raise PrometheusError(f"prometheus at {self.url} unreachable: {e}") from e
-        try:
-            body = r.json()
-        except ValueError:
-            raise PrometheusError(f"{path}: HTTP {r.status_code}: {r.text[:200]}") from None
-        if body.get("status") != "success":
-            raise PrometheusError(f"{path} {dict(params)}: {body.get('errorType')}: {body.get('error')}")
-        return body["data"]
-
+    # Blocking HTTP calls on the caller's thread (10 s timeout); failures raise PrometheusError.
     def query(self, promql: str, time_s: float | None = None) -> list[dict[str, Any]]:
         """Instant query: the ``data.result`` list (``[{"metric": {...}, "value": [t, "v"]}]``)."""
-        params: dict[str, Any] = {"query": promql}
-        if time_s is not None:
-            params["time"] = time_s
-        data = self._get("/api/v1/query", params)
-        res = data.get("result")
-        if data.get("resultType") in ("scalar", "string"):
-            return [{"metric": {}, "value": res}]
-        return res
+        return promapi.query(self.url, promql, time_s=time_s, timeout_s=_API_TIMEOUT_S)
 
     def query_exemplars(self, promql: str, start_s: float, end_s: float) -> list[dict[str, Any]]:
         """Exemplars of the series selected by ``promql`` in [start, end]."""
-        return self._get("/api/v1/query_exemplars", {"query": promql, "start": start_s, "end": end_s})
+        return promapi.query_exemplars(self.url, promql, start_s, end_s, timeout_s=_API_TIMEOUT_S)
 
     def targets_health(self) -> list[dict[str, Any]]:
         """Active targets with ``labels``, ``health`` and ``lastError``."""
-        return self._get("/api/v1/targets", {"state": "active"})["activeTargets"]
+        return promapi.targets_health(self.url, timeout_s=_API_TIMEOUT_S)

@@ -4,8 +4,10 @@ Load with ``"kv_connector_module_path": "instrumented_connector"`` and
 ``"kv_connector": "InstrumentedNixlPushConnector"`` (or
 ``InstrumentedNixlPullConnector`` / ``InstrumentedNixlConnector``).
 
-The connector classes import vLLM; they are loaded lazily so that the light
-modules (``semconv``, ``recorder``) import without it.
+The connector classes import vLLM; they are loaded lazily (on first
+attribute access, from :mod:`instrumented_connector.connector`) so that the
+light modules (``semconv``, ``ids``, ``config``, ``recorder``) import
+without it.
 """
 
 _CONNECTORS = {
@@ -23,6 +25,8 @@ __all__ = sorted(_CONNECTORS)
 
 def __getattr__(name):
     if name in _CONNECTORS:
+        # Deferred for start-up cost: importing vLLM takes seconds, and the
+        # router and the CLI use this package without it.
         from instrumented_connector import connector
 
         return getattr(connector, name)

@@ -1,17 +1,22 @@
 """Hook-point contract: which private vLLM methods kvlens overrides, for which
-phase, and the check that disables a phase when its hook point is missing.
+phase, and the check that disables a phase when its hook point is missing;
+plus the small helpers every hook class shares (no vLLM import here).
 
 vLLM's NIXL internals are private and move between releases. At import the
-instrumented classes drop every override whose base method is gone (so vLLM
-never calls into a half-hooked path); at start-up the connector logs one
-warning naming the disabled phases. ``tests/test_hooks_contract.py`` pins the
-supported vLLM versions against this table.
+instrumented classes (:mod:`~instrumented_connector.scheduler`,
+:mod:`~instrumented_connector.worker`) drop every override whose base method
+is gone (so vLLM never calls into a half-hooked path); at start-up the
+connector logs one warning naming the disabled phases.
+``tests/unit/test_hooks_contract.py`` pins the supported vLLM versions
+against this table.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Final
 
+from instrumented_connector.logutil import log_once
 from instrumented_connector.semconv import Phase
 
 SUPPORTED_VLLM: Final = ("0.32", "0.33")
@@ -75,3 +80,60 @@ def prune(cls: type, base: type, hooks: dict[str, tuple[Phase, ...]]) -> set[Pha
                 delattr(cls, name)
             disabled.update(phases)
     return disabled
+
+
+# ------------------------------------------------------------ shared helpers
+#: Hooks' clock: wall-clock ns, what the recorder and the store expect.
+now = time.time_ns
+
+#: Cap on per-request bookkeeping kept between hooks (entries, not bytes).
+PENDING_CAP = 8192
+
+
+class Pending(dict):
+    """Insertion-ordered dict with a size cap: the oldest entry goes first.
+
+    Entries for requests whose second hook never fires (aborts) must not
+    accumulate forever. Each instance is used by one thread (the hook's)."""
+
+    def put(self, key, value) -> None:
+        if len(self) >= PENDING_CAP:
+            try:
+                del self[next(iter(self))]
+            except (StopIteration, KeyError, RuntimeError):
+                pass
+        self[key] = value
+
+    def put_first(self, key, value) -> None:
+        if key not in self:
+            self.put(key, value)
+
+
+class NullRecorder:
+    """Stands in for the recorder before setup, or when its setup failed."""
+
+    dropped = 0
+
+    def start(self) -> "NullRecorder":
+        return self
+
+    def record(self, *a, **k) -> None:
+        pass
+
+    def point(self, *a, **k) -> None:
+        pass
+
+
+def nblocks(block_ids) -> int:
+    """Logical block count over cache groups (BlockIds or a flat list)."""
+    if not block_ids:
+        return 0
+    first = block_ids[0]
+    if isinstance(first, (list, tuple)):
+        return sum(len(g) for g in block_ids)
+    return len(block_ids)
+
+
+def fail(key: str) -> None:
+    """Log a failed hook once (with its traceback); the phase is skipped."""
+    log_once("hook:" + key, "hook %s failed; this phase is skipped", key, exc_info=True)

@@ -1,6 +1,6 @@
 """kvlens semantic conventions: the one closed vocabulary of phases, roles,
 modes, outcomes and attribute keys. Everything that names a span, a label or
-an attribute imports it from here (STYLE.md: names in one place).
+an attribute imports it from here (docs/architecture.md, "names in one place").
 
 Cardinality: every enum here is a small closed set and may be used as a
 Prometheus label; request and trace ids are attributes only, never labels.
@@ -83,7 +83,7 @@ PULL_PHASES: Final = (
 """Phases every completed pull request must have (``relay`` when routed by kvlens)."""
 
 #: Phases that, in push mode, run while P is still computing: shown as
-#: overlap, not as handoff cost (DESIGN.md, critical path).
+#: overlap, not as handoff cost (docs/phases.md, "Critical path").
 PUSH_OVERLAP_PHASES: Final = frozenset(
     {Phase.REGISTRATION_STAGE, Phase.REGISTRATION_SEND, Phase.REGISTRATION_RECEIVE}
 )

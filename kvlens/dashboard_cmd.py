@@ -2,6 +2,14 @@
 child process bound to 127.0.0.1 unless ``--host`` says otherwise, print its
 URL, forward SIGINT/SIGTERM to it and exit with it.
 
+Streamlit's own safety settings are passed as its command-line flags:
+``server.address`` (127.0.0.1 by default), ``client.showErrorDetails``
+(``none`` unless ``--show-error-details``: an exception on a page does not
+show its traceback and source to whoever opens the URL), headless, and no
+usage statistics. The app imports ``dashboard``/``exporters``/
+``instrumented_connector`` from the installed package (``make setup``
+installs the checkout in editable mode), so no ``PYTHONPATH`` is set.
+
 The child runs in its own session (process group) so that stopping it also
 stops anything Streamlit starts; a child that ignores SIGTERM is killed after
 a grace period. A missing trace store is not an error: the page says so.
@@ -18,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+import dashboard
+from instrumented_connector.config import store_path
+
 DEFAULT_PORT = 8501
 DEFAULT_HOST = "127.0.0.1"
 STOP_GRACE_S = 10.0
@@ -29,11 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Prometheus base URL (e.g. http://127.0.0.1:9090); live figures come from it")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    p.add_argument("--show-error-details", action="store_true",
+                   help="show exceptions with their traceback in the page (default: a short message only)")
 
 
 def app_path() -> Path:
-    import dashboard
-
+    """The Streamlit entry script, ``dashboard/app.py`` of the installed package."""
     return Path(dashboard.__file__).resolve().parent / "app.py"
 
 
@@ -45,6 +57,8 @@ def command(args: argparse.Namespace, store: Path) -> list[str]:
         "--server.address", args.host,
         "--server.headless", "true",
         "--browser.gatherUsageStats", "false",
+        # getattr: callers that build the Namespace themselves (kvlens demo) may leave the flag out
+        "--client.showErrorDetails", "full" if getattr(args, "show_error_details", False) else "none",
         "--", "--store", str(store),
     ]
     if args.prometheus:
@@ -53,8 +67,6 @@ def command(args: argparse.Namespace, store: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvlens.home import store_path
-
     if not 0 < args.port < 65536:
         print(f"kvlens dashboard: invalid port {args.port}", file=sys.stderr)
         return 2
@@ -64,12 +76,7 @@ def run(args: argparse.Namespace) -> int:
     store = Path(args.store).expanduser().resolve() if args.store else store_path()
     if not store.exists():
         print(f"kvlens dashboard: no trace store at {store} yet (the page will say so)", file=sys.stderr)
-    # The app imports dashboard/, exporters/, instrumented_connector/ from the
-    # package root, which `streamlit run` does not put on sys.path.
-    root = str(app_path().parents[1])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.Popen(command(args, store), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(command(args, store), stdin=subprocess.DEVNULL, start_new_session=True)
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
     print(f"kvlens dashboard: http://{shown}:{args.port}  (store {store}; Ctrl-C to stop)", flush=True)
 

@@ -15,13 +15,13 @@ stack start-ups included.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import time
 from pathlib import Path
 
-from kvlens import bench
-from kvlens import home as kvhome
+from instrumented_connector import config
+from kvlens import bench, dashboard_cmd, traces
+from kvlens.model import ensure_model
 
 DEMO_QPS = "1,4"
 DEMO_INPUT_LEN = "256,2048"
@@ -37,8 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _traces(store: Path, since_s: float) -> None:
-    from kvlens import traces
-
     for mode in ("push", "pull"):
         print(f"\n== slowest {mode} requests of this demo (kvlens traces --slowest 3 --mode {mode}) ==", flush=True)
         ns = argparse.Namespace(store=str(store), slowest=3, mode=mode, outcome=None, since=f"{max(1, int(since_s))}s",
@@ -47,40 +45,23 @@ def _traces(store: Path, since_s: float) -> None:
 
 
 def _dashboard(store: Path, port: int) -> int:
-    try:
-        from kvlens import dashboard_cmd
-    except ModuleNotFoundError as e:
-        if e.name != "kvlens.dashboard_cmd":
-            raise
-        print(f"\nThe dashboard module is not installed here; once it is, start it with:\n"
-              f"  kvlens dashboard --store {store}", flush=True)
-        return 0
     print("\nStarting the dashboard (Ctrl-C to stop):", flush=True)
     ns = argparse.Namespace(store=str(store), prometheus=None, port=port, host="127.0.0.1")
     return int(dashboard_cmd.run(ns) or 0)
 
 
-def run(args: argparse.Namespace) -> int:
-    from kvlens.up import StackError
+def _check(args: argparse.Namespace) -> bench.BenchOptions:
+    """The demo's options; BenchError before anything is generated or started."""
+    opts = bench.options_from_args(args)
+    bench.validate_grid(modes=list(bench.MODES), dispatches=list(bench.DISPATCHES), qps=opts.qps,
+                        input_lens=opts.input_lens, output_len=opts.output_len, num_prompts=opts.num_prompts,
+                        max_model_len=bench.model_max_len(opts.model) or bench.DEFAULT_MAX_MODEL_LEN)
+    if not 0 < args.dashboard_port < 65536:
+        raise bench.BenchError(f"invalid --dashboard-port {args.dashboard_port}")
+    return opts
 
-    bench.quiet_http_logs(args)
-    try:
-        opts = bench.options_from_args(args)
-        bench.validate_grid(modes=list(bench.MODES), dispatches=list(bench.DISPATCHES), qps=opts.qps,
-                            input_lens=opts.input_lens, output_len=opts.output_len, num_prompts=opts.num_prompts,
-                            max_model_len=bench.model_max_len(opts.model) or bench.DEFAULT_MAX_MODEL_LEN)
-        if not 0 < args.dashboard_port < 65536:
-            raise bench.BenchError(f"invalid --dashboard-port {args.dashboard_port}")
-    except bench.BenchError as e:
-        print(f"kvlens demo: error: {e}", file=sys.stderr, flush=True)
-        return 2
 
-    t0 = time.time()
-    if opts.model is None:
-        from kvlens.model import ensure_model
-
-        print(f"kvlens demo: tiny model at {kvhome.model_dir()} (generated on first use)", flush=True)
-        opts.model = ensure_model(kvhome.model_dir())
+def _announce(opts: bench.BenchOptions) -> None:
     n_cells = len(opts.qps) * len(opts.input_lens)
     print(
         f"kvlens demo: push (overlapped, sequential) vs pull on a real P/D pair; {n_cells} cells per variant "
@@ -89,24 +70,28 @@ def run(args: argparse.Namespace) -> int:
         f"{'on' if opts.prefix_caching else 'off'}",
         flush=True,
     )
-    run_ = bench._new_run(opts)
-    old = signal.signal(signal.SIGTERM, bench._on_term)
+
+
+def run(args: argparse.Namespace) -> int:
+    bench.quiet_http_logs(args)
     try:
-        bench.bench_stacks(list(bench.MODES), list(bench.DISPATCHES), opts, run=run_)
+        opts = _check(args)
     except bench.BenchError as e:
         print(f"kvlens demo: error: {e}", file=sys.stderr, flush=True)
         return 2
-    except StackError as e:
-        print(f"kvlens demo: could not start a stack: {e}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print(f"\nkvlens demo: interrupted; {len(run_.cells)} finished cells kept", file=sys.stderr, flush=True)
-        if run_.cells:
-            bench.report(run_)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, old)
-    bench.report(run_)
+
+    t0 = time.time()
+    if opts.model is None:
+        print(f"kvlens demo: tiny model at {config.model_dir()} (generated on first use)", flush=True)
+        opts.model = ensure_model(config.model_dir())
+    _announce(opts)
+    run_ = bench.new_run(opts)
+    code = bench.run_guarded(
+        "demo", run_, lambda: bench.bench_stacks(list(bench.MODES), list(bench.DISPATCHES), opts, run=run_)
+    )
+    if code is not None:
+        return code
+    bench.print_report(run_)
     print(f"(bench part took {time.time() - t0:.0f}s)", flush=True)
     _traces(run_.store, time.time() - t0 + 5)
     if args.no_dashboard:

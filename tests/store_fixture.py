@@ -98,7 +98,7 @@ def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: b
     else:
         t = pf + int(0.3 * MS)
         relay = int(rng.uniform(1.0, 3.0) * MS)
-        router.record(P.RELAY, tid, t, t + relay, "ok", {"_trace_id": int(tid, 16)})
+        router.record(P.RELAY, tid, t, t + relay, "ok")
         t += relay + int(0.5 * MS)
         dec.record(P.ALLOC, d_rid, t, t, "ok", {sc.ATTR_BLOCKS: blocks})
         t += int(0.2 * MS)
@@ -123,10 +123,10 @@ def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: b
         dec.record(P.KV_READY, d_rid, kv, kv, "ok", {sc.ATTR_BLOCKS: blocks})
         ttft = (kv + int(rng.uniform(8, 15) * MS) - t0) / 1e9
     end = (t0 + int(ttft * 1e9) + 40 * MS) if ttft else kv + 5 * MS
-    attrs = {"_trace_id": int(tid, 16), sc.ATTR_TTFT_S: ttft,
+    attrs = {sc.ATTR_TTFT_S: ttft,
              sc.ATTR_DISPATCH: "overlapped" if mode == "push" else "sequential",
              sc.ATTR_STATUS_CODE: 200 if outcome == "ok" else 502}
-    router.record(P.REQUEST, tid, t0, end, outcome, attrs)
+    router.record_root(tid, None, t0, end, outcome, attrs)
 
 
 def bench_grid(rng: random.Random) -> list[dict]:

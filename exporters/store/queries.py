@@ -1,12 +1,33 @@
-"""Every read of the store: parameterised queries as functions of their
-parameters. Nothing outside ``exporters.store`` writes SQL."""
+"""Every read of the store (and the bench rows' write): parameterised queries
+as functions of their parameters, returning plain dicts / tuples. Nothing
+outside ``exporters.store`` writes SQL.
+
+All functions take an open connection (:func:`exporters.store.connect` or
+:func:`exporters.store.reading`), run on the caller's thread and may block
+up to the connection's timeout on a writer's lock. Times are wall-clock ns
+(``*_ns``) or seconds (``*_s``).
+"""
 
 from __future__ import annotations
 
 import json
 import sqlite3
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
+
+from exporters.store.schema import EXPLAIN, INSERT_ORDER, PARAM, SPAN_COLUMNS, params, read_tx, write_tx
+
+#: Columns of a trace summary (``slowest`` rows, :mod:`exporters.tracemodel`).
+SUMMARY_COLUMNS = ("trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "end_ns", "ttft_s",
+                   "prefill_finished_ns", "kv_ready_ns", "handoff_s", "n_spans")
+#: Tuple order of :func:`window` rows.
+WINDOW_COLUMNS = ("mode", "outcome", "start_ns", "ttft_s", "handoff_s")
+#: Tuple orders of :func:`handoff_sample` rows.
+SAMPLE_TRACE_COLUMNS = ("trace_id", "mode", "prefill_finished_ns", "kv_ready_ns", "handoff_s")
+SAMPLE_SPAN_COLUMNS = ("trace_id", "role", "name", "start_ns", "end_ns")
+_ORDER = {"handoff": "handoff_s", "ttft": "ttft_s", "start": "start_ns"}
+
 
 def parse_since(text: str | None) -> int | None:
     """'10m' / '2h' / '30s' / '1d' -> a wall-clock ns lower bound (None: all)."""
@@ -26,67 +47,80 @@ def parse_since(text: str | None) -> int | None:
     return time.time_ns() - int(secs * 1e9)
 
 
-def slowest(
-    conn: sqlite3.Connection,
-    n: int = 10,
-    *,
-    mode: str | None = None,
-    outcome: str | None = None,
-    since_ns: int | None = None,
-    until_ns: int | None = None,
-    min_handoff_s: float | None = None,
-    max_handoff_s: float | None = None,
-    trace_ids: Iterable[str] | None = None,
-    order: str = "handoff",
-) -> list[dict[str, Any]]:
-    """Traces ordered by handoff (or ttft) descending, with parameterised filters."""
-    where, params = ["1=1"], []
-    if mode:
-        where.append("mode = ?")
-        params.append(mode)
-    if outcome:
-        where.append("outcome = ?")
-        params.append(outcome)
-    if since_ns is not None:
-        where.append("start_ns >= ?")
-        params.append(since_ns)
-    if until_ns is not None:
-        where.append("start_ns <= ?")
-        params.append(until_ns)
-    if min_handoff_s is not None:
-        where.append("handoff_s >= ?")
-        params.append(min_handoff_s)
-    if max_handoff_s is not None:
-        where.append("handoff_s < ?")
-        params.append(max_handoff_s)
-    if trace_ids is not None:
-        ids = list(trace_ids)
-        if not ids:
-            return []
-        where.append(f"trace_id IN ({','.join('?' * len(ids))})")
-        params.extend(ids)
-    col = {"handoff": "handoff_s", "ttft": "ttft_s", "start": "start_ns"}.get(order)
+@dataclass(frozen=True)
+class TraceFilter:
+    """Which traces a query reads; ``None`` (or "") means "no filter".
+    Times are wall-clock ns on the trace's start; ``max_handoff_s`` is
+    exclusive; ``completed``: only traces whose handoff is known."""
+
+    mode: str | None = None
+    outcome: str | None = None
+    since_ns: int | None = None
+    until_ns: int | None = None
+    min_handoff_s: float | None = None
+    max_handoff_s: float | None = None
+    trace_ids: Sequence[str] | None = None
+    completed: bool = False
+
+    def where(self) -> tuple[str, list[Any]]:
+        """The one WHERE builder over ``traces``: (clause, params)."""
+        clauses, args = ["1=1"], []
+        for cond, value in (("mode = ", self.mode), ("outcome = ", self.outcome), ("start_ns >= ", self.since_ns),
+                            ("start_ns <= ", self.until_ns), ("handoff_s >= ", self.min_handoff_s),
+                            ("handoff_s < ", self.max_handoff_s)):
+            if value is not None and value != "":  # "" (an unset form field) filters nothing either
+                clauses.append(cond + PARAM)
+                args.append(value)
+        if self.trace_ids is not None:
+            clauses.append(f"trace_id IN ({params(len(self.trace_ids))})")
+            args.extend(self.trace_ids)
+        if self.completed:
+            clauses.append("handoff_s IS NOT NULL")
+        return " AND ".join(clauses), args
+
+
+def _where(**filters: Any) -> tuple[str, list[Any]]:
+    return TraceFilter(**filters).where()
+
+
+def _slowest_sql(n: int, order: str, **filters: Any) -> tuple[str, list[Any]]:
+    col = _ORDER.get(order)
     if col is None:
         raise ValueError(f"unknown order {order!r}")
-    sql = (
-        "SELECT trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, "
-        "prefill_finished_ns, kv_ready_ns, handoff_s, n_spans FROM traces "
-        f"WHERE {' AND '.join(where)} ORDER BY {col} DESC LIMIT ?"  # NULLs sort last in DESC
-    )
-    params.append(int(n))
-    return [dict(r) for r in conn.execute(sql, params)]
+    where, args = _where(**filters)
+    sql = (f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM traces WHERE {where} "
+           f"ORDER BY {col} DESC LIMIT {PARAM}")  # NULLs sort last in DESC
+    return sql, [*args, int(n)]
+
+
+def slowest(conn: sqlite3.Connection, n: int = 10, *, order: str = "handoff", **filters: Any) -> list[dict[str, Any]]:
+    """Trace summaries (dicts keyed :data:`SUMMARY_COLUMNS`) ordered by
+    ``order`` ("handoff", "ttft" or "start") descending, at most ``n``.
+    ``filters``: the fields of :class:`TraceFilter` (``mode="push"``, ...)."""
+    ids = filters.get("trace_ids")
+    if ids is not None:
+        filters["trace_ids"] = ids = list(ids)
+        if not ids:
+            return []
+    sql, args = _slowest_sql(n, order, **filters)
+    return [dict(r) for r in conn.execute(sql, args)]
+
+
+def slowest_plan(conn: sqlite3.Connection, n: int = 50, *, order: str = "handoff", **filters: Any) -> str:
+    """How the backend runs :func:`slowest` with these filters, as one line
+    (the benchmark prints it to show which index is walked)."""
+    sql, args = _slowest_sql(n, order, **filters)
+    return " | ".join(str(r[-1]) for r in conn.execute(EXPLAIN + sql, args))
 
 
 def spans_for(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
-    """All spans of the given traces, ordered by start time."""
+    """All spans of the given traces (dicts keyed :data:`SPAN_COLUMNS`, the
+    attributes decoded), by trace id, each list ordered by start time."""
     out: dict[str, list[dict[str, Any]]] = {t: [] for t in trace_ids}
     if not trace_ids:
         return out
-    q = (
-        "SELECT trace_id, span_id, parent_id, name, role, mode, request_id, start_ns, end_ns, "
-        f"outcome, attributes FROM spans WHERE trace_id IN ({','.join('?' * len(trace_ids))}) "
-        "ORDER BY start_ns, end_ns"
-    )
+    q = (f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE trace_id IN ({params(len(trace_ids))}) "
+         "ORDER BY start_ns, end_ns")
     for r in conn.execute(q, list(trace_ids)):
         d = dict(r)
         d["attributes"] = json.loads(d["attributes"] or "{}")
@@ -94,31 +128,50 @@ def spans_for(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, l
     return out
 
 
-def trace_record(summary: dict[str, Any], spans: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ``kvlens traces --json`` object for one trace."""
-    return {
-        "trace_id": summary["trace_id"],
-        "request_id": summary["request_id"],
-        "mode": summary["mode"],
-        "dispatch": summary.get("dispatch"),
-        "outcome": summary["outcome"],
-        "ttft_s": summary["ttft_s"],
-        "handoff_s": summary["handoff_s"],
-        "start_ns": summary["start_ns"],
-        "spans": [
-            {
-                "name": s["name"],
-                "role": s["role"],
-                "start_ns": s["start_ns"],
-                "end_ns": s["end_ns"],
-                "span_id": s["span_id"],
-                "parent_id": s["parent_id"],
-                "outcome": s["outcome"],
-                "attributes": s["attributes"],
-            }
-            for s in spans
-        ],
-    }
+def _tuples(conn: sqlite3.Connection, sql: str, args: Sequence[Any]) -> list[tuple]:
+    cur = conn.cursor()
+    cur.row_factory = None  # plain tuples: ~3x faster into pandas than sqlite3.Row
+    return cur.execute(sql, list(args)).fetchall()
+
+
+def window(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int | None, limit: int) -> list[tuple]:
+    """Traces that started in [since_ns, until_ns], newest first, at most
+    ``limit``: tuples in :data:`WINDOW_COLUMNS` order."""
+    where, args = _where(since_ns=since_ns, until_ns=until_ns)
+    sql = (f"SELECT {', '.join(WINDOW_COLUMNS)} FROM traces WHERE {where} "
+           f"ORDER BY start_ns DESC LIMIT {PARAM}")
+    return _tuples(conn, sql, [*args, int(limit)])
+
+
+def handoff_sample(
+    conn: sqlite3.Connection,
+    *,
+    since_ns: int | None,
+    until_ns: int | None,
+    limit: int,
+    exclude_phases: Iterable[str] = (),
+) -> tuple[list[tuple], list[tuple]]:
+    """The newest ``limit`` completed traces (handoff known) that started in
+    [since_ns, until_ns] and their spans, read in one snapshot:
+    (traces as :data:`SAMPLE_TRACE_COLUMNS` tuples, spans as
+    :data:`SAMPLE_SPAN_COLUMNS` tuples), spans named in ``exclude_phases`` left out."""
+    where, args = _where(since_ns=since_ns, until_ns=until_ns, completed=True)
+    sample = f"SELECT {', '.join(SAMPLE_TRACE_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
+    skip = sorted(exclude_phases)
+    spans = (
+        f"WITH t AS ({sample}) SELECT {', '.join('s.' + c for c in SAMPLE_SPAN_COLUMNS)} "
+        f"FROM t JOIN spans s ON s.trace_id = t.trace_id"
+        + (f" WHERE s.name NOT IN ({params(len(skip))})" if skip else "")
+    )
+    with read_tx(conn):
+        return _tuples(conn, sample, [*args, int(limit)]), _tuples(conn, spans, [*args, int(limit), *skip])
+
+
+def info(conn: sqlite3.Connection) -> dict[str, Any]:
+    """``{"traces": n, "first_ns", "last_ns", "bench_runs": n}`` (first/last: trace start times)."""
+    r = conn.execute("SELECT COUNT(*), MIN(start_ns), MAX(start_ns) FROM traces").fetchone()
+    b = conn.execute("SELECT COUNT(DISTINCT run_id) FROM bench_rows").fetchone()
+    return {"traces": r[0], "first_ns": r[1], "last_ns": r[2], "bench_runs": b[0]}
 
 
 def handoffs(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, float]:
@@ -127,46 +180,38 @@ def handoffs(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, fl
     ids = list(trace_ids)
     for i in range(0, len(ids), 500):
         chunk = ids[i : i + 500]
-        q = (
-            "SELECT trace_id, handoff_s FROM traces WHERE handoff_s IS NOT NULL "
-            f"AND trace_id IN ({','.join('?' * len(chunk))})"
-        )
-        for tid, h in conn.execute(q, chunk):
+        where, args = _where(trace_ids=chunk, completed=True)
+        for tid, h in conn.execute(f"SELECT trace_id, handoff_s FROM traces WHERE {where}", args):
             out[tid] = h
     return out
 
 
 def save_bench_rows(conn: sqlite3.Connection, run_id: str, rows: Sequence[dict[str, Any]]) -> None:
-    """Persist ``kvlens bench`` rows (dicts with the --json keys)."""
+    """Persist ``kvlens bench`` rows (dicts with the --json keys), in one
+    write transaction on a writer connection."""
     now = time.time_ns()
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with write_tx(conn):
         conn.executemany(
             "INSERT INTO bench_rows (run_id, created_ns, mode, dispatch, qps, input_len, output_len, "
-            "num_prompts, row) VALUES (?,?,?,?,?,?,?,?,?)",
+            f"num_prompts, row) VALUES ({params(9)})",
             [
                 (run_id, now, r["mode"], r.get("dispatch"), float(r["qps"]), int(r["input_len"]),
                  r.get("output_len"), r.get("num_prompts"), json.dumps(r))
                 for r in rows
             ],
         )
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
 
 
 def bench_rows(conn: sqlite3.Connection, run_id: str | None = None) -> list[dict[str, Any]]:
-    """Bench rows of one run (default: the latest run)."""
+    """Bench rows of one run (default: the latest run), in the order saved,
+    each the saved dict plus ``run_id``."""
     if run_id is None:
         r = conn.execute("SELECT run_id FROM bench_rows ORDER BY created_ns DESC LIMIT 1").fetchone()
         if r is None:
             return []
         run_id = r[0]
-    return [
-        dict(json.loads(r["row"]), run_id=r["run_id"])
-        for r in conn.execute("SELECT run_id, row FROM bench_rows WHERE run_id = ? ORDER BY rowid", (run_id,))
-    ]
+    sql = f"SELECT run_id, row FROM bench_rows WHERE run_id = {PARAM} ORDER BY {INSERT_ORDER}"
+    return [dict(json.loads(r["row"]), run_id=r["run_id"]) for r in conn.execute(sql, (run_id,))]
 
 
 def bench_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:

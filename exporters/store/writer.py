@@ -11,15 +11,21 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from exporters.store.schema import connect
+from exporters.store.schema import GREATEST, LEAST, SPAN_COLUMNS, TRACE_COLUMNS, connect, params, write_tx
 from instrumented_connector import semconv as sc
-from instrumented_connector.ids import base_request_id
+from instrumented_connector.ids import base_request_id, span_hex, trace_hex
 
 logger = logging.getLogger("kvlens")
 
-# Worst outcome wins when folding spans into a trace. instr() positions in
-# this string rank them: ok(1) < expired(4) < timeout(12) < failed(20).
-_OUTCOME_RANK = "'ok expired timeout failed'"
+# Worst outcome wins when folding spans into a trace (docs/phases.md):
+# unknown < ok < expired < timeout < failed.
+_OUTCOME_RANK = ("ok", "expired", "timeout", "failed")
+
+
+def _rank(col: str) -> str:
+    whens = " ".join(f"WHEN '{o}' THEN {i}" for i, o in enumerate(_OUTCOME_RANK, 1))
+    return f"(CASE {col} {whens} ELSE 0 END)"
+
 
 _UPSERT_TRACE = f"""
 INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns,
@@ -31,36 +37,39 @@ ON CONFLICT (trace_id) DO UPDATE SET
                       THEN excluded.request_id ELSE traces.request_id END,
     mode = COALESCE(traces.mode, excluded.mode),
     dispatch = COALESCE(excluded.dispatch, traces.dispatch),
-    outcome = CASE WHEN instr({_OUTCOME_RANK}, excluded.outcome) > instr({_OUTCOME_RANK}, traces.outcome)
+    outcome = CASE WHEN {_rank("excluded.outcome")} > {_rank("traces.outcome")}
                    THEN excluded.outcome ELSE traces.outcome END,
-    start_ns = MIN(traces.start_ns, excluded.start_ns),
-    end_ns = MAX(traces.end_ns, excluded.end_ns),
+    start_ns = {LEAST}(traces.start_ns, excluded.start_ns),
+    end_ns = {GREATEST}(traces.end_ns, excluded.end_ns),
     ttft_s = COALESCE(excluded.ttft_s, traces.ttft_s),
     prefill_finished_ns = COALESCE(traces.prefill_finished_ns, excluded.prefill_finished_ns),
     kv_ready_ns = COALESCE(traces.kv_ready_ns, excluded.kv_ready_ns),
     n_spans = traces.n_spans + 1
 """
 
-_INSERT_SPAN = """
-INSERT OR REPLACE INTO spans (trace_id, span_id, parent_id, name, role, mode, request_id,
-                              start_ns, end_ns, outcome, attributes)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
-"""
+
+# A span written twice (an SDK retry) replaces the first copy.
+_INSERT_SPAN = (
+    f"INSERT INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({params(len(SPAN_COLUMNS))}) "
+    "ON CONFLICT (trace_id, span_id) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c in SPAN_COLUMNS[2:])
+)
+_INSERT_TRACE = f"INSERT INTO traces ({', '.join(TRACE_COLUMNS)}) VALUES ({params(len(TRACE_COLUMNS))})"
 
 
 def _span_rows(span) -> tuple[tuple, dict]:
     """(spans row, traces upsert params) for one OTel ReadableSpan."""
     ctx = span.context
     a = dict(span.attributes or {})
-    tid = format(ctx.trace_id, "032x")
+    tid = trace_hex(ctx.trace_id)
     name = span.name
     role = a.get(sc.ATTR_ROLE)
     mode = a.get(sc.ATTR_MODE)
     outcome = a.get(sc.ATTR_OUTCOME, "ok")
     rid = a.get(sc.ATTR_REQUEST_ID)
-    parent = format(span.parent.span_id, "016x") if span.parent else None
+    parent = span_hex(span.parent.span_id) if span.parent else None
     start, end = int(span.start_time or 0), int(span.end_time or span.start_time or 0)
-    row = (tid, format(ctx.span_id, "016x"), parent, name, role, mode, rid, start, end, outcome,
+    row = (tid, span_hex(ctx.span_id), parent, name, role, mode, rid, start, end, outcome,
            json.dumps(a, default=str, separators=(",", ":")))
     is_router = role == sc.Role.ROUTER.value
     up = {
@@ -80,24 +89,26 @@ def _span_rows(span) -> tuple[tuple, dict]:
 
 
 def write_spans(conn: sqlite3.Connection, spans: Sequence) -> None:
-    """Insert spans and fold them into ``traces`` in one transaction.
-
-    ``BEGIN IMMEDIATE`` takes the write lock up front, so waiting for another
-    process's writer goes through SQLite's busy handler (the connection
-    timeout) instead of failing on a read-to-write lock upgrade."""
+    """Insert OTel ``ReadableSpan`` s and fold them into ``traces``, in one
+    write transaction (blocks up to the connection timeout on another
+    process's writer)."""
     rows, ups = [], []
     for s in spans:
         r, u = _span_rows(s)
         rows.append(r)
         ups.append(u)
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with write_tx(conn):
         conn.executemany(_INSERT_SPAN, rows)
         conn.executemany(_UPSERT_TRACE, ups)
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+
+
+def bulk_insert(conn: sqlite3.Connection, spans: Sequence[tuple], traces: Sequence[tuple]) -> None:
+    """Insert rows as they are (tuples in :data:`SPAN_COLUMNS` /
+    :data:`TRACE_COLUMNS` order), without folding: for synthetic stores
+    (benchmarks), where each trace row is already complete. One transaction."""
+    with write_tx(conn):
+        conn.executemany(_INSERT_SPAN, spans)
+        conn.executemany(_INSERT_TRACE, traces)
 
 
 class SQLiteSpanExporter:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from exporters import store
+from instrumented_connector.ids import new_trace_id
 from kvlens import bench
 
 pytestmark = pytest.mark.e2e
@@ -41,10 +42,10 @@ def grid_run(stack_factory, tmp_path_factory):
     pull = stack_factory.get("pull")
     opts = bench.BenchOptions(
         qps=QPS, input_lens=INPUT_LENS, output_len=OUTPUT_LEN, num_prompts=NUM_PROMPTS,
-        seed=int.from_bytes(bench.new_request_id()[:8].encode(), "big") % 10_000,  # fresh prompts: shared stacks cache prefixes
+        seed=int.from_bytes(new_trace_id()[:8].encode(), "big") % 10_000,  # fresh prompts: shared stacks cache prefixes
         warmup=1, trace_wait_s=60.0, store=_store_path(pull), json_path=out / "rows.jsonl", progress=False,
     )
-    run = bench._new_run(opts)
+    run = bench.new_run(opts)
     bench.bench_routers([pull.router_url], opts, run=run)
     push = stack_factory.get("push")
     bench.bench_routers([push.router_url, _sequential_url(push)], opts, run=run)
@@ -107,7 +108,7 @@ def test_rows_readable_from_store_and_json(grid_run):
 
 
 def test_cross_checks_hold(grid_run, capsys):
-    cc = bench.report(grid_run)
+    cc = bench.print_report(grid_run)
     out = capsys.readouterr().out
     assert "client TTFT vs router span TTFT" in out and "push/pull" in out
     assert cc.completed == cc.ok_traces_in_store  # completed requests = ok traces of the run

@@ -7,6 +7,7 @@ import json
 import numpy as np
 
 from exporters import store
+from instrumented_connector.ids import new_trace_id
 import pytest
 
 from kvlens import bench
@@ -171,7 +172,7 @@ def test_cross_check_warns_and_counts_missing():
 
 
 def test_request_ids_are_trace_ids():
-    ids = {bench.new_request_id() for _ in range(100)}
+    ids = {new_trace_id() for _ in range(100)}  # what the load generator sends as X-Request-Id
     assert len(ids) == 100 and all(len(i) == 32 and int(i, 16) and i == i.lower() for i in ids)
 
 
@@ -227,7 +228,7 @@ def test_cli_bad_input_exits_2_before_load(argv, words, capsys, tmp_path, monkey
 
 
 def test_cli_proxy_mode_conflict(monkeypatch, capsys):
-    monkeypatch.setattr(bench, "probe_router", lambda url: bench.RouterInfo(url, "pull", None, "m", None, 4096))
+    monkeypatch.setattr("kvlens.bench.cli.probe_router", lambda url: bench.RouterInfo(url, "pull", None, "m", None, 4096))
     assert _cli("--proxy", "http://127.0.0.1:1", "--modes", "push") == 2
     assert "serves pull, but --modes says push" in capsys.readouterr().err
 
@@ -420,7 +421,7 @@ def test_ctrl_c_stops_the_stack_and_keeps_finished_rows(tmp_path, tiny_tokenizer
             def stop(self):
                 stopped.append(True)
 
-        run = bench._new_run(opts)
+        run = bench.new_run(opts)
         # a shell starts background jobs with SIGINT ignored, and Python then
         # installs no handler: put Ctrl-C's usual handler in place for this test
         old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -24,6 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 from store_fixture import make_store  # noqa: E402
 
 from dashboard import data as D  # noqa: E402
+from dashboard import loaders as L  # noqa: E402
+from dashboard import prom as P  # noqa: E402
 from exporters import store  # noqa: E402
 from instrumented_connector import semconv as sc  # noqa: E402
 
@@ -138,7 +140,7 @@ def test_trace_detail_marks_critical_path(store_path):
 
 
 def test_bench_ratios(store_path):
-    df = D.with_ratios(D.bench_table(store_path))
+    df = L.with_ratios(D.bench_table(store_path))
     assert len(df) == 12
     r = df[(df["mode"] == "push") & (df["input_len"] == 128) & (df["qps"] == 2.0)].iloc[0]
     assert r["handoff_p50 push÷pull"] == pytest.approx(0.8)
@@ -158,9 +160,9 @@ def test_missing_and_empty_store(tmp_path):
 
 
 def test_promql_label_escaping():
-    assert D.escape_label_value('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
-    assert D.selector("kvlens_requests_total", mode='pu"sh') == 'kvlens_requests_total{mode="pu\\"sh"}'
-    assert D.selector("x") == "x"
+    assert P.escape_label_value('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
+    assert P.selector("kvlens_requests_total", mode='pu"sh') == 'kvlens_requests_total{mode="pu\\"sh"}'
+    assert P.selector("x") == "x"
     with pytest.raises(ValueError):
         D.since_until("3 weeks")
 
@@ -221,7 +223,7 @@ def fake_prometheus():
 
 
 def test_prom_overview(fake_prometheus):
-    stats, phases, hist = D.prom_overview(fake_prometheus, "15m")
+    stats, phases, hist = P.prom_overview(fake_prometheus, "15m")
     assert stats["push"].handoff["p50"] == 0.004 and stats["pull"].handoff["p50"] == 0.009
     assert stats["push"].requests == 90 and stats["push"].outcomes["timeout"] == 2
     assert stats["push"].dropped == 5 and stats["push"].req_per_s == 1.5
@@ -232,8 +234,8 @@ def test_prom_overview(fake_prometheus):
 
 
 def test_prometheus_down_is_an_error_not_a_crash():
-    with pytest.raises(D.PrometheusError):
-        D.prom_overview("http://127.0.0.1:9", "5m", timeout_s=1.0)
+    with pytest.raises(P.PrometheusError):
+        P.prom_overview("http://127.0.0.1:9", "5m", timeout_s=1.0)
 
 
 # ------------------------------------------------------------------ pages (AppTest)
@@ -421,8 +423,11 @@ def test_dashboard_cmd_arguments(tmp_path, monkeypatch):
     i = cmd.index("--")
     assert cmd[i + 1:] == ["--store", str(tmp_path / "t.db"), "--prometheus", "http://x:9090"]
     for flag, val in (("--server.port", "9999"), ("--server.address", "127.0.0.1"),
-                      ("--server.headless", "true"), ("--browser.gatherUsageStats", "false")):
+                      ("--server.headless", "true"), ("--browser.gatherUsageStats", "false"),
+                      ("--client.showErrorDetails", "none")):
         assert cmd[cmd.index(flag) + 1] == val
+    cmd = dashboard_cmd.command(p.parse_args(["--show-error-details"]), tmp_path / "t.db")
+    assert cmd[cmd.index("--client.showErrorDetails") + 1] == "full"
     assert dashboard_cmd.run(p.parse_args(["--port", "0"])) == 2
     assert dashboard_cmd.run(p.parse_args(["--prometheus", "localhost:9090"])) == 2
 

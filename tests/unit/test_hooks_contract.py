@@ -6,7 +6,7 @@ import types
 import pytest
 import vllm
 
-from instrumented_connector import connector, hooks
+from instrumented_connector import connector, hooks, scheduler
 from instrumented_connector import semconv as sc
 from vllm.distributed.kv_transfer.kv_connector.v1 import nixl
 
@@ -97,7 +97,7 @@ def test_failing_telemetry_leaves_vllm_result_untouched(caplog):
         def request_finished(self, request, block_ids):
             return True, {"remote_block_ids": block_ids}
 
-    class T(connector._SchedulerHooks, Host):
+    class T(scheduler._SchedulerHooks, Host):
         pass
 
     t = T()
@@ -114,7 +114,7 @@ def test_host_exceptions_pass_through_unchanged():
         def request_finished(self, request, block_ids):
             raise Boom("vllm's own error")
 
-    class T(connector._SchedulerHooks, Host):
+    class T(scheduler._SchedulerHooks, Host):
         pass
 
     with pytest.raises(Boom, match="vllm's own error"):
@@ -122,7 +122,39 @@ def test_host_exceptions_pass_through_unchanged():
 
 
 def test_pending_bookkeeping_is_bounded():
-    p = connector._Pending()
-    for i in range(connector._PENDING_CAP + 100):
+    p = hooks.Pending()
+    for i in range(hooks.PENDING_CAP + 100):
         p.put(i, i)
-    assert len(p) == connector._PENDING_CAP and 0 not in p and connector._PENDING_CAP + 99 in p
+    assert len(p) == hooks.PENDING_CAP and 0 not in p and hooks.PENDING_CAP + 99 in p
+
+
+class _ListRecorder:
+    dropped = 0
+
+    def __init__(self):
+        self.points = []
+
+    def point(self, phase, rid, outcome="ok", attrs=None):
+        self.points.append((phase, rid, outcome, attrs))
+
+
+def test_alloc_hook_records_only_staged_remote_prefills():
+    class Host:
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            return "vllm"
+
+    class T(scheduler._SchedulerHooks, Host):
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            return self._kvl_alloc(sc.Phase.ALLOC, super().update_state_after_alloc,
+                                   request, blocks, num_external_tokens)
+
+    rec = _ListRecorder()
+    t = T()
+    t._kvl_setup(rec)
+    blocks = types.SimpleNamespace(get_block_ids=lambda: ([1, 2, 3],))
+    staged = _request({"do_remote_prefill": True, "remote_engine_id": "p0"})
+    assert t.update_state_after_alloc(staged, blocks, 16) == "vllm"
+    assert t.update_state_after_alloc(staged, blocks, 0) == "vllm"  # nothing external: no phase
+    assert t.update_state_after_alloc(_request({}), blocks, 16) == "vllm"
+    assert [(p, attrs[sc.ATTR_BLOCKS], attrs[sc.ATTR_REMOTE_ENGINE_ID]) for p, _, _, attrs in rec.points] == [
+        (sc.Phase.ALLOC, 3, "p0")]

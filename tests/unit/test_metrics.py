@@ -15,10 +15,12 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
 from exporters import metrics as m
+from exporters import pipeline
 from exporters.metrics import PhaseMetricsProcessor, metrics_app
 from exporters.store import SQLiteSpanExporter, connect
 from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder, make_id_generator
+from instrumented_connector.ids import PinnedIdGenerator
+from instrumented_connector.recorder import Recorder
 
 TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -33,7 +35,7 @@ def env(tmp_path, reg):
     """(registry, tracer, processor, store path): store processor first, as in pipeline.py."""
     db = tmp_path / "traces.db"
     proc = PhaseMetricsProcessor(reg, store_path=db, handoff_deadline_s=0.5, handoff_poll_s=0.02)
-    provider = TracerProvider(id_generator=make_id_generator())
+    provider = TracerProvider(id_generator=PinnedIdGenerator())
     provider.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
     provider.add_span_processor(proc)
     yield reg, provider.get_tracer("t"), proc, db
@@ -202,8 +204,8 @@ def test_handoff_count_reconciles_with_store_through_recorders(tmp_path, reg):
     db = tmp_path / "traces.db"
     proc = PhaseMetricsProcessor(reg, store_path=db, handoff_deadline_s=1.0, handoff_poll_s=0.02)
 
-    def factory():
-        p = TracerProvider(id_generator=make_id_generator())
+    def factory(id_generator):
+        p = TracerProvider(id_generator=id_generator)
         p.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
         p.add_span_processor(proc)
         return p
@@ -219,8 +221,7 @@ def test_handoff_count_reconciles_with_store_through_recorders(tmp_path, reg):
         if i % 5:  # every fifth request never reaches kv.ready
             recs["decode", mode].record(sc.Phase.KV_READY, f"cmpl-{tid}-0-bbbbbbbb", t + 2000, t + 2000 + i)
             expected[mode] += 1
-        recs["router", mode].record(sc.Phase.REQUEST, tid, t - 1000, t + 10_000, "ok",
-                                    {"_trace_id": int(tid, 16), sc.ATTR_TTFT_S: 0.01})
+        recs["router", mode].record_root(tid, None, t - 1000, t + 10_000, "ok", {sc.ATTR_TTFT_S: 0.01})
     for r in recs.values():
         r.flush()
     assert proc.force_flush(5000)
@@ -330,23 +331,34 @@ def test_dropped_counter_tracks_recorder_drops(reg):
         m.set_dropped_source(None)
 
 
-def test_default_dropped_source_reads_recorders(reg):
-    from instrumented_connector import recorder as rec
-
-    r = rec.get_recorder("decode", "pull", "dropper-test", {"kvlens_store": "off", "kvlens_metrics": "off",
-                                                             "kvlens_buffer_events": 1})
+def test_pipeline_dropped_source_reads_recorders(reg, tmp_path):
+    r = pipeline.get_recorder("decode", "pull", "dropper-test", {"kvlens_store": "off", "kvlens_metrics": "off",
+                                                                 "kvlens_buffer_events": 1})
     try:
-        before = m._recorder_drops().get("decode", 0)
+        before = pipeline.dropped_counts().get("decode", 0)
         r._thread = object()  # keep the buffer full: no drain thread
         r.record(sc.Phase.ALLOC, "x", 1, 1)
         r.record(sc.Phase.ALLOC, "y", 1, 1)
         r.record(sc.Phase.ALLOC, "z", 1, 1)
-        assert m._recorder_drops()["decode"] == before + 2
-        proc = PhaseMetricsProcessor(reg, handoff_from="off")
+        assert pipeline.dropped_counts()["decode"] == before + 2
+        proc = PhaseMetricsProcessor(reg, handoff_from="off", dropped_source=pipeline.dropped_counts)
         proc.sync_dropped()
         assert val(reg, "kvlens_telemetry_dropped_total", role="decode") >= 2
     finally:
-        rec._recorders.pop(next(k for k, v in rec._recorders.items() if v is r), None)
+        pipeline._recorders.pop(next(k for k, v in pipeline._recorders.items() if v is r), None)
+
+
+def test_pipeline_gives_its_metrics_processor_the_recorders_drop_counts(tmp_path):
+    build = pipeline.provider_factory(role="decode", mode="pull", engine_id="d0",
+                                      config={"kvlens_home": str(tmp_path), "kvlens_store": "off"})
+    provider = build(PinnedIdGenerator())
+    try:
+        (proc,) = [p for p in provider._active_span_processor._span_processors
+                   if isinstance(p, PhaseMetricsProcessor)]
+        assert proc._dropped_source is pipeline.dropped_counts
+        assert proc.handoff.path == tmp_path.resolve() / "traces.db"
+    finally:
+        provider.shutdown()
 
 
 def test_two_processors_share_one_registry(reg):

@@ -1,5 +1,8 @@
-"""Recorder: trace-id derivation, bounded buffer, span building, fail-safety."""
+"""Recorder: trace-id derivation, bounded buffer, span building, fail-safety.
 
+``memory_stays_under_cap`` is the hot-path budget (docs/architecture.md)."""
+
+import socket
 import time
 import tracemalloc
 
@@ -8,14 +11,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from exporters import pipeline, store
 from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import (
-    Recorder,
-    base_request_id,
-    make_id_generator,
-    root_span_id,
-    trace_id_for,
-)
+from instrumented_connector.ids import base_request_id, root_span_id, trace_id_for
+from instrumented_connector.recorder import Recorder
 
 TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -24,8 +23,8 @@ TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 def mem():
     exporter = InMemorySpanExporter()
 
-    def factory():
-        p = TracerProvider(id_generator=make_id_generator())
+    def factory(id_generator):
+        p = TracerProvider(id_generator=id_generator)
         p.add_span_processor(SimpleSpanProcessor(exporter))
         return p
 
@@ -58,7 +57,7 @@ def test_spans_share_trace_and_parent_to_router_root(mem):
     router = Recorder(role="router", mode="push", pipeline_factory=factory)
     now = time.time_ns()
     r.record(sc.Phase.PREFILL_FINISHED, f"cmpl-{TID}-0-aaaaaaaa", now, now, "ok", {sc.ATTR_BLOCKS: 3})
-    router.record(sc.Phase.REQUEST, TID, now - 10, now + 10, "ok", {"_trace_id": int(TID, 16), sc.ATTR_TTFT_S: 0.1})
+    router.record_root(TID, None, now - 10, now + 10, "ok", {sc.ATTR_TTFT_S: 0.1})
     r.flush()
     router.flush()
     spans = {s.name: s for s in exporter.get_finished_spans()}
@@ -68,17 +67,29 @@ def test_spans_share_trace_and_parent_to_router_root(mem):
     assert child.parent.span_id == root.context.span_id == root_span_id(int(TID, 16))
     assert child.attributes[sc.ATTR_MODE] == "push" and child.attributes[sc.ATTR_ROLE] == "prefill"
     assert child.attributes[sc.ATTR_BLOCKS] == 3 and child.attributes[sc.ATTR_ENGINE_ID] == "p0"
-    assert "_trace_id" not in root.attributes
+    assert root.attributes[sc.ATTR_REQUEST_ID] == TID and root.attributes[sc.ATTR_TTFT_S] == 0.1
+    assert not any(k.startswith("_") for k in root.attributes)
 
 
 def test_incoming_traceparent_parents_the_root(mem):
     exporter, factory = mem
     router = Recorder(role="router", mode="pull", pipeline_factory=factory)
     t = time.time_ns()
-    router.record(sc.Phase.REQUEST, TID, t, t + 5, "ok", {"_trace_id": int(TID, 16), "_parent_span_id": 0x1234})
+    router.record_root(TID, 0x1234, t, t + 5)
     router.flush()
     (s,) = exporter.get_finished_spans()
+    assert s.name == "request"
     assert s.parent.span_id == 0x1234 and s.context.trace_id == int(TID, 16)
+    assert s.context.span_id == root_span_id(int(TID, 16))
+
+
+def test_relay_recorded_by_trace_id_is_a_child_of_the_root(mem):
+    exporter, factory = mem
+    router = Recorder(role="router", mode="pull", pipeline_factory=factory)
+    router.record(sc.Phase.RELAY, TID, 1, 2)
+    router.flush()
+    (s,) = exporter.get_finished_spans()
+    assert s.context.trace_id == int(TID, 16) and s.parent.span_id == root_span_id(int(TID, 16))
 
 
 def test_buffer_is_bounded_and_counts_drops():
@@ -86,7 +97,8 @@ def test_buffer_is_bounded_and_counts_drops():
     r._thread = object()  # keep the drain thread away: simulates a stalled exporter
     for i in range(25):
         r.record(sc.Phase.KV_READY, f"r{i}", 1, 1)
-    assert len(r._q) == 10 and r.dropped == 15
+    r.record_root(TID, None, 1, 2)
+    assert len(r._q) == 10 and r.dropped == 16
 
 
 def test_unknown_outcome_and_role_map_to_other(mem):
@@ -99,7 +111,7 @@ def test_unknown_outcome_and_role_map_to_other(mem):
 
 
 def test_failing_pipeline_never_raises_into_caller():
-    def broken():
+    def broken(id_generator):
         raise RuntimeError("exporter setup exploded")
 
     r = Recorder(role="prefill", mode="push", pipeline_factory=broken)
@@ -113,9 +125,21 @@ def test_bad_event_is_skipped_others_exported(mem):
     exporter, factory = mem
     r = Recorder(role="prefill", mode="push", pipeline_factory=factory)
     r.record(sc.Phase.MATCH, None, 1, 2)  # a None request id cannot be hashed
+    r.record_root(None, None, 1, 2)
     r.record(sc.Phase.MATCH, "good", 1, 2)
+    r.record_root(TID, None, 1, 2)
     r.flush()
-    assert [s.name for s in exporter.get_finished_spans()] == ["match"]
+    assert [s.name for s in exporter.get_finished_spans()] == ["match", "request"]
+
+
+def test_pinned_ids_apply_to_the_root_span_only(mem):
+    exporter, factory = mem
+    r = Recorder(role="router", mode="push", pipeline_factory=factory)
+    r.record_root(TID, None, 1, 2)
+    r.flush()
+    p = r._provider
+    other = p.get_tracer("t").start_span("other")  # the generator is back to random ids
+    assert other.context.span_id != root_span_id(int(TID, 16))
 
 
 def test_negative_interval_is_clamped(mem):
@@ -149,10 +173,6 @@ def test_memory_stays_under_cap_when_exporter_stalls():
 
 def test_unreachable_otlp_endpoint_never_raises(tmp_path):
     """An OTLP collector that is down: spans still reach the store, nothing raises."""
-    import socket
-
-    from exporters import pipeline, store
-
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

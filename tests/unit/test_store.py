@@ -2,12 +2,12 @@
 
 import json
 import os
-import stat
+import sqlite3
 import time
 
 import pytest
 
-from exporters import pipeline, store
+from exporters import pipeline, store, tracemodel
 from instrumented_connector import semconv as sc
 from instrumented_connector.recorder import Recorder
 
@@ -27,8 +27,8 @@ def _record_request(home, tid=TID, mode="push", handoff_ns=5_000_000, t0=None):
     recs["prefill"].record(sc.Phase.PREFILL, rid_p, t0, pf)
     recs["prefill"].record(sc.Phase.PREFILL_FINISHED, rid_p, pf, pf)
     recs["prefill"].record(sc.Phase.WRITE_POST, rid_p, pf + 1000, pf + 2000, "failed" if mode == "pull" else "ok")
-    recs["router"].record(sc.Phase.REQUEST, tid, t0 - 1000, pf + handoff_ns + 10_000_000, "ok",
-                          {"_trace_id": int(tid, 16), sc.ATTR_TTFT_S: 0.03, sc.ATTR_DISPATCH: "overlapped"})
+    recs["router"].record_root(tid, None, t0 - 1000, pf + handoff_ns + 10_000_000, "ok",
+                               {sc.ATTR_TTFT_S: 0.03, sc.ATTR_DISPATCH: "overlapped"})
     for r in recs.values():
         r.close()
     return pf
@@ -44,7 +44,7 @@ def test_spans_fold_into_one_trace_with_handoff(tmp_path):
     assert row["ttft_s"] == pytest.approx(0.03) and row["n_spans"] == 5 and row["outcome"] == "ok"
     spans = store.spans_for(conn, [TID])[TID]
     assert {s["name"] for s in spans} == {"request", "prefill", "prefill.finished", "write.post", "kv.ready"}
-    rec = store.trace_record(row, spans)
+    rec = tracemodel.trace_record(row, spans)
     json.dumps(rec)
     assert set(rec) >= {"trace_id", "request_id", "mode", "outcome", "ttft_s", "handoff_s", "spans"}
 
@@ -72,6 +72,117 @@ def test_sql_filters_are_parameterised(tmp_path):
 def test_readonly_missing_store_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="trace store not found"):
         store.connect(tmp_path / "nope.db", readonly=True)
+    with pytest.raises(store.StoreMissing):
+        store.connect(tmp_path / "nope.db", readonly=True)
+
+
+def _set_version(path, version):
+    raw = sqlite3.connect(path)
+    raw.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
+    raw.commit()
+    raw.close()
+
+
+def test_a_new_store_records_its_schema_version(tmp_path):
+    p = tmp_path / "traces.db"
+    store.connect(p).close()
+    raw = sqlite3.connect(p)
+    assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(store.SCHEMA_VERSION),)
+    raw.close()
+    store.connect(p).close()  # a second writer (another process) changes nothing
+    with store.reading(p) as c:
+        assert store.info(c)["traces"] == 0
+
+
+def test_a_newer_store_is_refused_naming_both_versions(tmp_path):
+    p = tmp_path / "traces.db"
+    store.connect(p).close()
+    newer = store.SCHEMA_VERSION + 1
+    _set_version(p, newer)
+    for readonly in (True, False):
+        with pytest.raises(store.StoreVersionError, match=f"schema version {newer}.*up to version {store.SCHEMA_VERSION}"):
+            store.connect(p, readonly=readonly)
+    assert issubclass(store.StoreVersionError, store.StoreError)
+
+
+def test_a_store_from_before_versioning_is_read_and_upgraded(tmp_path):
+    _record_request(tmp_path)
+    p = tmp_path / "traces.db"
+    raw = sqlite3.connect(p)
+    raw.execute("DROP TABLE meta")  # what a store written before the version table looks like
+    raw.commit()
+    raw.close()
+    with store.reading(p) as c:  # a reader accepts it as it is
+        assert [r["trace_id"] for r in store.slowest(c, 10)] == [TID]
+    store.connect(p).close()  # a writer adds the version
+    raw = sqlite3.connect(p)
+    assert raw.execute("SELECT value FROM meta").fetchall() == [(str(store.SCHEMA_VERSION),)]
+    raw.close()
+    with store.reading(p) as c:
+        assert [r["trace_id"] for r in store.slowest(c, 10)] == [TID]
+
+
+def test_a_writer_runs_the_migrations_up_to_its_version(tmp_path, monkeypatch):
+    from exporters.store import schema
+
+    p = tmp_path / "traces.db"
+    store.connect(p).close()
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", store.SCHEMA_VERSION + 1)
+    monkeypatch.setattr(schema, "MIGRATIONS", {store.SCHEMA_VERSION: ("ALTER TABLE traces ADD COLUMN note TEXT",)})
+    store.connect(p).close()
+    store.connect(p).close()  # already current: the migration does not run twice (it would fail)
+    raw = sqlite3.connect(p)
+    assert raw.execute("SELECT value FROM meta").fetchall() == [(str(store.SCHEMA_VERSION + 1),)]
+    assert "note" in [r[1] for r in raw.execute("PRAGMA table_info(traces)")]
+    raw.close()
+
+
+@pytest.mark.parametrize("content", [b"", b"not a database" * 100], ids=["0-byte", "garbage"])
+def test_a_corrupt_or_empty_file_is_a_clear_error(tmp_path, content):
+    p = tmp_path / "traces.db"
+    p.write_bytes(content)
+    with pytest.raises(store.StoreCorrupt, match="not a kvlens trace store"):
+        store.connect(p, readonly=True)
+    with pytest.raises(store.StoreError):
+        with store.reading(p) as c:
+            store.info(c)
+
+
+@pytest.mark.parametrize("name", ["a#b", "a%20b", "a?mode=rw", "with space", "é"])
+def test_paths_with_uri_characters_open_read_only(tmp_path, name):
+    d = tmp_path / name
+    d.mkdir()
+    _record_request(d)
+    with store.reading(d / "traces.db") as c:
+        assert [r["trace_id"] for r in store.slowest(c, 10)] == [TID]
+    with pytest.raises(store.StoreMissing, match="a#b|a%20b|a\\?mode|with space|é"):
+        store.connect(d / "other.db", readonly=True)
+
+
+def test_reading_turns_backend_errors_into_store_errors(tmp_path):
+    p = tmp_path / "traces.db"
+    store.connect(p).close()
+    with pytest.raises(store.StoreError):
+        with store.reading(p) as c:
+            c.execute("SELECT nope FROM traces")  # any backend error inside the block
+
+
+def test_traces_cli_prints_one_line_on_a_bad_store(tmp_path, capsys):
+    from kvlens.cli import main
+
+    bad = tmp_path / "traces.db"
+    bad.write_bytes(b"garbage" * 1000)
+    assert main(["traces", "--store", str(bad)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("kvlens traces:") and "Traceback" not in err
+    store_p = tmp_path / "new" / "traces.db"
+    store.connect(store_p).close()
+    _set_version(store_p, store.SCHEMA_VERSION + 1)
+    assert main(["traces", "--store", str(store_p)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "schema version" in err
+    assert main(["traces", "--store", str(tmp_path / "absent.db")]) == 1
+    assert "trace store not found" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(os.geteuid() == 0 and False, reason="")

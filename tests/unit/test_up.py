@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -56,3 +58,56 @@ def test_parse_cpu_list():
     assert parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6}
     for spec in ("auto", "nobind", "0|1", "", None, "a-b"):
         assert parse_cpu_list(spec) is None, spec
+
+
+# ------------------------------------------------------------ stack parts
+def test_assign_ports_checks_then_fills():
+    from kvlens.stack.errors import StackError
+    from kvlens.stack.ports import assign_ports
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        with pytest.raises(StackError, match=f"router port {busy} is already in use"):
+            assign_ports({"router port": busy}, "127.0.0.1", ["router port"])
+    with pytest.raises(StackError, match="given twice"):
+        assign_ports({"a": 23456, "b": 23456}, "127.0.0.1", [])
+    got = assign_ports({"a": None, "b": 0, "c": None}, "127.0.0.1", ["a", "b"])
+    assert got["c"] is None and got["a"] and got["b"] and got["a"] != got["b"]
+
+
+def test_kv_transfer_config_instrumented_and_stock(tmp_path):
+    from kvlens.up import kv_transfer_config
+
+    ktc = kv_transfer_config("push", "prefill", "p0", False, tmp_path)
+    assert ktc["kv_connector"] == "InstrumentedNixlPushConnector" and ktc["kv_role"] == "kv_producer"
+    assert ktc["kv_connector_module_path"] == "instrumented_connector"
+    assert ktc["kv_connector_extra_config"]["kvlens_home"] == str(tmp_path)
+    stock = kv_transfer_config("pull", "decode", "d0", True, tmp_path, kv_lease_s=7)
+    assert stock["kv_connector"] == "NixlConnector" and stock["kv_role"] == "kv_consumer"
+    assert "kv_connector_module_path" not in stock
+    assert stock["kv_connector_extra_config"] == {"kv_lease_duration": 7, "push_registration_timeout": 150}
+
+
+def test_stop_children_stops_the_whole_process_group(tmp_path):
+    from kvlens.stack.supervise import Child, stop_children
+
+    pidfile = tmp_path / "grandchild.pid"
+    c = Child("tree", ["sh", "-c", f"sleep 300 & echo $! > {pidfile}; wait"], dict(os.environ),
+              tmp_path / "tree.log", "http://127.0.0.1:1")
+    c.start()
+    deadline = time.monotonic() + 10
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = int(pidfile.read_text())
+    stop_children([c], grace_s=5)
+    assert not c.alive()
+    time.sleep(0.2)
+    try:
+        os.kill(grandchild, 0)
+        gone = open(f"/proc/{grandchild}/stat").read().split()[2] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        gone = True
+    assert gone, "the grandchild outlived its process group"

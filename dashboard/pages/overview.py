@@ -1,0 +1,147 @@
+"""Overview page: push vs pull side by side, live — handoff and TTFT
+percentiles, request rate and outcomes, the handoff distribution (a bar links
+to its traces) and where the handoff time goes, per phase.
+
+Figures come from Prometheus when ``--prometheus`` is given and it has kvlens
+samples in the range, else from the trace store. The body is a fragment that
+reruns on its own every few seconds while auto-refresh is on.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts
+from dashboard import data as D
+from dashboard import loaders as L
+from dashboard import prom, ui
+from instrumented_connector import semconv as sc
+
+REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
+MODE_TITLE = {"push": "Push (NixlPushConnector)", "pull": "Pull (NixlConnector)"}
+TRACES_PAGE = "pages/traces.py"
+
+
+def main() -> None:
+    cfg = ui.parse_config()
+    st.title("Overview: push vs pull, live")
+    c1, c2, c3 = st.columns([2, 1, 1])
+    range_key = c1.select_slider("Time range", options=list(D.TIME_RANGES), value="1h", key="ov_range")
+    live = c2.toggle("Auto-refresh", value=True, key="ov_live")
+    every = c3.selectbox("Every", list(REFRESH_CHOICES), index=1, key="ov_every", disabled=not live)
+    run_every = REFRESH_CHOICES[every] if live else None
+    st.fragment(run_every=run_every)(lambda: body(cfg, range_key))()
+
+
+def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
+    """(stats, phases, hist, source) from Prometheus; None (after a message) when it
+    is not set, fails or has no kvlens samples in the range."""
+    if not cfg.prometheus:
+        return None
+    try:
+        stats, phases, hist = L.load_prometheus(cfg.prometheus, range_key, L.now_bucket())
+    except prom.PrometheusError as e:
+        st.warning(f"Prometheus is unreachable or refused the query ({e}); showing the trace store instead.")
+        return None
+    if not any((s.requests or 0) > 0 for s in stats.values()):
+        st.info("Prometheus answered but has no kvlens samples in this range; showing the trace store.")
+        return None
+    return stats, phases, hist, f"Prometheus at `{cfg.prometheus}` (rates over {prom.prom_range(range_key)})"
+
+
+def from_store(cfg: ui.Config, range_key: str) -> tuple | None:
+    """(stats, phases, hist, source) from the trace store; None (after a message)
+    when it is missing, unreadable or has nothing in the range."""
+    info = ui.store_banner(cfg)
+    if info is None:
+        return None
+    now = L.now_bucket(range_key)
+    ok, df = ui.guarded(cfg, lambda: L.load_window(cfg.store, range_key, now))
+    if not ok:
+        return None
+    if not len(df):
+        if info["traces"]:
+            st.info(f"No traces in the last {range_key} (the newest started {ui.fmt_ts(info['last_ns'])}). "
+                    "Pick a wider time range.")
+        return None
+    if len(df) >= D.WINDOW_LIMIT:
+        st.caption(f"Figures over the newest {D.WINDOW_LIMIT:,} requests of the range.")
+    stats = D.stats_from_traces(df, D.TIME_RANGES[range_key])
+    ok, phases = ui.guarded(cfg, lambda: L.load_phases(cfg.store, range_key, now))
+    if not ok:
+        return None
+    return stats, phases, D.handoff_histogram(df), f"trace store `{cfg.store}`"
+
+
+def body(cfg: ui.Config, range_key: str) -> None:
+    got = from_prometheus(cfg, range_key) or from_store(cfg, range_key)
+    if got is None:
+        return
+    stats, phases, hist, source = got
+    st.caption(f"Source: {source}. Updated {datetime.now().strftime('%H:%M:%S')}. "
+               "Handoff = prefill.finished (P) → kv.ready (D).")
+    crit = phases[phases["path"] == D.CRITICAL] if len(phases) else phases
+    tot = crit.groupby("mode")["seconds"].sum() if len(crit) else pd.Series(dtype=float)
+    ph_max = float(tot.max()) if len(tot) else None  # one x scale: push and pull bars compare
+    h_max = float(hist["hi"].max()) if len(hist) else None
+    cols = st.columns(2, gap="large")
+    for col, mode in zip(cols, D.MODES):
+        with col, st.container(border=True, key=f"ov_{mode}"):
+            st.subheader(MODE_TITLE.get(mode, mode))
+            if not stats[mode].requests:
+                st.info(f"No {mode} requests in this range.")
+                continue
+            mode_figures(mode, stats[mode])
+            mode_charts(mode, phases, hist, ph_max, h_max)
+
+
+def mode_figures(mode: str, s: D.ModeStats) -> None:
+    """The metric tiles of one mode, and links from its handoff percentiles to the Traces page."""
+    a, b, c = st.columns(3)
+    a.metric("handoff p50", ui.fmt_s(s.handoff.get("p50")))
+    b.metric("handoff p90", ui.fmt_s(s.handoff.get("p90")))
+    c.metric("handoff p99", ui.fmt_s(s.handoff.get("p99")))
+    a, b, c = st.columns(3)
+    a.metric("TTFT p50 (client)", ui.fmt_s(s.ttft.get("p50")))
+    b.metric("TTFT p99 (client)", ui.fmt_s(s.ttft.get("p99")))
+    c.metric("TPOT mean", ui.fmt_s(s.tpot_mean), help="Not recorded per request; see Compare for bench TPOT.")
+    a, b, c = st.columns(3)
+    a.metric("requests / s", f"{s.req_per_s:.3g}" if s.req_per_s is not None else "n/a")
+    a.caption(f"{ui.fmt_n(s.requests)} requests")
+    bad = {k: v for k, v in s.outcomes.items() if k != sc.Outcome.OK.value}
+    b.metric("ok", ui.fmt_n(s.outcomes.get(sc.Outcome.OK.value)))
+    b.caption(" · ".join(f"{k} {ui.fmt_n(v)}" for k, v in bad.items()))
+    c.metric("dropped telemetry", ui.fmt_n(s.dropped) if s.dropped is not None else "n/a",
+             help="Spans dropped by kvlens in this range, all processes "
+                  "(increase of kvlens_telemetry_dropped_total; needs --prometheus)")
+    links = st.columns(3)
+    for lc, (name, v) in zip(links, s.handoff.items()):
+        if v is not None:
+            lc.page_link(TRACES_PAGE, label=f"≥ {name} traces", icon=":material/search:",
+                         query_params={"mode": mode, "min_handoff": f"{v:.6g}"})
+
+
+def mode_charts(mode: str, phases: pd.DataFrame, hist: pd.DataFrame, ph_max: float | None,
+                h_max: float | None) -> None:
+    """One mode's handoff histogram and its per-phase bars (critical path, then overlap)."""
+    if hist is not None and len(hist[hist["mode"] == mode]):
+        st.altair_chart(charts.handoff_hist_chart(hist, mode, h_max), width="stretch")
+    mine = phases[phases["mode"] == mode] if phases is not None and len(phases) else pd.DataFrame()
+    if not len(mine):
+        st.caption("No completed handoffs with phase spans in this range.")
+        return
+    if (mine["path"] == D.CRITICAL).any():
+        st.altair_chart(charts.phase_chart(phases, mode, D.CRITICAL, ph_max,
+                                           "critical path by phase (prefill.finished → kv.ready)"), width="stretch")
+    if (mine["path"] == D.OVERLAP).any():
+        st.altair_chart(charts.phase_chart(phases, mode, D.OVERLAP, None,
+                                           "overlapped with prefill (off the critical path)"), width="stretch")
+    else:
+        st.caption("Nothing overlaps prefill: every phase starts after prefill.finished.")
+
+
+if __name__ == "__main__":
+    ui.run_page(main, "overview")

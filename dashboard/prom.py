@@ -1,0 +1,148 @@
+"""Live figures from Prometheus (``--prometheus URL``) for the Overview page:
+PromQL over the one HTTP client, :mod:`exporters.promapi`. Pure: plain
+arguments in, :class:`dashboard.data.ModeStats` and DataFrames out, no
+Streamlit (``dashboard/loaders.py`` caches it).
+
+Calls block on the caller's thread, each query bounded by ``timeout_s``
+(seconds). Label values are escaped with :func:`escape_label_value`. Any
+failure raises :class:`PrometheusError` (the one class, from
+:mod:`exporters.promapi`); the Overview page then falls back to the store.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import pandas as pd
+
+from dashboard import data as D
+from exporters import promapi, tracemodel
+from exporters.promapi import PrometheusError
+from instrumented_connector import semconv as sc
+
+__all__ = [
+    "PROM_ALL_RANGE", "PrometheusError", "escape_label_value", "selector", "prom_range", "prom_query",
+    "prom_overview",
+]  # fmt: skip
+
+#: PromQL range used when the picker says "all" (Prometheus keeps ~15 d).
+PROM_ALL_RANGE = "7d"
+
+_HIST_COLS = ["mode", "lo", "hi", "count", "link"]
+_PHASE_COLS = ["mode", "role", "phase", "path", "seconds", "requests"]
+
+Query = Callable[[str], list[tuple[dict[str, str], float]]]
+
+
+def escape_label_value(value: str) -> str:
+    """Escape a PromQL label value for a double-quoted string literal."""
+    return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def selector(metric: str, **labels: str) -> str:
+    """``metric{k="v",...}`` with escaped values (label names are ours, fixed)."""
+    if not labels:
+        return metric
+    inner = ",".join(f'{k}="{escape_label_value(v)}"' for k, v in labels.items())
+    return f"{metric}{{{inner}}}"
+
+
+def prom_range(range_key: str) -> str:
+    """The PromQL range for a time-range picker choice (``all`` -> :data:`PROM_ALL_RANGE`)."""
+    secs = D.TIME_RANGES[range_key]
+    return PROM_ALL_RANGE if secs is None else range_key
+
+
+def prom_query(url: str, query: str, *, client=None, timeout_s: float = 3.0) -> list[tuple[dict[str, str], float]]:
+    """Instant query -> [(labels, value)]; NaN/Inf samples dropped."""
+    return promapi.values(promapi.query(url, query, client=client, timeout_s=timeout_s))
+
+
+def _one(res: Sequence[tuple[dict, float]]) -> float | None:
+    return res[0][1] if res else None
+
+
+def _mode_stats(q: Query, mode: str, w: str, dropped: float | None) -> D.ModeStats:
+    """Handoff / TTFT quantiles, request rate and outcomes of one mode over ``w``."""
+    st = D.ModeStats(mode=mode)
+    hb = selector("kvlens_handoff_seconds_bucket", mode=mode)
+    # handoff pXX = histogram_quantile(q, sum by (le) (rate(kvlens_handoff_seconds_bucket{mode=m}[w])))
+    for name, qq in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
+        st.handoff[name] = _one(q(f"histogram_quantile({qq}, sum by (le) (rate({hb}[{w}])))"))
+    tb = selector("kvlens_ttft_seconds_bucket", mode=mode)
+    for name, qq in (("p50", 0.5), ("p99", 0.99)):
+        st.ttft[name] = _one(q(f"histogram_quantile({qq}, sum by (le) (rate({tb}[{w}])))"))
+    st.ttft["mean"] = _one(q(
+        f"sum(rate({selector('kvlens_ttft_seconds_sum', mode=mode)}[{w}])) / "
+        f"sum(rate({selector('kvlens_ttft_seconds_count', mode=mode)}[{w}]))"))
+    req = selector("kvlens_requests_total", mode=mode)
+    st.req_per_s = _one(q(f"sum(rate({req}[{w}]))"))
+    st.outcomes = {o: 0.0 for o in D.OUTCOMES}
+    for labels, v in q(f"sum by (outcome) (increase({req}[{w}]))"):
+        st.outcomes[labels.get("outcome", sc.OTHER)] = v
+    st.requests = sum(st.outcomes.values())
+    st.dropped = dropped
+    return st
+
+
+def _mode_phases(q: Query, mode: str, w: str) -> list[tuple]:
+    """Mean seconds per (role, phase) of one mode: rate(_sum) / rate(_count).
+
+    Prometheus has per-phase durations, not their position against
+    prefill.finished, so push's registration.* phases count as overlap
+    (PUSH_OVERLAP_PHASES) and every other phase as critical path."""
+    overlap = {p.value for p in sc.PUSH_OVERLAP_PHASES}
+    skip = {p.value for p in sc.POINT_PHASES} | set(tracemodel.NOT_HANDOFF_PHASES)
+    ps = selector("kvlens_phase_duration_seconds_sum", mode=mode)
+    pc = selector("kvlens_phase_duration_seconds_count", mode=mode)
+    rows = []
+    for labels, v in q(f"sum by (role, phase) (rate({ps}[{w}])) / sum by (role, phase) (rate({pc}[{w}]))"):
+        ph = labels.get("phase", sc.OTHER)
+        if ph in skip or v <= 0:
+            continue
+        path = D.OVERLAP if mode == sc.Mode.PUSH.value and ph in overlap else D.CRITICAL
+        rows.append((mode, labels.get("role", ""), ph, path, v, None))
+    return rows
+
+
+def _mode_hist(q: Query, mode: str, w: str) -> list[tuple]:
+    """Handoff histogram of one mode from the cumulative ``le`` buckets' increase over ``w``."""
+    hb = selector("kvlens_handoff_seconds_bucket", mode=mode)
+    cum = sorted(
+        (float(labels["le"]), v) for labels, v in q(f"sum by (le) (increase({hb}[{w}]))")
+        if labels.get("le") not in (None, "+Inf")
+    )
+    rows = []
+    prev_le, prev_v = 0.0, 0.0
+    for le, v in cum:
+        if v - prev_v > 0:
+            rows.append((mode, prev_le, le, v - prev_v, D.traces_link(mode=mode, min_handoff=prev_le, max_handoff=le)))
+        prev_le, prev_v = le, v
+    return rows
+
+
+def prom_overview(
+    url: str, range_key: str, *, timeout_s: float = 3.0
+) -> tuple[dict[str, D.ModeStats], pd.DataFrame, pd.DataFrame]:
+    """(stats per mode, phase breakdown, handoff histogram) from Prometheus,
+    in the shapes the store path gives (``stats_from_traces``,
+    ``phase_breakdown``, ``handoff_histogram``). One connection for all queries."""
+    w = prom_range(range_key)
+    stats: dict[str, D.ModeStats] = {}
+    phases: list[tuple] = []
+    hist: list[tuple] = []
+    with promapi.client(timeout_s) as c:
+        def q(expr: str) -> list[tuple[dict[str, str], float]]:
+            return prom_query(url, expr, client=c)
+
+        # labelled by role only (not mode): the same all-process total shows in both columns
+        dropped = _one(q(f"sum(increase(kvlens_telemetry_dropped_total[{w}]))"))
+        for mode in D.MODES:
+            stats[mode] = _mode_stats(q, mode, w, dropped)
+            phases += _mode_phases(q, mode, w)
+            hist += _mode_hist(q, mode, w)
+    ph_df = pd.DataFrame(phases, columns=_PHASE_COLS)
+    if len(ph_df):
+        ph_df["rank"] = ph_df["phase"].map(D.phase_rank)
+        ph_df = ph_df.sort_values(["mode", "path", "rank"]).reset_index(drop=True)
+    return stats, ph_df, pd.DataFrame(hist, columns=_HIST_COLS)

@@ -1,0 +1,104 @@
+"""What every dashboard page shares: the app's configuration (its script
+arguments), the store guard that turns a missing / unreadable store into a
+message, and number formatting. Runs on Streamlit's script thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import pandas as pd
+import streamlit as st
+
+from dashboard import data as D
+from dashboard import loaders as L
+from instrumented_connector.config import store_path
+
+
+#: Session-state flag: the entry (``app.py``) ran in this session, so its navigation is on.
+NAV_KEY = "_kvlens_nav"
+
+
+def run_page(main: Callable[[], None], name: str) -> None:
+    """Run a page script's ``main`` (call it under ``if __name__ == "__main__":``).
+
+    Streamlit runs a page file through the entry's ``st.navigation``, except
+    on a fresh server whose first request lands on ``/<name>``: then its
+    legacy ``pages/`` runner runs the file alone (no navigation, no sidebar)
+    until the entry runs once. In that case hand over to the entry, which
+    opens the same page (``?page=<name>`` plus the request's own params)."""
+    if not st.session_state.get(NAV_KEY):
+        st.switch_page("app.py", query_params={**st.query_params.to_dict(), "page": name})
+    main()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Where the pages read from: the trace store file and Prometheus' base URL (None: not set)."""
+
+    store: str
+    prometheus: str | None
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Script arguments (after ``--`` on the streamlit command line; default ``sys.argv[1:]``).
+    No ``--store``: ``$KVLENS_HOME/traces.db`` (:func:`instrumented_connector.config.store_path`)."""
+    p = argparse.ArgumentParser(prog="kvlens-dashboard", add_help=False, allow_abbrev=False)
+    p.add_argument("--store", default=None)
+    p.add_argument("--prometheus", default=None)
+    args, _ = p.parse_known_args(sys.argv[1:] if argv is None else argv)
+    store = Path(args.store).expanduser().resolve() if args.store else store_path()
+    return Config(store=str(store), prometheus=(args.prometheus or None))
+
+
+def guarded(cfg: Config, fn: Callable[[], Any]) -> tuple[bool, Any]:
+    """Run a store load: ``(True, result)``, or ``(False, None)`` after showing a
+    message for a missing / unreadable store (never a traceback)."""
+    try:
+        return True, fn()
+    except D.StoreMissing:
+        st.warning(
+            f"No trace store at `{cfg.store}` yet. It appears once an instrumented P/D pair "
+            "(`kvlens up`, `kvlens demo`) has served a request; pick another file with "
+            "`kvlens dashboard --store PATH`."
+        )
+    except D.StoreError as e:
+        st.error(f"The trace store could not be read: {e}")
+    return False, None
+
+
+def store_banner(cfg: Config) -> dict[str, Any] | None:
+    """The store's summary (``data.store_info``), saying so when it is empty;
+    None (message shown) when it is missing or unreadable."""
+    ok, info = guarded(cfg, lambda: L.load_info(cfg.store, L.now_bucket()))
+    if not ok:
+        return None
+    if not info["traces"] and not info["bench_runs"]:
+        st.info(f"The trace store `{cfg.store}` is empty: no request has been traced yet.")
+    return info
+
+
+def fmt_s(v: float | None, unit: str = "s") -> str:
+    """Seconds as ``12.3 ms`` / ``1.23 s`` (other units: ``1.23 unit``); ``n/a`` when missing."""
+    if v is None or pd.isna(v):
+        return "n/a"
+    if unit == "s":
+        return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
+    return f"{v:.2f} {unit}"
+
+
+def fmt_n(v: float | None, digits: int = 0) -> str:
+    """A count with thousands separators; ``n/a`` when missing."""
+    if v is None or pd.isna(v):
+        return "n/a"
+    return f"{v:,.{digits}f}"
+
+
+def fmt_ts(ns: int | None) -> str:
+    """Wall-clock ns as local ``YYYY-mm-dd HH:MM:SS``; ``n/a`` when missing."""
+    return datetime.fromtimestamp(ns / 1e9).strftime("%Y-%m-%d %H:%M:%S") if ns else "n/a"

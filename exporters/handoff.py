@@ -1,0 +1,189 @@
+"""The handoff resolver: ``kvlens_handoff_seconds`` read back from the trace store.
+
+Where it is computed, and why
+-----------------------------
+The handoff's two ends come from different processes: ``prefill.finished``
+ends in P's scheduler, ``kv.ready`` in D's worker, so no single span
+processor sees both. Both land in the host's trace store, whose ``traces``
+row folds them (``handoff_s``). The metric is therefore read from the store,
+and it is read **in the router**, when the router's root ``request`` span
+ends (:class:`exporters.metrics.PhaseMetricsProcessor` submits it):
+
+* exactly one ``request`` span per request, and only the router emits it, so
+  ``count(kvlens_handoff_seconds{mode})`` + ``kvlens_handoff_unresolved_total``
+  equals ``kvlens_requests_total`` per mode, and each observation matches one
+  store row with ``handoff_s`` set (the reconciliation the tests check);
+* the request span ends after the last byte went to the client, long after
+  P's and D's spans were exported in the usual case; a bounded retry queue
+  (``max_pending`` entries, each polled until ``deadline_s``) absorbs the
+  store's export lag (recorder flush ~0.1 s + batch export ~0.2 s). A request
+  whose row never gets both ends (P failed, store off) is counted once in
+  ``kvlens_handoff_unresolved_total{reason="missing"}``, never observed;
+* the router is a single process served by :func:`exporters.metrics.metrics_app`
+  with OpenMetrics, so handoff observations keep their ``trace_id`` exemplar
+  (vLLM's ``/metrics`` runs prometheus_client in multiprocess mode, which
+  drops exemplars).
+
+The lookup happens on a small daemon thread (``kvlens-handoff``), batched
+(one :func:`exporters.store.handoffs` call per poll), so ``on_end`` only
+appends to a dict. Deployments without the kvlens router (a third-party
+router on one host) can set ``KVLENS_HANDOFF_FROM=decode``: the trigger then
+is D's ``kv.ready`` span, with the same store lookup (no exemplars there).
+Across hosts the store is per host, so the router needs P's and D's spans on
+its host (same store file); otherwise use OTLP + the collector. Negative
+values (wall-clock skew) are clamped to 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from exporters import store
+from instrumented_connector.logutil import log_once
+
+
+class HandoffResolver:
+    """Bounded queue of trace ids whose handoff is read from the trace store.
+
+    ``submit`` (any thread) only touches a dict; a daemon thread polls the
+    store every ``poll_s`` seconds with one batched query and observes each
+    handoff exactly once, or counts it unresolved after ``deadline_s``.
+
+    ``fam``: the metric families (:class:`exporters.metrics` ``_Families``:
+    ``child()``, ``handoff``, ``unresolved``) the results go to."""
+
+    def __init__(self, fam: Any, store_path: str | Path, *, deadline_s: float, max_pending: int,
+                 poll_s: float, exemplars: bool) -> None:
+        self.fam = fam
+        self.path = Path(store_path)
+        self.deadline_s = deadline_s
+        self.max_pending = max_pending
+        self.poll_s = poll_s
+        self.exemplars = exemplars
+        self._pending: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conn = None
+        self._pid = os.getpid()
+
+    def submit(self, trace_id: str, mode: str) -> None:
+        """Queue ``trace_id`` (32 hex) for lookup. Any thread; never blocks on I/O."""
+        with self._lock:
+            if trace_id in self._pending:
+                return
+            if len(self._pending) >= self.max_pending:
+                overflow = True
+            else:
+                overflow = False
+                self._pending[trace_id] = (mode, time.monotonic() + self.deadline_s)
+        if overflow:
+            self.fam.child(self.fam.unresolved, (mode, "overflow")).inc()
+            return
+        if self._thread is None or self._pid != os.getpid():
+            self._start()
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._conn = None
+            t = threading.Thread(target=self._run, name="kvlens-handoff", daemon=True)
+            self._thread = t
+            t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            try:
+                self.resolve_once()
+            except Exception as e:
+                log_once("handoff:" + type(e).__name__, "handoff lookup failed (%s); retrying", e, exc_info=True)
+
+    def _connection(self):
+        if self._conn is None:
+            self._conn = store.connect(self.path, readonly=True, timeout_s=1.0)
+        return self._conn
+
+    def _lookup(self, trace_ids: list[str]) -> tuple[dict[str, float], bool]:
+        """(trace_id -> handoff_s found, whether the store could be read)."""
+        try:
+            return store.handoffs(self._connection(), trace_ids), True
+        except FileNotFoundError:
+            log_once("handoff-store", "trace store %s not found yet; handoff metrics wait for it", self.path)
+        except Exception as e:
+            log_once("handoff-read:" + type(e).__name__, "trace store read failed (%s); retrying", e)
+            self._close_conn()
+        return {}, False
+
+    def resolve_once(self, *, expire: bool = True) -> int:
+        """One pass: observe resolved handoffs, expire overdue ones. Returns resolved count.
+
+        Resolver thread (or ``flush`` on the caller's); reads the store."""
+        with self._lock:
+            items = list(self._pending.items())
+        if not items:
+            return 0
+        found, store_ok = self._lookup([t for t, _ in items])
+        now = time.monotonic()
+        resolved, expired = [], []
+        with self._lock:
+            for tid, (mode, deadline) in items:
+                # pop() decides: a concurrent pass (thread vs force_flush) may
+                # have taken this id already, and each id counts exactly once.
+                if tid in found:
+                    if self._pending.pop(tid, None) is not None:
+                        resolved.append((tid, mode, found[tid]))
+                elif expire and now >= deadline:
+                    if self._pending.pop(tid, None) is not None:
+                        expired.append(mode)
+        fam = self.fam
+        for tid, mode, h in resolved:
+            child = fam.child(fam.handoff, (mode,))
+            v = max(float(h), 0.0)  # cross-host wall-clock skew can make it negative
+            if self.exemplars:
+                child.observe(v, {"trace_id": tid})
+            else:
+                child.observe(v)
+        reason = "missing" if store_ok else "no_store"
+        for mode in expired:
+            fam.child(fam.unresolved, (mode, reason)).inc()
+        return len(resolved)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Resolve until nothing is pending or ``timeout_s`` passed (tests, shutdown). Blocks."""
+        end = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < end:
+            self.resolve_once()
+            if self._pending:
+                time.sleep(min(self.poll_s, 0.05))
+        return not self._pending
+
+    def close(self) -> None:
+        """Stop the resolver thread (waits up to 2 s) and drop the connection."""
+        self._stop.set()
+        self._wake.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        """Drop the read-only store connection (reopened on the next poll)."""
+        try:
+            if self._conn is not None:
+                self._conn.close()
+        except Exception:
+            pass
+        self._conn = None

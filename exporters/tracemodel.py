@@ -1,0 +1,239 @@
+"""The one trace model: a request's trace with its spans, which spans are on
+the critical path, its handoff and outcome, and its JSON form.
+
+``kvlens traces`` (text waterfall and ``--json``), the dashboard (Traces page,
+per-phase breakdown) and the bench's store join all read traces through
+this module, so they cannot disagree on what a trace says.
+
+The critical-path rule (docs/phases.md, "Critical path") is decided here and
+nowhere else:
+
+* The **handoff window** of a trace is ``prefill.finished`` (P) ->
+  ``kv.ready`` (D); a trace without both has none, and no span of it is on
+  the critical path.
+* ``request`` (the root span: it contains everything) and ``prefill`` (it
+  ends where the window starts) are never handoff phases
+  (:data:`NOT_HANDOFF_PHASES`).
+* Any other span's cost is the part of it inside the window
+  (:func:`critical_ns`); the rest of it is **overlap** (it ran while P was
+  still computing). The split is measured per span, not assumed from the
+  phase name: in overlapped push the ``registration.*`` phases
+  (``semconv.PUSH_OVERLAP_PHASES``) and most of ``match`` land before
+  ``prefill.finished`` and so are overlap.
+* A span is **on the critical path** (:func:`on_critical_path`) when a
+  positive part of it lies inside the window; a point span (zero length)
+  when it lies within the window, ends included.
+* Where positions are unknown (Prometheus holds durations only),
+  :func:`static_path` stands in: push's registration phases are overlap,
+  every other handoff phase critical.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+
+from exporters import store
+from instrumented_connector import semconv as sc
+
+#: Labels of the two sides of the split (the dashboard shows them as is).
+CRITICAL = "critical path"
+OVERLAP = "overlapped with prefill"
+
+#: Phases that are never a part of the handoff (the root contains it; P's
+#: prefill precedes it).
+NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value})
+_POINTS = frozenset(p.value for p in sc.POINT_PHASES)
+_PUSH_OVERLAP = frozenset(p.value for p in sc.PUSH_OVERLAP_PHASES)
+
+
+# ------------------------------------------------------------------ the rule
+def is_point(name: str, start_ns: int, end_ns: int) -> bool:
+    """A point phase (``semconv.POINT_PHASES``) or any zero-length span."""
+    return start_ns == end_ns or name in _POINTS
+
+
+def critical_ns(name: str, start_ns: int, end_ns: int, pf_ns: int | None, kv_ns: int | None) -> int:
+    """Nanoseconds of the span inside the handoff window ``[pf_ns, kv_ns]``
+    (0 without a window, for a non-handoff phase, or a span outside it)."""
+    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES:
+        return 0
+    return max(0, min(end_ns, kv_ns) - max(start_ns, pf_ns))
+
+
+def on_critical_path(name: str, start_ns: int, end_ns: int, pf_ns: int | None, kv_ns: int | None) -> bool:
+    """Whether the span is on the critical path (see the module docstring)."""
+    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES:
+        return False
+    if is_point(name, start_ns, end_ns):
+        return pf_ns <= start_ns <= kv_ns
+    return critical_ns(name, start_ns, end_ns, pf_ns, kv_ns) > 0
+
+
+def static_path(mode: str, phase: str) -> str | None:
+    """:data:`CRITICAL` / :data:`OVERLAP` for a phase whose position against
+    the window is unknown (Prometheus durations); ``None`` for phases that
+    are not handoff cost at all (root, prefill, point phases)."""
+    if phase in NOT_HANDOFF_PHASES or phase in _POINTS:
+        return None
+    return OVERLAP if mode == sc.Mode.PUSH.value and phase in _PUSH_OVERLAP else CRITICAL
+
+
+# ------------------------------------------------------------------ records
+@dataclass(frozen=True)
+class Span:
+    """One span of a trace, with its place against the handoff window."""
+
+    name: str
+    role: str | None
+    start_ns: int
+    end_ns: int
+    span_id: str | None = None
+    parent_id: str | None = None
+    outcome: str | None = None
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+    point: bool = False
+    critical: bool = False
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+    def to_json(self) -> dict[str, Any]:
+        """The span object of ``kvlens traces --json``."""
+        return {"name": self.name, "role": self.role, "start_ns": self.start_ns, "end_ns": self.end_ns,
+                "span_id": self.span_id, "parent_id": self.parent_id, "outcome": self.outcome,
+                "attributes": self.attributes}
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A request's trace: the store's summary row plus its spans (ordered by
+    start time). Times in wall-clock ns, durations in seconds; ``None`` where
+    unknown (``handoff_s`` needs both prefill.finished and kv.ready)."""
+
+    trace_id: str
+    request_id: str | None = None
+    mode: str | None = None
+    dispatch: str | None = None
+    outcome: str | None = None
+    start_ns: int | None = None
+    end_ns: int | None = None
+    ttft_s: float | None = None
+    prefill_finished_ns: int | None = None
+    kv_ready_ns: int | None = None
+    handoff_s: float | None = None
+    n_spans: int = 0
+    spans: tuple[Span, ...] = ()
+
+    @classmethod
+    def from_rows(cls, summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]] = ()) -> Trace:
+        """Build from a ``store.slowest`` row and its ``store.spans_for`` rows."""
+        pf, kv = summary.get("prefill_finished_ns"), summary.get("kv_ready_ns")
+        marked = tuple(
+            Span(name=s["name"], role=s.get("role"), start_ns=s["start_ns"], end_ns=s["end_ns"],
+                 span_id=s.get("span_id"), parent_id=s.get("parent_id"), outcome=s.get("outcome"),
+                 attributes=s.get("attributes") or {},
+                 point=is_point(s["name"], s["start_ns"], s["end_ns"]),
+                 critical=on_critical_path(s["name"], s["start_ns"], s["end_ns"], pf, kv))
+            for s in spans
+        )
+        return cls(spans=marked, **{k: summary.get(k) for k in store.SUMMARY_COLUMNS if k != "n_spans"},
+                   n_spans=summary.get("n_spans") or 0)
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """The handoff window (prefill.finished, kv.ready) in ns, if both are known."""
+        if self.prefill_finished_ns is None or self.kv_ready_ns is None:
+            return None
+        return self.prefill_finished_ns, self.kv_ready_ns
+
+    @property
+    def t0_ns(self) -> int:
+        """The earliest start among the trace and its spans (the waterfall's origin)."""
+        starts = [s.start_ns for s in self.spans] + ([self.start_ns] if self.start_ns is not None else [])
+        return min(starts) if starts else 0
+
+    def decomposition(self) -> dict[str, float | None]:
+        """Client-seen TTFT = ``queue_prefill_s`` (router arrival ->
+        prefill.finished) + ``handoff_s`` + ``first_decode_s`` (kv.ready ->
+        first token); seconds, ``None`` where a part is unknown."""
+        dec: dict[str, float | None] = {"queue_prefill_s": None, "handoff_s": self.handoff_s, "first_decode_s": None}
+        req = next((s for s in self.spans if s.name == sc.Phase.REQUEST.value), None)
+        pf, kv = self.prefill_finished_ns, self.kv_ready_ns
+        if req is not None and pf is not None:
+            dec["queue_prefill_s"] = (pf - req.start_ns) / 1e9
+            if kv is not None and self.ttft_s is not None:
+                dec["first_decode_s"] = self.ttft_s - (kv - req.start_ns) / 1e9  # ns ints: no float cancellation
+        return dec
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``kvlens traces --json`` object (one per line; keys are a contract)."""
+        return {"trace_id": self.trace_id, "request_id": self.request_id, "mode": self.mode,
+                "dispatch": self.dispatch, "outcome": self.outcome, "ttft_s": self.ttft_s,
+                "handoff_s": self.handoff_s, "start_ns": self.start_ns,
+                "spans": [s.to_json() for s in self.spans]}
+
+
+def trace_record(summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``kvlens traces --json`` object for a store summary row and its spans."""
+    return Trace.from_rows(summary, spans).to_json()
+
+
+# ------------------------------------------------------------------ loading
+def slowest(conn, n: int = 10, *, with_spans: bool = True, **filters: Any) -> list[Trace]:
+    """``store.slowest`` (same filters and order) as :class:`Trace` records,
+    with their spans unless ``with_spans=False``. Runs on the caller's thread."""
+    rows = store.slowest(conn, n, **filters)
+    spans = store.spans_for(conn, [r["trace_id"] for r in rows]) if with_spans else {}
+    return [Trace.from_rows(r, spans.get(r["trace_id"], ())) for r in rows]
+
+
+def find(conn, trace_ids: Iterable[str], *, with_spans: bool = True) -> dict[str, Trace]:
+    """The traces among ``trace_ids`` that the store has, by trace id (the
+    bench joins its requests to the store with this)."""
+    ids = list(trace_ids)
+    return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
+
+
+# ------------------------------------------------------------------ aggregate
+class HandoffCosts(NamedTuple):
+    """Sums over a sample of completed traces (see :func:`handoff_costs`)."""
+
+    #: (mode, role, phase) -> (critical seconds, overlap seconds), summed over the sample
+    phases: dict[tuple[str, str | None, str], tuple[float, float]]
+    #: mode -> (requests in the sample, mean handoff seconds)
+    requests: dict[str, tuple[int, float]]
+
+
+def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]]) -> HandoffCosts:
+    """Split each span into its critical and overlap seconds by the rule
+    above, summed per (mode, role, phase). ``traces`` / ``spans``: rows in
+    ``store.SAMPLE_TRACE_COLUMNS`` / ``store.SAMPLE_SPAN_COLUMNS`` order."""
+    traces = list(traces)
+    window = {tid: (mode, pf, kv) for tid, mode, pf, kv, _ in traces}
+    sums: dict[tuple[str, str | None, str], list[int]] = {}
+    for tid, role, name, start, end in spans:
+        w = window.get(tid)
+        if w is None or name in NOT_HANDOFF_PHASES:
+            continue
+        acc = sums.setdefault((w[0], role, name), [0, 0])
+        acc[0] += critical_ns(name, start, end, w[1], w[2])
+        acc[1] += end - start
+    per_mode: dict[str, list[float]] = {}
+    for _, mode, _, _, h in traces:
+        m = per_mode.setdefault(mode, [0, 0.0])
+        m[0] += 1
+        m[1] += h
+    return HandoffCosts(
+        phases={k: (c / 1e9, max(t - c, 0) / 1e9) for k, (c, t) in sums.items()},
+        requests={m: (int(n), tot / n) for m, (n, tot) in per_mode.items()},
+    )
+
+
+def sample_costs(conn, *, since_ns: int | None, until_ns: int | None, limit: int) -> HandoffCosts:
+    """:func:`handoff_costs` over the newest ``limit`` completed traces that
+    started in [since_ns, until_ns] (the dashboard's per-phase breakdown)."""
+    traces, spans = store.handoff_sample(conn, since_ns=since_ns, until_ns=until_ns, limit=limit,
+                                         exclude_phases=NOT_HANDOFF_PHASES)
+    return handoff_costs(traces, spans)

@@ -1,0 +1,119 @@
+"""Scheduler-side hooks: vLLM's push / pull NIXL connector schedulers with timestamps.
+
+Thread: every hook here runs on the EngineCore busy loop. Each override calls
+vLLM's method unchanged and records around it; a failure inside kvlens is
+logged once and skipped (:func:`hooks.fail`), while vLLM's own exceptions
+pass through untouched (docs/architecture.md, "telemetry never breaks its
+host"). Recording is a timestamp and an append to the process's recorder.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlPullConnectorScheduler,
+    NixlPushConnectorScheduler,
+)
+
+from instrumented_connector import hooks
+from instrumented_connector import semconv as sc
+from instrumented_connector.hooks import NullRecorder, fail, nblocks, now
+
+P = sc.Phase
+
+
+class _SchedulerHooks:
+    """Scheduler-side hooks common to push and pull. Thread: the EngineCore busy loop."""
+
+    _kvl: Any = NullRecorder()
+
+    def _kvl_setup(self, rec) -> None:
+        """Connect the recorder (called once, after ``__init__``)."""
+        self._kvl = rec
+
+    def request_finished(self, request, block_ids):
+        """P: prefill (arrival -> now) and the prefill.finished point."""
+        params = request.kv_transfer_params
+        is_p = bool(params and params.get("do_remote_decode"))
+        res = super().request_finished(request, block_ids)
+        if is_p:
+            try:
+                t = now()
+                delay = bool(res and res[0])
+                rid = request.request_id
+                attrs = {sc.ATTR_BLOCKS: nblocks(block_ids), sc.ATTR_TOKENS: request.num_prompt_tokens}
+                arrival = getattr(request, "arrival_time", None)
+                if arrival:
+                    self._kvl.record(P.PREFILL, rid, min(int(arrival * 1e9), t), t, "ok", attrs)
+                self._kvl.record(P.PREFILL_FINISHED, rid, t, t, "ok" if delay else "failed", attrs)
+            except Exception:
+                fail("request_finished")
+        return res
+
+    def _kvl_alloc(self, phase: P, host, request, blocks, num_external_tokens):
+        """Shared body of ``update_state_after_alloc``: call vLLM's ``host``
+        method, then record ``phase`` when D staged blocks for a remote prefill."""
+        params = request.kv_transfer_params
+        staged = bool(params and params.get("do_remote_prefill") and num_external_tokens > 0)
+        res = host(request, blocks, num_external_tokens)
+        if staged:
+            self._kvl_after_alloc(phase, request, blocks, params)
+        return res
+
+    def _kvl_after_alloc(self, phase, request, blocks, params) -> None:
+        try:
+            attrs = {sc.ATTR_REMOTE_ENGINE_ID: params.get("remote_engine_id"), sc.ATTR_TOKENS: request.num_prompt_tokens}
+            try:
+                attrs[sc.ATTR_BLOCKS] = nblocks(blocks.get_block_ids())
+            except Exception:
+                pass
+            self._kvl.point(phase, request.request_id, "ok", attrs)
+        except Exception:
+            fail("update_state_after_alloc")
+
+
+class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorScheduler):
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        """D: registration.stage point once destination blocks are staged."""
+        return self._kvl_alloc(P.REGISTRATION_STAGE, super().update_state_after_alloc,
+                               request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        """D: kv.ready with outcome timeout for registrations the watchdog drops."""
+        # The stock watchdog drops registrations past their deadline inside
+        # this call; find them first (the dict is deadline-ordered, so the
+        # head tells whether anything expired: O(1) on the common path).
+        expired = ()
+        try:
+            d = self._push_registration_deadlines
+            if d:
+                t = time.perf_counter()
+                if next(iter(d.values())) <= t:
+                    expired = [rid for rid, dl in d.items() if dl <= t]
+        except Exception:
+            fail("build_connector_meta")
+        meta = super().build_connector_meta(scheduler_output)
+        for rid in expired:
+            try:
+                self._kvl.point(P.KV_READY, rid, "timeout", {sc.ATTR_ERROR: "push registration timed out"})
+            except Exception:
+                fail("build_connector_meta")
+        return meta
+
+
+class InstrumentedNixlPullConnectorScheduler(_SchedulerHooks, NixlPullConnectorScheduler):
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        """D: alloc point once blocks for the remote prefill are allocated."""
+        return self._kvl_alloc(P.ALLOC, super().update_state_after_alloc, request, blocks, num_external_tokens)
+
+
+#: Phases this vLLM cannot record: their hook points are missing (pruned at import).
+DISABLED: set[sc.Phase] = hooks.prune(
+    InstrumentedNixlPushConnectorScheduler, NixlPushConnectorScheduler,
+    hooks.SCHEDULER_HOOKS["NixlPushConnectorScheduler"],
+) | hooks.prune(
+    InstrumentedNixlPullConnectorScheduler, NixlPullConnectorScheduler,
+    hooks.SCHEDULER_HOOKS["NixlPullConnectorScheduler"],
+)

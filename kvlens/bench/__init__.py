@@ -1,0 +1,65 @@
+"""``kvlens bench``: a push-vs-pull benchmark grid on a real P/D stack.
+
+For each stack variant (pull; push with each dispatch) and each grid cell
+(input length x QPS) it sends ``num_prompts`` random prompts of exactly that
+many tokens as an open-loop Poisson process, streaming, ``ignore_eos`` so
+every request yields ``output_len`` tokens, and records client-side TTFT,
+TPOT and end-to-end latency. Every request carries its own 32-hex
+``X-Request-Id``; the router keeps it as the trace id, so after a cell the
+span-derived handoff (``prefill.finished`` -> ``kv.ready``) of exactly those
+requests is read back from the trace store and joined to the client figures.
+
+Rows (schema: :mod:`exporters.benchrows`) go to the store (``bench_rows``,
+for the dashboard) and, with ``--json``, to a JSON-lines file as each cell
+completes, so Ctrl-C keeps what finished. Pull runs first so that each push
+row can carry its push/pull ratios when it is written.
+
+The load generator is small and self-contained (asyncio + httpx, prompts
+from the model's own ``tokenizers`` file, built the way vLLM's
+``RandomDataset`` builds them). vLLM's ``vllm.benchmarks`` was the first
+choice, but importing it pulls in most of vLLM (over a minute of wall time
+on a loaded 2-core host, competing with the servers under test), and its
+request function starts the TTFT clock on the first chunk even when the
+chunk has no text, while the router's span TTFT starts on the first chunk
+with text: the cross-check would compare two definitions.
+
+Modules, bottom up: :mod:`.grid` (options, validation, run order),
+:mod:`.stats`, :mod:`.prompts`, :mod:`.results` (per-request results, the
+store join, the row), :mod:`.probe` (what a router says about itself),
+:mod:`.load` (the HTTP load loop), :mod:`.report` (table, findings,
+cross-checks), :mod:`.runner` (routers or started stacks), :mod:`.cli`.
+This package re-exports the names other modules and the tests use.
+"""
+
+from exporters.benchrows import ROW_KEYS, add_ratios, ratio
+from kvlens.bench.cli import add_arguments, add_grid_arguments, options_from_args, quiet_http_logs, run, run_guarded
+from kvlens.bench.grid import (
+    DEFAULT_MAX_MODEL_LEN,
+    DISPATCHES,
+    MODES,
+    BenchError,
+    BenchOptions,
+    model_max_len,
+    parse_list,
+    parse_names,
+    plan_groups,
+    validate_grid,
+)
+from kvlens.bench.load import one_request, run_cell_async
+from kvlens.bench.probe import RouterInfo, probe_router
+from kvlens.bench.prompts import PromptMaker, rng
+from kvlens.bench.report import TTFT_CROSSCHECK_WARN, CrossCheck, cross_check, describe, format_table, print_report
+from kvlens.bench.results import Cell, RequestResult, Target, summarize_cell, wait_for_traces
+from kvlens.bench.runner import BenchRun, Sink, bench_routers, bench_stacks, new_run
+from kvlens.bench.stats import mean, percentile, rel_diff
+
+__all__ = [
+    "DEFAULT_MAX_MODEL_LEN", "DISPATCHES", "MODES", "ROW_KEYS", "TTFT_CROSSCHECK_WARN",
+    "BenchError", "BenchOptions", "BenchRun", "Cell", "CrossCheck", "PromptMaker", "RequestResult", "RouterInfo",
+    "Sink", "Target",
+    "add_arguments", "add_grid_arguments", "add_ratios", "bench_routers", "bench_stacks", "cross_check", "describe",
+    "format_table", "mean", "model_max_len", "new_run", "one_request", "options_from_args", "parse_list",
+    "parse_names", "percentile", "plan_groups", "print_report", "probe_router", "quiet_http_logs", "ratio",
+    "rel_diff", "rng", "run", "run_cell_async", "run_guarded", "summarize_cell", "validate_grid",
+    "wait_for_traces",
+]  # fmt: skip

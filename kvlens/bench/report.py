@@ -1,0 +1,231 @@
+"""What a run prints: the table, plain-words findings computed from the rows,
+and the cross-checks of the client's figures against the router's traces.
+Everything but :func:`print_report` is pure."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from exporters.benchrows import add_ratios, cell_key, pull_by_cell
+from kvlens.bench.results import Cell
+from kvlens.bench.stats import percentile, rel_diff
+
+TTFT_CROSSCHECK_WARN = 0.02  # median relative client-vs-router TTFT difference
+
+
+def variant(row: dict) -> str:
+    return f"push ({row['dispatch']})" if row["mode"] == "push" and row.get("dispatch") else row["mode"]
+
+
+def sort_rows(rows: Iterable[dict]) -> list[dict]:
+    """Display order: by input length, QPS, then push variants before pull."""
+    order = {"overlapped": 0, "sequential": 1, None: 2}
+    return sorted(
+        rows,
+        key=lambda r: (r["input_len"], r["qps"], 0 if r["mode"] == "push" else 1, order.get(r.get("dispatch"), 3)),
+    )
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+TABLE_COLUMNS = (
+    ("mode", lambda r: r["mode"]),
+    ("dispatch", lambda r: r.get("dispatch") or "-"),
+    ("input", lambda r: str(r["input_len"])),
+    ("QPS", lambda r: f"{r['qps']:g}"),
+    ("TTFT mean ms", lambda r: _ms(r.get("ttft_mean_s"))),
+    ("TTFT p50 ms", lambda r: _ms(r.get("ttft_p50_s"))),
+    ("TTFT p99 ms", lambda r: _ms(r.get("ttft_p99_s"))),
+    ("TPOT mean ms", lambda r: _ms(r.get("tpot_mean_s"))),
+    ("handoff p50 ms", lambda r: _ms(r.get("handoff_p50_s"))),
+    ("handoff p99 ms", lambda r: _ms(r.get("handoff_p99_s"))),
+    ("req/s", lambda r: "-" if r.get("req_per_s") is None else f"{r['req_per_s']:.2f}"),
+    ("completed", lambda r: str(r["completed"])),
+    ("failed", lambda r: str(r["failed"])),
+    ("TTFT p50 push/pull", lambda r: _x(r.get("ttft_p50_push_over_pull"))),
+    ("handoff p50 push/pull", lambda r: _x(r.get("handoff_p50_push_over_pull"))),
+)
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    """A plain-text table. Ratios < 1: push is faster."""
+    if not rows:
+        return "(no rows)"
+    cells = [[h for h, _ in TABLE_COLUMNS]] + [[f(r) for _, f in TABLE_COLUMNS] for r in sort_rows(rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(TABLE_COLUMNS))]
+    lines = []
+    for n, c in enumerate(cells):
+        lines.append("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _compare(name: str, r: float | None, push_v: float | None, pull_v: float | None) -> str:
+    if r is None:
+        return f"{name}: no comparison (missing figure)"
+    fig = f"{_ms(push_v)} ms vs {_ms(pull_v)} ms"
+    if abs(r - 1.0) < 0.02:
+        return f"{name} {fig}: a tie (within 2%)"
+    if r < 1:
+        return f"{name} {fig}: push {(1 - r) * 100:.0f}% lower"
+    return f"{name} {fig}: pull {(1 - 1 / r) * 100:.0f}% lower"
+
+
+def _tally(compared: list[dict]) -> list[str]:
+    """One line per (push dispatch, metric): cells won and the median ratio."""
+    out = []
+    for d in dict.fromkeys(r.get("dispatch") for r in compared):
+        mine = [r for r in compared if r.get("dispatch") == d]
+        for metric, key in (("TTFT p50", "ttft_p50_push_over_pull"), ("handoff p50", "handoff_p50_push_over_pull")):
+            rs = [r[key] for r in mine if r.get(key) is not None]
+            if not rs:
+                continue
+            wins = sum(1 for x in rs if x < 1)
+            med = statistics.median(rs)
+            who = "push" if med < 1 else "pull"
+            by = (1 - med) * 100 if med < 1 else (1 - 1 / med) * 100
+            out.append(
+                f"Overall, push ({d}) had the lower {metric} in {wins} of {len(rs)} cells; "
+                f"median push/pull ratio {med:.2f} ({who} {by:.0f}% lower at the median; "
+                f"range {min(rs):.2f}-{max(rs):.2f})."
+            )
+    return out
+
+
+def describe(rows: Sequence[dict]) -> list[str]:
+    """Plain-words findings computed from the rows: per cell who had the
+    lower TTFT p50 and handoff p50, by how much, then a tally per push
+    dispatch. Needs the ratios (:func:`exporters.benchrows.add_ratios`) set."""
+    out: list[str] = []
+    push_rows = [r for r in sort_rows(rows) if r["mode"] == "push"]
+    pull = pull_by_cell(rows)
+    compared = [r for r in push_rows if cell_key(r) in pull]
+    if not compared:
+        return ["No push/pull pair ran on the same cell, so there is nothing to compare."]
+    for r in compared:
+        p = pull[cell_key(r)]
+        out.append(
+            f"input {r['input_len']} tokens, {r['qps']:g} QPS, {variant(r)} vs pull: "
+            + _compare("TTFT p50", r.get("ttft_p50_push_over_pull"), r.get("ttft_p50_s"), p.get("ttft_p50_s"))
+            + "; "
+            + _compare("handoff p50", r.get("handoff_p50_push_over_pull"), r.get("handoff_p50_s"), p.get("handoff_p50_s"))
+        )
+    return out + _tally(compared)
+
+
+@dataclass
+class CrossCheck:
+    """Client figures against the store's traces, over all cells of a run."""
+
+    n_compared: int
+    ttft_rel_diff_p50: float | None
+    ttft_diff_p50_s: float | None  # client - router, signed
+    completed: int
+    ok_traces_in_store: int
+    sent: int
+    traces_in_store: int
+    handoff_missing: int
+    failed: list[tuple[str, str, str, str]]  # (variant, request id, client error, store outcome)
+
+    @property
+    def ttft_warn(self) -> bool:
+        return self.ttft_rel_diff_p50 is not None and self.ttft_rel_diff_p50 > TTFT_CROSSCHECK_WARN
+
+    def _ttft_lines(self) -> list[str]:
+        if not self.n_compared:
+            return ["client TTFT vs router span TTFT: no request had both figures (traces missing?)"]
+        out = [
+            f"client TTFT vs router span TTFT (traces.ttft_s), {self.n_compared} requests: median relative "
+            f"difference {self.ttft_rel_diff_p50 * 100:.2f}%, median client-minus-router "
+            f"{self.ttft_diff_p50_s * 1000:+.2f} ms"
+        ]
+        if self.ttft_warn:
+            out.append(
+                f"WARNING: client and router TTFT differ by more than {TTFT_CROSSCHECK_WARN:.0%} at the median "
+                "(client-side overhead: HTTP hop, event loop under load)"
+            )
+        return out
+
+    def _failed_lines(self) -> list[str]:
+        if not self.failed:
+            return ["failed requests: none"]
+        out = [f"failed requests ({len(self.failed)}):"]
+        for v, rid, err, outcome in self.failed[:20]:
+            out.append(f"  {v} {rid}: store outcome {outcome}; client: {err}")
+        if len(self.failed) > 20:
+            out.append(f"  ... and {len(self.failed) - 20} more")
+        return out
+
+    def lines(self) -> list[str]:
+        out = self._ttft_lines()
+        same = self.completed == self.ok_traces_in_store
+        out.append(
+            f"completed requests {self.completed} vs ok traces in the store for this run {self.ok_traces_in_store}: "
+            + ("match" if same else "MISMATCH")
+            + f" ({self.traces_in_store} of {self.sent} sent requests have a trace)"
+        )
+        if self.handoff_missing:
+            out.append(f"WARNING: {self.handoff_missing} completed requests have no handoff in the store")
+        return out + self._failed_lines()
+
+
+def cross_check(cells: Sequence[Cell]) -> CrossCheck:
+    """Compare every request's client figures with its trace (pure)."""
+    diffs, signed = [], []
+    completed = ok_in_store = sent = in_store = missing = 0
+    failed = []
+    for c in cells:
+        for r in c.results:
+            sent += 1
+            t = c.traces.get(r.request_id)
+            if t is not None:
+                in_store += 1
+            if not r.ok:
+                failed.append((c.target.label, r.request_id, r.error or f"HTTP {r.status}",
+                               (t or {}).get("outcome") or "not in store"))
+                continue
+            completed += 1
+            if t is not None and t.get("outcome") == "ok":
+                ok_in_store += 1
+            if t is None or t.get("handoff_s") is None:
+                missing += 1
+            rt = (t or {}).get("ttft_s")
+            if rt is not None and r.ttft_s is not None:
+                diffs.append(rel_diff(r.ttft_s, rt))
+                signed.append(r.ttft_s - rt)
+    return CrossCheck(
+        n_compared=len(diffs), ttft_rel_diff_p50=percentile(diffs, 50), ttft_diff_p50_s=percentile(signed, 50),
+        completed=completed, ok_traces_in_store=ok_in_store, sent=sent, traces_in_store=in_store,
+        handoff_missing=missing, failed=failed,
+    )
+
+
+def print_report(run, out=None) -> CrossCheck:
+    """Print the table, findings and cross-checks of a run (a
+    :class:`~kvlens.bench.runner.BenchRun`) to ``out`` (default stdout)."""
+    out = out or sys.stdout
+    rows = add_ratios(run.rows)
+    print("\n" + format_table(rows), file=out)
+    print("(times in ms; push/pull < 1: push is faster on that cell)", file=out)
+    print("\nWhat this measured:", file=out)
+    for line in describe(rows):
+        print("  " + line, file=out)
+    cc = cross_check(run.cells)
+    print("\nCross-checks:", file=out)
+    for line in cc.lines():
+        print("  " + line, file=out)
+    where = f"run {run.run_id}: {len(rows)} rows saved to {run.store}"
+    if run.json_path:
+        where += f" and {run.json_path}"
+    print("\n" + where, file=out, flush=True)
+    return cc

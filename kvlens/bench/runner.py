@@ -1,0 +1,208 @@
+"""Running the grid: on routers that are already up (:func:`bench_routers`)
+or on stacks started one mode at a time (:func:`bench_stacks`, pull first so
+that each push row carries its push/pull ratios when it is written).
+
+Each finished cell's row goes straight to the store and the JSON-lines file
+(:class:`Sink`), so an interrupted run keeps what finished. Blocking; runs in
+the main thread (Ctrl-C / SIGTERM unwind through here, stopping stacks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from exporters import store
+from exporters.benchrows import add_ratios
+from instrumented_connector import config
+from kvlens.bench.grid import (
+    DEFAULT_MAX_MODEL_LEN,
+    BenchError,
+    BenchOptions,
+    model_max_len,
+    plan_groups,
+    validate_grid,
+)
+from kvlens.bench.load import run_cell_async, warm_up
+from kvlens.bench.probe import RouterInfo, probe_router, served_name
+from kvlens.bench.prompts import PromptMaker, rng
+from kvlens.bench.results import Cell, Target, summarize_cell, wait_for_traces
+from kvlens.model import ensure_model
+from kvlens.stack.supervise import signals_ignored
+from kvlens.up import Stack
+
+
+@dataclass
+class BenchRun:
+    """One run: its id, where rows go, the finished cells (in order)."""
+
+    run_id: str
+    store: Path
+    json_path: Path | None
+    cells: list[Cell] = field(default_factory=list)
+    interrupted: bool = False
+    _sink: Any = None
+
+    def sink(self) -> "Sink":
+        if self._sink is None:
+            self._sink = Sink(self)
+        return self._sink
+
+    @property
+    def rows(self) -> list[dict]:
+        return [c.row for c in self.cells]
+
+
+class Sink:
+    """Writes each finished row to the store and the JSON-lines file (which
+    it truncates on creation)."""
+
+    def __init__(self, run: BenchRun):
+        self.run = run
+        if run.json_path:
+            run.json_path.parent.mkdir(parents=True, exist_ok=True)
+            run.json_path.write_text("")
+
+    def write(self, row: dict) -> None:
+        conn = store.connect(self.run.store)
+        try:
+            store.save_bench_rows(conn, self.run.run_id, [row])
+        finally:
+            conn.close()
+        if self.run.json_path:
+            with open(self.run.json_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def new_run_id() -> str:
+    """``YYYYmmdd-HHMMSS-<6 hex>`` (local time)."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+
+
+def new_run(opts: BenchOptions) -> BenchRun:
+    """A fresh run writing to ``opts.store`` (default ``<home>/traces.db``) and ``opts.json_path``."""
+    store_path = Path(opts.store).expanduser().resolve() if opts.store else config.store_path()
+    jp = Path(opts.json_path).expanduser().resolve() if opts.json_path else None
+    return BenchRun(new_run_id(), store_path, jp)
+
+
+def _warm_up(targets: Sequence[Target], opts: BenchOptions, maker: PromptMaker, model_name: str | None,
+             target_index0: int) -> None:
+    for ti, t in enumerate(targets):
+        if opts.warmup > 0:
+            r = rng(opts.seed, 9999, target_index0 + ti)
+            prompts = [maker.make(min(opts.input_lens), r) for _ in range(opts.warmup)]
+            asyncio.run(warm_up(t, model_name, prompts, opts.request_timeout_s))
+
+
+def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: list[str], r, opts: BenchOptions,
+              model_name: str | None, prefix_caching: str) -> None:
+    """Load one target on one cell, join its traces, write its row."""
+    from tqdm import tqdm  # here for start-up cost: `kvlens --help` imports this module
+
+    bar = tqdm(
+        total=len(prompts), desc=f"{t.label:<17} in={input_len:<5} qps={qps:<4g}", unit="req",
+        file=sys.stderr, disable=not opts.progress, leave=True, dynamic_ncols=True,
+    )
+    try:
+        results, dur = asyncio.run(
+            run_cell_async(t, model_name, prompts, float(qps), opts.output_len, r,
+                           timeout_s=opts.request_timeout_s, pbar=bar)
+        )
+    finally:
+        bar.close()
+    traces = wait_for_traces(run.store, results, opts.trace_wait_s)
+    cell = Cell(t, float(qps), int(input_len), results, traces, dur)
+    cell.row = summarize_cell(cell, opts, run.run_id, prefix_caching)
+    run.cells.append(cell)
+    add_ratios(run.rows)
+    run.sink().write(cell.row)
+
+
+def _bench_targets(run: BenchRun, targets: Sequence[Target], opts: BenchOptions, maker: PromptMaker,
+                   model_name: str | None, prefix_caching: str, target_index0: int = 0) -> None:
+    """Warm each target up, then run every cell on every target (targets
+    interleaved per cell, so drift hits them alike)."""
+    _warm_up(targets, opts, maker, model_name, target_index0)
+    ci = 0
+    for input_len in opts.input_lens:
+        for qps in opts.qps:
+            ci += 1
+            for ti, t in enumerate(targets):
+                r = rng(opts.seed, target_index0 + ti, ci)
+                prompts = [maker.make(int(input_len), r) for _ in range(opts.num_prompts)]
+                _run_cell(run, t, qps, input_len, prompts, r, opts, model_name, prefix_caching)
+
+
+def _prepare(opts: BenchOptions, modes: Sequence[str], dispatches: Sequence[str],
+             model_dir: Path | None, max_len: int | None) -> PromptMaker:
+    validate_grid(modes=modes, dispatches=dispatches, qps=list(opts.qps), input_lens=list(opts.input_lens),
+                  output_len=opts.output_len, num_prompts=opts.num_prompts, max_model_len=max_len)
+    if model_dir is None or not Path(model_dir).is_dir():
+        raise BenchError(f"model directory not found: {model_dir} (pass --model DIR)")
+    return PromptMaker(model_dir)
+
+
+def _resolve(router: str | Target) -> tuple[Target, RouterInfo]:
+    """A Target for a router (a plain URL is named by its ``/health``)."""
+    if isinstance(router, Target):
+        return router, probe_router(router.url)
+    info = probe_router(router)
+    if info.mode is None:
+        raise BenchError(f"router at {info.url} does not report its mode on /health: name it (Target or --modes)")
+    return Target(info.mode, info.dispatch, info.url), info
+
+
+def bench_routers(routers: Sequence[str | Target], opts: BenchOptions, run: BenchRun | None = None) -> BenchRun:
+    """Bench already running routers (e.g. the test session's shared stacks).
+    A plain URL is probed for its mode/dispatch on ``/health``. Pull targets
+    run first. Raises BenchError before any load on bad input."""
+    targets, infos = zip(*(_resolve(r) for r in routers)) if routers else ((), ())
+    model_dir = Path(opts.model) if opts.model else None
+    if model_dir is None:
+        roots = [Path(i.root) for i in infos if i.root and (Path(i.root) / "tokenizer.json").is_file()]
+        model_dir = roots[0] if roots else config.model_dir()
+    lens = [i.max_model_len for i in infos if i.max_model_len] or [model_max_len(model_dir)]
+    max_len = min(x for x in lens if x) if any(lens) else None
+    maker = _prepare(opts, [t.mode for t in targets], [t.dispatch for t in targets if t.dispatch], model_dir, max_len)
+    model_name = next((i.model for i in infos if i.model), None)
+    run = run or new_run(opts)
+    run.sink()
+    ordered = sorted(targets, key=lambda t: 0 if t.mode == "pull" else 1)
+    _bench_targets(run, ordered, opts, maker, model_name, "external")
+    return run
+
+
+def bench_stacks(modes: Sequence[str], dispatches: Sequence[str], opts: BenchOptions,
+                 run: BenchRun | None = None, stack_factory: Callable[..., Any] | None = None) -> BenchRun:
+    """Start one stack per mode (pull first), bench it, stop it (also on
+    Ctrl-C / SIGTERM, which propagate as KeyboardInterrupt with the finished
+    cells kept in ``run``). ``stack_factory``: ``kvlens.up.Stack`` or a stand-in."""
+    model_dir = Path(opts.model).expanduser().resolve() if opts.model else ensure_model(config.model_dir())
+    max_len = model_max_len(model_dir) or DEFAULT_MAX_MODEL_LEN  # never above what the stacks serve
+    maker = _prepare(opts, modes, dispatches, model_dir, max_len)
+    run = run or new_run(opts)
+    if run.store.name != config.STORE_FILE:
+        raise BenchError(f"stacks started by kvlens bench write to <home>/traces.db; --store must name such a file, got {run.store}")
+    run.sink()
+    factory = stack_factory or Stack
+    vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
+    for ti, (mode, ds) in enumerate(plan_groups(modes, dispatches)):
+        stack = factory(mode=mode, dispatch=ds[0] or "overlapped", model=model_dir, port=None,
+                        kvlens_home=run.store.parent, vllm_args=vllm_args)
+        try:
+            stack.start()
+            targets = [Target(mode, ds[0], stack.router_url)]
+            targets += [Target(mode, d, stack.add_router(d)) for d in ds[1:]]
+            _bench_targets(run, targets, opts, maker, served_name(stack.router_url),
+                           "on" if opts.prefix_caching else "off", target_index0=10 * ti)
+        finally:
+            with signals_ignored():  # a second Ctrl-C while stopping must not leave orphans
+                stack.stop()
+    return run
+

@@ -1,0 +1,100 @@
+"""Getting D's response for one request, one function per mode/dispatch
+(docs/phases.md describes the phases each produces):
+
+* :func:`pull`: P first; D gets P's ``kv_transfer_params`` and pulls the KV.
+* :func:`push_sequential`: P first, then D, as pull; P pushes the KV.
+* :func:`push_overlapped`: D's request goes out at once, concurrently with
+  P's, with P's identity known in advance; a P failure cancels D.
+
+Each returns D's open 200 response (body not read; the caller relays and
+closes it) or raises :class:`~kvlens.proxy.errors.Upstream`. Event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Awaitable, Callable
+
+import httpx
+
+from kvlens.proxy.bodies import decode_body, overlapped_d_params
+from kvlens.proxy.config import ProxyConfig
+from kvlens.proxy.errors import Upstream
+from kvlens.proxy.exchange import Exchange, settle
+
+Dispatch = Callable[[Exchange], Awaitable[httpx.Response]]
+
+
+async def _prefill_then_decode(ex: Exchange) -> httpx.Response:
+    """P answers; its ``kv_transfer_params`` go to D verbatim (``relay`` span)."""
+    p_json = await ex.call_prefill()
+    t_p = time.time_ns()
+    kv = p_json.get("kv_transfer_params") if isinstance(p_json, dict) else None
+    if not isinstance(kv, dict):
+        ex.tel.relay(ex.trace_id, t_p, time.time_ns(), "failed")
+        raise Upstream(
+            "prefill", 502,
+            "prefill instance returned no kv_transfer_params "
+            "(is it started with a NIXL kv_producer kv-transfer-config?)",
+        )
+    d_body = decode_body(ex.body, kv)
+    ex.tel.relay(ex.trace_id, t_p, time.time_ns())
+    return await ex.open_decode(d_body)
+
+
+async def pull(ex: Exchange) -> httpx.Response:
+    """Pull: D reads the KV from P after P's prefill."""
+    return await _prefill_then_decode(ex)
+
+
+async def push_sequential(ex: Exchange) -> httpx.Response:
+    """Sequential push: D registers after P answered; P writes the KV."""
+    return await _prefill_then_decode(ex)
+
+
+async def _cancel_decode(d_task: asyncio.Task) -> None:
+    d_task.cancel()
+    with contextlib.suppress(BaseException):
+        r = await d_task
+        await r.aclose()
+
+
+async def push_overlapped(ex: Exchange) -> httpx.Response:
+    """Overlapped push: P's call runs as ``ex.p_task``, still running when
+    this returns for a stream (the relay watches it). Until D has answered
+    (headers), a P failure cancels D: D would otherwise wait for a push that
+    never comes."""
+    d_body = decode_body(ex.body, overlapped_d_params(ex.cfg, ex.endpoint, ex.trace_id))
+    p_task = ex.p_task = asyncio.create_task(ex.call_prefill())
+    d_task = asyncio.create_task(ex.open_decode(d_body))
+    done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+    if p_task in done and p_task.exception() is not None:
+        await _cancel_decode(d_task)
+        raise p_task.exception()
+    try:
+        d_resp = await d_task
+    except BaseException:
+        p_task.cancel()
+        raise
+    if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
+        # both finished in the same tick: P's failure still wins
+        await d_resp.aclose()
+        raise p_task.exception()
+    if not ex.stream:
+        # non-streaming D answers only at the end: P is long done
+        await settle(p_task)
+    return d_resp
+
+
+DISPATCH: dict[tuple[str, str], Dispatch] = {
+    ("pull", "sequential"): pull,
+    ("push", "sequential"): push_sequential,
+    ("push", "overlapped"): push_overlapped,
+}
+
+
+def dispatcher(cfg: ProxyConfig) -> Dispatch:
+    """The dispatch function for this router's mode and dispatch."""
+    return DISPATCH[(cfg.mode, cfg.effective_dispatch)]

@@ -1,0 +1,117 @@
+"""Handing D's answer to the client, measuring client-seen TTFT, and ending
+the request's root span (:meth:`Exchange.finish`) exactly once.
+
+TTFT: for a stream, when the first SSE event with generated text
+(:class:`kvlens.sse.FirstTextWatcher`) passes through the router; for a
+plain answer, when D's whole body has arrived. Event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+import httpx
+from fastapi.responses import Response, StreamingResponse
+
+from kvlens.proxy.errors import Upstream, as_upstream, from_http_error, sse_error
+from kvlens.proxy.exchange import Exchange, settle
+from kvlens.sse import FirstTextWatcher
+
+
+async def whole(ex: Exchange, d_resp: httpx.Response) -> Response:
+    """A non-streamed answer: D's body read in full, then returned."""
+    try:
+        content = await d_resp.aread()
+    except httpx.HTTPError as e:
+        u = from_http_error("decode", ex.cfg.decode_url, e)
+        ex.finish(u.status, u.outcome, None)
+        return u.response(ex.trace_id)
+    finally:
+        await d_resp.aclose()
+    ex.finish(200, "ok", ex.elapsed_s())
+    return Response(content, status_code=200, media_type="application/json",
+                    headers={"X-Request-Id": ex.trace_id})
+
+
+def streamed(ex: Exchange, d_resp: httpx.Response) -> StreamingResponse:
+    """A streamed answer: D's SSE bytes passed on as they come."""
+    return StreamingResponse(
+        _relay(ex, d_resp),
+        status_code=200,
+        media_type=d_resp.headers.get("content-type", "text/event-stream"),
+        headers={"X-Request-Id": ex.trace_id},
+    )
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class _DecodeChunks:
+    """D's raw stream, chunk by chunk. While an overlapped P call is still
+    running, each read also watches it: D's stream is open but would wait
+    forever for a push that never comes if P fails."""
+
+    def __init__(self, d_resp: httpx.Response, p_task: asyncio.Task | None) -> None:
+        self._it = d_resp.aiter_raw().__aiter__()
+        self._p = p_task
+        self._watch_p = p_task is not None and not p_task.done()
+
+    async def next(self) -> bytes | None:
+        """The next chunk, None at the end; raises :class:`Upstream` when P
+        failed before D sent more, httpx errors when D's stream breaks."""
+        if not self._watch_p:
+            try:
+                return await self._it.__anext__()
+            except StopAsyncIteration:
+                return None
+        nxt = asyncio.ensure_future(self._it.__anext__())
+        # if the client goes away while this read is pending, closing D's
+        # stream fails it: retrieve that error instead of logging "Task
+        # exception was never retrieved"
+        nxt.add_done_callback(_retrieve)
+        done, _ = await asyncio.wait({nxt, self._p}, return_when=asyncio.FIRST_COMPLETED)
+        if self._p in done:
+            self._watch_p = False
+            exc = self._p.exception()
+            if exc is not None and nxt not in done:
+                nxt.cancel()
+                with contextlib.suppress(BaseException):
+                    await nxt
+                raise as_upstream(exc)
+        try:
+            return await nxt
+        except StopAsyncIteration:
+            return None
+
+
+async def _relay(ex: Exchange, d_resp: httpx.Response) -> AsyncIterator[bytes]:
+    watcher = FirstTextWatcher()
+    ttft = None
+    status, outcome = 200, "ok"
+    chunks = _DecodeChunks(d_resp, ex.p_task)
+    try:
+        while (chunk := await chunks.next()) is not None:
+            if ttft is None and watcher.feed(chunk):
+                ttft = ex.elapsed_s()
+            yield chunk
+    except Upstream as u:  # overlapped P failed after D's headers
+        status, outcome = u.status, u.outcome
+        yield sse_error(u.message, u.status)
+    except httpx.TimeoutException:
+        status, outcome = 504, "timeout"
+        yield sse_error("decode instance timed out while streaming", 504)
+    except httpx.HTTPError as e:
+        status, outcome = 502, "failed"
+        yield sse_error(f"decode stream broke: {type(e).__name__}: {e}", 502)
+    except (asyncio.CancelledError, GeneratorExit):
+        status, outcome = 499, "failed"  # client went away
+        raise
+    finally:
+        await d_resp.aclose()
+        if ex.p_task is not None:
+            await settle(ex.p_task, cancel=status != 200)
+        ex.finish(status, outcome, ttft)

@@ -1,0 +1,62 @@
+"""The router's spans: the root ``request`` span and ``relay``, through the
+process's recorder (:func:`exporters.pipeline.get_recorder`).
+
+Telemetry can never fail a request: every method swallows and logs its
+errors. All methods run on the event loop and never block (the recorder
+only enqueues).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from exporters.pipeline import get_recorder
+from instrumented_connector import semconv as sc
+from kvlens.proxy.config import ProxyConfig
+
+logger = logging.getLogger("kvlens.proxy")
+
+
+class RouterTelemetry:
+    """Wraps the router's recorder; ``rec`` is None when telemetry is off or
+    could not start (then every method does nothing)."""
+
+    def __init__(self, cfg: ProxyConfig) -> None:
+        self.rec = None
+        if not cfg.telemetry:
+            return
+        try:
+            self.rec = get_recorder(role="router", mode=cfg.mode, engine_id=None,
+                                    config={"kvlens_home": cfg.kvlens_home})
+        except Exception as e:  # broken config / store: serve without spans
+            logger.warning("kvlens proxy: telemetry disabled (%s: %s)", type(e).__name__, e)
+
+    def request(self, tid: str, parent: int | None, t0: int, t1: int, outcome: str,
+                ttft_s: float | None, dispatch: str, status: int) -> None:
+        """The root span of trace ``tid``; times in wall-clock ns, TTFT in s."""
+        if self.rec is None:
+            return
+        try:
+            attrs = {sc.ATTR_DISPATCH: dispatch, sc.ATTR_STATUS_CODE: status}
+            if ttft_s is not None:
+                attrs[sc.ATTR_TTFT_S] = ttft_s
+            self.rec.record_root(tid, parent, t0, t1, outcome, attrs)
+        except Exception:
+            logger.debug("request span failed", exc_info=True)
+
+    def relay(self, tid: str, t0: int, t1: int, outcome: str = "ok") -> None:
+        """The ``relay`` span: P's answer handed on to D (pull, sequential push)."""
+        if self.rec is None:
+            return
+        try:
+            self.rec.record(sc.Phase.RELAY, tid, t0, t1, outcome)
+        except Exception:
+            logger.debug("relay span failed", exc_info=True)
+
+    def close(self) -> None:
+        if self.rec is None:
+            return
+        try:
+            self.rec.close()
+        except Exception:
+            logger.debug("recorder close failed", exc_info=True)

@@ -1,0 +1,141 @@
+"""What a stack runs: the vLLM P/D pair's and the router's command lines,
+environments and ``kv_transfer_config``. Pure functions, no process started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+from kvlens.stack.errors import StackError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TIMEOUT_S = 240.0
+MAX_MODEL_LEN = 4096
+
+CONNECTORS = {
+    # (mode, stock) -> (connector class, module path or None)
+    ("push", False): ("InstrumentedNixlPushConnector", "instrumented_connector"),
+    ("pull", False): ("InstrumentedNixlPullConnector", "instrumented_connector"),
+    ("push", True): ("NixlPushConnector", None),
+    ("pull", True): ("NixlConnector", None),
+}
+
+#: vLLM's KV lease (P keeps blocks for D this long) defaults to 30 s and a
+#: push registration waits 480 s. On a small CPU box a cold or busy engine
+#: can take longer than 30 s to register, and the request then hangs until
+#: the 480 s watchdog. The stacks kvlens starts (stock and instrumented alike,
+#: so comparisons stay fair) use a longer lease and a shorter watchdog.
+DEFAULT_KV_LEASE_S = 120
+DEFAULT_PUSH_REGISTRATION_TIMEOUT_S = 150
+
+
+def check_model(model: Path) -> Path:
+    """The resolved model dir; StackError when it is missing or has no config.json."""
+    model = Path(model).expanduser()
+    if not model.exists():
+        raise StackError(f"model path does not exist: {model}")
+    if not (model / "config.json").is_file():
+        raise StackError(f"model path has no config.json: {model}")
+    return model.resolve()
+
+
+def kv_transfer_config(
+    mode: str,
+    role: str,
+    engine_id: str,
+    stock: bool,
+    kvlens_home: Path,
+    kv_lease_s: int = DEFAULT_KV_LEASE_S,
+    push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
+) -> dict:
+    """vLLM's ``--kv-transfer-config`` for one side (``role`` prefill/decode)."""
+    name, module = CONNECTORS[(mode, stock)]
+    extra: dict[str, Any] = {
+        "kv_lease_duration": int(kv_lease_s),
+        "push_registration_timeout": int(push_registration_timeout_s),
+    }
+    cfg: dict[str, Any] = {
+        "kv_connector": name,
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": extra,
+    }
+    if module:
+        cfg["kv_connector_module_path"] = module
+        extra["kvlens_home"] = str(kvlens_home)
+    return cfg
+
+
+def base_env(kvlens_home: Path) -> dict[str, str]:
+    """Environment of every child: ours, plus the repo on PYTHONPATH (vLLM
+    loads ``instrumented_connector`` by module path), the kvlens home, offline
+    Hugging Face, no usage stats, unbuffered output."""
+    env = dict(os.environ)
+    parts = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["KVLENS_HOME"] = str(kvlens_home)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def server_env(env: dict[str, str], is_p: bool, host: str, side_port: int, prom_dir: Path,
+               extra: Mapping[str, str] | None) -> dict[str, str]:
+    """A vLLM server's environment: one CPU each (P on 0, D on 1 when there
+    are two), its NIXL side channel, its Prometheus multiprocess dir, then
+    the caller's ``extra`` on top."""
+    env = dict(env)
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_OMP_THREADS_BIND": "0" if is_p else "1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
+            "PROMETHEUS_MULTIPROC_DIR": str(prom_dir),
+        }
+    )
+    if (os.cpu_count() or 1) < 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
+    if extra:
+        env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def vllm_argv(model: Path, host: str, port: int, ktc: dict, vllm_args: list[str]) -> list[str]:
+    """Command line of one vLLM OpenAI server (P or D), float32, eager, CPU-friendly."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--host", host,
+        "--port", str(port),
+        "--dtype", "float32",
+        "--enforce-eager",
+        "--max-model-len", str(MAX_MODEL_LEN),
+        "--kv-transfer-config", json.dumps(ktc),
+        *vllm_args,
+    ]  # fmt: skip
+
+
+def router_argv(prefill_url: str, decode_url: str, mode: str, dispatch: str, host: str, port: int,
+                prefill_side_port: int) -> list[str]:
+    """Command line of one ``kvlens proxy`` in front of P (engine id ``p0``) and D."""
+    return [
+        sys.executable, "-m", "kvlens.cli", "proxy",
+        "--prefill", prefill_url,
+        "--decode", decode_url,
+        "--mode", mode,
+        "--dispatch", dispatch,
+        "--host", host,
+        "--port", str(port),
+        "--prefill-engine-id", "p0",
+        "--prefill-side-host", host,
+        "--prefill-side-port", str(prefill_side_port),
+    ]  # fmt: skip

@@ -1,0 +1,322 @@
+""":class:`Stack`: one vLLM P/D pair plus the router, started together.
+
+It starts the pair and the router (command lines from
+:mod:`kvlens.stack.commands`), waits for health, re-pins the workers' CPUs
+(:mod:`kvlens.stack.pinning`), warms the pair up and writes ``stack.json``.
+Tests and the benchmark start a stack in-process with it
+(``with Stack("push") as s: ... s.router_url``). Its methods block the
+calling thread; ``start`` may take minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from instrumented_connector import config as kvconfig
+from instrumented_connector.ids import new_trace_id
+from kvlens.model import ensure_model
+from kvlens.stack import pinning
+from kvlens.stack.commands import (
+    CONNECTORS,
+    DEFAULT_KV_LEASE_S,
+    DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
+    DEFAULT_TIMEOUT_S,
+    REPO_ROOT,
+    base_env,
+    check_model,
+    kv_transfer_config,
+    router_argv,
+    server_env,
+    vllm_argv,
+)
+from kvlens.stack.errors import StackError
+from kvlens.stack.ports import DEFAULT_HOST, assign_ports, free_port
+from kvlens.stack.supervise import Child, stop_children, wait_healthy
+
+logger = logging.getLogger("kvlens.up")
+
+#: Ports a stack picks itself when not given (in this order).
+_AUTO_PORTS = ("router port", "prefill port", "decode port", "prefill side-channel port", "decode side-channel port")
+
+
+@dataclass
+class Stack:
+    """One P/D pair plus router. ``start()`` blocks until all are healthy."""
+
+    mode: str = "push"
+    dispatch: str = "overlapped"
+    model: Path | str | None = None
+    port: int | None = 8000
+    prefill_port: int | None = None
+    decode_port: int | None = None
+    stock: bool = False
+    log_dir: Path | str | None = None
+    env_extra: Mapping[str, str] | None = None
+    host: str = DEFAULT_HOST
+    kvlens_home: Path | str | None = None
+    prefill_side_port: int | None = None
+    decode_side_port: int | None = None
+    vllm_args: list[str] = field(default_factory=list)
+    quiet: bool = False
+    warmup: bool = True
+    kv_lease_s: int = DEFAULT_KV_LEASE_S
+    push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S
+    prometheus: bool = False
+    prometheus_port: int = 9090
+    prometheus_server: Any = None
+
+    # filled by start()
+    router_url: str = ""
+    prefill_url: str = ""
+    decode_url: str = ""
+    children: list[Child] = field(default_factory=list)
+    startup_s: float | None = None
+    extra_routers: dict[str, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("push", "pull"):
+            raise StackError(f"mode must be push or pull, got {self.mode!r}")
+        if self.dispatch not in ("overlapped", "sequential"):
+            raise StackError(f"dispatch must be overlapped or sequential, got {self.dispatch!r}")
+        self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
+        if self.log_dir is None:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            tag = f"{self.mode}{'-stock' if self.stock else ''}-{stamp}-{os.getpid()}"
+            self.log_dir = Path(self.kvlens_home) / "runs" / tag
+        self.log_dir = Path(self.log_dir).resolve()
+
+    def __enter__(self) -> "Stack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _say(self, msg: str) -> None:
+        if self.quiet:
+            logger.info(msg)
+        else:
+            print(f"[kvlens up] {msg}", flush=True)
+
+    # -------------------------------------------------------------- start
+    def preflight(self) -> None:
+        """Checks that need no child: model dir and ports. Raises StackError."""
+        if self.model is None:
+            self.model = ensure_model(kvconfig.model_dir({"kvlens_home": str(self.kvlens_home)}))
+        self.model = check_model(Path(self.model))
+        named = {
+            "router port": self.port,
+            "prefill port": self.prefill_port,
+            "decode port": self.decode_port,
+            "prefill side-channel port": self.prefill_side_port,
+            "decode side-channel port": self.decode_side_port,
+        }
+        if self.prometheus:
+            named["prometheus port"] = self.prometheus_port
+            if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
+                raise StackError("--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)")
+        got = assign_ports(named, self.host, _AUTO_PORTS)
+        self.port, self.prefill_port, self.decode_port, self.prefill_side_port, self.decode_side_port = (
+            got[k] for k in _AUTO_PORTS)
+
+    def _server(self, role: str) -> Child:
+        is_p = role == "prefill"
+        port = self.prefill_port if is_p else self.decode_port
+        prom = Path(self.log_dir) / f"prometheus-{role}"
+        shutil.rmtree(prom, ignore_errors=True)
+        prom.mkdir(parents=True)
+        env = server_env(base_env(Path(self.kvlens_home)), is_p, self.host,
+                         self.prefill_side_port if is_p else self.decode_side_port, prom, self.env_extra)
+        ktc = kv_transfer_config(self.mode, role, "p0" if is_p else "d0", self.stock, Path(self.kvlens_home),
+                                 self.kv_lease_s, self.push_registration_timeout_s)
+        argv = vllm_argv(Path(self.model), self.host, port, ktc, self.vllm_args)
+        return Child(role, argv, env, Path(self.log_dir) / f"{role}.log", f"http://{self.host}:{port}",
+                     cwd=str(REPO_ROOT))
+
+    def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
+        argv = router_argv(self.prefill_url, self.decode_url, self.mode, dispatch, self.host, port,
+                           self.prefill_side_port)
+        return Child(name, argv, base_env(Path(self.kvlens_home)), Path(self.log_dir) / f"{name}.log",
+                     f"http://{self.host}:{port}", cwd=str(REPO_ROOT))
+
+    def start(self, timeout: float = DEFAULT_TIMEOUT_S) -> "Stack":
+        """Start P and D, wait for health, re-pin their workers, start the
+        router, warm up, start Prometheus if asked, write ``stack.json``.
+        ``timeout``: seconds for all of it. On any failure everything
+        started is stopped and the error (StackError mostly) propagates."""
+        t0 = time.monotonic()
+        self.preflight()
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
+        try:
+            p, d = self._server("prefill"), self._server("decode")
+            self.prefill_url, self.decode_url = p.url, d.url
+            self._say(
+                f"starting {self.mode} pair ({'stock' if self.stock else 'instrumented'} connector) "
+                f"model={self.model} logs={self.log_dir}"
+            )
+            for c in (p, d):
+                c.start()
+                self.children.append(c)
+            wait_healthy([p, d], t0 + timeout, self._say)
+            pinning.repin(p, self._say)
+            pinning.repin(d, self._say)
+            r = self._router(self.dispatch, int(self.port))
+            r.start()
+            self.children.append(r)
+            self.router_url = r.url
+            wait_healthy([r], t0 + timeout, self._say)
+            if self.warmup:
+                self._warm_up()
+            if self.prometheus:
+                self.start_prometheus(self.prometheus_port)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        self._write_manifest()
+        self._say(f"ready in {self.startup_s:.0f}s")
+        return self
+
+    def _warm_up(self, tries: int = 3, timeout_s: float = 90.0) -> None:
+        """One tiny request end to end before reporting ready.
+
+        The first request to a new P/D pair pays for kernel warm-up and the
+        first-contact NIXL handshakes; vLLM gives a handshake reply 5 s, and
+        on a loaded machine a cold engine can miss that, which strands that
+        request until vLLM's registration timeout. Paying it here keeps it
+        out of the user's (and the tests') first measured request. A failed
+        handshake is retried by vLLM on the next request, hence the retries.
+        """
+        import httpx  # start-up cost: ``kvlens --help`` imports this module
+
+        for i in range(1, tries + 1):
+            try:
+                r = httpx.post(
+                    self.router_url + "/v1/completions",
+                    json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
+                    timeout=timeout_s,
+                    headers={"X-Request-Id": new_trace_id()},
+                )
+                if r.status_code == 200:
+                    self._say(f"warm-up request ok ({i}/{tries})")
+                    return
+                self._say(f"warm-up request returned HTTP {r.status_code} ({i}/{tries})")
+            except httpx.HTTPError as e:
+                self._say(f"warm-up request failed: {type(e).__name__} ({i}/{tries})")
+            dead = self.dead_child()
+            if dead is not None:
+                raise StackError(dead.died_message())
+        self._say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
+
+    # ------------------------------------------------------------ extras
+    def add_router(self, dispatch: str, port: int | None = None, timeout: float = 60.0) -> str:
+        """Start one more router on the same P/D (e.g. sequential next to
+        overlapped); stopped with the stack. Returns its URL."""
+        port = port or free_port(self.host)
+        c = self._router(dispatch, port, f"router-{dispatch}-{port}")
+        c.start()
+        self.children.append(c)
+        wait_healthy([c], time.monotonic() + timeout, self._say)
+        return c.url
+
+    def router_for(self, dispatch: str) -> str:
+        """URL of a router with this dispatch on this P/D pair, started on
+        first use (tests and the bench share one pair per mode)."""
+        if dispatch == self.dispatch and self.router_url:
+            return self.router_url
+        if dispatch not in self.extra_routers:
+            self.extra_routers[dispatch] = self.add_router(dispatch)
+        return self.extra_routers[dispatch]
+
+    @property
+    def sequential_router_url(self) -> str:
+        return self.router_for("sequential")
+
+    @property
+    def store_path(self) -> Path:
+        """The trace store every process of this stack writes to."""
+        return kvconfig.store_path({"kvlens_home": str(self.kvlens_home)})
+
+    def start_prometheus(self, port: int = 9090, timeout: float = 60.0):
+        """Start a real Prometheus scraping this stack's router, P and D
+        (data and config under the log dir). Returns the server; its URL is
+        ``self.prometheus_server.url``. Stopped with the stack."""
+        from exporters.prometheus_server import PrometheusServer  # start-up cost (httpx)
+
+        if self.prometheus_server is not None:
+            return self.prometheus_server
+        hostport = lambda u: u.split("://", 1)[-1].rstrip("/")  # noqa: E731
+        server = PrometheusServer(
+            {
+                "kvlens-router": [hostport(u) for u in [self.router_url, *self.extra_routers.values()]],
+                "vllm-prefill": [hostport(self.prefill_url)],
+                "vllm-decode": [hostport(self.decode_url)],
+            },
+            port=port,
+            data_dir=Path(self.log_dir) / "prometheus",
+        )
+        server.start(timeout=timeout)
+        self.prometheus_server = server
+        self._say(f"prometheus ready at {server.url}")
+        return server
+
+    # ---------------------------------------------------------- run, stop
+    def dead_child(self) -> Child | None:
+        for c in self.children:
+            if c.proc is not None and c.proc.poll() is not None:
+                return c
+        return None
+
+    def pids(self) -> list[int]:
+        return [c.proc.pid for c in self.children if c.proc is not None]
+
+    def stop(self) -> None:
+        """Stop Prometheus and every child (newest first). Idempotent."""
+        if self.prometheus_server is not None:
+            try:
+                self.prometheus_server.stop()
+            finally:
+                self.prometheus_server = None
+        if self.children:
+            stop_children(list(reversed(self.children)))
+            self._say("stopped")
+        self.children = []
+
+    def manifest(self) -> dict:
+        """What ``stack.json`` holds (the format other tools read)."""
+        return {
+            "mode": self.mode,
+            "dispatch": self.dispatch,
+            "stock": self.stock,
+            "connector": CONNECTORS[(self.mode, self.stock)][0],
+            "model": str(self.model),
+            "kvlens_home": str(self.kvlens_home),
+            "log_dir": str(self.log_dir),
+            "router_url": self.router_url,
+            "prefill_url": self.prefill_url,
+            "decode_url": self.decode_url,
+            "ports": {
+                "router": self.port,
+                "prefill": self.prefill_port,
+                "decode": self.decode_port,
+                "prefill_side_channel": self.prefill_side_port,
+                "decode_side_channel": self.decode_side_port,
+            },
+            "engine_ids": {"prefill": "p0", "decode": "d0"},
+            "pids": {c.name: c.proc.pid for c in self.children if c.proc is not None},
+            "logs": {c.name: str(c.log) for c in self.children},
+            "startup_s": self.startup_s,
+            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+
+    def _write_manifest(self) -> None:
+        p = Path(self.log_dir) / "stack.json"
+        p.write_text(json.dumps(self.manifest(), indent=2) + "\n")

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""The house rules of kvlens' layout, checked from the source (no imports run).
+
+    python tools/check_layout.py            # prints the module graph's cycles, big files, long functions
+
+Rules (docs/architecture.md):
+
+* no import cycle among the project's modules (every ``import``, at module
+  level or inside a function, is an edge);
+* the dashboard and the exporters never import ``kvlens`` (the CLI layer);
+* SQL text only in ``exporters/store``;
+* trace-id parsing (the 32-hex / traceparent patterns) only in ``instrumented_connector/ids.py``;
+* files under ``MAX_FILE_LINES`` lines, functions under ``MAX_FUNC_LINES``
+  unless listed in ``LONG_FUNCTIONS`` with the reason.
+
+``tests/unit/test_architecture.py`` runs the same checks.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("instrumented_connector", "exporters", "dashboard", "kvlens")
+MAX_FILE_LINES = 400
+MAX_FUNC_LINES = 60
+
+#: Functions allowed past MAX_FUNC_LINES, with the reason.
+LONG_FUNCTIONS: dict[str, str] = {}
+
+_SQL = re.compile(
+    r"\b(SELECT\s+[^;]+?\s+FROM\s|INSERT\s+(OR\s+\w+\s+)?INTO\s|CREATE\s+(TABLE|INDEX)\s|DELETE\s+FROM\s|UPDATE\s+\w+\s+SET\s)",
+    re.IGNORECASE,
+)
+_ID_PATTERNS = ("[0-9a-f]{32}", "[0-9a-f]{16}", "traceparent")
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = f
+    return out
+
+
+def _resolve(mod: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".")
+    if not is_pkg:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        tree = ast.parse(f.read_text(), str(f))
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                src = _resolve(m, f.name == "__init__.py", node)
+                for a in node.names:
+                    sub = f"{src}.{a.name}"
+                    targets.append(sub if sub in mods else src)
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                # a module importing its own package (``__init__``) is Python's normal order, not a cycle
+                if t and t != m and not m.startswith(t + "."):
+                    graph[m].add(t)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{m} -> {t}" for m, ts in graph.items() for t in sorted(ts)
+            if m.split(".")[0] in ("dashboard", "exporters", "instrumented_connector") and t.split(".")[0] == "kvlens"]
+
+
+def sql_outside_store(mods: dict[str, Path]) -> list[str]:
+    out = []
+    for m, f in mods.items():
+        if m.startswith("exporters.store"):
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and _SQL.search(node.value):
+                out.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def id_parsing_outside_ids(mods: dict[str, Path]) -> list[str]:
+    out = []
+    for m, f in mods.items():
+        if m == "instrumented_connector.ids":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("compile", "match", "search", "fullmatch"):
+                for a in node.args[:1]:
+                    if isinstance(a, ast.Constant) and isinstance(a.value, str) and any(p in a.value for p in _ID_PATTERNS):
+                        out.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def big_files(mods: dict[str, Path]) -> list[str]:
+    return [f"{f.relative_to(ROOT)}: {n} lines" for f in mods.values()
+            if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES]
+
+
+def long_functions(mods: dict[str, Path]) -> list[str]:
+    out = []
+    for m, f in mods.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                key = f"{m}.{node.name}"
+                if n > MAX_FUNC_LINES and key not in LONG_FUNCTIONS:
+                    out.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    return out
+
+
+def main() -> int:
+    mods = modules()
+    graph = import_graph(mods)
+    report = {
+        "import cycles": [" <-> ".join(c) for c in cycles(graph)],
+        "upward imports (dashboard/exporters/instrumented_connector -> kvlens)": upward_imports(graph),
+        "SQL outside exporters/store": sql_outside_store(mods),
+        "trace-id parsing outside instrumented_connector/ids.py": id_parsing_outside_ids(mods),
+        f"files over {MAX_FILE_LINES} lines": big_files(mods),
+        f"functions over {MAX_FUNC_LINES} lines": long_functions(mods),
+    }
+    bad = 0
+    for title, items in report.items():
+        print(f"{title}: {len(items) or 'none'}")
+        for i in items:
+            print("   ", i)
+        bad += len(items)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
