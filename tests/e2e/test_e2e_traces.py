@@ -96,7 +96,10 @@ def _check_push_order(sp):
     assert m["end_ns"] <= dp["start_ns"] <= dp["end_ns"] == wp["start_ns"] <= wp["end_ns"]
     # write.complete spans post -> DONE seen by P's engine loop. P may observe
     # DONE after D got the completion notif, so only its start precedes kv.ready.
-    assert wc["start_ns"] == wp["end_ns"] and wp["end_ns"] <= kv["end_ns"]
+    # Likewise the WRITE and its notification can complete before P's post call
+    # returns (seen: kv.ready 16 ms before write.post's end, P's writer thread
+    # descheduled on 2 busy cores), so only the post's start must precede kv.ready.
+    assert wc["start_ns"] == wp["end_ns"] and wp["start_ns"] <= kv["end_ns"]
     assert wc["attributes"][sc.ATTR_BYTES] > 0 and wc["attributes"][sc.ATTR_DESCRIPTORS] > 0
     assert wp["attributes"][sc.ATTR_BLOCKS] > 0
     assert wp["role"] == wc["role"] == m["role"] == rr["role"] == "prefill"
