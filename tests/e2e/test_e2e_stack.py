@@ -17,20 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Hello world, the cache is fast and the river is blue. Once upon a time"
-
-
-def _cli(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "kvlens.cli", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 # ------------------------------------------------------------ e2e helpers
