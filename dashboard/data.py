@@ -1,7 +1,7 @@
 """Pure data loaders for the dashboard: plain arguments in, pandas / plain
 objects out, no Streamlit. ``dashboard/loaders.py`` wraps them in
-``st.cache_data(ttl=...)`` (the pages and ``dashboard/charts.py`` draw) (docs/architecture.md:
-data apart from drawing).
+``st.cache_data(ttl=...)``; the pages and ``dashboard/charts.py`` draw
+(docs/architecture.md: data apart from drawing).
 
 Sources
 -------
