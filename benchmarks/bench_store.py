@@ -99,7 +99,7 @@ def populate(path: Path, n: int, seed: int = 1, span_h: float = 24.0) -> tuple[i
             sid += 1
         n_spans += 1 + len(ph)
         traces.append((tid, tid, mode, "overlapped" if mode == "push" else "sequential", outcome, t0, end, ttft,
-                       pf, kv, 1 + len(ph)))
+                       pf, kv, 1 + len(ph), (kv - pf) / 1e9 if kv else None, 0.001 if kv else None))
         if len(spans) >= 50_000:
             flush()
     flush()

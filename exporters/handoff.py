@@ -30,8 +30,16 @@ appends to a dict. Deployments without the kvlens router (a third-party
 router on one host) can set ``KVLENS_HANDOFF_FROM=decode``: the trigger then
 is D's ``kv.ready`` span, with the same store lookup (no exemplars there).
 Across hosts the store is per host, so the router needs P's and D's spans on
-its host (same store file); otherwise use OTLP + the collector. Negative
-values (wall-clock skew) are clamped to 0.
+its host (same store file) or hosts the OTLP receiver (``kvlens proxy
+--collect``); otherwise ``kvlens collect`` runs this resolver.
+
+The observed value is the store's settled handoff: corrected for the P/D
+clock offset (:mod:`exporters.clockbounds`), never clamped; one whose clocks
+could not be bounded is counted ``unresolved{reason="clock_unknown"}``. Each
+observation also sets ``kvlens_clock_offset_seconds`` (the middle of the
+pair's interval for D's clock minus P's) and
+``kvlens_clock_offset_width_seconds`` (its width), labelled by the engine
+ids seen (at most :data:`MAX_PAIRS` pairs).
 """
 
 from __future__ import annotations
@@ -45,6 +53,9 @@ from typing import Any
 
 from exporters import store
 from instrumented_connector.logutil import log_once
+
+#: Bound on the (P engine, D engine) label pairs of the clock gauges.
+MAX_PAIRS = 64
 
 
 class HandoffResolver:
@@ -72,6 +83,7 @@ class HandoffResolver:
         self._thread: threading.Thread | None = None
         self._conn = None
         self._pid = os.getpid()
+        self._pairs: set[tuple[str, str]] = set()
 
     def submit(self, trace_id: str, mode: str) -> None:
         """Queue ``trace_id`` (32 hex) for lookup. Any thread; never blocks on I/O."""
@@ -116,8 +128,8 @@ class HandoffResolver:
             self._conn = store.connect(self.path, readonly=True, timeout_s=1.0)
         return self._conn
 
-    def _lookup(self, trace_ids: list[str]) -> tuple[dict[str, float], bool]:
-        """(trace_id -> handoff_s found, whether the store could be read)."""
+    def _lookup(self, trace_ids: list[str]) -> tuple[dict[str, dict], bool]:
+        """(trace_id -> settled row (``store.HANDOFF_COLUMNS``), whether the store could be read)."""
         try:
             return store.handoffs(self._connection(), trace_ids), True
         except FileNotFoundError:
@@ -128,7 +140,12 @@ class HandoffResolver:
         return {}, False
 
     def resolve_once(self, *, expire: bool = True) -> int:
-        """One pass: observe resolved handoffs, expire overdue ones. Returns resolved count.
+        """One pass: observe settled handoffs, expire overdue ones. Returns resolved count.
+
+        A trace is observed once its own clock crossings have all arrived
+        (its settled figure is final), or at its deadline with whatever the
+        store settled by then; a handoff the store could not bound is counted
+        ``unresolved{reason="clock_unknown"}``, never observed.
 
         Resolver thread (or ``flush`` on the caller's); reads the store."""
         with self._lock:
@@ -142,24 +159,44 @@ class HandoffResolver:
             for tid, (mode, deadline) in items:
                 # pop() decides: a concurrent pass (thread vs force_flush) may
                 # have taken this id already, and each id counts exactly once.
-                if tid in found:
+                row = found.get(tid)
+                due = expire and now >= deadline
+                if row is not None and (row["complete"] or due):
                     if self._pending.pop(tid, None) is not None:
-                        resolved.append((tid, mode, found[tid]))
-                elif expire and now >= deadline:
+                        resolved.append((tid, mode, row))
+                elif due:
                     if self._pending.pop(tid, None) is not None:
                         expired.append(mode)
         fam = self.fam
-        for tid, mode, h in resolved:
-            child = fam.child(fam.handoff, (mode,))
-            v = max(float(h), 0.0)  # cross-host wall-clock skew can make it negative
-            if self.exemplars:
-                child.observe(v, {"trace_id": tid})
-            else:
-                child.observe(v)
+        for tid, mode, row in resolved:
+            self._observe(tid, mode, row)
         reason = "missing" if store_ok else "no_store"
         for mode in expired:
             fam.child(fam.unresolved, (mode, reason)).inc()
         return len(resolved)
+
+    def _observe(self, tid: str, mode: str, row: dict) -> None:
+        fam = self.fam
+        h = row["handoff_s"]
+        if h is None:  # both ends known, the clocks not bounded: unknown, not clamped
+            fam.child(fam.unresolved, (mode, "clock_unknown")).inc()
+        else:
+            child = fam.child(fam.handoff, (mode,))
+            if self.exemplars:
+                child.observe(float(h), {"trace_id": tid})
+            else:
+                child.observe(float(h))
+        lo, hi = row["clock_lo_s"], row["clock_hi_s"]
+        pair = (row["p_engine"], row["d_engine"])
+        if lo is None or hi is None or None in pair:
+            return
+        if pair not in self._pairs:
+            if len(self._pairs) >= MAX_PAIRS:
+                log_once("handoff-pairs", "more than %d P/D engine pairs; clock gauges skip the rest", MAX_PAIRS)
+                return
+            self._pairs.add(pair)
+        fam.child(fam.clock_offset, pair).set((lo + hi) / 2)
+        fam.child(fam.clock_width, pair).set(hi - lo)
 
     def flush(self, timeout_s: float) -> bool:
         """Resolve until nothing is pending or ``timeout_s`` passed (tests, shutdown). Blocks."""

@@ -79,6 +79,11 @@ def static_path(mode: str, phase: str) -> str | None:
     return OVERLAP if mode == sc.Mode.PUSH.value and phase in _PUSH_OVERLAP else CRITICAL
 
 
+def d_shift_ns(clock_offset_s: float | None) -> int:
+    """Nanoseconds to subtract from D's timestamps to put them on P's clock."""
+    return round(clock_offset_s * 1e9) if clock_offset_s else 0
+
+
 # ------------------------------------------------------------------ records
 @dataclass(frozen=True)
 class Span:
@@ -125,21 +130,36 @@ class Trace:
     handoff_s: float | None = None
     n_spans: int = 0
     spans: tuple[Span, ...] = ()
+    handoff_err_s: float | None = None
+    handoff_raw_s: float | None = None
+    clock_offset_s: float | None = None
+    clock_lo_s: float | None = None
+    clock_hi_s: float | None = None
+    handoff_note: str | None = None
+    p_engine: str | None = None
+    d_engine: str | None = None
 
     @classmethod
     def from_rows(cls, summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]] = ()) -> Trace:
-        """Build from a ``store.slowest`` row and its ``store.spans_for`` rows."""
+        """Build from a ``store.slowest`` row and its ``store.spans_for`` rows.
+
+        D's spans and ``kv_ready_ns`` are moved onto P's clock by the store's
+        ``clock_offset_s`` (0 when P's and D's clocks could not be told apart),
+        so positions against the handoff window compare like with like."""
+        off = d_shift_ns(summary.get("clock_offset_s"))
         pf, kv = summary.get("prefill_finished_ns"), summary.get("kv_ready_ns")
-        marked = tuple(
-            Span(name=s["name"], role=s.get("role"), start_ns=s["start_ns"], end_ns=s["end_ns"],
-                 span_id=s.get("span_id"), parent_id=s.get("parent_id"), outcome=s.get("outcome"),
-                 attributes=s.get("attributes") or {},
-                 point=is_point(s["name"], s["start_ns"], s["end_ns"]),
-                 critical=on_critical_path(s["name"], s["start_ns"], s["end_ns"], pf, kv))
-            for s in spans
-        )
-        return cls(spans=marked, **{k: summary.get(k) for k in store.SUMMARY_COLUMNS if k != "n_spans"},
-                   n_spans=summary.get("n_spans") or 0)
+        if kv is not None:
+            kv -= off
+        marked = []
+        for s in spans:
+            d = off if s.get("role") == sc.Role.DECODE.value else 0
+            t0, t1 = s["start_ns"] - d, s["end_ns"] - d
+            marked.append(Span(name=s["name"], role=s.get("role"), start_ns=t0, end_ns=t1,
+                               span_id=s.get("span_id"), parent_id=s.get("parent_id"), outcome=s.get("outcome"),
+                               attributes=s.get("attributes") or {}, point=is_point(s["name"], t0, t1),
+                               critical=on_critical_path(s["name"], t0, t1, pf, kv)))
+        fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in ("n_spans", "kv_ready_ns")}
+        return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, **fields)
 
     @property
     def window(self) -> tuple[int, int] | None:
@@ -168,10 +188,20 @@ class Trace:
         return dec
 
     def to_json(self) -> dict[str, Any]:
-        """The ``kvlens traces --json`` object (one per line; keys are a contract)."""
+        """The ``kvlens traces --json`` object (one per line; keys are a contract).
+
+        ``handoff_s`` is corrected for the P/D clock offset and true to within
+        ``handoff_err_s``; both are null when unknown, with ``handoff_note``
+        saying why. ``clock_offset_s`` (D minus P, applied to D's span times
+        here) lies in ``clock_interval_s``; ``handoff_raw_s`` is the
+        uncorrected two-clock difference."""
+        interval = None if self.clock_lo_s is None else [self.clock_lo_s, self.clock_hi_s]
         return {"trace_id": self.trace_id, "request_id": self.request_id, "mode": self.mode,
                 "dispatch": self.dispatch, "outcome": self.outcome, "ttft_s": self.ttft_s,
-                "handoff_s": self.handoff_s, "start_ns": self.start_ns,
+                "handoff_s": self.handoff_s, "handoff_err_s": self.handoff_err_s,
+                "handoff_raw_s": self.handoff_raw_s, "handoff_note": self.handoff_note,
+                "clock_offset_s": self.clock_offset_s, "clock_interval_s": interval,
+                "p_engine": self.p_engine, "d_engine": self.d_engine, "start_ns": self.start_ns,
                 "spans": [s.to_json() for s in self.spans]}
 
 
@@ -211,17 +241,19 @@ def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]
     above, summed per (mode, role, phase). ``traces`` / ``spans``: rows in
     ``store.SAMPLE_TRACE_COLUMNS`` / ``store.SAMPLE_SPAN_COLUMNS`` order."""
     traces = list(traces)
-    window = {tid: (mode, pf, kv) for tid, mode, pf, kv, _ in traces}
+    # D's times go onto P's clock (kv.ready and D's spans), as in Trace.from_rows
+    window = {tid: (mode, pf, kv - d_shift_ns(off), d_shift_ns(off)) for tid, mode, pf, kv, _, off in traces}
     sums: dict[tuple[str, str | None, str], list[int]] = {}
     for tid, role, name, start, end in spans:
         w = window.get(tid)
         if w is None or name in NOT_HANDOFF_PHASES:
             continue
+        d = w[3] if role == sc.Role.DECODE.value else 0
         acc = sums.setdefault((w[0], role, name), [0, 0])
-        acc[0] += critical_ns(name, start, end, w[1], w[2])
+        acc[0] += critical_ns(name, start - d, end - d, w[1], w[2])
         acc[1] += end - start
     per_mode: dict[str, list[float]] = {}
-    for _, mode, _, _, h in traces:
+    for _, mode, _, _, h, _ in traces:
         m = per_mode.setdefault(mode, [0, 0.0])
         m[0] += 1
         m[1] += h

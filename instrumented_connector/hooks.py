@@ -57,6 +57,7 @@ WORKER_HOOKS: Final[dict[str, dict[str, tuple[Phase, ...]]]] = {
         "_background_nixl_handshake": (Phase.HANDSHAKE,),
         "_read_blocks_for_req": (Phase.DESCRIPTOR_PREP, Phase.READ_POST, Phase.HANDSHAKE),
         "_read_blocks": (Phase.READ_POST,),
+        "_get_new_notifs": (Phase.KV_RELEASED,),
     },
 }
 

@@ -53,6 +53,10 @@ class Phase(str, enum.Enum):
     """D: descriptor ids + ``make_prepped_xfer`` + ``transfer`` for every rank."""
     READ_COMPLETE = "read.complete"
     """D: READ posted -> transfer state DONE observed."""
+    # pull, P side
+    KV_RELEASED = "kv.released"
+    """P worker, point: D's read-done notification received (P frees the
+    blocks). Off the critical path; it bounds the P/D clock offset."""
 
     # D side, both modes
     KV_READY = "kv.ready"
@@ -96,6 +100,7 @@ POINT_PHASES: Final = frozenset(
         Phase.REGISTRATION_RECEIVE,
         Phase.ALLOC,
         Phase.KV_READY,
+        Phase.KV_RELEASED,
     }
 )
 
@@ -137,6 +142,24 @@ def closed(value: object, enum_cls: type[enum.Enum]) -> str:
         if member.value == v:
             return v  # type: ignore[return-value]
     return OTHER
+
+
+#: Messages that cross between P and D, by (role, span name) -> (column,
+#: which end of the span). They bound the P/D clock offset
+#: (:mod:`exporters.clockbounds`; docs/phases.md "Clocks across hosts"):
+#: ``d2p_*`` a message from D to P, ``p2d_*`` one from P to D; ``sent`` is
+#: taken before the message left, ``recv`` after it arrived. ``kv.ready`` and
+#: ``prefill.finished`` count only in the mode named.
+CROSSINGS: Final = {
+    ("decode", Phase.REGISTRATION_SEND.value, None): ("d2p_sent_ns", "start"),  # push: PUSH_REG notif
+    ("prefill", Phase.REGISTRATION_RECEIVE.value, None): ("d2p_recv_ns", "end"),
+    ("prefill", Phase.WRITE_POST.value, None): ("p2d_sent_ns", "start"),  # push: WRITE + its notif
+    ("decode", Phase.KV_READY.value, "push"): ("p2d_recv_ns", "end"),
+    ("decode", Phase.READ_POST.value, None): ("d2p_sent_ns", "start"),  # pull: READ + done notif
+    ("prefill", Phase.KV_RELEASED.value, None): ("d2p_recv_ns", "end"),
+    ("prefill", Phase.PREFILL_FINISHED.value, "pull"): ("p2d_sent_ns", "end"),  # pull: P's answer -> D's request
+    ("decode", Phase.ALLOC.value, None): ("p2d_recv_ns", "end"),
+}
 
 
 # --- attribute keys -------------------------------------------------------

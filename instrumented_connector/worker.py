@@ -341,6 +341,20 @@ class InstrumentedNixlPullConnectorWorker(_WorkerHooks, NixlPullConnectorWorker)
     def _read_blocks(self, *args, **kwargs):
         return self._kvl_post(*args, **kwargs)
 
+    # -- P side, engine thread -------------------------------------------------
+    def _get_new_notifs(self):
+        """D's read-done notifications reached P: ``kv.released`` (the D->P
+        message that bounds the clock offset in pull)."""
+        done = super()._get_new_notifs()
+        if done:
+            try:
+                t = now()
+                for rid in done:
+                    self._kvl.record(P.KV_RELEASED, rid, t, t)
+            except Exception:
+                fail("_get_new_notifs")
+        return done
+
     def _kvl_super_post(self, *args, **kwargs):
         return NixlPullConnectorWorker._read_blocks(self, *args, **kwargs)
 

@@ -118,6 +118,7 @@ def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: b
                                                                 if outcome != "ok" else {})})
         t += rc
         kv = t + int(rng.uniform(0.2, 0.6) * MS)
+        pre.record(P.KV_RELEASED, p_rid, t + int(0.1 * MS), t + int(0.1 * MS), "ok")
     ttft = None
     if outcome == "ok":
         dec.record(P.KV_READY, d_rid, kv, kv, "ok", {sc.ATTR_BLOCKS: blocks})

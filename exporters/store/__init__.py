@@ -15,6 +15,7 @@ What a trace *means* (its spans' critical-path marking, its JSON form) is
 
 from exporters.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
 from exporters.store.queries import (
+    HANDOFF_COLUMNS,
     SAMPLE_SPAN_COLUMNS,
     SAMPLE_TRACE_COLUMNS,
     SUMMARY_COLUMNS,
@@ -41,9 +42,10 @@ from exporters.store.schema import (
     connect,
     reading,
 )
-from exporters.store.writer import SQLiteSpanExporter, bulk_insert, write_spans
+from exporters.store.writer import SQLiteSpanExporter, bulk_insert, settle, write_spans
 
 __all__ = [
+    "HANDOFF_COLUMNS",
     "SCHEMA",
     "SAMPLE_SPAN_COLUMNS",
     "SAMPLE_TRACE_COLUMNS",
@@ -73,5 +75,6 @@ __all__ = [
     "slowest_plan",
     "spans_for",
     "window",
+    "settle",
     "write_spans",
 ]

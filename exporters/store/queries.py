@@ -20,11 +20,17 @@ from exporters.store.schema import EXPLAIN, INSERT_ORDER, PARAM, SPAN_COLUMNS, p
 
 #: Columns of a trace summary (``slowest`` rows, :mod:`exporters.tracemodel`).
 SUMMARY_COLUMNS = ("trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "end_ns", "ttft_s",
-                   "prefill_finished_ns", "kv_ready_ns", "handoff_s", "n_spans")
+                   "prefill_finished_ns", "kv_ready_ns", "handoff_s", "n_spans", "handoff_err_s", "handoff_raw_s",
+                   "clock_offset_s", "clock_lo_s", "clock_hi_s", "handoff_note", "p_engine", "d_engine")
+#: Columns of :func:`handoffs` rows (the resolver's view of a settled trace).
+#: ``complete``: the request's own crossings both ways have arrived, so a
+#: later span cannot change its settled figure any more.
+HANDOFF_COLUMNS = ("handoff_s", "handoff_err_s", "handoff_raw_s", "clock_offset_s", "clock_lo_s", "clock_hi_s",
+                   "handoff_note", "p_engine", "d_engine", "complete")
 #: Tuple order of :func:`window` rows.
 WINDOW_COLUMNS = ("mode", "outcome", "start_ns", "ttft_s", "handoff_s")
 #: Tuple orders of :func:`handoff_sample` rows.
-SAMPLE_TRACE_COLUMNS = ("trace_id", "mode", "prefill_finished_ns", "kv_ready_ns", "handoff_s")
+SAMPLE_TRACE_COLUMNS = ("trace_id", "mode", "prefill_finished_ns", "kv_ready_ns", "handoff_s", "clock_offset_s")
 SAMPLE_SPAN_COLUMNS = ("trace_id", "role", "name", "start_ns", "end_ns")
 _ORDER = {"handoff": "handoff_s", "ttft": "ttft_s", "start": "start_ns"}
 
@@ -174,15 +180,23 @@ def info(conn: sqlite3.Connection) -> dict[str, Any]:
     return {"traces": r[0], "first_ns": r[1], "last_ns": r[2], "bench_runs": b[0]}
 
 
-def handoffs(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, float]:
-    """``trace_id -> handoff_s`` for those of ``trace_ids`` whose handoff is known."""
-    out: dict[str, float] = {}
+def handoffs(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``trace_id -> {HANDOFF_COLUMNS}`` for those of ``trace_ids`` that have
+    both ends (settled: ``handoff_s`` known, or NULL with ``handoff_note``)."""
+    out: dict[str, dict[str, Any]] = {}
     ids = list(trace_ids)
+    cols = ", ".join(HANDOFF_COLUMNS[:-1])
+    done = ("(d2p_sent_ns IS NOT NULL AND d2p_recv_ns IS NOT NULL "
+            "AND p2d_sent_ns IS NOT NULL AND p2d_recv_ns IS NOT NULL)")
     for i in range(0, len(ids), 500):
         chunk = ids[i : i + 500]
-        where, args = _where(trace_ids=chunk, completed=True)
-        for tid, h in conn.execute(f"SELECT trace_id, handoff_s FROM traces WHERE {where}", args):
-            out[tid] = h
+        where, args = _where(trace_ids=chunk)
+        sql = (f"SELECT trace_id, {cols}, {done} AS complete FROM traces WHERE {where} "
+               "AND (handoff_s IS NOT NULL OR handoff_note IS NOT NULL)")
+        for r in conn.execute(sql, args):
+            d = dict(r)
+            d["complete"] = bool(d["complete"])
+            out[d.pop("trace_id")] = d
     return out
 
 

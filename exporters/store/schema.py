@@ -5,8 +5,10 @@ Tables
 ------
 ``spans``   one row per span (any process), keyed (trace_id, span_id).
 ``traces``  one row per request, folded from its spans by an UPSERT as spans
-            arrive from router, P and D in any order; ``handoff_s`` is a
-            generated column ``(kv_ready_ns - prefill_finished_ns) / 1e9``.
+            arrive from router, P and D in any order, with the timestamps of
+            the messages that crossed between P and D; the writer's settle
+            pass then writes ``handoff_s`` corrected for the two clocks
+            (:mod:`exporters.clockbounds`), or leaves it NULL with the reason.
 ``bench_rows`` results of ``kvlens bench`` (one row per grid cell).
 ``meta``    ``schema_version`` (and room for more keys).
 
@@ -57,12 +59,67 @@ def params(n: int) -> str:
 
 # ------------------------------------------------------------------ schema
 #: The schema this code writes and reads. Bump it with a MIGRATIONS entry.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: Stores written before the ``meta`` table existed have version 1's tables.
 LEGACY_VERSION = 1
+
+#: The ``traces`` table (version 2: clock crossings and the settled handoff,
+#: docs/phases.md "Clocks across hosts"). ``handoff_raw_s`` is the two-clock
+#: difference; ``handoff_s`` is written by the writer's settle pass
+#: (:mod:`exporters.clockbounds`): corrected for the P/D clock offset, with
+#: ``handoff_err_s``, or NULL with ``handoff_note`` saying why it is unknown.
+#: ``xlo_ns`` / ``xhi_ns``: this request's own bounds on D's clock minus P's.
+_TRACES_DDL = """
+CREATE TABLE IF NOT EXISTS {name} (
+    trace_id            TEXT PRIMARY KEY,
+    request_id          TEXT,
+    mode                TEXT,
+    dispatch            TEXT,
+    outcome             TEXT,
+    start_ns            INTEGER,
+    end_ns              INTEGER,
+    ttft_s              REAL,
+    prefill_finished_ns INTEGER,
+    kv_ready_ns         INTEGER,
+    n_spans             INTEGER NOT NULL DEFAULT 0,
+    p_engine            TEXT,
+    d_engine            TEXT,
+    d2p_sent_ns         INTEGER,
+    d2p_recv_ns         INTEGER,
+    p2d_sent_ns         INTEGER,
+    p2d_recv_ns         INTEGER,
+    handoff_s           REAL,
+    handoff_err_s       REAL,
+    clock_offset_s      REAL,
+    clock_lo_s          REAL,
+    clock_hi_s          REAL,
+    handoff_note        TEXT,
+    handoff_raw_s       REAL GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED,
+    xlo_ns              INTEGER GENERATED ALWAYS AS (d2p_sent_ns - d2p_recv_ns) STORED,
+    xhi_ns              INTEGER GENERATED ALWAYS AS ({least}(
+                            COALESCE(p2d_recv_ns - p2d_sent_ns, kv_ready_ns - prefill_finished_ns),
+                            COALESCE(kv_ready_ns - prefill_finished_ns, p2d_recv_ns - p2d_sent_ns))) STORED
+)"""
+_V1_INDEXES = ("traces_mode_handoff", "traces_mode_outcome_handoff", "traces_outcome_handoff", "traces_handoff",
+               "traces_mode_ttft", "traces_ttft", "traces_start")
+_V1_TRACE_COLUMNS = ("trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, "
+                     "prefill_finished_ns, kv_ready_ns, n_spans")
 #: ``MIGRATIONS[v]``: statements that take a version-``v`` store to ``v + 1``
 #: (run by a writer's :func:`connect`, before SCHEMA, in one transaction).
-MIGRATIONS: dict[int, tuple[str, ...]] = {}
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    # 1 -> 2: the traces table is rebuilt (a generated handoff_s becomes a
+    # settled one). Rows of version 1 carry no clock crossings: their handoff
+    # stays in handoff_raw_s and is marked unknown.
+    1: (
+        *(f"DROP INDEX IF EXISTS {i}" for i in _V1_INDEXES),
+        "ALTER TABLE traces RENAME TO traces_v1",
+        _TRACES_DDL.format(name="traces", least=LEAST),
+        f"INSERT INTO traces ({_V1_TRACE_COLUMNS}, handoff_note) SELECT {_V1_TRACE_COLUMNS}, "
+        "CASE WHEN kv_ready_ns IS NOT NULL AND prefill_finished_ns IS NOT NULL "
+        "THEN 'unknown: recorded before clock bounds (schema 1)' END FROM traces_v1",
+        "DROP TABLE traces_v1",
+    ),
+}
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -83,20 +140,7 @@ CREATE TABLE IF NOT EXISTS spans (
     attributes TEXT,
     PRIMARY KEY (trace_id, span_id)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS traces (
-    trace_id            TEXT PRIMARY KEY,
-    request_id          TEXT,
-    mode                TEXT,
-    dispatch            TEXT,
-    outcome             TEXT,
-    start_ns            INTEGER,
-    end_ns              INTEGER,
-    ttft_s              REAL,
-    prefill_finished_ns INTEGER,
-    kv_ready_ns         INTEGER,
-    n_spans             INTEGER NOT NULL DEFAULT 0,
-    handoff_s           REAL GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED
-);
+{traces};
 CREATE INDEX IF NOT EXISTS traces_mode_handoff ON traces (mode, handoff_s DESC);
 CREATE INDEX IF NOT EXISTS traces_mode_outcome_handoff ON traces (mode, outcome, handoff_s DESC);
 CREATE INDEX IF NOT EXISTS traces_outcome_handoff ON traces (outcome, handoff_s DESC);
@@ -104,6 +148,7 @@ CREATE INDEX IF NOT EXISTS traces_handoff ON traces (handoff_s DESC);
 CREATE INDEX IF NOT EXISTS traces_mode_ttft ON traces (mode, ttft_s DESC);
 CREATE INDEX IF NOT EXISTS traces_ttft ON traces (ttft_s DESC);
 CREATE INDEX IF NOT EXISTS traces_start ON traces (start_ns);
+CREATE INDEX IF NOT EXISTS traces_pair_start ON traces (p_engine, d_engine, start_ns);
 CREATE TABLE IF NOT EXISTS bench_rows (
     run_id      TEXT NOT NULL,
     created_ns  INTEGER NOT NULL,
@@ -116,14 +161,15 @@ CREATE TABLE IF NOT EXISTS bench_rows (
     row         TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS bench_rows_run ON bench_rows (run_id);
-"""
+""".replace("{traces}", _TRACES_DDL.format(name="traces", least=LEAST))
 
 #: Column order of a ``spans`` row (writer, ``bulk_insert``, ``spans_for``).
 SPAN_COLUMNS = ("trace_id", "span_id", "parent_id", "name", "role", "mode", "request_id",
                 "start_ns", "end_ns", "outcome", "attributes")
-#: Column order of a written ``traces`` row (``bulk_insert``; handoff_s is generated).
+#: Column order of a written ``traces`` row (``bulk_insert``: synthetic rows
+#: carry their settled handoff as they are; the rest is generated or NULL).
 TRACE_COLUMNS = ("trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "end_ns",
-                 "ttft_s", "prefill_finished_ns", "kv_ready_ns", "n_spans")
+                 "ttft_s", "prefill_finished_ns", "kv_ready_ns", "n_spans", "handoff_s", "handoff_err_s")
 
 _GET_VERSION = "SELECT value FROM meta WHERE key = 'schema_version'"
 _SET_VERSION = (
@@ -230,6 +276,17 @@ def _open_readonly(path: Path, timeout_s: float) -> sqlite3.Connection:
         if found is None:
             raise StoreCorrupt(f"{path} is empty or not a kvlens trace store (no kvlens tables)")
         raise StoreVersionError(path, found, SCHEMA_VERSION)
+    if found < SCHEMA_VERSION:
+        # An older store: upgrade it once (a writer's connect migrates), then
+        # read it as usual. A store on read-only media cannot be read by this
+        # version; say so rather than fail on a missing column later.
+        conn.close()
+        try:
+            connect(path, timeout_s=timeout_s).close()
+        except (sqlite3.Error, OSError) as e:
+            raise StoreError(f"{path} has schema version {found}, older than this kvlens' "
+                             f"{SCHEMA_VERSION}, and could not be upgraded ({e})") from e
+        return _open_readonly(path, timeout_s)
     return conn
 
 

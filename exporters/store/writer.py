@@ -9,9 +9,11 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from exporters.store.schema import GREATEST, LEAST, SPAN_COLUMNS, TRACE_COLUMNS, connect, params, write_tx
+from exporters import clockbounds
+from exporters.clockbounds import WINDOW_NS
+from exporters.store.schema import GREATEST, LEAST, PARAM, SPAN_COLUMNS, TRACE_COLUMNS, connect, params, write_tx
 from instrumented_connector import semconv as sc
 from instrumented_connector.ids import base_request_id, span_hex, trace_hex
 
@@ -27,11 +29,14 @@ def _rank(col: str) -> str:
     return f"(CASE {col} {whens} ELSE 0 END)"
 
 
+_FOLD_FIRST = ("prefill_finished_ns", "kv_ready_ns", "p_engine", "d_engine",
+               "d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
+
 _UPSERT_TRACE = f"""
 INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns,
-                    ttft_s, prefill_finished_ns, kv_ready_ns, n_spans)
+                    ttft_s, {", ".join(_FOLD_FIRST)}, n_spans)
 VALUES (:trace_id, :request_id, :mode, :dispatch, :outcome, :start_ns, :end_ns,
-        :ttft_s, :prefill_finished_ns, :kv_ready_ns, 1)
+        :ttft_s, {", ".join(":" + c for c in _FOLD_FIRST)}, 1)
 ON CONFLICT (trace_id) DO UPDATE SET
     request_id = CASE WHEN :is_router OR traces.request_id IS NULL
                       THEN excluded.request_id ELSE traces.request_id END,
@@ -42,8 +47,7 @@ ON CONFLICT (trace_id) DO UPDATE SET
     start_ns = {LEAST}(traces.start_ns, excluded.start_ns),
     end_ns = {GREATEST}(traces.end_ns, excluded.end_ns),
     ttft_s = COALESCE(excluded.ttft_s, traces.ttft_s),
-    prefill_finished_ns = COALESCE(traces.prefill_finished_ns, excluded.prefill_finished_ns),
-    kv_ready_ns = COALESCE(traces.kv_ready_ns, excluded.kv_ready_ns),
+    {", ".join(f"{c} = COALESCE(traces.{c}, excluded.{c})" for c in _FOLD_FIRST)},
     n_spans = traces.n_spans + 1
 """
 
@@ -84,7 +88,13 @@ def _span_rows(span) -> tuple[tuple, dict]:
         "prefill_finished_ns": end if name == sc.Phase.PREFILL_FINISHED.value else None,
         "kv_ready_ns": end if name == sc.Phase.KV_READY.value else None,
         "is_router": is_router,
+        "p_engine": a.get(sc.ATTR_ENGINE_ID) if role == sc.Role.PREFILL.value else None,
+        "d_engine": a.get(sc.ATTR_ENGINE_ID) if role == sc.Role.DECODE.value else None,
+        "d2p_sent_ns": None, "d2p_recv_ns": None, "p2d_sent_ns": None, "p2d_recv_ns": None,
     }
+    cross = sc.CROSSINGS.get((role, name, None)) or sc.CROSSINGS.get((role, name, mode))
+    if cross is not None:
+        up[cross[0]] = start if cross[1] == "start" else end
     return row, up
 
 
@@ -100,6 +110,46 @@ def write_spans(conn: sqlite3.Connection, spans: Sequence) -> None:
     with write_tx(conn):
         conn.executemany(_INSERT_SPAN, rows)
         conn.executemany(_UPSERT_TRACE, ups)
+        settle(conn, {u["trace_id"] for u in ups})
+
+
+_SETTLE_COLUMNS = ("trace_id", "p_engine", "d_engine", "start_ns", "prefill_finished_ns", "kv_ready_ns",
+                   "d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
+_PAIR_WINDOW = (f"SELECT MAX(xlo_ns), MIN(xhi_ns) FROM traces WHERE p_engine = {PARAM} AND d_engine = {PARAM} "
+                f"AND start_ns >= {PARAM} AND start_ns <= {PARAM}")
+_SET_SETTLED = (f"UPDATE traces SET handoff_s = {PARAM}, handoff_err_s = {PARAM}, clock_offset_s = {PARAM}, "
+                f"clock_lo_s = {PARAM}, clock_hi_s = {PARAM}, handoff_note = {PARAM} WHERE trace_id = {PARAM}")
+
+
+def settle(conn: sqlite3.Connection, trace_ids: Iterable[str]) -> int:
+    """Write the clock-corrected handoff of those ``trace_ids`` that have
+    both ends (:func:`exporters.clockbounds.settle`, the pair's window read
+    from the store). Inside the caller's write transaction; returns the
+    number of rows settled. Idempotent: a later span of the trace re-settles it."""
+    ids = list(trace_ids)
+    rows = []
+    for i in range(0, len(ids), 500):
+        chunk = ids[i : i + 500]
+        rows += conn.execute(
+            f"SELECT {', '.join(_SETTLE_COLUMNS)} FROM traces WHERE trace_id IN ({params(len(chunk))}) "
+            "AND prefill_finished_ns IS NOT NULL AND kv_ready_ns IS NOT NULL", chunk).fetchall()
+    if not rows:
+        return 0
+    spans: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        if r[1] is not None and r[2] is not None:
+            spans.setdefault((r[1], r[2]), []).append(int(r[3] or 0))
+    windows = {
+        pair: tuple(conn.execute(_PAIR_WINDOW, (*pair, min(st) - WINDOW_NS, max(st) + WINDOW_NS)).fetchone())
+        for pair, st in spans.items()
+    }
+    updates = []
+    for tid, pe, de, _, pf, kv, *cross in rows:
+        raw = kv - pf
+        s = clockbounds.settle(raw, clockbounds.own_bounds(raw, *cross), windows.get((pe, de)))
+        updates.append((s.handoff_s, s.err_s, s.offset_s, s.lo_s, s.hi_s, s.note, tid))
+    conn.executemany(_SET_SETTLED, updates)
+    return len(updates)
 
 
 def bulk_insert(conn: sqlite3.Connection, spans: Sequence[tuple], traces: Sequence[tuple]) -> None:

@@ -306,8 +306,10 @@ class FakeRouter:
                 with conn:
                     conn.execute(
                         "INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s,"
-                        " prefill_finished_ns, kv_ready_ns) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                        (tid, tid, mode, dispatch, "ok", t0, time.time_ns(), ttft, pf, pf + self.HANDOFF_NS))
+                        " prefill_finished_ns, kv_ready_ns, handoff_s, handoff_err_s)"
+                        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                        (tid, tid, mode, dispatch, "ok", t0, time.time_ns(), ttft, pf, pf + self.HANDOFF_NS,
+                         self.HANDOFF_NS / 1e9, 0.0005))
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 

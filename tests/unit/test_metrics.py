@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
 from exporters import metrics as m
-from exporters import pipeline
+from exporters import pipeline, store
 from exporters.metrics import PhaseMetricsProcessor, metrics_app
 from exporters.store import SQLiteSpanExporter, connect
 from instrumented_connector import semconv as sc
@@ -57,6 +57,27 @@ def emit(tracer, name, trace_hex=TID, dur_s=0.001, end_ns=None, attrs=None):
     a.update(attrs or {})
     s = tracer.start_span(name, context=ctx, attributes=a, start_time=end - int(dur_s * 1e9))
     s.end(end_time=end)
+
+
+MS = 1_000_000
+
+
+def crossings(tr, mode, pf, kv_true, trace_hex=TID, d_shift=0):
+    """The messages of one request that cross between P and D (they bound the
+    clocks, docs/phases.md): times are true times, D's read ``d_shift`` ahead."""
+    def d(name, t0, t1):
+        emit(tr, name, trace_hex, end_ns=t1 + d_shift, dur_s=(t1 - t0) / 1e9, attrs=A(mode, "decode"))
+
+    def p(name, t0, t1):
+        emit(tr, name, trace_hex, end_ns=t1, dur_s=(t1 - t0) / 1e9, attrs=A(mode, "prefill"))
+    if mode == "push":
+        d("registration.send", pf - 3 * MS, pf - 2 * MS - MS // 2)
+        p("registration.receive", pf - 2 * MS, pf - 2 * MS)
+        p("write.post", pf + MS // 2, pf + MS)
+    else:
+        d("alloc", pf + MS, pf + MS)
+        d("read.post", pf + 2 * MS, pf + 2 * MS + MS // 2)
+        p("kv.released", kv_true, kv_true)
 
 
 def val(reg, name, **labels):
@@ -155,6 +176,7 @@ def test_handoff_read_from_store_when_request_ends(env):
     reg, tr, proc, _ = env
     t = time.time_ns()
     emit(tr, "prefill.finished", end_ns=t, dur_s=0, attrs=A("push", "prefill"))
+    crossings(tr, "push", t, t + 7_000_000)
     emit(tr, "kv.ready", end_ns=t + 7_000_000, dur_s=0, attrs=A("push", "decode"))
     emit(tr, "request", end_ns=t + 9_000_000, attrs=A("push", "router", **{sc.ATTR_TTFT_S: 0.02}))
     assert proc.force_flush(5000)
@@ -174,6 +196,7 @@ def test_handoff_waits_for_late_spans_and_gives_up_when_missing(env):
     proc.handoff.resolve_once()
     assert proc.handoff.pending() == 2
     emit(tr, "prefill.finished", "a" * 32, end_ns=t - 5_000_000, dur_s=0, attrs=A("pull", "prefill"))
+    crossings(tr, "pull", t - 5_000_000, t - 1_000_000, "a" * 32)
     emit(tr, "kv.ready", "a" * 32, end_ns=t - 1_000_000, dur_s=0, attrs=A("pull", "decode"))
     emit(tr, "prefill.finished", "b" * 32, end_ns=t, dur_s=0, attrs=A("pull", "prefill"))  # D never ready
     proc.force_flush(3000)
@@ -218,6 +241,10 @@ def test_handoff_count_reconciles_with_store_through_recorders(tmp_path, reg):
         tid = f"{i + 1:032x}"
         t = time.time_ns()
         recs["prefill", mode].record(sc.Phase.PREFILL_FINISHED, f"cmpl-{tid}-0-aaaaaaaa", t, t)
+        # one message each way between P and D (bounds the clocks)
+        recs["decode", mode].record(sc.Phase.REGISTRATION_SEND, f"cmpl-{tid}-0-bbbbbbbb", t - 900, t - 800)
+        recs["prefill", mode].record(sc.Phase.REGISTRATION_RECEIVE, f"cmpl-{tid}-0-aaaaaaaa", t - 500, t - 500)
+        recs["prefill", mode].record(sc.Phase.WRITE_POST, f"cmpl-{tid}-0-aaaaaaaa", t + 100, t + 200)
         if i % 5:  # every fifth request never reaches kv.ready
             recs["decode", mode].record(sc.Phase.KV_READY, f"cmpl-{tid}-0-bbbbbbbb", t + 2000, t + 2000 + i)
             expected[mode] += 1
@@ -250,11 +277,44 @@ def test_handoff_from_decode_trigger(tmp_path, reg):
     tr = provider.get_tracer("t")
     t = time.time_ns()
     emit(tr, "prefill.finished", end_ns=t, dur_s=0, attrs=A("push", "prefill"))
+    crossings(tr, "push", t, t + 3_000_000)
     emit(tr, "kv.ready", end_ns=t + 3_000_000, dur_s=0, attrs=A("push", "decode"))
     emit(tr, "request", end_ns=t + 4_000_000, attrs=A("push", "router"))  # not a trigger now
     proc.force_flush(3000)
     assert val(reg, "kvlens_handoff_seconds_count", mode="push") == 1
     provider.shutdown()
+
+
+@pytest.mark.parametrize("mode, shift_ms", [("push", 250), ("pull", -250)])
+def test_handoff_is_corrected_for_a_shifted_d_clock(env, mode, shift_ms):
+    """D's wall clock shifted: the observed handoff is the true one to within
+    the stated bound, and the offset's interval (gauges) contains the shift."""
+    reg, tr, proc, db = env
+    t = time.time_ns()
+    shift = shift_ms * MS
+    emit(tr, "prefill.finished", end_ns=t, dur_s=0, attrs=A(mode, "prefill", **{sc.ATTR_ENGINE_ID: "p0"}))
+    crossings(tr, mode, t, t + 6 * MS, d_shift=shift)
+    emit(tr, "kv.ready", end_ns=t + 6 * MS + shift, dur_s=0, attrs=A(mode, "decode", **{sc.ATTR_ENGINE_ID: "d0"}))
+    emit(tr, "request", end_ns=t + 9 * MS, attrs=A(mode, "router"))
+    assert proc.force_flush(5000)
+    got = val(reg, "kvlens_handoff_seconds_sum", mode=mode)
+    with store.reading(db) as c:
+        row = store.handoffs(c, [TID])[TID]
+    assert abs(got - 0.006) <= row["handoff_err_s"] + 1e-9 and row["handoff_err_s"] < abs(shift_ms) / 1e3
+    off = val(reg, "kvlens_clock_offset_seconds", p_engine="p0", d_engine="d0")
+    width = val(reg, "kvlens_clock_offset_width_seconds", p_engine="p0", d_engine="d0")
+    assert off - width / 2 - 1e-9 <= shift / 1e9 <= off + width / 2 + 1e-9
+
+
+def test_handoff_without_a_d_to_p_message_is_unknown_not_clamped(env):
+    reg, tr, proc, _ = env
+    t = time.time_ns()
+    emit(tr, "prefill.finished", end_ns=t, dur_s=0, attrs=A("push", "prefill"))
+    emit(tr, "kv.ready", end_ns=t - 2 * MS, dur_s=0, attrs=A("push", "decode"))  # D's clock behind
+    emit(tr, "request", end_ns=t + MS, attrs=A("push", "router"))
+    proc.force_flush(3000)
+    assert val(reg, "kvlens_handoff_seconds_count", mode="push") is None
+    assert val(reg, "kvlens_handoff_unresolved_total", mode="push", reason="clock_unknown") == 1
 
 
 def test_bad_configuration_raises_at_construction(reg):

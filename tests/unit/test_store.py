@@ -24,6 +24,9 @@ def _record_request(home, tid=TID, mode="push", handoff_ns=5_000_000, t0=None):
     rid_p, rid_d = f"cmpl-{tid}-0-11111111", f"cmpl-{tid}-0-22222222"
     pf = t0 + 20_000_000
     recs["decode"].record(sc.Phase.KV_READY, rid_d, pf + handoff_ns, pf + handoff_ns)
+    # one D->P message (bounds the clocks from below; kv.ready - prefill.finished from above)
+    recs["decode"].record(sc.Phase.REGISTRATION_SEND, rid_d, t0 + 1_000_000, t0 + 1_100_000)
+    recs["prefill"].record(sc.Phase.REGISTRATION_RECEIVE, rid_p, t0 + 1_500_000, t0 + 1_500_000)
     recs["prefill"].record(sc.Phase.PREFILL, rid_p, t0, pf)
     recs["prefill"].record(sc.Phase.PREFILL_FINISHED, rid_p, pf, pf)
     recs["prefill"].record(sc.Phase.WRITE_POST, rid_p, pf + 1000, pf + 2000, "failed" if mode == "pull" else "ok")
@@ -41,9 +44,14 @@ def test_spans_fold_into_one_trace_with_handoff(tmp_path):
     assert row["trace_id"] == TID and row["mode"] == "push" and row["dispatch"] == "overlapped"
     assert row["request_id"] == TID  # the router's id wins
     assert row["prefill_finished_ns"] == pf and row["handoff_s"] == pytest.approx(0.005)
-    assert row["ttft_s"] == pytest.approx(0.03) and row["n_spans"] == 5 and row["outcome"] == "ok"
+    assert row["ttft_s"] == pytest.approx(0.03) and row["n_spans"] == 7 and row["outcome"] == "ok"
+    # one clock bounded on both sides by the request's own messages: the
+    # interval contains 0, so the uncorrected figure stands, with its bound
+    assert row["clock_offset_s"] == 0 and row["clock_lo_s"] <= 0 <= row["clock_hi_s"]
+    assert row["handoff_err_s"] == pytest.approx(max(-row["clock_lo_s"], row["clock_hi_s"]))
     spans = store.spans_for(conn, [TID])[TID]
-    assert {s["name"] for s in spans} == {"request", "prefill", "prefill.finished", "write.post", "kv.ready"}
+    assert {s["name"] for s in spans} == {"request", "prefill", "prefill.finished", "write.post", "kv.ready",
+                                          "registration.send", "registration.receive"}
     rec = tracemodel.trace_record(row, spans)
     json.dumps(rec)
     assert set(rec) >= {"trace_id", "request_id", "mode", "outcome", "ttft_s", "handoff_s", "spans"}
@@ -120,6 +128,34 @@ def test_a_store_from_before_versioning_is_read_and_upgraded(tmp_path):
     raw.close()
     with store.reading(p) as c:
         assert [r["trace_id"] for r in store.slowest(c, 10)] == [TID]
+
+
+_V1_TRACES = """CREATE TABLE traces (trace_id TEXT PRIMARY KEY, request_id TEXT, mode TEXT, dispatch TEXT,
+    outcome TEXT, start_ns INTEGER, end_ns INTEGER, ttft_s REAL, prefill_finished_ns INTEGER,
+    kv_ready_ns INTEGER, n_spans INTEGER NOT NULL DEFAULT 0,
+    handoff_s REAL GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED)"""
+
+
+def test_a_version_1_store_is_migrated_and_its_handoffs_marked_unknown(tmp_path):
+    """Schema 1 had a two-clock handoff_s and no clock crossings: after the
+    upgrade the figure is kept as handoff_raw_s and the handoff is unknown."""
+    p = tmp_path / "traces.db"
+    raw = sqlite3.connect(p)
+    raw.execute(_V1_TRACES)
+    raw.execute("CREATE INDEX traces_handoff ON traces (handoff_s DESC)")
+    raw.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    raw.execute("INSERT INTO meta VALUES ('schema_version', '1')")
+    raw.execute("INSERT INTO traces (trace_id, mode, start_ns, prefill_finished_ns, kv_ready_ns, n_spans) "
+                "VALUES (?, 'push', 1, 1000, 5001000, 3)", (TID,))
+    raw.commit()
+    raw.close()
+    with store.reading(p) as c:  # a reader upgrades it once, then reads
+        (row,) = store.slowest(c, 10)
+    assert row["handoff_raw_s"] == pytest.approx(0.005) and row["handoff_s"] is None
+    assert "schema 1" in row["handoff_note"] and row["n_spans"] == 3
+    raw = sqlite3.connect(p)
+    assert raw.execute("SELECT value FROM meta").fetchall() == [(str(store.SCHEMA_VERSION),)]
+    raw.close()
 
 
 def test_a_writer_runs_the_migrations_up_to_its_version(tmp_path, monkeypatch):

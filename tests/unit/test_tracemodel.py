@@ -83,7 +83,8 @@ def test_handoff_and_decomposition():
 def test_json_form_keys_are_the_cli_contract():
     rec = Trace.from_rows(_summary(), SPANS).to_json()
     assert list(rec) == ["trace_id", "request_id", "mode", "dispatch", "outcome", "ttft_s", "handoff_s",
-                         "start_ns", "spans"]
+                         "handoff_err_s", "handoff_raw_s", "handoff_note", "clock_offset_s", "clock_interval_s",
+                         "p_engine", "d_engine", "start_ns", "spans"]
     assert [list(s) for s in rec["spans"]][0] == ["name", "role", "start_ns", "end_ns", "span_id", "parent_id",
                                                   "outcome", "attributes"]
     assert rec == tracemodel.trace_record(_summary(), SPANS)
@@ -99,7 +100,7 @@ def test_static_path_for_durations_without_positions():
 
 def test_handoff_costs_split_by_the_same_rule():
     other = "cd" * 16
-    traces = [(TID, "push", PF, KV, 0.010), (other, "push", PF, KV + 10 * MS, 0.020)]
+    traces = [(TID, "push", PF, KV, 0.010, 0.0), (other, "push", PF, KV + 10 * MS, 0.020, None)]
     spans = [(TID, s["role"], s["name"], s["start_ns"], s["end_ns"]) for s in SPANS]
     spans += [(other, "prefill", "write.post", PF, PF + 4 * MS), ("ef" * 16, "prefill", "write.post", 0, 10)]
     costs = tracemodel.handoff_costs(traces, spans)
@@ -108,6 +109,24 @@ def test_handoff_costs_split_by_the_same_rule():
     assert costs.phases[("push", "prefill", "write.post")] == pytest.approx((0.006, 0.0))
     assert costs.phases[("push", "decode", "registration.send")] == pytest.approx((0.0, 0.001))
     assert not any(k[2] in tracemodel.NOT_HANDOFF_PHASES for k in costs.phases)
+
+
+def test_d_spans_move_onto_p_clock_by_the_offset():
+    """D's clock 250 ms ahead: its spans and kv.ready shift back by the
+    store's offset, so the critical path and the costs read as on one clock."""
+    shift = 250 * MS
+    moved = [dict(s, start_ns=s["start_ns"] + shift, end_ns=s["end_ns"] + shift) if s["role"] == "decode" else s
+             for s in SPANS]
+    summary = dict(_summary(), kv_ready_ns=KV + shift, clock_offset_s=0.25)
+    tr = Trace.from_rows(summary, moved)
+    ref = Trace.from_rows(_summary(), SPANS)
+    assert tr.window == ref.window
+    assert [(s.name, s.start_ns, s.end_ns, s.critical) for s in tr.spans] == \
+        [(s.name, s.start_ns, s.end_ns, s.critical) for s in ref.spans]
+    rows = [(TID, s["role"], s["name"], s["start_ns"], s["end_ns"]) for s in moved]
+    assert tracemodel.handoff_costs([(TID, "push", PF, KV + shift, 0.010, 0.25)], rows).phases == \
+        tracemodel.handoff_costs([(TID, "push", PF, KV, 0.010, 0.0)],
+                                 [(TID, s["role"], s["name"], s["start_ns"], s["end_ns"]) for s in SPANS]).phases
 
 
 @pytest.fixture(scope="module")

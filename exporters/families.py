@@ -1,0 +1,127 @@
+"""The Prometheus metric families kvlens exports (names, help, labels,
+buckets), created once per (process, registry) and shared by every
+processor and resolver of the process (:mod:`exporters.metrics`,
+:mod:`exporters.handoff`)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# ------------------------------------------------------------------ buckets
+#: Phases range from a few microseconds (point phases, descriptor prep) to
+#: tens of seconds (handshake on a cold start, prefill under load).
+PHASE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+#: Handoff: sub-ms (same-host push that overlapped) to seconds (handshake).
+HANDOFF_BUCKETS = PHASE_BUCKETS
+#: Client TTFT: milliseconds to minutes (queueing under overload).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: KV bytes per request: 4 KiB .. 64 GiB in powers of 4 (a block is KiB-MiB).
+BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))
+#: NIXL descriptors per request: 1 .. 65536 in powers of 2... of 4 past 64.
+DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
+
+# ------------------------------------------------------------ metric families
+class _Families:
+    """Metric families of one registry (created once per process and registry).
+
+    Labelled children are bound once and cached by their closed label tuple,
+    so the cache is bounded by the product of the closed sets."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.phase = Histogram(
+            "kvlens_phase_duration_seconds",
+            "Duration of one kvlens phase (span) of a P/D KV handoff, seconds.",
+            ("mode", "role", "phase", "outcome"), buckets=PHASE_BUCKETS, registry=r,
+        )
+        self.handoff = Histogram(
+            "kvlens_handoff_seconds",
+            "Critical-path handoff prefill.finished (P) -> kv.ready (D), seconds; read from the trace store.",
+            ("mode",), buckets=HANDOFF_BUCKETS, registry=r,
+        )
+        self.unresolved = Counter(
+            "kvlens_handoff_unresolved",
+            "Requests whose handoff is unknown (missing end, clocks not bounded, queue overflow, no store).",
+            ("mode", "reason"), registry=r,
+        )
+        self.clock_offset = Gauge(
+            "kvlens_clock_offset_seconds",
+            "Estimated wall-clock offset D minus P (middle of the bounded interval), seconds.",
+            ("p_engine", "d_engine"), registry=r, multiprocess_mode="mostrecent",
+        )
+        self.clock_width = Gauge(
+            "kvlens_clock_offset_width_seconds",
+            "Width of the interval that must contain the D minus P clock offset, seconds.",
+            ("p_engine", "d_engine"), registry=r, multiprocess_mode="mostrecent",
+        )
+        self.ttft = Histogram(
+            "kvlens_ttft_seconds",
+            "Client-seen time to first token measured at the kvlens router, seconds.",
+            ("mode", "dispatch"), buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.requests = Counter(
+            "kvlens_requests", "Requests finished by the kvlens router.", ("mode", "outcome"), registry=r,
+        )
+        self.xfer_bytes = Histogram(
+            "kvlens_transfer_bytes", "KV bytes moved by NIXL per request (write/read.complete), bytes.",
+            ("mode", "role"), buckets=BYTES_BUCKETS, registry=r,
+        )
+        self.xfer_desc = Histogram(
+            "kvlens_transfer_descriptors", "NIXL descriptors per request (write/read.complete).",
+            ("mode", "role"), buckets=DESCRIPTOR_BUCKETS, registry=r,
+        )
+        self.regs_waiting = Gauge(
+            "kvlens_push_registrations_waiting",
+            "Push: D registrations received on P and not yet matched with a finished prefill.",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.prefills_waiting = Gauge(
+            "kvlens_push_prefills_waiting",
+            "Push: finished prefills on P waiting for D's registration.",
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.dropped = Counter(
+            "kvlens_telemetry_dropped",
+            "Telemetry events dropped by the kvlens recorder (buffer full).", ("role",), registry=r,
+        )
+        self.lock = threading.Lock()
+        self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child
+        self.drop_seen: dict[Any, int] = {}
+
+    def child(self, metric, key: tuple):
+        """Cached labelled child of ``metric`` for the closed label tuple ``key``."""
+        cache = self.children.get(metric)
+        if cache is None:
+            with self.lock:
+                cache = self.children.setdefault(metric, {})
+        c = cache.get(key)
+        if c is None:
+            with self.lock:
+                c = cache.get(key)
+                if c is None:
+                    c = metric.labels(*key)
+                    cache[key] = c
+        return c
+
+
+_families: dict[int, tuple[CollectorRegistry, _Families]] = {}
+_families_lock = threading.Lock()
+
+
+def _families_for(registry: CollectorRegistry) -> _Families:
+    key = id(registry)
+    with _families_lock:
+        hit = _families.get(key)
+        if hit is not None and hit[0] is registry:
+            return hit[1]
+        fam = _Families(registry)
+        _families[key] = (registry, fam)
+        return fam
+
+
