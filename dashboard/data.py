@@ -236,7 +236,8 @@ def phase_breakdown(
     return df
 
 
-_SLOW_COLS = ["trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "ttft_s", "handoff_s", "n_spans"]
+_SLOW_COLS = ["trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "ttft_s", "handoff_s", "n_spans",
+              "handoff_err_s", "handoff_note"]
 
 
 def slowest(path: str | Path, n: int = 50, *, order: str = "handoff", **filters: Any) -> pd.DataFrame:

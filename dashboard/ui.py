@@ -92,6 +92,27 @@ def fmt_s(v: float | None, unit: str = "s") -> str:
     return f"{v:.2f} {unit}"
 
 
+def fmt_handoff(h: float | None, err: float | None, note: str | None = None) -> str:
+    """A handoff with its clock bound (``12.3 ms ± 0.4 ms``); ``unknown`` when
+    the store could not bound the P/D clocks (the note says why elsewhere)."""
+    if h is None or pd.isna(h):
+        return "unknown" if note else "n/a"
+    return fmt_s(h) if err is None or pd.isna(err) else f"{fmt_s(h)} ± {fmt_s(err)}"
+
+
+def clock_caption(rec: dict) -> str:
+    """One sentence on how a trace's P and D clocks were reconciled."""
+    lo, off, note = rec.get("clock_interval_s"), rec.get("clock_offset_s"), rec.get("handoff_note")
+    if rec.get("handoff_s") is None and note:
+        return f"handoff {note}."
+    if not lo:
+        return "no P↔D clock bound for this trace."
+    iv = f"[{lo[0] * 1e3:+.2f}, {lo[1] * 1e3:+.2f}] ms"
+    if off:
+        return f"D's clock is {off * 1e3:+.2f} ms off P's (interval {iv}); D's spans are shown on P's clock."
+    return f"D's clock minus P's lies in {iv}, which contains 0: times as recorded."
+
+
 def fmt_n(v: float | None, digits: int = 0) -> str:
     """A count with thousands separators; ``n/a`` when missing."""
     if v is None or pd.isna(v):

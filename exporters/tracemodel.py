@@ -44,6 +44,9 @@ OVERLAP = "overlapped with prefill"
 #: prefill precedes it).
 NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value})
 _POINTS = frozenset(p.value for p in sc.POINT_PHASES)
+#: kvlens' own phases; any other span in a trace (vLLM's ``llm_request``,
+#: joined by ``traceparent``) is context, never handoff cost.
+_PHASES = frozenset(p.value for p in sc.Phase)
 _PUSH_OVERLAP = frozenset(p.value for p in sc.PUSH_OVERLAP_PHASES)
 
 
@@ -56,14 +59,14 @@ def is_point(name: str, start_ns: int, end_ns: int) -> bool:
 def critical_ns(name: str, start_ns: int, end_ns: int, pf_ns: int | None, kv_ns: int | None) -> int:
     """Nanoseconds of the span inside the handoff window ``[pf_ns, kv_ns]``
     (0 without a window, for a non-handoff phase, or a span outside it)."""
-    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES:
+    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
         return 0
     return max(0, min(end_ns, kv_ns) - max(start_ns, pf_ns))
 
 
 def on_critical_path(name: str, start_ns: int, end_ns: int, pf_ns: int | None, kv_ns: int | None) -> bool:
     """Whether the span is on the critical path (see the module docstring)."""
-    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES:
+    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
         return False
     if is_point(name, start_ns, end_ns):
         return pf_ns <= start_ns <= kv_ns
@@ -246,7 +249,7 @@ def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]
     sums: dict[tuple[str, str | None, str], list[int]] = {}
     for tid, role, name, start, end in spans:
         w = window.get(tid)
-        if w is None or name in NOT_HANDOFF_PHASES:
+        if w is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
             continue
         d = w[3] if role == sc.Role.DECODE.value else 0
         acc = sums.setdefault((w[0], role, name), [0, 0])

@@ -103,11 +103,15 @@ def filters() -> dict[str, Any]:
 def slowest_table(df: pd.DataFrame) -> None:
     show = df.assign(
         started_utc=pd.to_datetime(df["start_ns"], unit="ns"),
-        handoff_ms=df["handoff_s"] * 1e3, ttft_ms=df["ttft_s"] * 1e3,
-    )[["trace_id", "mode", "dispatch", "outcome", "handoff_ms", "ttft_ms", "n_spans", "started_utc", "request_id"]]
+        handoff_ms=df["handoff_s"] * 1e3, err_ms=df["handoff_err_s"] * 1e3, ttft_ms=df["ttft_s"] * 1e3,
+    )[["trace_id", "mode", "dispatch", "outcome", "handoff_ms", "err_ms", "ttft_ms", "n_spans", "started_utc",
+       "request_id", "handoff_note"]]
     st.dataframe(show, hide_index=True, width="stretch", height=min(38 + 35 * len(show), 320),
                  column_config={"handoff_ms": st.column_config.NumberColumn("handoff (ms)", format="%.3f"),
-                                "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.3f")})
+                                "err_ms": st.column_config.NumberColumn(
+                                    "± (ms)", format="%.3f", help="bound from the P/D clock offset interval"),
+                                "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.3f"),
+                                "handoff_note": st.column_config.TextColumn("note")})
 
 
 def pick_trace(df: pd.DataFrame) -> str:
@@ -122,7 +126,8 @@ def pick_trace(df: pd.DataFrame) -> str:
 
     def label(tid: str) -> str:
         r = info[tid]
-        h = ui.fmt_s(r.handoff_s) if pd.notna(r.handoff_s) else "no handoff"
+        h = ui.fmt_handoff(r.handoff_s, r.handoff_err_s, r.handoff_note) if pd.notna(r.handoff_s) or r.handoff_note \
+            else "no handoff"
         return f"{tid[:12]}…  {r.mode}  {r.outcome}  handoff {h}"
 
     return st.selectbox("Trace", ids, format_func=label, key="tr_trace")
@@ -152,12 +157,13 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
     m = st.columns(6)
     m[0].metric("mode", rec["mode"] or "n/a")
     m[1].metric("outcome", rec["outcome"] or "n/a")
-    m[2].metric("handoff", ui.fmt_s(rec["handoff_s"]))
+    m[2].metric("handoff", ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]),
+                help=rec["handoff_note"] or "± the bound from the P/D clock offset interval")
     m[3].metric("TTFT (client)", ui.fmt_s(rec["ttft_s"]))
     m[4].metric("queue + prefill", ui.fmt_s(dec["queue_prefill_s"]))
     m[5].metric("first decode step", ui.fmt_s(dec["first_decode_s"]))
     st.caption(f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
-               "wall-clock timestamps; P↔D intervals assume synchronised host clocks. "
+               f"{ui.clock_caption(rec)} "
                "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases.")
     st.altair_chart(charts.waterfall_chart(spans, rec["critical_ms"]), width="stretch")
     st.dataframe(

@@ -51,8 +51,10 @@ def kv_transfer_config(
     kvlens_home: Path,
     kv_lease_s: int = DEFAULT_KV_LEASE_S,
     push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
+    otlp_endpoint: str | None = None,
 ) -> dict:
-    """vLLM's ``--kv-transfer-config`` for one side (``role`` prefill/decode)."""
+    """vLLM's ``--kv-transfer-config`` for one side (``role`` prefill/decode).
+    ``otlp_endpoint``: also send kvlens' spans there (a collector)."""
     name, module = CONNECTORS[(mode, stock)]
     extra: dict[str, Any] = {
         "kv_lease_duration": int(kv_lease_s),
@@ -68,6 +70,8 @@ def kv_transfer_config(
     if module:
         cfg["kv_connector_module_path"] = module
         extra["kvlens_home"] = str(kvlens_home)
+        if otlp_endpoint:
+            extra["otlp_endpoint"] = otlp_endpoint
     return cfg
 
 
@@ -105,6 +109,10 @@ def server_env(env: dict[str, str], is_p: bool, host: str, side_port: int, prom_
     if (os.cpu_count() or 1) < 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     if extra:
+        extra = dict(extra)
+        path = extra.pop("PYTHONPATH", None)
+        if path:  # put first, keeping the repo (vLLM loads the connector from it)
+            env["PYTHONPATH"] = os.pathsep.join([str(path), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -122,6 +130,11 @@ def vllm_argv(model: Path, host: str, port: int, ktc: dict, vllm_args: list[str]
         "--kv-transfer-config", json.dumps(ktc),
         *vllm_args,
     ]  # fmt: skip
+
+
+def collector_argv(host: str, port: int, store: Path) -> list[str]:
+    """Command line of one ``kvlens collect`` (OTLP/HTTP receiver -> ``store``)."""
+    return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--store", str(store)]
 
 
 def router_argv(prefill_url: str, decode_url: str, mode: str, dispatch: str, host: str, port: int,

@@ -31,6 +31,7 @@ from kvlens.stack.commands import (
     REPO_ROOT,
     base_env,
     check_model,
+    collector_argv,
     kv_transfer_config,
     router_argv,
     server_env,
@@ -39,6 +40,7 @@ from kvlens.stack.commands import (
 from kvlens.stack.errors import StackError
 from kvlens.stack.ports import DEFAULT_HOST, assign_ports, free_port
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
+from kvlens.stack.topology import COLLECTORS, Topology
 
 logger = logging.getLogger("kvlens.up")
 
@@ -71,6 +73,12 @@ class Stack:
     prometheus: bool = False
     prometheus_port: int = 9090
     prometheus_server: Any = None
+    #: separate homes per process + an OTLP collector (:mod:`kvlens.stack.topology`)
+    separate_homes: bool = False
+    collector: str = "process"
+    collector_port: int | None = None
+    #: extra environment per role (prefill, decode, router, collector), on top of env_extra
+    role_env: Mapping[str, Mapping[str, str]] | None = None
 
     # filled by start()
     router_url: str = ""
@@ -85,6 +93,8 @@ class Stack:
             raise StackError(f"mode must be push or pull, got {self.mode!r}")
         if self.dispatch not in ("overlapped", "sequential"):
             raise StackError(f"dispatch must be overlapped or sequential, got {self.dispatch!r}")
+        if self.collector not in COLLECTORS:
+            raise StackError(f"collector must be one of {', '.join(COLLECTORS)}, got {self.collector!r}")
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
         if self.log_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -122,9 +132,23 @@ class Stack:
             named["prometheus port"] = self.prometheus_port
             if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
                 raise StackError("--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)")
-        got = assign_ports(named, self.host, _AUTO_PORTS)
+        auto = _AUTO_PORTS
+        if self.separate_homes and self.collector == "process":
+            named["collector port"] = self.collector_port
+            auto = (*auto, "collector port")
+        got = assign_ports(named, self.host, auto)
         self.port, self.prefill_port, self.decode_port, self.prefill_side_port, self.decode_side_port = (
             got[k] for k in _AUTO_PORTS)
+        self.collector_port = got.get("collector port")
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(Path(self.kvlens_home), self.host, int(self.port or 0), self.separate_homes,
+                        self.collector, self.collector_port)
+
+    def _env(self, role: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``env_extra``, then ``extra`` (the topology's), then ``role_env[role]``."""
+        return {**(self.env_extra or {}), **(extra or {}), **((self.role_env or {}).get(role) or {})}
 
     def _server(self, role: str) -> Child:
         is_p = role == "prefill"
@@ -132,19 +156,39 @@ class Stack:
         prom = Path(self.log_dir) / f"prometheus-{role}"
         shutil.rmtree(prom, ignore_errors=True)
         prom.mkdir(parents=True)
-        env = server_env(base_env(Path(self.kvlens_home)), is_p, self.host,
-                         self.prefill_side_port if is_p else self.decode_side_port, prom, self.env_extra)
-        ktc = kv_transfer_config(self.mode, role, "p0" if is_p else "d0", self.stock, Path(self.kvlens_home),
-                                 self.kv_lease_s, self.push_registration_timeout_s)
-        argv = vllm_argv(Path(self.model), self.host, port, ktc, self.vllm_args)
+        topo = self.topology
+        home = topo.home_for(role)
+        env = server_env(base_env(home), is_p, self.host,
+                         self.prefill_side_port if is_p else self.decode_side_port, prom,
+                         self._env(role, topo.server_env(role)))
+        ktc = kv_transfer_config(self.mode, role, "p0" if is_p else "d0", self.stock, home,
+                                 self.kv_lease_s, self.push_registration_timeout_s, topo.traces_url)
+        argv = vllm_argv(Path(self.model), self.host, port, ktc, [*self.vllm_args, *topo.server_args(role)])
         return Child(role, argv, env, Path(self.log_dir) / f"{role}.log", f"http://{self.host}:{port}",
                      cwd=str(REPO_ROOT))
 
     def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
+        topo = self.topology
         argv = router_argv(self.prefill_url, self.decode_url, self.mode, dispatch, self.host, port,
                            self.prefill_side_port)
-        return Child(name, argv, base_env(Path(self.kvlens_home)), Path(self.log_dir) / f"{name}.log",
-                     f"http://{self.host}:{port}", cwd=str(REPO_ROOT))
+        # only the main router hosts the receiver (``--collect``); extra routers export to it
+        hosts_receiver = name == "router"
+        if hosts_receiver:
+            argv += topo.router_args()
+        env = base_env(topo.home_for("router"))
+        extra = topo.router_env()
+        if topo.separate and topo.collector == "router" and not hosts_receiver:
+            extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": str(topo.collector_url), "KVLENS_HANDOFF_FROM": "off"}
+        env.update(self._env("router", extra))
+        return Child(name, argv, env, Path(self.log_dir) / f"{name}.log", f"http://{self.host}:{port}",
+                     cwd=str(REPO_ROOT))
+
+    def _collector(self) -> Child:
+        topo = self.topology
+        env = base_env(topo.home_for("collector"))
+        env.update(self._env("collector"))
+        return Child("collector", collector_argv(self.host, int(self.collector_port), topo.store_path), env,
+                     Path(self.log_dir) / "collector.log", str(topo.collector_url), cwd=str(REPO_ROOT))
 
     def start(self, timeout: float = DEFAULT_TIMEOUT_S) -> "Stack":
         """Start P and D, wait for health, re-pin their workers, start the
@@ -156,6 +200,11 @@ class Stack:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
         try:
+            if self.separate_homes and self.collector == "process":
+                c = self._collector()
+                c.start()
+                self.children.append(c)
+                wait_healthy([c], t0 + timeout, self._say)
             p, d = self._server("prefill"), self._server("decode")
             self.prefill_url, self.decode_url = p.url, d.url
             self._say(
@@ -242,8 +291,14 @@ class Stack:
 
     @property
     def store_path(self) -> Path:
-        """The trace store every process of this stack writes to."""
-        return kvconfig.store_path({"kvlens_home": str(self.kvlens_home)})
+        """The trace store where this stack's traces join (the collector's
+        with separate homes, else the one every process writes to)."""
+        return self.topology.store_path
+
+    @property
+    def collector_url(self) -> str | None:
+        """The OTLP receiver's base URL (``/v1/traces``, ``/metrics``), if any."""
+        return self.topology.collector_url
 
     def start_prometheus(self, port: int = 9090, timeout: float = 60.0):
         """Start a real Prometheus scraping this stack's router, P and D
@@ -257,6 +312,8 @@ class Stack:
         server = PrometheusServer(
             {
                 "kvlens-router": [hostport(u) for u in [self.router_url, *self.extra_routers.values()]],
+                **({"kvlens-collector": [hostport(self.collector_url)]}
+                   if self.separate_homes and self.collector == "process" else {}),
                 "vllm-prefill": [hostport(self.prefill_url)],
                 "vllm-decode": [hostport(self.decode_url)],
             },
@@ -311,6 +368,9 @@ class Stack:
                 "decode_side_channel": self.decode_side_port,
             },
             "engine_ids": {"prefill": "p0", "decode": "d0"},
+            "store": str(self.store_path),
+            "collector_url": self.collector_url,
+            "homes": {r: str(self.topology.home_for(r)) for r in ("prefill", "decode", "router", "collector")},
             "pids": {c.name: c.proc.pid for c in self.children if c.proc is not None},
             "logs": {c.name: str(c.log) for c in self.children},
             "startup_s": self.startup_s,

@@ -28,7 +28,7 @@ class StackManager:
         fault tests) are ``Stack`` fields and part of the key."""
         from kvlens.up import Stack, StackError
 
-        key = (mode, stock, dispatch, tuple(sorted(stack_kw.items())))
+        key = (mode, stock, dispatch, tuple(sorted((k, repr(v)) for k, v in stack_kw.items())))
         if key in self.failed:
             pytest.fail(f"stack {key} failed to start earlier: {self.failed[key]}")
         if self.current_key == key and self.current is not None:
@@ -43,7 +43,7 @@ class StackManager:
             port=0,
             stock=stock,
             kvlens_home=self.home,
-            log_dir=self.home / "runs" / f"{mode}-{'stock' if stock else 'instr'}-{dispatch}{'-faults' if stack_kw else ''}",
+            log_dir=self.home / "runs" / f"{mode}-{'stock' if stock else 'instr'}-{dispatch}{_tag(stack_kw)}",
             quiet=True,
             **stack_kw,
         )
@@ -64,6 +64,30 @@ class StackManager:
         if self.current is not None:
             self.current.stop()
         self.current, self.current_key = None, None
+
+
+def _tag(stack_kw: dict) -> str:
+    if stack_kw.get("separate_homes"):
+        return "-fleet"
+    return "-faults" if stack_kw else ""
+
+
+#: D's wall clock in the "three hosts" stacks, against P's and the router's
+#: (tests/e2e/clockshift/sitecustomize.py shifts it; nothing else moves).
+FLEET_CLOCK_SHIFT_S = {"push": 0.25, "pull": -0.25}
+_CLOCKSHIFT_DIR = Path(__file__).resolve().parent / "clockshift"
+
+
+def fleet_stack_kw(mode: str) -> dict:
+    """P, D and the router with their own homes, spans over OTLP to one
+    collector (push: a ``kvlens collect`` process; pull: hosted by the
+    router), and D's clock shifted by FLEET_CLOCK_SHIFT_S[mode]."""
+    return {
+        "separate_homes": True,
+        "collector": "process" if mode == "push" else "router",
+        "role_env": {"decode": {"PYTHONPATH": str(_CLOCKSHIFT_DIR),
+                                "KVLENS_TEST_CLOCK_SHIFT_S": str(FLEET_CLOCK_SHIFT_S[mode])}},
+    }
 
 
 @pytest.fixture(scope="session")
@@ -108,12 +132,26 @@ def fault_push_stack(stack_factory):
     )
 
 
+@pytest.fixture
+def fleet_push_stack(stack_factory):
+    """"Three hosts" push: separate homes, ``kvlens collect``, D's clock +0.25 s."""
+    return stack_factory.get("push", **fleet_stack_kw("push"))
+
+
+@pytest.fixture
+def fleet_pull_stack(stack_factory):
+    """"Three hosts" pull: separate homes, receiver in the router, D's clock -0.25 s."""
+    return stack_factory.get("pull", **fleet_stack_kw("pull"))
+
+
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
 # the e2e tests grouped by the stack they need, so each pair starts once:
-# stock push, instrumented push, stock pull, the fault pair, instrumented pull,
+# stock push, instrumented push, fleet push, stock pull, the fault pair,
+# fleet pull, instrumented pull,
 # then the tests that drive stacks themselves (bench grid: pull, reusing the
 # pull pair, then push; demo; SIGTERM).
-_STACK_ORDER = ("stock_push_stack", "push_stack", "stock_pull_stack", "fault_push_stack", "pull_stack")
+_STACK_ORDER = ("stock_push_stack", "push_stack", "fleet_push_stack", "stock_pull_stack", "fault_push_stack",
+                "fleet_pull_stack", "pull_stack")
 
 
 def _stack_group(item) -> int:

@@ -1,0 +1,1 @@
+"""kvlens collect: an OTLP/HTTP trace receiver that writes the kvlens trace store."""

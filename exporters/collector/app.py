@@ -1,0 +1,181 @@
+"""The collector's HTTP side: OTLP/HTTP ``POST /v1/traces``, ``GET /metrics``
+and ``GET /healthz`` as an ASGI app (:func:`create_app`), or the receiver
+route alone added to an existing app (:func:`mount_receiver`: the kvlens
+router can host the receiver next to its own routes).
+
+``POST /v1/traces`` (OTLP/HTTP, protobuf or JSON, optionally gzip/deflate):
+
+* a body over ``max_body_bytes`` (compressed or decompressed) is refused
+  with 413: at once when ``Content-Length`` says so, else as soon as the
+  streamed body passes the cap (never read whole into memory);
+* unsupported ``Content-Type`` / ``Content-Encoding`` -> 415; a malformed
+  body or a span without valid ids -> 400 naming it (not retried);
+* the spans go onto the :class:`~exporters.collector.ingest.Ingest` queue;
+  a full queue answers 429 (or ``busy_status=503``; 503 always while shutting
+  down) with ``Retry-After: 1``, which OTLP exporters honour and retry;
+* success is 200 with an empty ``ExportTraceServiceResponse`` in the
+  request's content type (protobuf bytes, or ``{}``).
+
+Error bodies are a ``google.rpc.Status`` in the request's content type (JSON
+for an unsupported one), its ``message`` naming the problem. Decoding runs
+in a worker thread, so a large body does not stall the event loop of an app
+that also serves other routes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+from prometheus_client import CollectorRegistry, make_asgi_app
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from exporters.collector import otlp
+from exporters.collector.ingest import Ingest
+
+TRACES_PATH = "/v1/traces"
+DEFAULT_MAX_BODY_BYTES = otlp.DEFAULT_MAX_BYTES
+RETRY_AFTER_S = 1
+#: google.rpc.Code values for the Status body.
+_RPC_CODE = {400: 3, 413: 8, 415: 3, 429: 8, 503: 14}
+_OK_PROTOBUF = ExportTraceServiceResponse().SerializeToString()
+
+
+def _status_body(status: int, message: str, kind: str | None) -> Response:
+    code = _RPC_CODE.get(status, 2)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
+    if kind == otlp.PROTOBUF:
+        from google.rpc import status_pb2
+
+        body = status_pb2.Status(code=code, message=message).SerializeToString()
+        return Response(body, status_code=status, media_type=otlp.PROTOBUF, headers=headers)
+    return JSONResponse({"code": code, "message": message}, status_code=status, headers=headers)
+
+
+async def _read_capped(request: Request, cap: int) -> bytes:
+    """The request body, refusing (413) as soon as it passes ``cap`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            n = int(declared)
+        except ValueError:
+            raise otlp.OTLPError(400, f"invalid Content-Length {declared[:40]!r}") from None
+        if n > cap:
+            raise otlp.OTLPError(413, f"request body of {n} bytes is larger than the limit of {cap} bytes")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > cap:
+            raise otlp.OTLPError(413, f"request body is larger than the limit of {cap} bytes")
+    return bytes(buf)
+
+
+def receiver(ingest: Ingest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, busy_status: int = 429):
+    """The ``POST /v1/traces`` endpoint (``async def (request) -> Response``).
+    ``busy_status``: the answer to a request that finds the queue full, 429
+    (the OTLP default) or 503 (for exporters that retry only 5xx, such as
+    older opentelemetry-python OTLP/HTTP exporters)."""
+    if int(max_body_bytes) <= 0:
+        raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
+    if busy_status not in (429, 503):
+        raise ValueError(f"busy_status must be 429 or 503, got {busy_status!r}")
+    cap = int(max_body_bytes)
+
+    async def receive_traces(request: Request) -> Response:
+        kind = None
+        try:
+            kind = otlp.content_kind(request.headers.get("content-type"))
+            body = await _read_capped(request, cap)
+            spans = await run_in_threadpool(
+                otlp.decode, body, kind, request.headers.get("content-encoding"), cap)
+        except otlp.OTLPError as e:
+            ingest.reject(e.reason)
+            return _status_body(e.status, e.message, kind)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        if not ingest.offer(spans):
+            if ingest.closed:
+                return _status_body(503, "the kvlens collector is shutting down; retry later", kind)
+            return _status_body(busy_status, f"the write queue is full ({ingest.queued_spans} spans waiting for the "
+                                     "trace store); retry later", kind)
+        if kind == otlp.PROTOBUF:
+            return Response(_OK_PROTOBUF, media_type=otlp.PROTOBUF)
+        return Response(b"{}", media_type=otlp.JSON)
+
+    return receive_traces
+
+
+def mount_receiver(app: Starlette, ingest: Ingest, registry: CollectorRegistry | None = None, *,
+                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, busy_status: int = 429) -> None:
+    """Add ``POST /v1/traces`` to an existing Starlette/FastAPI ``app``, ahead
+    of its other routes (a catch-all route cannot shadow it).
+
+    ``registry``: the registry ``app`` already serves on its ``/metrics``;
+    when given (and not ``ingest.registry`` itself) ``ingest``'s metrics are
+    forwarded into it, so they show there (a metric name both already hold
+    raises ``ValueError``). The caller closes ``ingest`` on shutdown
+    (``ingest.close(10)`` in its lifespan)."""
+    route = Route(TRACES_PATH, receiver(ingest, max_body_bytes=max_body_bytes, busy_status=busy_status),
+                  methods=["POST"])
+    app.router.routes.insert(0, route)
+    if registry is not None and registry is not ingest.registry:
+        registry.register(_Forward(ingest.registry))
+
+
+class _Forward:
+    """A prometheus_client collector that serves another registry's metrics."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self.source = source
+
+    def collect(self):
+        return self.source.collect()
+
+    def describe(self):
+        return list(self.source.collect())
+
+
+class _ASGI:
+    """Wraps a plain ASGI function so ``Route`` serves it as an app."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
+
+
+def create_app(ingest: Ingest, registry: CollectorRegistry, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               close_timeout_s: float = 10.0, busy_status: int = 429) -> Starlette:
+    """The collector app: ``POST /v1/traces``, ``GET /metrics`` (``registry``
+    in the exposition the scraper asks for: OpenMetrics carries exemplars),
+    ``GET /healthz`` (also ``/health``). Its lifespan shutdown flushes and closes ``ingest``
+    (``ingest.close(close_timeout_s)``)."""
+    import contextlib
+
+    async def healthz(request: Request) -> Response:
+        ok = ingest.alive()
+        doc = {"status": "ok" if ok else "unavailable", "queue_spans": ingest.queued_spans,
+               "max_queue_spans": ingest.max_queue_spans, "store": str(ingest.store_path)}
+        return Response(json.dumps(doc), status_code=200 if ok else 503, media_type="application/json")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            await run_in_threadpool(ingest.close, close_timeout_s)
+
+    routes = [
+        Route(TRACES_PATH, receiver(ingest, max_body_bytes=max_body_bytes, busy_status=busy_status),
+              methods=["POST"]),
+        Route("/metrics", _ASGI(make_asgi_app(registry)), methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", healthz, methods=["GET"]),  # vLLM's and the router's name (kvlens up waits on it)
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,314 @@
+"""The collector's write side: a bounded span queue and one writer thread
+that puts received spans into the trace store.
+
+:meth:`Ingest.offer` (the HTTP handler, any thread, never blocks on I/O)
+queues one request's spans or refuses them when the queue would pass its
+bound, so the handler answers 429 and the OTLP exporter retries later. One
+daemon thread merges queued requests into batches of up to ``batch_spans``
+and writes each with :func:`exporters.store.write_spans` (all SQL stays in
+the store). A store that is locked or busy is retried with backoff for
+``busy_retry_s`` while the queue fills (so clients are told to back off);
+after that the batch is dropped and counted. Nothing is dropped silently:
+
+    kvlens_collector_spans_received_total              spans accepted onto the queue
+    kvlens_collector_spans_written_total               spans written to the store
+    kvlens_collector_spans_dropped_total{reason}       store_error | shutdown
+    kvlens_collector_requests_rejected_total{reason}   too_large | content_type | decode | invalid_span
+                                                        | queue_full | shutdown
+    kvlens_collector_queue_spans                       spans queued or being written
+
+``received = written + dropped + queue_spans`` at any quiet moment.
+
+After each successful write ``on_written(spans)`` runs on the writer thread;
+:func:`collector_ingest` passes every span to a
+:class:`exporters.metrics.PhaseMetricsProcessor`, so the collector's
+``/metrics`` shows the phase histograms and the handoff histogram (with
+``trace_id`` exemplars) for every trace it stores. A failure there is logged
+once and never stops the writer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from exporters import store
+from instrumented_connector.logutil import log_once
+
+logger = logging.getLogger("kvlens")
+
+DROP_REASONS = ("store_error", "shutdown")
+REJECT_REASONS = ("too_large", "content_type", "decode", "invalid_span", "queue_full", "shutdown")
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.received = Counter("kvlens_collector_spans_received",
+                                "Spans the collector accepted onto its write queue.", registry=r)
+        self.written = Counter("kvlens_collector_spans_written",
+                               "Spans the collector wrote to the trace store.", registry=r)
+        self.dropped = Counter("kvlens_collector_spans_dropped",
+                               "Accepted spans that never reached the store (store_error, shutdown).",
+                               ("reason",), registry=r)
+        self.rejected = Counter("kvlens_collector_requests_rejected",
+                                "OTLP export requests the collector refused, by reason.", ("reason",), registry=r)
+        self.queue = Gauge("kvlens_collector_queue_spans",
+                           "Spans queued for the store or being written now.", registry=r)
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+
+
+class Ingest:
+    """Bounded queue + writer thread from received spans to the store at
+    ``store_path``. Start-up opens nothing: the writer connects on its first
+    batch (:func:`check_store` tells a CLI early that the path is unusable).
+
+    ``max_queue_spans``: spans queued or in flight at most (a request larger
+    than that is taken only into an empty queue, so it cannot wait forever).
+    ``batch_spans``: spans merged into one store transaction.
+    ``busy_retry_s``: how long a locked store is retried before the batch is
+    dropped. ``on_written(spans)`` / ``on_close()``: writer-thread / close hooks.
+    ``registry``: where the ``kvlens_collector_*`` metrics live (default: a new one).
+    """
+
+    #: SQLite's own wait for another writer, per attempt; the retry loop
+    #: around it runs up to ``busy_retry_s``, and :meth:`close` waits at
+    #: most this much past its timeout for a batch being written.
+    ATTEMPT_TIMEOUT_S = 0.5
+
+    def __init__(self, store_path: str | Path, *, max_queue_spans: int = 100_000,
+                 on_written: Callable[[Sequence], None] | None = None,
+                 on_close: Callable[[], None] | None = None,
+                 registry: CollectorRegistry | None = None, batch_spans: int = 2000,
+                 busy_retry_s: float = 30.0) -> None:
+        if int(max_queue_spans) <= 0 or int(batch_spans) <= 0:
+            raise ValueError("max_queue_spans and batch_spans must be > 0")
+        if busy_retry_s < 0:
+            raise ValueError(f"busy_retry_s must be >= 0, got {busy_retry_s!r}")
+        self.store_path = Path(store_path)
+        self.max_queue_spans = int(max_queue_spans)
+        self.batch_spans = int(batch_spans)
+        self.busy_retry_s = float(busy_retry_s)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
+        self._on_written = on_written
+        self._on_close = on_close
+        self._q: collections.deque[list] = collections.deque()
+        self._queued = 0  # spans in _q plus the batch being written
+        self._cv = threading.Condition()
+        self._closed = False
+        self._stop_at = float("inf")  # close(): monotonic time past which the writer gives up
+        self._conn: sqlite3.Connection | None = None
+        self._thread = threading.Thread(target=self._run, name="kvlens-collector-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ producers
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def queued_spans(self) -> int:
+        """Spans queued or being written now."""
+        return self._queued
+
+    def alive(self) -> bool:
+        """The writer thread is running and the queue takes spans."""
+        return not self._closed and self._thread.is_alive()
+
+    def offer(self, spans: Sequence) -> bool:
+        """Queue one request's spans (the caller gives up ownership). False
+        when the queue is full (counted as ``queue_full``) or closed (counted
+        as ``shutdown``): answer 429 / 503 with ``Retry-After``. Any thread;
+        never blocks on I/O."""
+        n = len(spans)
+        with self._cv:
+            if self._closed:
+                reason = "shutdown"
+            elif self._queued and self._queued + n > self.max_queue_spans:
+                reason = "queue_full"
+            else:
+                if n:
+                    self._q.append(list(spans))
+                    self._queued += n
+                    self.metrics.queue.set(self._queued)
+                    self._cv.notify()
+                reason = None
+        if reason is not None:
+            self.metrics.rejected.labels(reason).inc()
+            return False
+        if n:
+            self.metrics.received.inc(n)
+        return True
+
+    def counts(self) -> dict[str, int]:
+        """Totals so far: received, written, dropped (all reasons), queued."""
+        g = self.registry.get_sample_value
+        return {
+            "received": int(g("kvlens_collector_spans_received_total") or 0),
+            "written": int(g("kvlens_collector_spans_written_total") or 0),
+            "dropped": int(sum(g("kvlens_collector_spans_dropped_total", {"reason": r}) or 0 for r in DROP_REASONS)),
+            "queued": self._queued,
+        }
+
+    def reject(self, reason: str) -> None:
+        """Count a request the HTTP layer refused (``too_large``,
+        ``content_type``, ``decode``, ``invalid_span``)."""
+        self.metrics.rejected.labels(reason if reason in REJECT_REASONS else "decode").inc()
+
+    # --------------------------------------------------------------- writer
+    def _take(self) -> list | None:
+        """The next batch (whole requests merged up to ``batch_spans``; one
+        larger request is split), or None once closed and drained."""
+        with self._cv:
+            while not self._q:
+                if self._closed:
+                    return None
+                self._cv.wait()
+            if self._closed and time.monotonic() >= self._stop_at:
+                return None  # past close()'s deadline: close() counts what is left
+            batch: list = []
+            while self._q and len(batch) < self.batch_spans:
+                head = self._q[0]
+                room = self.batch_spans - len(batch)
+                if len(head) <= room:
+                    batch.extend(self._q.popleft())
+                else:
+                    batch.extend(head[:room])
+                    del head[:room]
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if batch is None:
+                return
+            try:
+                self._write(batch)
+            except Exception as e:  # never let the writer die
+                self._finish(batch, "store_error")
+                log_once("collector-writer:" + type(e).__name__, "collector writer failed (%s); batch dropped",
+                         e, exc_info=True)
+
+    def _write(self, batch: list) -> None:
+        deadline = time.monotonic() + self.busy_retry_s
+        delay = 0.05
+        while True:
+            if time.monotonic() >= self._stop_at:  # closing, and out of time
+                self._failed(batch, TimeoutError("closing: flush timeout reached"))
+                return
+            try:
+                if self._conn is None:
+                    self._conn = store.connect(self.store_path, timeout_s=self.ATTEMPT_TIMEOUT_S)
+                store.write_spans(self._conn, batch)
+                break
+            except sqlite3.OperationalError as e:
+                now = time.monotonic()
+                busy = "locked" in str(e).lower() or "busy" in str(e).lower()
+                if not busy or now >= min(deadline, self._stop_at):
+                    self._failed(batch, e)
+                    return
+                time.sleep(max(0.0, min(delay, deadline - now, self._stop_at - now)))
+                delay = min(delay * 2, 0.25)
+            except Exception as e:  # StoreError, unwritable path, bad value
+                self._failed(batch, e)
+                return
+        self._finish(batch, None)
+        if self._on_written is not None:
+            try:
+                self._on_written(batch)
+            except Exception as e:
+                log_once("collector-on-written:" + type(e).__name__,
+                         "collector span hook failed (%s); metrics for some spans skipped", e, exc_info=True)
+
+    def _failed(self, batch: list, err: Exception) -> None:
+        reason = "shutdown" if self._closed else "store_error"
+        self._finish(batch, reason)
+        log_once("collector-store:" + type(err).__name__, "trace store %s not writable (%s); %d spans dropped "
+                 "(kvlens_collector_spans_dropped_total counts every drop)", self.store_path, err, len(batch))
+        self._reset_connection()
+
+    def _finish(self, batch: list, drop_reason: str | None) -> None:
+        n = len(batch)
+        with self._cv:
+            self._queued -= n
+            self.metrics.queue.set(self._queued)
+        if drop_reason is None:
+            self.metrics.written.inc(n)
+        else:
+            self.metrics.dropped.labels(drop_reason).inc(n)
+
+    def _reset_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+    # ---------------------------------------------------------------- close
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, write what is queued within ``timeout_s``, count
+        the rest as dropped (``shutdown``), close the store connection and
+        run ``on_close``. Idempotent; any thread but the writer."""
+        with self._cv:
+            first = not self._closed
+            self._closed = True
+            self._stop_at = min(self._stop_at, time.monotonic() + max(0.0, timeout_s))
+            self._cv.notify_all()
+        self._thread.join(max(0.0, timeout_s))
+        if self._thread.is_alive():  # a batch in one store attempt: it gives up after that attempt
+            self._thread.join(self.ATTEMPT_TIMEOUT_S + 0.5)
+        with self._cv:
+            left = list(self._q)
+            self._q.clear()
+        for part in left:  # the writer stopped (or is stuck in one batch): the rest never goes out
+            self._finish(part, "shutdown")
+        if not first:
+            return
+        if not self._thread.is_alive():
+            self._reset_connection()
+        if self._on_close is not None:
+            try:
+                self._on_close()
+            except Exception:
+                log_once("collector-on-close", "collector shutdown hook failed", exc_info=True)
+
+
+def check_store(store_path: str | Path) -> None:
+    """Open the store for writing once and close it: raises
+    :class:`exporters.store.StoreError` / ``sqlite3.Error`` / ``OSError``
+    when the path cannot be a kvlens store (for a start-up message)."""
+    store.connect(store_path).close()
+
+
+def collector_ingest(store_path: str | Path, registry: CollectorRegistry, *, max_queue_spans: int = 100_000,
+                     exemplars: bool = True, handoff_deadline_s: float = 10.0, **kw) -> Ingest:
+    """An :class:`Ingest` whose written spans feed a
+    :class:`~exporters.metrics.PhaseMetricsProcessor` on ``registry`` (phase
+    histograms; the handoff histogram, resolved from the store when a
+    router's ``request`` span arrives, with ``trace_id`` exemplars); the
+    processor is shut down with the ingest. ``handoff_deadline_s``: how long
+    a request's handoff is looked for in the store before it is counted
+    unresolved. ``kw``: further :class:`Ingest` options."""
+    from exporters.metrics import PhaseMetricsProcessor
+
+    proc = PhaseMetricsProcessor(registry=registry, store_path=store_path, handoff_from="router",
+                                 exemplars=exemplars, handoff_deadline_s=handoff_deadline_s)
+
+    def on_written(spans: Sequence) -> None:
+        for s in spans:
+            proc.on_end(s)
+
+    return Ingest(store_path, max_queue_spans=max_queue_spans, on_written=on_written,
+                  on_close=proc.shutdown, registry=registry, **kw)

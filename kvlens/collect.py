@@ -1,0 +1,156 @@
+"""``kvlens collect``: an OTLP/HTTP trace receiver that writes the kvlens
+trace store, for P, D and the router on different hosts (each host's own
+``traces.db`` only sees its own processes; one collector sees them all).
+
+Serves ``POST /v1/traces`` (protobuf or JSON, gzip), ``GET /metrics`` (its
+own counters plus the phase and handoff histograms of the spans it stores,
+with trace-id exemplars) and ``GET /healthz`` with uvicorn on a socket bound
+here first, so a busy port is one clear line. SIGTERM / SIGINT: uvicorn stops
+taking requests, the lifespan hook flushes the queue into the store
+(``Ingest.close``, bounded) and the command exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sqlite3
+import sys
+from pathlib import Path
+
+from instrumented_connector.config import store_path
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 4318
+CLOSE_TIMEOUT_S = 10.0
+
+DESCRIPTION = """\
+Receive OpenTelemetry spans over OTLP/HTTP and write them into one kvlens trace
+store, so traces whose router, P and D run on different hosts are whole in one
+place (kvlens traces, the dashboard and the handoff metrics read that store).
+
+Point every process at http://HOST:PORT:
+  P and D   "otlp_endpoint": "http://HOST:PORT" in kv_connector_extra_config
+            (add "kvlens_store": "off" to send spans only here)
+  router    OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:PORT kvlens proxy ...
+
+Bounds: a request body over --max-body-mb is refused (413); when more than
+--queue-spans spans wait for the store, requests get 429 with Retry-After and
+OTLP exporters retry them. Counters on /metrics count every rejected request
+and every dropped span.
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = DESCRIPTION
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 for other hosts)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port (default {DEFAULT_PORT}, OTLP/HTTP's; 0 picks a free one and prints it)")
+    p.add_argument("--store", default=None, help="trace store to write (default: $KVLENS_HOME/traces.db)")
+    p.add_argument("--max-body-mb", type=float, default=16.0,
+                   help="largest request body accepted, MiB, after decompression (default 16)")
+    p.add_argument("--queue-spans", type=int, default=100_000,
+                   help="spans waiting for the store before requests get 429 (default 100000)")
+    p.add_argument("--busy-status", type=int, choices=(429, 503), default=429,
+                   help="answer when the queue is full (default 429; 503 for exporters that retry only 5xx, "
+                        "e.g. older opentelemetry-python OTLP/HTTP exporters)")
+
+
+def _store_problem(path: Path) -> str | None:
+    """One line saying why ``path`` cannot be written as a trace store, or None."""
+    from exporters import store
+    from exporters.collector.ingest import check_store
+    from exporters.store.schema import translate
+
+    if path.is_dir():
+        return f"--store {path} is a directory; give the store file (e.g. {path / 'traces.db'})"
+    try:
+        check_store(path)
+    except store.StoreError as e:
+        return str(e)
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e) or "busy" in str(e):
+            return str(translate(e, path))
+        return f"cannot write the trace store {path}: {e}"
+    except sqlite3.Error as e:
+        return str(translate(e, path))
+    except OSError as e:
+        return f"cannot create the trace store {path}: {e.strerror or e}"
+    return None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); OSError when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    if not 0 <= args.port < 65536:
+        return f"invalid port {args.port}"
+    if not args.max_body_mb > 0:
+        return f"--max-body-mb must be > 0, got {args.max_body_mb}"
+    if args.queue_spans <= 0:
+        return f"--queue-spans must be > 0, got {args.queue_spans}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM/SIGINT, then flush and exit 0; 2 on a bad flag or
+    store, 1 when the port cannot be had."""
+    problem = _check_args(args)
+    store = Path(args.store).expanduser().resolve() if args.store else store_path()
+    problem = problem or _store_problem(store)
+    if problem:
+        print(f"kvlens collect: {problem}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as e:
+        print(f"kvlens collect: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr,
+              flush=True)
+        return 1
+    return _serve(args, store, sock)
+
+
+def _serve(args: argparse.Namespace, store: Path, sock: socket.socket) -> int:
+    # start-up cost: uvicorn, starlette and protobuf load only when it serves
+    import uvicorn
+    from prometheus_client import CollectorRegistry
+
+    from exporters.collector.app import create_app
+    from exporters.collector.ingest import collector_ingest
+    from kvlens.signals import sigterm_as_interrupt
+
+    registry = CollectorRegistry()
+    ingest = collector_ingest(store, registry, max_queue_spans=args.queue_spans)
+    app = create_app(ingest, registry, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+                     close_timeout_s=CLOSE_TIMEOUT_S, busy_status=args.busy_status)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {store}", flush=True)
+    try:
+        with sigterm_as_interrupt():
+            try:
+                server.run(sockets=[sock])
+            except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on
+                pass
+    finally:
+        ingest.close(CLOSE_TIMEOUT_S)  # no-op after the lifespan hook closed it
+        sock.close()
+    c = ingest.counts()
+    print(f"kvlens collect: stopped; {c['written']} spans written, {c['dropped']} dropped", flush=True)
+    return 0

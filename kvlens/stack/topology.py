@@ -1,0 +1,84 @@
+"""Where a stack's processes keep their telemetry.
+
+* **One host** (the default): P, D and the router share one ``KVLENS_HOME``
+  and so one trace store, where the handoff's two ends meet.
+* **Separate homes** (``kvlens up --separate-homes``): what P, D and the
+  router on three hosts look like, on one machine. Each gets its own home
+  (``<home>/hosts/<role>``, its own store) and every span also goes over
+  OTLP/HTTP to one collector, whose store is where traces join:
+
+  - ``collector="process"``: a ``kvlens collect`` child (home
+    ``<home>/hosts/collector``); the router exports there too
+    (``OTEL_EXPORTER_OTLP_ENDPOINT``) and leaves the handoff metric to the
+    collector (``KVLENS_HANDOFF_FROM=off``: its own store never holds both
+    ends);
+  - ``collector="router"``: the router hosts the receiver
+    (``kvlens proxy --collect``) and writes P's and D's spans to its store.
+
+  P and D send kvlens' spans with the connector's ``otlp_endpoint`` key and
+  vLLM's own request spans with ``--otlp-traces-endpoint`` (OTLP over HTTP),
+  so ``llm_request`` lands in the same trace (the router sends
+  ``traceparent``).
+
+Pure: paths, URLs, environments and arguments; nothing is started here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from instrumented_connector import config as kvconfig
+
+COLLECTORS = ("process", "router")
+
+
+@dataclass(frozen=True)
+class Topology:
+    home: Path
+    host: str
+    router_port: int
+    separate: bool = False
+    collector: str = "process"
+    collector_port: int | None = None
+
+    def home_for(self, role: str) -> Path:
+        """The ``KVLENS_HOME`` of ``role`` (prefill, decode, router, collector)."""
+        return self.home / "hosts" / role if self.separate else self.home
+
+    @property
+    def collector_url(self) -> str | None:
+        """Base URL of the OTLP receiver (None on one host)."""
+        if not self.separate:
+            return None
+        port = self.router_port if self.collector == "router" else self.collector_port
+        return f"http://{self.host}:{port}"
+
+    @property
+    def traces_url(self) -> str | None:
+        """The receiver's ``/v1/traces`` URL (None on one host)."""
+        return None if self.collector_url is None else self.collector_url + "/v1/traces"
+
+    @property
+    def store_path(self) -> Path:
+        """The store where a request's spans from every process meet."""
+        if not self.separate:
+            return kvconfig.store_path({"kvlens_home": str(self.home)})
+        where = "router" if self.collector == "router" else "collector"
+        return kvconfig.store_path({"kvlens_home": str(self.home_for(where))})
+
+    def server_env(self, role: str) -> dict[str, str]:
+        """Extra environment of P or D: vLLM's tracing over OTLP/HTTP."""
+        return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"} if self.separate else {}
+
+    def server_args(self, role: str) -> list[str]:
+        """Extra vLLM arguments of P or D: its own request spans to the collector."""
+        return ["--otlp-traces-endpoint", self.traces_url] if self.separate else []
+
+    def router_env(self) -> dict[str, str]:
+        if self.separate and self.collector == "process":
+            return {"OTEL_EXPORTER_OTLP_ENDPOINT": str(self.collector_url), "KVLENS_HANDOFF_FROM": "off"}
+        return {}
+
+    def router_args(self) -> list[str]:
+        return ["--collect"] if self.separate and self.collector == "router" else []

@@ -1,0 +1,135 @@
+"""End-to-end, "three hosts" on one machine (issue: cross-host): P, D and the
+router each with its own KVLENS_HOME, spans over OTLP/HTTP to one collector
+(push: a ``kvlens collect`` process; pull: the receiver hosted by the router),
+and D's wall clock shifted (+0.25 s push, -0.25 s pull; the monotonic clock
+untouched). Checked: every request has exactly one joined trace with both
+ends and a handoff; the corrected handoff is within its stated bound of the
+truth (the raw figure with the known shift removed) and the offset's interval
+contains the shift; the handoff metric counts what the store settled; vLLM's
+own ``llm_request`` spans land in the same traces.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import FLEET_CLOCK_SHIFT_S
+from exporters import store
+
+pytestmark = pytest.mark.e2e
+
+N = 6
+#: Float noise allowed when comparing seconds computed from ns integers.
+EPS = 1e-6
+
+
+def _send(url: str, n: int) -> list[str]:
+    ids = []
+    with httpx.Client(timeout=180) as c:
+        for i in range(n):
+            tid = uuid.uuid4().hex
+            body = {"prompt": f"fleet request {i} " + "tokens " * (30 + 20 * i), "max_tokens": 4, "temperature": 0}
+            r = c.post(url + "/v1/completions", json=body, headers={"X-Request-Id": tid})
+            assert r.status_code == 200, r.text
+            assert r.headers.get("x-request-id") == tid
+            ids.append(tid)
+    return ids
+
+
+def _settled(db, ids, timeout=90.0):
+    """Spans reach the collector from three processes: poll until each trace
+    has both ends settled and every crossing arrived (or give up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with store.reading(db) as conn:
+            rows = {r["trace_id"]: r for r in store.slowest(conn, 10_000, trace_ids=ids)}
+            settled = store.handoffs(conn, ids)
+            spans = store.spans_for(conn, ids)
+        if (all(t in settled and settled[t]["complete"] for t in ids)) or time.monotonic() > deadline:
+            return rows, settled, spans
+        time.sleep(0.5)
+
+
+def _metric(url: str, name: str, **labels) -> float | None:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    return None
+
+
+def _check_fleet(stack, mode: str) -> None:
+    shift = FLEET_CLOCK_SHIFT_S[mode]
+    ids = _send(stack.router_url, N)
+    rows, settled, spans = _settled(stack.store_path, ids)
+
+    # one joined trace per request, with both ends, from all three processes
+    assert sorted(rows) == sorted(ids)
+    for t in ids:
+        r, s = rows[t], settled[t]
+        roles = {sp["role"] for sp in spans[t]}
+        assert {"router", "prefill", "decode"} <= roles, (t, roles)
+        assert r["prefill_finished_ns"] is not None and r["kv_ready_ns"] is not None, t
+        assert s["complete"], (t, s)
+        # corrected for D's clock: within its stated bound of the truth
+        assert r["handoff_s"] is not None, (t, r["handoff_note"])
+        truth = r["handoff_raw_s"] - shift
+        assert abs(r["handoff_s"] - truth) <= r["handoff_err_s"] + EPS, (t, dict(r))
+        assert r["clock_lo_s"] - EPS <= shift <= r["clock_hi_s"] + EPS, (t, dict(r))
+        assert r["handoff_s"] >= 0 and r["handoff_err_s"] < abs(shift)
+
+    # the per-host stores hold one end each: only the collector's joins them
+    for role, end in (("prefill", "kv_ready_ns"), ("decode", "prefill_finished_ns")):
+        with store.reading(stack.topology.home_for(role) / "traces.db") as conn:
+            own = {r["trace_id"]: r for r in store.slowest(conn, 100, trace_ids=ids)}
+        assert sorted(own) == sorted(ids) and all(own[t][end] is None for t in ids), role
+
+    # `kvlens traces --json` on the collector's store shows the corrected figure
+    out = subprocess.run([sys.executable, "-m", "kvlens.cli", "traces", "--store", str(stack.store_path),
+                          "--json", "--slowest", "1000"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    by_id = {d["trace_id"]: d for d in map(json.loads, out.stdout.splitlines()) if d["trace_id"] in ids}
+    assert sorted(by_id) == sorted(ids)
+    for t in ids:
+        d = by_id[t]
+        assert d["handoff_s"] == pytest.approx(rows[t]["handoff_s"]) and d["handoff_err_s"] is not None
+        lo, hi = d["clock_interval_s"]
+        assert lo - EPS <= shift <= hi + EPS
+
+    # metrics where the handoff resolver runs: its count equals the store's settled rows
+    murl = stack.collector_url if stack.collector == "process" else stack.router_url
+    deadline = time.monotonic() + 60
+    while True:
+        with store.reading(stack.store_path) as conn:
+            n_store = len([r for r in store.slowest(conn, 10_000, mode=mode) if r["handoff_s"] is not None])
+        n_metric = _metric(murl, "kvlens_handoff_seconds_count", mode=mode)
+        if n_metric == n_store or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert n_metric == n_store and n_store >= N
+    assert not _metric(murl, "kvlens_handoff_unresolved_total", mode=mode, reason="clock_unknown")
+    off = _metric(murl, "kvlens_clock_offset_seconds", p_engine="p0", d_engine="d0")
+    width = _metric(murl, "kvlens_clock_offset_width_seconds", p_engine="p0", d_engine="d0")
+    assert off is not None and off - width / 2 - EPS <= shift <= off + width / 2 + EPS
+
+    # vLLM's own request spans joined the same traces (router's traceparent)
+    for t in ids:
+        names = [sp["name"] for sp in spans[t]]
+        assert names.count("llm_request") >= 2, (t, names)
+
+
+def test_three_hosts_push_collector_process_d_clock_ahead(fleet_push_stack):
+    _check_fleet(fleet_push_stack, "push")
+
+
+def test_three_hosts_pull_receiver_in_router_d_clock_behind(fleet_pull_stack):
+    _check_fleet(fleet_pull_stack, "pull")
