@@ -36,7 +36,7 @@ _UPSERT_TRACE = f"""
 INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns,
                     ttft_s, {", ".join(_FOLD_FIRST)}, n_spans)
 VALUES (:trace_id, :request_id, :mode, :dispatch, :outcome, :start_ns, :end_ns,
-        :ttft_s, {", ".join(":" + c for c in _FOLD_FIRST)}, 1)
+        :ttft_s, {", ".join(":" + c for c in _FOLD_FIRST)}, :n_spans)
 ON CONFLICT (trace_id) DO UPDATE SET
     request_id = CASE WHEN :is_router OR traces.request_id IS NULL
                       THEN excluded.request_id ELSE traces.request_id END,
@@ -48,7 +48,7 @@ ON CONFLICT (trace_id) DO UPDATE SET
     end_ns = {GREATEST}(traces.end_ns, excluded.end_ns),
     ttft_s = COALESCE(excluded.ttft_s, traces.ttft_s),
     {", ".join(f"{c} = COALESCE(traces.{c}, excluded.{c})" for c in _FOLD_FIRST)},
-    n_spans = traces.n_spans + 1
+    n_spans = traces.n_spans + excluded.n_spans
 """
 
 
@@ -61,35 +61,40 @@ _INSERT_SPAN = (
 _INSERT_TRACE = f"INSERT INTO traces ({', '.join(TRACE_COLUMNS)}) VALUES ({params(len(TRACE_COLUMNS))})"
 
 
+# Plain-string constants: enum ``.value`` lookups cost ~0.4 us each per span.
+_ROUTER, _PREFILL, _DECODE = sc.Role.ROUTER.value, sc.Role.PREFILL.value, sc.Role.DECODE.value
+_REQUEST, _PF, _KV = sc.Phase.REQUEST.value, sc.Phase.PREFILL_FINISHED.value, sc.Phase.KV_READY.value
+_JSON = json.JSONEncoder(default=str, separators=(",", ":")).encode
+
+
 def _span_rows(span) -> tuple[tuple, dict]:
-    """(spans row, traces upsert params) for one OTel ReadableSpan."""
+    """(spans row, traces upsert params) for one OTel ReadableSpan (or a
+    collector's WireSpan, which has the same shape)."""
     ctx = span.context
     a = dict(span.attributes or {})
     tid = trace_hex(ctx.trace_id)
     name = span.name
-    role = a.get(sc.ATTR_ROLE)
-    mode = a.get(sc.ATTR_MODE)
-    outcome = a.get(sc.ATTR_OUTCOME, "ok")
-    rid = a.get(sc.ATTR_REQUEST_ID)
+    g = a.get
+    role, mode, outcome, rid = g(sc.ATTR_ROLE), g(sc.ATTR_MODE), g(sc.ATTR_OUTCOME, "ok"), g(sc.ATTR_REQUEST_ID)
     parent = span_hex(span.parent.span_id) if span.parent else None
     start, end = int(span.start_time or 0), int(span.end_time or span.start_time or 0)
-    row = (tid, span_hex(ctx.span_id), parent, name, role, mode, rid, start, end, outcome,
-           json.dumps(a, default=str, separators=(",", ":")))
-    is_router = role == sc.Role.ROUTER.value
+    row = (tid, span_hex(ctx.span_id), parent, name, role, mode, rid, start, end, outcome, _JSON(a))
+    is_router = role == _ROUTER
     up = {
         "trace_id": tid,
         "request_id": rid if is_router or rid is None else base_request_id(rid),
         "mode": mode,
-        "dispatch": a.get(sc.ATTR_DISPATCH),
+        "dispatch": g(sc.ATTR_DISPATCH),
         "outcome": outcome,
         "start_ns": start,
         "end_ns": end,
-        "ttft_s": a.get(sc.ATTR_TTFT_S) if name == sc.Phase.REQUEST.value else None,
-        "prefill_finished_ns": end if name == sc.Phase.PREFILL_FINISHED.value else None,
-        "kv_ready_ns": end if name == sc.Phase.KV_READY.value else None,
+        "ttft_s": g(sc.ATTR_TTFT_S) if name == _REQUEST else None,
+        "prefill_finished_ns": end if name == _PF else None,
+        "kv_ready_ns": end if name == _KV else None,
         "is_router": is_router,
-        "p_engine": a.get(sc.ATTR_ENGINE_ID) if role == sc.Role.PREFILL.value else None,
-        "d_engine": a.get(sc.ATTR_ENGINE_ID) if role == sc.Role.DECODE.value else None,
+        "n_spans": 1,
+        "p_engine": g(sc.ATTR_ENGINE_ID) if role == _PREFILL else None,
+        "d_engine": g(sc.ATTR_ENGINE_ID) if role == _DECODE else None,
         "d2p_sent_ns": None, "d2p_recv_ns": None, "p2d_sent_ns": None, "p2d_recv_ns": None,
     }
     cross = sc.CROSSINGS.get((role, name, None)) or sc.CROSSINGS.get((role, name, mode))
@@ -102,15 +107,43 @@ def write_spans(conn: sqlite3.Connection, spans: Sequence) -> None:
     """Insert OTel ``ReadableSpan`` s and fold them into ``traces``, in one
     write transaction (blocks up to the connection timeout on another
     process's writer)."""
-    rows, ups = [], []
+    rows, ups = [], {}
     for s in spans:
         r, u = _span_rows(s)
         rows.append(r)
-        ups.append(u)
+        prev = ups.get(u["trace_id"])
+        ups[u["trace_id"]] = u if prev is None else _fold(prev, u)
     with write_tx(conn):
         conn.executemany(_INSERT_SPAN, rows)
-        conn.executemany(_UPSERT_TRACE, ups)
-        settle(conn, {u["trace_id"] for u in ups})
+        conn.executemany(_UPSERT_TRACE, list(ups.values()))
+        settle(conn, ups)
+
+
+_RANK = {o: i for i, o in enumerate(_OUTCOME_RANK, 1)}
+
+
+def _fold(a: dict, b: dict) -> dict:
+    """Two spans' ``traces`` upserts of one trace as one, by the UPSERT's own
+    rules (the batch's later span ``b`` plays ``excluded``): a batch then
+    costs one upsert per trace instead of one per span."""
+    rank = _RANK
+    out = a  # a is this batch's own dict (made by _span_rows or a previous fold): update in place
+    if b["is_router"] or a["request_id"] is None:
+        out["request_id"] = b["request_id"]
+    out["is_router"] = a["is_router"] or b["is_router"]
+    out["mode"] = a["mode"] if a["mode"] is not None else b["mode"]
+    for k in ("dispatch", "ttft_s"):
+        if b[k] is not None:
+            out[k] = b[k]
+    if rank.get(b["outcome"], 0) > rank.get(a["outcome"], 0):
+        out["outcome"] = b["outcome"]
+    out["start_ns"] = min(a["start_ns"], b["start_ns"])
+    out["end_ns"] = max(a["end_ns"], b["end_ns"])
+    for k in _FOLD_FIRST:
+        if a[k] is None:
+            out[k] = b[k]
+    out["n_spans"] = a["n_spans"] + b["n_spans"]
+    return out
 
 
 _SETTLE_COLUMNS = ("trace_id", "p_engine", "d_engine", "start_ns", "prefill_finished_ns", "kv_ready_ns",
