@@ -124,8 +124,11 @@ def _add_otlp(provider: TracerProvider, cfg: Mapping[str, Any]) -> None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
+        # 0.5 s batches (the SDK's default is 5 s): a collector's handoff
+        # resolver waits for the last end of a request, so export promptly.
         provider.add_span_processor(
-            BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=5), max_queue_size=MAX_QUEUE)
+            BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=5), max_queue_size=MAX_QUEUE,
+                               schedule_delay_millis=500, max_export_batch_size=512)
         )
     except Exception:
         log_once("otlp", "OTLP exporter unavailable; spans go to the store only", exc_info=True)

@@ -1,6 +1,6 @@
 """Signal handling shared by the long-running commands (``up``, ``bench``,
-``demo``): SIGTERM unwinds like Ctrl-C, so the same ``finally`` blocks stop
-every child process and keep finished results."""
+``demo``): SIGTERM and SIGHUP unwind like Ctrl-C, so the same ``finally``
+blocks stop every child process and keep finished results."""
 
 from __future__ import annotations
 
@@ -10,26 +10,33 @@ from typing import Iterator
 
 
 class Terminated(KeyboardInterrupt):
-    """Raised in the main thread on SIGTERM (a KeyboardInterrupt, so code that
-    already handles Ctrl-C handles it the same way)."""
+    """Raised in the main thread on SIGTERM or SIGHUP (a KeyboardInterrupt,
+    so code that already handles Ctrl-C handles it the same way).
+    ``signum``: the signal."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
+    raise Terminated(signum)
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated`; SIGINT raises
-    KeyboardInterrupt even when the process was started with SIGINT ignored
-    (background shells, nohup, CI steps). Main thread only."""
-    old_term = signal.signal(signal.SIGTERM, _raise_terminated)
-    old_int = signal.getsignal(signal.SIGINT)
-    if old_int is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    """Within the block, SIGTERM and SIGHUP (a closed terminal, a lost SSH
+    session) raise :class:`Terminated`; SIGINT raises KeyboardInterrupt even
+    when the process was started with SIGINT ignored (background shells,
+    CI steps). A SIGHUP ignored at start (``nohup``) stays ignored: that is
+    what the user asked for. Main thread only."""
+    old = {signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated)}
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        old[signal.SIGHUP] = signal.signal(signal.SIGHUP, _raise_terminated)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old_term)
-        if old_int is signal.SIG_IGN:
-            signal.signal(signal.SIGINT, old_int)
+        for s, handler in old.items():
+            signal.signal(s, handler)

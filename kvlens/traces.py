@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from pathlib import Path
 
 from exporters import store, tracemodel
 from exporters.tracemodel import Trace
@@ -22,15 +24,58 @@ from instrumented_connector import semconv as sc
 LANES = (("router", sc.Role.ROUTER.value), ("P", sc.Role.PREFILL.value), ("D", sc.Role.DECODE.value))
 
 
+#: Most traces one call prints (--slowest); the store's LIMIT is a 64-bit
+#: integer, and a terminal does not need more.
+MAX_SLOWEST = 10_000
+#: Narrowest and widest waterfall (--width, characters of the time axis):
+#: below MIN_WIDTH the axis has no room for its end label.
+MIN_WIDTH, MAX_WIDTH = 20, 1000
+#: Longest --since (100 years): "everything" without an overflowing bound.
+MAX_SINCE_S = 100 * 365 * 86400
+
+
+def _int_in(lo: int, hi: int):
+    """argparse ``type=``: an integer in ``lo..hi`` (usage error otherwise)."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be {lo}..{hi}, got {text}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
+
+
+def since_arg(text: str) -> str:
+    """argparse ``type=`` for --since: a finite duration in (0, 100 years]
+    (``30s``, ``10m``, ``2h``, ``1d``, plain seconds); returned as given."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    t = text.strip().lower()
+    try:
+        secs = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use e.g. 30s, 10m, 2h, 1d") from None
+    if not math.isfinite(secs) or secs <= 0 or secs > MAX_SINCE_S:
+        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: must be > 0 and at most 36500d")
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="trace store (default $KVLENS_HOME/traces.db)")
-    p.add_argument("--slowest", type=int, default=10, metavar="N", help="how many traces (default 10)")
+    p.add_argument("--slowest", type=_int_in(1, MAX_SLOWEST), default=10, metavar="N",
+                   help=f"how many traces (default 10, at most {MAX_SLOWEST})")
     p.add_argument("--mode", choices=[m.value for m in sc.Mode], help="only push or pull")
     p.add_argument("--outcome", choices=[o.value for o in sc.Outcome], help="only this outcome")
-    p.add_argument("--since", metavar="DUR", help="only requests started in the last DUR (30s, 10m, 2h, 1d)")
+    p.add_argument("--since", metavar="DUR", type=since_arg,
+                   help="only requests started in the last DUR (30s, 10m, 2h, 1d)")
     p.add_argument("--trace", metavar="ID", help="one trace by id (32 hex)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
-    p.add_argument("--width", type=int, default=60, help="waterfall width in characters")
+    p.add_argument("--width", type=_int_in(MIN_WIDTH, MAX_WIDTH), default=60,
+                   help=f"waterfall width in characters ({MIN_WIDTH}..{MAX_WIDTH}, default 60)")
 
 
 def _fmt_s(v) -> str:
@@ -39,12 +84,25 @@ def _fmt_s(v) -> str:
     return f"{v * 1000:.1f}ms" if v < 10 else f"{v:.2f}s"
 
 
+def _fmt_handoff(trace: Trace) -> str:
+    """``12.3ms±0.4ms`` (the clock bound), or ``unknown (why)``, or ``-``."""
+    if trace.handoff_s is None:
+        return f"unknown ({trace.handoff_note})" if trace.handoff_note else "-"
+    if trace.handoff_err_s is None:
+        return _fmt_s(trace.handoff_s)
+    return f"{_fmt_s(trace.handoff_s)}±{_fmt_s(trace.handoff_err_s)}"
+
+
 def waterfall(trace: Trace, width: int = 60) -> str:
-    """A text waterfall for one trace (pure function; tested)."""
+    """A text waterfall for one trace (pure function; tested). ``width`` is
+    clamped to MIN_WIDTH..MAX_WIDTH."""
+    width = min(MAX_WIDTH, max(MIN_WIDTH, int(width)))
     lines = [
         f"trace {trace.trace_id}  mode={trace.mode}  outcome={trace.outcome}  "
-        f"handoff={_fmt_s(trace.handoff_s)}  ttft={_fmt_s(trace.ttft_s)}  request={trace.request_id}"
+        f"handoff={_fmt_handoff(trace)}  ttft={_fmt_s(trace.ttft_s)}  request={trace.request_id}"
     ]
+    if trace.clock_offset_s:
+        lines.append(f"  D's clock {trace.clock_offset_s * 1000:+.2f}ms off P's: D's spans shown on P's clock")
     spans = trace.spans
     if not spans:
         return lines[0] + "\n  (no spans)"
@@ -91,15 +149,19 @@ def _load(path: str, args: argparse.Namespace) -> list[Trace]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the traces asked for: 0; 1 when the store cannot be read or the
+    trace is missing (one line on stderr, naming the file); 2 on a bad value
+    (callers that build ``args`` themselves skip argparse's checks)."""
     path = args.store or str(config.store_path())
     try:
-        store.parse_since(args.since)
-    except ValueError as e:
+        since_arg(args.since) if args.since else None
+        _int_in(1, MAX_SLOWEST)(str(args.slowest))
+    except argparse.ArgumentTypeError as e:
         print(f"kvlens traces: {e}", file=sys.stderr)
         return 2
-    if args.slowest <= 0:
-        print("kvlens traces: --slowest must be > 0", file=sys.stderr)
-        return 2
+    if Path(path).is_dir():  # the store's reader lets sqlite's "disk I/O error" through for these
+        print(f"kvlens traces: {path} is a directory, not a trace store file", file=sys.stderr)
+        return 1
     try:
         traces = _load(path, args)
     except store.StoreMissing as e:

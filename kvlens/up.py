@@ -10,6 +10,8 @@ It re-exports what callers import from here (``Stack``, ``StackError``,
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,13 +27,29 @@ from kvlens.stack.commands import (
 from kvlens.stack.errors import StackError
 from kvlens.stack.launch import Stack
 from kvlens.stack.pinning import parse_cpu_list
-from kvlens.stack.ports import DEFAULT_HOST, free_port, port_in_use
+from kvlens.stack.ports import DEFAULT_HOST, free_port, is_loopback, port_arg, port_in_use
 from kvlens.stack.supervise import signals_ignored
 
 __all__ = [
     "MAX_MODEL_LEN", "Stack", "StackError", "add_arguments", "free_port", "kv_transfer_config",
     "parse_cpu_list", "port_in_use", "run",
 ]
+
+
+def _positive(kind: type):
+    """argparse ``type=``: a finite number > 0 of ``kind`` (int or float)."""
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {text!r}") from None
+        if not math.isfinite(v) or v <= 0:
+            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+        return v
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,21 +61,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="push only: send D its request at once (overlapped) or after P answers (sequential)",
     )
     p.add_argument("--model", type=Path, default=None, help="model dir (default: generated tiny model in $KVLENS_HOME/model)")
-    p.add_argument("--port", type=int, default=8000, help="router port (default 8000)")
-    p.add_argument("--prefill-port", type=int, default=None, help="P's HTTP port (default: a free one)")
-    p.add_argument("--decode-port", type=int, default=None, help="D's HTTP port (default: a free one)")
-    p.add_argument("--host", default=DEFAULT_HOST, help="bind address for all three servers")
+    p.add_argument("--port", type=port_arg(allow_zero=True), default=8000, help="router port (default 8000; 0: a free one)")
+    p.add_argument("--prefill-port", type=port_arg(allow_zero=True), default=None, help="P's HTTP port (default: a free one)")
+    p.add_argument("--decode-port", type=port_arg(allow_zero=True), default=None, help="D's HTTP port (default: a free one)")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="bind address for all three servers (default loopback; any other address opens P, D, the "
+                        "router and P's NIXL side channel to everyone who can reach the host unless VLLM_API_KEY "
+                        "is set, and even then for the side channel)")
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for readiness")
+    p.add_argument("--timeout", type=_positive(float), default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--prometheus", action="store_true",
                    help="also start a Prometheus server (Debian package prometheus) scraping router, P and D, "
                         "with the kvlens recording rules and exemplar storage; data under the log dir")
-    p.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus port (default 9090)")
-    p.add_argument("--kv-lease", type=int, default=DEFAULT_KV_LEASE_S, metavar="S",
+    p.add_argument("--prometheus-port", type=port_arg(), default=9090, help="Prometheus port (default 9090)")
+    p.add_argument("--kv-lease", type=_positive(int), default=DEFAULT_KV_LEASE_S, metavar="S",
                    help=f"vLLM kv_lease_duration: how long P keeps a request's KV for D (default {DEFAULT_KV_LEASE_S}; vLLM's own default is 30)")
-    p.add_argument("--push-registration-timeout", type=int, default=DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, metavar="S",
+    p.add_argument("--push-registration-timeout", type=_positive(int), default=DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, metavar="S",
                    help=f"vLLM push_registration_timeout on D (default {DEFAULT_PUSH_REGISTRATION_TIMEOUT_S}; vLLM's own default is 480)")
+    p.add_argument("--separate-homes", action="store_true",
+                   help="run P, D and the router as if on three hosts: each with its own KVLENS_HOME "
+                        "(<home>/hosts/<role>, its own trace store) and every span sent over OTLP/HTTP to one "
+                        "collector, where traces join and the handoff is corrected for the P/D clock offset; "
+                        "vLLM's own request spans go there too (--otlp-traces-endpoint)")
+    p.add_argument("--collector", choices=["process", "router"], default="process",
+                   help="with --separate-homes: a `kvlens collect` process (default) or the router hosting "
+                        "the receiver (`kvlens proxy --collect`)")
+    p.add_argument("--collector-port", type=port_arg(), default=None,
+                   help="with --separate-homes and --collector process: its port (default: a free one)")
+
+
+def _warn_if_open(host: str) -> None:
+    """One warning when the stack binds beyond loopback with no API key in
+    the environment (vLLM and the router read VLLM_API_KEY)."""
+    if is_loopback(host) or os.environ.get("VLLM_API_KEY") or os.environ.get("KVLENS_API_KEY"):
+        return
+    print(f"kvlens up: warning: --host {host} without VLLM_API_KEY: P, D, the router and P's NIXL side channel "
+          "accept requests from anyone who can reach this host", file=sys.stderr, flush=True)
 
 
 def _stack(args: argparse.Namespace) -> Stack:
@@ -75,6 +116,9 @@ def _stack(args: argparse.Namespace) -> Stack:
         push_registration_timeout_s=args.push_registration_timeout,
         prometheus=args.prometheus,
         prometheus_port=args.prometheus_port,
+        separate_homes=args.separate_homes,
+        collector=args.collector,
+        collector_port=args.collector_port or None,
     )
 
 
@@ -88,7 +132,10 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
         f"  decode  (D):          {stack.decode_url}\n"
         f"  model:                {stack.model}\n"
         f"  logs:                 {stack.log_dir}\n"
-        "Ctrl-C to stop.",
+        + (f"  collector (OTLP):     {stack.collector_url}/v1/traces ({stack.collector})\n"
+           f"  joined trace store:   {stack.store_path}\n" if stack.separate_homes else
+           f"  trace store:          {stack.store_path}\n")
+        + "Ctrl-C to stop.",
         flush=True,
     )
 
@@ -107,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the stack, print its endpoints, serve until Ctrl-C / SIGTERM
     (exit 0), a child's death (1) or a start-up error (2). Main thread."""
     stack: Stack | None = None
+    _warn_if_open(args.host)
     with sigterm_as_interrupt():
         try:
             stack = _stack(args)

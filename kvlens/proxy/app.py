@@ -1,46 +1,85 @@
 """The router's ASGI app: :func:`create_app` and its routes.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` go through P and D
-(:mod:`kvlens.proxy.dispatch`, :mod:`kvlens.proxy.relay`); ``GET /health``
-asks both; ``GET /v1/models`` is D's; ``/metrics`` serves the router's
-span-derived Prometheus metrics. All handlers run on the event loop.
+(:mod:`kvlens.proxy.dispatch`, :mod:`kvlens.proxy.relay`) once
+:mod:`kvlens.proxy.intake` accepted them; ``GET /health`` asks both;
+``GET /v1/models`` is D's; ``/metrics`` serves the router's span-derived
+Prometheus metrics. With an API key (``ProxyConfig.api_key``) the ``/v1/*``
+routes require it; ``/health`` and ``/metrics`` stay open, as on vLLM.
+All handlers run on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
+from typing import Awaitable
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from exporters.metrics import metrics_app
-from instrumented_connector.ids import incoming_trace
 from kvlens.proxy import relay
 from kvlens.proxy.config import ProxyConfig
 from kvlens.proxy.dispatch import dispatcher
-from kvlens.proxy.errors import Upstream, from_http_error, invalid_body
+from kvlens.proxy.errors import Upstream, from_http_error
 from kvlens.proxy.exchange import Exchange
+from kvlens.proxy.intake import UNAUTHORIZED, Refused, authorized, check_fields, parse_object, read_limited
+from kvlens.proxy.isolation import TraceIds
 from kvlens.proxy.telemetry import RouterTelemetry
 
 logger = logging.getLogger("kvlens.proxy")
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has gone (after its body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_gone(request: Request, work: Awaitable[Response]) -> Response:
+    """``work``'s result, unless the client disconnects first: then ``work``
+    is cancelled (which closes its calls to P and D) and :class:`ClientGone`
+    raised. Starlette cancels nothing for a plain (non-streamed) answer by
+    itself, and the wait for P and D comes before any streamed answer starts:
+    without this watch P and D would work on for a client that left."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
 class Router:
     """One app's shared state: the HTTP client towards P and D, the
-    telemetry, and D's model name (asked once, for bodies without one).
+    telemetry, the trace ids in use (:class:`~kvlens.proxy.isolation.TraceIds`)
+    and D's model name (asked once, for bodies without one).
     ``client``/``tel`` exist between :meth:`open` and :meth:`close`."""
 
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
         self.dispatch = dispatcher(cfg)
+        self.ids = TraceIds(cfg.reuse_window_s)
         self.client: httpx.AsyncClient | None = None
         self.tel: RouterTelemetry | None = None
         self._model: str | None = None
+        self._model_warned = False
 
     def open(self) -> None:
         cfg = self.cfg
@@ -58,20 +97,39 @@ class Router:
         finally:
             self.tel.close()
 
-    async def model_name(self) -> str | None:
-        """D's first model id, cached after the first success; None on failure."""
+    def upstream_auth(self, request: Request | None) -> str | None:
+        """Authorization for every call to P and D: the router's own key when
+        it has one (the client proved it knows it), else the client's header
+        as it came (P and D may have a key the router does not know)."""
+        if self.cfg.api_key:
+            return f"Bearer {self.cfg.api_key}"
+        return request.headers.get("authorization") if request is not None else None
+
+    def _auth_headers(self, request: Request | None) -> dict[str, str]:
+        auth = self.upstream_auth(request)
+        return {"Authorization": auth} if auth else {}
+
+    async def model_name(self, request: Request | None = None) -> str | None:
+        """D's first model id, cached after the first success; None on failure
+        (logged once: vLLM then answers the body without ``model`` itself)."""
         if self._model is None:
             try:
-                r = await self.client.get(self.cfg.decode_url + "/v1/models", timeout=10)
+                r = await self.client.get(self.cfg.decode_url + "/v1/models", timeout=10,
+                                          headers=self._auth_headers(request))
+                r.raise_for_status()
                 self._model = r.json()["data"][0]["id"]
-            except Exception:
+            except Exception as e:
+                if not self._model_warned:
+                    self._model_warned = True
+                    logger.warning("kvlens proxy: could not ask decode for its model name (%s: %s); "
+                                   "bodies without `model` are sent as they are", type(e).__name__, e)
                 return None
         return self._model
 
     async def health(self) -> Response:
         async def one(url: str) -> str:
             try:
-                r = await self.client.get(url + "/health", timeout=5)
+                r = await self.client.get(url + "/health", timeout=5, headers=self._auth_headers(None))
                 return "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
             except httpx.HTTPError as e:
                 return f"{type(e).__name__}"
@@ -85,55 +143,85 @@ class Router:
             status_code=200 if ok else 503,
         )
 
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
+        if not authorized(request.headers, self.cfg.api_key):
+            return UNAUTHORIZED.response(None)
         try:
-            r = await self.client.get(self.cfg.decode_url + "/v1/models", timeout=10)
+            r = await self.client.get(self.cfg.decode_url + "/v1/models", timeout=10,
+                                      headers=self._auth_headers(request))
         except httpx.HTTPError as e:
             return from_http_error("decode", self.cfg.decode_url, e).response("")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
-    async def _prepare(self, ex: Exchange, request: Request) -> None:
-        """Read the client body into ``ex`` (ValueError unless a JSON
-        object), add D's model name when missing, set upstream headers."""
-        body = json.loads(await request.body())
-        if not isinstance(body, dict):
-            raise ValueError("body must be a JSON object")
-        if "model" not in body:
-            name = await self.model_name()
-            if name:
-                body["model"] = name
-        ex.body = body
-        ex.upstream_headers(request.headers.get("authorization"))
+    async def _intake(self, ex: Exchange, request: Request) -> None:
+        """Read and check the client body into ``ex`` (raises
+        :class:`~kvlens.proxy.intake.Refused`); set upstream headers."""
+        raw = await read_limited(request.headers, request.stream(), self.cfg.max_body_bytes)
+        ex.body = parse_object(raw)
+        check_fields(ex.body, ex.endpoint)
+        ex.upstream_headers(self.upstream_auth(request))
 
-    async def handle(self, request: Request, endpoint: str) -> Response:
-        """One completion request: trace id, body, P and D, relay."""
-        t0 = time.time_ns()
-        tid, parent = incoming_trace(request.headers)
-        ex = Exchange(self.cfg, self.client, self.tel, endpoint, tid, parent, t0)
-        try:
-            await self._prepare(ex, request)
-        except ValueError as e:
-            ex.finish(400, "failed", None)
-            return invalid_body(e, tid)
+    async def _answer(self, ex: Exchange, request: Request) -> Response:
+        """P and D for a checked request, and the relay of D's answer."""
+        if "model" not in ex.body:
+            name = await self.model_name(request)
+            if name:
+                ex.body["model"] = name
         try:
             d_resp = await self.dispatch(ex)
         except Upstream as u:
-            ex.finish(u.status, u.outcome, None)
-            return u.response(tid)
-        except asyncio.CancelledError:
-            if ex.p_task is not None:
-                ex.p_task.cancel()
-            ex.finish(499, "failed", None)
-            raise
+            ex.finish(u.status, u.outcome, None, u.message)
+            return u.response(ex.trace_id)
         if not ex.stream:
             return await relay.whole(ex, d_resp)
         return relay.streamed(ex, d_resp)
+
+    async def handle(self, request: Request, endpoint: str) -> Response:
+        """One completion request: key, trace id, body, P and D, relay."""
+        if not authorized(request.headers, self.cfg.api_key):
+            return UNAUTHORIZED.response(None)  # no trace id, no span: nothing spent
+        t0 = time.time_ns()
+        tid, parent, client_ids = self.ids.claim(request.headers)
+        ex = Exchange(self.cfg, self.client, self.tel, endpoint, tid, parent, t0,
+                      client_attrs=client_ids, on_finish=lambda: self.ids.release(tid))
+        try:
+            await self._intake(ex, request)
+            return await unless_client_gone(request, self._answer(ex, request))
+        except Refused as r:
+            ex.finish(r.status, "failed", None, r.message)
+            return r.response(tid)
+        except (ClientGone, ClientDisconnect):
+            ex.finish(499, "failed", None, relay.CLIENT_GONE)
+            return Response(status_code=499)  # nobody reads it
+        except asyncio.CancelledError:
+            ex.finish(499, "failed", None, relay.CLIENT_GONE)
+            raise
+        except Exception as e:  # a router bug: still a span, a JSON answer and the id
+            logger.exception("kvlens proxy: request %s failed in the router", tid)
+            ex.finish(500, "failed", None, f"router error: {type(e).__name__}: {e}")
+            return Refused(500, f"router error: {type(e).__name__}", kind="internal_error").response(tid)
+
+
+def _receiver_ingest(config: ProxyConfig):
+    """The OTLP receiver's write queue into the router's store (``--collect``),
+    else None. Its own registry (forwarded into the router's ``/metrics``):
+    the handoff metric stays the router's own, resolved when its root span
+    ends, now that P's and D's spans reach its store."""
+    if not config.collect:
+        return None
+    from exporters.collector.ingest import Ingest
+    from prometheus_client import CollectorRegistry
+
+    from instrumented_connector.config import store_path
+
+    return Ingest(store_path({"kvlens_home": config.kvlens_home}), registry=CollectorRegistry())
 
 
 def create_app(config: ProxyConfig) -> FastAPI:
     """The router app for ``config`` (serve it with uvicorn; its lifespan
     opens and closes the HTTP client and the telemetry)."""
     router = Router(config)
+    ingest = _receiver_ingest(config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -142,9 +230,16 @@ def create_app(config: ProxyConfig) -> FastAPI:
             yield
         finally:
             await router.close()
+            if ingest is not None:  # flush what P and D sent before going
+                await asyncio.get_running_loop().run_in_executor(None, ingest.close, 10.0)
 
     app = FastAPI(title="kvlens proxy", lifespan=lifespan)
     app.state.kvlens_config = config
+    if ingest is not None:
+        from exporters.collector.app import mount_receiver
+        from prometheus_client import REGISTRY
+
+        mount_receiver(app, ingest, REGISTRY)
     try:
         # The router's span-derived metrics (TTFT, handoff with trace-id
         # exemplars, requests by outcome) for the Prometheus users already run.
@@ -157,8 +252,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         return await router.health()
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return await router.models()
+    async def models(request: Request) -> Response:
+        return await router.models(request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

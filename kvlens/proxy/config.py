@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from instrumented_connector import config as kvconfig
+
+#: Default largest request body the router reads (bytes): far above any
+#: prompt the stacks kvlens starts accept, far below what hurts the router.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+#: How long (s) a trace id stays taken after its request ended. P may hold a
+#: request's KV for D until vLLM's ``push_registration_timeout`` (480 s by
+#: default) or ``kv_lease_duration`` ends; an id reused inside that window
+#: could meet that request's leftovers on P (see :mod:`kvlens.proxy.isolation`).
+DEFAULT_REUSE_WINDOW_S = 600.0
 
 
 @dataclass
@@ -14,7 +25,12 @@ class ProxyConfig:
     ``prefill_engine_id`` / ``prefill_side_host`` / ``prefill_side_port`` /
     ``prefill_tp_size``: P's identity as D needs it for an overlapped push
     (D's request goes out before P has answered). Timeouts in seconds.
-    ``kvlens_home``: where spans go (default: the kvlens home)."""
+    ``kvlens_home``: where spans go (default: the kvlens home).
+    ``api_key``: when set, clients must send ``Authorization: Bearer <key>``
+    on ``/v1/*`` and the router sends the same to P and D; when None the
+    client's Authorization is passed on as it came. ``max_body_bytes``: the
+    largest request body read (413 beyond). ``reuse_window_s``: see
+    :data:`DEFAULT_REUSE_WINDOW_S`."""
 
     prefill_url: str
     decode_url: str
@@ -29,6 +45,11 @@ class ProxyConfig:
     read_timeout_s: float = 600.0
     max_connections: int = 256
     telemetry: bool = True
+    api_key: str | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    reuse_window_s: float = DEFAULT_REUSE_WINDOW_S
+    #: host the OTLP receiver (``POST /v1/traces`` into this router's store)
+    collect: bool = False
 
     def __post_init__(self) -> None:
         self.prefill_url = self.prefill_url.rstrip("/")
@@ -37,6 +58,12 @@ class ProxyConfig:
             raise ValueError(f"mode must be push or pull, got {self.mode!r}")
         if self.dispatch not in ("overlapped", "sequential"):
             raise ValueError(f"dispatch must be overlapped or sequential, got {self.dispatch!r}")
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be a positive integer, got {self.max_body_bytes!r}")
+        if not math.isfinite(self.reuse_window_s) or self.reuse_window_s < 0:
+            raise ValueError(f"reuse_window_s must be >= 0 and finite, got {self.reuse_window_s!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (leave it unset for no key)")
         if self.kvlens_home is None:
             self.kvlens_home = str(kvconfig.home())
 

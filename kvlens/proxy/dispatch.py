@@ -65,11 +65,16 @@ async def push_overlapped(ex: Exchange) -> httpx.Response:
     """Overlapped push: P's call runs as ``ex.p_task``, still running when
     this returns for a stream (the relay watches it). Until D has answered
     (headers), a P failure cancels D: D would otherwise wait for a push that
-    never comes."""
+    never comes. When this is cancelled (client gone), both calls are."""
     d_body = decode_body(ex.body, overlapped_d_params(ex.cfg, ex.endpoint, ex.trace_id))
     p_task = ex.p_task = asyncio.create_task(ex.call_prefill())
     d_task = asyncio.create_task(ex.open_decode(d_body))
-    done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        p_task.cancel()
+        await _cancel_decode(d_task)
+        raise
     if p_task in done and p_task.exception() is not None:
         await _cancel_decode(d_task)
         raise p_task.exception()
@@ -77,6 +82,7 @@ async def push_overlapped(ex: Exchange) -> httpx.Response:
         d_resp = await d_task
     except BaseException:
         p_task.cancel()
+        d_task.cancel()
         raise
     if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
         # both finished in the same tick: P's failure still wins
@@ -84,7 +90,11 @@ async def push_overlapped(ex: Exchange) -> httpx.Response:
         raise p_task.exception()
     if not ex.stream:
         # non-streaming D answers only at the end: P is long done
-        await settle(p_task)
+        try:
+            await settle(p_task)
+        except asyncio.CancelledError:
+            await d_resp.aclose()
+            raise
     return d_resp
 
 

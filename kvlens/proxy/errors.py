@@ -65,14 +65,6 @@ def as_upstream(exc: BaseException) -> Upstream:
     return Upstream("prefill", 502, f"prefill failed: {type(exc).__name__}: {exc}")
 
 
-def invalid_body(e: Exception, tid: str) -> JSONResponse:
-    """400 for a body that is not a JSON object."""
-    return JSONResponse(
-        {"error": {"message": f"invalid JSON body: {e}", "type": "invalid_request_error"}},
-        status_code=400, headers={"X-Request-Id": tid},
-    )
-
-
 def sse_error(message: str, status: int) -> bytes:
     """An error event for a stream already answered 200."""
     ev = {"error": {"message": message, "type": "upstream_error", "code": status}}

@@ -2,29 +2,45 @@
 trace, its body and headers, the calls to P and D, and its end (root span).
 
 Everything here runs on the event loop; the calls to P and D await the
-network (timeouts from :class:`~kvlens.proxy.config.ProxyConfig`).
+network (timeouts from :class:`~kvlens.proxy.config.ProxyConfig`) and are
+retried once only when they provably never reached the server
+(:mod:`kvlens.proxy.retry`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 
+from instrumented_connector.ids import root_span_id, span_hex
 from kvlens.proxy.bodies import prefill_body
 from kvlens.proxy.config import ProxyConfig
 from kvlens.proxy.errors import Upstream, from_http_error, from_status
+from kvlens.proxy.retry import send_once_more
 from kvlens.proxy.telemetry import RouterTelemetry
+
+
+def traceparent(trace_id: str) -> str:
+    """W3C ``traceparent`` naming the router's root ``request`` span of
+    ``trace_id`` (span id :func:`~instrumented_connector.ids.root_span_id`)
+    as the parent, sampled: vLLM's own OpenTelemetry tracing
+    (``--otlp-traces-endpoint``) then puts its ``llm_request`` span in the
+    same trace, under the router's root span."""
+    return f"00-{trace_id}-{span_hex(root_span_id(int(trace_id, 16)))}-01"
 
 
 @dataclass
 class Exchange:
     """State of one client request. ``t0_ns``: wall clock when it arrived
     (the root span's start and the zero of client-seen TTFT). ``p_task``:
-    P's call when it runs in the background (overlapped push)."""
+    P's call when it runs in the background (overlapped push).
+    ``client_attrs``: what the client sent as ids, when not the trace id
+    (:mod:`kvlens.proxy.isolation`). ``on_finish``: called once, when the
+    request ends (frees its trace id)."""
 
     cfg: ProxyConfig
     client: httpx.AsyncClient
@@ -36,6 +52,9 @@ class Exchange:
     body: dict = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     p_task: asyncio.Task | None = None
+    client_attrs: dict[str, str] = field(default_factory=dict)
+    on_finish: Callable[[], None] | None = None
+    finished: bool = False
 
     @property
     def stream(self) -> bool:
@@ -45,23 +64,42 @@ class Exchange:
         """Seconds since the request arrived."""
         return (time.time_ns() - self.t0_ns) / 1e9
 
-    def finish(self, status: int, outcome: str, ttft_s: float | None = None) -> None:
-        """Record the root span, ending now. Call exactly once per request."""
-        self.tel.request(self.trace_id, self.parent, self.t0_ns, time.time_ns(), outcome, ttft_s,
-                         self.cfg.effective_dispatch, status)
+    def finish(self, status: int, outcome: str, ttft_s: float | None = None, error: str | None = None) -> None:
+        """Record the root span, ending now, and free the trace id. The first
+        call counts; later ones do nothing (several paths may end a request)."""
+        if self.finished:
+            return
+        self.finished = True
+        try:
+            self.tel.request(self.trace_id, self.parent, self.t0_ns, time.time_ns(), outcome, ttft_s,
+                             self.cfg.effective_dispatch, status, error=error, attrs=self.client_attrs)
+        finally:
+            if self.on_finish is not None:
+                self.on_finish()
 
     def upstream_headers(self, authorization: str | None) -> None:
         """Headers for P and D: the trace id as ``X-Request-Id`` (vLLM builds
-        its request id from it), JSON, and the client's Authorization."""
-        self.headers = {"X-Request-Id": self.trace_id, "Content-Type": "application/json"}
+        its request id from it), the root span as W3C ``traceparent``
+        (:func:`traceparent`), JSON, and ``authorization`` when given."""
+        self.headers = {
+            "X-Request-Id": self.trace_id,
+            "traceparent": traceparent(self.trace_id),
+            "Content-Type": "application/json",
+        }
         if authorization:
             self.headers["Authorization"] = authorization
 
     async def call_prefill(self) -> dict:
         """P's JSON answer to :func:`prefill_body`; raises :class:`Upstream`."""
         url = self.cfg.prefill_url
+        p_body = prefill_body(self.body)
+
+        def build(ext: dict) -> httpx.Request:
+            return self.client.build_request("POST", url + self.endpoint, json=p_body, headers=self.headers,
+                                             extensions=ext)
+
         try:
-            r = await self.client.post(url + self.endpoint, json=prefill_body(self.body), headers=self.headers)
+            r = await send_once_more(self.client, build)
         except httpx.HTTPError as e:
             raise from_http_error("prefill", url, e) from e
         if r.status_code != 200:
@@ -75,9 +113,13 @@ class Exchange:
         """D's response with status 200 and its body not read yet (the caller
         closes it); raises :class:`Upstream`."""
         url = self.cfg.decode_url
-        req = self.client.build_request("POST", url + self.endpoint, json=d_body, headers=self.headers)
+
+        def build(ext: dict) -> httpx.Request:
+            return self.client.build_request("POST", url + self.endpoint, json=d_body, headers=self.headers,
+                                             extensions=ext)
+
         try:
-            resp = await self.client.send(req, stream=True)
+            resp = await send_once_more(self.client, build, stream=True)
         except httpx.HTTPError as e:
             raise from_http_error("decode", url, e) from e
         if resp.status_code != 200:
@@ -89,9 +131,16 @@ class Exchange:
 
 
 async def settle(task: asyncio.Task, cancel: bool = False) -> None:
-    """Wait (up to 30 s) for a background P call, swallowing its errors (the
-    client has its answer already); with ``cancel``, cancel it first."""
+    """Wait (up to 30 s) for a background P call, ignoring its errors (the
+    client has its answer already); with ``cancel``, cancel it first. When
+    the caller itself is cancelled meanwhile (client gone), P's call is
+    cancelled too and the cancellation goes on."""
     if cancel and not task.done():
         task.cancel()
-    with contextlib.suppress(BaseException):
-        await asyncio.wait_for(task, timeout=30)
+    try:
+        await asyncio.wait({task}, timeout=30)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" log

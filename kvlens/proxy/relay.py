@@ -20,13 +20,19 @@ from kvlens.proxy.exchange import Exchange, settle
 from kvlens.sse import FirstTextWatcher
 
 
+#: The root span's error when the client went away before its answer ended
+#: (status 499, nginx's "client closed request").
+CLIENT_GONE = "client disconnected"
+
+
 async def whole(ex: Exchange, d_resp: httpx.Response) -> Response:
-    """A non-streamed answer: D's body read in full, then returned."""
+    """A non-streamed answer: D's body read in full, then returned. A
+    cancellation (client gone) closes D's response and goes on."""
     try:
         content = await d_resp.aread()
     except httpx.HTTPError as e:
         u = from_http_error("decode", ex.cfg.decode_url, e)
-        ex.finish(u.status, u.outcome, None)
+        ex.finish(u.status, u.outcome, None, u.message)
         return u.response(ex.trace_id)
     finally:
         await d_resp.aclose()
@@ -35,14 +41,34 @@ async def whole(ex: Exchange, d_resp: httpx.Response) -> Response:
                     headers={"X-Request-Id": ex.trace_id})
 
 
+class _Relayed(StreamingResponse):
+    """D's stream relayed by :func:`_relay`. Whatever ends the response (the
+    stream's end, the client going away even before the first byte, an ASGI
+    error), leaving :meth:`__call__` closes D's stream, settles P's call and
+    records the root span: a generator that never started runs no
+    ``finally`` of its own."""
+
+    def __init__(self, ex: Exchange, d_resp: httpx.Response) -> None:
+        self._ex, self._d = ex, d_resp
+        super().__init__(_relay(ex, d_resp), status_code=200,
+                         media_type=d_resp.headers.get("content-type", "text/event-stream"),
+                         headers={"X-Request-Id": ex.trace_id})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with contextlib.suppress(BaseException):
+                await self.body_iterator.aclose()
+            await self._d.aclose()
+            if self._ex.p_task is not None:
+                await settle(self._ex.p_task, cancel=True)
+            self._ex.finish(499, "failed", None, CLIENT_GONE)  # no-op when _relay ended it
+
+
 def streamed(ex: Exchange, d_resp: httpx.Response) -> StreamingResponse:
     """A streamed answer: D's SSE bytes passed on as they come."""
-    return StreamingResponse(
-        _relay(ex, d_resp),
-        status_code=200,
-        media_type=d_resp.headers.get("content-type", "text/event-stream"),
-        headers={"X-Request-Id": ex.trace_id},
-    )
+    return _Relayed(ex, d_resp)
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -91,7 +117,7 @@ class _DecodeChunks:
 async def _relay(ex: Exchange, d_resp: httpx.Response) -> AsyncIterator[bytes]:
     watcher = FirstTextWatcher()
     ttft = None
-    status, outcome = 200, "ok"
+    status, outcome, error = 200, "ok", None
     chunks = _DecodeChunks(d_resp, ex.p_task)
     try:
         while (chunk := await chunks.next()) is not None:
@@ -99,19 +125,19 @@ async def _relay(ex: Exchange, d_resp: httpx.Response) -> AsyncIterator[bytes]:
                 ttft = ex.elapsed_s()
             yield chunk
     except Upstream as u:  # overlapped P failed after D's headers
-        status, outcome = u.status, u.outcome
+        status, outcome, error = u.status, u.outcome, u.message
         yield sse_error(u.message, u.status)
     except httpx.TimeoutException:
-        status, outcome = 504, "timeout"
-        yield sse_error("decode instance timed out while streaming", 504)
+        status, outcome, error = 504, "timeout", "decode instance timed out while streaming"
+        yield sse_error(error, 504)
     except httpx.HTTPError as e:
-        status, outcome = 502, "failed"
-        yield sse_error(f"decode stream broke: {type(e).__name__}: {e}", 502)
+        status, outcome, error = 502, "failed", f"decode stream broke: {type(e).__name__}: {e}"
+        yield sse_error(error, 502)
     except (asyncio.CancelledError, GeneratorExit):
-        status, outcome = 499, "failed"  # client went away
+        status, outcome, error = 499, "failed", CLIENT_GONE
         raise
     finally:
         await d_resp.aclose()
         if ex.p_task is not None:
             await settle(ex.p_task, cancel=status != 200)
-        ex.finish(status, outcome, ttft)
+        ex.finish(status, outcome, ttft, error)

@@ -32,15 +32,21 @@ class RouterTelemetry:
             logger.warning("kvlens proxy: telemetry disabled (%s: %s)", type(e).__name__, e)
 
     def request(self, tid: str, parent: int | None, t0: int, t1: int, outcome: str,
-                ttft_s: float | None, dispatch: str, status: int) -> None:
-        """The root span of trace ``tid``; times in wall-clock ns, TTFT in s."""
+                ttft_s: float | None, dispatch: str, status: int, error: str | None = None,
+                attrs: dict | None = None) -> None:
+        """The root span of trace ``tid``; times in wall-clock ns, TTFT in s.
+        ``error``: why it failed, in words; ``attrs``: more attributes
+        (the client's own ids, :mod:`kvlens.proxy.isolation`)."""
         if self.rec is None:
             return
         try:
-            attrs = {sc.ATTR_DISPATCH: dispatch, sc.ATTR_STATUS_CODE: status}
+            a = dict(attrs or {})
+            a.update({sc.ATTR_DISPATCH: dispatch, sc.ATTR_STATUS_CODE: status})
             if ttft_s is not None:
-                attrs[sc.ATTR_TTFT_S] = ttft_s
-            self.rec.record_root(tid, parent, t0, t1, outcome, attrs)
+                a[sc.ATTR_TTFT_S] = ttft_s
+            if error:
+                a[sc.ATTR_ERROR] = error
+            self.rec.record_root(tid, parent, t0, t1, outcome, a)
         except Exception:
             logger.debug("request span failed", exc_info=True)
 

@@ -1,10 +1,14 @@
-"""TCP ports for a stack: is one taken, pick a free one, check a set of them.
+"""TCP ports for a stack: is one taken, pick a free one, check a set of them;
+plus the argparse checks of port and host flags (:func:`port_arg`,
+:func:`is_loopback`).
 
 All functions are plain, blocking-free bind tests on the calling thread.
 """
 
 from __future__ import annotations
 
+import argparse
+import ipaddress
 import random
 import socket
 from pathlib import Path
@@ -13,6 +17,38 @@ from typing import Iterable, Mapping
 from kvlens.stack.errors import StackError
 
 DEFAULT_HOST = "127.0.0.1"
+MAX_PORT = 65535
+
+
+def port_arg(allow_zero: bool = False):
+    """An argparse ``type=``: a TCP port 1..65535 (0 too with ``allow_zero``:
+    "pick a free one"); anything else is a usage error naming the value."""
+    lo = 0 if allow_zero else 1
+
+    def parse(text: str) -> int:
+        try:
+            port = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+        if not lo <= port <= MAX_PORT:
+            raise argparse.ArgumentTypeError(f"port {port} out of range {lo}..{MAX_PORT}")
+        return port
+
+    parse.__name__ = "port"  # argparse names the type in its message
+    return parse
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` only binds the loopback interface (``localhost``,
+    127.0.0.0/8, ``::1``); False for ``0.0.0.0``, ``::``, names and
+    addresses others can reach."""
+    h = host.strip().strip("[]").lower()
+    if h == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
 
 
 def port_in_use(port: int, host: str = DEFAULT_HOST) -> bool:

@@ -53,7 +53,9 @@ def _settled(db, ids, timeout=90.0):
             rows = {r["trace_id"]: r for r in store.slowest(conn, 10_000, trace_ids=ids)}
             settled = store.handoffs(conn, ids)
             spans = store.spans_for(conn, ids)
-        if (all(t in settled and settled[t]["complete"] for t in ids)) or time.monotonic() > deadline:
+        joined = all(t in settled and settled[t]["complete"]
+                     and {"router", "prefill", "decode"} <= {sp["role"] for sp in spans[t]} for t in ids)
+        if joined or time.monotonic() > deadline:
             return rows, settled, spans
         time.sleep(0.5)
 

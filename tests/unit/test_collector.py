@@ -472,3 +472,23 @@ def test_kvlens_collect_receives_the_sdk_exporter_and_flushes_on_sigterm(tmp_pat
     assert f"{len(spans)} spans written, 0 dropped" in out
     got = stored(db, trace_ids(spans))
     assert sum(map(len, got.values())) == len(spans)
+
+
+# ------------------------------------------------------------ in the router
+def test_the_router_hosts_the_receiver_with_collect(tmp_path, sdk_spans):
+    """``kvlens proxy --collect``: P's and D's spans posted to the router land
+    in the router's store (where its handoff resolver reads), the router's
+    own routes still answer, and the ingest is flushed at shutdown."""
+    from kvlens.proxy.app import create_app as router_app
+    from kvlens.proxy.config import ProxyConfig
+
+    cfg = ProxyConfig(prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
+                      kvlens_home=str(tmp_path), collect=True, telemetry=False)
+    with TestClient(router_app(cfg)) as c:
+        r = c.post("/v1/traces", content=pb_body(sdk_spans), headers={"Content-Type": "application/x-protobuf"})
+        assert r.status_code == 200, r.text
+        bad = c.post("/v1/traces", content=b"\x0a\xff", headers={"Content-Type": "application/x-protobuf"})
+        assert bad.status_code == 400 and "protobuf" in bad.text
+        assert "kvlens_collector_spans_received_total" in c.get("/metrics").text
+    got = stored(tmp_path / "traces.db", trace_ids(sdk_spans))
+    assert sum(len(v) for v in got.values()) == len(sdk_spans)

@@ -1,6 +1,9 @@
 """Router (``kvlens proxy``) units: trace ids, request shaping, the SSE
 first-token rule, and the app itself against fake P and D HTTP servers on
-loopback (no vLLM): pull, overlapped push, P failing."""
+loopback (no vLLM): pull, overlapped push, P failing; and the hardening of
+issue 12: one trace id per request, ``traceparent`` to P and D, the body
+limit, field checks before the prefill, client disconnects, one retry on a
+stale pooled connection, the API key."""
 
 from __future__ import annotations
 
@@ -85,6 +88,8 @@ class Fake:
     def __init__(self, answer: Callable[[BaseHTTPRequestHandler, dict], None]) -> None:
         self.answer = answer
         self.requests: list[dict] = []
+        self.gets: list[dict] = []  # GET path and headers
+        self.api_key: str | None = None  # when set, GET /v1/models needs it (as vLLM --api-key)
         self.got_request = threading.Event()
         self.release = threading.Event()  # ends any answer that waits
         fake = self
@@ -94,7 +99,11 @@ class Fake:
                 pass
 
             def do_GET(self) -> None:
-                if self.path == "/v1/models":
+                fake.gets.append({"path": self.path, "headers": dict(self.headers)})
+                if self.path == "/v1/models" and fake.api_key and (
+                        self.headers.get("Authorization") != f"Bearer {fake.api_key}"):
+                    send_json(self, 401, {"error": "Unauthorized"})
+                elif self.path == "/v1/models":
                     send_json(self, 200, {"data": [{"id": "fake-model"}]})
                 else:
                     send_json(self, 200, {})
@@ -108,7 +117,7 @@ class Fake:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
@@ -335,3 +344,346 @@ def test_overlapped_prefill_failure_mid_stream_ends_with_sse_error(tmp_path, rec
     (root,) = recorder.roots
     assert root[4] == "failed" and root[5]["http.response.status_code"] == 500
     assert "kvlens.ttft_s" not in root[5]
+
+
+# ------------------------------------------------- issue 12: isolation
+def _post(url: str, body: dict, headers: dict | None = None, path: str = "/v1/completions",
+          timeout: float = 20) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=headers or {}, timeout=timeout, trust_env=False)
+
+
+def p_echo_id(h: BaseHTTPRequestHandler, body: dict) -> None:
+    """P whose kv_transfer_params name the request id it was sent (as vLLM's do)."""
+    rid = h.headers["X-Request-Id"]
+    send_json(h, 200, {"choices": [{"index": 0, "text": "A"}],
+                       "kv_transfer_params": {**P_KV, "remote_request_id": f"cmpl-{rid}-0-1234abcd"}})
+
+
+def d_echo(h: BaseHTTPRequestHandler, body: dict) -> None:
+    """D answering with the prompt it got (so each client can check it got its own answer)."""
+    send_json(h, 200, {"choices": [{"index": 0, "text": f"echo {body['prompt']}"}]})
+
+
+@pytest.mark.parametrize("mode,dispatch,how", [("pull", "sequential", "x-request-id"),
+                                               ("push", "overlapped", "traceparent")])
+def test_concurrent_requests_with_one_client_id_get_distinct_ids(tmp_path, recorder, mode, dispatch, how):
+    """Two requests in flight at once with the same client id: P and D see
+    two different request ids (never one shared vLLM request id / KV), each
+    client gets its own answer and the id actually used."""
+    both_at_p = threading.Barrier(2, timeout=10)
+
+    def p_waits_for_both(h, body):
+        both_at_p.wait()  # BrokenBarrierError (a 500) unless both are at P at once
+        p_echo_id(h, body)
+
+    hdr = {"X-Request-Id": TID} if how == "x-request-id" else {"traceparent": f"00-{TID}-b7ad6b7169203331-01"}
+    with pair(p_waits_for_both, d_echo) as (p, d), router(cfg := _cfg(p, d, mode, dispatch, tmp_path)) as url:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            rs = list(pool.map(lambda prompt: _post(url, {"prompt": prompt, "max_tokens": 3}, hdr), ["one", "two"]))
+    assert [r.status_code for r in rs] == [200, 200]
+    assert [r.json()["choices"][0]["text"] for r in rs] == ["echo one", "echo two"]
+    used = [r.headers["x-request-id"] for r in rs]
+    assert len(set(used)) == 2 and TID in used
+    p_ids = {req["body"]["prompt"]: req["headers"]["X-Request-Id"] for req in p.requests}
+    d_ids = {req["body"]["prompt"]: req["headers"]["X-Request-Id"] for req in d.requests}
+    assert p_ids == d_ids == {"one": used[0], "two": used[1]}
+    remote = {req["body"]["kv_transfer_params"]["remote_request_id"] for req in d.requests}
+    assert len(remote) == 2
+    if mode == "push":
+        assert remote == {proxy.overlapped_d_params(cfg, "/v1/completions", u)["remote_request_id"] for u in used}
+    roots = {r[0]: r for r in recorder.roots}
+    assert set(roots) == set(used)
+    fresh = next(u for u in used if u != TID)
+    assert roots[TID][1] == (0xB7AD6B7169203331 if how == "traceparent" else None)
+    assert roots[fresh][1] is None  # the client's parent span belongs to another trace
+    key = "kvlens.client.request_id" if how == "x-request-id" else "kvlens.client.trace_id"
+    assert roots[fresh][5][key] == TID and key not in roots[TID][5]
+
+
+def test_client_id_reused_after_the_request_ended_is_not_reused(tmp_path, recorder):
+    """P may still hold an ended request's KV (push waiting for registration,
+    lease): an id is not given out again within the reuse window."""
+    with pair(p_echo_id, d_echo) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
+        first = _post(url, {"prompt": "a", "max_tokens": 3}, {"X-Request-Id": TID})
+        second = _post(url, {"prompt": "b", "max_tokens": 3}, {"X-Request-Id": TID})
+        other = _post(url, {"prompt": "c", "max_tokens": 3}, {"X-Request-Id": "my-own-id-7"})
+    assert first.headers["x-request-id"] == TID and second.headers["x-request-id"] != TID
+    assert len({req["headers"]["X-Request-Id"] for req in p.requests}) == 3
+    assert recorder.roots[2][5]["kvlens.client.request_id"] == "my-own-id-7"
+
+
+def test_trace_ids_registry_window():
+    from kvlens.proxy.isolation import TraceIds
+
+    reg = TraceIds(reuse_window_s=0.2)
+    tid, parent, attrs = reg.claim({"x-request-id": TID})
+    assert (tid, parent, attrs) == (TID, None, {})
+    assert reg.claim({"x-request-id": TID})[0] != TID  # in flight
+    reg.release(TID)
+    assert reg.taken(TID)
+    time.sleep(0.3)
+    assert not reg.taken(TID) and reg.claim({"x-request-id": TID})[0] == TID
+    small = TraceIds(reuse_window_s=60, max_remembered=2)
+    for t in ("1" * 32, "2" * 32, "3" * 32):
+        small.claim({"x-request-id": t})
+        small.release(t)
+    assert not small.taken("1" * 32) and small.taken("3" * 32)
+
+
+# ------------------------------------------------ issue 12: traceparent
+def test_traceparent_of_the_root_span_reaches_p_and_d(tmp_path, recorder):
+    with pair(p_ok) as (p, d), router(_cfg(p, d, "push", "overlapped", tmp_path)) as url:
+        r = _post(url, {"prompt": "hi", "max_tokens": 3}, {"X-Request-Id": TID})
+    assert r.status_code == 200
+    want = f"00-{TID}-{ids.span_hex(ids.root_span_id(int(TID, 16)))}-01"
+    assert p.requests[0]["headers"]["traceparent"] == want == d.requests[0]["headers"]["traceparent"]
+    assert ids.parse_traceparent(want) == (TID, ids.root_span_id(int(TID, 16)))
+
+
+# --------------------------------------------- issue 12: what is refused
+def test_body_over_the_limit_is_413_before_any_upstream_call(tmp_path, recorder):
+    big = json.dumps({"prompt": "x" * 5000, "max_tokens": 3}).encode()
+
+    def chunked():
+        for i in range(0, len(big), 500):
+            yield big[i:i + 500]
+
+    with pair(p_ok) as (p, d):
+        cfg = _cfg(p, d, "pull", "sequential", tmp_path)
+        cfg.max_body_bytes = 2000
+        with router(cfg) as url:
+            declared = httpx.post(url + "/v1/completions", content=big, headers={"X-Request-Id": TID},
+                                  timeout=20, trust_env=False)
+            streamed = httpx.post(url + "/v1/completions", content=chunked(), timeout=20, trust_env=False)
+            ok = _post(url, {"prompt": "x" * 100, "max_tokens": 3})
+    for r in (declared, streamed):
+        assert r.status_code == 413 and r.headers["x-request-id"]
+        err = r.json()["error"]
+        assert err["code"] == 413 and "2000 bytes" in err["message"] and err["type"] == "invalid_request_error"
+    assert declared.headers["x-request-id"] == TID
+    assert ok.status_code == 200 and len(p.requests) == 1 and len(d.requests) == 1
+    assert [r[5]["http.response.status_code"] for r in recorder.roots] == [413, 413, 200]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": "abc"}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"prompt": "hi", "stream": "yes"}, "stream"),
+    ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "hi", "max_tokens": 3, "min_tokens": 9}, "min_tokens"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": {"text": "hi"}}, "prompt"),
+])
+def test_bad_fields_are_400_naming_the_field_without_a_prefill(tmp_path, recorder, body, field):
+    with pair(p_ok) as (p, d), router(_cfg(p, d, "push", "overlapped", tmp_path)) as url:
+        r = _post(url, body, {"X-Request-Id": TID})
+    assert r.status_code == 400 and r.headers["x-request-id"] == TID
+    err = r.json()["error"]
+    assert err["param"] == field and f"`{field}`" in err["message"]
+    assert not p.requests and not d.requests and not [g for g in d.gets if g["path"] == "/v1/models"]
+    assert recorder.roots[0][4] == "failed" and recorder.roots[0][5]["kvlens.error"] == err["message"]
+
+
+@pytest.mark.parametrize("body", [{"messages": []}, {"messages": "hi"}, {"messages": ["hi"]}, {"prompt": "hi"}])
+def test_chat_needs_a_list_of_messages(tmp_path, recorder, body):
+    with pair(p_ok) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
+        r = _post(url, body, path="/v1/chat/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and not p.requests
+
+
+def test_valid_edge_values_pass(tmp_path, recorder):
+    with pair(p_ok) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
+        rs = [_post(url, {"prompt": [1, 2, 3], "max_tokens": None, "stream": None, "min_tokens": 0}),
+              _post(url, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4},
+                    path="/v1/chat/completions")]
+    assert [r.status_code for r in rs] == [200, 200] and len(p.requests) == 2
+
+
+# ------------------------------------------- issue 12: client went away
+def _hangs_up_noted(noted: threading.Event):
+    def answer(h, body):
+        if wait_for_hang_up(h):
+            noted.set()
+    return answer
+
+
+def _root_when_recorded(recorder: FakeRecorder, n: int = 1) -> tuple:
+    deadline = time.monotonic() + 10
+    while len(recorder.roots) < n:
+        assert time.monotonic() < deadline, "no root span recorded"
+        time.sleep(0.02)
+    return recorder.roots[n - 1]
+
+
+@pytest.mark.parametrize("mode,dispatch,waiting", [("pull", "sequential", "P"), ("pull", "sequential", "D"),
+                                                   ("push", "overlapped", "both")])
+def test_non_streaming_client_disconnect_cancels_p_and_d(tmp_path, recorder, mode, dispatch, waiting):
+    p_gone, d_gone = threading.Event(), threading.Event()
+    p_answer = _hangs_up_noted(p_gone) if waiting in ("P", "both") else p_ok
+    d_answer = _hangs_up_noted(d_gone) if waiting in ("D", "both") else d_answers
+    with pair(p_answer, d_answer) as (p, d), router(_cfg(p, d, mode, dispatch, tmp_path)) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
+                       headers={"X-Request-Id": TID}, timeout=httpx.Timeout(20, read=0.5), trust_env=False)
+        if waiting in ("P", "both"):
+            assert p_gone.wait(10), "the router kept P's call open after the client left"
+        if waiting in ("D", "both"):
+            assert d_gone.wait(10), "the router kept D's call open after the client left"
+        root = _root_when_recorded(recorder)
+    assert root[0] == TID and root[4] == "failed"
+    assert root[5]["http.response.status_code"] == 499 and root[5]["kvlens.error"] == "client disconnected"
+
+
+def test_streaming_client_disconnect_cancels_d(tmp_path, recorder):
+    d_gone = threading.Event()
+
+    def d_one_event_then_wait(h, body):
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.end_headers()
+        h.wfile.write(b'data: {"choices":[{"index":0,"text":"hello"}]}\n\n')
+        h.wfile.flush()
+        if wait_for_hang_up(h):
+            d_gone.set()
+
+    with pair(p_ok, d_one_event_then_wait) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True},
+                          headers={"X-Request-Id": TID}, timeout=20, trust_env=False) as r:
+            assert b"hello" in next(r.iter_raw())
+        assert d_gone.wait(10)
+        root = _root_when_recorded(recorder)
+    assert root[4] == "failed" and root[5]["http.response.status_code"] == 499
+    assert root[5]["kvlens.error"] == "client disconnected" and 0 < root[5]["kvlens.ttft_s"] < 20
+
+
+# ---------------------------------------- issue 12: stale pooled connection
+class KeepAliveFake(Fake):
+    """A P speaking HTTP/1.1 keep-alive whose connections each answer
+    ``served`` requests; the next one on the same connection is read and the
+    connection closed without an answer: what a request meets when it is
+    sent on a pooled connection the server is closing for idleness."""
+
+    def __init__(self, served: int, cut: bool = False) -> None:
+        super().__init__(p_ok)
+        fake, base = self, self.server.RequestHandlerClass
+
+        class Handler(base):
+            protocol_version = "HTTP/1.1"
+            count = 0
+
+            def do_POST(self) -> None:
+                self.count += 1
+                if self.count > served:
+                    self.rfile.read(int(self.headers["Content-Length"]))
+                    fake.requests.append({"dropped": True})
+                    self.close_connection = True
+                    if cut:  # the answer begins, then the connection breaks: it was seen
+                        self.send_response(200)
+                        self.send_header("Content-Length", "100")
+                        self.end_headers()
+                        self.wfile.write(b'{"choices"')
+                    return
+                super().do_POST()
+
+        self.server.RequestHandlerClass = Handler
+
+
+@pytest.mark.parametrize("served,expect,cut", [(1, 200, False), (0, 502, False), (1, 502, True)],
+                         ids=["pooled-retried", "fresh-not-retried", "answer-cut-not-retried"])
+def test_retry_only_on_a_stale_pooled_connection(tmp_path, recorder, served, expect, cut):
+    p, d = KeepAliveFake(served, cut), Fake(d_answers)
+    try:
+        with router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
+            first = _post(url, {"prompt": "a", "max_tokens": 3})
+            second = _post(url, {"prompt": "b", "max_tokens": 3})
+    finally:
+        p.close()
+        d.close()
+    if cut:  # 2nd: P began answering on the pooled connection, then broke: no second prefill
+        assert (first.status_code, second.status_code) == (200, expect)
+        assert [("dropped" in r) for r in p.requests] == [False, True]
+    elif served:  # 1st ok; 2nd dropped on the pooled connection, then answered on a new one
+        assert (first.status_code, second.status_code) == (200, 200)
+        assert [("dropped" in r) for r in p.requests] == [False, True, False]
+    else:  # dropped on a connection opened for it: the server may have seen it, no retry
+        assert (first.status_code, second.status_code) == (expect, expect)
+        assert len(p.requests) == 2 and all("dropped" in r for r in p.requests)
+        assert first.json()["error"]["upstream"] == "prefill"
+
+
+def test_retry_rule():
+    from kvlens.proxy.retry import safe_to_retry
+
+    req = httpx.Request("POST", "http://p/v1/completions")
+    assert safe_to_retry(httpx.ConnectError("refused", request=req), new_connection=True)
+    for exc in (httpx.RemoteProtocolError("gone", request=req), httpx.ReadError("reset", request=req)):
+        assert safe_to_retry(exc, new_connection=False) and not safe_to_retry(exc, new_connection=True)
+    for exc in (httpx.ReadTimeout("slow", request=req), httpx.ConnectTimeout("slow", request=req)):
+        assert not safe_to_retry(exc, new_connection=False)
+    # the answer had begun (a body cut short): the server saw the request
+    assert not safe_to_retry(httpx.ReadError("reset", request=req), new_connection=False, answered=True)
+
+
+# ------------------------------------------------------- issue 12: API key
+def test_without_router_key_the_clients_authorization_reaches_every_call(tmp_path, recorder):
+    with pair(p_ok) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
+        d.api_key = "sk-d"
+        auth = {"Authorization": "Bearer sk-d"}
+        models = httpx.get(url + "/v1/models", headers=auth, timeout=20, trust_env=False)
+        denied = httpx.get(url + "/v1/models", timeout=20, trust_env=False)
+        r = _post(url, {"prompt": "hi", "max_tokens": 3}, auth)
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
+    assert denied.status_code == 401  # D's own answer, passed on
+    assert r.status_code == 200 and d.requests[0]["body"]["model"] == "fake-model"
+    assert p.requests[0]["headers"]["Authorization"] == d.requests[0]["headers"]["Authorization"] == "Bearer sk-d"
+
+
+def test_router_key_is_required_and_sent_upstream(tmp_path, recorder):
+    with pair(p_ok) as (p, d):
+        d.api_key = "sk-1"
+        cfg = _cfg(p, d, "pull", "sequential", tmp_path)
+        cfg.api_key = "sk-1"
+        with router(cfg) as url:
+            body = {"prompt": "hi", "max_tokens": 3}
+            refused = [_post(url, body), _post(url, body, {"Authorization": "Bearer nope"}),
+                       httpx.get(url + "/v1/models", timeout=20, trust_env=False)]
+            ok = _post(url, body, {"Authorization": "Bearer sk-1"})
+            models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-1"}, timeout=20,
+                               trust_env=False)
+            health = httpx.get(url + "/health", timeout=20, trust_env=False)
+    assert [r.status_code for r in refused] == [401, 401, 401]
+    assert refused[0].json()["error"]["type"] == "authentication_error"
+    assert ok.status_code == 200 and models.status_code == 200 and health.status_code == 200
+    assert len(p.requests) == 1 and p.requests[0]["headers"]["Authorization"] == "Bearer sk-1"
+    assert len(recorder.roots) == 1  # refused requests cost no span
+
+
+def test_open_host_without_key_warns_once(caplog):
+    from kvlens.proxy.cli import warn_if_open
+
+    with caplog.at_level("WARNING", logger="kvlens.proxy"):
+        assert warn_if_open("0.0.0.0", None)
+        assert not warn_if_open("0.0.0.0", "sk") and not warn_if_open("127.0.0.1", None)
+        assert not warn_if_open("localhost", None) and not warn_if_open("::1", None)
+    assert len([r for r in caplog.records if "without an API key" in r.getMessage()]) == 1
+
+
+def test_api_key_from_flag_then_env(monkeypatch):
+    import argparse
+
+    from kvlens.proxy import cli
+
+    monkeypatch.delenv("KVLENS_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert cli.api_key(argparse.Namespace(api_key=None)) == "from-vllm"
+    monkeypatch.setenv("KVLENS_API_KEY", "from-kvlens")
+    assert cli.api_key(argparse.Namespace(api_key=None)) == "from-kvlens"
+    assert cli.api_key(argparse.Namespace(api_key="flag")) == "flag"

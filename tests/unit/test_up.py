@@ -111,3 +111,47 @@ def test_stop_children_stops_the_whole_process_group(tmp_path):
     except (ProcessLookupError, FileNotFoundError):
         gone = True
     assert gone, "the grandchild outlived its process group"
+
+
+# ------------------------------------------------ issue 12: flag checks
+@pytest.mark.parametrize("flag,value", [
+    ("--port", "70000"), ("--port", "-1"), ("--port", "http"), ("--prefill-port", "65536"),
+    ("--decode-port", "-80"), ("--prometheus-port", "0"), ("--timeout", "-5"), ("--timeout", "0"),
+    ("--timeout", "inf"), ("--timeout", "nan"), ("--kv-lease", "0"), ("--kv-lease", "1.5"),
+    ("--push-registration-timeout", "-1"),
+])
+def test_up_bad_numbers_are_usage_errors(capsys, flag, value):
+    from kvlens.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["up", "--mode", "push", f"{flag}={value}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"kvlens up: error: argument {flag}:")
+
+
+def test_up_warns_when_open_beyond_loopback(capsys, monkeypatch):
+    from kvlens import up
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.delenv("KVLENS_API_KEY", raising=False)
+    up._warn_if_open("127.0.0.1")
+    assert capsys.readouterr().err == ""
+    up._warn_if_open("0.0.0.0")
+    assert "warning: --host 0.0.0.0 without VLLM_API_KEY" in capsys.readouterr().err
+    monkeypatch.setenv("VLLM_API_KEY", "k")
+    up._warn_if_open("0.0.0.0")
+    assert capsys.readouterr().err == ""
+
+
+def test_port_arg_and_loopback():
+    import argparse
+
+    from kvlens.stack.ports import is_loopback, port_arg
+
+    assert port_arg()("8000") == 8000 and port_arg(allow_zero=True)("0") == 0
+    for bad in ("0", "65536", "x", "8e3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            port_arg()(bad)
+    assert all(map(is_loopback, ["127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"]))
+    assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "example.com", ""]))

@@ -1,0 +1,122 @@
+"""What the router checks before it spends anything on P or D: the API key,
+the body's size, that it is a JSON object, and the few fields the router
+itself relies on. A failed check is a :class:`Refused` (4xx, OpenAI-style
+JSON error naming the field).
+
+Why these fields and no others: P gets a rewritten copy of the body
+(:func:`kvlens.proxy.bodies.prefill_body`: ``max_tokens=1``, ``stream=false``,
+no ``min_tokens`` / ``stream_options``), so vLLM on P never sees the
+client's values of those fields; only D would reject them, after P has
+spent a full prefill. ``stream`` also decides how the router relays the
+answer, and ``prompt`` / ``messages`` are checked so that a body without
+them costs nothing. Everything else is vLLM's to validate.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import AsyncIterator, Mapping
+
+from fastapi.responses import JSONResponse
+
+
+class Refused(Exception):
+    """A request refused before any upstream call: ``status`` (4xx), a
+    message, the OpenAI error ``type`` and the offending ``param``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self, tid: str | None) -> JSONResponse:
+        """The client's answer; ``X-Request-Id`` when a trace id exists."""
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}},
+            status_code=self.status,
+            headers={"X-Request-Id": tid} if tid else None,
+        )
+
+
+# ------------------------------------------------------------------ API key
+def authorized(headers: Mapping[str, str], api_key: str | None) -> bool:
+    """True without a key, else when ``Authorization: Bearer <api_key>``
+    (constant-time comparison)."""
+    if api_key is None:
+        return True
+    got = (headers.get("authorization") or "").encode()
+    return hmac.compare_digest(got, f"Bearer {api_key}".encode())
+
+
+UNAUTHORIZED = Refused(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                       kind="authentication_error")
+
+
+# --------------------------------------------------------------------- body
+async def read_limited(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit``
+    bytes: from ``Content-Length`` before reading anything, else while
+    reading (nothing past ``limit`` plus one chunk is kept)."""
+    declared = (headers.get("content-length") or "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    buf = bytearray()
+    async for chunk in chunks:
+        buf += chunk
+        if len(buf) > limit:
+            raise too_large(limit)
+    return bytes(buf)
+
+
+def too_large(limit: int) -> Refused:
+    return Refused(413, f"request body larger than the router's limit of {limit} bytes (kvlens proxy --max-body-mb)")
+
+
+def parse_object(raw: bytes) -> dict:
+    """The body as a JSON object, else 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Refused(400, f"invalid JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise Refused(400, "invalid JSON body: must be a JSON object")
+    return body
+
+
+# ------------------------------------------------------------------- fields
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _positive_int(body: dict, name: str) -> None:
+    v = body.get(name)
+    if v is not None and not (_is_int(v) and v > 0):
+        raise Refused(400, f"`{name}` must be a positive integer, got {json.dumps(v)[:40]}", name)
+
+
+def check_fields(body: dict, endpoint: str) -> None:
+    """400 naming the first bad field the router relies on (module docstring)."""
+    for name in ("max_tokens", "max_completion_tokens"):
+        _positive_int(body, name)
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise Refused(400, "`stream` must be true or false", "stream")
+    mt = body.get("min_tokens")
+    if mt is not None and not (_is_int(mt) and mt >= 0):
+        raise Refused(400, "`min_tokens` must be an integer >= 0", "min_tokens")
+    cap = body.get("max_completion_tokens") or body.get("max_tokens")
+    if mt is not None and cap is not None and mt > cap:
+        raise Refused(400, f"`min_tokens` ({mt}) must not exceed the maximum tokens ({cap})", "min_tokens")
+    so = body.get("stream_options")
+    if so is not None and (not isinstance(so, dict) or (so and not body.get("stream"))):
+        raise Refused(400, "`stream_options` must be an object, and only with `stream: true`", "stream_options")
+    if endpoint.endswith("chat/completions"):
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise Refused(400, "`messages` must be a non-empty list of message objects", "messages")
+        return
+    prompt = body.get("prompt")
+    if prompt is None and body.get("prompt_embeds") is None:
+        raise Refused(400, "`prompt` is required", "prompt")
+    if prompt is not None and not isinstance(prompt, (str, list)):
+        raise Refused(400, "`prompt` must be a string or a list", "prompt")

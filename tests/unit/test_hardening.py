@@ -1,0 +1,174 @@
+"""Issue 12, processes: a stack's children never outlive their supervisor
+(``kvlens.stack.supervise``: the guard with a parent-death signal that stops
+the child's whole process group), and SIGHUP unwinds like SIGTERM
+(``kvlens.signals``). Real small processes, checked through /proc; every
+wait polls (generous deadlines only so that a failure cannot hang)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlens.stack.supervise import Child, stop_children
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process semantics (/proc, prctl)")
+
+#: A server stand-in: starts a grandchild (same process group, as vLLM's
+#: EngineCore), writes "<own pid> <grandchild pid>" to argv[1], sleeps.
+SERVER = (
+    "import os, subprocess, sys, time\n"
+    "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+    "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getpid()} {g.pid}')\n"
+    "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
+    "time.sleep(300)\n"
+)
+
+#: A supervisor: starts one guarded SERVER (from a thread that then ends
+#: when argv[2] == "thread"), writes the guard's pid, sleeps until killed;
+#: with argv[2] == "signals" it runs kvlens up's shutdown path instead.
+SUPERVISOR = r"""
+import os, signal, sys, threading, time
+from pathlib import Path
+from kvlens.signals import sigterm_as_interrupt
+from kvlens.stack.supervise import Child, signals_ignored, stop_children
+out, how = Path(sys.argv[1]), sys.argv[2]
+c = Child("server", [sys.executable, "-c", sys.argv[3], str(out / "pids")], dict(os.environ), out / "server.log",
+          "http://127.0.0.1:1")
+if how == "thread":
+    t = threading.Thread(target=c.start)
+    t.start()
+    t.join()
+else:
+    c.start()
+(out / "guard").write_text(str(c.proc.pid))
+if how == "nohup":
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+if how in ("signals", "nohup"):
+    with sigterm_as_interrupt():
+        try:
+            print("ready", flush=True)
+            time.sleep(300)
+        except KeyboardInterrupt as e:
+            print("stopping on", e, flush=True)
+        finally:
+            with signals_ignored():
+                stop_children([c], grace_s=10)
+            print("stopped", flush=True)
+    sys.exit(0)
+time.sleep(300)
+"""
+
+
+def gone(pid: int) -> bool:
+    """No such process, or a zombie (dead, its exit status not collected)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def wait_until(cond, what: str, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def start_supervisor(tmp_path: Path, how: str) -> tuple[subprocess.Popen, list[int]]:
+    """The supervisor process and [guard, server, grandchild] pids."""
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path), how, SERVER], cwd=REPO,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    pids = tmp_path / "pids"
+    wait_until(lambda: pids.exists() or sup.poll() is not None, "the server never started")
+    assert sup.poll() is None, sup.stdout.read()
+    wait_until(lambda: (tmp_path / "guard").exists(), "no guard pid")
+    server, grandchild = map(int, pids.read_text().split())
+    return sup, [int((tmp_path / "guard").read_text()), server, grandchild]
+
+
+def _kill(sup: subprocess.Popen, tree: list[int]) -> None:
+    for pid in [sup.pid, *tree]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    sup.wait(10)
+
+
+@pytest.mark.parametrize("how", ["main", "thread"])
+def test_sigkilled_supervisor_leaves_no_child_or_grandchild(tmp_path, how):
+    sup, tree = start_supervisor(tmp_path, how)
+    try:
+        if how == "thread":  # the starting thread ended: the server must live on
+            time.sleep(0.5)
+            assert not any(gone(p) for p in tree), "a thread's end stopped the server"
+        sup.kill()  # SIGKILL: no finally, no handler runs in the supervisor
+        sup.wait(10)
+        wait_until(lambda: all(gone(p) for p in tree),
+                   f"left behind: {[p for p in tree if not gone(p)]} (guard, server, grandchild)")
+    finally:
+        _kill(sup, tree)
+
+
+def test_sighup_stops_the_supervisor_cleanly(tmp_path):
+    sup, tree = start_supervisor(tmp_path, "signals")
+    try:
+        assert sup.stdout.readline().strip() == "ready"
+        sup.send_signal(signal.SIGHUP)
+        out, _ = sup.communicate(timeout=60)
+        assert sup.returncode == 0, out
+        assert "stopping on SIGHUP" in out and "stopped" in out
+        wait_until(lambda: all(gone(p) for p in tree), "stop_children left processes behind")
+    finally:
+        _kill(sup, tree)
+
+
+def test_sighup_ignored_at_start_stays_ignored(tmp_path):
+    """``nohup kvlens up``: the user asked to survive a closed terminal."""
+    sup, tree = start_supervisor(tmp_path, "nohup")
+    try:
+        assert sup.stdout.readline().strip() == "ready"
+        sup.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert sup.poll() is None and not any(gone(p) for p in tree)
+        sup.send_signal(signal.SIGTERM)
+        out, _ = sup.communicate(timeout=60)
+        assert sup.returncode == 0 and "stopping on SIGTERM" in out
+    finally:
+        _kill(sup, tree)
+
+
+def _child(tmp_path: Path, code: str) -> Child:
+    c = Child("c", [sys.executable, "-c", code], dict(os.environ), tmp_path / "c.log", "http://127.0.0.1:1")
+    c.start()
+    return c
+
+
+def test_guard_passes_on_the_exit_status(tmp_path):
+    c = _child(tmp_path, "import sys; print('bye'); sys.exit(3)")
+    assert c.proc.wait(30) == 3 and "bye" in c.log.read_text()
+    c = _child(tmp_path, "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert c.proc.wait(30) == -signal.SIGKILL
+    with pytest.raises(FileNotFoundError, match="no-such-binary"):
+        Child("x", ["no-such-binary-kvlens"], dict(os.environ), tmp_path / "x.log", "http://127.0.0.1:1").start()
+
+
+def test_guard_forwards_signals_from_others_not_from_its_supervisor(tmp_path):
+    ready = tmp_path / "ready"
+    c = _child(tmp_path, f"import time; open({str(ready)!r}, 'w').close(); time.sleep(300)")
+    try:
+        wait_until(ready.exists, "child did not start")
+        os.kill(c.proc.pid, signal.SIGTERM)  # from the supervisor: it signals groups, not the guard alone
+        time.sleep(0.3)
+        assert c.alive()
+        subprocess.run(["kill", "-TERM", str(c.proc.pid)], check=True)  # from someone else: passed on
+        assert c.proc.wait(30) == -signal.SIGTERM
+    finally:
+        stop_children([c], grace_s=2)
