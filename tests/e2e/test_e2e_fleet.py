@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import FLEET_CLOCK_SHIFT_S
 from exporters import store
+from instrumented_connector.ids import root_span_id, span_hex
 
 pytestmark = pytest.mark.e2e
 
@@ -61,7 +62,7 @@ def _settled(db, ids, timeout=90.0):
 
 
 def _metric(url: str, name: str, **labels) -> float | None:
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = httpx.get(url + "/metrics", timeout=10, follow_redirects=True).text  # the router mounts /metrics/
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
@@ -123,10 +124,21 @@ def _check_fleet(stack, mode: str) -> None:
     width = _metric(murl, "kvlens_clock_offset_width_seconds", p_engine="p0", d_engine="d0")
     assert off is not None and off - width / 2 - EPS <= shift <= off + width / 2 + EPS
 
-    # vLLM's own request spans joined the same traces (router's traceparent)
+    # vLLM's own request spans joined the same traces (router's traceparent);
+    # vLLM exports them in 5 s batches, so wait for them
+    deadline = time.monotonic() + 60
+    while True:
+        with store.reading(stack.store_path) as conn:
+            spans = store.spans_for(conn, ids)
+        counts = {t: [sp["name"] for sp in spans[t]].count("llm_request") for t in ids}
+        if all(n >= 2 for n in counts.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert all(n == 2 for n in counts.values()), counts  # one from P's vLLM, one from D's
     for t in ids:
-        names = [sp["name"] for sp in spans[t]]
-        assert names.count("llm_request") >= 2, (t, names)
+        vllm_spans = [sp for sp in spans[t] if sp["name"] == "llm_request"]
+        root = span_hex(root_span_id(int(t, 16)))  # the router's root span
+        assert [sp["parent_id"] for sp in vllm_spans] == [root, root], (t, vllm_spans)
 
 
 def test_three_hosts_push_collector_process_d_clock_ahead(fleet_push_stack):
