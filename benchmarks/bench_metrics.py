@@ -27,6 +27,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_lates
 
 from exporters.metrics import PhaseMetricsProcessor
 from instrumented_connector import semconv as sc
+from instrumented_connector.recorder import DropReason
 
 
 class _Keep(SpanExporter):
@@ -99,7 +100,8 @@ def full_registry() -> tuple[CollectorRegistry, int]:
         for reason in ("missing", "overflow", "no_store"):
             fam.child(fam.unresolved, (m, reason)).inc()
     for r in roles:
-        fam.child(fam.dropped, (r,)).inc()
+        for reason in [d.value for d in DropReason] + [sc.OTHER]:
+            fam.child(fam.dropped, (r, reason)).inc()
     n = sum(len(mf.samples) for mf in reg.collect())
     return reg, n
 

@@ -5,6 +5,19 @@ Run it with ``kvlens dashboard [--store PATH] [--prometheus URL]``, or
 directly: ``streamlit run dashboard/app.py -- --store PATH`` (the packages
 come from the editable install, ``make setup``).
 
+Streamlit reads its settings from ``.streamlit/config.toml`` in the
+*current working directory* (then ``~/.streamlit/config.toml``). The
+repository's ``.streamlit/config.toml`` binds loopback only (127.0.0.1),
+shows no tracebacks or exception text in the page
+(``client.showErrorDetails = "none"``), runs headless and sends no usage
+statistics; so run ``streamlit run dashboard/app.py`` from the repository
+root, or pass the same settings as flags (``--server.address 127.0.0.1
+--client.showErrorDetails none``): started from elsewhere, Streamlit binds
+every interface and shows full tracebacks. ``kvlens dashboard`` does not
+depend on the directory it is started from: it runs Streamlit from the
+repository root and passes these settings as flags, which win over any
+file.
+
 This file is the entry only: the page navigation and the sidebar. Each page
 is a module in ``dashboard/pages/``; loads go through the cached loaders of
 ``dashboard/loaders.py`` (over ``data.py`` and ``prom.py``), charts are in

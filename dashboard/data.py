@@ -132,6 +132,7 @@ class ModeStats:
     tpot_mean: float | None = None
     outcomes: dict[str, float] = field(default_factory=dict)
     dropped: float | None = None
+    dropped_by_reason: dict[str, float] = field(default_factory=dict)  # reason -> spans lost (Prometheus)
 
 
 def _q(s: pd.Series, q: float) -> float | None:

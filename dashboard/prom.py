@@ -62,7 +62,15 @@ def _one(res: Sequence[tuple[dict, float]]) -> float | None:
     return res[0][1] if res else None
 
 
-def _mode_stats(q: Query, mode: str, w: str, dropped: float | None) -> D.ModeStats:
+def _dropped(q: Query, w: str) -> tuple[float | None, dict[str, float]]:
+    """Spans kvlens lost over ``w`` in every process: (total, by reason).
+    ``kvlens_telemetry_dropped_total`` is labelled by role and reason, not mode."""
+    by = {labels.get("reason", sc.OTHER): v
+          for labels, v in q(f"sum by (reason) (increase(kvlens_telemetry_dropped_total[{w}]))")}
+    return (sum(by.values()) if by else None), {k: v for k, v in by.items() if v > 0}
+
+
+def _mode_stats(q: Query, mode: str, w: str, dropped: tuple[float | None, dict[str, float]]) -> D.ModeStats:
     """Handoff / TTFT quantiles, request rate and outcomes of one mode over ``w``."""
     st = D.ModeStats(mode=mode)
     hb = selector("kvlens_handoff_seconds_bucket", mode=mode)
@@ -81,7 +89,7 @@ def _mode_stats(q: Query, mode: str, w: str, dropped: float | None) -> D.ModeSta
     for labels, v in q(f"sum by (outcome) (increase({req}[{w}]))"):
         st.outcomes[labels.get("outcome", sc.OTHER)] = v
     st.requests = sum(st.outcomes.values())
-    st.dropped = dropped
+    st.dropped, st.dropped_by_reason = dropped[0], dict(dropped[1])
     return st
 
 
@@ -135,8 +143,8 @@ def prom_overview(
         def q(expr: str) -> list[tuple[dict[str, str], float]]:
             return prom_query(url, expr, client=c)
 
-        # labelled by role only (not mode): the same all-process total shows in both columns
-        dropped = _one(q(f"sum(increase(kvlens_telemetry_dropped_total[{w}]))"))
+        # labelled by role and reason (not mode): the same all-process figures show in both columns
+        dropped = _dropped(q, w)
         for mode in D.MODES:
             stats[mode] = _mode_stats(q, mode, w, dropped)
             phases += _mode_phases(q, mode, w)

@@ -27,7 +27,7 @@ VARIANT_KEYS = ("mode", "dispatch")
 CELL_KEYS = ("input_len", "output_len", "qps")
 #: Counts and figures (seconds; ``req_per_s`` in requests per second).
 FIGURE_KEYS = (
-    "num_prompts", "completed", "failed", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s",
+    "num_prompts", "completed", "failed", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_untimed",
     "handoff_p50_s", "handoff_p99_s", "req_per_s",
 )  # fmt: skip
 #: Keys every row has, in display order: the ``--json`` contract and the dashboard's bench table.

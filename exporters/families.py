@@ -26,6 +26,11 @@ BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))
 #: NIXL descriptors per request: 1 .. 65536 in powers of 2... of 4 past 64.
 DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
 
+_DROPPED_HELP = ("kvlens spans lost before reaching a sink, by reason: buffer_full (recorder buffer), queue_full "
+                 "(export queue), store (trace store locked or unwritable), export_failed (OTLP), shutdown "
+                 "(still queued at exit).")
+
+
 # ------------------------------------------------------------ metric families
 class _Families:
     """Metric families of one registry (created once per process and registry).
@@ -87,8 +92,7 @@ class _Families:
             registry=r, multiprocess_mode="livesum",
         )
         self.dropped = Counter(
-            "kvlens_telemetry_dropped",
-            "Telemetry events dropped by the kvlens recorder (buffer full).", ("role",), registry=r,
+            "kvlens_telemetry_dropped", _DROPPED_HELP, ("role", "reason"), registry=r,
         )
         self.lock = threading.Lock()
         self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child

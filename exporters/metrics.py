@@ -28,8 +28,10 @@ anything else becomes ``_OTHER``; request and trace ids are never labels)::
     kvlens_transfer_descriptors{mode,role}                    histogram (write/read.complete)
     kvlens_push_registrations_waiting                         gauge (P, push)
     kvlens_push_prefills_waiting                              gauge (P, push)
-    kvlens_telemetry_dropped_total{role}                      counter
-        # events the recorder dropped because its buffer was full
+    kvlens_telemetry_dropped_total{role,reason}               counter
+        # spans lost before a sink had them, reason buffer_full|queue_full|store|export_failed|shutdown
+        # (a span lost in two sinks counts once per sink):
+        # sum by (reason) (increase(kvlens_telemetry_dropped_total[1h]))
 
 Handoff
 -------
@@ -76,6 +78,7 @@ from exporters.handoff import HandoffResolver
 from instrumented_connector import config
 from instrumented_connector import semconv as sc
 from instrumented_connector.logutil import log_once
+from instrumented_connector.recorder import DropReason
 
 #: Where the handoff trigger runs (see :mod:`exporters.handoff`): router | decode | off.
 HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
@@ -109,24 +112,34 @@ def _num(v: Any) -> float | None:
 
 
 # ----------------------------------------------------------- dropped telemetry
-DroppedSource = Callable[[], "Mapping[str, int] | int"]
+DroppedSource = Callable[[], "Mapping[Any, int] | int"]
 _no_drops: DroppedSource = dict  # a processor given no source sees no drops
 _drop_override: DroppedSource | None = None
+_REASONS = _table(DropReason)
+_BUFFER_FULL = DropReason.BUFFER_FULL.value
 
 
 def set_dropped_source(fn: DroppedSource | None) -> None:
     """Override where every processor of this process reads drop counts from.
 
-    ``fn()`` returns a monotonic total (int, labelled ``role="_OTHER"``) or a
-    mapping role -> total; it is polled at most once a second from a
-    processor's ``on_end`` and ``kvlens_telemetry_dropped_total`` grows by
-    the delta. ``None`` removes the override: each processor reads its own
-    ``dropped_source`` again (:mod:`exporters.pipeline` passes
-    :func:`exporters.pipeline.dropped_counts`, every kvlens recorder of the
-    process).
+    ``fn()`` returns monotonic totals: a mapping (role, reason) -> total
+    (what :func:`exporters.pipeline.dropped_counts` gives), a mapping
+    role -> total (reason ``buffer_full``), or an int (role ``_OTHER``,
+    reason ``buffer_full``). It is polled at most once a second from a
+    processor's ``on_end``, and on flush and shutdown;
+    ``kvlens_telemetry_dropped_total`` grows by the delta. ``None`` removes
+    the override: each processor reads its own ``dropped_source`` again
+    (:mod:`exporters.pipeline` passes :func:`exporters.pipeline.dropped_counts`,
+    every kvlens recorder and span processor of the process).
     """
     global _drop_override
     _drop_override = fn
+
+
+def _drop_key(key: Any) -> tuple[str, str]:
+    """(role, reason) label values, closed, of one ``dropped_source`` key."""
+    role, reason = key if isinstance(key, tuple) and len(key) == 2 else (key, _BUFFER_FULL)
+    return _label(role, _ROLES, sc.Role), _label(reason, _REASONS, DropReason)
 
 
 # -------------------------------------------------------------- the processor
@@ -199,6 +212,10 @@ class PhaseMetricsProcessor(SpanProcessor):
 
     def shutdown(self) -> None:
         try:
+            self.sync_dropped()  # the losses counted at shutdown, before the process goes
+        except Exception as e:
+            log_once("metrics-dropped:" + type(e).__name__, "dropped-telemetry source failed (%s)", e)
+        try:
             self.handoff.flush(1.0)
             self.handoff.close()
         except Exception:
@@ -256,23 +273,23 @@ class PhaseMetricsProcessor(SpanProcessor):
             self.handoff.submit(format(span.context.trace_id, "032x"), mode)
 
     def sync_dropped(self) -> None:
-        """Add the recorders' new drops to ``kvlens_telemetry_dropped_total``."""
+        """Add the new losses of the drop source to ``kvlens_telemetry_dropped_total``."""
         fn = _drop_override or self._dropped_source
         src = fn()
         if isinstance(src, int):
-            src = {_OTHER: src}
+            src = {(_OTHER, _BUFFER_FULL): src}
         fam = self.fam
         with fam.lock:
             deltas = []
-            for role, total in src.items():
-                key = (fn, role)
-                last = fam.drop_seen.get(key, 0)
+            for key, total in src.items():
+                seen = (fn, key)
+                last = fam.drop_seen.get(seen, 0)
                 total = int(total)
                 if total > last:
-                    deltas.append((role, total - last))
-                    fam.drop_seen[key] = total
-        for role, delta in deltas:
-            fam.child(fam.dropped, (_label(role, _ROLES, sc.Role),)).inc(delta)
+                    deltas.append((key, total - last))
+                    fam.drop_seen[seen] = total
+        for key, delta in deltas:
+            fam.child(fam.dropped, _drop_key(key)).inc(delta)
 
 
 # ---------------------------------------------------------------- /metrics

@@ -4,16 +4,25 @@
   engine), what the connector and the router call.
 * :func:`provider_factory`: builds the OTel ``TracerProvider`` with
 
-  - the SQLite trace store (always, unless ``kvlens_store: off``):
-    BatchSpanProcessor with a bounded queue -> :class:`exporters.store.SQLiteSpanExporter`;
-  - OTLP/HTTP (the standard exporter) when ``OTEL_EXPORTER_OTLP_ENDPOINT`` /
+  - the SQLite trace store (always, unless ``kvlens_store: off``): a
+    :class:`exporters.batching.CountingBatchSpanProcessor` (bounded queue,
+    every loss counted) -> :class:`exporters.store.SQLiteSpanExporter`
+    (at most ``store_max_block_s`` per batch);
+  - OTLP/HTTP (the standard exporter, :data:`OTLP_TIMEOUT_S` per batch,
+    through the same counting processor) when ``OTEL_EXPORTER_OTLP_ENDPOINT`` /
     ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is set or the connector's
     ``kv_connector_extra_config`` names ``otlp_endpoint``;
   - span-derived Prometheus metrics (:mod:`exporters.metrics`) unless
     ``kvlens_metrics: off``.
 
-* :func:`dropped_counts`: events this process's recorders dropped, by role
-  (the source of ``kvlens_telemetry_dropped_total``).
+* :func:`dropped_counts`: spans this process lost, by (role, reason) (the
+  source of ``kvlens_telemetry_dropped_total{role,reason}``): the recorders'
+  full buffers and the processors' losses (queue full, store, export
+  failed, shutdown; :mod:`exporters.batching`).
+
+The provider is an :class:`exporters.batching.BoundedTracerProvider`, so the
+recorder's close at exit (flush and shutdown of every processor) is bounded
+(:data:`instrumented_connector.recorder.CLOSE_TIMEOUT_S`).
 
 Configuration is validated up front (:func:`config.validate_config`) so a typo
 fails at start-up with a clear message; everything after that is forgiving.
@@ -26,18 +35,19 @@ import threading
 from typing import Any, Callable, Mapping
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from exporters import store
+from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from exporters.metrics import PhaseMetricsProcessor
 from instrumented_connector.config import enabled, store_path, validate_config
 from instrumented_connector.ids import PinnedIdGenerator
 from instrumented_connector.logutil import log_once
-from instrumented_connector.recorder import DEFAULT_CAPACITY, Recorder
+from instrumented_connector.recorder import DEFAULT_CAPACITY, DropReason, Recorder
 
-#: Bounded SDK queue per exporter; spans beyond it are dropped by the SDK.
+#: Bounded queue per exporter; spans beyond it are dropped and counted (queue_full).
 MAX_QUEUE = 4096
+#: One OTLP export (every retry included) gives up after this long.
+OTLP_TIMEOUT_S = 3.0
 
 
 # ----------------------------------------------------------------- per process
@@ -60,7 +70,7 @@ def get_recorder(role: str, mode: str, engine_id: str | None = None,
     with _recorders_lock:
         r = _recorders.get(key)
         if r is None:
-            cfg = dict(config or {})
+            cfg = validate_config(dict(config or {}))
             r = Recorder(
                 role=role,
                 mode=mode,
@@ -72,37 +82,60 @@ def get_recorder(role: str, mode: str, engine_id: str | None = None,
     return r
 
 
-def dropped_counts() -> dict[str, int]:
-    """Events dropped (buffer full) by this process's recorders, by role.
+#: Every provider's loss counter, with its process and role (appended by
+#: ``build``; a provider lives as long as its process's recorder).
+_ledgers: list[tuple[int, str, LossCounter]] = []
 
-    Monotonic per role. Any thread; never blocks."""
-    out: dict[str, int] = {}
+
+def dropped_counts() -> dict[tuple[str, str], int]:
+    """Spans this process lost, by (role, reason) (:class:`DropReason` values):
+    ``buffer_full``, ``shutdown`` and ``export_failed`` (no span built) from
+    the recorders of :func:`get_recorder`,
+    the rest from every provider :func:`provider_factory` built here.
+
+    Monotonic per key. Any thread; never blocks on I/O."""
+    out: dict[tuple[str, str], int] = {}
     pid = os.getpid()
+
+    def add(role: str, reason: str, n: int) -> None:
+        if n:
+            out[(role, reason)] = out.get((role, reason), 0) + int(n)
+
     for key, r in list(_recorders.items()):
         if key[0] == pid:
-            out[r.role] = out.get(r.role, 0) + int(r.dropped)
+            add(r.role, DropReason.BUFFER_FULL.value, r.dropped)
+            add(r.role, DropReason.SHUTDOWN.value, r.shutdown_dropped)
+            add(r.role, DropReason.EXPORT_FAILED.value, r.failed_dropped)
+    for lpid, role, losses in list(_ledgers):
+        if lpid == pid:
+            for reason, n in losses.counts().items():
+                add(role, reason, n)
     return out
 
 
 # ------------------------------------------------------------------ provider
-def provider_factory(*, role: str, mode: str, engine_id: str | None,
-                     config: Mapping[str, Any]) -> Callable[[PinnedIdGenerator], TracerProvider]:
+def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Mapping[str, Any],
+                     store_max_block_s: float | None = None) -> Callable[[PinnedIdGenerator], BoundedTracerProvider]:
     """The recorder's pipeline factory: ``build(id_generator)`` makes the
     TracerProvider (run once, on the recorder thread). ``config`` is checked
-    here, so a bad option raises in the caller, not later."""
+    here, so a bad option raises in the caller, not later.
+    ``store_max_block_s``: the most one store batch may wait for the write
+    lock (default :attr:`exporters.store.SQLiteSpanExporter.MAX_BLOCK_S`)."""
     cfg = validate_config(config)
 
-    def build(id_generator: PinnedIdGenerator) -> TracerProvider:
+    def build(id_generator: PinnedIdGenerator) -> BoundedTracerProvider:
         attrs = {"service.name": cfg.get("kvlens_service_name") or f"kvlens-{role}", "kvlens.role": role}
         if engine_id:
             attrs["service.instance.id"] = engine_id
-        provider = TracerProvider(resource=Resource.create(attrs), id_generator=id_generator)
+        losses = LossCounter()
+        _ledgers.append((os.getpid(), role, losses))
+        provider = BoundedTracerProvider(resource=Resource.create(attrs), id_generator=id_generator, losses=losses)
         if enabled(cfg, "kvlens_store"):
-            provider.add_span_processor(
-                BatchSpanProcessor(store.SQLiteSpanExporter(store_path(cfg)), max_queue_size=MAX_QUEUE,
-                                   schedule_delay_millis=200, max_export_batch_size=512)
-            )
-        _add_otlp(provider, cfg)
+            exporter = store.SQLiteSpanExporter(store_path(cfg), max_block_s=store_max_block_s)
+            provider.add_span_processor(CountingBatchSpanProcessor(
+                exporter, losses=losses, max_queue_size=MAX_QUEUE, schedule_delay_s=0.2,
+                max_export_batch_size=512, name="store"))
+        _add_otlp(provider, cfg, losses)
         if enabled(cfg, "kvlens_metrics"):
             provider.add_span_processor(
                 PhaseMetricsProcessor(store_path=store_path(cfg), dropped_source=dropped_counts)
@@ -112,7 +145,7 @@ def provider_factory(*, role: str, mode: str, engine_id: str | None,
     return build
 
 
-def _add_otlp(provider: TracerProvider, cfg: Mapping[str, Any]) -> None:
+def _add_otlp(provider: BoundedTracerProvider, cfg: Mapping[str, Any], losses: LossCounter) -> None:
     endpoint = cfg.get("otlp_endpoint") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_ENDPOINT"
     )
@@ -126,9 +159,9 @@ def _add_otlp(provider: TracerProvider, cfg: Mapping[str, Any]) -> None:
         url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
         # 0.5 s batches (the SDK's default is 5 s): a collector's handoff
         # resolver waits for the last end of a request, so export promptly.
-        provider.add_span_processor(
-            BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=5), max_queue_size=MAX_QUEUE,
-                               schedule_delay_millis=500, max_export_batch_size=512)
-        )
+        provider.add_span_processor(CountingBatchSpanProcessor(
+            OTLPSpanExporter(endpoint=url, timeout=OTLP_TIMEOUT_S), losses=losses, max_queue_size=MAX_QUEUE,
+            schedule_delay_s=0.5, max_export_batch_size=512, loss_reason=DropReason.EXPORT_FAILED.value,
+            name="otlp"))
     except Exception:
         log_once("otlp", "OTLP exporter unavailable; spans go to the store only", exc_info=True)

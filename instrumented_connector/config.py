@@ -6,12 +6,15 @@
   this module; none rebuilds the path.
 * Options: the ``kvlens_*`` / ``otlp_endpoint`` keys of
   ``kv_connector_extra_config``, checked up front by :func:`validate_config`
-  so a typo fails at engine start-up with a message naming the key (strict
-  at start, forgiving at run time).
+  so a typo fails at engine start-up with a message naming the key and the
+  option it was probably meant to be (strict at start, forgiving at run
+  time). The same dict carries vLLM's own keys (``kv_lease_duration``,
+  ``push_registration_timeout``, ...): those pass untouched.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -30,6 +33,13 @@ KNOWN_KEYS = frozenset(
         "kvlens_service_name",
     }
 )
+
+#: An unknown key is taken for a misspelled kvlens option when it starts with
+#: one of these, or is this similar to a known key (difflib ratio; vLLM's own
+#: keys score below 0.7 against every kvlens key).
+_OUR_PREFIXES = ("kvlens", "otlp")
+_TYPO_CUTOFF = 0.8
+_STR_KEYS = ("kvlens_home", "otlp_endpoint", "kvlens_service_name")
 
 _ON = ("on", "true")
 _OFF = ("off", "false")
@@ -59,25 +69,53 @@ def enabled(cfg: Mapping[str, Any], key: str, default: bool = True) -> bool:
     return str(v).strip().lower() not in _OFF
 
 
+def _unknown_key_error(key: str) -> ValueError | None:
+    """The error for ``key`` when it looks like a misspelled kvlens option, else None."""
+    k = key.strip().lower()
+    near = difflib.get_close_matches(k, KNOWN_KEYS, n=1, cutoff=_TYPO_CUTOFF)
+    if not near and not k.startswith(_OUR_PREFIXES):
+        return None  # someone else's key (vLLM's, another connector's)
+    near = near or difflib.get_close_matches(k, KNOWN_KEYS, n=1, cutoff=0.0)
+    return ValueError(f"unknown kvlens option {key!r} in kv_connector_extra_config: did you mean {near[0]!r}? "
+                      f"(known: {', '.join(sorted(KNOWN_KEYS))})")
+
+
+def _positive_int(key: str, v: Any) -> int:
+    """A positive integer option: an int, or a string of one (JSON from the
+    command line); a bool or a fractional number is an error, not 1."""
+    n = None
+    if isinstance(v, int) and not isinstance(v, bool):
+        n = v
+    elif isinstance(v, float) and v.is_integer():
+        n = int(v)
+    elif isinstance(v, str) and v.strip().isdigit():
+        n = int(v.strip())
+    if n is None or n <= 0:
+        raise ValueError(f"{key} must be a positive integer, got {v!r}")
+    return n
+
+
 def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """The kvlens keys of ``kv_connector_extra_config``, checked.
 
-    Raises ValueError naming the bad key or value; other (vLLM) keys pass
-    through untouched and are not returned."""
+    Raises ValueError naming the bad key or value: an unknown key that looks
+    like a kvlens option (starts with ``kvlens``/``otlp``, or is a near miss
+    of a known key: ``otlp_endpiont``) names the option it was probably meant
+    to be. Other (vLLM) keys pass through untouched and are not returned."""
     for k in cfg:
-        if k.startswith("kvlens") and k not in KNOWN_KEYS:
-            raise ValueError(f"unknown kvlens option {k!r} in kv_connector_extra_config (known: {sorted(KNOWN_KEYS)})")
+        if k not in KNOWN_KEYS and isinstance(k, str):
+            err = _unknown_key_error(k)
+            if err is not None:
+                raise err
     out = {k: v for k, v in cfg.items() if k in KNOWN_KEYS}
     if "kvlens_buffer_events" in out:
-        try:
-            n = int(out["kvlens_buffer_events"])
-        except (TypeError, ValueError):
-            n = 0
-        if n <= 0:
-            raise ValueError(f"kvlens_buffer_events must be a positive integer, got {out['kvlens_buffer_events']!r}")
+        _positive_int("kvlens_buffer_events", out["kvlens_buffer_events"])
     for key in ("kvlens_store", "kvlens_metrics"):
         if key in out and str(out[key]).strip().lower() not in _ON + _OFF:
             raise ValueError(f"{key} must be 'on' or 'off', got {out[key]!r}")
+    for key in _STR_KEYS:
+        if key in out and out[key] is not None and not isinstance(out[key], (str, os.PathLike)):
+            raise ValueError(f"{key} must be a string, got {out[key]!r}")
     ep = out.get("otlp_endpoint")
     if ep is not None and not str(ep).startswith(("http://", "https://")):
         raise ValueError(f"otlp_endpoint must be an http(s) URL, got {ep!r}")

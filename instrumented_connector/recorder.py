@@ -15,13 +15,23 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
   ``pipeline_factory`` it gives the recorder.
 
 Memory stays bounded when an exporter stalls: the event buffer holds at most
-``capacity`` events and the SDK's BatchSpanProcessor queues are bounded too.
+``capacity`` events and the span processors' queues are bounded too.
+
+Every event lost is counted, by :class:`DropReason`: the recorder counts
+``buffer_full`` (:attr:`Recorder.dropped`, the one hot-path counter),
+``shutdown`` (events still buffered when :meth:`Recorder.close` gave up) and
+``export_failed`` for events that never became a span (pipeline setup
+failed, or building the span raised);
+the pipeline's processors count the rest (:mod:`exporters.batching`), and
+:func:`exporters.pipeline.dropped_counts` adds them up by (role, reason).
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import enum
+import inspect
 import threading
 import time
 from typing import Any, Callable, Mapping
@@ -37,6 +47,21 @@ from instrumented_connector.logutil import log_once
 #: Default event-buffer capacity per process. An event with its small
 #: attribute dict is ~0.5-1 KiB, so this keeps the buffer under ~32 MiB.
 DEFAULT_CAPACITY = 32768
+
+#: Default bound of :meth:`Recorder.close`, flush and shutdown together: well
+#: inside the 15 s ``kvlens up`` gives a child between SIGTERM and SIGKILL.
+CLOSE_TIMEOUT_S = 5.0
+
+
+class DropReason(str, enum.Enum):
+    """Why a span was lost (the ``reason`` label of ``kvlens_telemetry_dropped_total``)."""
+
+    BUFFER_FULL = "buffer_full"  # the recorder's event buffer was full (hot path)
+    QUEUE_FULL = "queue_full"  # a span processor's export queue was full (exporter too slow)
+    EXPORT_FAILED = "export_failed"  # the OTLP exporter returned FAILURE or raised; or no span could be built
+    STORE = "store"  # the trace store could not be written in time (locked, unwritable)
+    SHUTDOWN = "shutdown"  # still queued when close gave up
+
 
 #: Builds the process's TracerProvider (or returns None to record nothing).
 #: It is given the recorder's id generator and must build the provider with
@@ -78,7 +103,9 @@ class Recorder:
         self.mode = sc.closed(mode, sc.Mode)
         self.engine_id = engine_id
         self.capacity = capacity
-        self.dropped = 0
+        self.dropped = 0  # events refused, buffer full (DropReason.BUFFER_FULL)
+        self.shutdown_dropped = 0  # events still buffered when close gave up (DropReason.SHUTDOWN)
+        self.failed_dropped = 0  # no span built: pipeline setup failed, or building raised (EXPORT_FAILED)
         self.recorded = 0
         self.exported = 0
         self.ids = ids.PinnedIdGenerator()
@@ -97,6 +124,7 @@ class Recorder:
         self._provider = None
         self._tracer = None
         self._ready = threading.Event()  # set once the pipeline is built (or failed)
+        self._pipeline_failed = False
 
     # ------------------------------------------------------------------ hot path
     def record(
@@ -186,9 +214,10 @@ class Recorder:
                              "root spans get random ids")
                 self._tracer = self._provider.get_tracer("kvlens")
         except Exception:
-            log_once("pipeline", "telemetry pipeline setup failed; spans are dropped", exc_info=True)
+            log_once("pipeline", "telemetry pipeline setup failed; spans are dropped and counted", exc_info=True)
             self._provider = None
             self._tracer = None
+            self._pipeline_failed = True
 
     def _run(self) -> None:
         self._setup()
@@ -216,7 +245,10 @@ class Recorder:
                 else:
                     self._emit(ev)
             except Exception as e:
+                self.failed_dropped += 1
                 log_once("emit:" + type(e).__name__, "failed to build a span (%s); skipped", e, exc_info=True)
+        if self._pipeline_failed:
+            self.failed_dropped += n
         self.recorded += n
         return n
 
@@ -288,19 +320,46 @@ class Recorder:
             if not self._ready.is_set():
                 self._setup()
 
-    def close(self, timeout_s: float = 3.0) -> None:
-        """Stop the thread, export what is buffered, shut exporters down."""
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Stop the thread, export what is buffered, shut the exporters down,
+        all within about ``timeout_s``: a stalled exporter (a store locked by
+        another writer, an OTLP endpoint that never answers) cannot hold the
+        process's exit. What is not exported by then is counted as lost,
+        reason ``shutdown`` (here for events still buffered, by the
+        processors for spans still queued). Idempotent; any thread."""
+        deadline = time.monotonic() + timeout_s
         try:
             self._stop.set()
             self._wake.set()
             t = self._thread
             if t is not None and t is not threading.current_thread():
-                t.join(timeout_s)
+                t.join(timeout_s * 0.3)
             self.drain()
-            if self._provider is not None:
-                self._provider.force_flush(int(timeout_s * 1000))
-                self._provider.shutdown()
-                self._provider = None
-                self._tracer = None
+            left = len(self._q)  # pipeline never became ready: these never become spans
+            if left:
+                self._q.clear()
+                self.shutdown_dropped += left
+            p, self._provider, self._tracer = self._provider, None, None
+            if p is not None:
+                _close_provider(p, deadline)
         except Exception:
             log_once("close", "recorder shutdown failed", exc_info=True)
+
+
+def _close_provider(provider, deadline: float) -> None:
+    """Flush for 60 % of the time left, then shut down within the rest
+    (``shutdown(timeout_millis=)`` when the provider takes it, as
+    :class:`exporters.batching.BoundedTracerProvider` does)."""
+    try:
+        provider.force_flush(max(int((deadline - time.monotonic()) * 600), 0))
+    except Exception:
+        log_once("flush", "exporter flush failed", exc_info=True)
+    left_ms = max(deadline - time.monotonic(), 0.0) * 1000
+    try:
+        params = inspect.signature(provider.shutdown).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "timeout_millis" in params:
+        provider.shutdown(timeout_millis=left_ms)
+    else:
+        provider.shutdown()

@@ -2,13 +2,22 @@
 child process bound to 127.0.0.1 unless ``--host`` says otherwise, print its
 URL, forward SIGINT/SIGTERM to it and exit with it.
 
-Streamlit's own safety settings are passed as its command-line flags:
-``server.address`` (127.0.0.1 by default), ``client.showErrorDetails``
-(``none`` unless ``--show-error-details``: an exception on a page does not
-show its traceback and source to whoever opens the URL), headless, and no
-usage statistics. The app imports ``dashboard``/``exporters``/
-``instrumented_connector`` from the installed package (``make setup``
-installs the checkout in editable mode), so no ``PYTHONPATH`` is set.
+Streamlit's own safety settings are passed as its command-line flags, which
+win over every config file: ``server.address`` (127.0.0.1 by default),
+``client.showErrorDetails`` (``none`` unless ``--show-error-details``: an
+exception on a page does not show its traceback and source to whoever opens
+the URL), headless, no usage statistics, CORS and XSRF protection on. The
+same settings are in the repository's ``.streamlit/config.toml`` for a bare
+``streamlit run dashboard/app.py``.
+
+Streamlit reads ``.streamlit/config.toml`` from its working directory, so the
+child does not run in the caller's: it runs in the directory above the
+``dashboard`` package (:func:`workdir`, the repository root of a checkout),
+with ``KVLENS_HOME`` made absolute, and the store passed as an absolute path:
+the same dashboard from wherever it is started. The app imports
+``dashboard``/``exporters``/``instrumented_connector`` from the installed
+package (``make setup`` installs the checkout in editable mode), so no
+``PYTHONPATH`` is set.
 
 The child runs in its own session (process group) so that stopping it also
 stops anything Streamlit starts; a child that ignores SIGTERM is killed after
@@ -27,7 +36,7 @@ import time
 from pathlib import Path
 
 import dashboard
-from instrumented_connector.config import store_path
+from instrumented_connector.config import HOME_ENV, home, store_path
 
 DEFAULT_PORT = 8501
 DEFAULT_HOST = "127.0.0.1"
@@ -49,6 +58,19 @@ def app_path() -> Path:
     return Path(dashboard.__file__).resolve().parent / "app.py"
 
 
+def workdir() -> Path:
+    """Where the Streamlit child runs: the directory above the ``dashboard``
+    package (a checkout's root, with its ``.streamlit/config.toml``), never
+    the caller's working directory and whatever ``.streamlit/`` it has."""
+    return app_path().parent.parent
+
+
+def child_env() -> dict[str, str]:
+    """The child's environment: ours, with ``KVLENS_HOME`` absolute (the
+    child's working directory is not ours)."""
+    return {**os.environ, HOME_ENV: str(home())}
+
+
 def command(args: argparse.Namespace, store: Path) -> list[str]:
     """The streamlit command line for ``args``."""
     cmd = [
@@ -57,6 +79,8 @@ def command(args: argparse.Namespace, store: Path) -> list[str]:
         "--server.address", args.host,
         "--server.headless", "true",
         "--browser.gatherUsageStats", "false",
+        "--server.enableCORS", "true",
+        "--server.enableXsrfProtection", "true",
         # getattr: callers that build the Namespace themselves (kvlens demo) may leave the flag out
         "--client.showErrorDetails", "full" if getattr(args, "show_error_details", False) else "none",
         "--", "--store", str(store),
@@ -76,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     store = Path(args.store).expanduser().resolve() if args.store else store_path()
     if not store.exists():
         print(f"kvlens dashboard: no trace store at {store} yet (the page will say so)", file=sys.stderr)
-    proc = subprocess.Popen(command(args, store), stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(command(args, store), stdin=subprocess.DEVNULL, start_new_session=True,
+                            cwd=str(workdir()), env=child_env())
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
     print(f"kvlens dashboard: http://{shown}:{args.port}  (store {store}; Ctrl-C to stop)", flush=True)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from kvlens.stack.commands import (
     DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     MAX_MODEL_LEN,
+    env_api_key,
     kv_transfer_config,
 )
 from kvlens.stack.errors import StackError
@@ -66,8 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-port", type=port_arg(allow_zero=True), default=None, help="D's HTTP port (default: a free one)")
     p.add_argument("--host", default=DEFAULT_HOST,
                    help="bind address for all three servers (default loopback; any other address opens P, D, the "
-                        "router and P's NIXL side channel to everyone who can reach the host unless VLLM_API_KEY "
-                        "is set, and even then for the side channel)")
+                        "router and P's NIXL side channel to everyone who can reach the host unless --api-key or "
+                        "VLLM_API_KEY is set, and even then for the side channel)")
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
     p.add_argument("--timeout", type=_positive(float), default=DEFAULT_TIMEOUT_S,
@@ -90,15 +90,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the receiver (`kvlens proxy --collect`)")
     p.add_argument("--collector-port", type=port_arg(), default=None,
                    help="with --separate-homes and --collector process: its port (default: a free one)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="API key P, D (vLLM's --api-key, handed over as VLLM_API_KEY) and the router require "
+                        "on /v1/*; the stack's own health checks and warm-up send it (default: "
+                        "$KVLENS_API_KEY, else $VLLM_API_KEY, else none; the environment keeps it out of `ps`)")
 
 
-def _warn_if_open(host: str) -> None:
-    """One warning when the stack binds beyond loopback with no API key in
-    the environment (vLLM and the router read VLLM_API_KEY)."""
-    if is_loopback(host) or os.environ.get("VLLM_API_KEY") or os.environ.get("KVLENS_API_KEY"):
+def _warn_if_open(host: str, api_key: str | None = None) -> None:
+    """One warning when the stack binds beyond loopback with no API key
+    (``--api-key``, or VLLM_API_KEY / KVLENS_API_KEY in the environment)."""
+    if is_loopback(host) or api_key or env_api_key():
         return
-    print(f"kvlens up: warning: --host {host} without VLLM_API_KEY: P, D, the router and P's NIXL side channel "
-          "accept requests from anyone who can reach this host", file=sys.stderr, flush=True)
+    print(f"kvlens up: warning: --host {host} without an API key (--api-key or VLLM_API_KEY): P, D, the router "
+          "and P's NIXL side channel accept requests from anyone who can reach this host",
+          file=sys.stderr, flush=True)
 
 
 def _stack(args: argparse.Namespace) -> Stack:
@@ -119,6 +124,7 @@ def _stack(args: argparse.Namespace) -> Stack:
         separate_homes=args.separate_homes,
         collector=args.collector,
         collector_port=args.collector_port or None,
+        api_key=getattr(args, "api_key", None) or None,
     )
 
 
@@ -132,6 +138,7 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
         f"  decode  (D):          {stack.decode_url}\n"
         f"  model:                {stack.model}\n"
         f"  logs:                 {stack.log_dir}\n"
+        + ("  API key:              required on /v1/* by P, D and the router\n" if stack.api_key else "")
         + (f"  collector (OTLP):     {stack.collector_url}/v1/traces ({stack.collector})\n"
            f"  joined trace store:   {stack.store_path}\n" if stack.separate_homes else
            f"  trace store:          {stack.store_path}\n")
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     """Start the stack, print its endpoints, serve until Ctrl-C / SIGTERM
     (exit 0), a child's death (1) or a start-up error (2). Main thread."""
     stack: Stack | None = None
-    _warn_if_open(args.host)
+    _warn_if_open(args.host, getattr(args, "api_key", None))
     with sigterm_as_interrupt():
         try:
             stack = _stack(args)

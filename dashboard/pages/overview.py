@@ -115,8 +115,12 @@ def mode_figures(mode: str, s: D.ModeStats) -> None:
     b.metric("ok", ui.fmt_n(s.outcomes.get(sc.Outcome.OK.value)))
     b.caption(" · ".join(f"{k} {ui.fmt_n(v)}" for k, v in bad.items()))
     c.metric("dropped telemetry", ui.fmt_n(s.dropped) if s.dropped is not None else "n/a",
-             help="Spans dropped by kvlens in this range, all processes "
-                  "(increase of kvlens_telemetry_dropped_total; needs --prometheus)")
+             help="Spans kvlens lost in this range, all processes, by reason: buffer_full (recorder "
+                  "buffer), queue_full (export queue), store (trace store locked or unwritable), "
+                  "export_failed (OTLP), shutdown (still queued at exit). Increase of "
+                  "kvlens_telemetry_dropped_total; needs --prometheus")
+    if s.dropped_by_reason:
+        c.caption(" · ".join(f"{k} {ui.fmt_n(v)}" for k, v in sorted(s.dropped_by_reason.items())))
     links = st.columns(3)
     for lc, (name, v) in zip(links, s.handoff.items()):
         if v is not None:

@@ -195,59 +195,95 @@ def bulk_insert(conn: sqlite3.Connection, spans: Sequence[tuple], traces: Sequen
 
 
 class SQLiteSpanExporter:
-    """OTel ``SpanExporter`` writing to the store. Called by the SDK's
-    BatchSpanProcessor thread only; a failure (unwritable file, lock held too
-    long) is logged once and the batch is dropped - serving never notices."""
+    """OTel ``SpanExporter`` writing to the store. Called by one batch
+    processor's export thread. A batch that cannot be written within
+    ``max_block_s`` (the write lock held by another writer all that time, an
+    unwritable file) is dropped: ``export`` returns FAILURE, adds the batch
+    to :attr:`lost` and logs once; kvlens' batch processor counts it as lost
+    with reason :attr:`loss_reason` (``store``). Serving never notices.
 
-    def __init__(self, path: str | Path):
+    ``max_block_s``: the most one ``export`` call waits, every lock retry
+    and back-off included (default :attr:`MAX_BLOCK_S`)."""
+
+    #: Every kvlens process of a host writes this one file; on a loaded host
+    #: a writer can hold the lock for seconds. Waiting only delays the export
+    #: thread (its queue is bounded and counts what it refuses), but it must
+    #: stay bounded: at most this long per batch, then the batch is dropped.
+    MAX_BLOCK_S = 10.0
+    #: ``kvlens_telemetry_dropped_total`` reason for a batch this exporter drops.
+    loss_reason = "store"
+
+    def __init__(self, path: str | Path, *, max_block_s: float | None = None):
         self.path = Path(path)
+        self.max_block_s = float(self.MAX_BLOCK_S if max_block_s is None else max_block_s)
+        if not self.max_block_s > 0:
+            raise ValueError(f"max_block_s must be > 0, got {max_block_s!r}")
+        self.lost = 0  # spans of the batches this exporter dropped
         self._conn: sqlite3.Connection | None = None
         self._lock = threading.Lock()
         self._warned = False
 
-    #: Every kvlens process of a host writes this one file; on a loaded host a
-    #: writer can hold the lock for seconds. Waiting here only delays the SDK's
-    #: export thread (its queue is bounded), so wait generously before dropping.
-    BUSY_TIMEOUT_S = 30.0
-    LOCKED_RETRIES = 4
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            self._conn = connect(self.path, timeout_s=self.BUSY_TIMEOUT_S)
-        return self._conn
-
     def export(self, spans):
         from opentelemetry.sdk.trace.export import SpanExportResult
 
+        deadline = time.monotonic() + self.max_block_s
+        if not self._lock.acquire(timeout=self.max_block_s):
+            return self._dropped(spans, "exporter busy")
         try:
-            with self._lock:
-                for attempt in range(self.LOCKED_RETRIES + 1):
-                    try:
-                        write_spans(self._connection(), spans)
-                        break
-                    except sqlite3.OperationalError as e:
-                        msg = str(e).lower()
-                        if attempt == self.LOCKED_RETRIES or ("locked" not in msg and "busy" not in msg):
-                            raise
-                        time.sleep(0.5 * 2**attempt)
+            self._write(spans, deadline)
             return SpanExportResult.SUCCESS
         except Exception as e:
-            if not self._warned:
-                self._warned = True
-                logger.warning("kvlens: trace store %s not writable (%s); spans dropped", self.path, e)
-            if self._conn is not None:
-                try:
-                    self._conn.close()
-                except Exception:
-                    pass
-                self._conn = None
-            return SpanExportResult.FAILURE
+            self._close_conn()
+            return self._dropped(spans, e)
+        finally:
+            self._lock.release()
+
+    def _write(self, spans, deadline: float) -> None:
+        """Write one batch, retrying "locked"/"busy" until ``deadline``
+        (monotonic); every SQLite wait is capped by the time left."""
+        attempt = 0
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                if self._conn is None:
+                    self._conn = connect(self.path, timeout_s=max(left, 0.001))
+                self._conn.execute(f"PRAGMA busy_timeout = {max(int(left * 1000), 1)}")
+                write_spans(self._conn, spans)
+                return
+            except sqlite3.OperationalError as e:
+                msg = str(e).lower()
+                left = deadline - time.monotonic()
+                if ("locked" not in msg and "busy" not in msg) or left <= 0.001:
+                    raise
+                time.sleep(min(0.05 * 2**attempt, 1.0, left))
+                attempt += 1
+
+    def _dropped(self, spans, why):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.lost += len(spans)
+        if not self._warned:
+            self._warned = True
+            logger.warning("kvlens: trace store %s not writable within %.3g s (%s); spans dropped and counted "
+                           "(kvlens_telemetry_dropped_total{reason=\"store\"})", self.path, self.max_block_s, why)
+        return SpanExportResult.FAILURE
+
+    def _close_conn(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:
+                pass
+            self._conn = None
 
     def shutdown(self) -> None:
-        with self._lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        """Close the connection; if an export still holds it (a shutdown
+        that gave up waiting), leave it to the process's exit."""
+        if self._lock.acquire(timeout=0.1):
+            try:
+                self._close_conn()
+            finally:
+                self._lock.release()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True

@@ -4,7 +4,11 @@ For each stack variant (pull; push with each dispatch) and each grid cell
 (input length x QPS) it sends ``num_prompts`` random prompts of exactly that
 many tokens as an open-loop Poisson process, streaming, ``ignore_eos`` so
 every request yields ``output_len`` tokens, and records client-side TTFT,
-TPOT and end-to-end latency. Every request carries its own 32-hex
+TPOT and end-to-end latency. TPOT is reported only where it was measured:
+a request whose tokens all reached the client in one read has none, and
+the row counts such requests (``tpot_untimed``); the client's TPOT is
+cross-checked against D's own per-request TPOT histogram on its
+``/metrics``, as its TTFT is against the router's span. Every request carries its own 32-hex
 ``X-Request-Id``; the router keeps it as the trace id, so after a cell the
 span-derived handoff (``prefill.finished`` -> ``kv.ready``) of exactly those
 requests is read back from the trace store and joined to the client figures.
@@ -46,20 +50,30 @@ from kvlens.bench.grid import (
     validate_grid,
 )
 from kvlens.bench.load import one_request, run_cell_async
-from kvlens.bench.probe import RouterInfo, probe_router
+from kvlens.bench.probe import DECODE_TPOT_METRICS, RouterInfo, decode_tpot, parse_tpot, probe_router
 from kvlens.bench.prompts import PromptMaker, rng
-from kvlens.bench.report import TTFT_CROSSCHECK_WARN, CrossCheck, cross_check, describe, format_table, print_report
-from kvlens.bench.results import Cell, RequestResult, Target, summarize_cell, wait_for_traces
+from kvlens.bench.report import (
+    TPOT_CROSSCHECK_WARN,
+    TTFT_CROSSCHECK_WARN,
+    CrossCheck,
+    cross_check,
+    describe,
+    format_table,
+    print_report,
+)
+from kvlens.bench.results import Cell, RequestResult, Target, summarize_cell, tpot_figures, wait_for_traces
 from kvlens.bench.runner import BenchRun, Sink, bench_routers, bench_stacks, new_run
 from kvlens.bench.stats import mean, percentile, rel_diff
 
 __all__ = [
-    "DEFAULT_MAX_MODEL_LEN", "DISPATCHES", "MODES", "ROW_KEYS", "TTFT_CROSSCHECK_WARN",
+    "DECODE_TPOT_METRICS", "DEFAULT_MAX_MODEL_LEN", "DISPATCHES", "MODES", "ROW_KEYS", "TPOT_CROSSCHECK_WARN",
+    "TTFT_CROSSCHECK_WARN",
     "BenchError", "BenchOptions", "BenchRun", "Cell", "CrossCheck", "PromptMaker", "RequestResult", "RouterInfo",
     "Sink", "Target",
-    "add_arguments", "add_grid_arguments", "add_ratios", "bench_routers", "bench_stacks", "cross_check", "describe",
-    "format_table", "mean", "model_max_len", "new_run", "one_request", "options_from_args", "parse_list",
+    "add_arguments", "add_grid_arguments", "add_ratios", "bench_routers", "bench_stacks", "cross_check",
+    "decode_tpot", "describe",
+    "format_table", "mean", "model_max_len", "new_run", "one_request", "options_from_args", "parse_list", "parse_tpot",
     "parse_names", "percentile", "plan_groups", "print_report", "probe_router", "quiet_http_logs", "ratio",
-    "rel_diff", "rng", "run", "run_cell_async", "run_guarded", "summarize_cell", "validate_grid",
+    "rel_diff", "rng", "run", "run_cell_async", "run_guarded", "summarize_cell", "tpot_figures", "validate_grid",
     "wait_for_traces",
 ]  # fmt: skip

@@ -17,6 +17,7 @@ from kvlens.bench.report import print_report
 from kvlens.bench.results import Target
 from kvlens.bench.runner import BenchRun, bench_routers, bench_stacks, new_run
 from kvlens.signals import sigterm_as_interrupt
+from kvlens.stack.commands import env_api_key
 from kvlens.up import StackError
 
 
@@ -38,6 +39,9 @@ def add_grid_arguments(p: argparse.ArgumentParser, *, qps: str, input_len: str, 
     p.add_argument("--request-timeout", type=float, default=120.0,
                    help="seconds before a request counts as failed (default 120)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="API key the routers (and started stacks) require, sent as a bearer token "
+                        "(default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="push dispatch(es), comma list of overlapped, sequential (default overlapped)")
     p.add_argument("--proxy", default=None, metavar="URL",
                    help="bench this running router instead of starting stacks (one mode)")
+    p.add_argument("--decode-url", default=None, metavar="URL",
+                   help="with --proxy: D's base URL, to cross-check the client's TPOT against D's own "
+                        "vllm:request_time_per_output_token_seconds on its /metrics (started stacks: always)")
     add_grid_arguments(p, qps="1,2,4", input_len="256,1024,2048", output_len=32, num_prompts=32)
 
 
@@ -58,6 +65,9 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         raise BenchError(f"--trace-wait must be >= 0, got {args.trace_wait}")
     if not args.request_timeout > 0:
         raise BenchError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    decode_url = getattr(args, "decode_url", None)  # bench only, not demo
+    if decode_url and not decode_url.startswith(("http://", "https://")):
+        raise BenchError(f"--decode-url must be an http(s) URL, got {decode_url!r}")
     return BenchOptions(
         qps=grid.parse_list(args.qps, float, "--qps"),
         input_lens=grid.parse_list(args.input_len, int, "--input-len"),
@@ -72,6 +82,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         progress=not args.no_progress,
         request_timeout_s=args.request_timeout,
         model=args.model,
+        api_key=getattr(args, "api_key", None) or env_api_key(),
+        decode_url=decode_url.rstrip("/") if decode_url else None,
     )
 
 
@@ -81,16 +93,16 @@ def quiet_http_logs(args: argparse.Namespace) -> None:
         logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
-def _proxy_target(url: str, modes: list[str] | None, dispatches: list[str]) -> Target:
+def _proxy_target(url: str, modes: list[str] | None, dispatches: list[str], opts: BenchOptions) -> Target:
     """The one router ``--proxy`` names, its mode checked against ``--modes``."""
-    info = probe_router(url)
+    info = probe_router(url, opts.api_key)
     if info.mode is not None:
         if modes and modes != [info.mode]:
             raise BenchError(f"router at {info.url} serves {info.mode}, but --modes says {','.join(modes)}")
-        return Target(info.mode, info.dispatch, info.url)
+        return Target(info.mode, info.dispatch, info.url, opts.decode_url, opts.api_key)
     if not modes or len(modes) != 1:
         raise BenchError("with --proxy, --modes must name exactly one mode (the router does not report it)")
-    return Target(modes[0], dispatches[0] if modes[0] == "push" else None, info.url)
+    return Target(modes[0], dispatches[0] if modes[0] == "push" else None, info.url, opts.decode_url, opts.api_key)
 
 
 def _parse(args: argparse.Namespace) -> tuple[BenchOptions, list[str] | None, list[str], Target | None]:
@@ -103,7 +115,9 @@ def _parse(args: argparse.Namespace) -> tuple[BenchOptions, list[str] | None, li
     max_len = None if args.proxy else (grid.model_max_len(opts.model) or grid.DEFAULT_MAX_MODEL_LEN)
     grid.validate_grid(modes=modes or ["push"], dispatches=dispatches, qps=opts.qps, input_lens=opts.input_lens,
                   output_len=opts.output_len, num_prompts=opts.num_prompts, max_model_len=max_len)
-    target = _proxy_target(args.proxy, modes, dispatches) if args.proxy else None
+    if opts.decode_url and not args.proxy:
+        raise BenchError("--decode-url goes with --proxy (started stacks cross-check their own D)")
+    target = _proxy_target(args.proxy, modes, dispatches, opts) if args.proxy else None
     return opts, modes, dispatches, target
 
 

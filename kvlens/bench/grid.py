@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -43,6 +43,8 @@ class BenchOptions:
     progress: bool = True
     request_timeout_s: float = 120.0
     model: Path | str | None = None  # tokenizer (and model for started stacks)
+    api_key: str | None = field(default=None, repr=False)  # the routers' (and started stacks') API key
+    decode_url: str | None = None  # D's base URL for the TPOT cross-check (started stacks: their own D)
 
 
 def parse_list(text: str, kind: type, what: str) -> list:

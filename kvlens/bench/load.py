@@ -6,6 +6,12 @@ router keeps it as the trace id, which is how a cell's traces are found in
 the store afterwards. TTFT starts at the first SSE event with generated text
 (:mod:`kvlens.sse`), the rule the router's span TTFT uses, so the two can be
 cross-checked. ``ignore_eos`` makes every request yield ``output_len`` tokens.
+
+Tokens are timed per network read, not per event: every event of one read
+gets that read's time, and the number of reads that carried text is kept
+(``RequestResult.text_reads``). Tokens that reach the client together (a
+starved client or router can deliver a whole answer in one read) are then
+seen as such, and their TPOT is not reported (:mod:`kvlens.bench.results`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any, Sequence
 from instrumented_connector.ids import new_trace_id
 from kvlens.bench.results import RequestResult, Target
 from kvlens.sse import has_text, parse_data_line
+from kvlens.stack.commands import auth_headers
 
 logger = logging.getLogger(__name__)
 
@@ -48,41 +55,57 @@ async def _http_error(resp) -> str:
     return f"HTTP {resp.status_code}: {msg}"
 
 
+def _take_event(ev: dict, res: RequestResult, now: float) -> bool:
+    """Apply one SSE event read at ``now`` to ``res``; True when it carried text."""
+    if "error" in ev:
+        err = ev["error"]
+        res.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
+        return False
+    text = has_text(ev)
+    if text:
+        if res.ttft_s is None:
+            res.ttft_s = now
+        res.last_token_s = now
+    usage = ev.get("usage")
+    if isinstance(usage, dict):
+        res.output_tokens = usage.get("completion_tokens")
+        res.prompt_tokens = usage.get("prompt_tokens")
+    return text
+
+
 async def _read_stream(resp, res: RequestResult, t0: float) -> int:
-    """Fill ``res`` from the SSE stream (TTFT, last token, usage, in-stream
-    error); returns the number of events that carried text."""
-    n_text = 0
-    async for line in resp.aiter_lines():
-        ev = parse_data_line(line)
-        if ev is None:
-            continue
-        if "error" in ev:
-            err = ev["error"]
-            res.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
-            continue
-        if has_text(ev):
-            now = time.perf_counter() - t0
-            n_text += 1
-            if res.ttft_s is None:
-                res.ttft_s = now
-            res.last_token_s = now
-        usage = ev.get("usage")
-        if isinstance(usage, dict):
-            res.output_tokens = usage.get("completion_tokens")
-            res.prompt_tokens = usage.get("prompt_tokens")
+    """Fill ``res`` from the SSE stream (TTFT, last token, reads with text,
+    usage, in-stream error), timing each event by the read that completed
+    it; returns the number of events that carried text."""
+    n_text, buf, now, n = 0, b"", 0.0, 0
+    res.text_reads = 0
+    async for chunk in resp.aiter_bytes():
+        now = time.perf_counter() - t0
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        n = sum(1 for ev in map(parse_data_line, lines) if ev is not None and _take_event(ev, res, now))
+        n_text += n
+        res.text_reads += 1 if n else 0
+    ev = parse_data_line(buf)  # a last line without its newline: part of the last read
+    if ev is not None and _take_event(ev, res, now):
+        n_text += 1
+        res.text_reads += 0 if n else 1
     return n_text
 
 
-async def one_request(client, url: str, model: str | None, prompt: str, output_len: int, rid: str) -> RequestResult:
+async def one_request(client, url: str, model: str | None, prompt: str, output_len: int, rid: str,
+                      api_key: str | None = None) -> RequestResult:
     """One streaming completion through the router (``client``: an
-    ``httpx.AsyncClient``); never raises (except on cancellation)."""
+    ``httpx.AsyncClient``; ``api_key`` sent as a bearer token); never
+    raises (except on cancellation)."""
     import httpx  # here for start-up cost: `kvlens --help` imports this module
 
     res = RequestResult(request_id=rid, ok=False)
     t0 = res.send_s = time.perf_counter()
     try:
         async with client.stream(
-            "POST", url.rstrip("/") + "/v1/completions", json=_body(prompt, output_len, model), headers={"X-Request-Id": rid}
+            "POST", url.rstrip("/") + "/v1/completions", json=_body(prompt, output_len, model),
+            headers={"X-Request-Id": rid, **auth_headers(api_key)}
         ) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
@@ -110,7 +133,7 @@ async def _send_all(client, target: Target, model: str | None, prompts: Sequence
 
     async def go(p: str) -> RequestResult:
         nonlocal n_failed
-        r = await one_request(client, target.url, model, p, output_len, new_trace_id())
+        r = await one_request(client, target.url, model, p, output_len, new_trace_id(), target.api_key)
         if pbar is not None:
             if not r.ok:
                 n_failed += 1
@@ -165,6 +188,6 @@ async def warm_up(target: Target, model: str | None, prompts: Sequence[str], tim
 
     async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as c:
         for p in prompts:
-            r = await one_request(c, target.url, model, p, 2, new_trace_id())
+            r = await one_request(c, target.url, model, p, 2, new_trace_id(), target.api_key)
             if not r.ok:
                 logger.warning("warm-up request to %s failed: %s", target.label, r.error)

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from exporters.benchrows import add_ratios, cell_key, pull_by_cell
-from kvlens.bench.results import Cell
+from kvlens.bench.probe import DECODE_TPOT_METRICS
+from kvlens.bench.results import Cell, tpot_figures
 from kvlens.bench.stats import percentile, rel_diff
 
 TTFT_CROSSCHECK_WARN = 0.02  # median relative client-vs-router TTFT difference
+#: median relative client-vs-D TPOT difference: the client's figure also
+#: carries the router hop and the client's event loop on every token
+TPOT_CROSSCHECK_WARN = 0.10
 
 
 def variant(row: dict) -> str:
@@ -33,6 +37,10 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
 
+def _ms_or_unknown(v: float | None) -> str:
+    return "unknown" if v is None else f"{v * 1000:.1f} ms"
+
+
 def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
@@ -45,7 +53,9 @@ TABLE_COLUMNS = (
     ("TTFT mean ms", lambda r: _ms(r.get("ttft_mean_s"))),
     ("TTFT p50 ms", lambda r: _ms(r.get("ttft_p50_s"))),
     ("TTFT p99 ms", lambda r: _ms(r.get("ttft_p99_s"))),
-    ("TPOT mean ms", lambda r: _ms(r.get("tpot_mean_s"))),
+    # "untimed": no request's tokens arrived apart (cross-checks say why), not a missing figure
+    ("TPOT mean ms", lambda r: "untimed" if r.get("tpot_mean_s") is None and r.get("tpot_untimed") else
+     _ms(r.get("tpot_mean_s"))),
     ("handoff p50 ms", lambda r: _ms(r.get("handoff_p50_s"))),
     ("handoff p99 ms", lambda r: _ms(r.get("handoff_p99_s"))),
     ("req/s", lambda r: "-" if r.get("req_per_s") is None else f"{r['req_per_s']:.2f}"),
@@ -136,6 +146,16 @@ class CrossCheck:
     traces_in_store: int
     handoff_missing: int
     failed: list[tuple[str, str, str, str]]  # (variant, request id, client error, store outcome)
+    #: per cell: (cell label, :func:`~kvlens.bench.results.tpot_figures`)
+    tpot: list[tuple[str, dict]] = field(default_factory=list)
+
+    @property
+    def tpot_rel_diff_p50(self) -> float | None:
+        return percentile((f["tpot_client_vs_decode_rel_diff"] for _, f in self.tpot), 50)
+
+    @property
+    def tpot_untimed(self) -> int:
+        return sum(f["tpot_untimed"] for _, f in self.tpot)
 
     @property
     def ttft_warn(self) -> bool:
@@ -156,6 +176,32 @@ class CrossCheck:
             )
         return out
 
+    def _tpot_lines(self) -> list[str]:
+        both = [f for _, f in self.tpot if f["tpot_client_vs_decode_rel_diff"] is not None]
+        head = f"client TPOT vs D's own {DECODE_TPOT_METRICS[0]} (mean over each cell)"
+        if both:
+            out = [f"{head}, {len(both)} cells: median relative difference {self.tpot_rel_diff_p50 * 100:.2f}%"]
+        else:
+            why = next((f["tpot_decode_note"] for _, f in self.tpot if f["tpot_decode_note"]), None)
+            out = [f"{head}: no cell had both figures" + (f" ({why})" if why else "")]
+        for c, f in self.tpot:
+            d, cl = f["tpot_decode_mean_s"], f["tpot_mean_s"]
+            if cl is None and d is None and not f["tpot_untimed"]:
+                continue
+            line = f"  {c}: client {_ms_or_unknown(cl)}, D {_ms_or_unknown(d)}"
+            if f["tpot_client_vs_decode_rel_diff"] is not None:
+                line += f" ({(cl - d) / d * 100:+.1f}%)"
+            if f["tpot_untimed"]:
+                line += f"; client TPOT {f['tpot_note']}"
+            out.append(line)
+        if both and self.tpot_rel_diff_p50 > TPOT_CROSSCHECK_WARN:
+            out.append(f"WARNING: client and D TPOT differ by more than {TPOT_CROSSCHECK_WARN:.0%} at the median "
+                       "(router hop, client event loop under load)")
+        if self.tpot_untimed:
+            out.append(f"WARNING: {self.tpot_untimed} completed requests could not be timed for TPOT "
+                       "(all their tokens reached the client in one read); their TPOT is not reported")
+        return out
+
     def _failed_lines(self) -> list[str]:
         if not self.failed:
             return ["failed requests: none"]
@@ -167,7 +213,7 @@ class CrossCheck:
         return out
 
     def lines(self) -> list[str]:
-        out = self._ttft_lines()
+        out = self._ttft_lines() + self._tpot_lines()
         same = self.completed == self.ok_traces_in_store
         out.append(
             f"completed requests {self.completed} vs ok traces in the store for this run {self.ok_traces_in_store}: "
@@ -183,8 +229,9 @@ def cross_check(cells: Sequence[Cell]) -> CrossCheck:
     """Compare every request's client figures with its trace (pure)."""
     diffs, signed = [], []
     completed = ok_in_store = sent = in_store = missing = 0
-    failed = []
+    failed, tpot = [], []
     for c in cells:
+        tpot.append((f"{c.target.label} in={c.input_len} qps={c.qps:g}", tpot_figures(c)))
         for r in c.results:
             sent += 1
             t = c.traces.get(r.request_id)
@@ -206,7 +253,7 @@ def cross_check(cells: Sequence[Cell]) -> CrossCheck:
     return CrossCheck(
         n_compared=len(diffs), ttft_rel_diff_p50=percentile(diffs, 50), ttft_diff_p50_s=percentile(signed, 50),
         completed=completed, ok_traces_in_store=ok_in_store, sent=sent, traces_in_store=in_store,
-        handoff_missing=missing, failed=failed,
+        handoff_missing=missing, failed=failed, tpot=tpot,
     )
 
 

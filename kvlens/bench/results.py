@@ -1,7 +1,14 @@
 """What one grid cell measured: the client's per-request results, the
 router's traces of exactly those requests (read back from the store by
-trace id), and the row that summarizes both (schema:
-:mod:`exporters.benchrows`)."""
+trace id), D's own TPOT histogram over the cell, and the row that
+summarizes them (schema: :mod:`exporters.benchrows`).
+
+TPOT is only reported where it was measured: a request whose first and
+last generated tokens reached the client in the same network read (a
+starved client or router delivers a whole answer at once) has no TPOT
+(None, never 0); the row counts such requests (``tpot_untimed``) and, when
+no request of the cell could be timed, gives ``tpot_mean_s`` None and the
+reason in ``tpot_note``."""
 
 from __future__ import annotations
 
@@ -25,6 +32,10 @@ class Target:
     mode: str
     dispatch: str | None
     url: str
+    #: D's base URL, for the TPOT cross-check against D's own ``/metrics`` (None: not checked)
+    decode_url: str | None = None
+    #: sent as ``Authorization: Bearer`` to the router (``kvlens proxy --api-key``)
+    api_key: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -46,12 +57,25 @@ class RequestResult:
     last_token_s: float | None = None  # send -> last token
     output_tokens: int | None = None
     prompt_tokens: int | None = None
+    #: network reads that carried generated text (None: not counted, e.g. built by hand)
+    text_reads: int | None = None
+
+    @property
+    def tpot_untimed(self) -> bool:
+        """True for a completed request of 2+ tokens whose tokens reached the
+        client together (first and last in one read, or no time between
+        them): its time per output token was not measured."""
+        if not self.ok or self.ttft_s is None or self.last_token_s is None or (self.output_tokens or 0) < 2:
+            return False
+        return (self.text_reads is not None and self.text_reads < 2) or self.last_token_s <= self.ttft_s
 
     @property
     def tpot_s(self) -> float | None:
+        """(last token - first token) / (tokens - 1); None when not measured
+        (failed, fewer than 2 tokens, or :attr:`tpot_untimed`)."""
         if not self.ok or self.ttft_s is None or self.last_token_s is None or not self.output_tokens:
             return None
-        if self.output_tokens < 2:
+        if self.output_tokens < 2 or self.tpot_untimed:
             return None
         return (self.last_token_s - self.ttft_s) / (self.output_tokens - 1)
 
@@ -68,6 +92,10 @@ class Cell:
     traces: dict[str, dict]
     duration_s: float
     row: dict = field(default_factory=dict)
+    #: D's ``(sum, count)`` TPOT histogram growth over the cell (:func:`~kvlens.bench.probe.decode_tpot`)
+    decode_tpot: tuple[float, float] | None = None
+    #: why ``decode_tpot`` is None
+    decode_tpot_note: str | None = None
 
 
 def _trace_figures(cell: Cell) -> dict:
@@ -94,6 +122,40 @@ def _trace_figures(cell: Cell) -> dict:
     }
 
 
+def tpot_figures(cell: Cell) -> dict:
+    """The row's TPOT keys: the client's mean over the requests it could time,
+    how many it could not (``tpot_untimed``) and why (``tpot_note``, None when
+    all were timed), and D's own mean over the cell with the relative
+    difference between the two (the cross-check)."""
+    ok = [r for r in cell.results if r.ok]
+    timed = [r.tpot_s for r in ok if r.tpot_s is not None]
+    untimed = sum(1 for r in ok if r.tpot_untimed)
+    client = mean(timed)
+    note = None
+    if not ok:
+        note = "no completed request"
+    elif untimed and not timed:
+        note = (f"unknown: all {untimed} completed requests' tokens reached the client in one read "
+                "(client or router starved of CPU?), so no time per output token was measured")
+    elif untimed:
+        note = f"from {len(timed)} requests; {untimed} not timed (their tokens reached the client in one read)"
+    elif not timed:
+        note = "no request had 2 or more output tokens"
+    d_mean = d_n = None
+    if cell.decode_tpot is not None and cell.decode_tpot[1] > 0:
+        d_mean, d_n = cell.decode_tpot[0] / cell.decode_tpot[1], int(cell.decode_tpot[1])
+    return {
+        "tpot_mean_s": client,
+        "tpot_untimed": untimed,
+        "tpot_note": note,
+        "tpot_decode_mean_s": d_mean,
+        "tpot_decode_n": d_n,
+        "tpot_decode_note": None if d_mean is not None else (
+            cell.decode_tpot_note or "D's TPOT histogram did not grow during the cell"),
+        "tpot_client_vs_decode_rel_diff": rel_diff(client, d_mean),
+    }
+
+
 def summarize_cell(cell: Cell, opts: BenchOptions, run_id: str, prefix_caching: str) -> dict:
     """The row for one finished cell (pure given the cell); JSON-serializable."""
     res = cell.results
@@ -113,7 +175,7 @@ def summarize_cell(cell: Cell, opts: BenchOptions, run_id: str, prefix_caching: 
         "ttft_mean_s": mean(ttfts),
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
-        "tpot_mean_s": mean(r.tpot_s for r in ok),
+        **tpot_figures(cell),
         "handoff_p50_s": tr.pop("handoff_p50_s"),
         "handoff_p99_s": tr.pop("handoff_p99_s"),
         "req_per_s": (len(ok) / cell.duration_s) if cell.duration_s > 0 and ok else None,

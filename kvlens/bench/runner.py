@@ -13,7 +13,7 @@ import json
 import secrets
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -29,7 +29,7 @@ from kvlens.bench.grid import (
     validate_grid,
 )
 from kvlens.bench.load import run_cell_async, warm_up
-from kvlens.bench.probe import RouterInfo, probe_router, served_name
+from kvlens.bench.probe import RouterInfo, decode_tpot, probe_router, served_name
 from kvlens.bench.prompts import PromptMaker, rng
 from kvlens.bench.results import Cell, Target, summarize_cell, wait_for_traces
 from kvlens.model import ensure_model
@@ -100,6 +100,20 @@ def _warm_up(targets: Sequence[Target], opts: BenchOptions, maker: PromptMaker, 
             asyncio.run(warm_up(t, model_name, prompts, opts.request_timeout_s))
 
 
+def _decode_growth(cell: Cell, before: tuple[float, float] | None, note: str | None) -> None:
+    """Set the cell's D TPOT figures from the histogram ``before`` the cell
+    (or why there is none) and D's histogram now."""
+    if before is not None:
+        after, note = decode_tpot(cell.target.decode_url)
+        if after is not None:
+            grown = (after[0] - before[0], after[1] - before[1])
+            if grown[1] < 0:
+                note = "D's TPOT histogram went back during the cell (D restarted?)"
+            else:
+                cell.decode_tpot = grown
+    cell.decode_tpot_note = note
+
+
 def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: list[str], r, opts: BenchOptions,
               model_name: str | None, prefix_caching: str) -> None:
     """Load one target on one cell, join its traces, write its row."""
@@ -109,6 +123,7 @@ def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: lis
         total=len(prompts), desc=f"{t.label:<17} in={input_len:<5} qps={qps:<4g}", unit="req",
         file=sys.stderr, disable=not opts.progress, leave=True, dynamic_ncols=True,
     )
+    before, note = decode_tpot(t.decode_url)
     try:
         results, dur = asyncio.run(
             run_cell_async(t, model_name, prompts, float(qps), opts.output_len, r,
@@ -118,6 +133,7 @@ def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: lis
         bar.close()
     traces = wait_for_traces(run.store, results, opts.trace_wait_s)
     cell = Cell(t, float(qps), int(input_len), results, traces, dur)
+    _decode_growth(cell, before, note)
     cell.row = summarize_cell(cell, opts, run.run_id, prefix_caching)
     run.cells.append(cell)
     add_ratios(run.rows)
@@ -148,21 +164,23 @@ def _prepare(opts: BenchOptions, modes: Sequence[str], dispatches: Sequence[str]
     return PromptMaker(model_dir)
 
 
-def _resolve(router: str | Target) -> tuple[Target, RouterInfo]:
-    """A Target for a router (a plain URL is named by its ``/health``)."""
+def _resolve(router: str | Target, opts: BenchOptions) -> tuple[Target, RouterInfo]:
+    """A Target for a router (a plain URL is named by its ``/health``), with
+    the options' API key and D URL where it has none of its own."""
     if isinstance(router, Target):
-        return router, probe_router(router.url)
-    info = probe_router(router)
+        t = replace(router, api_key=router.api_key or opts.api_key, decode_url=router.decode_url or opts.decode_url)
+        return t, probe_router(t.url, t.api_key)
+    info = probe_router(router, opts.api_key)
     if info.mode is None:
         raise BenchError(f"router at {info.url} does not report its mode on /health: name it (Target or --modes)")
-    return Target(info.mode, info.dispatch, info.url), info
+    return Target(info.mode, info.dispatch, info.url, opts.decode_url, opts.api_key), info
 
 
 def bench_routers(routers: Sequence[str | Target], opts: BenchOptions, run: BenchRun | None = None) -> BenchRun:
     """Bench already running routers (e.g. the test session's shared stacks).
     A plain URL is probed for its mode/dispatch on ``/health``. Pull targets
     run first. Raises BenchError before any load on bad input."""
-    targets, infos = zip(*(_resolve(r) for r in routers)) if routers else ((), ())
+    targets, infos = zip(*(_resolve(r, opts) for r in routers)) if routers else ((), ())
     model_dir = Path(opts.model) if opts.model else None
     if model_dir is None:
         roots = [Path(i.root) for i in infos if i.root and (Path(i.root) / "tokenizer.json").is_file()]
@@ -194,12 +212,14 @@ def bench_stacks(modes: Sequence[str], dispatches: Sequence[str], opts: BenchOpt
     vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
     for ti, (mode, ds) in enumerate(plan_groups(modes, dispatches)):
         stack = factory(mode=mode, dispatch=ds[0] or "overlapped", model=model_dir, port=None,
-                        kvlens_home=run.store.parent, vllm_args=vllm_args)
+                        kvlens_home=run.store.parent, vllm_args=vllm_args, api_key=opts.api_key)
         try:
             stack.start()
-            targets = [Target(mode, ds[0], stack.router_url)]
-            targets += [Target(mode, d, stack.add_router(d)) for d in ds[1:]]
-            _bench_targets(run, targets, opts, maker, served_name(stack.router_url),
+            key = getattr(stack, "api_key", None) or opts.api_key
+            d_url = getattr(stack, "decode_url", None) or None
+            targets = [Target(mode, ds[0], stack.router_url, d_url, key)]
+            targets += [Target(mode, d, stack.add_router(d), d_url, key) for d in ds[1:]]
+            _bench_targets(run, targets, opts, maker, served_name(stack.router_url, key),
                            "on" if opts.prefix_caching else "off", target_index0=10 * ti)
         finally:
             with signals_ignored():  # a second Ctrl-C while stopping must not leave orphans

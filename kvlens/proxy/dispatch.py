@@ -21,7 +21,7 @@ import httpx
 
 from kvlens.proxy.bodies import decode_body, overlapped_d_params
 from kvlens.proxy.config import ProxyConfig
-from kvlens.proxy.errors import Upstream
+from kvlens.proxy.errors import unexpected
 from kvlens.proxy.exchange import Exchange, settle
 
 Dispatch = Callable[[Exchange], Awaitable[httpx.Response]]
@@ -31,14 +31,11 @@ async def _prefill_then_decode(ex: Exchange) -> httpx.Response:
     """P answers; its ``kv_transfer_params`` go to D verbatim (``relay`` span)."""
     p_json = await ex.call_prefill()
     t_p = time.time_ns()
-    kv = p_json.get("kv_transfer_params") if isinstance(p_json, dict) else None
+    kv = p_json.get("kv_transfer_params")
     if not isinstance(kv, dict):
         ex.tel.relay(ex.trace_id, t_p, time.time_ns(), "failed")
-        raise Upstream(
-            "prefill", 502,
-            "prefill instance returned no kv_transfer_params "
-            "(is it started with a NIXL kv_producer kv-transfer-config?)",
-        )
+        raise unexpected("prefill", "no kv_transfer_params object (is it started with a NIXL kv_producer "
+                         "kv-transfer-config?)", repr(p_json))
     d_body = decode_body(ex.body, kv)
     ex.tel.relay(ex.trace_id, t_p, time.time_ns())
     return await ex.open_decode(d_body)

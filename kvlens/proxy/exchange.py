@@ -19,7 +19,7 @@ import httpx
 from instrumented_connector.ids import root_span_id, span_hex
 from kvlens.proxy.bodies import prefill_body
 from kvlens.proxy.config import ProxyConfig
-from kvlens.proxy.errors import Upstream, from_http_error, from_status
+from kvlens.proxy.errors import Upstream, from_http_error, from_status, unexpected
 from kvlens.proxy.retry import send_once_more
 from kvlens.proxy.telemetry import RouterTelemetry
 
@@ -90,7 +90,8 @@ class Exchange:
             self.headers["Authorization"] = authorization
 
     async def call_prefill(self) -> dict:
-        """P's JSON answer to :func:`prefill_body`; raises :class:`Upstream`."""
+        """P's JSON object answering :func:`prefill_body`; raises
+        :class:`Upstream` (also for a 200 that is not a JSON object)."""
         url = self.cfg.prefill_url
         p_body = prefill_body(self.body)
 
@@ -105,9 +106,12 @@ class Exchange:
         if r.status_code != 200:
             raise await from_status("prefill", r)
         try:
-            return r.json()
+            p_json = r.json()
         except ValueError as e:
-            raise Upstream("prefill", 502, f"prefill instance returned invalid JSON: {e}") from e
+            raise unexpected("prefill", "a body that is not JSON", r.content) from e
+        if not isinstance(p_json, dict):
+            raise unexpected("prefill", f"JSON that is not an object ({type(p_json).__name__})", r.content)
+        return p_json
 
     async def open_decode(self, d_body: dict) -> httpx.Response:
         """D's response with status 200 and its body not read yet (the caller

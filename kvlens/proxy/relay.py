@@ -3,22 +3,29 @@ the request's root span (:meth:`Exchange.finish`) exactly once.
 
 TTFT: for a stream, when the first SSE event with generated text
 (:class:`kvlens.sse.FirstTextWatcher`) passes through the router; for a
-plain answer, when D's whole body has arrived. Event loop only.
+plain answer, when D's whole body has arrived. An answer of D the router
+cannot pass on (a plain body that is not a completion object, a "stream"
+that is not ``text/event-stream``, a stream that breaks in an unforeseen
+way) ends as a 502 naming the decode side, with the request's
+``X-Request-Id`` and its root span. Event loop only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import AsyncIterator
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from kvlens.proxy.errors import Upstream, as_upstream, from_http_error, sse_error
+from kvlens.proxy.errors import Upstream, as_upstream, completion_problem, from_http_error, sse_error, unexpected
 from kvlens.proxy.exchange import Exchange, settle
 from kvlens.sse import FirstTextWatcher
 
+
+logger = logging.getLogger("kvlens.proxy")
 
 #: The root span's error when the client went away before its answer ended
 #: (status 499, nginx's "client closed request").
@@ -36,6 +43,11 @@ async def whole(ex: Exchange, d_resp: httpx.Response) -> Response:
         return u.response(ex.trace_id)
     finally:
         await d_resp.aclose()
+    problem = completion_problem(content)
+    if problem is not None:
+        u = unexpected("decode", problem, content)
+        ex.finish(u.status, u.outcome, None, u.message)
+        return u.response(ex.trace_id)
     ex.finish(200, "ok", ex.elapsed_s())
     return Response(content, status_code=200, media_type="application/json",
                     headers={"X-Request-Id": ex.trace_id})
@@ -56,7 +68,13 @@ class _Relayed(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            ctype = self._d.headers.get("content-type")
+            if ctype is not None and not ctype.lower().startswith("text/event-stream"):
+                u = unexpected("decode", f"a {ctype.split(';')[0]!r} body to a streaming request")
+                self._ex.finish(u.status, u.outcome, None, u.message)
+                await u.response(self._ex.trace_id)(scope, receive, send)
+            else:
+                await super().__call__(scope, receive, send)
         finally:
             with contextlib.suppress(BaseException):
                 await self.body_iterator.aclose()
@@ -131,7 +149,12 @@ async def _relay(ex: Exchange, d_resp: httpx.Response) -> AsyncIterator[bytes]:
         status, outcome, error = 504, "timeout", "decode instance timed out while streaming"
         yield sse_error(error, 504)
     except httpx.HTTPError as e:
-        status, outcome, error = 502, "failed", f"decode stream broke: {type(e).__name__}: {e}"
+        status, outcome, error = 502, "failed", f"decode stream broke ({type(e).__name__})"
+        logger.warning("kvlens proxy: %s: decode stream broke: %s: %s", ex.trace_id, type(e).__name__, e)
+        yield sse_error(error, 502)
+    except Exception as e:  # not foreseen: still an error event, the status and the span
+        status, outcome, error = 502, "failed", f"decode stream failed ({type(e).__name__})"
+        logger.exception("kvlens proxy: %s: relaying decode's stream failed", ex.trace_id)
         yield sse_error(error, 502)
     except (asyncio.CancelledError, GeneratorExit):
         status, outcome, error = 499, "failed", CLIENT_GONE

@@ -13,6 +13,9 @@ from typing import Any, Mapping
 from kvlens.stack.errors import StackError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Where a stack's API key comes from when none is given, the first one set
+#: (as ``kvlens proxy`` reads it; VLLM_API_KEY is what vLLM itself reads).
+API_KEY_ENV = ("KVLENS_API_KEY", "VLLM_API_KEY")
 DEFAULT_TIMEOUT_S = 240.0
 MAX_MODEL_LEN = 4096
 
@@ -73,6 +76,27 @@ def kv_transfer_config(
         if otlp_endpoint:
             extra["otlp_endpoint"] = otlp_endpoint
     return cfg
+
+
+def env_api_key(environ: Mapping[str, str] | None = None) -> str | None:
+    """The first of :data:`API_KEY_ENV` set in ``environ`` (default: ours), else None."""
+    env = os.environ if environ is None else environ
+    return next((env[k] for k in API_KEY_ENV if env.get(k)), None)
+
+
+def api_key_env(api_key: str | None) -> dict[str, str]:
+    """The environment that gives a child the stack's API key: vLLM reads
+    ``VLLM_API_KEY`` as it reads ``--api-key``, ``kvlens proxy`` reads
+    ``KVLENS_API_KEY`` first (both set, so an unrelated one inherited from
+    the caller cannot win). The key goes in the environment, not on the
+    command line: any user of the host can read a command line (``ps``),
+    only the owner a process's environment."""
+    return {k: api_key for k in API_KEY_ENV} if api_key else {}
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """``Authorization: Bearer <key>`` for the stack's own calls, when it has a key."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def base_env(kvlens_home: Path) -> dict[str, str]:

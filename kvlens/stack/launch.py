@@ -2,7 +2,9 @@
 
 It starts the pair and the router (command lines from
 :mod:`kvlens.stack.commands`), waits for health, re-pins the workers' CPUs
-(:mod:`kvlens.stack.pinning`), warms the pair up and writes ``stack.json``.
+(:mod:`kvlens.stack.pinning`), warms the pair up and writes ``stack.json``
+(at each child's start too: :mod:`kvlens.stack.leftovers` reads it). With
+an API key, P, D and the router require it and the stack's calls send it.
 Tests and the benchmark start a stack in-process with it
 (``with Stack("push") as s: ... s.router_url``). Its methods block the
 calling thread; ``start`` may take minutes.
@@ -29,15 +31,19 @@ from kvlens.stack.commands import (
     DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     REPO_ROOT,
+    api_key_env,
+    auth_headers,
     base_env,
     check_model,
     collector_argv,
+    env_api_key,
     kv_transfer_config,
     router_argv,
     server_env,
     vllm_argv,
 )
 from kvlens.stack.errors import StackError
+from kvlens.stack.leftovers import busy_hint, find_leftovers, processes_record
 from kvlens.stack.ports import DEFAULT_HOST, assign_ports, free_port
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
@@ -79,6 +85,8 @@ class Stack:
     collector_port: int | None = None
     #: extra environment per role (prefill, decode, router, collector), on top of env_extra
     role_env: Mapping[str, Mapping[str, str]] | None = None
+    #: required by P, D and the router (default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)
+    api_key: str | None = field(default=None, repr=False)
 
     # filled by start()
     router_url: str = ""
@@ -96,6 +104,7 @@ class Stack:
         if self.collector not in COLLECTORS:
             raise StackError(f"collector must be one of {', '.join(COLLECTORS)}, got {self.collector!r}")
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
+        self.api_key = self.api_key or env_api_key()
         if self.log_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             tag = f"{self.mode}{'-stock' if self.stock else ''}-{stamp}-{os.getpid()}"
@@ -136,7 +145,13 @@ class Stack:
         if self.separate_homes and self.collector == "process":
             named["collector port"] = self.collector_port
             auto = (*auto, "collector port")
-        got = assign_ports(named, self.host, auto)
+        left = find_leftovers(Path(self.kvlens_home) / "runs")
+        for lo in left:  # named, never stopped: they may be someone else's
+            (logger.warning if self.quiet else self._say)(f"warning: {lo.line()}")
+        try:
+            got = assign_ports(named, self.host, auto)
+        except StackError as e:  # a busy port: say what holds it when we know
+            raise StackError(busy_hint(str(e), left)) from None
         self.port, self.prefill_port, self.decode_port, self.prefill_side_port, self.decode_side_port = (
             got[k] for k in _AUTO_PORTS)
         self.collector_port = got.get("collector port")
@@ -160,7 +175,7 @@ class Stack:
         home = topo.home_for(role)
         env = server_env(base_env(home), is_p, self.host,
                          self.prefill_side_port if is_p else self.decode_side_port, prom,
-                         self._env(role, topo.server_env(role)))
+                         self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}))
         ktc = kv_transfer_config(self.mode, role, "p0" if is_p else "d0", self.stock, home,
                                  self.kv_lease_s, self.push_registration_timeout_s, topo.traces_url)
         argv = vllm_argv(Path(self.model), self.host, port, ktc, [*self.vllm_args, *topo.server_args(role)])
@@ -179,7 +194,7 @@ class Stack:
         extra = topo.router_env()
         if topo.separate and topo.collector == "router" and not hosts_receiver:
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": str(topo.collector_url), "KVLENS_HANDOFF_FROM": "off"}
-        env.update(self._env("router", extra))
+        env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
         return Child(name, argv, env, Path(self.log_dir) / f"{name}.log", f"http://{self.host}:{port}",
                      cwd=str(REPO_ROOT))
 
@@ -189,6 +204,13 @@ class Stack:
         env.update(self._env("collector"))
         return Child("collector", collector_argv(self.host, int(self.collector_port), topo.store_path), env,
                      Path(self.log_dir) / "collector.log", str(topo.collector_url), cwd=str(REPO_ROOT))
+
+    def _spawn(self, c: Child) -> Child:
+        """Start ``c``, keep it, and record it in ``stack.json`` at once."""
+        c.start()
+        self.children.append(c)
+        self._write_manifest()
+        return c
 
     def start(self, timeout: float = DEFAULT_TIMEOUT_S) -> "Stack":
         """Start P and D, wait for health, re-pin their workers, start the
@@ -201,10 +223,7 @@ class Stack:
         Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
         try:
             if self.separate_homes and self.collector == "process":
-                c = self._collector()
-                c.start()
-                self.children.append(c)
-                wait_healthy([c], t0 + timeout, self._say)
+                wait_healthy([self._spawn(self._collector())], t0 + timeout, self._say, auth_headers(self.api_key))
             p, d = self._server("prefill"), self._server("decode")
             self.prefill_url, self.decode_url = p.url, d.url
             self._say(
@@ -212,16 +231,13 @@ class Stack:
                 f"model={self.model} logs={self.log_dir}"
             )
             for c in (p, d):
-                c.start()
-                self.children.append(c)
-            wait_healthy([p, d], t0 + timeout, self._say)
+                self._spawn(c)
+            wait_healthy([p, d], t0 + timeout, self._say, auth_headers(self.api_key))
             pinning.repin(p, self._say)
             pinning.repin(d, self._say)
-            r = self._router(self.dispatch, int(self.port))
-            r.start()
-            self.children.append(r)
+            r = self._spawn(self._router(self.dispatch, int(self.port)))
             self.router_url = r.url
-            wait_healthy([r], t0 + timeout, self._say)
+            wait_healthy([r], t0 + timeout, self._say, auth_headers(self.api_key))
             if self.warmup:
                 self._warm_up()
             if self.prometheus:
@@ -252,7 +268,7 @@ class Stack:
                     self.router_url + "/v1/completions",
                     json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
                     timeout=timeout_s,
-                    headers={"X-Request-Id": new_trace_id()},
+                    headers={"X-Request-Id": new_trace_id(), **auth_headers(self.api_key)},
                 )
                 if r.status_code == 200:
                     self._say(f"warm-up request ok ({i}/{tries})")
@@ -270,10 +286,8 @@ class Stack:
         """Start one more router on the same P/D (e.g. sequential next to
         overlapped); stopped with the stack. Returns its URL."""
         port = port or free_port(self.host)
-        c = self._router(dispatch, port, f"router-{dispatch}-{port}")
-        c.start()
-        self.children.append(c)
-        wait_healthy([c], time.monotonic() + timeout, self._say)
+        c = self._spawn(self._router(dispatch, port, f"router-{dispatch}-{port}"))
+        wait_healthy([c], time.monotonic() + timeout, self._say, auth_headers(self.api_key))
         return c.url
 
     def router_for(self, dispatch: str) -> str:
@@ -372,6 +386,8 @@ class Stack:
             "collector_url": self.collector_url,
             "homes": {r: str(self.topology.home_for(r)) for r in ("prefill", "decode", "router", "collector")},
             "pids": {c.name: c.proc.pid for c in self.children if c.proc is not None},
+            **processes_record(self.children),  # groups, members' command lines (kvlens.stack.leftovers)
+            "api_key": bool(self.api_key),  # whether the servers require one (never the key)
             "logs": {c.name: str(c.log) for c in self.children},
             "startup_s": self.startup_s,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

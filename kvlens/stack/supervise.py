@@ -15,6 +15,8 @@ through a pipe, EngineCore watches nothing), but they stay in the group the
 guard leads; on its parent's death the guard stops that whole group:
 SIGTERM, up to ``grace_s`` for the server to exit, then SIGKILL.
 
+What an earlier stack left behind is found by :mod:`kvlens.stack.leftovers`.
+
 All functions block the calling thread (polls, waits); none is for an event
 loop.
 """
@@ -31,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 from kvlens.stack.errors import StackError
 
@@ -257,8 +259,10 @@ def stop_children(children: list[Child], grace_s: float = 15.0) -> None:
     _kill_stragglers(stragglers)
 
 
-def wait_healthy(children: list[Child], deadline: float, say: Callable[[str], None]) -> None:
-    """Poll each child's ``/health`` until all answer 200.
+def wait_healthy(children: list[Child], deadline: float, say: Callable[[str], None],
+                 headers: Mapping[str, str] | None = None) -> None:
+    """Poll each child's ``/health`` (sending ``headers``, e.g. the stack's
+    API key) until all answer 200.
 
     ``deadline``: ``time.monotonic()`` value. Raises StackError when a child
     dies (with its log tail) or at the deadline. ``say`` gets progress lines
@@ -268,7 +272,7 @@ def wait_healthy(children: list[Child], deadline: float, say: Callable[[str], No
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll otherwise
     pending = list(children)
     last_note = 0.0
-    with httpx.Client(timeout=2.0, trust_env=False) as client:
+    with httpx.Client(timeout=2.0, trust_env=False, headers=dict(headers or {})) as client:
         while pending:
             for c in list(pending):
                 if not c.alive():

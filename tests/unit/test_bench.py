@@ -228,7 +228,8 @@ def test_cli_bad_input_exits_2_before_load(argv, words, capsys, tmp_path, monkey
 
 
 def test_cli_proxy_mode_conflict(monkeypatch, capsys):
-    monkeypatch.setattr("kvlens.bench.cli.probe_router", lambda url: bench.RouterInfo(url, "pull", None, "m", None, 4096))
+    monkeypatch.setattr("kvlens.bench.cli.probe_router",
+                        lambda url, api_key=None: bench.RouterInfo(url, "pull", None, "m", None, 4096))
     assert _cli("--proxy", "http://127.0.0.1:1", "--modes", "push") == 2
     assert "serves pull, but --modes says push" in capsys.readouterr().err
 
@@ -249,8 +250,11 @@ class FakeRouter:
     known handoff. No vLLM: tests the generator, the join and Ctrl-C."""
 
     HANDOFF_NS = 3_000_000
+    #: what its ``/metrics`` (standing in for D's) reports per completed request
+    D_TPOT_S = 0.004
 
-    def __init__(self, store_path, mode="push", dispatch="overlapped", fail_every=0, on_request=None):
+    def __init__(self, store_path, mode="push", dispatch="overlapped", fail_every=0, on_request=None,
+                 one_chunk=False, token_gap_s=0.002, api_key=None):
         import threading
 
         import uvicorn
@@ -261,16 +265,35 @@ class FakeRouter:
         from kvlens.up import free_port
 
         self.store_path, self.n = store_path, 0
+        self.tpot_sum = self.tpot_count = 0.0
+        self.auth_seen: list[str | None] = []
         app = FastAPI()
         conn = store.connect(store_path)
+
+        def refused(req: Request):
+            self.auth_seen.append(req.headers.get("authorization"))
+            if api_key and req.headers.get("authorization") != f"Bearer {api_key}":
+                return JSONResponse({"error": {"message": "Unauthorized"}}, status_code=401)
+            return None
+
+        @app.get("/metrics")
+        async def metrics():  # D's per-request TPOT histogram, as vLLM 0.32 names it
+            from fastapi.responses import PlainTextResponse
+
+            name = "vllm:request_time_per_output_token_seconds"
+            return PlainTextResponse(
+                f"# HELP {name} x\n# TYPE {name} histogram\n"
+                f'{name}_bucket{{engine="0",model_name="fake",le="+Inf"}} {self.tpot_count}\n'
+                f'{name}_count{{engine="0",model_name="fake"}} {self.tpot_count}\n'
+                f'{name}_sum{{engine="0",model_name="fake"}} {self.tpot_sum}\n')
 
         @app.get("/health")
         async def health():
             return {"status": "ok", "mode": mode, "dispatch": dispatch}
 
         @app.get("/v1/models")
-        async def models():
-            return {"data": [{"id": "fake", "root": "/nonexistent", "max_model_len": 1024}]}
+        async def models(req: Request):
+            return refused(req) or {"data": [{"id": "fake", "root": "/nonexistent", "max_model_len": 1024}]}
 
         @app.post("/v1/completions")
         async def completions(req: Request):
@@ -278,6 +301,8 @@ class FakeRouter:
             import time
 
             t0 = time.time_ns()
+            if (no := refused(req)) is not None:
+                return no
             tid = req.headers["x-request-id"]
             body = await req.json()
             self.n += 1
@@ -293,15 +318,18 @@ class FakeRouter:
 
             async def gen():
                 await asyncio.sleep(0.01)
-                ttft = None
-                for _ in range(body["max_tokens"]):
-                    if ttft is None:
-                        ttft = (time.time_ns() - t0) / 1e9
-                    yield b'data: {"choices":[{"text":"x"}]}\n\n'
-                    await asyncio.sleep(0.002)
+                ttft = (time.time_ns() - t0) / 1e9
                 usage = {"completion_tokens": body["max_tokens"], "prompt_tokens": 7}
-                yield ("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode()
-                yield b"data: [DONE]\n\n"
+                events = [b'data: {"choices":[{"text":"x"}]}\n\n'] * body["max_tokens"] + [
+                    ("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode(), b"data: [DONE]\n\n"]
+                if one_chunk:  # a starved router: the whole answer in one write
+                    yield b"".join(events)
+                else:
+                    for ev in events:
+                        yield ev
+                        await asyncio.sleep(token_gap_s)
+                self.tpot_sum += self.D_TPOT_S
+                self.tpot_count += 1
                 pf = t0 + 5_000_000
                 with conn:
                     conn.execute(
@@ -437,3 +465,109 @@ def test_ctrl_c_stops_the_stack_and_keeps_finished_rows(tmp_path, tiny_tokenizer
     conn = store.connect(opts.store, readonly=True)
     assert len(store.bench_rows(conn, run.run_id)) == 1
     conn.close()
+
+
+# ------------------------------- issue 12: the bench says when it cannot measure
+def test_tokens_in_one_read_have_no_tpot():
+    apart = _res("a" * 32, ttft=0.05, last=0.15, n=16)
+    apart.text_reads = 16
+    together = _res("b" * 32, ttft=0.05, last=0.05, n=16)  # first and last token: one timestamp
+    one_read = _res("c" * 32, ttft=0.05, last=0.0501, n=16)
+    one_read.text_reads = 1  # a hair apart, but only because parsing one read took time
+    single = _res("d" * 32, n=1, last=0.05)
+    assert apart.tpot_s == pytest.approx(0.1 / 15) and not apart.tpot_untimed
+    for r in (together, one_read):
+        assert r.tpot_s is None and r.tpot_untimed
+    assert single.tpot_s is None and not single.tpot_untimed  # 1 token: no TPOT to time
+    assert _res("e" * 32, ok=False).tpot_s is None and not _res("e" * 32, ok=False).tpot_untimed
+
+
+def _cell(results, decode=None, note=None):
+    c = Cell(Target("push", "overlapped", "http://x"), 2.0, 256, results, {}, duration_s=1.0)
+    c.decode_tpot, c.decode_tpot_note = decode, note
+    return c
+
+
+def test_row_counts_untimed_and_reports_unknown_with_the_reason():
+    opts = bench.BenchOptions(output_len=16)
+    untimed = [_res(f"{i:032x}", ttft=0.05, last=0.05) for i in range(3)]
+    row = bench.summarize_cell(_cell(untimed, decode=(0.03, 3.0)), opts, "run1", "off")
+    assert "tpot_untimed" in bench.ROW_KEYS
+    assert row["tpot_mean_s"] is None and row["tpot_untimed"] == 3  # never 0.0
+    assert "all 3 completed requests' tokens reached the client in one read" in row["tpot_note"]
+    assert row["tpot_decode_mean_s"] == pytest.approx(0.01) and row["tpot_decode_n"] == 3  # D still measured it
+    assert row["tpot_client_vs_decode_rel_diff"] is None
+    assert "untimed" in bench.format_table([row]).splitlines()[2]  # not "-", not 0.0
+    mixed = untimed[:1] + [_res("f" * 32, ttft=0.05, last=0.20)]
+    row = bench.summarize_cell(_cell(mixed, decode=(0.02, 2.0)), opts, "run1", "off")
+    assert row["tpot_mean_s"] == pytest.approx(0.01) and row["tpot_untimed"] == 1
+    assert "from 1 requests; 1 not timed" in row["tpot_note"]
+    assert row["tpot_client_vs_decode_rel_diff"] == pytest.approx(0.0)
+    row = bench.summarize_cell(_cell(mixed[1:], note="D's URL is not known"), opts, "run1", "off")
+    assert row["tpot_untimed"] == 0 and row["tpot_note"] is None and row["tpot_decode_mean_s"] is None
+    assert row["tpot_decode_note"] == "D's URL is not known"
+    cc = bench.cross_check([_cell(untimed, decode=(0.03, 3.0)), _cell(mixed, decode=(0.022, 2.0))])
+    text = "\n".join(cc.lines())
+    assert cc.tpot_untimed == 4 and "WARNING: 4 completed requests could not be timed for TPOT" in text
+    assert "vllm:request_time_per_output_token_seconds" in text and "median relative difference 9.09%" in text
+    assert "client unknown, D 10.0 ms; client TPOT unknown: all 3" in text
+    assert "client 10.0 ms, D 11.0 ms (-9.1%)" in text
+
+
+def test_decode_tpot_histogram_parsing():
+    text = ("# TYPE vllm:request_time_per_output_token_seconds histogram\n"
+            'vllm:request_time_per_output_token_seconds_bucket{engine="0",le="+Inf"} 3.0\n'
+            'vllm:request_time_per_output_token_seconds_count{engine="0"} 3.0\n'
+            'vllm:request_time_per_output_token_seconds_sum{engine="0"} 0.03\n'
+            'vllm:request_time_per_output_token_seconds_count{engine="1"} 1.0\n'
+            'vllm:request_time_per_output_token_seconds_sum{engine="1"} 0.02\n'
+            "# TYPE vllm:time_per_output_token_seconds histogram\n"
+            "vllm:time_per_output_token_seconds_count 99.0\nvllm:time_per_output_token_seconds_sum 9.0\n")
+    assert bench.parse_tpot(text) == pytest.approx((0.05, 4.0))  # summed over engines, newest name first
+    assert bench.parse_tpot("vllm:time_per_output_token_seconds_count 2\nvllm:time_per_output_token_seconds_sum 1\n") \
+        == pytest.approx((1.0, 2.0))  # the older name
+    assert bench.parse_tpot("other_metric 1\n") is None
+    assert bench.decode_tpot(None) == (None, "D's URL is not known (kvlens bench --decode-url URL): not cross-checked")
+    got, why = bench.decode_tpot("http://127.0.0.1:9")
+    assert got is None and "unreachable" in why
+
+
+@pytest.mark.parametrize("one_chunk", [True, False], ids=["all-tokens-in-one-read", "tokens-apart"])
+def test_bench_detects_tokens_that_arrive_together(tmp_path, tiny_tokenizer_dir, one_chunk):
+    """A router that delivers a whole answer in one write: TPOT None (never
+    0), every request counted untimed, D's own figure still reported."""
+    opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[16], output_len=4, num_prompts=4, warmup=1)
+    opts.store.parent.mkdir()
+    with FakeRouter(opts.store, "pull", one_chunk=one_chunk, token_gap_s=0.03) as fake:
+        run = bench.bench_routers([Target("pull", None, fake.url, decode_url=fake.url)], opts)
+    (row,) = run.rows
+    assert row["completed"] == 4 and row["tpot_decode_mean_s"] == pytest.approx(FakeRouter.D_TPOT_S)
+    assert row["tpot_decode_n"] == 4  # the cell's requests only, not the warm-up
+    if one_chunk:
+        assert row["tpot_mean_s"] is None and row["tpot_untimed"] == 4 and "one read" in row["tpot_note"]
+        assert all(r.text_reads == 1 for r in run.cells[0].results)
+        assert row["tpot_client_vs_decode_rel_diff"] is None
+    else:
+        assert row["tpot_untimed"] == 0 and row["tpot_note"] is None
+        assert row["tpot_mean_s"] > 0.02 and row["tpot_client_vs_decode_rel_diff"] is not None
+        assert all(r.text_reads == 4 for r in run.cells[0].results)
+    saved = json.loads(opts.json_path.read_text())
+    assert saved["tpot_untimed"] == row["tpot_untimed"] and saved["tpot_mean_s"] == row["tpot_mean_s"]
+
+
+def test_bench_sends_the_api_key(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    monkeypatch.delenv("KVLENS_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "sk-bench")
+    opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[16], output_len=2, num_prompts=2, warmup=1)
+    opts.store.parent.mkdir()
+    with FakeRouter(opts.store, "pull", api_key="sk-bench") as fake:
+        p = argparse.ArgumentParser()
+        bench.add_arguments(p)
+        opts.api_key = bench.options_from_args(p.parse_args([])).api_key  # from the environment
+        run = bench.bench_routers([fake.url], opts)
+        assert bench.probe_router(fake.url).model is None  # /v1/models without the key: refused
+    assert run.rows[0]["completed"] == 2
+    assert set(fake.auth_seen[:-1]) == {"Bearer sk-bench"}
+    args = p.parse_args(["--api-key", "sk-flag", "--proxy", "http://x:1", "--decode-url", "http://d:2/"])
+    o = bench.options_from_args(args)
+    assert (o.api_key, o.decode_url) == ("sk-flag", "http://d:2") and "sk-flag" not in repr(o)

@@ -172,3 +172,53 @@ def test_guard_forwards_signals_from_others_not_from_its_supervisor(tmp_path):
         assert c.proc.wait(30) == -signal.SIGTERM
     finally:
         stop_children([c], grace_s=2)
+
+
+# ------------------------------- issue 12: the dashboard safe however started
+def test_streamlit_config_at_the_repo_root_is_safe():
+    import tomllib
+
+    cfg = tomllib.loads((REPO / ".streamlit" / "config.toml").read_text())
+    assert cfg["server"]["address"] == "127.0.0.1" and cfg["server"]["headless"] is True
+    assert cfg["client"]["showErrorDetails"] == "none" and cfg["browser"]["gatherUsageStats"] is False
+    from streamlit.config import ShowErrorDetailsConfigOptions as Allowed  # the values Streamlit accepts
+
+    assert cfg["client"]["showErrorDetails"] in {v.value for v in Allowed}
+
+
+def _streamlit_config(cwd: Path, *flags: str) -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-m", "streamlit", "config", "show", *flags], cwd=cwd,
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(cwd)})
+    assert out.returncode == 0, out.stderr
+    keys = ("address", "headless", "showErrorDetails", "gatherUsageStats")
+    return {k: v.strip() for line in out.stdout.splitlines() if " = " in line
+            for k, v in [line.split(" = ", 1)] if k in keys}
+
+
+def test_streamlit_reads_the_file_from_the_repo_root_and_flags_win(tmp_path):
+    got = _streamlit_config(REPO)
+    assert got == {"address": '"127.0.0.1"', "headless": "true", "showErrorDetails": '"none"',
+                   "gatherUsageStats": "false"}
+    assert "address" not in _streamlit_config(tmp_path)  # elsewhere: Streamlit's defaults (every interface)
+    assert _streamlit_config(REPO, "--server.address", "0.0.0.0",
+                             "--client.showErrorDetails", "full") == {**got, "address": '"0.0.0.0"',
+                                                                       "showErrorDetails": '"full"'}
+
+
+def test_kvlens_dashboard_does_not_depend_on_the_callers_directory(tmp_path, monkeypatch):
+    import argparse
+
+    from kvlens import dashboard_cmd
+
+    assert (dashboard_cmd.workdir() / ".streamlit" / "config.toml").is_file()
+    assert dashboard_cmd.workdir() == REPO
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVLENS_HOME", "relative-home")
+    assert dashboard_cmd.child_env()["KVLENS_HOME"] == str(tmp_path / "relative-home")
+    p = argparse.ArgumentParser()
+    dashboard_cmd.add_arguments(p)
+    cmd = dashboard_cmd.command(p.parse_args(["--host", "0.0.0.0"]), tmp_path / "t.db")
+    for flag, val in (("--server.address", "0.0.0.0"), ("--client.showErrorDetails", "none"),
+                      ("--server.headless", "true"), ("--browser.gatherUsageStats", "false"),
+                      ("--server.enableCORS", "true"), ("--server.enableXsrfProtection", "true")):
+        assert cmd[cmd.index(flag) + 1] == val

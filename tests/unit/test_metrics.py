@@ -386,24 +386,55 @@ def test_dropped_counter_tracks_recorder_drops(reg):
         drops["prefill"] = 10
         proc.sync_dropped()
         proc.sync_dropped()
-        assert val(reg, "kvlens_telemetry_dropped_total", role="prefill") == 10
+        # a role -> total source (the pre-reason shape) counts as reason buffer_full
+        assert val(reg, "kvlens_telemetry_dropped_total", role="prefill", reason="buffer_full") == 10
     finally:
         m.set_dropped_source(None)
+
+
+def test_dropped_counter_by_role_and_reason(reg):
+    proc = PhaseMetricsProcessor(reg, handoff_from="off")
+    drops = {("decode", "store"): 4, ("decode", "queue_full"): 1, ("router", "shutdown"): 2,
+             ("decode", "bogus-reason"): 3, ("bogus-role", "export_failed"): 5}
+    m.set_dropped_source(lambda: dict(drops))
+    try:
+        proc.sync_dropped()
+        drops[("decode", "store")] = 9
+        proc.sync_dropped()
+        assert val(reg, "kvlens_telemetry_dropped_total", role="decode", reason="store") == 9
+        assert val(reg, "kvlens_telemetry_dropped_total", role="decode", reason="queue_full") == 1
+        assert val(reg, "kvlens_telemetry_dropped_total", role="router", reason="shutdown") == 2
+        # labels stay closed sets
+        assert val(reg, "kvlens_telemetry_dropped_total", role="decode", reason="_OTHER") == 3
+        assert val(reg, "kvlens_telemetry_dropped_total", role="_OTHER", reason="export_failed") == 5
+    finally:
+        m.set_dropped_source(None)
+
+
+def test_metrics_shutdown_publishes_the_last_losses(reg):
+    """Losses counted at shutdown reach the counter even when no span ends after them."""
+    drops = {("prefill", "shutdown"): 0}
+    proc = PhaseMetricsProcessor(reg, handoff_from="off", dropped_source=lambda: dict(drops))
+    proc.sync_dropped()
+    drops[("prefill", "shutdown")] = 7
+    proc.shutdown()
+    assert val(reg, "kvlens_telemetry_dropped_total", role="prefill", reason="shutdown") == 7
 
 
 def test_pipeline_dropped_source_reads_recorders(reg, tmp_path):
     r = pipeline.get_recorder("decode", "pull", "dropper-test", {"kvlens_store": "off", "kvlens_metrics": "off",
                                                                  "kvlens_buffer_events": 1})
     try:
-        before = pipeline.dropped_counts().get("decode", 0)
+        key = ("decode", "buffer_full")
+        before = pipeline.dropped_counts().get(key, 0)
         r._thread = object()  # keep the buffer full: no drain thread
         r.record(sc.Phase.ALLOC, "x", 1, 1)
         r.record(sc.Phase.ALLOC, "y", 1, 1)
         r.record(sc.Phase.ALLOC, "z", 1, 1)
-        assert pipeline.dropped_counts()["decode"] == before + 2
+        assert pipeline.dropped_counts()[key] == before + 2
         proc = PhaseMetricsProcessor(reg, handoff_from="off", dropped_source=pipeline.dropped_counts)
         proc.sync_dropped()
-        assert val(reg, "kvlens_telemetry_dropped_total", role="decode") >= 2
+        assert val(reg, "kvlens_telemetry_dropped_total", role="decode", reason="buffer_full") >= 2
     finally:
         pipeline._recorders.pop(next(k for k, v in pipeline._recorders.items() if v is r), None)
 
@@ -497,3 +528,18 @@ def test_multiprocess_mode_like_vllm(tmp_path):
             in out)
     assert "kvlens_push_prefills_waiting 2.0" in out  # livesum; dead workers kept: not marked dead
     assert "trace_id" not in out
+
+
+def test_dashboard_reads_dropped_telemetry_by_reason():
+    from dashboard import prom as P
+
+    asked = []
+
+    def q(expr):
+        asked.append(expr)
+        return [({"reason": "store"}, 12.0), ({"reason": "queue_full"}, 3.0), ({"reason": "shutdown"}, 0.0)]
+
+    total, by = P._dropped(q, "15m")
+    assert total == 15 and by == {"store": 12.0, "queue_full": 3.0}
+    assert asked == ["sum by (reason) (increase(kvlens_telemetry_dropped_total[15m]))"]
+    assert P._dropped(lambda e: [], "5m") == (None, {})  # no series: n/a, not 0

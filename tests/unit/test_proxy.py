@@ -687,3 +687,92 @@ def test_api_key_from_flag_then_env(monkeypatch):
     monkeypatch.setenv("KVLENS_API_KEY", "from-kvlens")
     assert cli.api_key(argparse.Namespace(api_key=None)) == "from-kvlens"
     assert cli.api_key(argparse.Namespace(api_key="flag")) == "flag"
+
+
+# -------------------------- issue 12: errors name the side, never a URL
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+
+
+@pytest.mark.parametrize("dead", ["prefill", "decode"])
+def test_unreachable_side_is_named_without_its_url(tmp_path, recorder, caplog, dead):
+    dead_url = _closed_port_url()
+    with pair(p_ok) as (p, d):
+        cfg = _cfg(p, d, "pull", "sequential", tmp_path)
+        if dead == "prefill":
+            cfg.prefill_url = dead_url
+        else:
+            cfg.decode_url = dead_url
+        with caplog.at_level("WARNING", logger="kvlens.proxy"), router(cfg) as url:
+            r = _post(url, {"prompt": "hi", "max_tokens": 3}, {"X-Request-Id": TID})
+            models = httpx.get(url + "/v1/models", timeout=20, trust_env=False) if dead == "decode" else None
+    assert r.status_code == 502 and r.headers["x-request-id"] == TID
+    err = r.json()["error"]
+    assert err["upstream"] == dead and err["message"] == f"{dead} instance unreachable (ConnectError)"
+    port = dead_url.rsplit(":", 1)[1]
+    for body in (r.text, models.text if models is not None else ""):
+        assert "127.0.0.1" not in body and port not in body
+    if models is not None:
+        assert models.status_code == 502 and models.json()["error"]["upstream"] == "decode"
+    assert any(dead_url in rec.getMessage() for rec in caplog.records), "the URL belongs in the router's log"
+    (root,) = recorder.roots
+    assert root[4] == "failed" and root[5]["http.response.status_code"] == 502
+    assert dead_url not in root[5]["kvlens.error"]
+
+
+def test_transport_error_messages():
+    from kvlens.proxy.errors import as_upstream, from_http_error
+
+    req = httpx.Request("POST", "http://10.1.2.3:8100/v1/completions")
+    t = from_http_error("decode", "http://10.1.2.3:8100", httpx.ReadTimeout("read timed out at 10.1.2.3", request=req))
+    assert (t.status, t.outcome, t.message) == (504, "timeout", "decode instance timed out (ReadTimeout)")
+    u = as_upstream(RuntimeError("boom at http://10.1.2.3:8100"))
+    assert (u.who, u.status, u.message) == ("prefill", 502, "prefill failed (RuntimeError)")
+
+
+def send_raw(h: BaseHTTPRequestHandler, status: int, data: bytes, ctype: str = "application/json") -> None:
+    h.send_response(status)
+    h.send_header("Content-Type", ctype)
+    h.send_header("Content-Length", str(len(data)))
+    h.end_headers()
+    h.wfile.write(data)
+
+
+def _answers(data: bytes, ctype: str = "application/json"):
+    return lambda h, body: send_raw(h, 200, data, ctype)
+
+
+@pytest.mark.parametrize("mode,dispatch,p_answer,d_answer,stream,side,words", [
+    ("pull", "sequential", _answers(b"<html>oops</html>", "text/html"), d_answers, False, "prefill",
+     "a body that is not JSON"),
+    ("pull", "sequential", _answers(b"[1, 2]"), d_answers, True, "prefill", "JSON that is not an object (list)"),
+    ("push", "overlapped", _answers(b"[1, 2]"), d_waits_for_push, False, "prefill", "JSON that is not an object"),
+    ("push", "sequential", _answers(b'{"id": "x", "choices": []}'), d_answers, False, "prefill",
+     "no kv_transfer_params"),
+    ("pull", "sequential", p_ok, _answers(b"not json at all", "text/plain"), False, "decode",
+     "a body that is not JSON"),
+    ("pull", "sequential", p_ok, _answers(b'{"id": "x"}'), False, "decode", "JSON without a `choices` list"),
+    ("pull", "sequential", p_ok, _answers(b'"a string"'), False, "decode", "JSON that is not an object (str)"),
+    ("pull", "sequential", p_ok, _answers(b'{"choices": [{"text": "x"}]}'), True, "decode",
+     "a 'application/json' body to a streaming request"),
+], ids=["p-html", "p-array", "p-array-overlapped", "p-no-kv-params", "d-text", "d-no-choices", "d-string",
+        "d-json-to-stream"])
+def test_unexpected_upstream_reply_is_a_json_error_with_id_and_span(tmp_path, recorder, caplog, mode, dispatch,
+                                                                    p_answer, d_answer, stream, side, words):
+    with caplog.at_level("WARNING", logger="kvlens.proxy"), pair(p_answer, d_answer) as (p, d), \
+            router(_cfg(p, d, mode, dispatch, tmp_path)) as url:
+        with httpx.Client(timeout=20, trust_env=False) as client:
+            r = client.post(url + "/v1/completions", headers={"X-Request-Id": TID},
+                            json={"prompt": "hi", "max_tokens": 3, "stream": stream})
+            again = client.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": stream})
+    assert r.status_code == 502 and r.headers["x-request-id"] == TID
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["upstream"] == side and err["type"] == "upstream_error" and err["trace_id"] == TID
+    assert words in err["message"] and "127.0.0.1" not in r.text
+    assert again.status_code == 502  # the client's keep-alive connection was not reset
+    root = next(x for x in recorder.roots if x[0] == TID)
+    assert root[4] == "failed" and root[5]["http.response.status_code"] == 502 and words in root[5]["kvlens.error"]
+    assert any(f"{side} instance answered 200 with" in rec.getMessage() for rec in caplog.records)

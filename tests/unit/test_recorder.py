@@ -3,6 +3,7 @@
 ``memory_stays_under_cap`` is the hot-path budget (docs/architecture.md)."""
 
 import socket
+import threading
 import time
 import tracemalloc
 
@@ -119,6 +120,7 @@ def test_failing_pipeline_never_raises_into_caller():
     r.flush()  # logs once, drops
     r.record(sc.Phase.PREFILL_FINISHED, "b", 1, 2)
     r.close()
+    assert r.failed_dropped == 2  # both lost, and counted (reason export_failed)
 
 
 def test_bad_event_is_skipped_others_exported(mem):
@@ -130,6 +132,7 @@ def test_bad_event_is_skipped_others_exported(mem):
     r.record_root(TID, None, 1, 2)
     r.flush()
     assert [s.name for s in exporter.get_finished_spans()] == ["match", "request"]
+    assert r.failed_dropped == 2 and r.exported == 2
 
 
 def test_pinned_ids_apply_to_the_root_span_only(mem):
@@ -184,3 +187,62 @@ def test_unreachable_otlp_endpoint_never_raises(tmp_path):
     r.close()
     conn = store.connect(tmp_path / "traces.db", readonly=True)
     assert [s["name"] for s in store.spans_for(conn, [TID])[TID]] == ["kv.ready"]
+
+
+def test_recorder_losses_reach_dropped_counts_by_reason():
+    def broken(id_generator):
+        raise RuntimeError("exporter setup exploded")
+
+    r = pipeline.get_recorder("decode", "push", "loss-reasons", {"kvlens_store": "off", "kvlens_metrics": "off",
+                                                                  "kvlens_buffer_events": 2})
+    try:
+        r._factory = broken
+        before = pipeline.dropped_counts()
+        r._thread = object()  # no drain thread: the buffer stays full
+        for i in range(5):
+            r.record(sc.Phase.KV_READY, f"r{i}", 1, 1)
+        r._thread = None
+        r.flush(timeout_s=1.0)  # builds the (broken) pipeline, drains: 2 events never become spans
+        r._thread = threading.current_thread()  # (no drain thread; close does not join it)
+        r._ready.clear()  # as if the pipeline were still being built at exit
+        r.record(sc.Phase.KV_READY, "late", 1, 1)
+        r.close(timeout_s=1.0)  # the buffered event is counted as shutdown
+        after = pipeline.dropped_counts()
+        delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        assert delta[("decode", "buffer_full")] == 3
+        assert delta[("decode", "export_failed")] == 2
+        assert delta[("decode", "shutdown")] == 1
+        assert r.recorded + r.dropped + r.shutdown_dropped == 6
+    finally:
+        pipeline._recorders.pop(next(k for k, v in pipeline._recorders.items() if v is r), None)
+
+
+def test_close_is_bounded_when_the_exporter_hangs():
+    """A provider whose flush and shutdown never return (an SDK exporter stuck on
+    the network) cannot hold close past its bound... for providers that take a
+    timeout; kvlens' own provider does (tests/unit/test_span_loss.py)."""
+    from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
+
+    class Stuck:
+        def export(self, batch):
+            time.sleep(30)
+
+        def shutdown(self):
+            time.sleep(30)
+
+    built = []
+
+    def factory(gen):
+        p = BoundedTracerProvider(id_generator=gen, losses=LossCounter())
+        p.add_span_processor(CountingBatchSpanProcessor(Stuck(), losses=p.losses, schedule_delay_s=0.05))
+        built.append(p)
+        return p
+
+    r = Recorder(role="router", mode="push", pipeline_factory=factory).start()
+    for i in range(10):
+        r.record_root(f"{i + 1:032x}", None, 1, 2)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    r.close(timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+    assert built[0].losses.counts() == {"shutdown": 10}

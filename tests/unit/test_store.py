@@ -4,6 +4,7 @@ import json
 import os
 import sqlite3
 import time
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +262,80 @@ def test_config_validation_is_strict():
     with pytest.raises(ValueError, match="kvlens_buffer_events"):
         pipeline.validate_config({"kvlens_buffer_events": "many"})
     assert pipeline.validate_config({"kvlens_home": "/x", "other_vllm_key": 1}) == {"kvlens_home": "/x"}
+
+
+# vLLM's own keys that share kv_connector_extra_config with kvlens' (the stack's,
+# NIXL push/pull's, and other connectors' of the supported vLLM): never mistaken for typos.
+_VLLM_KEYS = (
+    "kv_lease_duration", "push_registration_timeout", "backends", "bidirectional_kv_xfer",
+    "decoder_kv_blocks_ttl", "enforce_handshake_compat", "engine_ttl", "kv_recompute_threshold", "num_threads",
+    "backend", "num_workers", "handshake_port", "notify_port", "transfer_timeout", "enable_telemetry",
+    "read_mode", "use_layerwise", "store_threshold", "memory_limit", "max_tracker_size", "http_port",
+)
+
+
+@pytest.mark.parametrize("typo, meant", [
+    ("otlp_endpiont", "otlp_endpoint"), ("otel_endpoint", "otlp_endpoint"), ("OTLP_ENDPOINT", "otlp_endpoint"),
+    ("kvlens_buffer_event", "kvlens_buffer_events"), ("kvlen_home", "kvlens_home"),
+    ("kv_lens_home", "kvlens_home"), ("kvlens_metric", "kvlens_metrics"), ("kvlens_bogus", None),
+    ("otlp_headers", None),
+])
+def test_misspelled_option_names_the_key_and_the_closest_known_one(typo, meant):
+    with pytest.raises(ValueError) as e:
+        pipeline.validate_config({typo: "http://x:4318", "kv_lease_duration": 7})
+    msg = str(e.value)
+    assert repr(typo) in msg and "did you mean" in msg
+    if meant:
+        assert f"did you mean {meant!r}" in msg
+
+
+def test_vllm_keys_pass_validation():
+    cfg = {k: 1 for k in _VLLM_KEYS}
+    cfg["kvlens_home"] = "/x"
+    assert pipeline.validate_config(cfg) == {"kvlens_home": "/x"}
+
+
+def test_stack_kv_transfer_config_validates():
+    from kvlens.stack.commands import kv_transfer_config
+
+    for mode in ("push", "pull"):
+        cfg = kv_transfer_config(mode, "prefill", "p0", False, Path("/tmp/h"), otlp_endpoint="http://c:4318")
+        extra = cfg["kv_connector_extra_config"]
+        assert pipeline.validate_config(extra) == {"kvlens_home": "/tmp/h", "otlp_endpoint": "http://c:4318"}
+
+
+@pytest.mark.parametrize("bad", [True, False, 0, -3, 1.5, "many", "true", None, [8]])
+def test_buffer_events_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match="kvlens_buffer_events"):
+        pipeline.validate_config({"kvlens_buffer_events": bad})
+
+
+@pytest.mark.parametrize("good, n", [(1, 1), (4096, 4096), ("4096", 4096), (" 64 ", 64), (512.0, 512)])
+def test_buffer_events_accepts_integers(good, n):
+    assert pipeline.validate_config({"kvlens_buffer_events": good}) == {"kvlens_buffer_events": good}
+    r = pipeline.get_recorder("router", "push", f"buf-{n}-{good!r}", {"kvlens_buffer_events": good,
+                                                                        "kvlens_store": "off",
+                                                                        "kvlens_metrics": "off"})
+    try:
+        assert r.capacity == n
+    finally:
+        pipeline._recorders.pop(next(k for k, v in pipeline._recorders.items() if v is r), None)
+
+
+def test_string_options_must_be_strings():
+    for key in ("kvlens_home", "otlp_endpoint", "kvlens_service_name"):
+        with pytest.raises(ValueError, match=key):
+            pipeline.validate_config({key: 5})
+
+
+def test_connector_start_fails_on_a_misspelled_option():
+    """At engine start the connector validates before anything else, so a typo
+    stops vLLM's start-up with the message (not telemetry silently off)."""
+    from types import SimpleNamespace
+
+    from instrumented_connector import connector
+
+    vcfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        kv_role="kv_producer", kv_connector_extra_config={"otlp_endpiont": "http://c:4318"}))
+    with pytest.raises(ValueError, match="did you mean 'otlp_endpoint'"):
+        connector._make_recorder(vcfg, "push", "typo-engine")

@@ -138,7 +138,9 @@ def test_up_warns_when_open_beyond_loopback(capsys, monkeypatch):
     up._warn_if_open("127.0.0.1")
     assert capsys.readouterr().err == ""
     up._warn_if_open("0.0.0.0")
-    assert "warning: --host 0.0.0.0 without VLLM_API_KEY" in capsys.readouterr().err
+    assert "warning: --host 0.0.0.0 without an API key" in capsys.readouterr().err
+    up._warn_if_open("0.0.0.0", "sk-flag")
+    assert capsys.readouterr().err == ""
     monkeypatch.setenv("VLLM_API_KEY", "k")
     up._warn_if_open("0.0.0.0")
     assert capsys.readouterr().err == ""
@@ -155,3 +157,231 @@ def test_port_arg_and_loopback():
             port_arg()(bad)
     assert all(map(is_loopback, ["127.0.0.1", "127.1.2.3", "localhost", "::1", "[::1]"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "example.com", ""]))
+
+
+# ------------------------------------------------ issue 12: the API key
+def _stack(tmp_path, **kw):
+    from kvlens.up import Stack
+
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    base = dict(mode="push", model=model, kvlens_home=tmp_path / "home", log_dir=tmp_path / "run", port=18000,
+                prefill_port=18001, decode_port=18002, prefill_side_port=18003, decode_side_port=18004)
+    base.update(kw)
+    return Stack(**base)
+
+
+def test_api_key_reaches_p_d_and_router_through_the_environment_only(tmp_path, monkeypatch):
+    from kvlens.stack import commands
+
+    for k in commands.API_KEY_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert commands.api_key_env(None) == {} and commands.auth_headers(None) == {}
+    assert commands.api_key_env("sk") == {"KVLENS_API_KEY": "sk", "VLLM_API_KEY": "sk"}
+    assert commands.env_api_key({"VLLM_API_KEY": "v"}) == "v"
+    assert commands.env_api_key({"VLLM_API_KEY": "v", "KVLENS_API_KEY": "k"}) == "k"  # as kvlens proxy reads them
+    monkeypatch.setenv("KVLENS_API_KEY", "sk-inherited")  # must not win over the stack's own key
+    s = _stack(tmp_path, api_key="sk-stack")
+    p, d, r = s._server("prefill"), s._server("decode"), s._router("overlapped", 18000)
+    for c in (p, d, r):
+        assert "sk-stack" not in " ".join(c.argv) and "--api-key" not in c.argv  # `ps` shows command lines
+        assert c.env["VLLM_API_KEY"] == "sk-stack"  # what vLLM reads as --api-key
+    assert r.env["KVLENS_API_KEY"] == "sk-stack"  # what kvlens proxy reads first
+    assert "sk-stack" not in repr(s)
+    monkeypatch.setenv("KVLENS_API_KEY", "sk-env")
+    assert _stack(tmp_path).api_key == "sk-env"  # none given: the one the children would read anyway
+
+
+def test_up_api_key_flag(tmp_path, monkeypatch):
+    import argparse
+
+    from kvlens import up
+
+    monkeypatch.delenv("KVLENS_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    p = argparse.ArgumentParser()
+    up.add_arguments(p)
+    args = p.parse_args(["--mode", "pull", "--api-key", "sk-flag", "--model", str(tmp_path), "--log-dir",
+                         str(tmp_path / "run")])
+    assert up._stack(args).api_key == "sk-flag"
+    assert up._stack(p.parse_args(["--mode", "pull", "--log-dir", str(tmp_path / "run")])).api_key is None
+
+
+class _Recorder:
+    """A loopback HTTP server answering 200 to everything, keeping each request's headers."""
+
+    def __init__(self):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        seen = self.seen = []
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _ok(self):
+                if self.command == "POST":
+                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                seen.append((self.command, self.path, dict(self.headers)))
+                self.send_response(200)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            do_GET = do_POST = _ok
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_warm_up_and_health_checks_send_the_key(tmp_path):
+    from kvlens.stack.supervise import Child, wait_healthy
+
+    srv = _Recorder()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        s = _stack(tmp_path, api_key="sk-w", quiet=True)
+        s.router_url = srv.url
+        s._warm_up(tries=1, timeout_s=10)
+        c = Child("fake", ["x"], {}, tmp_path / "x.log", srv.url, proc=sleeper)
+        wait_healthy([c], time.monotonic() + 10, lambda m: None, {"Authorization": "Bearer sk-w"})
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        srv.close()
+    (post, health) = srv.seen
+    assert post[:2] == ("POST", "/v1/completions") and post[2]["Authorization"] == "Bearer sk-w"
+    assert len(post[2]["X-Request-Id"]) == 32
+    assert health[:2] == ("GET", "/health") and health[2]["Authorization"] == "Bearer sk-w"
+
+
+# ------------------------------------- issue 12: a previous stack's leftovers
+def _sleeper() -> subprocess.Popen:
+    """A real process in its own group, as a stack's child (the guard) is."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def _record(runs: Path, tag: str, proc: subprocess.Popen, ports: dict, supervisor: int | None = None) -> Path:
+    import json
+
+    from kvlens.stack.leftovers import cmdline, group_record
+
+    d = runs / tag
+    d.mkdir(parents=True)
+    sup = supervisor if supervisor is not None else _dead_pid()
+    (d / "stack.json").write_text(json.dumps({
+        "mode": "push", "ports": ports, "pids": {"prefill": proc.pid},
+        "processes": [group_record("prefill", proc.pid)],
+        "supervisor": {"pid": sup, "cmdline": cmdline(sup) or ["kvlens", "up"]},
+    }))
+    return d / "stack.json"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_leftovers_are_named_not_killed(tmp_path):
+    import json
+
+    from kvlens.stack.leftovers import find_leftovers, group_record
+
+    runs = tmp_path / "runs"
+    proc = _sleeper()
+    try:
+        rec = group_record("prefill", proc.pid)
+        assert rec["pgid"] == proc.pid and rec["members"][0]["pid"] == proc.pid
+        assert rec["members"][0]["cmdline"][-1] == "import time; time.sleep(120)"
+        path = _record(runs, "push-old", proc, {"router": 8000, "prefill": 8001})
+        (lo,) = find_leftovers(runs)
+        assert (lo.manifest, lo.names, lo.pgids, lo.pids, lo.ports) == (path, ["prefill"], [proc.pid], [proc.pid],
+                                                                         [8000, 8001])
+        line = lo.line()
+        assert "its kvlens is gone" in line and f"kill -TERM -{proc.pid}" in line and str(path) in line
+        assert proc.poll() is None  # named, never stopped
+        # a pid now used by another program is not blamed
+        m = json.loads(path.read_text())
+        m["processes"][0]["members"][0]["cmdline"] = ["/usr/bin/some-other-program"]
+        path.write_text(json.dumps(m))
+        assert find_leftovers(runs) == []
+        # a stack whose kvlens still runs: named with its kvlens to stop; this process's own: skipped
+        path.unlink()
+        path.parent.rmdir()
+        _record(runs, "push-running", proc, {}, supervisor=os.getppid())
+        (lo,) = find_leftovers(runs)
+        assert lo.supervisor == os.getppid() and lo.line().endswith(f"kill -TERM {os.getppid()}")
+        _record(runs, "push-mine", proc, {}, supervisor=os.getpid())
+        assert [x.manifest.parent.name for x in find_leftovers(runs)] == ["push-running"]
+        (runs / "broken").mkdir()
+        (runs / "broken" / "stack.json").write_text("{not json")
+        (runs / "odd").mkdir()
+        (runs / "odd" / "stack.json").write_text('{"processes": [{"members": [{"pid": "x"}]}], "pids": 3}')
+        assert len(find_leftovers(runs)) == 1
+    finally:
+        proc.kill()
+        proc.wait()
+    assert find_leftovers(runs) == []  # gone: nothing to name
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_busy_port_error_names_the_leftover_stack(tmp_path, capsys):
+    from kvlens.stack.errors import StackError
+
+    proc = _sleeper()
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            busy = s.getsockname()[1]
+            _record(tmp_path / "home" / "runs", "push-old", proc, {"router": busy})
+            with pytest.raises(StackError) as e:
+                _stack(tmp_path, port=busy).preflight()
+        msg = str(e.value)
+        assert f"router port {busy} is already in use" in msg
+        assert "a previous stack is still running" in msg and f"kill -TERM -{proc.pid}" in msg
+        out = capsys.readouterr().out
+        assert "[kvlens up] warning: a previous stack is still running" in out and str(busy) in out
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_manifest_records_groups_and_never_the_key(tmp_path):
+    import json
+
+    from kvlens.stack.supervise import Child
+
+    s = _stack(tmp_path, api_key="sk-secret")
+    c = Child("prefill", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ),
+              tmp_path / "p.log", "http://127.0.0.1:1")
+    c.start()
+    try:
+        Path(s.log_dir).mkdir(parents=True, exist_ok=True)
+        s.children.append(c)
+        deadline = time.monotonic() + 10
+        while len(s.manifest()["processes"][0]["members"]) < 2:  # the guard, then the server it starts
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        m = s.manifest()
+        (rec,) = m["processes"]
+        assert rec["name"] == "prefill" and rec["pgid"] == c.proc.pid
+        assert {x["pid"] for x in rec["members"]} >= {c.proc.pid}
+        assert any(x["cmdline"][-1] == "import time; time.sleep(60)" for x in rec["members"])
+        assert m["supervisor"]["pid"] == os.getpid() and m["api_key"] is True
+        assert "sk-secret" not in json.dumps(m)
+    finally:
+        from kvlens.stack.supervise import stop_children
+
+        stop_children([c], grace_s=5)
