@@ -10,11 +10,11 @@ It re-exports what callers import from here (``Stack``, ``StackError``,
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
 
+from kvlens.argtypes import positive
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.commands import (
     DEFAULT_KV_LEASE_S,
@@ -36,22 +36,6 @@ __all__ = [
 ]
 
 
-def _positive(kind: type):
-    """argparse ``type=``: a finite number > 0 of ``kind`` (int or float)."""
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {text!r}") from None
-        if not math.isfinite(v) or v <= 0:
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-        return v
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["push", "pull"], required=True, help="KV handoff protocol")
     p.add_argument(
@@ -70,15 +54,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "VLLM_API_KEY is set, and even then for the side channel)")
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
-    p.add_argument("--timeout", type=_positive(float), default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout", type=positive(float), default=DEFAULT_TIMEOUT_S,
                    help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--prometheus", action="store_true",
                    help="also start a Prometheus server (Debian package prometheus) scraping router, P and D, "
                         "with the kvlens recording rules and exemplar storage; data under the log dir")
     p.add_argument("--prometheus-port", type=port_arg(), default=9090, help="Prometheus port (default 9090)")
-    p.add_argument("--kv-lease", type=_positive(int), default=DEFAULT_KV_LEASE_S, metavar="S",
+    p.add_argument("--kv-lease", type=positive(int), default=DEFAULT_KV_LEASE_S, metavar="S",
                    help=f"vLLM kv_lease_duration: how long P keeps a request's KV for D (default {DEFAULT_KV_LEASE_S}; vLLM's own default is 30)")
-    p.add_argument("--push-registration-timeout", type=_positive(int), default=DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, metavar="S",
+    p.add_argument("--push-registration-timeout", type=positive(int), default=DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, metavar="S",
                    help=f"vLLM push_registration_timeout on D (default {DEFAULT_PUSH_REGISTRATION_TIMEOUT_S}; vLLM's own default is 480)")
     p.add_argument("--separate-homes", action="store_true",
                    help="run P, D and the router as if on three hosts: each with its own KVLENS_HOME "

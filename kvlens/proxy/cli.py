@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 
+from kvlens.argtypes import positive
 from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, ProxyConfig
 from kvlens.stack.ports import is_loopback, port_arg
 
@@ -16,22 +16,6 @@ logger = logging.getLogger("kvlens.proxy")
 #: given (the first set wins); VLLM_API_KEY is what vLLM itself reads.
 API_KEY_ENV = ("KVLENS_API_KEY", "VLLM_API_KEY")
 MIB = 1024 * 1024
-
-
-def _positive(kind: type):
-    """argparse ``type=``: a finite number > 0 of ``kind`` (int or float)."""
-
-    def parse(text: str):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a{'n integer' if kind is int else ' number'}: {text!r}") from None
-        if not math.isfinite(v) or v <= 0:
-            raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-        return v
-
-    parse.__name__ = kind.__name__
-    return parse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-side-host", default="127.0.0.1", help="P's NIXL side-channel host (overlapped push)")
     p.add_argument("--prefill-side-port", type=port_arg(), default=None,
                    help="P's VLLM_NIXL_SIDE_CHANNEL_PORT (required for overlapped push)")
-    p.add_argument("--prefill-tp-size", type=_positive(int), default=1)
-    p.add_argument("--timeout", type=_positive(float), default=600.0, help="read timeout towards P and D, seconds")
-    p.add_argument("--max-body-mb", type=_positive(float), default=DEFAULT_MAX_BODY_BYTES / MIB, metavar="MB",
+    p.add_argument("--prefill-tp-size", type=positive(int), default=1)
+    p.add_argument("--timeout", type=positive(float), default=600.0, help="read timeout towards P and D, seconds")
+    p.add_argument("--max-body-mb", type=positive(float), default=DEFAULT_MAX_BODY_BYTES / MIB, metavar="MB",
                    help=f"largest request body accepted, MiB (default {DEFAULT_MAX_BODY_BYTES // MIB}); "
                         "larger ones get 413 without being read")
     p.add_argument("--api-key", default=None,

@@ -59,8 +59,19 @@ class Feed:
         tid = f"{self.n:032x}"
         t = time.time_ns()
         h = int(handoff_s * 1e9)
-        self._span("prefill.finished", tid, t, t, {sc.ATTR_MODE: mode, sc.ATTR_ROLE: "prefill"})
-        self._span("kv.ready", tid, t + h, t + h, {sc.ATTR_MODE: mode, sc.ATTR_ROLE: "decode"})
+        P = {sc.ATTR_MODE: mode, sc.ATTR_ROLE: "prefill"}
+        D = {sc.ATTR_MODE: mode, sc.ATTR_ROLE: "decode"}
+        self._span("prefill.finished", tid, t, t, P)
+        # one message each way between P and D, which bound the clocks (one host: the raw figure stands)
+        if mode == "push":
+            self._span("registration.send", tid, t - 3000, t - 2500, D)
+            self._span("registration.receive", tid, t - 2000, t - 2000, P)
+            self._span("write.post", tid, t + 100, t + 200, P)
+        else:
+            self._span("alloc", tid, t + 100, t + 100, D)
+            self._span("read.post", tid, t + 200, t + 300, D)
+            self._span("kv.released", tid, t + h, t + h, P)
+        self._span("kv.ready", tid, t + h, t + h, D)
         self._span("request", tid, t - 1000, t + h + 1000,
                    {sc.ATTR_MODE: mode, sc.ATTR_ROLE: "router", sc.ATTR_TTFT_S: ttft_s,
                     sc.ATTR_DISPATCH: "overlapped"})
@@ -123,7 +134,8 @@ def test_dashboard_uses_known_series_and_datasource_input():
 KNOWN_FAMILIES = {
     "kvlens_phase_duration_seconds", "kvlens_handoff_seconds", "kvlens_handoff_unresolved", "kvlens_ttft_seconds",
     "kvlens_requests", "kvlens_transfer_bytes", "kvlens_transfer_descriptors", "kvlens_push_registrations_waiting",
-    "kvlens_push_prefills_waiting", "kvlens_telemetry_dropped",
+    "kvlens_push_prefills_waiting", "kvlens_telemetry_dropped", "kvlens_clock_offset_seconds",
+    "kvlens_clock_offset_width_seconds",
 }
 
 

@@ -18,6 +18,7 @@ import os
 import random
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import psutil
@@ -147,8 +148,13 @@ def _soak_case(stack, mode: str) -> None:
         time.sleep(1)
     # every answered request: exactly one trace, both ends and the router's root span
     assert len(whole) == len(answered), f"{len(answered) - len(whole)} answered requests lack a whole trace"
-    print(f"\nsoak {mode}: {len(answered)} answered, {len(left)} clients left; "
-          f"router RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB ({rss1 / rss0:.3f}x)")
+    line = (f"soak {mode}: {len(answered)} answered, {len(left)} clients left, {len(whole)} whole traces; "
+            f"router RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB ({rss1 / rss0:.3f}x)")
+    print("\n" + line)
+    out = Path(__file__).resolve().parents[2] / "test-output"
+    out.mkdir(exist_ok=True)
+    with open(out / "soak.txt", "a") as f:  # the figures for the closing note
+        f.write(time.strftime("%Y-%m-%dT%H:%M:%S ") + line + "\n")
     assert rss1 <= rss0 * 1.10, (rss0, rss1)
 
 

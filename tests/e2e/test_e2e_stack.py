@@ -182,9 +182,12 @@ def test_pull_greedy_matches_single_instance(pull_stack):
 
 # ------------------------------------------------------- e2e: shutdown
 @pytest.mark.e2e
-def test_sigterm_leaves_no_children(stack_factory, tiny_model, tmp_path):
-    """SIGTERM to ``kvlens up`` once vLLM has spawned its engine processes:
-    every process of the tree is gone afterwards."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_signal_leaves_no_children(stack_factory, tiny_model, tmp_path, sig):
+    """SIGTERM (a clean stop) or SIGKILL (an OOM kill: nothing of kvlens up
+    runs) to ``kvlens up`` once vLLM has spawned its engine processes: every
+    process of the tree is gone afterwards (SIGKILL: through the parent-death
+    guard of each child, which stops its whole process group)."""
     import psutil
 
     stack_factory.stop()  # one pair at a time
@@ -214,11 +217,12 @@ def test_sigterm_leaves_no_children(stack_factory, tiny_model, tmp_path):
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             time.sleep(1)
         assert len(seen) >= 4, "vLLM never spawned its processes"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=90)
-        assert proc.returncode == 0, out
+        assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL), out
     finally:
         if proc.poll() is None:
             proc.kill()
-    gone, alive = psutil.wait_procs(list(seen.values()), timeout=10)
+    # after SIGKILL the guards give their servers the usual grace (15 s) before SIGKILL
+    gone, alive = psutil.wait_procs(list(seen.values()), timeout=10 if sig == signal.SIGTERM else 60)
     assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], alive
