@@ -34,13 +34,13 @@ import time
 from collections import OrderedDict
 from typing import Mapping
 
+from instrumented_connector import semconv as sc
 from instrumented_connector.ids import incoming_trace, new_trace_id, parse_traceparent
 
 #: Root-span attributes holding what the client sent when it differs from
-#: the trace id used (candidates for ``semconv``; kept here while only the
-#: router writes them).
-ATTR_CLIENT_REQUEST_ID = "kvlens.client.request_id"
-ATTR_CLIENT_TRACE_ID = "kvlens.client.trace_id"
+#: the trace id used (the vocabulary's names, re-exported).
+ATTR_CLIENT_REQUEST_ID = sc.ATTR_CLIENT_REQUEST_ID
+ATTR_CLIENT_TRACE_ID = sc.ATTR_CLIENT_TRACE_ID
 
 #: Most ended ids remembered; beyond it the oldest are forgotten first (the
 #: in-flight set is never trimmed). ~100 bytes each.
