@@ -130,6 +130,7 @@ class ModeStats:
     handoff: dict[str, float | None] = field(default_factory=dict)  # p50 / p90 / p99
     ttft: dict[str, float | None] = field(default_factory=dict)  # mean / p50 / p99
     tpot_mean: float | None = None
+    tpot_note: str = ""  # where tpot_mean comes from, or why it is missing
     outcomes: dict[str, float] = field(default_factory=dict)
     dropped: float | None = None
     dropped_by_reason: dict[str, float] = field(default_factory=dict)  # reason -> spans lost (Prometheus)
@@ -316,6 +317,25 @@ def bench_table(path: str | Path, run_id: str | None = None) -> pd.DataFrame:
     for k in cols[4:]:
         df[k] = pd.to_numeric(df[k], errors="coerce")
     return df
+
+
+def bench_tpot(df: pd.DataFrame, run_id: str | None) -> dict[str, tuple[float | None, str]]:
+    """Per mode, (mean TPOT over a bench run's cells, where it comes from or why it is
+    missing): the trace store has no per-request TPOT, its bench rows do."""
+    out = {}
+    for mode in MODES:
+        v = pd.to_numeric(df.loc[df["mode"] == mode, "tpot_mean_s"], errors="coerce").dropna() if len(df) \
+            else pd.Series(dtype=float)
+        if len(v):
+            out[mode] = (float(v.mean()), f"Mean TPOT over the {len(v)} {mode} cells of bench run {run_id} "
+                                          "(kvlens bench), not over this time range.")
+        elif run_id:
+            out[mode] = (None, f"Bench run {run_id} has no {mode} TPOT (unknown when tokens arrive together); "
+                               "the trace store records no per-request TPOT.")
+        else:
+            out[mode] = (None, "The trace store records no per-request TPOT and holds no bench run; run "
+                               "`kvlens bench`, or give --prometheus to read vLLM's TPOT from D.")
+    return out
 
 
 def live_compare(stats: Mapping[str, ModeStats]) -> pd.DataFrame:

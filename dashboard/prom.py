@@ -70,6 +70,33 @@ def _dropped(q: Query, w: str) -> tuple[float | None, dict[str, float]]:
     return (sum(by.values()) if by else None), {k: v for k, v in by.items() if v > 0}
 
 
+#: vLLM's TPOT histograms (newer name first), scraped from D (job of ``kvlens up --prometheus``).
+TPOT_METRICS = ("vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds")
+DECODE_JOB = "vllm-decode"
+
+
+def _tpot(q: Query, w: str, stats: dict[str, D.ModeStats]) -> None:
+    """vLLM's mean TPOT on D over ``w`` into the one mode that ran (vLLM's metrics
+    have no mode label); otherwise a reason in ``tpot_note``."""
+    v = None
+    for m in TPOT_METRICS:
+        v = _one(q(f"sum(rate({selector(m + '_sum', job=DECODE_JOB)}[{w}])) / "
+                   f"sum(rate({selector(m + '_count', job=DECODE_JOB)}[{w}]))"))
+        if v is not None:
+            break
+    ran = [m for m, s in stats.items() if (s.requests or 0) > 0]
+    for mode, s in stats.items():
+        if v is None:
+            s.tpot_note = (f"Prometheus has no vLLM TPOT ({TPOT_METRICS[0]}) from job {DECODE_JOB} "
+                           f"over {w}.")
+        elif ran == [mode]:
+            s.tpot_mean, s.tpot_note = v, f"vLLM's mean TPOT on D ({DECODE_JOB}) over {w}."
+        elif mode in ran:
+            s.tpot_note = "vLLM's TPOT has no mode label and both modes ran in this range."
+        else:
+            s.tpot_note = f"No {mode} requests in this range."
+
+
 def _mode_stats(q: Query, mode: str, w: str, dropped: tuple[float | None, dict[str, float]]) -> D.ModeStats:
     """Handoff / TTFT quantiles, request rate and outcomes of one mode over ``w``."""
     st = D.ModeStats(mode=mode)
@@ -149,6 +176,7 @@ def prom_overview(
             stats[mode] = _mode_stats(q, mode, w, dropped)
             phases += _mode_phases(q, mode, w)
             hist += _mode_hist(q, mode, w)
+        _tpot(q, w, stats)
     ph_df = pd.DataFrame(phases, columns=_PHASE_COLS)
     if len(ph_df):
         ph_df["rank"] = ph_df["phase"].map(D.phase_rank)

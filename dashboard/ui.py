@@ -6,11 +6,12 @@ message, and number formatting. Runs on Streamlit's script thread.
 from __future__ import annotations
 
 import argparse
+import numbers
 import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import pandas as pd
 import streamlit as st
@@ -83,20 +84,54 @@ def store_banner(cfg: Config) -> dict[str, Any] | None:
     return info
 
 
+#: What a table cell or card shows for a figure that is missing (a caption or tooltip says why).
+MISSING = "-"
+
+
+def _missing(v: Any) -> bool:
+    return v is None or (pd.api.types.is_scalar(v) and bool(pd.isna(v)))
+
+
 def fmt_s(v: float | None, unit: str = "s") -> str:
-    """Seconds as ``12.3 ms`` / ``1.23 s`` (other units: ``1.23 unit``); ``n/a`` when missing."""
-    if v is None or pd.isna(v):
-        return "n/a"
+    """Seconds as ``12.3 ms`` / ``1.23 s`` (other units: ``1.23 unit``); ``-`` when missing."""
+    if _missing(v):
+        return MISSING
     if unit == "s":
         return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
     return f"{v:.2f} {unit}"
 
 
+def time_unit(values: Iterable[float | None]) -> tuple[str, float]:
+    """One unit for a row of cards: ``("ms", 1e3)`` unless a figure reaches 10 s, then ``("s", 1)``."""
+    vals = [abs(v) for v in values if not _missing(v)]
+    return ("s", 1.0) if vals and max(vals) >= 10 else ("ms", 1e3)
+
+
+def fmt_short(v: float | None, scale: float = 1.0) -> str:
+    """A card value in at most 5 characters (unit in the card's label): ``6.04``, ``13.1``,
+    ``354``, ``1,234``; ``-`` when missing. ``scale`` converts it first (1e3: s to ms)."""
+    if _missing(v):
+        return MISSING
+    x = v * scale
+    if abs(x) >= 100:
+        return f"{x:,.0f}"
+    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}" if abs(x) >= 0.01 or x == 0 else f"{x:.1e}"
+
+
+def fmt_rate(v: float | None) -> str:
+    """A rate (per second) in at most 6 characters: ``1.5``, ``0.0083``, ``1,234``; ``-`` when missing."""
+    if _missing(v):
+        return MISSING
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.3g}" if abs(v) >= 1 or v == 0 else f"{v:.2g}" if abs(v) >= 1e-3 else f"{v:.0e}"
+
+
 def fmt_handoff(h: float | None, err: float | None, note: str | None = None) -> str:
     """A handoff with its clock bound (``12.3 ms ± 0.4 ms``); ``unknown`` when
     the store could not bound the P/D clocks (the note says why elsewhere)."""
-    if h is None or pd.isna(h):
-        return "unknown" if note else "n/a"
+    if _missing(h):
+        return "unknown" if note else MISSING
     return fmt_s(h) if err is None or pd.isna(err) else f"{fmt_s(h)} ± {fmt_s(err)}"
 
 
@@ -114,12 +149,34 @@ def clock_caption(rec: dict) -> str:
 
 
 def fmt_n(v: float | None, digits: int = 0) -> str:
-    """A count with thousands separators; ``n/a`` when missing."""
-    if v is None or pd.isna(v):
-        return "n/a"
+    """A count with thousands separators (an integer unless ``digits``); ``-`` when missing."""
+    if _missing(v):
+        return MISSING
     return f"{v:,.{digits}f}"
 
 
 def fmt_ts(ns: int | None) -> str:
     """Wall-clock ns as local ``YYYY-mm-dd HH:MM:SS``; ``n/a`` when missing."""
     return datetime.fromtimestamp(ns / 1e9).strftime("%Y-%m-%d %H:%M:%S") if ns else "n/a"
+
+
+def table_view(df: pd.DataFrame, formats: dict[str, str] | None = None) -> pd.DataFrame:
+    """A display copy of ``df`` for ``st.dataframe``: every cell text, ``-`` for a
+    missing one (Streamlit draws a missing cell as "None"), counts as integers.
+    ``formats``: column -> format spec (``".3f"``, ``",.0f"``) or template (``"{:.2f}×"``);
+    other numbers ``.6g``.
+    The columns are text, so say in their ``help`` what ``-`` means."""
+    formats = formats or {}
+    out = pd.DataFrame(index=df.index)
+    for c in df.columns:
+        spec = formats.get(c)
+        out[c] = [MISSING if _missing(v) else _cell(v, spec) for v in df[c]]
+    return out
+
+
+def _cell(v: Any, spec: str | None) -> str:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return str(v)
+    if spec:
+        return spec.format(v) if "{" in spec else format(v, spec)
+    return f"{int(v):,}" if isinstance(v, numbers.Integral) else format(float(v), ".6g")

@@ -53,11 +53,12 @@ def bench_grid(cfg: ui.Config) -> bool:
         st.info("The selected run has no rows.")
         return True
     show = bench_display(df)
-    st.dataframe(show, hide_index=True, width="stretch", column_config=ms_columns(show))
+    st.dataframe(ui.table_view(show, ms_formats(show)), hide_index=True, width="stretch",
+                 column_config=ms_columns(show))
     st.caption("Times in ms. Ratio columns: push ÷ pull for the same input length, output length and QPS "
-               "(< 1: push is faster).")
+               "(< 1: push is faster), on the push rows. -: no figure (see each column's ?).")
     with st.expander("All columns of this run"):
-        st.dataframe(df, hide_index=True, width="stretch")
+        st.dataframe(ui.table_view(df), hide_index=True, width="stretch")
     st.altair_chart(charts.bench_chart(df))
     return True
 
@@ -82,9 +83,16 @@ def live_window(cfg: ui.Config) -> None:
         for c in show.columns[1:]:
             if c.endswith("(ms)"):
                 show.loc[2, c] = live.loc[2, [k for k, v in LABELS.items() if v == c][0]]
+    fmts = {c: ",.0f" if c == "requests" else ".3g" if c == "req/s" else ".2f" for c in show.columns[1:]}
+    if len(show) == 3:  # the ratio row: two decimals, whatever the column
+        show = ui.table_view(show.iloc[:2], fmts).pipe(
+            lambda t: pd.concat([t, ui.table_view(show.iloc[2:], {c: ".2f" for c in show.columns[1:]})]))
+    else:
+        show = ui.table_view(show, fmts)
     st.dataframe(show, hide_index=True, width="stretch",
-                 column_config={c: st.column_config.NumberColumn(c, format="%.3f") for c in show.columns[1:]})
-    st.caption("Last row: push ÷ pull (< 1: push is lower).")
+                 column_config={"TPOT mean (ms)": st.column_config.TextColumn(
+                     "TPOT mean (ms)", help="-: the trace store records no per-request TPOT (see the grid above)")})
+    st.caption("Last row: push ÷ pull (< 1: push is lower). -: no figure in this window.")
 
 
 def bench_display(df: pd.DataFrame) -> pd.DataFrame:
@@ -101,14 +109,26 @@ def bench_display(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def ms_columns(df: pd.DataFrame) -> dict[str, Any]:
-    """Column formats: ms columns to 2 decimals, ratio columns as ``0.80×``."""
-    cfg: dict[str, Any] = {}
+def ms_formats(df: pd.DataFrame) -> dict[str, str]:
+    """Cell formats of the grid: ms to 2 decimals, ratios as ``0.80×``, lengths as integers."""
+    fmts = {"input_len": ",.0f"}
     for c in df.columns:
         if c.endswith("(ms)"):
-            cfg[c] = st.column_config.NumberColumn(c, format="%.2f")
+            fmts[c] = ".2f"
         elif "÷" in c:
-            cfg[c] = st.column_config.NumberColumn(c, format="%.2f×")
+            fmts[c] = "{:.2f}×"
+    return fmts
+
+
+def ms_columns(df: pd.DataFrame) -> dict[str, Any]:
+    """The grid's column help: what ``-`` means there."""
+    cfg: dict[str, Any] = {}
+    for c in df.columns:
+        if "÷" in c:
+            cfg[c] = st.column_config.TextColumn(c, help="push ÷ pull of the same cell, on the push row; "
+                                                 "-: on pull rows, or a side has no figure")
+        elif c.startswith("TPOT"):
+            cfg[c] = st.column_config.TextColumn(c, help="-: unknown (every token of the cell arrived together)")
     return cfg
 
 

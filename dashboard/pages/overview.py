@@ -73,7 +73,17 @@ def from_store(cfg: ui.Config, range_key: str) -> tuple | None:
     ok, phases = ui.guarded(cfg, lambda: L.load_phases(cfg.store, range_key, now))
     if not ok:
         return None
+    add_bench_tpot(cfg, stats)
     return stats, phases, D.handoff_histogram(df), f"trace store `{cfg.store}`"
+
+
+def add_bench_tpot(cfg: ui.Config, stats: dict[str, D.ModeStats]) -> None:
+    """TPOT from the store's latest bench run (the store has no per-request TPOT)."""
+    ok, runs = ui.guarded(cfg, lambda: L.load_bench_runs(cfg.store, L.now_bucket()))
+    run_id = runs[0]["run_id"] if ok and runs else None
+    ok, df = ui.guarded(cfg, lambda: L.load_bench(cfg.store, run_id)) if run_id else (True, pd.DataFrame())
+    for mode, (v, note) in D.bench_tpot(df if ok else pd.DataFrame(), run_id).items():
+        stats[mode].tpot_mean, stats[mode].tpot_note = v, note
 
 
 def body(cfg: ui.Config, range_key: str) -> None:
@@ -94,33 +104,46 @@ def body(cfg: ui.Config, range_key: str) -> None:
             if not stats[mode].requests:
                 st.info(f"No {mode} requests in this range.")
                 continue
-            mode_figures(mode, stats[mode])
+            mode_figures(mode, stats[mode], source.startswith("Prometheus"))
             mode_charts(mode, phases, hist, ph_max, h_max)
 
 
-def mode_figures(mode: str, s: D.ModeStats) -> None:
-    """The metric tiles of one mode, and links from its handoff percentiles to the Traces page."""
+HANDOFF_HELP = ("Handoff = prefill.finished (P) → kv.ready (D), {src}. "
+                "Percentiles of the requests whose handoff is known; the links below list their traces.")
+DROPPED_HELP = ("Spans kvlens lost in this range, all processes, by reason: buffer_full (recorder buffer), "
+                "queue_full (export queue), store (trace store locked or unwritable), export_failed (OTLP), "
+                "shutdown (still queued at exit). Increase of kvlens_telemetry_dropped_total.")
+
+
+def mode_figures(mode: str, s: D.ModeStats, from_prom: bool) -> None:
+    """The metric cards of one mode (short values, the unit in the label, detail in
+    ``help``), and links from its handoff percentiles to the Traces page."""
+    src = "from Prometheus' kvlens_handoff_seconds histogram" if from_prom else "from the trace store"
+    unit, k = ui.time_unit(s.handoff.values())
+    st.caption(f"Handoff in {unit}, {src}.", help=HANDOFF_HELP.format(src=src))
+    for col, (name, v) in zip(st.columns(3), s.handoff.items()):
+        col.metric(f"handoff {name}", ui.fmt_short(v, k))  # no ? icon: the label fits at 1280 px
+    unit, k = ui.time_unit([s.ttft.get("p50"), s.ttft.get("p99"), s.tpot_mean])
     a, b, c = st.columns(3)
-    a.metric("handoff p50", ui.fmt_s(s.handoff.get("p50")))
-    b.metric("handoff p90", ui.fmt_s(s.handoff.get("p90")))
-    c.metric("handoff p99", ui.fmt_s(s.handoff.get("p99")))
+    ttft_help = "Time to first token as the client sees it (router: request in → first token out)."
+    a.metric(f"TTFT p50 ({unit})", ui.fmt_short(s.ttft.get("p50"), k), help=ttft_help)
+    b.metric(f"TTFT p99 ({unit})", ui.fmt_short(s.ttft.get("p99"), k), help=ttft_help)
+    c.metric(f"TPOT ({unit})", ui.fmt_short(s.tpot_mean, k), help=s.tpot_note or "Mean time per output token.")
     a, b, c = st.columns(3)
-    a.metric("TTFT p50 (client)", ui.fmt_s(s.ttft.get("p50")))
-    b.metric("TTFT p99 (client)", ui.fmt_s(s.ttft.get("p99")))
-    c.metric("TPOT mean", ui.fmt_s(s.tpot_mean), help="Not recorded per request; see Compare for bench TPOT.")
-    a, b, c = st.columns(3)
-    a.metric("requests / s", f"{s.req_per_s:.3g}" if s.req_per_s is not None else "n/a")
+    a.metric("req/s", ui.fmt_rate(s.req_per_s), help="Requests per second over the time range.")
     a.caption(f"{ui.fmt_n(s.requests)} requests")
     bad = {k: v for k, v in s.outcomes.items() if k != sc.Outcome.OK.value}
-    b.metric("ok", ui.fmt_n(s.outcomes.get(sc.Outcome.OK.value)))
+    b.metric("ok", ui.fmt_n(s.outcomes.get(sc.Outcome.OK.value)), help="Requests that completed.")
     b.caption(" · ".join(f"{k} {ui.fmt_n(v)}" for k, v in bad.items()))
-    c.metric("dropped telemetry", ui.fmt_n(s.dropped) if s.dropped is not None else "n/a",
-             help="Spans kvlens lost in this range, all processes, by reason: buffer_full (recorder "
-                  "buffer), queue_full (export queue), store (trace store locked or unwritable), "
-                  "export_failed (OTLP), shutdown (still queued at exit). Increase of "
-                  "kvlens_telemetry_dropped_total; needs --prometheus")
+    c.metric("lost spans", ui.fmt_n(s.dropped),
+             help=DROPPED_HELP + ("" if s.dropped is not None else " Shown with --prometheus only: the trace "
+                                  "store cannot count what never reached it."))
     if s.dropped_by_reason:
         c.caption(" · ".join(f"{k} {ui.fmt_n(v)}" for k, v in sorted(s.dropped_by_reason.items())))
+    missing = [n for n, v in (("TPOT", s.tpot_mean), ("lost spans", s.dropped)) if v is None]
+    if missing:
+        # (not starting with "-": markdown would make it a list item)
+        st.caption(f"{', '.join(missing)}: not available here, shown as “-” (hover ? for why).")
     links = st.columns(3)
     for lc, (name, v) in zip(links, s.handoff.items()):
         if v is not None:

@@ -101,17 +101,23 @@ def filters() -> dict[str, Any]:
 
 
 def slowest_table(df: pd.DataFrame) -> None:
+    """The listed traces, times in ms; ``-`` where a figure is missing (the column's help says why)."""
     show = df.assign(
-        started_utc=pd.to_datetime(df["start_ns"], unit="ns"),
+        started_utc=pd.to_datetime(df["start_ns"], unit="ns").dt.strftime("%Y-%m-%d %H:%M:%S"),
         handoff_ms=df["handoff_s"] * 1e3, err_ms=df["handoff_err_s"] * 1e3, ttft_ms=df["ttft_s"] * 1e3,
     )[["trace_id", "mode", "dispatch", "outcome", "handoff_ms", "err_ms", "ttft_ms", "n_spans", "started_utc",
        "request_id", "handoff_note"]]
-    st.dataframe(show, hide_index=True, width="stretch", height=min(38 + 35 * len(show), 320),
-                 column_config={"handoff_ms": st.column_config.NumberColumn("handoff (ms)", format="%.3f"),
-                                "err_ms": st.column_config.NumberColumn(
-                                    "± (ms)", format="%.3f", help="bound from the P/D clock offset interval"),
-                                "ttft_ms": st.column_config.NumberColumn("TTFT (ms)", format="%.3f"),
-                                "handoff_note": st.column_config.TextColumn("note")})
+    text = st.column_config.TextColumn
+    st.dataframe(ui.table_view(show, {"handoff_ms": ".3f", "err_ms": ".3f", "ttft_ms": ".3f", "n_spans": ",.0f"}),
+                 hide_index=True, width="stretch", height=min(38 + 35 * len(show), 320),
+                 column_config={"handoff_ms": text("handoff (ms)", help="-: no kv.ready (the request failed "
+                                                   "first) or P/D clocks not bounded; see note"),
+                                "err_ms": text("± (ms)", help="bound from the P/D clock offset interval; "
+                                               "-: no handoff or no bound"),
+                                "ttft_ms": text("TTFT (ms)", help="-: no first token (the request failed)"),
+                                "n_spans": text("spans"),
+                                "request_id": text("request_id", help="-: the router saw no request id"),
+                                "handoff_note": text("note", help="why a handoff is unknown; -: nothing to note")})
 
 
 def pick_trace(df: pd.DataFrame) -> str:
@@ -155,8 +161,8 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
         return
     dec = rec["decomposition"]
     m = st.columns(6)
-    m[0].metric("mode", rec["mode"] or "n/a")
-    m[1].metric("outcome", rec["outcome"] or "n/a")
+    m[0].metric("mode", rec["mode"] or ui.MISSING)
+    m[1].metric("outcome", rec["outcome"] or ui.MISSING)
     m[2].metric("handoff", ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]),
                 help=rec["handoff_note"] or "± the bound from the P/D clock offset interval")
     m[3].metric("TTFT (client)", ui.fmt_s(rec["ttft_s"]))
@@ -167,10 +173,12 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
                "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases.")
     st.altair_chart(charts.waterfall_chart(spans, rec["critical_ms"]), width="stretch")
     st.dataframe(
-        spans[["role", "phase", "start_ms", "duration_ms", "critical", "outcome", "attributes"]],
+        ui.table_view(spans[["role", "phase", "start_ms", "duration_ms", "critical", "outcome", "attributes"]],
+                      {"start_ms": ".3f", "duration_ms": ".3f"}),
         hide_index=True, width="stretch",
-        column_config={"start_ms": st.column_config.NumberColumn("start (ms)", format="%.3f"),
-                       "duration_ms": st.column_config.NumberColumn("duration (ms)", format="%.3f")},
+        column_config={"start_ms": st.column_config.TextColumn("start (ms)"),
+                       "duration_ms": st.column_config.TextColumn("duration (ms)"),
+                       "outcome": st.column_config.TextColumn("outcome", help="-: a point phase has no outcome")},
     )
 
 

@@ -118,6 +118,40 @@ def wait_charts(page, n: int, timeout_ms: int = 45_000) -> None:
         f"document.querySelectorAll('.vega-embed svg, .vega-embed canvas').length >= {n}", timeout=timeout_ms)
 
 
+#: Each Overview card: its text, and whether any of its parts is cut (scrolls past its box):
+#: st.metric cuts a long value with CSS (text-overflow: ellipsis), so innerText alone shows it whole.
+CARDS_JS = """() => Array.from(document.querySelectorAll('[data-testid=stMetric]')).map(m => ({
+  text: m.innerText.replace(/\\n+/g, ' | '),
+  cut: Array.from(m.querySelectorAll('*')).some(e => e.scrollWidth > e.clientWidth + 1
+                                                 && getComputedStyle(e).overflow !== 'visible')}))"""
+#: The visible cells of every table (the grid's accessible DOM copy; a missing value is drawn
+#: on the canvas as "None" and is an empty cell here).
+CELLS_JS = """() => Array.from(document.querySelectorAll('[data-testid=stDataFrame] table tbody td'))
+  .map(e => e.innerText)"""
+
+
+def bad_text(t: str) -> bool:
+    return "…" in t or "..." in t or "None" in t
+
+
+def check_overview(page, width: int, tmp_path: Path) -> None:
+    """The Overview at ``width`` px: every card whole (no ellipsis, nothing cut, no None)."""
+    page.set_viewport_size({"width": width, "height": 1600})
+    page.wait_for_timeout(1500)  # let the columns re-flow
+    cards = page.evaluate(CARDS_JS)
+    save(page, tmp_path, f"overview-{width}.png")
+    assert len(cards) >= 18, cards
+    bad = [c for c in cards if c["cut"] or bad_text(c["text"])]
+    assert not bad, f"cut or missing figures at {width}px: {bad}"
+
+
+def check_tables(page, where: str) -> None:
+    cells = page.evaluate(CELLS_JS)
+    assert cells, f"no table cells read on {where}"
+    bad = [c for c in cells if not c.strip() or bad_text(c)]
+    assert not bad, f"empty (None) or cut cells on {where}: {bad[:10]}"
+
+
 @pytest.fixture
 def browser():
     with sync_api.sync_playwright() as p:
@@ -145,18 +179,23 @@ def test_dashboard_in_chromium(tmp_path, browser):
         assert "handoff p99" in body and "Traceback" not in body
         page.wait_for_timeout(1500)  # let vega finish layout before the picture
         save(page, tmp_path, "dashboard.png")
+        for width in (1280, 1920):
+            check_overview(page, width, tmp_path)
+        page.set_viewport_size({"width": 1600, "height": 2000})
 
         page.goto(dash.url + "/?page=traces&mode=push", wait_until="domcontentloaded")
         page.get_by_text("Traces: slowest requests").wait_for(timeout=45_000)
         wait_charts(page, 1)
         page.wait_for_timeout(1500)
         assert "write.complete" in page.inner_text("body") or page.locator(".vega-embed").count() >= 1
+        check_tables(page, "Traces")
         save(page, tmp_path, "dashboard-traces.png")
 
         page.goto(dash.url + "/compare", wait_until="domcontentloaded")
         page.get_by_text("Benchmark grid").wait_for(timeout=45_000)
         wait_charts(page, 1)
         page.wait_for_timeout(1500)
+        check_tables(page, "Compare")
         save(page, tmp_path, "dashboard-compare.png")
         page.close()
     finally:

@@ -103,8 +103,11 @@ def _check_fleet(stack, mode: str) -> None:
     by_id = {d["trace_id"]: d for d in map(json.loads, out.stdout.splitlines()) if d["trace_id"] in ids}
     assert sorted(by_id) == sorted(ids)
     for t in ids:
+        # a span arriving later (vLLM's batches) re-settles the trace against
+        # the pair's window as it is then: the figure may tighten, never leave its bound
         d = by_id[t]
-        assert d["handoff_s"] == pytest.approx(rows[t]["handoff_s"]) and d["handoff_err_s"] is not None
+        assert d["handoff_s"] is not None and d["handoff_err_s"] is not None, d
+        assert abs(d["handoff_s"] - (d["handoff_raw_s"] - shift)) <= d["handoff_err_s"] + EPS, d
         lo, hi = d["clock_interval_s"]
         assert lo - EPS <= shift <= hi + EPS
 

@@ -72,6 +72,13 @@ def metric(at, label: str) -> list[str]:
     return [m.value for m in at.metric if m.label == label]
 
 
+def ms(col) -> "pd.Series":
+    """A display column (text, "-" when missing) back to numbers."""
+    import pandas as pd
+
+    return pd.to_numeric(col.replace("-", None), errors="coerce")
+
+
 def no_exception(at) -> None:
     assert not at.exception, [e.value for e in at.exception]
 
@@ -248,7 +255,12 @@ def test_overview_page(app, store_path):
     assert titles.count("critical path by phase (prefill.finished → kv.ready)") == 2
     assert titles.count("overlapped with prefill (off the critical path)") == 1  # push only
     assert titles.count("handoff distribution (click a bar: its traces)") == 2
-    assert "n/a" in metric(at, "dropped telemetry")  # no Prometheus given
+    assert metric(at, "lost spans") == ["-", "-"]  # no Prometheus given: "-", the help says why
+    assert all("--prometheus" in m.help for m in at.metric if m.label == "lost spans")
+    # TPOT from the store's bench run (no per-request TPOT), said so in its help
+    tpot = [m for m in at.metric if m.label.startswith("TPOT")]
+    assert len(tpot) == 2 and all(m.value != "-" and "bench run" in m.help for m in tpot)
+    assert not [m for m in at.metric if m.value in ("None", "n/a") or "…" in m.value or len(m.value) > 6]
     # links from percentiles to the Traces page carry the filters
     links = [e for e in at.main if getattr(e, "type", "") == "page_link"]
     assert len(links) == 6
@@ -267,8 +279,9 @@ def test_overview_page(app, store_path):
 def test_overview_with_prometheus(app, store_path, fake_prometheus):
     at = app(store_path, prometheus=fake_prometheus)
     no_exception(at)
-    assert metric(at, "handoff p50") == ["4.0 ms", "9.0 ms"]
-    assert metric(at, "dropped telemetry") == ["5", "5"]
+    assert metric(at, "handoff p50") == ["4.00", "9.00"]
+    assert metric(at, "lost spans") == ["5", "5"]
+    assert metric(at, "ok") == ["88", "88"]  # counts as integers
     assert any("Prometheus" in c.value for c in at.caption)
 
 
@@ -319,11 +332,11 @@ def test_traces_page_filters_and_waterfall(app, store_path):
     # minimum handoff filter
     at.selectbox(key="tr_outcome").set_value("any").run()
     at.selectbox(key="tr_mode").set_value("push").run()
-    p50 = float(at.dataframe[0].value["handoff_ms"].median()) / 1e3
+    p50 = float(ms(at.dataframe[0].value["handoff_ms"]).median()) / 1e3
     at.number_input(key="tr_min").set_value(p50).run()
     no_exception(at)
     got = at.dataframe[0].value
-    assert len(got) and (got["handoff_ms"] >= p50 * 1e3 - 1e-6).all()
+    assert len(got) and (ms(got["handoff_ms"]) >= p50 * 1e3 - 1e-3).all()
     wf = [s for s in charts(at) if "layer" in s]
     assert wf, "waterfall chart missing"
     spans = at.dataframe[1].value
@@ -341,7 +354,8 @@ def test_traces_page_query_params_preset_filters(app, store_path):
     assert at.number_input(key="tr_min").value == pytest.approx(lo)
     rows = at.dataframe[0].value
     assert len(rows) == 10 and set(rows["mode"]) == {"push"}
-    assert (rows["handoff_ms"] >= lo * 1e3 - 1e-6).all() and (rows["handoff_ms"] < hi * 1e3).all()
+    h_ms = ms(rows["handoff_ms"])  # shown to 3 decimals
+    assert (h_ms >= lo * 1e3 - 1e-3).all() and (h_ms < hi * 1e3 + 1e-3).all()
     # n and trace too, and no "default value set twice" warning from Streamlit
     pick = rows["trace_id"].iloc[3]
     at = app(store_path, page="traces", mode="push", n="5", trace=rows["trace_id"].iloc[0], order="ttft")
@@ -438,3 +452,56 @@ def test_app_default_store_is_kvlens_home(monkeypatch, tmp_path):
 
     assert parse_config([]).store == str(tmp_path.resolve() / "traces.db")
     assert parse_config(["--store", "x.db", "--prometheus", "http://p:9090"]).prometheus == "http://p:9090"
+
+
+# ------------------------------------------------------------------ figures whole (issue 14)
+def test_card_and_table_formats():
+    import pandas as pd
+
+    from dashboard import ui
+
+    assert [ui.fmt_short(v, 1e3) for v in (0.006, 0.0131, 0.3546, 1.2345, None)] == \
+        ["6.00", "13.1", "355", "1,234", "-"]
+    assert ui.time_unit([0.3, None]) == ("ms", 1e3) and ui.time_unit([12.0]) == ("s", 1.0)
+    assert [ui.fmt_rate(v) for v in (1.5, 0.0111, 0.00833, 2345.0, None)] == ["1.5", "0.011", "0.0083", "2,345", "-"]
+    assert ui.fmt_n(68.0) == "68" and ui.fmt_n(None) == "-"
+    df = pd.DataFrame({"x": [1.23456, None, float("nan")], "n": [68.0, 2.0, None], "s": ["a", None, "b"],
+                       "r": [0.8, None, 1.1]})
+    out = ui.table_view(df, {"x": ".3f", "r": "{:.2f}×"})
+    assert out.to_dict("list") == {"x": ["1.235", "-", "-"], "n": ["68", "2", "-"], "s": ["a", "-", "b"],
+                                   "r": ["0.80×", "-", "1.10×"]}
+
+
+def test_tpot_from_prometheus_goes_to_the_one_mode_that_ran():
+    stats = {m: D.ModeStats(mode=m, requests=(10.0 if m == "push" else 0.0)) for m in D.MODES}
+    P._tpot(lambda q: [({}, 0.012)] if "vllm:request_time_per_output_token_seconds_sum" in q else [], "5m", stats)
+    assert stats["push"].tpot_mean == 0.012 and "vllm-decode" in stats["push"].tpot_note
+    assert stats["pull"].tpot_mean is None and "No pull requests" in stats["pull"].tpot_note
+    both = {m: D.ModeStats(mode=m, requests=5.0) for m in D.MODES}
+    P._tpot(lambda q: [({}, 0.012)], "5m", both)
+    assert all(s.tpot_mean is None and "no mode label" in s.tpot_note for s in both.values())
+    none = {m: D.ModeStats(mode=m, requests=5.0) for m in D.MODES}
+    P._tpot(lambda q: [], "5m", none)
+    assert all(s.tpot_mean is None and "no vLLM TPOT" in s.tpot_note for s in none.values())
+
+
+def test_bench_tpot_says_why_when_missing():
+    import pandas as pd
+
+    got = D.bench_tpot(pd.DataFrame({"mode": ["push", "pull"], "tpot_mean_s": [0.01, None]}), "run-1")
+    assert got["push"][0] == 0.01 and "run-1" in got["push"][1]
+    assert got["pull"][0] is None and "unknown" in got["pull"][1]
+    assert D.bench_tpot(pd.DataFrame(), None)["push"][0] is None
+
+
+def test_no_none_in_tables(app, store_path):
+    """Every table cell is text, "-" where missing: Streamlit would draw "None"."""
+    for page in ("traces", "compare"):
+        at = app(store_path, page=page)
+        no_exception(at)
+        for t in at.dataframe:
+            v = t.value
+            assert not v.isna().any().any(), (page, v.columns[v.isna().any()].tolist())
+            assert not v.isin(["None", "nan", "NaN"]).any().any(), page
+    live = at.dataframe[-1].value
+    assert live["requests"].str.fullmatch(r"[\d,]+|-|\d+\.\d\d").all()  # counts as integers (ratio row: x.xx)
