@@ -37,7 +37,8 @@ from pathlib import Path
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
 from exporters import store
@@ -51,17 +52,8 @@ MS = 1_000_000
 PB = {"content-type": "application/x-protobuf"}
 
 
-class _Keep(SpanExporter):
-    def __init__(self):
-        self.spans = []
-
-    def export(self, spans):
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
-
-
 def _tracers():
-    keep = _Keep()
+    keep = InMemorySpanExporter()
     out = {}
     for role, engine in (("router", None), ("prefill", "p0"), ("decode", "d0")):
         attrs = {"service.name": f"kvlens-{role}", "kvlens.role": role}
@@ -117,8 +109,8 @@ def make_bodies(n_bodies: int, per_body: int) -> list[bytes]:
     t0 = time.time_ns() - 60 * 10**9
     i = 0
     for _ in range(n_bodies):
-        keep.spans.clear()
-        while len(keep.spans) < per_body:
+        keep.clear()
+        while len(keep.get_finished_spans()) < per_body:
             mode = "push" if i % 2 == 0 else "pull"
             tid = secrets.token_hex(16)
             ctx = otel_trace.set_span_in_context(
@@ -129,7 +121,7 @@ def make_bodies(n_bodies: int, per_body: int) -> list[bytes]:
                                              start_time=base + a * MS)
                 s.end(end_time=base + b * MS)
             i += 1
-        bodies.append(encode_spans(keep.spans).SerializeToString())
+        bodies.append(encode_spans(keep.get_finished_spans()).SerializeToString())
     return bodies
 
 

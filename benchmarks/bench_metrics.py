@@ -21,7 +21,8 @@ import sys
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
@@ -30,18 +31,9 @@ from instrumented_connector import semconv as sc
 from instrumented_connector.recorder import DropReason
 
 
-class _Keep(SpanExporter):
-    def __init__(self):
-        self.spans = []
-
-    def export(self, spans):
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
-
-
 def make_spans(n: int):
     """n finished ReadableSpans with a realistic mix of phases/attributes."""
-    keep = _Keep()
+    keep = InMemorySpanExporter()
     p = TracerProvider()
     p.add_span_processor(SimpleSpanProcessor(keep))
     t = p.get_tracer("bench")
@@ -61,7 +53,7 @@ def make_spans(n: int):
         a.update(extra)
         s = t.start_span(name, attributes=a, start_time=1_000_000_000 + i)
         s.end(end_time=1_000_000_000 + i + 1000 * (i % 977))
-    return keep.spans
+    return list(keep.get_finished_spans())
 
 
 def bench_on_end(spans, exemplars: bool) -> float:

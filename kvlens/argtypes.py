@@ -21,3 +21,20 @@ def positive(kind: type):
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def int_in(lo: int, hi: int, what: str = "an integer"):
+    """argparse ``type=``: an integer in ``lo..hi`` (a usage error naming the
+    value otherwise); ``what`` names the kind in the message and in argparse's."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {what}: {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{text} out of range {lo}..{hi}")
+        return v
+
+    parse.__name__ = "port" if what == "a port number" else "int"
+    return parse

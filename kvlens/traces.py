@@ -20,6 +20,7 @@ from exporters import store, tracemodel
 from exporters.tracemodel import Trace
 from instrumented_connector import config
 from instrumented_connector import semconv as sc
+from kvlens.argtypes import int_in
 
 LANES = (("router", sc.Role.ROUTER.value), ("P", sc.Role.PREFILL.value), ("D", sc.Role.DECODE.value))
 
@@ -32,22 +33,6 @@ MAX_SLOWEST = 10_000
 MIN_WIDTH, MAX_WIDTH = 20, 1000
 #: Longest --since (100 years): "everything" without an overflowing bound.
 MAX_SINCE_S = 100 * 365 * 86400
-
-
-def _int_in(lo: int, hi: int):
-    """argparse ``type=``: an integer in ``lo..hi`` (usage error otherwise)."""
-
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be {lo}..{hi}, got {text}")
-        return v
-
-    parse.__name__ = "int"
-    return parse
 
 
 def since_arg(text: str) -> str:
@@ -66,7 +51,7 @@ def since_arg(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default=None, help="trace store (default $KVLENS_HOME/traces.db)")
-    p.add_argument("--slowest", type=_int_in(1, MAX_SLOWEST), default=10, metavar="N",
+    p.add_argument("--slowest", type=int_in(1, MAX_SLOWEST), default=10, metavar="N",
                    help=f"how many traces (default 10, at most {MAX_SLOWEST})")
     p.add_argument("--mode", choices=[m.value for m in sc.Mode], help="only push or pull")
     p.add_argument("--outcome", choices=[o.value for o in sc.Outcome], help="only this outcome")
@@ -74,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="only requests started in the last DUR (30s, 10m, 2h, 1d)")
     p.add_argument("--trace", metavar="ID", help="one trace by id (32 hex)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
-    p.add_argument("--width", type=_int_in(MIN_WIDTH, MAX_WIDTH), default=60,
+    p.add_argument("--width", type=int_in(MIN_WIDTH, MAX_WIDTH), default=60,
                    help=f"waterfall width in characters ({MIN_WIDTH}..{MAX_WIDTH}, default 60)")
 
 
@@ -155,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     path = args.store or str(config.store_path())
     try:
         since_arg(args.since) if args.since else None
-        _int_in(1, MAX_SLOWEST)(str(args.slowest))
+        int_in(1, MAX_SLOWEST)(str(args.slowest))
     except argparse.ArgumentTypeError as e:
         print(f"kvlens traces: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ import socket
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from kvlens.argtypes import int_in
 from kvlens.stack.errors import StackError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -23,19 +24,7 @@ MAX_PORT = 65535
 def port_arg(allow_zero: bool = False):
     """An argparse ``type=``: a TCP port 1..65535 (0 too with ``allow_zero``:
     "pick a free one"); anything else is a usage error naming the value."""
-    lo = 0 if allow_zero else 1
-
-    def parse(text: str) -> int:
-        try:
-            port = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
-        if not lo <= port <= MAX_PORT:
-            raise argparse.ArgumentTypeError(f"port {port} out of range {lo}..{MAX_PORT}")
-        return port
-
-    parse.__name__ = "port"  # argparse names the type in its message
-    return parse
+    return int_in(0 if allow_zero else 1, MAX_PORT, "a port number")
 
 
 def is_loopback(host: str) -> bool:
