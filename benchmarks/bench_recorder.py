@@ -1,24 +1,39 @@
-"""Per-event recording cost on the caller's thread: kvlens Recorder.record
-(timestamp + append) vs an inline OpenTelemetry span (start + end with the
-same attributes, SDK with a BatchSpanProcessor as a real setup would have).
+"""Per-event cost of kvlens in the recording process, inline and background:
 
-    .venv/bin/python benchmarks/bench_recorder.py
+* inline: ``Recorder.record`` on the caller's thread (timestamp + append),
+  next to an inline OpenTelemetry span (start + end, same attributes, SDK
+  with a BatchSpanProcessor as a real setup would have);
+* background, in-process span building (``span_builder=inline``, the
+  router's path and the fallback): events -> SDK spans -> processors;
+* background, sidecar path (``span_builder=sidecar``, vLLM's processes):
+  the engine's shipping thread (pop, pickle, pipe write), CPU time of that
+  thread per event, and separately the sidecar process's CPU per event
+  (spans, the real store, metrics; not on the engine's GIL).
 
-Reports medians over repeated batches (never asserted: machines are noisy).
+    .venv/bin/python benchmarks/bench_recorder.py [--events 20000]
+
+The goal (issue 13): inline + engine-side background <= 5 us per event.
+Reports medians / CPU times (never asserted: machines are noisy).
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import statistics
+import tempfile
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
+from exporters import pipeline
+from exporters.shipping import ShippingRecorder
 from instrumented_connector import semconv as sc
 from instrumented_connector.recorder import Recorder
 
 BATCH = 2000
+CHUNK = 2000  # events per burst in the background figures
 REPEATS = 25
 
 
@@ -27,8 +42,11 @@ class _Null(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def bench_recorder() -> list[float]:
-    r = Recorder(role="prefill", mode="push", capacity=BATCH * 4, pipeline_factory=None)
+def bench_recorder(shipping: bool = False) -> list[float]:
+    """``record`` on the caller's thread; ``shipping``: the sidecar path's
+    recorder (vLLM's processes), whose ``record`` also checks the idle flag."""
+    kw = dict(role="prefill", mode="push", capacity=BATCH * 4, pipeline_factory=None)
+    r = ShippingRecorder(sidecar_spec={}, **kw) if shipping else Recorder(**kw)
     r._thread = object()  # measure the caller's cost only; nothing drains
     out = []
     rid = "cmpl-4bf92f3577b34da6a3ce929d0e0e4736-0-deadbeef"
@@ -79,10 +97,93 @@ def bench_drain() -> float:
     return dt / n * 1e6
 
 
+def _event_attrs(i: int) -> dict:
+    return {sc.ATTR_BLOCKS: 12, sc.ATTR_REMOTE_RANK: 0, sc.ATTR_BYTES: 4096 * (i % 7 + 1)}
+
+
+def _proc_cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench_sidecar(n: int) -> tuple[float, float, int]:
+    """Sidecar path with a real sidecar and a real store (temp home): the
+    engine-side shipping cost per event (CPU of the calling thread while it
+    drains, pickles and writes) and the sidecar's CPU per event; also the
+    spans the store holds afterwards (= n when nothing was lost)."""
+    home = tempfile.mkdtemp(prefix="kvlens-bench-recorder-")
+    r = pipeline.get_recorder("prefill", "push", f"bench-{os.getpid()}", {"kvlens_home": home},
+                              span_builder="sidecar")
+    r.capacity = n + 1
+    r._thread = object()  # no background thread: this thread drains, so its CPU clock is the cost
+    r._setup_if_needed()  # starts the sidecar, waits until it is ready
+    if r.mode_in_use != "sidecar":
+        raise SystemExit("the sidecar did not start (see the warning above)")
+    side0 = _proc_cpu_s(r.sidecar_pid)
+    engine = 0.0
+    t = time.time_ns()
+    # chunks, each exported before the next: a burst of all n at once would
+    # overflow the store's export queue (4096; counted queue_full), as it would inline
+    for lo in range(0, n, CHUNK):
+        for i in range(lo, min(lo + CHUNK, n)):
+            r.record(sc.Phase.WRITE_POST, f"cmpl-{i:032x}-0-deadbeef", t, t + 1000, "ok", _event_attrs(i))
+        c0 = time.thread_time()
+        while r._q or r._pending:
+            r.drain()
+            if r._q or r._pending:
+                time.sleep(0.002)  # the pipe is full: the sidecar catches up (sleep is not CPU)
+        engine += time.thread_time() - c0
+        r.flush(timeout_s=60)
+    side = _proc_cpu_s(r.sidecar_pid) - side0
+    r._thread = None
+    r.close()
+    from exporters import store
+
+    conn = store.connect(os.path.join(home, "traces.db"), readonly=True)
+    try:
+        stored = conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0]
+    finally:
+        conn.close()
+    pipeline._recorders.pop(next(k for k, v in pipeline._recorders.items() if v is r), None)
+    return engine / n * 1e6, side / n * 1e6, stored
+
+
+def bench_inline_real(n: int) -> float:
+    """In-process span building with the real pipeline (store + metrics),
+    what the sidecar runs and what the engine paid before issue 13: CPU of
+    the draining thread per event (its processors' threads come on top)."""
+    home = tempfile.mkdtemp(prefix="kvlens-bench-inline-")
+    r = Recorder(role="prefill", mode="push", capacity=n + 1, pipeline_factory=pipeline.provider_factory(
+        role="prefill", mode="push", engine_id="bench-inline", config={"kvlens_home": home}))
+    r.flush()
+    t = time.time_ns()
+    for i in range(n):
+        r.record(sc.Phase.WRITE_POST, f"cmpl-{i:032x}-0-deadbeef", t, t + 1000, "ok", _event_attrs(i))
+    c0 = time.thread_time()
+    r.drain()
+    dt = time.thread_time() - c0
+    r.close()
+    return dt / n * 1e6  # one burst: spans past the store's queue are dropped (counted), not built twice
+
+
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=20_000, help="events for the background figures")
+    a = ap.parse_args()
     rec = bench_recorder()
     otel = bench_inline_otel()
-    print(f"Recorder.record per event (median of {REPEATS}x{BATCH}): {statistics.median(rec) / 1000:.3f} us")
-    print(f"inline OTel span per event (median):              {statistics.median(otel) / 1000:.3f} us")
-    print(f"ratio inline/recorder: {statistics.median(otel) / statistics.median(rec):.1f}x")
-    print(f"background span build per event (off the hot path): {bench_drain():.1f} us")
+    inline_us = statistics.median(bench_recorder(shipping=True)) / 1000
+    print(f"inline: Recorder.record per event (median of {REPEATS}x{BATCH}): {statistics.median(rec) / 1000:.3f} us")
+    print(f"inline: ShippingRecorder.record (sidecar path) per event:     {inline_us:.3f} us")
+    print(f"inline OTel span per event (median):                 {statistics.median(otel) / 1000:.3f} us")
+    print(f"ratio inline OTel / Recorder.record: {statistics.median(otel) / statistics.median(rec):.1f}x")
+    print(f"background, in-process span build, null exporter:    {bench_drain():.1f} us/event (wall)")
+    print(f"background, in-process span build, store + metrics:  {bench_inline_real(a.events):.1f} us/event "
+          "(CPU of the draining thread; span_builder=inline)")
+    eng, side, stored = bench_sidecar(a.events)
+    print(f"background, sidecar path, engine side (pop+pickle+write): {eng:.2f} us/event (CPU of the shipping thread)")
+    print(f"sidecar process (spans, store, metrics; off the engine's GIL): {side:.1f} us/event (process CPU)")
+    print(f"engine process total, inline + background (sidecar path): {inline_us + eng:.2f} us/event (goal <= 5)")
+    print(f"events shipped {a.events}, spans stored {stored}" + ("" if stored == a.events else "  (MISMATCH)"))

@@ -53,9 +53,9 @@ WINDOW_LIMIT = 200_000
 #: Newest completed traces whose spans feed the per-phase breakdown.
 PHASE_SAMPLE = 5_000
 
-#: Stacked-bar label for handoff time no phase accounts for (gaps, notif
-#: latency). Not a Phase: it never leaves the dashboard.
-UNATTRIBUTED = "unattributed"
+#: Stacked-bar label for handoff time no phase accounts for. Not a Phase
+#: (:data:`exporters.tracemodel.UNATTRIBUTED`).
+UNATTRIBUTED = tracemodel.UNATTRIBUTED
 
 CRITICAL, OVERLAP = tracemodel.CRITICAL, tracemodel.OVERLAP
 
@@ -72,6 +72,7 @@ _PALETTE = (
     "#4c78a8", "#9ecae9", "#f58518", "#ffbf79", "#54a24b", "#88d27a", "#b79a20",
     "#f2cf5b", "#439894", "#83bcb6", "#e45756", "#ff9d98", "#79706e", "#bab0ac",
     "#d67195", "#fcbfd2", "#b279a2", "#d6a5c9", "#9e765f", "#d8b5a5",
+    "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22",
 )
 
 
@@ -209,8 +210,11 @@ def phase_breakdown(
     The split is measured per span by :mod:`exporters.tracemodel` (the one
     rule, shared with the Traces page and ``kvlens traces``): in overlapped
     push the registration.* phases and most of ``match`` land before
-    prefill.finished. ``unattributed`` is the mean handoff no critical-path
-    phase accounts for.
+    prefill.finished. Critical seconds are each phase's exclusive share of
+    the window (derived phases included; overlapping spans never count
+    twice), so a mode's bar adds up to its mean handoff, ``unattributed``
+    being the part no named phase covers. ``df.attrs["words"]`` holds what
+    dominates, per mode, in words (:func:`breakdown_words`).
     """
     with store.reading(path) as c:
         costs = tracemodel.sample_costs(c, since_ns=since_ns, until_ns=until_ns, limit=sample)
@@ -235,7 +239,32 @@ def phase_breakdown(
     if len(df):
         df["rank"] = df["phase"].map(phase_rank)
         df = df.sort_values(["mode", "path", "rank"]).reset_index(drop=True)
+    # plain JSON (Streamlit serializes attrs with the frame): the sentences, computed once here
+    df.attrs["words"] = {m: tracemodel.dominant_words(costs.breakdown.get(m), m) for m in MODES}
     return df
+
+
+def breakdown_words(phases: pd.DataFrame) -> dict[str, str]:
+    """Per mode, what dominates its handoff in one sentence
+    (:func:`exporters.tracemodel.dominant_words`, as ``kvlens traces``
+    prints it). From the store's tilings when :func:`phase_breakdown` made
+    ``phases``; from the mean critical seconds otherwise (Prometheus: its
+    durations may overlap, and no per-request median is known)."""
+    words = dict(phases.attrs.get("words") or {}) if phases is not None else {}
+    if words:
+        return {m: words.get(m) or tracemodel.dominant_words(None, m) for m in MODES}
+    groups: dict[str, tracemodel.Breakdown] = {}
+    if phases is not None and len(phases):
+        crit = phases[phases["path"] == CRITICAL]
+        for mode, d in crit.groupby("mode"):
+            n = pd.to_numeric(d["requests"], errors="coerce").max()
+            n = int(n) if pd.notna(n) and n >= 1 else 1  # a mean per request: any count scales it alike
+            named = {str(ph): int(sec * n * 1e9) for ph, sec in d.groupby("phase")["seconds"].sum().items()
+                     if ph != UNATTRIBUTED}
+            total = int(d["seconds"].sum() * n * 1e9)
+            groups[str(mode)] = tracemodel.Breakdown(str(mode), requests=n, handoff_ns=total, phases=named,
+                                                     handoff_known=UNATTRIBUTED in set(d["phase"]))
+    return {m: tracemodel.dominant_words(groups.get(m), m) for m in MODES}
 
 
 _SLOW_COLS = ["trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "ttft_s", "handoff_s", "n_spans",

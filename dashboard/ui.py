@@ -10,7 +10,6 @@ import numbers
 import sys
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import pandas as pd
@@ -18,6 +17,7 @@ import streamlit as st
 
 from dashboard import data as D
 from dashboard import loaders as L
+from exporters.store import display, location
 from instrumented_connector.config import store_path
 
 
@@ -53,7 +53,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     p.add_argument("--store", default=None)
     p.add_argument("--prometheus", default=None)
     args, _ = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-    store = Path(args.store).expanduser().resolve() if args.store else store_path()
+    store = location(args.store) if args.store else store_path()
     return Config(store=str(store), prometheus=(args.prometheus or None))
 
 
@@ -64,9 +64,9 @@ def guarded(cfg: Config, fn: Callable[[], Any]) -> tuple[bool, Any]:
         return True, fn()
     except D.StoreMissing:
         st.warning(
-            f"No trace store at `{cfg.store}` yet. It appears once an instrumented P/D pair "
-            "(`kvlens up`, `kvlens demo`) has served a request; pick another file with "
-            "`kvlens dashboard --store PATH`."
+            f"No trace store at `{display(cfg.store)}` yet. It appears once an instrumented P/D pair "
+            "(`kvlens up`, `kvlens demo`) has served a request; pick another file or database with "
+            "`kvlens dashboard --store PATH|URL`."
         )
     except D.StoreError as e:
         st.error(f"The trace store could not be read: {e}")
@@ -80,7 +80,7 @@ def store_banner(cfg: Config) -> dict[str, Any] | None:
     if not ok:
         return None
     if not info["traces"] and not info["bench_runs"]:
-        st.info(f"The trace store `{cfg.store}` is empty: no request has been traced yet.")
+        st.info(f"The trace store `{display(cfg.store)}` is empty: no request has been traced yet.")
     return info
 
 

@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from instrumented_connector.logutil import log_once
+from instrumented_connector.procstats import name_native_thread
 from instrumented_connector.recorder import DropReason
 
 #: Default bound of :meth:`CountingBatchSpanProcessor.shutdown` when the
@@ -65,6 +66,7 @@ def call_within(fn: Callable[[], Any], timeout_s: float, name: str = "kvlens-bou
     """Run ``fn()`` on a daemon thread and wait for it at most ``timeout_s``
     (it carries on alone past that). Errors are logged once."""
     def run() -> None:
+        name_native_thread(name)
         try:
             fn()
         except Exception as e:
@@ -183,6 +185,7 @@ class CountingBatchSpanProcessor(SpanProcessor):
 
     # the export thread ----------------------------------------------------
     def _run(self) -> None:
+        name_native_thread(self._thread.name)
         while True:
             self._wake.wait(self._delay)
             self._wake.clear()

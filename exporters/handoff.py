@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from exporters import store
+from instrumented_connector import procstats
 from instrumented_connector.logutil import log_once
 
 #: Bound on the (P engine, D engine) label pairs of the clock gauges.
@@ -71,7 +72,7 @@ class HandoffResolver:
     def __init__(self, fam: Any, store_path: str | Path, *, deadline_s: float, max_pending: int,
                  poll_s: float, exemplars: bool) -> None:
         self.fam = fam
-        self.path = Path(store_path)
+        self.path = store.location(store_path)  # a file or a postgresql:// URL
         self.deadline_s = deadline_s
         self.max_pending = max_pending
         self.poll_s = poll_s
@@ -115,6 +116,7 @@ class HandoffResolver:
             t.start()
 
     def _run(self) -> None:
+        procstats.name_native_thread("kvlens-handoff")  # per-thread CPU accounting (benchmarks/bench_cpu.py)
         while not self._stop.is_set():
             self._wake.wait(self.poll_s)
             self._wake.clear()
@@ -133,7 +135,8 @@ class HandoffResolver:
         try:
             return store.handoffs(self._connection(), trace_ids), True
         except FileNotFoundError:
-            log_once("handoff-store", "trace store %s not found yet; handoff metrics wait for it", self.path)
+            log_once("handoff-store", "trace store %s not found yet; handoff metrics wait for it",
+                     store.display(self.path))
         except Exception as e:
             log_once("handoff-read:" + type(e).__name__, "trace store read failed (%s); retrying", e)
             self._close_conn()

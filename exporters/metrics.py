@@ -186,7 +186,7 @@ class PhaseMetricsProcessor(SpanProcessor):
         self.exemplars = bool(exemplars)
         self._trigger = {"router": sc.Phase.REQUEST.value, "decode": sc.Phase.KV_READY.value, "off": None}[handoff_from]
         self.handoff = HandoffResolver(
-            self.fam, Path(store_path) if store_path is not None else config.store_path(),
+            self.fam, store_path if store_path is not None else config.store_path(),
             deadline_s=float(handoff_deadline_s), max_pending=int(handoff_max_pending),
             poll_s=float(handoff_poll_s), exemplars=self.exemplars,
         )

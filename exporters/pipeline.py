@@ -15,6 +15,16 @@
   - span-derived Prometheus metrics (:mod:`exporters.metrics`) unless
     ``kvlens_metrics: off``.
 
+* Where spans are built (issue 13): for the roles ``prefill`` and ``decode``
+  (the connector in vLLM's EngineCore/worker processes) the recorder is an
+  :class:`exporters.shipping.ShippingRecorder`: it ships raw events to a
+  sidecar process (:mod:`exporters.sidecar`) that runs this same pipeline,
+  so span building, the processors and the metrics cost the engine's GIL
+  nothing. ``span_builder``: ``sidecar`` (default) or ``inline`` (the
+  spans are built on the recorder's thread in this process, as the router
+  always does), from the argument, else ``$KVLENS_SPAN_BUILDER``, else the
+  connector option ``kvlens_span_builder``.
+
 * :func:`dropped_counts`: spans this process lost, by (role, reason) (the
   source of ``kvlens_telemetry_dropped_total{role,reason}``): the recorders'
   full buffers and the processors' losses (queue full, store, export
@@ -39,7 +49,8 @@ from opentelemetry.sdk.resources import Resource
 from exporters import store
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from exporters.metrics import PhaseMetricsProcessor
-from instrumented_connector.config import enabled, store_path, validate_config
+from exporters.shipping import ShippingRecorder
+from instrumented_connector.config import enabled, retention_s, store_path, validate_config
 from instrumented_connector.ids import PinnedIdGenerator
 from instrumented_connector.logutil import log_once
 from instrumented_connector.recorder import DEFAULT_CAPACITY, DropReason, Recorder
@@ -54,15 +65,37 @@ OTLP_TIMEOUT_S = 3.0
 _recorders: dict[tuple, Recorder] = {}
 _recorders_lock = threading.Lock()
 
+SPAN_BUILDER_ENV = "KVLENS_SPAN_BUILDER"
+SPAN_BUILDER_KEY = "kvlens_span_builder"
+SPAN_BUILDERS = ("sidecar", "inline")
+#: Roles whose recorder ships to a sidecar (vLLM's processes; the router is kvlens' own).
+SIDECAR_ROLES = frozenset({"prefill", "decode"})
+
+
+def span_builder(config: Mapping[str, Any] | None = None, override: str | None = None) -> str:
+    """``sidecar`` or ``inline``: ``override``, else ``$KVLENS_SPAN_BUILDER``,
+    else the ``kvlens_span_builder`` option, else ``sidecar``. ValueError
+    naming the source for anything else."""
+    for source, v in (("span_builder", override), (SPAN_BUILDER_ENV, os.environ.get(SPAN_BUILDER_ENV)),
+                      (SPAN_BUILDER_KEY, (config or {}).get(SPAN_BUILDER_KEY))):
+        if v is not None and str(v).strip():
+            v = str(v).strip().lower()
+            if v not in SPAN_BUILDERS:
+                raise ValueError(f"{source} must be one of {', '.join(SPAN_BUILDERS)}, got {v!r}")
+            return v
+    return "sidecar"
+
 
 def get_recorder(role: str, mode: str, engine_id: str | None = None,
-                 config: Mapping[str, Any] | None = None) -> Recorder:
+                 config: Mapping[str, Any] | None = None, span_builder: str | None = None) -> Recorder:
     """The process-wide recorder for (role, mode, engine).
 
     ``config``: the kvlens keys of ``kv_connector_extra_config`` (validated;
     a bad option raises ValueError here). Used when the recorder is first
-    made. Any thread. Fork-safe: a child process gets a fresh recorder (the
-    parent's thread does not survive fork)."""
+    made. ``span_builder``: see the module docstring (roles ``prefill`` and
+    ``decode`` only; other roles build inline). Any thread. Fork-safe: a
+    child process gets a fresh recorder (the parent's thread does not
+    survive fork)."""
     key = (os.getpid(), role, mode, engine_id)
     r = _recorders.get(key)
     if r is not None:
@@ -70,27 +103,46 @@ def get_recorder(role: str, mode: str, engine_id: str | None = None,
     with _recorders_lock:
         r = _recorders.get(key)
         if r is None:
-            cfg = validate_config(dict(config or {}))
-            r = Recorder(
-                role=role,
-                mode=mode,
-                engine_id=engine_id,
-                capacity=int(cfg.get("kvlens_buffer_events", DEFAULT_CAPACITY)),
-                pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine_id, config=cfg),
-            )
+            r = _make_recorder(role, mode, engine_id, dict(config or {}), span_builder)
             _recorders[key] = r
     return r
+
+
+def _make_recorder(role: str, mode: str, engine_id: str | None, raw: dict, builder: str | None) -> Recorder:
+    # read here until config.validate_config knows the key (then it returns it too)
+    builder = span_builder(raw, builder)
+    raw.pop(SPAN_BUILDER_KEY, None)
+    cfg = validate_config(raw)
+    kw = dict(role=role, mode=mode, engine_id=engine_id,
+              capacity=int(cfg.get("kvlens_buffer_events", DEFAULT_CAPACITY)),
+              pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine_id, config=cfg))
+    if builder == "sidecar" and role in SIDECAR_ROLES:
+        cfg = {k: v for k, v in cfg.items() if k != SPAN_BUILDER_KEY}
+        return ShippingRecorder(sidecar_spec={"role": role, "mode": mode, "engine_id": engine_id, "config": cfg},
+                                **kw)
+    return Recorder(**kw)
 
 
 #: Every provider's loss counter, with its process and role (appended by
 #: ``build``; a provider lives as long as its process's recorder).
 _ledgers: list[tuple[int, str, LossCounter]] = []
+#: Losses of the engine process a sidecar works for: (pid, role) -> reason -> total.
+_remote: dict[tuple[int, str], dict[str, int]] = {}
+
+
+def report_remote_drops(role: str, totals: Mapping[str, int]) -> None:
+    """The sidecar's call: the engine's loss totals by reason (monotonic),
+    counted in :func:`dropped_counts` under ``role``. Any thread."""
+    if totals:
+        _remote[(os.getpid(), role)] = dict(totals)
 
 
 def dropped_counts() -> dict[tuple[str, str], int]:
     """Spans this process lost, by (role, reason) (:class:`DropReason` values):
     ``buffer_full``, ``shutdown`` and ``export_failed`` (no span built) from
-    the recorders of :func:`get_recorder`,
+    the recorders of :func:`get_recorder` (a shipping recorder's only until
+    they are handed to its sidecar, which reports them through
+    :func:`report_remote_drops`),
     the rest from every provider :func:`provider_factory` built here.
 
     Monotonic per key. Any thread; never blocks on I/O."""
@@ -103,9 +155,12 @@ def dropped_counts() -> dict[tuple[str, str], int]:
 
     for key, r in list(_recorders.items()):
         if key[0] == pid:
-            add(r.role, DropReason.BUFFER_FULL.value, r.dropped)
-            add(r.role, DropReason.SHUTDOWN.value, r.shutdown_dropped)
-            add(r.role, DropReason.EXPORT_FAILED.value, r.failed_dropped)
+            for reason, n in r.unreported_drops().items():
+                add(r.role, reason, n)
+    for (rpid, role), totals in list(_remote.items()):
+        if rpid == pid:
+            for reason, n in totals.items():
+                add(role, reason, n)
     for lpid, role, losses in list(_ledgers):
         if lpid == pid:
             for reason, n in losses.counts().items():
@@ -131,7 +186,8 @@ def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Map
         _ledgers.append((os.getpid(), role, losses))
         provider = BoundedTracerProvider(resource=Resource.create(attrs), id_generator=id_generator, losses=losses)
         if enabled(cfg, "kvlens_store"):
-            exporter = store.SQLiteSpanExporter(store_path(cfg), max_block_s=store_max_block_s)
+            exporter = store.SQLiteSpanExporter(store_path(cfg), max_block_s=store_max_block_s,
+                                                retention=retention_s(cfg))
             provider.add_span_processor(CountingBatchSpanProcessor(
                 exporter, losses=losses, max_queue_size=MAX_QUEUE, schedule_delay_s=0.2,
                 max_export_batch_size=512, name="store"))

@@ -26,6 +26,10 @@ nowhere else:
 * Where positions are unknown (Prometheus holds durations only),
   :func:`static_path` stands in: push's registration phases are overlap,
   every other handoff phase critical.
+
+Tiling the handoff, the derived phases and the breakdown in words live in
+:mod:`exporters.tiling` and are re-exported here (:func:`tile`,
+:func:`derive`, :func:`summarize`, :func:`dominant_words`).
 """
 
 from __future__ import annotations
@@ -34,19 +38,26 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from exporters import store
+from exporters.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
+    _DERIVED,
+    _PHASES,
+    _POINTS,
+    NOT_HANDOFF_PHASES,
+    UNATTRIBUTED,
+    Breakdown,
+    Tiling,
+    derive,
+    dominant_words,
+    phase_words,
+    summarize,
+    tile,
+)
 from instrumented_connector import semconv as sc
 
 #: Labels of the two sides of the split (the dashboard shows them as is).
 CRITICAL = "critical path"
 OVERLAP = "overlapped with prefill"
 
-#: Phases that are never a part of the handoff (the root contains it; P's
-#: prefill precedes it).
-NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value})
-_POINTS = frozenset(p.value for p in sc.POINT_PHASES)
-#: kvlens' own phases; any other span in a trace (vLLM's ``llm_request``,
-#: joined by ``traceparent``) is context, never handoff cost.
-_PHASES = frozenset(p.value for p in sc.Phase)
 _PUSH_OVERLAP = frozenset(p.value for p in sc.PUSH_OVERLAP_PHASES)
 
 
@@ -161,6 +172,10 @@ class Trace:
                                span_id=s.get("span_id"), parent_id=s.get("parent_id"), outcome=s.get("outcome"),
                                attributes=s.get("attributes") or {}, point=is_point(s["name"], t0, t1),
                                critical=on_critical_path(s["name"], t0, t1, pf, kv)))
+        for name, role, t0, t1 in derive(marked):
+            marked.append(Span(name=name, role=role, start_ns=t0, end_ns=t1, attributes={sc.ATTR_DERIVED: True},
+                               critical=on_critical_path(name, t0, t1, pf, kv)))
+        marked.sort(key=lambda x: x.start_ns)  # stable: recorded order kept among equal starts
         fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in ("n_spans", "kv_ready_ns")}
         return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, **fields)
 
@@ -176,6 +191,13 @@ class Trace:
         """The earliest start among the trace and its spans (the waterfall's origin)."""
         starts = [s.start_ns for s in self.spans] + ([self.start_ns] if self.start_ns is not None else [])
         return min(starts) if starts else 0
+
+    def tiling(self, *, derived: bool = True) -> Tiling | None:
+        """The handoff split exclusively by phase (:func:`tile`); ``None``
+        without a window. ``derived=False``: recorded phases only (what a
+        store named before derived phases existed)."""
+        spans = self.spans if derived else [s for s in self.spans if s.name not in _DERIVED]
+        return tile(spans, self.window)
 
     def decomposition(self) -> dict[str, float | None]:
         """Client-seen TTFT = ``queue_prefill_s`` (router arrival ->
@@ -233,37 +255,90 @@ def find(conn, trace_ids: Iterable[str], *, with_spans: bool = True) -> dict[str
 class HandoffCosts(NamedTuple):
     """Sums over a sample of completed traces (see :func:`handoff_costs`)."""
 
-    #: (mode, role, phase) -> (critical seconds, overlap seconds), summed over the sample
+    #: (mode, role, phase) -> (critical seconds, overlap seconds), summed over
+    #: the sample; critical seconds are the phase's exclusive share of the
+    #: window (:func:`tile`), so a mode's phases never add up past its handoff
     phases: dict[tuple[str, str | None, str], tuple[float, float]]
     #: mode -> (requests in the sample, mean handoff seconds)
     requests: dict[str, tuple[int, float]]
+    #: mode -> the tilings added up (what dominates, the unnamed gaps)
+    breakdown: dict[str, Breakdown] = {}
+
+
+class _Row(NamedTuple):
+    name: str
+    role: str | None
+    start_ns: int
+    end_ns: int
 
 
 def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]]) -> HandoffCosts:
-    """Split each span into its critical and overlap seconds by the rule
-    above, summed per (mode, role, phase). ``traces`` / ``spans``: rows in
-    ``store.SAMPLE_TRACE_COLUMNS`` / ``store.SAMPLE_SPAN_COLUMNS`` order."""
+    """Split each trace's handoff among its phases by the rule above (derived
+    phases included), summed per (mode, role, phase), and add the tilings up
+    per mode. ``traces`` / ``spans``: rows in ``store.SAMPLE_TRACE_COLUMNS`` /
+    ``store.SAMPLE_SPAN_COLUMNS`` order."""
     traces = list(traces)
     # D's times go onto P's clock (kv.ready and D's spans), as in Trace.from_rows
     window = {tid: (mode, pf, kv - d_shift_ns(off), d_shift_ns(off)) for tid, mode, pf, kv, _, off in traces}
-    sums: dict[tuple[str, str | None, str], list[int]] = {}
+    by_trace: dict[str, list[_Row]] = {}
+    over: dict[tuple[str, str | None, str], int] = {}
     for tid, role, name, start, end in spans:
         w = window.get(tid)
         if w is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
             continue
         d = w[3] if role == sc.Role.DECODE.value else 0
-        acc = sums.setdefault((w[0], role, name), [0, 0])
-        acc[0] += critical_ns(name, start - d, end - d, w[1], w[2])
-        acc[1] += end - start
+        row = _Row(name, role, start - d, end - d)
+        by_trace.setdefault(tid, []).append(row)
+        key = (w[0], role, name)
+        over[key] = over.get(key, 0) + (end - start) - critical_ns(name, row.start_ns, row.end_ns, w[1], w[2])
+    crit: dict[tuple[str, str | None, str], int] = {}
+    tilings: list[tuple[str, Tiling]] = []
+    for tid, (mode, pf, kv, _) in window.items():
+        rows = by_trace.get(tid, [])
+        rows.sort(key=lambda r: r.start_ns)
+        derived = [_Row(*d) for d in derive(rows)]
+        for r in derived:
+            key = (mode, r.role, r.name)
+            over[key] = over.get(key, 0) + (r.end_ns - r.start_ns) - critical_ns(r.name, r.start_ns, r.end_ns, pf, kv)
+        rows += derived
+        t = tile(rows, (pf, kv))
+        if t is None:
+            continue
+        tilings.append((mode, t))
+        for (role, name), ns in t.phases.items():
+            crit[(mode, role, name)] = crit.get((mode, role, name), 0) + ns
     per_mode: dict[str, list[float]] = {}
     for _, mode, _, _, h, _ in traces:
         m = per_mode.setdefault(mode, [0, 0.0])
         m[0] += 1
         m[1] += h
     return HandoffCosts(
-        phases={k: (c / 1e9, max(t - c, 0) / 1e9) for k, (c, t) in sums.items()},
+        phases={k: (crit.get(k, 0) / 1e9, max(over.get(k, 0), 0) / 1e9) for k in set(crit) | set(over)},
         requests={m: (int(n), tot / n) for m, (n, tot) in per_mode.items()},
+        breakdown=summarize(tilings),
     )
+
+
+#: Newest completed traces a breakdown reads (as the dashboard's sample).
+BREAKDOWN_SAMPLE = 5_000
+
+
+def breakdown(conn, *, limit: int = BREAKDOWN_SAMPLE, by_dispatch: bool = False, derived: bool = True,
+              **filters: Any) -> dict[str, Breakdown]:
+    """The newest ``limit`` completed traces matching ``filters``
+    (``store.TraceFilter`` fields) tiled and added up per mode (and per
+    ``mode/dispatch`` as well with ``by_dispatch``; ``derived=False``:
+    recorded phases only). ``kvlens traces --breakdown`` prints it;
+    ``benchmarks/handoff_tiling.py`` compares stores (before / after) with it."""
+    filters.pop("completed", None)
+    trs = slowest(conn, limit, order="start", completed=True, **filters)
+    pairs: list[tuple[str, Tiling | None]] = []
+    for t in trs:
+        til = t.tiling(derived=derived)
+        pairs.append((t.mode or "?", til))
+        if by_dispatch and t.dispatch:
+            pairs.append((f"{t.mode}/{t.dispatch}", til))
+    return summarize(pairs)
 
 
 def sample_costs(conn, *, since_ns: int | None, until_ns: int | None, limit: int) -> HandoffCosts:

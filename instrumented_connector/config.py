@@ -4,6 +4,16 @@
   else ``./.kvlens``. The trace store defaults to ``<home>/traces.db`` and
   the generated tiny model to ``<home>/model``. Every kvlens component asks
   this module; none rebuilds the path.
+* Store: ``kvlens_store`` is ``"on"`` (the default: ``<home>/traces.db``),
+  ``"off"`` (spans go only to ``otlp_endpoint``), or a PostgreSQL URL
+  ``postgresql://user@host:port/dbname`` (``postgres://`` too): the
+  process writes that shared database instead of the local file. One key
+  rather than a second one, because "where do spans go" has one answer per
+  process; a malformed URL fails :func:`validate_config` naming the problem.
+  :func:`store_path` returns the file's :class:`Path` or the URL (str).
+* Retention: ``kvlens_retention`` (``"7d"``, ``"12h"``, seconds, or
+  ``"off"``, the default): traces older than that are pruned by the writer
+  (:func:`retention_s`, :class:`exporters.store.Retention`).
 * Options: the ``kvlens_*`` / ``otlp_endpoint`` keys of
   ``kv_connector_extra_config``, checked up front by :func:`validate_config`
   so a typo fails at engine start-up with a message naming the key and the
@@ -31,6 +41,8 @@ KNOWN_KEYS = frozenset(
         "kvlens_buffer_events",
         "kvlens_metrics",
         "kvlens_service_name",
+        "kvlens_retention",
+        "kvlens_span_builder",
     }
 )
 
@@ -51,9 +63,40 @@ def home(cfg: Mapping[str, Any] | None = None) -> Path:
     return Path(h).expanduser().resolve()
 
 
-def store_path(cfg: Mapping[str, Any] | None = None) -> Path:
-    """Default trace store: ``<home>/traces.db``."""
+def _is_url(v: Any) -> bool:
+    return isinstance(v, str) and v.strip().lower().startswith(("postgresql://", "postgres://"))
+
+
+def store_path(cfg: Mapping[str, Any] | None = None) -> Path | str:
+    """The trace store: ``kvlens_store``'s PostgreSQL URL when it is one, else
+    ``<home>/traces.db``. A URL is a ``str``: pass it on as it is (``Path()``
+    would mangle it); :func:`exporters.store.location` names both."""
+    v = (cfg or {}).get("kvlens_store")
+    if _is_url(v):
+        return v.strip()
     return home(cfg) / STORE_FILE
+
+
+def retention_s(cfg: Mapping[str, Any] | None = None) -> float | None:
+    """``kvlens_retention`` in seconds, or None (keep everything). ValueError on a bad value."""
+    v = (cfg or {}).get("kvlens_retention")
+    if v is None or isinstance(v, bool):
+        if v is True:
+            raise ValueError("kvlens_retention must be a duration such as '7d' or 'off', got True")
+        return None
+    if isinstance(v, (int, float)):
+        if not v > 0:
+            raise ValueError(f"kvlens_retention must be > 0 seconds, got {v!r}")
+        return float(v)
+    text = str(v).strip().lower()
+    if text in _OFF + ("none", ""):
+        return None
+    from exporters.store.queries import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise ValueError(f"kvlens_retention: {e}") from None
 
 
 def model_dir(cfg: Mapping[str, Any] | None = None) -> Path:
@@ -110,9 +153,24 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in cfg.items() if k in KNOWN_KEYS}
     if "kvlens_buffer_events" in out:
         _positive_int("kvlens_buffer_events", out["kvlens_buffer_events"])
-    for key in ("kvlens_store", "kvlens_metrics"):
-        if key in out and str(out[key]).strip().lower() not in _ON + _OFF:
-            raise ValueError(f"{key} must be 'on' or 'off', got {out[key]!r}")
+    if "kvlens_metrics" in out and str(out["kvlens_metrics"]).strip().lower() not in _ON + _OFF:
+        raise ValueError(f"kvlens_metrics must be 'on' or 'off', got {out['kvlens_metrics']!r}")
+    if "kvlens_store" in out:
+        v = out["kvlens_store"]
+        if _is_url(v):
+            from exporters.store.dialect import check_url
+
+            try:
+                check_url(v)
+            except ValueError as e:
+                raise ValueError(f"kvlens_store: {e}") from None
+        elif str(v).strip().lower() not in _ON + _OFF:
+            raise ValueError(f"kvlens_store must be 'on', 'off' or a postgresql://user@host:port/dbname URL, "
+                             f"got {v!r}")
+    if "kvlens_retention" in out:
+        retention_s(out)
+    if "kvlens_span_builder" in out and str(out["kvlens_span_builder"]).strip().lower() not in ("sidecar", "inline"):
+        raise ValueError(f"kvlens_span_builder must be 'sidecar' or 'inline', got {out['kvlens_span_builder']!r}")
     for key in _STR_KEYS:
         if key in out and out[key] is not None and not isinstance(out[key], (str, os.PathLike)):
             raise ValueError(f"{key} must be a string, got {out[key]!r}")

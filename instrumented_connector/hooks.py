@@ -26,12 +26,12 @@ SUPPORTED_VLLM: Final = ("0.32", "0.33")
 SCHEDULER_HOOKS: Final[dict[str, dict[str, tuple[Phase, ...]]]] = {
     "NixlPushConnectorScheduler": {
         "request_finished": (Phase.PREFILL, Phase.PREFILL_FINISHED),
-        "update_state_after_alloc": (Phase.REGISTRATION_STAGE,),
+        "update_state_after_alloc": (Phase.REGISTRATION_STAGE, Phase.DECODE_QUEUE),
         "build_connector_meta": (Phase.KV_READY,),  # registration-timeout outcome
     },
     "NixlPullConnectorScheduler": {
         "request_finished": (Phase.PREFILL, Phase.PREFILL_FINISHED),
-        "update_state_after_alloc": (Phase.ALLOC,),
+        "update_state_after_alloc": (Phase.ALLOC, Phase.DECODE_QUEUE),
     },
 }
 
@@ -47,7 +47,8 @@ WORKER_HOOKS: Final[dict[str, dict[str, tuple[Phase, ...]]]] = {
         "_send_registration_to_p": (Phase.REGISTRATION_SEND,),
         "_do_send_reg_notif": (Phase.REGISTRATION_SEND,),
         "_pop_matching_finished_blocks": (Phase.REGISTRATION_RECEIVE, Phase.MATCH),
-        "_pop_matching_registration": (Phase.MATCH,),
+        "_pop_matching_registration": (Phase.MATCH, Phase.WRITER_WAKE),
+        "start_load_kv": (Phase.WRITER_WAKE,),  # finished blocks queued for the writer (engine thread)
         "_do_start_push_kv": (Phase.HANDSHAKE,),
         "_xfer_blocks_for_req": (Phase.DESCRIPTOR_PREP, Phase.WRITE_POST),
         "_xfer_blocks": (Phase.WRITE_POST,),

@@ -123,10 +123,24 @@ class _Pinned(threading.local):
 
 class PinnedIdGenerator(RandomIdGenerator):
     """Random ids, except inside :meth:`pin`, where the calling thread's next
-    span gets the pinned ids (the root span's derived ids)."""
+    span gets the pinned ids (the root span's derived ids).
+
+    The random ids come from the OS (:func:`secrets.randbits`), not from
+    the global ``random`` module the SDK's generator uses: vLLM seeds that
+    module (``random.seed(seed)``) in every engine process, so P's and D's
+    processes drew the same span-id sequence and two spans of one trace
+    could share an id (the store then kept only one of them). The OS source
+    is also safe across fork."""
 
     def __init__(self) -> None:
         self._pinned = _Pinned()
+
+    @staticmethod
+    def _bits(n: int) -> int:
+        while True:
+            v = secrets.randbits(n)
+            if v:  # 0 is the invalid id in W3C trace context
+                return v
 
     @contextlib.contextmanager
     def pin(self, *, span_id: int, trace_id: int | None = None) -> Iterator[None]:
@@ -139,8 +153,8 @@ class PinnedIdGenerator(RandomIdGenerator):
 
     def generate_span_id(self) -> int:
         sid = self._pinned.span_id
-        return sid if sid is not None else super().generate_span_id()
+        return sid if sid is not None else self._bits(64)
 
     def generate_trace_id(self) -> int:
         tid = self._pinned.trace_id
-        return tid if tid is not None else super().generate_trace_id()
+        return tid if tid is not None else self._bits(128)

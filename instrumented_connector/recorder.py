@@ -12,7 +12,10 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
   (trace id read out of the request id, :func:`ids.trace_id_for`; parent:
   the root span, :func:`ids.root_span_id`) and hands them to the SDK's span
   processors, which :mod:`exporters.pipeline` installs through the
-  ``pipeline_factory`` it gives the recorder.
+  ``pipeline_factory`` it gives the recorder. In vLLM's processes the
+  recorder is :class:`exporters.shipping.ShippingRecorder`, whose thread
+  ships the raw events to a sidecar process that builds the spans there
+  (off the engine's GIL; issue 13); the hot path is this class's.
 
 Memory stays bounded when an exporter stalls: the event buffer holds at most
 ``capacity`` events and the span processors' queues are bounded too.
@@ -43,6 +46,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCod
 from instrumented_connector import ids
 from instrumented_connector import semconv as sc
 from instrumented_connector.logutil import log_once
+from instrumented_connector.procstats import name_native_thread, write_stats
 
 #: Default event-buffer capacity per process. An event with its small
 #: attribute dict is ~0.5-1 KiB, so this keeps the buffer under ~32 MiB.
@@ -73,7 +77,9 @@ PipelineFactory = Callable[[ids.PinnedIdGenerator], Any]
 #   phase event: (phase, request_id, start_ns, end_ns, outcome, attrs)
 #   root event:  (_ROOT, trace_id_hex, start_ns, end_ns, outcome, attrs, parent_span_id | None)
 Event = tuple
-_ROOT = object()
+#: The root marker: a string no phase has (a plain str survives pickling, so
+#: the sidecar path ships it as is; exporters.shipping).
+ROOT_TAG = _ROOT = "\x00kvlens.root"
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
@@ -125,6 +131,8 @@ class Recorder:
         self._tracer = None
         self._ready = threading.Event()  # set once the pipeline is built (or failed)
         self._pipeline_failed = False
+        self.thread_name = "kvlens-recorder"
+        self.losses = None  # the provider's processors' loss counter (exporters.batching.LossCounter), once built
 
     # ------------------------------------------------------------------ hot path
     def record(
@@ -190,7 +198,7 @@ class Recorder:
             with self._start_lock:
                 if self._thread is not None:
                     return
-                t = threading.Thread(target=self._run, name="kvlens-recorder", daemon=True)
+                t = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
                 self._thread = t
                 t.start()
                 atexit.register(self.close)
@@ -208,6 +216,7 @@ class Recorder:
             return
         try:
             self._provider = self._factory(self.ids)
+            self.losses = getattr(self._provider, "losses", None)  # its processors' LossCounter, if it has one
             if self._provider is not None:
                 if getattr(self._provider, "id_generator", None) is not self.ids:
                     log_once("id-generator", "provider not built with the recorder's id generator; "
@@ -220,12 +229,21 @@ class Recorder:
             self._pipeline_failed = True
 
     def _run(self) -> None:
+        name_native_thread(self.thread_name)
         self._setup()
         while not self._stop.is_set():
             self._wake.wait(self._interval)
             self._wake.clear()
             self.drain()
+            write_stats(self)
         self.drain()
+
+    def unreported_drops(self) -> dict[str, int]:
+        """Losses this recorder counted, by :class:`DropReason` value, that
+        this process reports itself (:func:`exporters.pipeline.dropped_counts`)."""
+        d = {DropReason.BUFFER_FULL.value: self.dropped, DropReason.SHUTDOWN.value: self.shutdown_dropped,
+             DropReason.EXPORT_FAILED.value: self.failed_dropped}
+        return {k: v for k, v in d.items() if v}
 
     def drain(self) -> int:
         """Turn every buffered event into a span. Background thread (or tests)."""
@@ -240,7 +258,7 @@ class Recorder:
                 break
             n += 1
             try:
-                if ev[0] is _ROOT:
+                if ev[0] == _ROOT:
                     self._emit_root(ev)
                 else:
                     self._emit(ev)
@@ -342,6 +360,7 @@ class Recorder:
             p, self._provider, self._tracer = self._provider, None, None
             if p is not None:
                 _close_provider(p, deadline)
+            write_stats(self, force=True)
         except Exception:
             log_once("close", "recorder shutdown failed", exc_info=True)
 

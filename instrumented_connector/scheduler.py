@@ -63,20 +63,29 @@ class _SchedulerHooks:
         return res
 
     def _kvl_after_alloc(self, phase, request, blocks, params) -> None:
+        """Record ``phase`` (a point) and ``decode.queue``: the request's
+        arrival on D (``Request.arrival_time``, wall clock, stamped by D's
+        frontend) -> now, the same instant as the point."""
         try:
+            t = now()
+            rid = request.request_id
             attrs = {sc.ATTR_REMOTE_ENGINE_ID: params.get("remote_engine_id"), sc.ATTR_TOKENS: request.num_prompt_tokens}
             try:
                 attrs[sc.ATTR_BLOCKS] = nblocks(blocks.get_block_ids())
             except Exception:
                 pass
-            self._kvl.point(phase, request.request_id, "ok", attrs)
+            arrival = getattr(request, "arrival_time", None)
+            if arrival:
+                self._kvl.record(P.DECODE_QUEUE, rid, min(int(arrival * 1e9), t), t, "ok",
+                                 {sc.ATTR_TOKENS: request.num_prompt_tokens})
+            self._kvl.record(phase, rid, t, t, "ok", attrs)
         except Exception:
             fail("update_state_after_alloc")
 
 
 class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        """D: registration.stage point once destination blocks are staged."""
+        """D: registration.stage point (and decode.queue up to it) once destination blocks are staged."""
         return self._kvl_alloc(P.REGISTRATION_STAGE, super().update_state_after_alloc,
                                request, blocks, num_external_tokens)
 
@@ -105,7 +114,7 @@ class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorS
 
 class InstrumentedNixlPullConnectorScheduler(_SchedulerHooks, NixlPullConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        """D: alloc point once blocks for the remote prefill are allocated."""
+        """D: alloc point (and decode.queue up to it) once blocks for the remote prefill are allocated."""
         return self._kvl_alloc(P.ALLOC, super().update_state_after_alloc, request, blocks, num_external_tokens)
 
 

@@ -9,34 +9,86 @@ Prometheus label; request and trace ids are attributes only, never labels.
 from __future__ import annotations
 
 import enum
-from typing import Final
+from typing import Final, NamedTuple
 
 
 class Phase(str, enum.Enum):
-    """Span names. The value is the OTel span name and the ``phase`` label."""
+    """Span names. The value is the OTel span name and the ``phase`` label.
+
+    Listed in the order a request meets them (the display order of
+    waterfalls and of the per-phase breakdown). Each docstring says exactly
+    which interval the phase is; "derived" phases are not recorded by any
+    process: :mod:`exporters.tracemodel` builds them from two recorded
+    timestamps (:data:`DERIVED_PHASES`), where no one process sees both ends.
+    """
 
     # router (kvlens proxy)
     REQUEST = "request"
     """Root span: router arrival -> last byte to the client. Attr ``ttft_s``."""
-    RELAY = "relay"
-    """Router: P's response received -> D's request sent (pull, sequential push)."""
 
     # P side (both modes)
     PREFILL = "prefill"
     """P scheduler: request arrival -> prefill done (queue + prefill compute)."""
     PREFILL_FINISHED = "prefill.finished"
     """P scheduler, point: ``request_finished`` handed the blocks to the connector."""
+    PREFILL_RESPOND = "prefill.respond"
+    """Derived (:data:`DERIVED_PHASES`): P ``prefill.finished`` -> the router
+    received P's response (``relay`` start). P's output path: EngineCore ->
+    API server (detokenize, HTTP response) -> the router. Pull and sequential
+    push; the router's clock is taken as P's (docs/phases.md)."""
+
+    # router -> D (pull, sequential push)
+    RELAY = "relay"
+    """Router: P's response received -> D's request sent (pull, sequential push)."""
+    DECODE_INTAKE = "decode.intake"
+    """Derived (:data:`DERIVED_PHASES`): the router sent D's request (``relay``
+    end) -> D's frontend stamped the request's arrival (``decode.queue``
+    start): HTTP transit and request parsing on D. Pull and sequential push."""
+    DECODE_QUEUE = "decode.queue"
+    """D scheduler (EngineCore), both modes: the request's arrival (vLLM's
+    ``Request.arrival_time``, stamped by D's frontend when it starts rendering
+    the prompt) -> D's scheduler allocated its blocks (``alloc`` in pull,
+    ``registration.stage`` in push): tokenizing, the frontend -> EngineCore
+    hop and the wait for a scheduler step. Overlap in overlapped push (D gets
+    its request together with P)."""
 
     # push, D side
     REGISTRATION_STAGE = "registration.stage"
     """D scheduler, point: D allocated and staged its destination blocks."""
+    REGISTRATION_DISPATCH = "registration.dispatch"
+    """Derived (:data:`DERIVED_PHASES`), push: D ``registration.stage`` (D's
+    scheduler) -> D's writer thread dequeued the registration
+    (``registration.send`` start): D's next engine step carrying it to the
+    worker and D's writer thread waking up for it."""
     REGISTRATION_SEND = "registration.send"
     """D writer thread: staged registration dequeued -> PUSH_REG notif sent."""
     # push, P side
     REGISTRATION_RECEIVE = "registration.receive"
     """P writer thread, point: D's PUSH_REG notif decoded on P."""
+    PREFILL_DISPATCH = "prefill.dispatch"
+    """Derived (:data:`DERIVED_PHASES`), push: P ``prefill.finished`` (P's
+    scheduler) -> P's worker handed the finished blocks to its writer thread
+    (``writer.wake`` start): P's next engine step carrying them to the worker."""
+    WRITER_WAKE = "writer.wake"
+    """P worker, push: the engine thread queued the finished blocks for the
+    writer thread (``start_load_kv``) -> the writer thread took them
+    (``_pop_matching_registration``). The writer thread's wake-up lag, apart
+    from waiting for D (``match``)."""
     MATCH = "match"
-    """P writer thread: first of (registration, finished blocks) seen -> both seen."""
+    """P worker, push: waiting for the other side. The first of (D's
+    registration decoded by the writer thread, P's finished blocks queued for
+    the writer by the engine thread in ``start_load_kv``) -> the second of
+    them. ``kvlens.match.first`` says which came first."""
+
+    # pull, D side
+    ALLOC = "alloc"
+    """D scheduler, point: blocks allocated for the remote prefill."""
+    DECODE_DISPATCH = "decode.dispatch"
+    """Derived (:data:`DERIVED_PHASES`), pull: D ``alloc`` (D's scheduler) ->
+    D's worker starts on the request (``handshake`` or ``descriptor.prep``
+    start): the scheduler step's output reaching D's worker."""
+
+    # the transfer (push: P WRITEs; pull: D READs)
     HANDSHAKE = "handshake"
     """NIXL handshake wait on the request's path (P->D push, D->P pull)."""
     DESCRIPTOR_PREP = "descriptor.prep"
@@ -45,10 +97,11 @@ class Phase(str, enum.Enum):
     """P: descriptor ids + ``make_prepped_xfer`` + ``transfer`` for every rank."""
     WRITE_COMPLETE = "write.complete"
     """P: WRITE posted -> transfer state DONE observed by the engine thread."""
-
-    # pull, D side
-    ALLOC = "alloc"
-    """D scheduler, point: blocks allocated for the remote prefill."""
+    WRITE_NOTIFY = "write.notify"
+    """Derived (:data:`DERIVED_PHASES`), push: P saw its WRITE done
+    (``write.complete`` end) -> D reported the KV ready (``kv.ready``): D
+    learning of the completion (the NIXL notification drained by D's writer
+    thread, handed to D's engine thread, reported on D's next step)."""
     READ_POST = "read.post"
     """D: descriptor ids + ``make_prepped_xfer`` + ``transfer`` for every rank."""
     READ_COMPLETE = "read.complete"
@@ -65,19 +118,24 @@ class Phase(str, enum.Enum):
 
 PUSH_PHASES: Final = (
     Phase.PREFILL_FINISHED,
+    Phase.DECODE_QUEUE,
     Phase.REGISTRATION_STAGE,
     Phase.REGISTRATION_SEND,
     Phase.REGISTRATION_RECEIVE,
+    Phase.WRITER_WAKE,
     Phase.MATCH,
     Phase.DESCRIPTOR_PREP,
     Phase.WRITE_POST,
     Phase.WRITE_COMPLETE,
     Phase.KV_READY,
 )
-"""Phases every completed push request must have (``handshake`` only on first contact)."""
+"""Recorded phases every completed push request must have (``handshake`` only
+on first contact; ``writer.wake`` only where P's finished blocks went through
+the writer's inbox, which is every request on this vLLM)."""
 
 PULL_PHASES: Final = (
     Phase.PREFILL_FINISHED,
+    Phase.DECODE_QUEUE,
     Phase.ALLOC,
     Phase.DESCRIPTOR_PREP,
     Phase.READ_POST,
@@ -89,8 +147,14 @@ PULL_PHASES: Final = (
 #: Phases that, in push mode, run while P is still computing: shown as
 #: overlap, not as handoff cost (docs/phases.md, "Critical path").
 PUSH_OVERLAP_PHASES: Final = frozenset(
-    {Phase.REGISTRATION_STAGE, Phase.REGISTRATION_SEND, Phase.REGISTRATION_RECEIVE}
+    {Phase.DECODE_QUEUE, Phase.REGISTRATION_STAGE, Phase.REGISTRATION_SEND, Phase.REGISTRATION_RECEIVE}
 )
+
+#: Phases that only say one side waits for the other (P's writer for D's
+#: registration, or for its own finished blocks). When the handoff is split
+#: among overlapping phases (``exporters.tiling.tile``) they get only the
+#: time no other phase names: what they wait for is the better name.
+WAITING_PHASES: Final = frozenset({Phase.MATCH})
 
 #: Point phases: recorded as zero-length spans (start == end).
 POINT_PHASES: Final = frozenset(
@@ -104,8 +168,80 @@ POINT_PHASES: Final = frozenset(
     }
 )
 
+
+class Boundary(NamedTuple):
+    """One end of a derived phase: the ``start`` or ``end`` of the span
+    ``phase`` recorded by ``role``."""
+
+    role: str
+    phase: Phase
+    end: str  # "start" | "end"
+
+
+class Derivation(NamedTuple):
+    """How a derived phase is built: the side whose work it is (its lane in
+    the waterfall) and the (from, to) boundary pairs to try, in order."""
+
+    role: str
+    pairs: tuple[tuple[Boundary, Boundary], ...]
+
+
+#: Phases no process records: :mod:`exporters.tracemodel` derives each from
+#: two recorded timestamps (``from`` -> ``to``, the first pair whose ends a
+#: trace both has), where no one process sees the whole interval. They are
+#: shown and counted like recorded phases (waterfall, breakdown), carry
+#: ``kvlens.derived = true`` in ``kvlens traces --json``, and are not in the
+#: ``kvlens_phase_duration_seconds`` histogram (no process exports them).
+#: D's ends are on P's clock by then (the store's clock offset); the
+#: router's clock is taken as P's (docs/phases.md, "Clocks across hosts").
+DERIVED_PHASES: Final[dict[Phase, Derivation]] = {
+    Phase.PREFILL_RESPOND: Derivation("prefill", (
+        (Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("router", Phase.RELAY, "start")),)),
+    Phase.DECODE_INTAKE: Derivation("decode", (
+        (Boundary("router", Phase.RELAY, "end"), Boundary("decode", Phase.DECODE_QUEUE, "start")),)),
+    Phase.REGISTRATION_DISPATCH: Derivation("decode", (
+        (Boundary("decode", Phase.REGISTRATION_STAGE, "end"), Boundary("decode", Phase.REGISTRATION_SEND, "start")),)),
+    Phase.PREFILL_DISPATCH: Derivation("prefill", (
+        (Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("prefill", Phase.WRITER_WAKE, "start")),)),
+    Phase.DECODE_DISPATCH: Derivation("decode", (
+        (Boundary("decode", Phase.ALLOC, "end"), Boundary("decode", Phase.HANDSHAKE, "start")),
+        (Boundary("decode", Phase.ALLOC, "end"), Boundary("decode", Phase.DESCRIPTOR_PREP, "start")))),
+    Phase.WRITE_NOTIFY: Derivation("decode", (
+        (Boundary("prefill", Phase.WRITE_COMPLETE, "end"), Boundary("decode", Phase.KV_READY, "end")),)),
+}
+
 PHASE_ORDER: Final = {p.value: i for i, p in enumerate(Phase)}
 """Display order of phases (waterfalls, tables)."""
+
+PHASE_WORDS: Final[dict[str, str]] = {
+    Phase.REQUEST.value: "the whole request",
+    Phase.PREFILL.value: "P's queue and prefill",
+    Phase.PREFILL_FINISHED.value: "P finishing the prefill",
+    Phase.PREFILL_RESPOND.value: "P's response path to the router",
+    Phase.RELAY.value: "the router's relay",
+    Phase.DECODE_INTAKE.value: "D's HTTP intake",
+    Phase.DECODE_QUEUE.value: "D's scheduler queue",
+    Phase.REGISTRATION_STAGE.value: "D staging its blocks",
+    Phase.REGISTRATION_DISPATCH.value: "D's engine step handing its registration to the writer thread",
+    Phase.REGISTRATION_SEND.value: "D sending its registration",
+    Phase.REGISTRATION_RECEIVE.value: "P receiving D's registration",
+    Phase.PREFILL_DISPATCH.value: "P's engine step handing the blocks to its worker",
+    Phase.WRITER_WAKE.value: "P's writer-thread wake-up",
+    Phase.MATCH.value: "P waiting for the other side",
+    Phase.ALLOC.value: "D allocating blocks",
+    Phase.DECODE_DISPATCH.value: "D's engine step handing the request to its worker",
+    Phase.HANDSHAKE.value: "the NIXL handshake",
+    Phase.DESCRIPTOR_PREP.value: "descriptor preparation",
+    Phase.WRITE_POST.value: "posting the WRITE",
+    Phase.WRITE_COMPLETE.value: "the WRITE in flight",
+    Phase.WRITE_NOTIFY.value: "D learning the WRITE is done",
+    Phase.READ_POST.value: "posting the READ",
+    Phase.READ_COMPLETE.value: "the READ in flight",
+    Phase.KV_RELEASED.value: "P releasing the blocks",
+    Phase.KV_READY.value: "D reporting the KV ready",
+}
+"""Every phase in a few words, for sentences such as "pull: 71 % of the
+handoff is D's scheduler queue" (:func:`exporters.tracemodel.dominant_words`)."""
 
 
 class Mode(str, enum.Enum):
@@ -201,5 +337,8 @@ ATTR_CLIENT_REQUEST_ID: Final = "kvlens.client.request_id"
 """Router root span: the client's ``X-Request-Id`` when the router used another id (clipped)."""
 ATTR_CLIENT_TRACE_ID: Final = "kvlens.client.trace_id"
 """Router root span: the client's ``traceparent`` trace id when the router used another id."""
+ATTR_DERIVED: Final = "kvlens.derived"
+"""True on a phase :mod:`exporters.tracemodel` derived from two recorded
+timestamps (:data:`DERIVED_PHASES`); never on a recorded span."""
 ATTR_ERROR: Final = "kvlens.error"
 """Short error text for failed outcomes (exception class and message)."""

@@ -210,6 +210,25 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
         self._kvl_reg_t0 = Pending()  # D: rid -> (registration dequeued ns, handshake waited)
         self._kvl_reg_seen = Pending()  # P: base id -> PUSH_REG received ns
         self._kvl_fin_seen = Pending()  # P: base id -> finished blocks seen ns
+        # P: rid -> finished blocks queued for the writer ns. Written by the
+        # engine thread (start_load_kv), popped by the writer thread: locked.
+        self._kvl_enq = Pending()
+        self._kvl_enq_lock = threading.Lock()
+
+    # -- P side, engine thread -----------------------------------------------
+    def start_load_kv(self, metadata):
+        """P: stamp the finished blocks this step queues for the writer thread
+        (the start of ``writer.wake``), before vLLM queues them and wakes it."""
+        try:
+            fin = getattr(metadata, "push_finished_blocks", None)
+            if fin:
+                t = now()
+                with self._kvl_enq_lock:
+                    for rid in fin:
+                        self._kvl_enq.put(rid, t)
+        except Exception:
+            fail("start_load_kv")
+        return super().start_load_kv(metadata)
 
     # -- D side, writer thread -----------------------------------------------
     def _send_registration_to_p(self, req_id, reg_data):
@@ -263,15 +282,23 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
         return res
 
     def _pop_matching_registration(self, request_id):
-        """P's finished blocks reached the writer: match if D registered first."""
+        """The writer thread took P's finished blocks from its inbox:
+        ``writer.wake`` (queued by the engine thread -> taken now), and
+        ``match`` if D registered first (registration decoded -> blocks queued)."""
         t = now()
         res = super()._pop_matching_registration(request_id)
         try:
+            with self._kvl_enq_lock:
+                t_enq = self._kvl_enq.pop(request_id, None)
+            if t_enq is not None:
+                self._kvl.record(P.WRITER_WAKE, request_id, min(t_enq, t), t)
+            arrived = t if t_enq is None else min(t_enq, t)  # the blocks reached P's worker
             if res is not None:
-                t_reg = self._kvl_reg_seen.pop(base_request_id(request_id), t)
-                self._kvl.record(P.MATCH, request_id, t_reg, now(), "ok", {sc.ATTR_MATCH_FIRST: "registration"})
+                t_reg = self._kvl_reg_seen.pop(base_request_id(request_id), arrived)
+                self._kvl.record(P.MATCH, request_id, min(t_reg, arrived), arrived, "ok",
+                                 {sc.ATTR_MATCH_FIRST: "registration"})
             else:
-                self._kvl_fin_seen.put(base_request_id(request_id), t)
+                self._kvl_fin_seen.put(base_request_id(request_id), arrived)
         except Exception:
             fail("_pop_matching_registration")
         return res

@@ -16,7 +16,7 @@ import argparse
 import socket
 import sqlite3
 import sys
-from pathlib import Path
+from typing import Any
 
 from instrumented_connector.config import store_path
 
@@ -28,6 +28,10 @@ DESCRIPTION = """\
 Receive OpenTelemetry spans over OTLP/HTTP and write them into one kvlens trace
 store, so traces whose router, P and D run on different hosts are whole in one
 place (kvlens traces, the dashboard and the handoff metrics read that store).
+
+The store is a file (default $KVLENS_HOME/traces.db) or a PostgreSQL database
+(--store postgresql://user@host:port/dbname) that several collectors, kvlens
+traces and the dashboard share. --retention 7d prunes older traces as it writes.
 
 Point every process at http://HOST:PORT:
   P and D   "otlp_endpoint": "http://HOST:PORT" in kv_connector_extra_config
@@ -48,7 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 for other hosts)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"port (default {DEFAULT_PORT}, OTLP/HTTP's; 0 picks a free one and prints it)")
-    p.add_argument("--store", default=None, help="trace store to write (default: $KVLENS_HOME/traces.db)")
+    p.add_argument("--store", default=None,
+                   help="trace store to write: a file, or postgresql://user@host:port/dbname "
+                        "(default: $KVLENS_HOME/traces.db)")
+    p.add_argument("--retention", default=None, metavar="DURATION",
+                   help="keep traces this long (e.g. 7d, 12h); older ones are deleted in small batches "
+                        "as spans are written (default: keep all)")
     p.add_argument("--max-body-mb", type=float, default=16.0,
                    help="largest request body accepted, MiB, after decompression (default 16)")
     p.add_argument("--queue-spans", type=int, default=100_000,
@@ -58,13 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. older opentelemetry-python OTLP/HTTP exporters)")
 
 
-def _store_problem(path: Path) -> str | None:
-    """One line saying why ``path`` cannot be written as a trace store, or None."""
+def _store_problem(path: Any) -> str | None:
+    """One line saying why ``path`` (a file or a PostgreSQL URL) cannot be
+    written as a trace store, or None."""
     from exporters import store
     from exporters.collector.ingest import check_store
     from exporters.store.schema import translate
 
-    if path.is_dir():
+    if not store.is_url(path) and path.is_dir():
         return f"--store {path} is a directory; give the store file (e.g. {path / 'traces.db'})"
     try:
         check_store(path)
@@ -103,15 +113,34 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--max-body-mb must be > 0, got {args.max_body_mb}"
     if args.queue_spans <= 0:
         return f"--queue-spans must be > 0, got {args.queue_spans}"
+    if getattr(args, "retention", None):
+        from exporters.store import parse_duration
+
+        try:
+            parse_duration(args.retention)
+        except ValueError as e:
+            return f"--retention: {e}"
     return None
+
+
+def _store_arg(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """(the store, None), or (None, why --store is unusable)."""
+    from exporters import store
+
+    if not args.store:
+        return store_path(), None
+    try:
+        return store.location(args.store), None
+    except ValueError as e:
+        return None, f"--store: {e}"
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then flush and exit 0; 2 on a bad flag or
     store, 1 when the port cannot be had."""
     problem = _check_args(args)
-    store = Path(args.store).expanduser().resolve() if args.store else store_path()
-    problem = problem or _store_problem(store)
+    store, bad = _store_arg(args)
+    problem = problem or bad or _store_problem(store)
     if problem:
         print(f"kvlens collect: {problem}", file=sys.stderr, flush=True)
         return 2
@@ -124,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     return _serve(args, store, sock)
 
 
-def _serve(args: argparse.Namespace, store: Path, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, store: Any, sock: socket.socket) -> int:
     # start-up cost: uvicorn, starlette and protobuf load only when it serves
     import uvicorn
     from prometheus_client import CollectorRegistry
@@ -134,14 +163,18 @@ def _serve(args: argparse.Namespace, store: Path, sock: socket.socket) -> int:
     from kvlens.signals import sigterm_as_interrupt
 
     registry = CollectorRegistry()
-    ingest = collector_ingest(store, registry, max_queue_spans=args.queue_spans)
+    from exporters.store import display
+
+    ingest = collector_ingest(store, registry, max_queue_spans=args.queue_spans,
+                              retention=getattr(args, "retention", None))
     app = create_app(ingest, registry, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
                      close_timeout_s=CLOSE_TIMEOUT_S, busy_status=args.busy_status)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                            timeout_graceful_shutdown=5))
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {store}", flush=True)
+    print(f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {display(store)}",
+          flush=True)
     try:
         with sigterm_as_interrupt():
             try:

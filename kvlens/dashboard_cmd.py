@@ -22,6 +22,13 @@ package (``make setup`` installs the checkout in editable mode), so no
 The child runs in its own session (process group) so that stopping it also
 stops anything Streamlit starts; a child that ignores SIGTERM is killed after
 a grace period. A missing trace store is not an error: the page says so.
+
+The store may be a PostgreSQL URL (``--store postgresql://user@host/db``):
+it is checked once before the child starts, and a malformed URL or a server
+that cannot be used (down, wrong user, no such database) is one line and
+exit 2, not a page of errors. A password in the URL goes to the child as
+``PGPASSWORD`` (libpq reads it), not on its command line, where ``ps``
+would show it.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import dashboard
 from instrumented_connector.config import HOME_ENV, home, store_path
@@ -44,7 +53,8 @@ STOP_GRACE_S = 10.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", default=None, help="trace store (default: $KVLENS_HOME/traces.db)")
+    p.add_argument("--store", default=None,
+                   help="trace store: a file, or postgresql://user@host:port/dbname (default: $KVLENS_HOME/traces.db)")
     p.add_argument("--prometheus", default=None, metavar="URL",
                    help="Prometheus base URL (e.g. http://127.0.0.1:9090); live figures come from it")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
@@ -65,13 +75,54 @@ def workdir() -> Path:
     return app_path().parent.parent
 
 
-def child_env() -> dict[str, str]:
+def child_env(store: Any = None) -> dict[str, str]:
     """The child's environment: ours, with ``KVLENS_HOME`` absolute (the
-    child's working directory is not ours)."""
-    return {**os.environ, HOME_ENV: str(home())}
+    child's working directory is not ours), and a store URL's password as
+    ``PGPASSWORD``."""
+    env = {**os.environ, HOME_ENV: str(home())}
+    password = _split_password(store)[1]
+    if password is not None:
+        env["PGPASSWORD"] = password
+    return env
 
 
-def command(args: argparse.Namespace, store: Path) -> list[str]:
+def _split_password(store: Any) -> tuple[Any, str | None]:
+    """(the store without a URL's password, the password or None)."""
+    from exporters.store import is_url
+
+    if not is_url(store):
+        return store, None
+    parts = urlsplit(store)
+    if parts.password is None:
+        return store, None
+    user, host = parts.netloc.rsplit("@", 1)
+    return parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}").geturl(), unquote(parts.password)
+
+
+def _check_store(store: Any) -> str | None:
+    """Why the dashboard cannot read a PostgreSQL store at all, or None (a
+    file that does not exist yet, or a database without kvlens tables, is
+    not an error: the page says so)."""
+    from exporters import store as st
+
+    if not st.is_url(store):
+        if not Path(store).exists():
+            print(f"kvlens dashboard: no trace store at {store} yet (the page will say so)", file=sys.stderr)
+        return None
+    try:
+        with st.reading(store) as c:
+            st.info(c)
+    except st.StoreMissing as e:
+        if "no kvlens tables" in str(e):
+            print(f"kvlens dashboard: {e} (the page will say so)", file=sys.stderr)
+            return None
+        return str(e)
+    except st.StoreError as e:
+        return str(e)
+    return None
+
+
+def command(args: argparse.Namespace, store: Any) -> list[str]:
     """The streamlit command line for ``args``."""
     cmd = [
         sys.executable, "-m", "streamlit", "run", str(app_path()),
@@ -83,7 +134,7 @@ def command(args: argparse.Namespace, store: Path) -> list[str]:
         "--server.enableXsrfProtection", "true",
         # getattr: callers that build the Namespace themselves (kvlens demo) may leave the flag out
         "--client.showErrorDetails", "full" if getattr(args, "show_error_details", False) else "none",
-        "--", "--store", str(store),
+        "--", "--store", str(_split_password(store)[0]),
     ]
     if args.prometheus:
         cmd += ["--prometheus", args.prometheus]
@@ -97,13 +148,21 @@ def run(args: argparse.Namespace) -> int:
     if args.prometheus and not args.prometheus.startswith(("http://", "https://")):
         print(f"kvlens dashboard: --prometheus must be an http(s) URL, got {args.prometheus!r}", file=sys.stderr)
         return 2
-    store = Path(args.store).expanduser().resolve() if args.store else store_path()
-    if not store.exists():
-        print(f"kvlens dashboard: no trace store at {store} yet (the page will say so)", file=sys.stderr)
+    from exporters.store import display, location
+
+    try:
+        store = location(args.store) if args.store else store_path()
+    except ValueError as e:
+        print(f"kvlens dashboard: --store: {e}", file=sys.stderr)
+        return 2
+    problem = _check_store(store)
+    if problem:
+        print(f"kvlens dashboard: {problem}", file=sys.stderr)
+        return 2
     proc = subprocess.Popen(command(args, store), stdin=subprocess.DEVNULL, start_new_session=True,
-                            cwd=str(workdir()), env=child_env())
+                            cwd=str(workdir()), env=child_env(store))
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
-    print(f"kvlens dashboard: http://{shown}:{args.port}  (store {store}; Ctrl-C to stop)", flush=True)
+    print(f"kvlens dashboard: http://{shown}:{args.port}  (store {display(store)}; Ctrl-C to stop)", flush=True)
 
     stopping: list[int] = []
 

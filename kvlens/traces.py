@@ -50,7 +50,9 @@ def since_arg(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", default=None, help="trace store (default $KVLENS_HOME/traces.db)")
+    p.add_argument("--store", default=None,
+                   help="trace store: a SQLite file or a postgresql://user@host:port/db URL "
+                        "(default $KVLENS_HOME/traces.db)")
     p.add_argument("--slowest", type=int_in(1, MAX_SLOWEST), default=10, metavar="N",
                    help=f"how many traces (default 10, at most {MAX_SLOWEST})")
     p.add_argument("--mode", choices=[m.value for m in sc.Mode], help="only push or pull")
@@ -61,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
     p.add_argument("--width", type=int_in(MIN_WIDTH, MAX_WIDTH), default=60,
                    help=f"waterfall width in characters ({MIN_WIDTH}..{MAX_WIDTH}, default 60)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="instead of waterfalls: per mode (and push dispatch), what the handoff is made of, "
+                        "the unattributed share at the median, and the unnamed gaps "
+                        f"(newest {tracemodel.BREAKDOWN_SAMPLE} completed traces matching the filters)")
 
 
 def _fmt_s(v) -> str:
@@ -120,6 +126,51 @@ def waterfall(trace: Trace, width: int = 60) -> str:
     return "\n".join(lines)
 
 
+def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> str:
+    """The ``--breakdown`` report (pure; tested): per group, the sentence of
+    :func:`tracemodel.dominant_words`, every phase's share of the summed
+    handoff, and the unnamed stretches holding the most time, named by the
+    timestamps around them."""
+    if not groups:
+        return "no completed handoff to break down"
+    lines = []
+    order = sorted(groups, key=lambda k: (k.split("/")[0] != "push", "/" in k, k))
+    for key in order:
+        b = groups[key]
+        whole = groups.get(key.split("/")[0])
+        if "/" in key and whole is not None and whole.requests == b.requests:
+            continue  # the mode's only dispatch: the same figures again
+        med = b.median_unattributed_share
+        lines.append(tracemodel.dominant_words(b))
+        lines.append(f"  {b.requests} requests, mean handoff {_fmt_s(b.handoff_ns / b.requests / 1e9)}, "
+                     f"unattributed at the median {'-' if med is None else f'{med * 100:.1f} %'}")
+        for name, share in b.shares():
+            ns = b.unattributed_ns if name == tracemodel.UNATTRIBUTED else b.phases[name]
+            lines.append(f"    {name:<22}{share * 100:6.1f} %  {_fmt_s(ns / b.requests / 1e9):>9}/request")
+        top = b.top_gaps(gaps)
+        if top:
+            lines.append("  unnamed gaps (timestamp before -> after: requests, total, median):")
+            for a, z, n, tot, mid in top:
+                lines.append(f"    {a} -> {z}: {n}, {_fmt_s(tot / 1e9)}, {_fmt_s(mid / 1e9)}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _load_breakdown(path: str, args: argparse.Namespace) -> dict[str, tracemodel.Breakdown]:
+    with store.reading(path) as conn:
+        return tracemodel.breakdown(conn, by_dispatch=True, mode=args.mode, outcome=args.outcome,
+                                    since_ns=store.parse_since(args.since))
+
+
+def _summary_lines(path: str, args: argparse.Namespace) -> list[str]:
+    """The closing "what dominates" line per mode under the waterfalls."""
+    with store.reading(path) as conn:
+        groups = tracemodel.breakdown(conn, mode=args.mode, outcome=args.outcome,
+                                      since_ns=store.parse_since(args.since))
+    return [tracemodel.dominant_words(groups.get(m), m) for m in (m.value for m in sc.Mode)
+            if not args.mode or args.mode == m]
+
+
 def _load(path: str, args: argparse.Namespace) -> list[Trace]:
     """The traces asked for; raises ``store.StoreError`` (one printable line)."""
     with store.reading(path) as conn:
@@ -144,11 +195,15 @@ def run(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as e:
         print(f"kvlens traces: {e}", file=sys.stderr)
         return 2
-    if Path(path).is_dir():  # the store's reader lets sqlite's "disk I/O error" through for these
+    if not store.is_url(path) and Path(path).is_dir():  # the store's reader lets sqlite's "disk I/O error" through for these
         print(f"kvlens traces: {path} is a directory, not a trace store file", file=sys.stderr)
         return 1
     try:
+        if getattr(args, "breakdown", False):
+            print(breakdown_text(_load_breakdown(path, args)))
+            return 0
         traces = _load(path, args)
+        summary = [] if args.json or args.trace or not traces else _summary_lines(path, args)
     except store.StoreMissing as e:
         print(f"kvlens traces: {e} (run `kvlens up` and send requests, or pass --store)", file=sys.stderr)
         return 1
@@ -156,17 +211,22 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlens traces: {e}", file=sys.stderr)
         return 1
     if args.trace and not traces:
-        print(f"kvlens traces: no trace {args.trace} in {path}", file=sys.stderr)
+        print(f"kvlens traces: no trace {args.trace} in {store.display(path)}", file=sys.stderr)
         return 1
     if args.json:
         for t in traces:
             print(json.dumps(t.to_json()))
         return 0
     if not traces:
-        print(f"no traces match in {path}")
+        print(f"no traces match in {store.display(path)}")
         return 0
     for t in traces:
         print(waterfall(t, args.width))
         print()
     print("legend: # on the critical path (prefill.finished -> kv.ready), = off it (overlap), | point event")
+    if summary:
+        print(f"\nwhat the handoff is made of (newest {tracemodel.BREAKDOWN_SAMPLE} completed traces; "
+              "details: --breakdown):")
+        for line in summary:
+            print("  " + line)
     return 0

@@ -74,6 +74,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the receiver (`kvlens proxy --collect`)")
     p.add_argument("--collector-port", type=port_arg(), default=None,
                    help="with --separate-homes and --collector process: its port (default: a free one)")
+    p.add_argument("--collector-store", default=None, metavar="STORE",
+                   help="with --separate-homes and --collector process: the collector's trace store, a path or "
+                        "a postgresql://user@host:port/db URL shared by the fleet (default: the SQLite file in "
+                        "the collector's home)")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="API key P, D (vLLM's --api-key, handed over as VLLM_API_KEY) and the router require "
                         "on /v1/*; the stack's own health checks and warm-up send it (default: "
@@ -108,6 +112,7 @@ def _stack(args: argparse.Namespace) -> Stack:
         separate_homes=args.separate_homes,
         collector=args.collector,
         collector_port=args.collector_port or None,
+        collector_store=getattr(args, "collector_store", None) or None,
         api_key=getattr(args, "api_key", None) or None,
     )
 

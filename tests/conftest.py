@@ -1,8 +1,17 @@
-"""Fixtures every test folder may use: a session kvlens home and the tiny
-generated model. The real P/D stacks live in ``tests/e2e/conftest.py``.
+"""Fixtures every test folder may use: a session kvlens home, the tiny
+generated model, a real PostgreSQL server, and the two store backends. The
+real P/D stacks live in ``tests/e2e/conftest.py``.
 
 ``tests/`` itself is on ``sys.path`` (pytest's ``pythonpath`` option), so
 helpers such as ``store_fixture`` import by name.
+
+PostgreSQL (``tests/pg_server.py``): ``pg_server`` starts one real server
+for the session (``initdb`` + ``pg_ctl start`` as the ``postgres`` user on a
+free loopback port; stopped and removed at the end, also after a failure);
+``pg_url`` gives a test a database of its own (dropped afterwards), so
+tests never see each other's rows. Tests that need it are skipped, saying
+why, only when the server binaries are missing (``make setup`` installs
+them). ``backend`` runs a test once per store backend (:mod:`store_backends`).
 """
 
 from __future__ import annotations
@@ -25,3 +34,39 @@ def tiny_model(kvlens_home) -> Path:
     from kvlens.model import ensure_model
 
     return ensure_model(kvlens_home / "model")
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """A real PostgreSQL server for the session (:class:`pg_server.PgServer`)."""
+    from pg_server import PgServer, missing_reason
+
+    why = missing_reason()
+    if why:
+        pytest.skip(why)
+    with PgServer() as server:
+        yield server
+
+
+@pytest.fixture
+def pg_url(pg_server) -> str:
+    """The URL of a new, empty database on the session's server, for this test only."""
+    from exporters.store import pg
+
+    url = pg_server.new_database()
+    yield url
+    pg.close_pool(url)
+    try:
+        pg_server.sql(f"DROP DATABASE IF EXISTS {url.rsplit('/', 1)[1]} WITH (FORCE)")
+    except Exception:
+        pass  # the server was stopped by the test and not restarted: the session end removes it all
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def backend(request, tmp_path):
+    """This test on each store backend: a :class:`store_backends.Backend`."""
+    from store_backends import Backend
+
+    if request.param == "sqlite":
+        return Backend("sqlite", tmp_path / "traces.db", tmp_path)
+    return Backend("postgresql", request.getfixturevalue("pg_url"), tmp_path)

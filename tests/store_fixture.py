@@ -74,13 +74,20 @@ def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: b
     pre.record(P.PREFILL_FINISHED, p_rid, pf, pf, "ok", {sc.ATTR_BLOCKS: blocks})
     outcome = "ok"
     if mode == "push":
+        # overlapped: D gets its request with P, queues and registers while P computes
         reg = t0 + 2 * MS
+        dec.record(P.DECODE_QUEUE, d_rid, t0 + int(0.6 * MS), reg, "ok", {sc.ATTR_TOKENS: 512})
         dec.record(P.REGISTRATION_STAGE, d_rid, reg, reg, "ok", {sc.ATTR_BLOCKS: blocks})
-        dec.record(P.REGISTRATION_SEND, d_rid, reg, reg + int(0.8 * MS), "ok", {sc.ATTR_REMOTE_ENGINE_ID: "p0"})
+        snd = reg + int(0.3 * MS)  # D's step hands it to the writer thread (registration.dispatch, derived)
+        dec.record(P.REGISTRATION_SEND, d_rid, snd, snd + int(0.8 * MS), "ok", {sc.ATTR_REMOTE_ENGINE_ID: "p0"})
         rcv = reg + int(1.5 * MS)
         pre.record(P.REGISTRATION_RECEIVE, p_rid, rcv, rcv, "ok", {sc.ATTR_REMOTE_ENGINE_ID: "d0"})
-        pre.record(P.MATCH, p_rid, rcv, pf + int(0.05 * MS), "ok", {sc.ATTR_MATCH_FIRST: "registration"})
-        t = pf + int(0.05 * MS)
+        # P's next step hands the finished blocks to the worker (prefill.dispatch, derived),
+        # the writer thread wakes up for them (writer.wake); D registered long before
+        enq = pf + int(rng.uniform(1.0, 3.0) * MS)
+        pre.record(P.MATCH, p_rid, rcv, enq, "ok", {sc.ATTR_MATCH_FIRST: "registration"})
+        t = enq + int(rng.uniform(0.1, 2.0) * MS)
+        pre.record(P.WRITER_WAKE, p_rid, enq, t, "ok")
         if first:
             pre.record(P.HANDSHAKE, p_rid, t, t + 12 * MS, "ok", {sc.ATTR_REMOTE_ENGINE_ID: "d0", sc.ATTR_DEFERRED: True})
             t += 12 * MS
@@ -94,14 +101,17 @@ def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: b
         outcome = "timeout" if i % 15 == 7 else "ok"
         pre.record(P.WRITE_COMPLETE, p_rid, t, t + wc, outcome, {**kv_attrs, sc.ATTR_NIXL_XFER_S: wc / 1e9})
         t += wc
-        kv = t + int(rng.uniform(0.3, 1.0) * MS)
+        kv = t + int(rng.uniform(2.0, 14.0) * MS)  # D learning the WRITE is done (write.notify, derived)
     else:
-        t = pf + int(0.3 * MS)
-        relay = int(rng.uniform(1.0, 3.0) * MS)
+        t = pf + int(rng.uniform(5.0, 12.0) * MS)  # P's response path (prefill.respond, derived)
+        relay = int(rng.uniform(0.05, 0.3) * MS)
         router.record(P.RELAY, tid, t, t + relay, "ok")
-        t += relay + int(0.5 * MS)
+        t += relay + int(rng.uniform(0.5, 1.0) * MS)  # D's HTTP intake (decode.intake, derived)
+        q = int(rng.uniform(5.0, 30.0) * MS)
+        dec.record(P.DECODE_QUEUE, d_rid, t, t + q, "ok", {sc.ATTR_TOKENS: 512})
+        t += q
         dec.record(P.ALLOC, d_rid, t, t, "ok", {sc.ATTR_BLOCKS: blocks})
-        t += int(0.2 * MS)
+        t += int(rng.uniform(0.5, 2.0) * MS)  # D's step reaching its worker (decode.dispatch, derived)
         if first:
             dec.record(P.HANDSHAKE, d_rid, t, t + 15 * MS, "ok", {sc.ATTR_REMOTE_ENGINE_ID: "p0"})
             t += 15 * MS

@@ -18,6 +18,7 @@ from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import prom, ui
+from exporters.store import display
 from instrumented_connector import semconv as sc
 
 REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
@@ -74,7 +75,7 @@ def from_store(cfg: ui.Config, range_key: str) -> tuple | None:
     if not ok:
         return None
     add_bench_tpot(cfg, stats)
-    return stats, phases, D.handoff_histogram(df), f"trace store `{cfg.store}`"
+    return stats, phases, D.handoff_histogram(df), f"trace store `{display(cfg.store)}`"
 
 
 def add_bench_tpot(cfg: ui.Config, stats: dict[str, D.ModeStats]) -> None:
@@ -97,6 +98,7 @@ def body(cfg: ui.Config, range_key: str) -> None:
     tot = crit.groupby("mode")["seconds"].sum() if len(crit) else pd.Series(dtype=float)
     ph_max = float(tot.max()) if len(tot) else None  # one x scale: push and pull bars compare
     h_max = float(hist["hi"].max()) if len(hist) else None
+    words = D.breakdown_words(phases)
     cols = st.columns(2, gap="large")
     for col, mode in zip(cols, D.MODES):
         with col, st.container(border=True, key=f"ov_{mode}"):
@@ -105,7 +107,7 @@ def body(cfg: ui.Config, range_key: str) -> None:
                 st.info(f"No {mode} requests in this range.")
                 continue
             mode_figures(mode, stats[mode], source.startswith("Prometheus"))
-            mode_charts(mode, phases, hist, ph_max, h_max)
+            mode_charts(mode, phases, hist, ph_max, h_max, words.get(mode))
 
 
 HANDOFF_HELP = ("Handoff = prefill.finished (P) → kv.ready (D), {src}. "
@@ -151,15 +153,24 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool) -> None:
                          query_params={"mode": mode, "min_handoff": f"{v:.6g}"})
 
 
+WORDS_HELP = ("Shares of the summed handoff time (prefill.finished → kv.ready) of this range's completed requests; "
+              "each stretch of a handoff counts once, for the phase that started last over it. Unattributed: "
+              "no phase names it (median per request in brackets). The same line as `kvlens traces`; "
+              "the unnamed gaps are listed by `kvlens traces --breakdown`.")
+
+
 def mode_charts(mode: str, phases: pd.DataFrame, hist: pd.DataFrame, ph_max: float | None,
-                h_max: float | None) -> None:
-    """One mode's handoff histogram and its per-phase bars (critical path, then overlap)."""
+                h_max: float | None, words: str | None = None) -> None:
+    """One mode's handoff histogram, what dominates its handoff in words, and
+    its per-phase bars (critical path, then overlap)."""
     if hist is not None and len(hist[hist["mode"] == mode]):
         st.altair_chart(charts.handoff_hist_chart(hist, mode, h_max), width="stretch")
     mine = phases[phases["mode"] == mode] if phases is not None and len(phases) else pd.DataFrame()
     if not len(mine):
         st.caption("No completed handoffs with phase spans in this range.")
         return
+    if words:
+        st.markdown(f"**Where the handoff goes.** {words}", help=WORDS_HELP)
     if (mine["path"] == D.CRITICAL).any():
         st.altair_chart(charts.phase_chart(phases, mode, D.CRITICAL, ph_max,
                                            "critical path by phase (prefill.finished → kv.ready)"), width="stretch")

@@ -35,6 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from exporters import store
 from exporters.collector import otlp
 from exporters.collector.ingest import Ingest
 
@@ -161,7 +162,7 @@ def create_app(ingest: Ingest, registry: CollectorRegistry, *, max_body_bytes: i
     async def healthz(request: Request) -> Response:
         ok = ingest.alive()
         doc = {"status": "ok" if ok else "unavailable", "queue_spans": ingest.queued_spans,
-               "max_queue_spans": ingest.max_queue_spans, "store": str(ingest.store_path)}
+               "max_queue_spans": ingest.max_queue_spans, "store": store.display(ingest.store_path)}
         return Response(json.dumps(doc), status_code=200 if ok else 503, media_type="application/json")
 
     @contextlib.asynccontextmanager

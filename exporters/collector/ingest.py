@@ -6,9 +6,13 @@ queues one request's spans or refuses them when the queue would pass its
 bound, so the handler answers 429 and the OTLP exporter retries later. One
 daemon thread merges queued requests into batches of up to ``batch_spans``
 and writes each with :func:`exporters.store.write_spans` (all SQL stays in
-the store). A store that is locked or busy is retried with backoff for
-``busy_retry_s`` while the queue fills (so clients are told to back off);
-after that the batch is dropped and counted. Nothing is dropped silently:
+the store). The store is a file or a PostgreSQL URL (``postgresql://``).
+A store that is locked or busy, or a PostgreSQL server that is down or went
+away, is retried with backoff (up to :attr:`Ingest.MAX_BACKOFF_S`) for
+``busy_retry_s`` while the queue fills (so clients are told to back off,
+429, and their OTLP exporters retry); after that the batch is dropped and
+counted, the next batch tries again, and writing resumes by itself when
+the server is back. Nothing is dropped silently:
 
     kvlens_collector_spans_received_total              spans accepted onto the queue
     kvlens_collector_spans_written_total               spans written to the store
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -76,8 +79,11 @@ class Ingest:
     ``max_queue_spans``: spans queued or in flight at most (a request larger
     than that is taken only into an empty queue, so it cannot wait forever).
     ``batch_spans``: spans merged into one store transaction.
-    ``busy_retry_s``: how long a locked store is retried before the batch is
-    dropped. ``on_written(spans)`` / ``on_close()``: writer-thread / close hooks.
+    ``busy_retry_s``: how long a locked store (or an unreachable PostgreSQL
+    server) is retried before the batch is dropped. ``on_written(spans)`` /
+    ``on_close()``: writer-thread / close hooks. ``retention``: keep this long
+    (seconds or ``"7d"``; default: keep all): older traces are pruned in
+    small batches after a write (:class:`exporters.store.Retention`).
     ``registry``: where the ``kvlens_collector_*`` metrics live (default: a new one).
     """
 
@@ -85,17 +91,22 @@ class Ingest:
     #: around it runs up to ``busy_retry_s``, and :meth:`close` waits at
     #: most this much past its timeout for a batch being written.
     ATTEMPT_TIMEOUT_S = 0.5
+    #: Longest pause between two attempts on a PostgreSQL server that is
+    #: down (asked about once a second, not hammered); a locked SQLite file
+    #: is retried every 0.25 s at most.
+    MAX_BACKOFF_S = 1.0
 
     def __init__(self, store_path: str | Path, *, max_queue_spans: int = 100_000,
                  on_written: Callable[[Sequence], None] | None = None,
                  on_close: Callable[[], None] | None = None,
                  registry: CollectorRegistry | None = None, batch_spans: int = 2000,
-                 busy_retry_s: float = 30.0) -> None:
+                 busy_retry_s: float = 30.0, retention: "float | str | None" = None) -> None:
         if int(max_queue_spans) <= 0 or int(batch_spans) <= 0:
             raise ValueError("max_queue_spans and batch_spans must be > 0")
         if busy_retry_s < 0:
             raise ValueError(f"busy_retry_s must be >= 0, got {busy_retry_s!r}")
-        self.store_path = Path(store_path)
+        self.store_path = store.location(store_path)
+        self.retention = store.Retention.of(retention)
         self.max_queue_spans = int(max_queue_spans)
         self.batch_spans = int(batch_spans)
         self.busy_retry_s = float(busy_retry_s)
@@ -108,7 +119,7 @@ class Ingest:
         self._cv = threading.Condition()
         self._closed = False
         self._stop_at = float("inf")  # close(): monotonic time past which the writer gives up
-        self._conn: sqlite3.Connection | None = None
+        self._conn = None  # the store connection (either backend), opened by the writer
         self._thread = threading.Thread(target=self._run, name="kvlens-collector-writer", daemon=True)
         self._thread.start()
 
@@ -212,18 +223,22 @@ class Ingest:
                     self._conn = store.connect(self.store_path, timeout_s=self.ATTEMPT_TIMEOUT_S)
                 store.write_spans(self._conn, batch)
                 break
-            except sqlite3.OperationalError as e:
+            except Exception as e:  # StoreError, unwritable path, bad value, server gone
                 now = time.monotonic()
-                busy = "locked" in str(e).lower() or "busy" in str(e).lower()
-                if not busy or now >= min(deadline, self._stop_at):
+                if not store.is_transient(e) or now >= min(deadline, self._stop_at):
                     self._failed(batch, e)
                     return
+                sqlite_busy = type(e).__module__ == "sqlite3"
+                if not sqlite_busy and not isinstance(e, store.StoreError):
+                    self._reset_connection()  # a lost PostgreSQL connection: the next attempt opens another
+                log_once("collector-retry:" + type(e).__name__, "trace store %s not writable now (%s); "
+                         "retrying for up to %.0f s while spans queue", store.display(self.store_path), e,
+                         self.busy_retry_s)
                 time.sleep(max(0.0, min(delay, deadline - now, self._stop_at - now)))
-                delay = min(delay * 2, 0.25)
-            except Exception as e:  # StoreError, unwritable path, bad value
-                self._failed(batch, e)
-                return
+                delay = min(delay * 2, 0.25 if sqlite_busy else self.MAX_BACKOFF_S)
         self._finish(batch, None)
+        if self.retention is not None:
+            self.retention.after_write(self._conn)
         if self._on_written is not None:
             try:
                 self._on_written(batch)
@@ -235,7 +250,8 @@ class Ingest:
         reason = "shutdown" if self._closed else "store_error"
         self._finish(batch, reason)
         log_once("collector-store:" + type(err).__name__, "trace store %s not writable (%s); %d spans dropped "
-                 "(kvlens_collector_spans_dropped_total counts every drop)", self.store_path, err, len(batch))
+                 "(kvlens_collector_spans_dropped_total counts every drop)", store.display(self.store_path), err,
+                 len(batch))
         self._reset_connection()
 
     def _finish(self, batch: list, drop_reason: str | None) -> None:
@@ -288,7 +304,9 @@ class Ingest:
 def check_store(store_path: str | Path) -> None:
     """Open the store for writing once and close it: raises
     :class:`exporters.store.StoreError` / ``sqlite3.Error`` / ``OSError``
-    when the path cannot be a kvlens store (for a start-up message)."""
+    when the path cannot be a kvlens store, or (PostgreSQL) a
+    :class:`~exporters.store.StoreError` kind when the server is down,
+    refuses the user or lacks the database (for a start-up message)."""
     store.connect(store_path).close()
 
 

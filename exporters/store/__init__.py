@@ -1,8 +1,19 @@
 """The trace store: the only place in kvlens that writes SQL.
 
-* :mod:`~exporters.store.schema`: tables, schema version, the SQL dialect,
-  :func:`connect` / :func:`reading`.
-* :mod:`~exporters.store.writer`: spans in (``SQLiteSpanExporter``, the SDK exporter).
+A store is named by a path (an SQLite file: one host) or a URL
+``postgresql://user@host:port/dbname`` (a PostgreSQL database the fleet
+shares); :func:`location` turns what a user typed into one of the two, and
+everything else takes either. Same schema, same queries, same results.
+
+* :mod:`~exporters.store.dialect`: store names (:func:`location`,
+  :func:`is_url`) and what the two backends spell differently.
+* :mod:`~exporters.store.schema`: tables, schema version and migrations,
+  :func:`connect` / :func:`reading` (dispatching on the name).
+* :mod:`~exporters.store.pg`: the PostgreSQL backend (pooled psycopg 3
+  connections behind the ``sqlite3`` surface the queries use).
+* :mod:`~exporters.store.retention`: :func:`prune`, :class:`Retention`.
+* :mod:`~exporters.store.writer`: spans in (``StoreSpanExporter``, alias
+  ``SQLiteSpanExporter``: the SDK exporter, either backend).
 * :mod:`~exporters.store.queries`: every read the resolver, ``kvlens traces``,
   the bench and the dashboard need, as functions of their parameters.
 * :mod:`~exporters.store.errors`: :class:`StoreError` and its kinds, printable as one line.
@@ -13,7 +24,17 @@ What a trace *means* (its spans' critical-path marking, its JSON form) is
 :mod:`exporters.tracemodel`, one layer up.
 """
 
-from exporters.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
+from exporters.store.dialect import display, is_url, location
+from exporters.store.errors import (
+    StoreAccessDenied,
+    StoreCorrupt,
+    StoreError,
+    StoreMissing,
+    StoreUnavailable,
+    StoreUrlError,
+    StoreVersionError,
+    is_transient,
+)
 from exporters.store.queries import (
     HANDOFF_COLUMNS,
     SAMPLE_SPAN_COLUMNS,
@@ -26,6 +47,7 @@ from exporters.store.queries import (
     handoff_sample,
     handoffs,
     info,
+    parse_duration,
     parse_since,
     save_bench_rows,
     slowest,
@@ -42,7 +64,8 @@ from exporters.store.schema import (
     connect,
     reading,
 )
-from exporters.store.writer import SQLiteSpanExporter, bulk_insert, settle, write_spans
+from exporters.store.retention import Retention, prune
+from exporters.store.writer import SQLiteSpanExporter, StoreSpanExporter, bulk_insert, settle, write_spans
 
 __all__ = [
     "HANDOFF_COLUMNS",
@@ -51,7 +74,12 @@ __all__ = [
     "SAMPLE_TRACE_COLUMNS",
     "SCHEMA_VERSION",
     "SPAN_COLUMNS",
+    "Retention",
     "SQLiteSpanExporter",
+    "StoreAccessDenied",
+    "StoreSpanExporter",
+    "StoreUnavailable",
+    "StoreUrlError",
     "SUMMARY_COLUMNS",
     "StoreCorrupt",
     "StoreError",
@@ -65,6 +93,12 @@ __all__ = [
     "bulk_insert",
     "checkpoint",
     "connect",
+    "display",
+    "is_transient",
+    "is_url",
+    "location",
+    "parse_duration",
+    "prune",
     "handoff_sample",
     "handoffs",
     "info",

@@ -17,39 +17,58 @@ filtered by mode / outcome / time" (``traces_*_handoff``, ``traces_*_ttft``,
 ``traces_start``: SQLite walks the matching index in order and stops after N)
 and "all spans of these traces" (the spans primary key).
 
-Dialect
--------
-Everything SQLite-specific that the queries and the writer need is named in
-the "dialect" section below (placeholders, two-argument MIN/MAX, the write
-transaction, insertion order, query plans, the catalogue). A second backend
-(PostgreSQL) supplies its own values for these and its own :func:`connect`;
-the queries in ``queries.py`` / ``writer.py`` are otherwise plain SQL.
+The same tables, columns and indexes on PostgreSQL (``BIGINT`` for ns,
+``DOUBLE PRECISION`` for seconds, indexes ``DESC NULLS LAST`` so "slowest N"
+walks one and stops; ``bench_rows`` has an identity column for insertion
+order): the DDL below is one template filled per backend.
+
+Backends and dialect
+--------------------
+A store is a path (SQLite) or a ``postgresql://`` URL
+(:mod:`exporters.store.dialect`: :func:`location`, :func:`is_url`);
+:func:`connect` and :func:`reading` dispatch on the name. What the two spell
+differently is a :class:`~exporters.store.dialect.Dialect`, found from the
+connection (``dialect_of(conn)``); PostgreSQL connections are pooled psycopg
+connections behind an adapter with the ``sqlite3`` surface
+(:mod:`exporters.store.pg`).
+
+Versions
+--------
+``meta.schema_version``. A writer's :func:`connect` creates or upgrades the
+schema (``MIGRATIONS``) in one transaction; on PostgreSQL concurrent writers
+starting together are serialized by ``pg_advisory_xact_lock`` (SQLite's
+``BEGIN IMMEDIATE`` does it there). A reader that finds an older store has
+it upgraded once by a writer connection; one that finds a newer store gets
+:class:`StoreVersionError`.
 """
+
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 from urllib.parse import quote
 
+from exporters.store import pg
+from exporters.store.ddl import _TRACES_DDL, SCHEMA_TEMPLATE
+from exporters.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of, display, is_url, location
 from exporters.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
 
 # ------------------------------------------------------------------ dialect
-#: Parameter placeholder (PostgreSQL drivers: ``%s``).
+# SQLite's spelling, kept for callers that import these names; the queries
+# take the connection's own (dialect_of(conn)).
+#: Parameter placeholder: both backends take ``?`` (the PostgreSQL adapter translates).
 PARAM = "?"
-#: Scalar two-argument minimum / maximum (PostgreSQL: LEAST / GREATEST).
-LEAST, GREATEST = "MIN", "MAX"
-#: Starts a transaction that takes the write lock up front, so waiting for
-#: another process's writer goes through the busy handler (the connection
-#: timeout) instead of failing on a read-to-write lock upgrade.
-BEGIN_WRITE = "BEGIN IMMEDIATE"
-#: An implicit column that orders rows of a table by insertion.
-INSERT_ORDER = "rowid"
-#: Prefix that turns a query into its plan.
-EXPLAIN = "EXPLAIN QUERY PLAN "
-_TABLES = "SELECT name FROM sqlite_master WHERE type = 'table'"
+LEAST, GREATEST = SQLITE.least, SQLITE.greatest
+BEGIN_WRITE = SQLITE.begin_write
+INSERT_ORDER = SQLITE.insert_order
+EXPLAIN = SQLITE.explain
+
+#: An open store connection: ``sqlite3.Connection`` or :class:`exporters.store.pg.PgConnection`.
+Connection = Any
 
 
 def params(n: int) -> str:
@@ -63,49 +82,13 @@ SCHEMA_VERSION = 2
 #: Stores written before the ``meta`` table existed have version 1's tables.
 LEGACY_VERSION = 1
 
-#: The ``traces`` table (version 2: clock crossings and the settled handoff,
-#: docs/phases.md "Clocks across hosts"). ``handoff_raw_s`` is the two-clock
-#: difference; ``handoff_s`` is written by the writer's settle pass
-#: (:mod:`exporters.clockbounds`): corrected for the P/D clock offset, with
-#: ``handoff_err_s``, or NULL with ``handoff_note`` saying why it is unknown.
-#: ``xlo_ns`` / ``xhi_ns``: this request's own bounds on D's clock minus P's.
-_TRACES_DDL = """
-CREATE TABLE IF NOT EXISTS {name} (
-    trace_id            TEXT PRIMARY KEY,
-    request_id          TEXT,
-    mode                TEXT,
-    dispatch            TEXT,
-    outcome             TEXT,
-    start_ns            INTEGER,
-    end_ns              INTEGER,
-    ttft_s              REAL,
-    prefill_finished_ns INTEGER,
-    kv_ready_ns         INTEGER,
-    n_spans             INTEGER NOT NULL DEFAULT 0,
-    p_engine            TEXT,
-    d_engine            TEXT,
-    d2p_sent_ns         INTEGER,
-    d2p_recv_ns         INTEGER,
-    p2d_sent_ns         INTEGER,
-    p2d_recv_ns         INTEGER,
-    handoff_s           REAL,
-    handoff_err_s       REAL,
-    clock_offset_s      REAL,
-    clock_lo_s          REAL,
-    clock_hi_s          REAL,
-    handoff_note        TEXT,
-    handoff_raw_s       REAL GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED,
-    xlo_ns              INTEGER GENERATED ALWAYS AS (d2p_sent_ns - d2p_recv_ns) STORED,
-    xhi_ns              INTEGER GENERATED ALWAYS AS ({least}(
-                            COALESCE(p2d_recv_ns - p2d_sent_ns, kv_ready_ns - prefill_finished_ns),
-                            COALESCE(kv_ready_ns - prefill_finished_ns, p2d_recv_ns - p2d_sent_ns))) STORED
-)"""
 _V1_INDEXES = ("traces_mode_handoff", "traces_mode_outcome_handoff", "traces_outcome_handoff", "traces_handoff",
                "traces_mode_ttft", "traces_ttft", "traces_start")
 _V1_TRACE_COLUMNS = ("trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, "
                      "prefill_finished_ns, kv_ready_ns, n_spans")
 #: ``MIGRATIONS[v]``: statements that take a version-``v`` store to ``v + 1``
-#: (run by a writer's :func:`connect`, before SCHEMA, in one transaction).
+#: (run by a writer's :func:`connect`, before SCHEMA, in one transaction),
+#: templates filled with the store's dialect. PostgreSQL stores start at 2.
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 1 -> 2: the traces table is rebuilt (a generated handoff_s becomes a
     # settled one). Rows of version 1 carry no clock crossings: their handoff
@@ -113,7 +96,7 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
         *(f"DROP INDEX IF EXISTS {i}" for i in _V1_INDEXES),
         "ALTER TABLE traces RENAME TO traces_v1",
-        _TRACES_DDL.format(name="traces", least=LEAST),
+        _TRACES_DDL.replace("@name@", "traces"),
         f"INSERT INTO traces ({_V1_TRACE_COLUMNS}, handoff_note) SELECT {_V1_TRACE_COLUMNS}, "
         "CASE WHEN kv_ready_ns IS NOT NULL AND prefill_finished_ns IS NOT NULL "
         "THEN 'unknown: recorded before clock bounds (schema 1)' END FROM traces_v1",
@@ -121,47 +104,13 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
 }
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS spans (
-    trace_id   TEXT NOT NULL,
-    span_id    TEXT NOT NULL,
-    parent_id  TEXT,
-    name       TEXT NOT NULL,
-    role       TEXT,
-    mode       TEXT,
-    request_id TEXT,
-    start_ns   INTEGER NOT NULL,
-    end_ns     INTEGER NOT NULL,
-    outcome    TEXT,
-    attributes TEXT,
-    PRIMARY KEY (trace_id, span_id)
-) WITHOUT ROWID;
-{traces};
-CREATE INDEX IF NOT EXISTS traces_mode_handoff ON traces (mode, handoff_s DESC);
-CREATE INDEX IF NOT EXISTS traces_mode_outcome_handoff ON traces (mode, outcome, handoff_s DESC);
-CREATE INDEX IF NOT EXISTS traces_outcome_handoff ON traces (outcome, handoff_s DESC);
-CREATE INDEX IF NOT EXISTS traces_handoff ON traces (handoff_s DESC);
-CREATE INDEX IF NOT EXISTS traces_mode_ttft ON traces (mode, ttft_s DESC);
-CREATE INDEX IF NOT EXISTS traces_ttft ON traces (ttft_s DESC);
-CREATE INDEX IF NOT EXISTS traces_start ON traces (start_ns);
-CREATE INDEX IF NOT EXISTS traces_pair_start ON traces (p_engine, d_engine, start_ns);
-CREATE TABLE IF NOT EXISTS bench_rows (
-    run_id      TEXT NOT NULL,
-    created_ns  INTEGER NOT NULL,
-    mode        TEXT NOT NULL,
-    dispatch    TEXT,
-    qps         REAL NOT NULL,
-    input_len   INTEGER NOT NULL,
-    output_len  INTEGER,
-    num_prompts INTEGER,
-    row         TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS bench_rows_run ON bench_rows (run_id);
-""".replace("{traces}", _TRACES_DDL.format(name="traces", least=LEAST))
+def schema_for(d: Dialect) -> str:
+    """The schema script of one backend."""
+    return d.sql(SCHEMA_TEMPLATE)
+
+
+#: SQLite's schema script (kept as a name: tests and tools print it).
+SCHEMA = schema_for(SQLITE)
 
 #: Column order of a ``spans`` row (writer, ``bulk_insert``, ``spans_for``).
 SPAN_COLUMNS = ("trace_id", "span_id", "parent_id", "name", "role", "mode", "request_id",
@@ -176,17 +125,19 @@ _SET_VERSION = (
     f"INSERT INTO meta (key, value) VALUES ('schema_version', {PARAM}) "
     "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
 )
+#: pg_advisory_xact_lock key serializing schema creation / upgrade ("kvlens" in ASCII).
+SCHEMA_LOCK_KEY = 0x6B766C656E73
 
 
 def _statements(script: str) -> list[str]:
     return [s.strip() for s in script.split(";") if s.strip()]
 
 
-def stored_version(conn: sqlite3.Connection) -> int | None:
+def stored_version(conn: Connection) -> int | None:
     """The schema version of the open store; ``None`` when it holds no kvlens
-    tables at all (a new or 0-byte file). Raises the backend's error on a file
-    that is not a database."""
-    tables = {r[0] for r in conn.execute(_TABLES)}
+    tables at all (a new or 0-byte file, an empty database). Raises the
+    backend's error on a file that is not a database."""
+    tables = {r[0] for r in conn.execute(dialect_of(conn).tables)}
     if "meta" in tables:
         row = conn.execute(_GET_VERSION).fetchone()
         if row is not None:
@@ -195,54 +146,53 @@ def stored_version(conn: sqlite3.Connection) -> int | None:
 
 
 @contextlib.contextmanager
-def write_tx(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def write_tx(conn: Connection) -> Iterator[Connection]:
     """One write transaction on a writer connection (autocommit otherwise):
     committed when the block ends, rolled back when it raises."""
-    conn.execute(BEGIN_WRITE)
+    conn.execute(dialect_of(conn).begin_write)
     try:
         yield conn
     except BaseException:
-        conn.execute("ROLLBACK")
+        with contextlib.suppress(Exception):  # a lost connection: the original error is what matters
+            conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
 
 
 @contextlib.contextmanager
-def read_tx(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """Several reads from one snapshot (a deferred transaction: no lock is
-    taken that would block writers in WAL mode)."""
+def read_tx(conn: Connection) -> Iterator[Connection]:
+    """Several reads from one snapshot (SQLite: a deferred transaction, no
+    lock that would block writers in WAL mode; PostgreSQL: REPEATABLE READ,
+    READ ONLY)."""
     if conn.in_transaction:  # already inside one: its snapshot serves
         yield conn
         return
-    conn.execute("BEGIN")
+    conn.execute(dialect_of(conn).begin_read)
     try:
         yield conn
     finally:
         conn.execute("COMMIT")
 
 
-def _is_current(conn: sqlite3.Connection) -> bool:
-    try:
-        row = conn.execute(_GET_VERSION).fetchone()
-    except sqlite3.OperationalError:  # no meta table: new or pre-versioning store
-        return False
-    return row is not None and int(row[0]) == SCHEMA_VERSION
-
-
-def _create_or_upgrade(conn: sqlite3.Connection, path: Path) -> None:
+def _create_or_upgrade(conn: Connection, name: Any) -> None:
     """Bring the store to SCHEMA_VERSION in one transaction (idempotent: every
-    process of a host runs it when it opens the store; a current store costs
-    one read and no write lock)."""
-    if _is_current(conn):
+    writer runs it when it opens the store; a current store costs one read
+    and no write lock)."""
+    d = dialect_of(conn)
+    if stored_version(conn) == SCHEMA_VERSION:
         return
     with write_tx(conn):
+        if d is POSTGRES:  # concurrent first writers: one creates, the others then find it current
+            conn.execute("SELECT pg_advisory_xact_lock(?)", (SCHEMA_LOCK_KEY,))
         found = stored_version(conn)
+        if found == SCHEMA_VERSION:
+            return
         if found is not None and found > SCHEMA_VERSION:
-            raise StoreVersionError(path, found, SCHEMA_VERSION)
+            raise StoreVersionError(display(name), found, SCHEMA_VERSION)
         for v in range(SCHEMA_VERSION if found is None else found, SCHEMA_VERSION):
             for stmt in MIGRATIONS[v]:
-                conn.execute(stmt)
-        for stmt in _statements(SCHEMA):
+                conn.execute(d.sql(stmt))
+        for stmt in _statements(schema_for(d)):
             conn.execute(stmt)
         conn.execute(_SET_VERSION, (str(SCHEMA_VERSION),))
 
@@ -253,12 +203,49 @@ def read_uri(path: Path) -> str:
     return f"file:{quote(str(path.absolute()))}?mode=ro"
 
 
-def translate(e: sqlite3.Error, path: Path) -> StoreError:
+def translate(e: BaseException, path: Any) -> StoreError:
     """The backend's exception as a :class:`StoreError` a person can act on."""
+    if isinstance(e, StoreError):
+        return e
+    if is_url(path) or pg.is_backend_error(e):
+        return pg.translate(e, str(path))
     msg = str(e)
     if isinstance(e, sqlite3.OperationalError) and ("locked" in msg or "busy" in msg):
         return StoreError(f"trace store {path} is busy ({msg}); try again")
     return StoreCorrupt(f"{path} is not a kvlens trace store or is damaged ({msg})")
+
+
+def _check_readable(conn: Connection, name: Any) -> int | None:
+    """The version a reader found, after refusing an empty or newer store
+    (the connection is closed then). Older: the caller upgrades."""
+    try:
+        found = stored_version(conn)
+    except Exception as e:
+        conn.close()
+        if isinstance(e, (sqlite3.Error,)) or pg.is_backend_error(e):
+            raise translate(e, name) from e
+        raise
+    if found is None or found > SCHEMA_VERSION:
+        conn.close()
+        if found is None:
+            if is_url(name):
+                raise StoreMissing(f"trace store {display(name)} has no kvlens tables yet: a writer "
+                                   "(kvlens collect --store URL, or a connector with this kvlens_store) creates them")
+            raise StoreCorrupt(f"{name} is empty or not a kvlens trace store (no kvlens tables)")
+        raise StoreVersionError(display(name), found, SCHEMA_VERSION)
+    return found
+
+
+def _upgrade_for_reader(name: Any, found: int, timeout_s: float) -> None:
+    # An older store: upgrade it once (a writer's connect migrates), then
+    # read it as usual. A store on read-only media (or a read-only database
+    # user) cannot be read by this version; say so rather than fail on a
+    # missing column later.
+    try:
+        connect(name, timeout_s=timeout_s).close()
+    except (sqlite3.Error, OSError, StoreError) as e:
+        raise StoreError(f"{display(name)} has schema version {found}, older than this kvlens' "
+                         f"{SCHEMA_VERSION}, and could not be upgraded ({e})") from e
 
 
 def _open_readonly(path: Path, timeout_s: float) -> sqlite3.Connection:
@@ -266,47 +253,68 @@ def _open_readonly(path: Path, timeout_s: float) -> sqlite3.Connection:
         raise StoreMissing(f"trace store not found: {path}")
     conn = sqlite3.connect(read_uri(path), uri=True, timeout=timeout_s, check_same_thread=False)
     conn.row_factory = sqlite3.Row
-    try:
-        found = stored_version(conn)
-    except sqlite3.Error as e:
-        conn.close()
-        raise translate(e, path) from e
-    if found is None or found > SCHEMA_VERSION:
-        conn.close()
-        if found is None:
-            raise StoreCorrupt(f"{path} is empty or not a kvlens trace store (no kvlens tables)")
-        raise StoreVersionError(path, found, SCHEMA_VERSION)
+    found = _check_readable(conn, path)
     if found < SCHEMA_VERSION:
-        # An older store: upgrade it once (a writer's connect migrates), then
-        # read it as usual. A store on read-only media cannot be read by this
-        # version; say so rather than fail on a missing column later.
         conn.close()
-        try:
-            connect(path, timeout_s=timeout_s).close()
-        except (sqlite3.Error, OSError) as e:
-            raise StoreError(f"{path} has schema version {found}, older than this kvlens' "
-                             f"{SCHEMA_VERSION}, and could not be upgraded ({e})") from e
+        _upgrade_for_reader(path, found, timeout_s)
         return _open_readonly(path, timeout_s)
     return conn
 
 
+def _connect_pg(url: str, *, readonly: bool, timeout_s: float) -> pg.PgConnection:
+    conn = pg.connect(url, readonly=readonly, timeout_s=timeout_s)
+    if readonly:
+        found = _check_readable(conn, url)
+        if found < SCHEMA_VERSION:
+            conn.close()
+            _upgrade_for_reader(url, found, timeout_s)
+            return _connect_pg(url, readonly=True, timeout_s=timeout_s)
+        return conn
+    try:
+        _create_or_upgrade(conn, url)
+    except StoreError:
+        conn.close()
+        raise
+    except Exception as e:
+        conn.close()
+        if pg.is_backend_error(e):
+            raise pg.translate(e, url) from e
+        raise
+    return conn
+
+
+def _name(name: Any) -> "str | Path":
+    """A store name as the backend takes it: a checked URL, else a Path (as given)."""
+    if is_url(name):
+        return location(name)
+    return Path(name)
+
+
 def connect(
-    path: str | Path, *, readonly: bool = False, timeout_s: float = 5.0, durable: bool = True
-) -> sqlite3.Connection:
-    """Open the store; the caller closes the connection.
+    path: "str | os.PathLike", *, readonly: bool = False, timeout_s: float = 5.0, durable: bool = True
+) -> Connection:
+    """Open the store named by ``path`` (a file path, or a ``postgresql://``
+    URL); the caller closes the connection.
 
-    Writers create the file (WAL) and create or upgrade its schema to
-    :data:`SCHEMA_VERSION`; transactions are explicit (:func:`write_tx`).
-    ``durable=False`` skips fsyncs (synthetic loads only: a crash can lose
-    the last transactions). Readers open it read-only.
+    Writers create the store (SQLite: the file, WAL) and create or upgrade
+    its schema to :data:`SCHEMA_VERSION`; transactions are explicit
+    (:func:`write_tx`). ``durable=False`` skips fsyncs (SQLite, synthetic
+    loads only: a crash can lose the last transactions). Readers open it
+    read-only.
 
-    Raises :class:`StoreMissing` (reader, no file), :class:`StoreCorrupt`
-    (reader: not a kvlens store, 0 bytes, damaged), :class:`StoreVersionError`
-    (written by a newer kvlens); a writer also lets ``sqlite3.Error`` through
-    (locked past ``timeout_s``: the span exporter retries on it). May block up
-    to ``timeout_s`` on another writer's lock.
+    Raises :class:`StoreMissing` (reader, no file; PostgreSQL: no such
+    database, or no kvlens tables yet), :class:`StoreCorrupt` (reader: not a
+    kvlens store, 0 bytes, damaged), :class:`StoreVersionError` (written by
+    a newer kvlens), :class:`~exporters.store.errors.StoreUnavailable` /
+    :class:`~exporters.store.errors.StoreAccessDenied` (PostgreSQL server
+    down, refusing the user); a SQLite writer also lets ``sqlite3.Error``
+    through (locked past ``timeout_s``: the span exporter retries on it).
+    May block up to ``timeout_s`` on another writer's lock or the server.
     """
-    path = Path(path)
+    name = _name(path)
+    if isinstance(name, str):
+        return _connect_pg(name, readonly=readonly, timeout_s=timeout_s)
+    path = name
     if readonly:
         return _open_readonly(path, timeout_s)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -325,20 +333,39 @@ def connect(
 
 
 @contextlib.contextmanager
-def reading(path: str | Path, timeout_s: float = 5.0) -> Iterator[sqlite3.Connection]:
+def reading(path: "str | os.PathLike", timeout_s: float = 5.0) -> Iterator[Connection]:
     """A short-lived read-only connection: ``with store.reading(p) as c:``.
     Backend errors inside the block come out as :class:`StoreError`; the
-    connection is closed on leaving."""
-    p = Path(path)
+    connection is closed (PostgreSQL: given back to its pool) on leaving."""
+    p = _name(path)
     conn = connect(p, readonly=True, timeout_s=timeout_s)
     try:
         yield conn
     except sqlite3.Error as e:
         raise translate(e, p) from e
+    except Exception as e:
+        if pg.is_backend_error(e):
+            raise translate(e, p) from e
+        raise
     finally:
-        conn.close()
+        with contextlib.suppress(Exception):
+            conn.close()
 
 
-def checkpoint(conn: sqlite3.Connection) -> None:
-    """Fold the write-ahead log into the main file (after a bulk load)."""
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+def set_wait(conn: Connection, seconds: float) -> None:
+    """Bound how long the next statements wait (SQLite: for another
+    writer's lock; PostgreSQL: for any one statement, row locks included)."""
+    ms = max(int(seconds * 1000), 1)
+    if dialect_of(conn) is POSTGRES:
+        conn.execute(f"SET statement_timeout = {ms}")
+    else:
+        conn.execute(f"PRAGMA busy_timeout = {ms}")
+
+
+def checkpoint(conn: Connection) -> None:
+    """Fold the write-ahead log into the main file (SQLite, after a bulk
+    load); PostgreSQL: refresh the planner's statistics instead."""
+    if dialect_of(conn) is POSTGRES:
+        conn.execute("ANALYZE")
+    else:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -32,7 +32,7 @@ def add_grid_arguments(p: argparse.ArgumentParser, *, qps: str, input_len: str, 
                    help="vLLM prefix caching on started stacks (default off: every request transfers all its KV)")
     p.add_argument("--model", type=Path, default=None,
                    help="model dir (default: generated tiny model in $KVLENS_HOME/model; with --proxy: the served one)")
-    p.add_argument("--store", default=None, help="trace store (default $KVLENS_HOME/traces.db)")
+    p.add_argument("--store", default=None, help="trace store: a file, or postgresql://user@host:port/db (default $KVLENS_HOME/traces.db)")
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write rows as JSON lines here")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per router before the grid (default 2)")
     p.add_argument("--trace-wait", type=float, default=30.0, help="seconds to wait for a cell's traces (default 30)")

@@ -190,7 +190,7 @@ def summarize_cell(cell: Cell, opts: BenchOptions, run_id: str, prefix_caching: 
     }
 
 
-def _read_traces(store_path: Path, ids: list[str]) -> dict[str, dict] | None:
+def _read_traces(store_path: "Path | str", ids: list[str]) -> dict[str, dict] | None:
     """trace id -> ``store.slowest`` row; None when the store cannot be read yet."""
     try:
         conn = store.connect(store_path, readonly=True)
@@ -206,7 +206,7 @@ def _read_traces(store_path: Path, ids: list[str]) -> dict[str, dict] | None:
     return {r["trace_id"]: r for r in rows}
 
 
-def wait_for_traces(store_path: Path, results: Sequence[RequestResult], timeout_s: float) -> dict[str, dict]:
+def wait_for_traces(store_path: "Path | str", results: Sequence[RequestResult], timeout_s: float) -> dict[str, dict]:
     """Poll the store (read-only, every 0.5 s; blocks the calling thread) until
     every request has a trace and every completed one has its handoff and
     TTFT, or ``timeout_s`` passes. Returns what is there (trace id ->

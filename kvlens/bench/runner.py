@@ -42,7 +42,7 @@ class BenchRun:
     """One run: its id, where rows go, the finished cells (in order)."""
 
     run_id: str
-    store: Path
+    store: "Path | str"  # a file, or a postgresql:// URL
     json_path: Path | None
     cells: list[Cell] = field(default_factory=list)
     interrupted: bool = False
@@ -86,7 +86,7 @@ def new_run_id() -> str:
 
 def new_run(opts: BenchOptions) -> BenchRun:
     """A fresh run writing to ``opts.store`` (default ``<home>/traces.db``) and ``opts.json_path``."""
-    store_path = Path(opts.store).expanduser().resolve() if opts.store else config.store_path()
+    store_path = store.location(opts.store) if opts.store else config.store_path()
     jp = Path(opts.json_path).expanduser().resolve() if opts.json_path else None
     return BenchRun(new_run_id(), store_path, jp)
 
@@ -205,8 +205,10 @@ def bench_stacks(modes: Sequence[str], dispatches: Sequence[str], opts: BenchOpt
     max_len = model_max_len(model_dir) or DEFAULT_MAX_MODEL_LEN  # never above what the stacks serve
     maker = _prepare(opts, modes, dispatches, model_dir, max_len)
     run = run or new_run(opts)
-    if run.store.name != config.STORE_FILE:
-        raise BenchError(f"stacks started by kvlens bench write to <home>/traces.db; --store must name such a file, got {run.store}")
+    if store.is_url(run.store) or run.store.name != config.STORE_FILE:
+        raise BenchError("stacks started by kvlens bench write to <home>/traces.db; --store must name such a "
+                         f"file, got {store.display(run.store)} (bench routers you started yourself with --url "
+                         "may write a PostgreSQL store)")
     run.sink()
     factory = stack_factory or Stack
     vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]

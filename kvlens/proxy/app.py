@@ -214,7 +214,7 @@ def _receiver_ingest(config: ProxyConfig):
 
     from instrumented_connector.config import store_path
 
-    return Ingest(store_path({"kvlens_home": config.kvlens_home}), registry=CollectorRegistry())
+    return Ingest(store_path(config.pipeline_config()), registry=CollectorRegistry(), retention=config.retention)
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

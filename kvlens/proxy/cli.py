@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also receive OTLP/HTTP spans at POST /v1/traces (as `kvlens collect` does) into the "
                         "router's trace store, so P and D on other hosts can send theirs here (their "
                         "otlp_endpoint: http://ROUTER/v1/traces) and the router's handoff metric sees both ends")
+    p.add_argument("--store", default=None, metavar="URL",
+                   help="write spans to this PostgreSQL store (postgresql://user@host:port/dbname) instead of "
+                        "$KVLENS_HOME/traces.db: the router's own and, with --collect, those P and D send")
+    p.add_argument("--retention", default=None, metavar="DURATION",
+                   help="keep traces this long (e.g. 7d); older ones are deleted in small batches as spans "
+                        "are written (default: keep all)")
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -70,6 +76,8 @@ def config(args: argparse.Namespace) -> ProxyConfig:
         api_key=api_key(args),
         max_body_bytes=max(1, int(args.max_body_mb * MIB)),
         collect=args.collect,
+        store=getattr(args, "store", None),
+        retention=getattr(args, "retention", None),
     )
 
 

@@ -26,6 +26,10 @@ class ProxyConfig:
     ``prefill_tp_size``: P's identity as D needs it for an overlapped push
     (D's request goes out before P has answered). Timeouts in seconds.
     ``kvlens_home``: where spans go (default: the kvlens home).
+    ``store``: a PostgreSQL URL (``postgresql://user@host:port/db``) to
+    write spans to instead of ``<kvlens_home>/traces.db``: the router's own
+    spans and, with ``collect``, the ones P and D send. ``retention``: prune
+    traces older than this from the store written (``"7d"``; default keep all).
     ``api_key``: when set, clients must send ``Authorization: Bearer <key>``
     on ``/v1/*`` and the router sends the same to P and D; when None the
     client's Authorization is passed on as it came. ``max_body_bytes``: the
@@ -50,6 +54,8 @@ class ProxyConfig:
     reuse_window_s: float = DEFAULT_REUSE_WINDOW_S
     #: host the OTLP receiver (``POST /v1/traces`` into this router's store)
     collect: bool = False
+    store: str | None = None
+    retention: str | None = None
 
     def __post_init__(self) -> None:
         self.prefill_url = self.prefill_url.rstrip("/")
@@ -66,6 +72,25 @@ class ProxyConfig:
             raise ValueError("api_key must not be empty (leave it unset for no key)")
         if self.kvlens_home is None:
             self.kvlens_home = str(kvconfig.home())
+        if self.store is not None:
+            from exporters.store.dialect import check_url, is_url
+
+            if not is_url(self.store):
+                raise ValueError(f"store must be a postgresql://user@host:port/dbname URL (a file store is "
+                                 f"<kvlens_home>/traces.db), got {self.store!r}")
+            self.store = check_url(self.store)
+        if self.retention is not None:
+            kvconfig.retention_s({"kvlens_retention": self.retention})
+
+    def pipeline_config(self) -> dict[str, str]:
+        """The connector-style config for this router's telemetry pipeline
+        and store (``kvlens_home``; ``kvlens_store`` / ``kvlens_retention`` when set)."""
+        out = {"kvlens_home": str(self.kvlens_home)}
+        if self.store:
+            out["kvlens_store"] = self.store
+        if self.retention:
+            out["kvlens_retention"] = self.retention
+        return out
 
     @property
     def overlapped_push(self) -> bool:

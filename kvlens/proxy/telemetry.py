@@ -27,7 +27,7 @@ class RouterTelemetry:
             return
         try:
             self.rec = get_recorder(role="router", mode=cfg.mode, engine_id=None,
-                                    config={"kvlens_home": cfg.kvlens_home})
+                                    config=cfg.pipeline_config())
         except Exception as e:  # broken config / store: serve without spans
             logger.warning("kvlens proxy: telemetry disabled (%s: %s)", type(e).__name__, e)
 

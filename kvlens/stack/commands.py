@@ -156,8 +156,8 @@ def vllm_argv(model: Path, host: str, port: int, ktc: dict, vllm_args: list[str]
     ]  # fmt: skip
 
 
-def collector_argv(host: str, port: int, store: Path) -> list[str]:
-    """Command line of one ``kvlens collect`` (OTLP/HTTP receiver -> ``store``)."""
+def collector_argv(host: str, port: int, store: Path | str) -> list[str]:
+    """Command line of one ``kvlens collect`` (OTLP/HTTP receiver -> ``store``, a path or a URL)."""
     return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--store", str(store)]
 
 

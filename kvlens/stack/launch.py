@@ -83,6 +83,7 @@ class Stack:
     separate_homes: bool = False
     collector: str = "process"
     collector_port: int | None = None
+    collector_store: str | None = None  #: the collector's store, a path or postgresql:// URL
     #: extra environment per role (prefill, decode, router, collector), on top of env_extra
     role_env: Mapping[str, Mapping[str, str]] | None = None
     #: required by P, D and the router (default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)
@@ -103,6 +104,8 @@ class Stack:
             raise StackError(f"dispatch must be overlapped or sequential, got {self.dispatch!r}")
         if self.collector not in COLLECTORS:
             raise StackError(f"collector must be one of {', '.join(COLLECTORS)}, got {self.collector!r}")
+        if self.collector_store and not (self.separate_homes and self.collector == "process"):
+            raise StackError("--collector-store needs --separate-homes with --collector process")
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
         self.api_key = self.api_key or env_api_key()
         if self.log_dir is None:
@@ -159,7 +162,7 @@ class Stack:
     @property
     def topology(self) -> Topology:
         return Topology(Path(self.kvlens_home), self.host, int(self.port or 0), self.separate_homes,
-                        self.collector, self.collector_port)
+                        self.collector, self.collector_port, self.collector_store)
 
     def _env(self, role: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """``env_extra``, then ``extra`` (the topology's), then ``role_env[role]``."""
@@ -304,9 +307,8 @@ class Stack:
         return self.router_for("sequential")
 
     @property
-    def store_path(self) -> Path:
-        """The trace store where this stack's traces join (the collector's
-        with separate homes, else the one every process writes to)."""
+    def store_path(self) -> Path | str:
+        """Where this stack's traces join (:attr:`Topology.store_path`)."""
         return self.topology.store_path
 
     @property

@@ -41,6 +41,9 @@ class Topology:
     separate: bool = False
     collector: str = "process"
     collector_port: int | None = None
+    #: the collector's store when not its home's SQLite file: a path or a
+    #: ``postgresql://`` URL (a store the whole fleet shares)
+    collector_store: str | None = None
 
     def home_for(self, role: str) -> Path:
         """The ``KVLENS_HOME`` of ``role`` (prefill, decode, router, collector)."""
@@ -60,8 +63,11 @@ class Topology:
         return None if self.collector_url is None else self.collector_url + "/v1/traces"
 
     @property
-    def store_path(self) -> Path:
-        """The store where a request's spans from every process meet."""
+    def store_path(self) -> Path | str:
+        """The store where a request's spans from every process meet (a
+        ``postgresql://`` URL when the collector writes a shared server)."""
+        if self.separate and self.collector == "process" and self.collector_store:
+            return self.collector_store
         if not self.separate:
             return kvconfig.store_path({"kvlens_home": str(self.home)})
         where = "router" if self.collector == "router" else "collector"

@@ -78,13 +78,15 @@ FLEET_CLOCK_SHIFT_S = {"push": 0.25, "pull": -0.25}
 _CLOCKSHIFT_DIR = Path(__file__).resolve().parent / "clockshift"
 
 
-def fleet_stack_kw(mode: str) -> dict:
+def fleet_stack_kw(mode: str, collector_store: str | None = None) -> dict:
     """P, D and the router with their own homes, spans over OTLP to one
-    collector (push: a ``kvlens collect`` process; pull: hosted by the
-    router), and D's clock shifted by FLEET_CLOCK_SHIFT_S[mode]."""
+    collector (push: a ``kvlens collect`` process, writing ``collector_store``
+    when given (a PostgreSQL URL); pull: hosted by the router, writing its
+    home's SQLite file), and D's clock shifted by FLEET_CLOCK_SHIFT_S[mode]."""
     return {
         "separate_homes": True,
         "collector": "process" if mode == "push" else "router",
+        **({"collector_store": collector_store} if collector_store else {}),
         "role_env": {"decode": {"PYTHONPATH": str(_CLOCKSHIFT_DIR),
                                 "KVLENS_TEST_CLOCK_SHIFT_S": str(FLEET_CLOCK_SHIFT_S[mode])}},
     }
@@ -132,10 +134,19 @@ def fault_push_stack(stack_factory):
     )
 
 
+@pytest.fixture(scope="session")
+def fleet_pg_url(pg_server) -> str:
+    """The fleet's shared store: one database on the session's real
+    PostgreSQL server, for the push fleet stack's collector (one per session:
+    the URL is part of the stack's key)."""
+    return pg_server.new_database("fleet")
+
+
 @pytest.fixture
-def fleet_push_stack(stack_factory):
-    """"Three hosts" push: separate homes, ``kvlens collect``, D's clock +0.25 s."""
-    return stack_factory.get("push", **fleet_stack_kw("push"))
+def fleet_push_stack(stack_factory, fleet_pg_url):
+    """"Three hosts" push: separate homes, ``kvlens collect`` writing a real
+    PostgreSQL database (the store a fleet shares), D's clock +0.25 s."""
+    return stack_factory.get("push", **fleet_stack_kw("push", fleet_pg_url))
 
 
 @pytest.fixture

@@ -177,6 +177,8 @@ def test_dashboard_in_chromium(tmp_path, browser):
         assert page.locator('[data-testid="stMetric"]').count() >= 18
         body = page.inner_text("body")
         assert "handoff p99" in body and "Traceback" not in body
+        # what dominates each mode's handoff, in words, side by side (issue 14)
+        assert "push: " in body and "pull: " in body and body.count("% of the handoff is") >= 2
         page.wait_for_timeout(1500)  # let vega finish layout before the picture
         save(page, tmp_path, "dashboard.png")
         for width in (1280, 1920):

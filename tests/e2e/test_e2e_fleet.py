@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 import sys
 import time
 import uuid
@@ -28,6 +29,7 @@ from instrumented_connector.ids import root_span_id, span_hex
 pytestmark = pytest.mark.e2e
 
 N = 6
+REPO = Path(__file__).resolve().parents[2]
 #: Float noise allowed when comparing seconds computed from ns integers.
 EPS = 1e-6
 
@@ -145,7 +147,35 @@ def _check_fleet(stack, mode: str) -> None:
 
 
 def test_three_hosts_push_collector_process_d_clock_ahead(fleet_push_stack):
+    """The push fleet's collector writes PostgreSQL (a store the fleet shares)."""
+    assert str(fleet_push_stack.store_path).startswith("postgresql://")
     _check_fleet(fleet_push_stack, "push")
+    _check_dashboard(fleet_push_stack, "push")
+
+
+def _check_dashboard(stack, mode: str) -> None:
+    """The dashboard pointed at the fleet's store URL renders the Overview
+    from it (Streamlit's AppTest runs the real app script) and its data
+    layer finds the requests with their corrected handoff."""
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard import data as D
+
+    url = str(stack.store_path)
+    df = D.slowest(url, 1000, mode=mode)
+    assert len(df) >= N and df["handoff_s"].notna().sum() >= N
+    info = D.store_info(url)
+    assert info["traces"] >= N
+    saved = sys.argv
+    sys.argv = ["app.py", "--store", url]
+    try:
+        at = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=120)
+        at.run()
+    finally:
+        sys.argv = saved
+    assert not at.exception, [e.value for e in at.exception]
+    p50 = [m.value for m in at.metric if m.label == "handoff p50"]
+    assert p50 and p50[0] not in ("-", "None"), p50  # push first; this store holds no pull traces
 
 
 def test_three_hosts_pull_receiver_in_router_d_clock_behind(fleet_pull_stack):

@@ -92,6 +92,16 @@ def _check_push_order(sp):
     assert _one(sp, "registration.stage")["end_ns"] <= rs["end_ns"]
     assert rs["start_ns"] <= rr["end_ns"]
     assert m["end_ns"] >= pf["end_ns"] and m["end_ns"] >= rr["end_ns"]
+    # writer.wake: P's engine thread queued the finished blocks (after prefill.finished)
+    # -> the writer took them, before it prepared the WRITE; match ends where the
+    # blocks were queued when D registered first, starts there when P was first
+    ww = _one(sp, "writer.wake")
+    assert pf["end_ns"] <= ww["start_ns"] <= ww["end_ns"] <= dp["start_ns"]
+    first = m["attributes"][sc.ATTR_MATCH_FIRST]
+    assert (m["end_ns"] if first == "registration" else m["start_ns"]) == ww["start_ns"]
+    # decode.queue: D's arrival -> its blocks staged
+    dq = _one(sp, "decode.queue")
+    assert dq["start_ns"] <= dq["end_ns"] == _one(sp, "registration.stage")["end_ns"] and dq["role"] == "decode"
     assert m["attributes"][sc.ATTR_MATCH_FIRST] in ("registration", "prefill")
     assert m["end_ns"] <= dp["start_ns"] <= dp["end_ns"] == wp["start_ns"] <= wp["end_ns"]
     # write.complete spans post -> DONE seen by P's engine loop. P may observe
@@ -106,14 +116,40 @@ def _check_push_order(sp):
     assert rs["role"] == kv["role"] == "decode"
 
 
+def _derived(db, ids, traces=None) -> dict[str, set[str]]:
+    """The derived phases tracemodel builds for each trace (issue 14); the
+    traces themselves (D's spans on P's clock) into ``traces`` if given."""
+    from exporters import tracemodel
+
+    conn = store.connect(db, readonly=True)
+    try:
+        trs = tracemodel.find(conn, ids)
+    finally:
+        conn.close()
+    out = {}
+    for tid, tr in trs.items():
+        out[tid] = {s.name for s in tr.spans if s.attributes.get(sc.ATTR_DERIVED)}
+        til = tr.tiling()
+        assert til is not None and til.named_ns <= til.handoff_ns
+    if traces is not None:
+        traces.update(trs)
+    return out
+
+
 def test_push_overlapped_every_phase_in_causal_order(push_stack):
     ids = _send(push_stack.router_url, N)
     phases = sc.PUSH_PHASES + (sc.Phase.REQUEST, sc.Phase.PREFILL)
     rows, spans = _wait_traces(push_stack.store_path, ids, phases)
     _check_common(rows, spans, ids, "push", phases)
+    trs: dict = {}
+    derived = _derived(push_stack.store_path, ids, trs)
     for tid in ids:
         _check_push_order(spans[tid])
         assert rows[tid]["dispatch"] == "overlapped"
+        assert "prefill.dispatch" in derived[tid]
+        # P may see its WRITE done after D reported it: then no write.notify
+        wc = next(s for s in trs[tid].spans if s.name == "write.complete")
+        assert ("write.notify" in derived[tid]) == (wc.end_ns < trs[tid].kv_ready_ns)
 
 
 def test_push_sequential_every_phase_in_causal_order(push_stack):
@@ -130,6 +166,10 @@ def test_push_sequential_every_phase_in_causal_order(push_stack):
         assert _one(sp, "prefill.finished")["end_ns"] <= relay["end_ns"] <= _one(sp, "registration.stage")["end_ns"]
         assert _one(sp, "match")["attributes"][sc.ATTR_MATCH_FIRST] == "prefill"
         assert rows[tid]["dispatch"] == "sequential"
+        assert relay["end_ns"] <= _one(sp, "decode.queue")["start_ns"]
+    derived = _derived(push_stack.store_path, ids)
+    for tid in ids:
+        assert {"prefill.respond", "decode.intake", "prefill.dispatch"} <= derived[tid], derived[tid]
 
 
 def test_pull_every_phase_in_causal_order(pull_stack):
@@ -142,12 +182,17 @@ def test_pull_every_phase_in_causal_order(pull_stack):
         pf, relay, alloc = _one(sp, "prefill.finished"), _one(sp, "relay"), _one(sp, "alloc")
         dp, rp, rc, kv = (_one(sp, n) for n in ("descriptor.prep", "read.post", "read.complete", "kv.ready"))
         assert pf["end_ns"] <= relay["end_ns"] <= alloc["end_ns"] <= dp["start_ns"]
+        dq = _one(sp, "decode.queue")
+        assert relay["end_ns"] <= dq["start_ns"] <= dq["end_ns"] == alloc["end_ns"]
         assert dp["end_ns"] == rp["start_ns"] <= rp["end_ns"] == rc["start_ns"] <= rc["end_ns"] <= kv["end_ns"]
         assert rc["attributes"][sc.ATTR_BYTES] > 0 and rc["attributes"][sc.ATTR_DESCRIPTORS] > 0
         assert {alloc["role"], dp["role"], rp["role"], rc["role"], kv["role"]} == {"decode"}
     # the first request to a new P waits for the NIXL handshake: recorded once
     hs = [s for t in ids for s in spans[t] if s["name"] == "handshake"]
     assert len(hs) <= 1
+    derived = _derived(pull_stack.store_path, ids)
+    for tid in ids:
+        assert {"prefill.respond", "decode.intake", "decode.dispatch"} <= derived[tid], derived[tid]
 
 
 def test_traces_cli_json_matches_the_store(pull_stack, capsys):

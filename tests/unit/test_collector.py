@@ -443,13 +443,15 @@ def test_cli_refuses_a_bad_store_and_a_busy_port(tmp_path, capsys):
     assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
 
 
-def test_kvlens_collect_receives_the_sdk_exporter_and_flushes_on_sigterm(tmp_path):
+def test_kvlens_collect_receives_the_sdk_exporter_and_flushes_on_sigterm(tmp_path, backend):
+    """The real command, on a file and on a PostgreSQL database (``backend``)."""
     from opentelemetry.exporter.otlp.proto.http import Compression
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    db = tmp_path / "collected.db"
+    db = backend.store if backend.is_pg else tmp_path / "collected.db"
     env = {**os.environ, "KVLENS_HOME": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", str(db)],
+    proc = subprocess.Popen([sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", str(db),
+                             "--retention", "30d"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = proc.stdout.readline()
@@ -483,7 +485,7 @@ def test_the_router_hosts_the_receiver_with_collect(tmp_path, sdk_spans):
     from kvlens.proxy.config import ProxyConfig
 
     cfg = ProxyConfig(prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
-                      kvlens_home=str(tmp_path), collect=True, telemetry=False)
+                      kvlens_home=str(tmp_path), collect=True, telemetry=False, retention="7d")
     with TestClient(router_app(cfg)) as c:
         r = c.post("/v1/traces", content=pb_body(sdk_spans), headers={"Content-Type": "application/x-protobuf"})
         assert r.status_code == 200, r.text
@@ -492,3 +494,33 @@ def test_the_router_hosts_the_receiver_with_collect(tmp_path, sdk_spans):
         assert "kvlens_collector_spans_received_total" in c.get("/metrics").text
     got = stored(tmp_path / "traces.db", trace_ids(sdk_spans))
     assert sum(len(v) for v in got.values()) == len(sdk_spans)
+
+
+def test_the_router_receiver_writes_a_postgresql_store(tmp_path, sdk_spans, pg_url):
+    """``kvlens proxy --collect --store URL``: the receiver's queue writes the
+    database (the app around it is the one tested above)."""
+    from kvlens.proxy.app import _receiver_ingest
+    from kvlens.proxy.config import ProxyConfig
+
+    cfg = ProxyConfig(prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
+                      kvlens_home=str(tmp_path), collect=True, telemetry=False, store=pg_url, retention="7d")
+    ing = _receiver_ingest(cfg)
+    assert ing.store_path == pg_url and ing.retention.keep_s == 7 * 86400
+    assert ing.offer(sdk_spans)
+    ing.close(10.0)
+    assert ing.counts()["written"] == len(sdk_spans)
+    got = stored(pg_url, trace_ids(sdk_spans))
+    assert sum(len(v) for v in got.values()) == len(sdk_spans)
+
+
+def test_router_store_option_takes_only_a_postgresql_url(tmp_path):
+    from kvlens.proxy.config import ProxyConfig
+
+    kw = dict(prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull", telemetry=False)
+    with pytest.raises(ValueError, match="store must be a postgresql://"):
+        ProxyConfig(**kw, store=str(tmp_path / "x.db"))
+    with pytest.raises(ValueError, match="invalid duration"):
+        ProxyConfig(**kw, retention="a week")
+    cfg = ProxyConfig(**kw, kvlens_home=str(tmp_path), store="postgresql://u@h/db", retention="7d")
+    assert cfg.pipeline_config() == {"kvlens_home": str(tmp_path), "kvlens_store": "postgresql://u@h/db",
+                                     "kvlens_retention": "7d"}

@@ -130,6 +130,28 @@ def test_phase_breakdown_splits_push_overlap(store_path):
         assert got == pytest.approx(mean_h, rel=0.05)
 
 
+def test_breakdown_words_from_the_store_and_from_prometheus(store_path):
+    """One function words both sources: the store's tilings (with the
+    per-request median), or Prometheus' mean durations (no unattributed
+    figure: their overlap is unknown)."""
+    from exporters import store, tracemodel
+
+    ph = D.phase_breakdown(store_path, None, None)
+    with store.reading(store_path) as c:
+        groups = tracemodel.sample_costs(c, since_ns=None, until_ns=None, limit=D.PHASE_SAMPLE).breakdown
+    assert D.breakdown_words(ph) == {m: tracemodel.dominant_words(groups[m]) for m in D.MODES}
+    assert "(decode.queue)" in D.breakdown_words(ph)["pull"]  # the fixture's pull is mostly D's queue
+    import pandas as pd
+
+    prom_like = pd.DataFrame([("push", "prefill", "write.complete", D.CRITICAL, 0.006, float("nan")),
+                              ("push", "prefill", "match", D.CRITICAL, 0.002, float("nan"))],
+                             columns=["mode", "role", "phase", "path", "seconds", "requests"])
+    w = D.breakdown_words(prom_like)
+    assert w["push"] == ("push: 75 % of the handoff is the WRITE in flight (write.complete), then 25 % P waiting "
+                         "for the other side (match) (mean phase durations; their overlap unknown)")
+    assert w["pull"] == "pull: no completed handoff to break down"
+
+
 def test_trace_detail_marks_critical_path(store_path):
     push = D.slowest(store_path, 1, mode="push", outcome="ok")
     rec, spans = D.trace_detail(store_path, push["trace_id"][0])
@@ -264,6 +286,11 @@ def test_overview_page(app, store_path):
     # links from percentiles to the Traces page carry the filters
     links = [e for e in at.main if getattr(e, "type", "") == "page_link"]
     assert len(links) == 6
+    # what dominates each mode's handoff, in words, side by side: the sentence kvlens traces prints
+    words = D.breakdown_words(D.phase_breakdown(store_path, *D.since_until("1h")))
+    shown = [m.value for m in at.markdown if "Where the handoff goes" in m.value]
+    assert len(shown) == 2 and [w in v for w, v in zip((words["push"], words["pull"]), shown)] == [True, True]
+    assert shown[0].count("push: ") == 1 and "% of the handoff is" in shown[1]
     # the phase chart uses the one fixed colour scale over every Phase
     spec = next(s for s in charts(at) if str(s.get("title")).startswith("critical path by phase"))
     domain = spec["encoding"]["color"]["scale"]["domain"]

@@ -1,6 +1,7 @@
 """Hook-point contract for the installed vLLM, and the fail-safety of hooks."""
 
 import inspect
+import time
 import types
 
 import pytest
@@ -12,6 +13,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import nixl
 
 # Parameters our overrides read by name (positional order is forwarded as is).
 EXPECTED_PARAMS = {
+    ("NixlPushConnectorWorker", "start_load_kv"): ["metadata"],
+    ("NixlPushConnectorWorker", "_pop_matching_registration"): ["request_id"],
     ("NixlPushConnectorScheduler", "request_finished"): ["request", "block_ids"],
     ("NixlPushConnectorScheduler", "update_state_after_alloc"): ["request", "blocks", "num_external_tokens"],
     ("NixlPullConnectorScheduler", "update_state_after_alloc"): ["request", "blocks", "num_external_tokens"],
@@ -132,10 +135,17 @@ class _ListRecorder:
     dropped = 0
 
     def __init__(self):
-        self.points = []
+        self.points = []  # zero-length phases: (phase, rid, outcome, attrs)
+        self.spans = []  # every phase: (phase, rid, start_ns, end_ns, outcome, attrs)
+
+    def record(self, phase, rid, start_ns, end_ns, outcome="ok", attrs=None):
+        self.spans.append((phase, rid, start_ns, end_ns, outcome, attrs))
+        if start_ns == end_ns:
+            self.points.append((phase, rid, outcome, attrs))
 
     def point(self, phase, rid, outcome="ok", attrs=None):
-        self.points.append((phase, rid, outcome, attrs))
+        t = time.time_ns()
+        self.record(phase, rid, t, t, outcome, attrs)
 
 
 def test_alloc_hook_records_only_staged_remote_prefills():
@@ -158,3 +168,60 @@ def test_alloc_hook_records_only_staged_remote_prefills():
     assert t.update_state_after_alloc(_request({}), blocks, 16) == "vllm"
     assert [(p, attrs[sc.ATTR_BLOCKS], attrs[sc.ATTR_REMOTE_ENGINE_ID]) for p, _, _, attrs in rec.points] == [
         (sc.Phase.ALLOC, 3, "p0")]
+    # decode.queue: D's arrival (Request.arrival_time, 1.0 s here) -> the alloc point, same instant
+    (q, _, q0, q1, _, _), (a, _, a0, _, _, _) = rec.spans
+    assert (q, a) == (sc.Phase.DECODE_QUEUE, sc.Phase.ALLOC)
+    assert q0 == 1_000_000_000 and q1 == a0
+
+
+def test_arrival_time_is_a_wall_clock_request_field():
+    """decode.queue starts at vLLM's ``Request.arrival_time``: a field of the
+    scheduler's Request, set from the frontend's ``time.time()``."""
+    from vllm.v1 import request as vreq
+    from vllm.renderers import base as renderers
+
+    assert "self.arrival_time" in inspect.getsource(vreq.Request.__init__)
+    assert "arrival_time = time.time()" in inspect.getsource(renderers)
+
+
+def test_push_start_load_kv_reads_the_finished_blocks_field():
+    """writer.wake starts where the engine thread queues P's finished blocks
+    for the writer: ``start_load_kv`` reading ``metadata.push_finished_blocks``."""
+    src = inspect.getsource(nixl.NixlPushConnectorWorker.start_load_kv)
+    assert "metadata.push_finished_blocks" in src and "_finished_blocks_inbox.put" in src
+    loop = inspect.getsource(nixl.NixlPushConnectorWorker._push_writer_loop)
+    assert "_finished_blocks_inbox.get_nowait()" in loop and "self._pop_matching_registration(rid)" in loop
+
+
+def test_writer_wake_and_match_split_on_p():
+    """vLLM's own start_load_kv queues P's finished blocks (t_enq) and its own
+    _pop_matching_registration matches them later on the writer thread:
+    writer.wake is t_enq -> taken; match (D registered first) ends at t_enq,
+    when the second side reached P's worker."""
+    import queue
+    import threading
+
+    from instrumented_connector import worker
+
+    t = object.__new__(worker.InstrumentedNixlPushConnectorWorker)  # no NIXL agent: the state both methods use
+    t.pcp_rank, t._reqs_to_process, t._reqs_to_send, t._recving_metadata = 0, set(), {}, {}
+    t._finished_blocks_inbox, t._reg_send_inbox, t._push_writer_wake = queue.Queue(), queue.Queue(), threading.Event()
+    p_rid, d_rid = "cmpl-" + "ab" * 16 + "-0-11111111", "cmpl-" + "ab" * 16 + "-0-22222222"
+    t._pending_d_registrations = {d_rid: {"request_id": d_rid}}
+    t._kvl_enq, t._kvl_enq_lock, t._kvl_reg_seen, t._kvl_fin_seen = (hooks.Pending(), threading.Lock(),
+                                                                    hooks.Pending(), hooks.Pending())
+    t._kvl = rec = _ListRecorder()
+    t._kvl_reg_seen.put(worker.base_request_id(d_rid), 5)  # D's registration decoded long before
+    meta = types.SimpleNamespace(reqs_to_recv={}, push_registrations={}, push_finished_blocks={p_rid: ([1, 2],)},
+                                 reqs_in_batch=set(), reqs_not_processed=set(), reqs_to_send={},
+                                 scheduler_clock=None, heartbeat_by_engine={})
+    t.start_load_kv(meta)
+    rid, _ = t._finished_blocks_inbox.get_nowait()  # what the writer loop does
+    assert t._push_writer_wake.is_set()
+    assert t._pop_matching_registration(rid) == {"request_id": d_rid}
+    got = {p: (s0, s1, attrs) for p, _, s0, s1, _, attrs in rec.spans}
+    wake0, wake1, _ = got[sc.Phase.WRITER_WAKE]
+    m0, m1, mattrs = got[sc.Phase.MATCH]
+    assert wake0 <= wake1 and (m0, m1) == (5, wake0)
+    assert mattrs[sc.ATTR_MATCH_FIRST] == "registration"
+    assert not t._kvl_enq  # nothing left behind

@@ -193,8 +193,9 @@ def test_recorder_losses_reach_dropped_counts_by_reason():
     def broken(id_generator):
         raise RuntimeError("exporter setup exploded")
 
+    # the in-process path (its pipeline factory is what breaks here); the sidecar path: tests/unit/test_sidecar.py
     r = pipeline.get_recorder("decode", "push", "loss-reasons", {"kvlens_store": "off", "kvlens_metrics": "off",
-                                                                  "kvlens_buffer_events": 2})
+                                                                  "kvlens_buffer_events": 2}, span_builder="inline")
     try:
         r._factory = broken
         before = pipeline.dropped_counts()
@@ -246,3 +247,22 @@ def test_close_is_bounded_when_the_exporter_hangs():
     r.close(timeout_s=1.0)
     assert time.monotonic() - t0 < 10
     assert built[0].losses.counts() == {"shutdown": 10}
+
+
+def test_span_ids_do_not_follow_the_global_random_seed():
+    """vLLM seeds the global ``random`` module alike in P's and D's processes;
+    span ids drawn from it repeated across processes and two spans of one
+    trace could collide (the store keeps one row per (trace, span id))."""
+    import random
+
+    from instrumented_connector.ids import PinnedIdGenerator
+
+    draws = []
+    for _ in range(2):  # two "processes" seeded the same way
+        random.seed(1234)
+        g = PinnedIdGenerator()
+        draws.append([g.generate_span_id() for _ in range(50)])
+    assert not set(draws[0]) & set(draws[1])
+    assert all(0 < i < 2**64 for i in draws[0])
+    with g.pin(span_id=7, trace_id=9):
+        assert (g.generate_span_id(), g.generate_trace_id()) == (7, 9)

@@ -1,4 +1,7 @@
-"""SQLite trace store: folding spans into traces, queries, read-only access."""
+"""The trace store on both backends (SQLite file, real PostgreSQL server:
+the ``backend`` fixture): folding spans into traces, queries, schema
+versions, read-only access. SQLite-only behaviour (file paths, corrupt
+files) is tested on SQLite alone."""
 
 import json
 import os
@@ -11,13 +14,16 @@ import pytest
 from exporters import pipeline, store, tracemodel
 from instrumented_connector import semconv as sc
 from instrumented_connector.recorder import Recorder
+from store_backends import Backend
 
 TID = "0af7651916cd43dd8448eb211c80319c"
 
 
 def _record_request(home, tid=TID, mode="push", handoff_ns=5_000_000, t0=None):
+    """One request's spans through the real pipeline into ``home``'s store
+    (``home``: a kvlens home directory, or a :class:`Backend`)."""
     t0 = t0 or time.time_ns()
-    cfg = {"kvlens_home": str(home), "kvlens_metrics": "off"}
+    cfg = home.config() if isinstance(home, Backend) else {"kvlens_home": str(home), "kvlens_metrics": "off"}
     recs = {
         role: Recorder(role=role, mode=mode, pipeline_factory=pipeline.provider_factory(role=role, mode=mode, engine_id=None, config=cfg))
         for role in ("router", "prefill", "decode")
@@ -38,9 +44,9 @@ def _record_request(home, tid=TID, mode="push", handoff_ns=5_000_000, t0=None):
     return pf
 
 
-def test_spans_fold_into_one_trace_with_handoff(tmp_path):
-    pf = _record_request(tmp_path)
-    conn = store.connect(tmp_path / "traces.db", readonly=True)
+def test_spans_fold_into_one_trace_with_handoff(backend):
+    pf = _record_request(backend)
+    conn = store.connect(backend.store, readonly=True)
     (row,) = store.slowest(conn, 10)
     assert row["trace_id"] == TID and row["mode"] == "push" and row["dispatch"] == "overlapped"
     assert row["request_id"] == TID  # the router's id wins
@@ -58,11 +64,11 @@ def test_spans_fold_into_one_trace_with_handoff(tmp_path):
     assert set(rec) >= {"trace_id", "request_id", "mode", "outcome", "ttft_s", "handoff_s", "spans"}
 
 
-def test_worst_outcome_wins_and_filters(tmp_path):
-    _record_request(tmp_path, TID, "push", 5_000_000)
+def test_worst_outcome_wins_and_filters(backend):
+    _record_request(backend, TID, "push", 5_000_000)
     other = "1" * 32
-    _record_request(tmp_path, other, "pull", 9_000_000)
-    conn = store.connect(tmp_path / "traces.db", readonly=True)
+    _record_request(backend, other, "pull", 9_000_000)
+    conn = store.connect(backend.store, readonly=True)
     rows = store.slowest(conn, 10)
     assert [r["trace_id"] for r in rows] == [other, TID]
     assert rows[0]["outcome"] == "failed"
@@ -72,9 +78,9 @@ def test_worst_outcome_wins_and_filters(tmp_path):
     assert store.slowest(conn, 10, since_ns=time.time_ns() + 10**12) == []
 
 
-def test_sql_filters_are_parameterised(tmp_path):
-    _record_request(tmp_path)
-    conn = store.connect(tmp_path / "traces.db", readonly=True)
+def test_sql_filters_are_parameterised(backend):
+    _record_request(backend)
+    conn = store.connect(backend.store, readonly=True)
     assert store.slowest(conn, 10, mode="push' OR '1'='1") == []
 
 
@@ -92,22 +98,21 @@ def _set_version(path, version):
     raw.close()
 
 
-def test_a_new_store_records_its_schema_version(tmp_path):
-    p = tmp_path / "traces.db"
+def test_a_new_store_records_its_schema_version(backend):
+    p = backend.store
     store.connect(p).close()
-    raw = sqlite3.connect(p)
-    assert raw.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (str(store.SCHEMA_VERSION),)
-    raw.close()
+    assert backend.version_rows() == [(str(store.SCHEMA_VERSION),)]
     store.connect(p).close()  # a second writer (another process) changes nothing
+    assert backend.version_rows() == [(str(store.SCHEMA_VERSION),)]
     with store.reading(p) as c:
         assert store.info(c)["traces"] == 0
 
 
-def test_a_newer_store_is_refused_naming_both_versions(tmp_path):
-    p = tmp_path / "traces.db"
+def test_a_newer_store_is_refused_naming_both_versions(backend):
+    p = backend.store
     store.connect(p).close()
     newer = store.SCHEMA_VERSION + 1
-    _set_version(p, newer)
+    backend.set_version(newer)
     for readonly in (True, False):
         with pytest.raises(store.StoreVersionError, match=f"schema version {newer}.*up to version {store.SCHEMA_VERSION}"):
             store.connect(p, readonly=readonly)
@@ -159,19 +164,19 @@ def test_a_version_1_store_is_migrated_and_its_handoffs_marked_unknown(tmp_path)
     raw.close()
 
 
-def test_a_writer_runs_the_migrations_up_to_its_version(tmp_path, monkeypatch):
+def test_a_writer_runs_the_migrations_up_to_its_version(backend, monkeypatch):
     from exporters.store import schema
 
-    p = tmp_path / "traces.db"
+    p = backend.store
     store.connect(p).close()
     monkeypatch.setattr(schema, "SCHEMA_VERSION", store.SCHEMA_VERSION + 1)
     monkeypatch.setattr(schema, "MIGRATIONS", {store.SCHEMA_VERSION: ("ALTER TABLE traces ADD COLUMN note TEXT",)})
     store.connect(p).close()
     store.connect(p).close()  # already current: the migration does not run twice (it would fail)
-    raw = sqlite3.connect(p)
-    assert raw.execute("SELECT value FROM meta").fetchall() == [(str(store.SCHEMA_VERSION + 1),)]
-    assert "note" in [r[1] for r in raw.execute("PRAGMA table_info(traces)")]
-    raw.close()
+    assert backend.version_rows() == [(str(store.SCHEMA_VERSION + 1),)]
+    assert "note" in backend.columns("traces")
+    with store.reading(p) as c:  # a reader of the new version reads it
+        assert store.info(c)["traces"] == 0
 
 
 @pytest.mark.parametrize("content", [b"", b"not a database" * 100], ids=["0-byte", "garbage"])
@@ -196,8 +201,8 @@ def test_paths_with_uri_characters_open_read_only(tmp_path, name):
         store.connect(d / "other.db", readonly=True)
 
 
-def test_reading_turns_backend_errors_into_store_errors(tmp_path):
-    p = tmp_path / "traces.db"
+def test_reading_turns_backend_errors_into_store_errors(backend):
+    p = backend.store
     store.connect(p).close()
     with pytest.raises(store.StoreError):
         with store.reading(p) as c:
@@ -245,8 +250,8 @@ def test_parse_since():
             store.parse_since(bad)
 
 
-def test_bench_rows_roundtrip(tmp_path):
-    conn = store.connect(tmp_path / "t.db")
+def test_bench_rows_roundtrip(backend):
+    conn = store.connect(backend.store)
     rows = [{"mode": "push", "dispatch": "overlapped", "qps": 1.0, "input_len": 256, "output_len": 8, "num_prompts": 4, "completed": 4}]
     store.save_bench_rows(conn, "run1", rows)
     store.save_bench_rows(conn, "run2", rows + [dict(rows[0], mode="pull")])

@@ -155,12 +155,131 @@ def test_cli_dashboard_and_breakdown_agree(fixture_store):
         mine = [t for t in done if t.mode == mode]
         want: dict[str, float] = {}
         for t in mine:
-            for s in t.spans:
-                want[s.name] = want.get(s.name, 0.0) + tracemodel.critical_ns(
-                    s.name, s.start_ns, s.end_ns, *t.window) / 1e9 / len(mine)
+            for (_, name), ns in t.tiling().phases.items():
+                want[name] = want.get(name, 0.0) + ns / 1e9 / len(mine)
         got = ph[(ph["mode"] == mode) & (ph["path"] == CRITICAL) & (ph["phase"] != D.UNATTRIBUTED)]
         assert got.groupby("phase")["seconds"].sum().to_dict() == pytest.approx(
             {k: v for k, v in want.items() if v > 0})
+        # a mode's bar adds up to its mean handoff, unattributed included
+        bar = ph[(ph["mode"] == mode) & (ph["path"] == CRITICAL)]["seconds"].sum()
+        assert bar == pytest.approx(sum(t.handoff_s for t in mine) / len(mine), rel=1e-6)
+
+
+def test_fixture_handoffs_are_tiled_by_named_phases(fixture_store):
+    """The fixture's traces carry every new phase; the named phases (recorded
+    and derived) cover the whole handoff of each."""
+    with store.reading(fixture_store) as c:
+        trs = [t for t in tracemodel.slowest(c, 100) if t.window]
+        groups = tracemodel.breakdown(c)
+    names = {m: set().union(*({s.name for s in t.spans} for t in trs if t.mode == m)) for m in ("push", "pull")}
+    assert {"decode.queue", "registration.dispatch", "writer.wake", "prefill.dispatch",
+            "write.notify"} <= names["push"]
+    assert {"prefill.respond", "decode.intake", "decode.queue", "decode.dispatch"} <= names["pull"]
+    for t in trs:
+        til = t.tiling()
+        if t.mode == "push":
+            assert til.unattributed_ns == 0, til.gaps
+        else:  # D's READ done -> kv.ready (a fraction of a ms, around P's kv.released) has no name
+            assert {(a, b) for a, b, _ in til.gaps} <= {("D:read.complete.end", "P:kv.released"),
+                                                     ("P:kv.released", "D:kv.ready")}
+            assert til.unattributed_share < 0.05
+    assert set(groups) == {"push", "pull"}
+    assert groups["push"].median_unattributed_share == 0 and groups["pull"].median_unattributed_share < 0.05
+    assert tracemodel.dominant_words(groups["pull"]).startswith("pull: ")
+
+
+# ------------------------------------------------------------------ tiling
+def _s(name, role, a, b):
+    return tracemodel.Span(name=name, role=role, start_ns=T0 + int(a * MS), end_ns=T0 + int(b * MS))
+
+
+def test_tile_counts_overlap_once_and_names_the_gaps():
+    """Window 0..100 ms: match 0..30 holds writer.wake 10..30 (the later
+    start wins its stretch), write.complete 40..70, a gap 30..40 and 70..100;
+    a non-kvlens span (vLLM's llm_request) and the root never count."""
+    spans = [_s("prefill.finished", "prefill", 0, 0), _s("match", "prefill", -50, 30),
+             _s("writer.wake", "prefill", 10, 30), _s("write.complete", "prefill", 40, 70),
+             _s("request", "router", -100, 200), _s("llm_request", "decode", 0, 100),
+             _s("kv.ready", "decode", 100, 100)]
+    t = tracemodel.tile(spans, (T0, T0 + 100 * MS))
+    assert t.handoff_ns == 100 * MS
+    assert t.phases == {("prefill", "match"): 10 * MS, ("prefill", "writer.wake"): 20 * MS,
+                        ("prefill", "write.complete"): 30 * MS}
+    assert t.named_ns == 60 * MS and t.unattributed_ns == 40 * MS and t.unattributed_share == pytest.approx(0.4)
+    assert t.gaps == (("P:match.end", "P:write.complete.start", 10 * MS),
+                      ("P:write.complete.end", "D:kv.ready", 30 * MS))
+    # same start: the shorter span wins; no window: no tiling
+    t2 = tracemodel.tile([_s("match", "prefill", 0, 50), _s("writer.wake", "prefill", 0, 20)], (T0, T0 + 50 * MS))
+    assert t2.phases == {("prefill", "writer.wake"): 20 * MS, ("prefill", "match"): 30 * MS}
+    assert tracemodel.tile(spans, None) is None
+
+
+def test_tile_waiting_yields_and_starts_are_the_spans_own():
+    """match (P waiting for D) only keeps what nothing else names, even when it
+    started later; between two other phases clipped at the window's start, the
+    one that really started later wins."""
+    w = (T0, T0 + 40 * MS)
+    t = tracemodel.tile([_s("decode.queue", "decode", -30, 20), _s("match", "prefill", 5, 30),
+                         _s("registration.send", "decode", 25, 28)], w)
+    assert t.phases == {("decode", "decode.queue"): 20 * MS, ("prefill", "match"): 7 * MS,
+                        ("decode", "registration.send"): 3 * MS}
+    t = tracemodel.tile([_s("decode.queue", "decode", -30, 10), _s("registration.dispatch", "decode", -5, 10)], w)
+    assert t.phases == {("decode", "registration.dispatch"): 10 * MS}
+
+
+def test_derived_phases_come_from_two_recorded_timestamps():
+    pull = [_s("prefill.finished", "prefill", 0, 0), _s("relay", "router", 8, 8.2),
+            _s("decode.queue", "decode", 9, 30), _s("alloc", "decode", 30, 30),
+            _s("descriptor.prep", "decode", 31, 31.5), _s("read.post", "decode", 31.5, 32)]
+    got = {d[0]: d[1:] for d in tracemodel.derive(pull)}
+    assert got == {"prefill.respond": ("prefill", T0, T0 + 8 * MS),
+                   "decode.intake": ("decode", T0 + int(8.2 * MS), T0 + 9 * MS),  # relay end -> D's arrival
+                   "decode.dispatch": ("decode", T0 + 30 * MS, T0 + 31 * MS)}
+    # a handshake first: decode.dispatch ends where it starts
+    hs = pull + [_s("handshake", "decode", 30.5, 31)]
+    assert {d[0]: d[3] for d in tracemodel.derive(hs)}["decode.dispatch"] == T0 + int(30.5 * MS)
+    # reversed ends (clocks disagree) or a missing end: nothing derived
+    assert tracemodel.derive([_s("relay", "router", 5, 6), _s("decode.queue", "decode", 4, 9)]) == []
+    assert tracemodel.derive([_s("prefill.finished", "prefill", 0, 0)]) == []
+    push = [_s("registration.stage", "decode", -30, -30), _s("registration.send", "decode", -20, -19),
+            _s("prefill.finished", "prefill", 0, 0), _s("writer.wake", "prefill", 2, 3),
+            _s("write.complete", "prefill", 4, 9), _s("kv.ready", "decode", 20, 20)]
+    assert {d[0]: d[1:] for d in tracemodel.derive(push)} == {
+        "registration.dispatch": ("decode", T0 - 30 * MS, T0 - 20 * MS),
+        "prefill.dispatch": ("prefill", T0, T0 + 2 * MS), "write.notify": ("decode", T0 + 9 * MS, T0 + 20 * MS)}
+
+
+def test_derived_spans_in_the_trace_marked_and_drawn():
+    spans = SPANS + [_span("writer.wake", "prefill", PF + 1 * MS, PF + 2 * MS)]
+    tr = Trace.from_rows(_summary(), spans)
+    derived = [s for s in tr.spans if s.attributes.get("kvlens.derived")]
+    assert [(s.name, s.role, s.start_ns, s.end_ns, s.critical) for s in derived] == [
+        ("prefill.dispatch", "prefill", PF, PF + 1 * MS, True)]
+    assert [s.start_ns for s in tr.spans] == sorted(s.start_ns for s in tr.spans)
+    assert "prefill.dispatch" in cli_traces.waterfall(tr)
+    assert tr.to_json()["spans"][[s.name for s in tr.spans].index("prefill.dispatch")]["attributes"] == {
+        "kvlens.derived": True}
+
+
+def test_dominant_words():
+    b = tracemodel.summarize([("pull", tracemodel.Tiling(100, {("decode", "decode.queue"): 71,
+                                                               ("prefill", "prefill.respond"): 12,
+                                                               ("decode", "read.complete"): 9,
+                                                               ("decode", "read.post"): 5}, ()))])["pull"]
+    assert tracemodel.dominant_words(b) == (
+        "pull: 71 % of the handoff is D's scheduler queue (decode.queue), then 12 % P's response path to "
+        "the router (prefill.respond), 9 % the READ in flight (read.complete); unattributed 3 % "
+        "(median per request 3 %)")
+    assert tracemodel.dominant_words(None, "push") == "push: no completed handoff to break down"
+    assert dict(b.shares())["unattributed"] == pytest.approx(0.03) and b.shares()[0][0] == "decode.queue"
+
+
+def test_breakdown_median_is_per_request():
+    tl = [tracemodel.Tiling(100, {("p", "match"): 100}, ()), tracemodel.Tiling(100, {("p", "match"): 50}, ()),
+          tracemodel.Tiling(1000, {("p", "match"): 0}, (("a", "b", 1000),))]
+    b = tracemodel.summarize([("push", t) for t in tl])["push"]
+    assert b.requests == 3 and b.median_unattributed_share == pytest.approx(0.5)
+    assert b.unattributed_ns == 1050 and b.top_gaps() == [("a", "b", 1, 1000, 1000)]
 
 
 def test_traces_cli_json_is_the_model(fixture_store, capsys):

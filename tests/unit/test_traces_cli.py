@@ -6,6 +6,7 @@ widest widths."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -72,3 +73,52 @@ def test_waterfall_at_its_narrowest_and_widest(tmp_path):
             text = traces.waterfall(tr, asked)
             bars = [line for line in text.splitlines() if "[" in line]
             assert bars and all(line.index("]") - line.index("[") - 1 == drawn for line in bars)
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory):
+    from store_fixture import make_store
+
+    return make_store(tmp_path_factory.mktemp("kvlens_home"), n_per_mode=4, bench=False)
+
+
+def test_breakdown_says_what_dominates_per_mode_and_dispatch(small_store, capsys):
+    from exporters import store, tracemodel
+
+    assert main(["traces", "--store", str(small_store), "--breakdown"]) == 0
+    out = capsys.readouterr().out
+    with store.reading(small_store) as conn:
+        groups = tracemodel.breakdown(conn, by_dispatch=True)
+    assert set(groups) == {"push", "push/overlapped", "pull", "pull/sequential"}
+    assert out == traces.breakdown_text(groups) + "\n"
+    for key in ("push", "pull"):
+        b = groups[key]
+        assert tracemodel.dominant_words(b) in out  # the one sentence, as the dashboard shows it
+        assert f"{b.requests} requests" in out
+    assert "push/overlapped:" not in out  # each mode's only dispatch: not repeated
+    seq = dataclasses.replace(groups["push/overlapped"], key="push/sequential")
+    two = dict(groups, **{"push/sequential": seq, "push": tracemodel.summarize(
+        [("push", tracemodel.Tiling(10, {}, ()))] * (2 * groups["push"].requests))["push"]})
+    assert "push/overlapped:" in traces.breakdown_text(two) and "push/sequential:" in traces.breakdown_text(two)
+    assert "unattributed at the median" in out and "decode.queue" in out and "write.notify" in out
+    assert out.index("push:") < out.index("pull:")
+    # filters narrow it
+    assert main(["traces", "--store", str(small_store), "--breakdown", "--mode", "pull"]) == 0
+    assert "push" not in capsys.readouterr().out.split("\n")[0]
+
+
+def test_waterfalls_end_with_the_words(small_store, capsys):
+    from exporters import store, tracemodel
+
+    assert main(["traces", "--store", str(small_store), "--slowest", "1"]) == 0
+    out = capsys.readouterr().out
+    with store.reading(small_store) as conn:
+        groups = tracemodel.breakdown(conn)
+    tail = out.split("what the handoff is made of", 1)[1]
+    assert tracemodel.dominant_words(groups["push"]) in tail and tracemodel.dominant_words(groups["pull"]) in tail
+    assert main(["traces", "--store", str(small_store), "--slowest", "1", "--json"]) == 0
+    assert "what the handoff" not in capsys.readouterr().out  # --json stays one object per line
+
+
+def test_breakdown_text_without_handoffs():
+    assert traces.breakdown_text({}) == "no completed handoff to break down"

@@ -1,0 +1,91 @@
+"""The store's DDL as templates, one text for both backends (filled by a
+:class:`~exporters.store.dialect.Dialect`: ``{int}``, ``{real}``,
+``{least}``, ``{desc}``, ``{without_rowid}``, ``{bench_seq}``). Indexes
+are declared in the order "slowest N" reads them (``{desc}``: NULLs last),
+so both backends walk one and stop after N.
+"""
+
+#: The ``traces`` table (version 2: clock crossings and the settled handoff,
+#: docs/phases.md "Clocks across hosts"). ``handoff_raw_s`` is the two-clock
+#: difference; ``handoff_s`` is written by the writer's settle pass
+#: (:mod:`exporters.clockbounds`): corrected for the P/D clock offset, with
+#: ``handoff_err_s``, or NULL with ``handoff_note`` saying why it is unknown.
+#: ``xlo_ns`` / ``xhi_ns``: this request's own bounds on D's clock minus P's.
+#: A template: ``{int}``, ``{real}``, ``{least}`` are the dialect's (``@name@``: the table name).
+_TRACES_DDL = """
+CREATE TABLE IF NOT EXISTS @name@ (
+    trace_id            TEXT PRIMARY KEY,
+    request_id          TEXT,
+    mode                TEXT,
+    dispatch            TEXT,
+    outcome             TEXT,
+    start_ns            {int},
+    end_ns              {int},
+    ttft_s              {real},
+    prefill_finished_ns {int},
+    kv_ready_ns         {int},
+    n_spans             {int} NOT NULL DEFAULT 0,
+    p_engine            TEXT,
+    d_engine            TEXT,
+    d2p_sent_ns         {int},
+    d2p_recv_ns         {int},
+    p2d_sent_ns         {int},
+    p2d_recv_ns         {int},
+    handoff_s           {real},
+    handoff_err_s       {real},
+    clock_offset_s      {real},
+    clock_lo_s          {real},
+    clock_hi_s          {real},
+    handoff_note        TEXT,
+    handoff_raw_s       {real} GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED,
+    xlo_ns              {int} GENERATED ALWAYS AS (d2p_sent_ns - d2p_recv_ns) STORED,
+    xhi_ns              {int} GENERATED ALWAYS AS ({least}(
+                            COALESCE(p2d_recv_ns - p2d_sent_ns, kv_ready_ns - prefill_finished_ns),
+                            COALESCE(kv_ready_ns - prefill_finished_ns, p2d_recv_ns - p2d_sent_ns))) STORED
+)"""
+
+
+#: The schema as a template (``{int}``, ``{real}``, ``{desc}``, ...: :meth:`Dialect.sql`).
+SCHEMA_TEMPLATE = """
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS spans (
+    trace_id   TEXT NOT NULL,
+    span_id    TEXT NOT NULL,
+    parent_id  TEXT,
+    name       TEXT NOT NULL,
+    role       TEXT,
+    mode       TEXT,
+    request_id TEXT,
+    start_ns   {int} NOT NULL,
+    end_ns     {int} NOT NULL,
+    outcome    TEXT,
+    attributes TEXT,
+    PRIMARY KEY (trace_id, span_id)
+){without_rowid};
+@traces@;
+CREATE INDEX IF NOT EXISTS traces_mode_handoff ON traces (mode, handoff_s {desc});
+CREATE INDEX IF NOT EXISTS traces_mode_outcome_handoff ON traces (mode, outcome, handoff_s {desc});
+CREATE INDEX IF NOT EXISTS traces_outcome_handoff ON traces (outcome, handoff_s {desc});
+CREATE INDEX IF NOT EXISTS traces_handoff ON traces (handoff_s {desc});
+CREATE INDEX IF NOT EXISTS traces_mode_ttft ON traces (mode, ttft_s {desc});
+CREATE INDEX IF NOT EXISTS traces_ttft ON traces (ttft_s {desc});
+CREATE INDEX IF NOT EXISTS traces_start ON traces (start_ns);
+CREATE INDEX IF NOT EXISTS traces_pair_start ON traces (p_engine, d_engine, start_ns);
+CREATE TABLE IF NOT EXISTS bench_rows (
+    {bench_seq}run_id      TEXT NOT NULL,
+    created_ns  {int} NOT NULL,
+    mode        TEXT NOT NULL,
+    dispatch    TEXT,
+    qps         {real} NOT NULL,
+    input_len   {int} NOT NULL,
+    output_len  {int},
+    num_prompts {int},
+    "row"       TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS bench_rows_run ON bench_rows (run_id);
+""".replace("@traces@", _TRACES_DDL.replace("@name@", "traces"))
+
+

@@ -1,0 +1,253 @@
+"""Tiling a handoff: the derived phases, the exclusive split of the handoff
+window among the phases, and what dominates it, in words.
+
+Part of the one trace model (:mod:`exporters.tracemodel` re-exports all of
+it; docs/phases.md, "Critical path"): where no one process sees an
+interval, its phase is **derived** here from two recorded timestamps
+(``semconv.DERIVED_PHASES``, :func:`derive`) and then treated like any
+recorded phase. Spans may overlap (``match`` holds ``writer.wake``), so the
+handoff is split exclusively (:func:`tile`): each stretch of the window goes
+to the critical span that covers it and started last (the most specific;
+ties to the shorter one; a waiting phase such as ``match`` only where
+nothing else is named), and what no named span covers is *unattributed*,
+with the two timestamps around it named. :func:`summarize` adds tilings up
+per mode and :func:`dominant_words` says what dominates in one sentence: the
+sentence ``kvlens traces`` and the dashboard's Overview both print.
+
+Pure functions of span-like objects (``name``, ``role``, ``start_ns``,
+``end_ns``); no I/O.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple, Sequence
+
+from instrumented_connector import semconv as sc
+
+#: Phases that are never a part of the handoff (the root contains it; P's
+#: prefill precedes it).
+NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value})
+_POINTS = frozenset(p.value for p in sc.POINT_PHASES)
+#: kvlens' own phases; any other span in a trace (vLLM's ``llm_request``,
+#: joined by ``traceparent``) is context, never handoff cost.
+_PHASES = frozenset(p.value for p in sc.Phase)
+_DERIVED = frozenset(p.value for p in sc.DERIVED_PHASES)
+_WAITING = frozenset(p.value for p in sc.WAITING_PHASES)
+
+#: The label of handoff time no phase accounts for (never a Phase).
+UNATTRIBUTED = "unattributed"
+
+
+# ------------------------------------------------------------------ derived phases
+def _boundary_times(spans: Iterable[Any], role: str, phase: str, end: str) -> list[int]:
+    return [s.end_ns if end == "end" else s.start_ns for s in spans if s.role == role and s.name == phase]
+
+
+def derive(spans: Sequence[Any]) -> list[tuple[str, str, int, int]]:
+    """The derived phases (``semconv.DERIVED_PHASES``) a trace's recorded
+    spans allow: ``(name, role, start_ns, end_ns)`` tuples, pure.
+
+    ``spans``: objects with ``name``, ``role``, ``start_ns``, ``end_ns``,
+    already on one clock (D's moved onto P's). Per phase the first
+    (from, to) pair the trace has both ends of is used: the interval starts
+    at the latest ``from`` timestamp (several workers may record it) and
+    ends at the earliest ``to`` at or after it; none is derived when the
+    order is reversed (a clock mismatch) or the interval is empty."""
+    out = []
+    recorded = [s for s in spans if s.name not in _DERIVED]
+    for phase, how in sc.DERIVED_PHASES.items():
+        for a, b in how.pairs:
+            froms = _boundary_times(recorded, a.role, a.phase.value, a.end)
+            tos = _boundary_times(recorded, b.role, b.phase.value, b.end)
+            if not froms or not tos:
+                continue
+            t0 = max(froms)
+            after = [t for t in tos if t >= t0]
+            if after and min(after) > t0:
+                out.append((phase.value, how.role, t0, min(after)))
+            break
+    return out
+
+
+class Tiling(NamedTuple):
+    """One trace's handoff split exclusively by phase (see :func:`tile`)."""
+
+    #: the handoff window's length, ns
+    handoff_ns: int
+    #: (role, phase) -> ns of the window this phase holds (each ns counted once)
+    phases: dict[tuple[str | None, str], int]
+    #: unnamed stretches: (timestamp before, timestamp after, ns), the
+    #: timestamps named ``P:prefill.finished``, ``router:relay.end``, ...
+    gaps: tuple[tuple[str, str, int], ...]
+
+    @property
+    def named_ns(self) -> int:
+        """The union of the named critical intervals, ns."""
+        return sum(self.phases.values())
+
+    @property
+    def unattributed_ns(self) -> int:
+        return max(self.handoff_ns - self.named_ns, 0)
+
+    @property
+    def unattributed_share(self) -> float:
+        return self.unattributed_ns / self.handoff_ns if self.handoff_ns > 0 else 0.0
+
+
+_LANE = {sc.Role.ROUTER.value: "router", sc.Role.PREFILL.value: "P", sc.Role.DECODE.value: "D"}
+
+
+def _label(role: str | None, name: str, which: str | None) -> str:
+    return f"{_LANE.get(role or '', role or '?')}:{name}{'' if which is None else '.' + which}"
+
+
+def tile(spans: Iterable[Any], window: tuple[int, int] | None) -> Tiling | None:
+    """Split the handoff ``window`` among ``spans`` (recorded and derived,
+    on one clock; objects with ``name``, ``role``, ``start_ns``, ``end_ns``).
+
+    Every stretch between two consecutive span boundaries inside the window
+    goes to the critical span covering it that started last (ties: the
+    shorter); a waiting phase (``semconv.WAITING_PHASES``: ``match``, P
+    waiting for D) only gets what no other phase covers, since what it
+    waits for is named there. Overlapping spans never count twice and the phases sum to
+    the union of the named critical intervals; stretches no span covers are
+    returned as gaps, named by the two timestamps around them. ``None``
+    without a window."""
+    if window is None:
+        return None
+    pf, kv = window
+    if kv <= pf:
+        return Tiling(0, {}, ())
+    spans = list(spans)
+    ivs = []  # (clipped start, clipped end, role, name, start)
+    marks: list[tuple[int, str]] = [(pf, _label(sc.Role.PREFILL.value, sc.Phase.PREFILL_FINISHED.value, None)),
+                                    (kv, _label(sc.Role.DECODE.value, sc.Phase.KV_READY.value, None))]
+    for s in spans:
+        if s.name in NOT_HANDOFF_PHASES or s.name not in _PHASES:
+            continue
+        if s.start_ns == s.end_ns or s.name in _POINTS:
+            marks.append((s.start_ns, _label(s.role, s.name, None)))
+            continue
+        marks += [(s.start_ns, _label(s.role, s.name, "start")), (s.end_ns, _label(s.role, s.name, "end"))]
+        a, b = max(s.start_ns, pf), min(s.end_ns, kv)
+        if b > a:
+            ivs.append((a, b, s.role, s.name, s.start_ns))
+    cuts = sorted({t for t, _ in marks if pf <= t <= kv} | {t for a, b, *_ in ivs for t in (a, b)})
+    label_at: dict[int, str] = {}
+    for t, lab in marks:  # the window's ends first, then spans in the caller's order
+        label_at.setdefault(t, lab)
+    phases: dict[tuple[str | None, str], int] = {}
+    gaps = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        owner, best = None, None
+        for a, b, role, name, start in ivs:
+            if a <= lo and b >= hi:
+                # doing over waiting, then the latest start (the span's own, not clipped), the shorter
+                rank = (name not in _WAITING, start, a - b)
+                if best is None or rank > best:
+                    owner, best = (a, b, role, name), rank
+        if owner is None:
+            gaps.append((label_at.get(lo, "?"), label_at.get(hi, "?"), hi - lo))
+        else:
+            key = (owner[2], owner[3])
+            phases[key] = phases.get(key, 0) + hi - lo
+    return Tiling(kv - pf, phases, tuple(gaps))
+
+
+# ------------------------------------------------------------------ in words
+@dataclass
+class Breakdown:
+    """Tilings of one group of traces (a mode) added up."""
+
+    key: str
+    requests: int = 0
+    #: summed handoff, ns
+    handoff_ns: int = 0
+    #: phase -> summed exclusive ns (roles merged: one phase name, one share)
+    phases: dict[str, int] = field(default_factory=dict)
+    #: each request's unattributed share of its handoff
+    unattributed_shares: list[float] = field(default_factory=list)
+    #: (timestamp before, timestamp after) -> the unnamed stretches between them, ns
+    gaps: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    #: False where ``handoff_ns`` is only the sum of the phases (Prometheus
+    #: durations): then nothing can be said about unattributed time
+    handoff_known: bool = True
+
+    def add(self, t: Tiling) -> None:
+        if t.handoff_ns <= 0:
+            return
+        self.requests += 1
+        self.handoff_ns += t.handoff_ns
+        for (_, name), ns in t.phases.items():
+            self.phases[name] = self.phases.get(name, 0) + ns
+        self.unattributed_shares.append(t.unattributed_share)
+        for a, b, ns in t.gaps:
+            self.gaps.setdefault((a, b), []).append(ns)
+
+    @property
+    def unattributed_ns(self) -> int:
+        return max(self.handoff_ns - sum(self.phases.values()), 0)
+
+    @property
+    def median_unattributed_share(self) -> float | None:
+        """The acceptance figure: the unattributed share of the handoff at the median over requests."""
+        return statistics.median(self.unattributed_shares) if self.unattributed_shares else None
+
+    def shares(self) -> list[tuple[str, float]]:
+        """(phase or ``unattributed``, share of the summed handoff), largest first."""
+        if self.handoff_ns <= 0:
+            return []
+        out = [(name, ns / self.handoff_ns) for name, ns in self.phases.items() if ns > 0]
+        if self.unattributed_ns > 0:
+            out.append((UNATTRIBUTED, self.unattributed_ns / self.handoff_ns))
+        return sorted(out, key=lambda x: (-x[1], sc.PHASE_ORDER.get(x[0], 99)))
+
+    def top_gaps(self, n: int = 5) -> list[tuple[str, str, int, int, int]]:
+        """The unnamed stretches holding the most time: (before, after,
+        count, summed ns, median ns), largest sum first."""
+        rows = [(a, b, len(v), sum(v), int(statistics.median(v))) for (a, b), v in self.gaps.items()]
+        return sorted(rows, key=lambda r: -r[3])[:n]
+
+
+def summarize(tilings: Iterable[tuple[str, Tiling | None]]) -> dict[str, Breakdown]:
+    """Add ``(key, tiling)`` pairs up per key (a mode, or ``mode/dispatch``)."""
+    out: dict[str, Breakdown] = {}
+    for key, t in tilings:
+        if t is not None:
+            out.setdefault(key, Breakdown(key)).add(t)
+    return out
+
+
+def phase_words(name: str) -> str:
+    """A phase in words (``semconv.PHASE_WORDS``), with its span name."""
+    if name == UNATTRIBUTED:
+        return "unattributed"
+    return f"{sc.PHASE_WORDS.get(name, name)} ({name})"
+
+
+def dominant_words(b: Breakdown | None, key: str | None = None, top: int = 3) -> str:
+    """What dominates a group's handoff, in one line: ``"pull: 71 % of the
+    handoff is D's scheduler queue (decode.queue), then 12 % ..., 9 % ...;
+    unattributed 3 % (median per request 2 %)"``. Shares are of the summed
+    handoff time over the group's requests."""
+    key = key or (b.key if b is not None else "?")
+    if b is None or not b.requests:
+        return f"{key}: no completed handoff to break down"
+    shares = [x for x in b.shares() if x[0] != UNATTRIBUTED]
+    if not shares:
+        return f"{key}: no named phase on the critical path ({b.requests} requests)"
+    head, rest = shares[0], shares[1:top]
+    text = f"{key}: {_pct(head[1])} of the handoff is {phase_words(head[0])}"
+    if rest:
+        text += ", then " + ", ".join(f"{_pct(v)} {phase_words(n)}" for n, v in rest)
+    if not b.handoff_known:
+        return text + " (mean phase durations; their overlap unknown)"
+    un = b.unattributed_ns / b.handoff_ns if b.handoff_ns else 0.0
+    med = b.median_unattributed_share
+    return text + f"; unattributed {_pct(un)}" + (f" (median per request {_pct(med)})" if med is not None else "")
+
+
+def _pct(v: float) -> str:
+    return f"{v * 100:.0f} %"

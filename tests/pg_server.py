@@ -1,0 +1,191 @@
+"""A real, throw-away PostgreSQL server for the tests (no mock, no Docker).
+
+:class:`PgServer` runs the Debian server binaries
+(``/usr/lib/postgresql/<version>/bin``) as the ``postgres`` OS user, because
+the server refuses to run as root: ``initdb`` into a temporary directory,
+``pg_ctl start`` on a free loopback port with its unix socket in that
+directory, and at the end ``pg_ctl stop -m fast`` (then SIGKILL of the
+postmaster's PID if it is still there) and the directory removed, even when
+a test failed.
+
+The cluster is tuned for tests, not durability (``fsync=off``,
+``synchronous_commit=off``, ``full_page_writes=off``): a crash loses the
+test's data and nothing else.
+
+Each test gets its own database (:meth:`PgServer.new_database`, ``CREATE
+DATABASE ... TEMPLATE template0``, a few tens of ms), so tests never see
+each other's rows. :meth:`PgServer.stop` / :meth:`PgServer.start` stop and
+restart the same cluster on the same port (the "server goes away while the
+collector runs" tests).
+
+Used by the ``pg_server`` session fixture (``tests/conftest.py``) and the
+``pg_url`` per-test fixture; e2e tests use the same fixtures (they are in
+the top-level conftest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+PG_USER = "postgres"
+
+
+def pg_bindir() -> Path | None:
+    """The newest ``/usr/lib/postgresql/<version>/bin`` that has initdb, or None."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+                   key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0)
+    return Path(found[-1]).parent if found else None
+
+
+def missing_reason() -> str | None:
+    """Why a real server cannot run here (binaries or the OS user missing), or None."""
+    if pg_bindir() is None:
+        return "PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin/initdb); `make setup` installs them"
+    if os.geteuid() == 0:
+        try:
+            import pwd
+
+            pwd.getpwnam(PG_USER)
+        except KeyError:
+            return f"the {PG_USER!r} OS user is missing (PostgreSQL refuses to run as root)"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PgServer:
+    """One PostgreSQL cluster in a temporary directory, on a loopback port."""
+
+    #: ``durable=False`` (tests): a crash may lose or corrupt the cluster;
+    #: ``durable=True`` (benchmarks): fsync on, only the last commits may be
+    #: lost (``synchronous_commit=off``, like SQLite's WAL + synchronous=NORMAL).
+    def __init__(self, port: int | None = None, *, durable: bool = False, shared_buffers: str = "64MB") -> None:
+        self.durable = durable
+        self.shared_buffers = shared_buffers
+        bindir = pg_bindir()
+        if bindir is None:
+            raise RuntimeError(missing_reason())
+        self.bin = bindir
+        self.port = port or free_port()
+        self.host = "127.0.0.1"
+        self.user = PG_USER
+        self.dir = Path(tempfile.mkdtemp(prefix="kvlens-pg-"))
+        self.data = self.dir / "data"
+        self.log = self.dir / "server.log"
+        self._pid: int | None = None
+
+    # ------------------------------------------------------------- helpers
+    def _as_pg(self, *argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run ``argv`` as the postgres user (we may be root; the server refuses that)."""
+        cmd = list(argv)
+        if os.geteuid() == 0:
+            cmd = ["runuser", "-u", self.user, "--", *cmd]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}"
+                               f"\n{self._log_tail()}")
+        return r
+
+    def _log_tail(self) -> str:
+        try:
+            return "server log:\n" + self.log.read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def url(self, dbname: str = "postgres") -> str:
+        return f"postgresql://{self.user}@{self.host}:{self.port}/{dbname}"
+
+    # ----------------------------------------------------------- lifecycle
+    def init(self) -> "PgServer":
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, self.user, self.user)
+        os.chmod(self.dir, 0o700)
+        self._as_pg(str(self.bin / "initdb"), "-D", str(self.data), "-U", self.user, "--auth=trust",
+                    "--no-sync", "-E", "UTF8", "--locale=C")
+        with open(self.data / "postgresql.conf", "a") as f:
+            f.write("\n# kvlens tests: throw-away cluster\n"
+                    + ("" if self.durable else "fsync = off\nfull_page_writes = off\n")
+                    + "synchronous_commit = off\n"
+                    f"listen_addresses = '{self.host}'\nunix_socket_directories = '{self.dir}'\n"
+                    f"max_connections = 200\nshared_buffers = {self.shared_buffers}\n")
+        return self
+
+    def start(self) -> "PgServer":
+        """Start (or restart after :meth:`stop`) on the same port; waits until it accepts connections."""
+        self._as_pg(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o",
+                    f"-p {self.port}", "-w", "-t", "60", "start")
+        pid_line = (self.data / "postmaster.pid").read_text().splitlines()[0]
+        self._pid = int(pid_line)
+        return self
+
+    def stop(self) -> None:
+        """Stop fast (open connections are cut); SIGKILL the postmaster if that fails."""
+        if not (self.data / "postmaster.pid").exists():
+            self._pid = None
+            return
+        r = self._as_pg(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", "30", "stop",
+                        check=False)
+        if r.returncode != 0 and self._pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(self._pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+        self._pid = None
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # ----------------------------------------------------------- databases
+    def sql(self, statement: str, dbname: str = "postgres") -> None:
+        """Run one statement (autocommit, so CREATE/DROP DATABASE work)."""
+        import psycopg
+
+        with psycopg.connect(self.url(dbname), autocommit=True, connect_timeout=10) as c:
+            c.execute(statement)
+
+    def new_database(self, prefix: str = "t") -> str:
+        """A new empty database; its URL."""
+        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        self.sql(f"CREATE DATABASE {name} TEMPLATE template0")
+        return self.url(name)
+
+    def __enter__(self) -> "PgServer":
+        try:
+            return self.init().start()
+        except BaseException:
+            self.remove()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+if __name__ == "__main__":  # manual use: a server for a shell session (Ctrl-C or SIGTERM stops and removes it)
+    def _stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    with PgServer() as s:
+        print(s.url(), flush=True)
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pause()
