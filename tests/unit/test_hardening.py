@@ -83,8 +83,11 @@ def wait_until(cond, what: str, limit_s: float = 60.0) -> None:
 
 def start_supervisor(tmp_path: Path, how: str) -> tuple[subprocess.Popen, list[int]]:
     """The supervisor process and [guard, server, grandchild] pids."""
+    # SIGHUP at its default in the supervisor whatever the test run inherited
+    # (a `nohup make test` ignores it, and an ignored SIGHUP stays ignored by design)
     sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path), how, SERVER], cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     pids = tmp_path / "pids"
     wait_until(lambda: pids.exists() or sup.poll() is not None, "the server never started")
     assert sup.poll() is None, sup.stdout.read()

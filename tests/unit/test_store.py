@@ -267,6 +267,23 @@ def test_config_validation_is_strict():
     with pytest.raises(ValueError, match="kvlens_buffer_events"):
         pipeline.validate_config({"kvlens_buffer_events": "many"})
     assert pipeline.validate_config({"kvlens_home": "/x", "other_vllm_key": 1}) == {"kvlens_home": "/x"}
+    with pytest.raises(ValueError, match="kvlens_span_builder must be 'sidecar' or 'inline'"):
+        pipeline.validate_config({"kvlens_span_builder": "thread"})
+    assert pipeline.validate_config({"kvlens_span_builder": "inline"}) == {"kvlens_span_builder": "inline"}
+
+
+def test_collector_store_needs_a_separate_collector_process(tmp_path):
+    """``kvlens up --collector-store`` names the collector's store: refused
+    where no collector process runs; the stack's joined store is that URL."""
+    from kvlens.stack.errors import StackError
+    from kvlens.stack.launch import Stack
+
+    url = "postgresql://kvlens@db.internal:5432/kvlens"
+    for kw in ({}, {"separate_homes": True, "collector": "router"}):
+        with pytest.raises(StackError, match="--collector-store needs --separate-homes with --collector process"):
+            Stack(mode="push", kvlens_home=tmp_path, collector_store=url, **kw)
+    s = Stack(mode="push", kvlens_home=tmp_path, separate_homes=True, collector_store=url)
+    assert s.store_path == url and s.topology.home_for("prefill") == tmp_path.resolve() / "hosts" / "prefill"
 
 
 # vLLM's own keys that share kv_connector_extra_config with kvlens' (the stack's,
