@@ -57,7 +57,8 @@ def phase_chart(ph: pd.DataFrame, mode: str, path: str, x_max: float | None, tit
             y=alt.Y("bar:N", title=None, axis=None),
             x=alt.X("sum(ms):Q", title="ms per request (mean)", stack="zero", scale=x_scale),
             color=alt.Color("phase:N", scale=phase_color_scale(),
-                            legend=alt.Legend(title=None, orient="bottom", columns=4, values=present)),
+                            legend=alt.Legend(title=None, orient="bottom", columns=2, labelLimit=0,
+                                              values=present)),  # whole phase names in a half-width column
             order=alt.Order("rank:Q"),
             tooltip=["phase:N", "role:N", alt.Tooltip("ms:Q", title="ms / request", format=".3f"),
                      alt.Tooltip("requests:Q", title="over requests")],
