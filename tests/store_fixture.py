@@ -34,37 +34,52 @@ def make_store(home: Path, n_per_mode: int = 30, seed: int = 7, span_s: float = 
     10 pull requests fails its READ, 1 in 15 push requests times out."""
     rng = random.Random(seed)
     recs = {(r, m): _recorder(r, m, home) for r in ("router", "prefill", "decode") for m in ("push", "pull")}
-    now = time.time_ns()
-    base = now - int(span_s * 1e9)
+    record_requests(recs, rng, time.time_ns() - int(span_s * 1e9), n_per_mode, span_s)
+    path = home / "traces.db"
+    if bench:
+        save_bench(path, rng)
+    return path
+
+
+def record_requests(recs, rng: random.Random, base_ns: int, n_per_mode: int, span_s: float, *,
+                    seeded_ids: bool = False) -> dict[str, list[str]]:
+    """Record ``n_per_mode`` push and pull requests from ``base_ns`` over
+    ``span_s`` seconds through ``recs`` ((role, mode) -> Recorder), then
+    flush and close them; the trace ids by mode. ``seeded_ids``: trace and
+    request ids drawn from ``rng`` too, so two stores built alike hold the
+    same traces (otherwise random, as in production)."""
     step = int(span_s * 1e9 / max(n_per_mode, 1))
     ids: dict[str, list[str]] = {"push": [], "pull": []}
     for i in range(n_per_mode):
         for mode in ("push", "pull"):
-            tid = secrets.token_hex(16)
+            tid = format(rng.getrandbits(128), "032x") if seeded_ids else secrets.token_hex(16)
             ids[mode].append(tid)
-            t0 = base + i * step + rng.randint(0, step // 2)
-            _request(recs, mode, tid, t0, rng, first=(i == 0), i=i)
+            t0 = base_ns + i * step + rng.randint(0, step // 2)
+            _request(recs, mode, tid, t0, rng, first=(i == 0), i=i, id_rng=rng if seeded_ids else None)
     for r in recs.values():
         r.flush()
         r.close()
-    path = home / "traces.db"
-    if bench:
-        conn = store.connect(path)
-        try:
-            store.save_bench_rows(conn, "bench-fixture", bench_grid(rng))
-        finally:
-            conn.close()
-    return path
+    return ids
 
 
-def _rid(tid: str) -> str:
-    return f"cmpl-{tid}-0-{secrets.token_hex(4)}"
+def save_bench(store_name, rng: random.Random) -> None:
+    """The fixture's bench grid as one saved run (``bench-fixture``)."""
+    conn = store.connect(store_name)
+    try:
+        store.save_bench_rows(conn, "bench-fixture", bench_grid(rng))
+    finally:
+        conn.close()
 
 
-def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: bool, i: int) -> None:
+def _rid(tid: str, rng: random.Random | None = None) -> str:
+    return f"cmpl-{tid}-0-{rng.getrandbits(32):08x}" if rng else f"cmpl-{tid}-0-{secrets.token_hex(4)}"
+
+
+def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: bool, i: int,
+             id_rng: random.Random | None = None) -> None:
     P = sc.Phase
     router, pre, dec = recs[("router", mode)], recs[("prefill", mode)], recs[("decode", mode)]
-    p_rid, d_rid = _rid(tid), _rid(tid)
+    p_rid, d_rid = _rid(tid, id_rng), _rid(tid, id_rng)
     blocks = rng.choice([4, 8, 16, 32])
     kv_attrs = {sc.ATTR_BLOCKS: blocks, sc.ATTR_BYTES: blocks * 131072, sc.ATTR_DESCRIPTORS: blocks * 4,
                 sc.ATTR_REMOTE_RANK: 0}

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import random
 from typing import Any
-from unittest import mock
 
-from exporters import store
 from exporters.pipeline import provider_factory
 from instrumented_connector.recorder import Recorder
-import store_fixture
-from store_fixture import _request, bench_grid
+from store_fixture import record_requests, save_bench
 
 ENGINES = {"router": None, "prefill": "p0", "decode": "d0"}
 
@@ -30,22 +27,6 @@ def build(store_name: Any, cfg: dict, base_ns: int, *, n_per_mode: int = 12, see
     recs = {(r, m): Recorder(role=r, mode=m, engine_id=e,
                              pipeline_factory=provider_factory(role=r, mode=m, engine_id=e, config=cfg))
             for r, e in ENGINES.items() for m in ("push", "pull")}
-    step = int(span_s * 1e9 / max(n_per_mode, 1))
-    ids: dict[str, list[str]] = {"push": [], "pull": []}
-    # store_fixture's P/D request ids end in a random suffix: draw it from the seeded RNG
-    with mock.patch.object(store_fixture, "_rid", lambda tid: f"cmpl-{tid}-0-{rng.getrandbits(32):08x}"):
-        for i in range(n_per_mode):
-            for mode in ("push", "pull"):
-                tid = format(rng.getrandbits(128), "032x")
-                ids[mode].append(tid)
-                t0 = base_ns + i * step + rng.randint(0, step // 2)
-                _request(recs, mode, tid, t0, rng, first=(i == 0), i=i)
-    for r in recs.values():
-        r.flush()
-        r.close()
-    conn = store.connect(store_name)
-    try:
-        store.save_bench_rows(conn, "bench-fixture", bench_grid(rng))
-    finally:
-        conn.close()
+    ids = record_requests(recs, rng, base_ns, n_per_mode, span_s, seeded_ids=True)
+    save_bench(store_name, rng)
     return ids
