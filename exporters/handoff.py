@@ -39,7 +39,10 @@ could not be bounded is counted ``unresolved{reason="clock_unknown"}``. Each
 observation also sets ``kvlens_clock_offset_seconds`` (the middle of the
 pair's interval for D's clock minus P's) and
 ``kvlens_clock_offset_width_seconds`` (its width), labelled by the engine
-ids seen (at most :data:`MAX_PAIRS` pairs).
+ids seen (at most :data:`MAX_PAIRS` pairs). The same pass reads the
+resolved traces' spans back and observes their derived phases
+(``semconv.DERIVED_PHASES``, e.g. ``prefill.respond``) in
+``kvlens_phase_duration_seconds``: no single process sees those intervals.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exporters import store
+from exporters import store, tiling, tracemodel
 from instrumented_connector import procstats
+from instrumented_connector import semconv as sc
 from instrumented_connector.logutil import log_once
 
 #: Bound on the (P engine, D engine) label pairs of the clock gauges.
@@ -173,6 +177,8 @@ class HandoffResolver:
         fam = self.fam
         for tid, mode, row in resolved:
             self._observe(tid, mode, row)
+        if resolved:
+            self._observe_derived({tid: mode for tid, mode, _ in resolved})
         reason = "missing" if store_ok else "no_store"
         for mode in expired:
             fam.child(fam.unresolved, (mode, reason)).inc()
@@ -200,6 +206,27 @@ class HandoffResolver:
             self._pairs.add(pair)
         fam.child(fam.clock_offset, pair).set((lo + hi) / 2)
         fam.child(fam.clock_width, pair).set(hi - lo)
+
+    def _observe_derived(self, modes: dict[str, str]) -> None:
+        """The derived phases of traces just resolved
+        (``semconv.DERIVED_PHASES``: intervals between two processes, which
+        no span processor sees whole) into ``kvlens_phase_duration_seconds``,
+        like every recorded phase: the resolver is the one place that reads
+        the whole trace back, once per request. One read per pass; a failed
+        read skips these phases for the pass (logged once), never the handoff."""
+        try:
+            traces = tracemodel.find(self._connection(), list(modes))
+        except Exception as e:
+            log_once("handoff-derived:" + type(e).__name__, "derived phases not read (%s); skipped", e)
+            return
+        fam = self.fam
+        for tid, tr in traces.items():
+            for name, role, t0, t1 in tiling.derive(tr.spans):
+                child = fam.child(fam.phase, (modes[tid], sc.closed(role, sc.Role), name, sc.Outcome.OK.value))
+                if self.exemplars:
+                    child.observe((t1 - t0) / 1e9, {"trace_id": tid})
+                else:
+                    child.observe((t1 - t0) / 1e9)
 
     def flush(self, timeout_s: float) -> bool:
         """Resolve until nothing is pending or ``timeout_s`` passed (tests, shutdown). Blocks."""

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporters import store
+from exporters import store, tiling, tracemodel
 from exporters.collector.ingest import Ingest
 from store_backends import Backend
 from synthetic_store import build
@@ -101,8 +101,13 @@ def _resolved(b: Backend, ids: dict[str, list[str]]) -> dict:
     finally:
         proc.shutdown()
     g = reg.get_sample_value
-    return {m: (g("kvlens_handoff_seconds_count", {"mode": m}), g("kvlens_handoff_seconds_sum", {"mode": m}))
-            for m in ids}
+    out = {m: (g("kvlens_handoff_seconds_count", {"mode": m}), g("kvlens_handoff_seconds_sum", {"mode": m}))
+           for m in ids}
+    for fam in reg.collect():  # the derived phases the resolver observed, by (mode, role, phase)
+        for smp in fam.samples:
+            if smp.name == "kvlens_phase_duration_seconds_count":
+                out[(smp.labels["mode"], smp.labels["role"], smp.labels["phase"])] = smp.value
+    return out
 
 
 def test_the_handoff_resolver_reads_the_same_on_both_backends(both):
@@ -110,6 +115,20 @@ def test_the_handoff_resolver_reads_the_same_on_both_backends(both):
     a, b = _resolved(lite, ids), _resolved(pgb, ids)
     assert a["push"][0] and a["pull"][0]  # something was resolved
     assert _norm(b) == _norm(a)
+    # derived phases (no process sees them whole) come from the resolver: one
+    # observation per derived interval of each resolved trace, as the trace model derives them
+    with store.reading(lite.store) as c:
+        traces = tracemodel.find(c, [t for v in ids.values() for t in v])
+    want: dict = {}
+    for tr in traces.values():
+        if tr.handoff_s is None and tr.handoff_note is None:
+            continue
+        for name, role, _, _ in tiling.derive(tr.spans):
+            want[(tr.mode, role, name)] = want.get((tr.mode, role, name), 0) + 1
+    got = {k: v for k, v in a.items() if isinstance(k, tuple)}
+    assert got == want
+    assert any(k[0] == "pull" and k[2] == "prefill.respond" for k in got)
+    assert any(k[0] == "push" and k[2] == "write.notify" for k in got)
 
 
 def test_kvlens_traces_prints_the_same_on_both_backends(both, capsys):
