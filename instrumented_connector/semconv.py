@@ -147,7 +147,8 @@ PULL_PHASES: Final = (
 #: Phases that, in push mode, run while P is still computing: shown as
 #: overlap, not as handoff cost (docs/phases.md, "Critical path").
 PUSH_OVERLAP_PHASES: Final = frozenset(
-    {Phase.DECODE_QUEUE, Phase.REGISTRATION_STAGE, Phase.REGISTRATION_SEND, Phase.REGISTRATION_RECEIVE}
+    {Phase.DECODE_QUEUE, Phase.REGISTRATION_STAGE, Phase.REGISTRATION_DISPATCH, Phase.REGISTRATION_SEND,
+     Phase.REGISTRATION_RECEIVE}
 )
 
 #: Phases that only say one side waits for the other (P's writer for D's
