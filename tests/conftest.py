@@ -6,7 +6,7 @@ real P/D stacks live in ``tests/e2e/conftest.py``.
 helpers such as ``store_fixture`` import by name.
 
 PostgreSQL (``tests/pg_server.py``): ``pg_server`` starts one real server
-for the session (``initdb`` + ``pg_ctl start`` as the ``postgres`` user on a
+for the session (``initdb`` + the postmaster as the ``postgres`` user on a
 free loopback port; stopped and removed at the end, also after a failure);
 ``pg_url`` gives a test a database of its own (dropped afterwards), so
 tests never see each other's rows. Tests that need it are skipped, saying

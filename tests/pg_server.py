@@ -3,10 +3,11 @@
 :class:`PgServer` runs the Debian server binaries
 (``/usr/lib/postgresql/<version>/bin``) as the ``postgres`` OS user, because
 the server refuses to run as root: ``initdb`` into a temporary directory,
-``pg_ctl start`` on a free loopback port with its unix socket in that
-directory, and at the end ``pg_ctl stop -m fast`` (then SIGKILL of the
-postmaster's PID if it is still there) and the directory removed, even when
-a test failed.
+the postmaster started on a free loopback port with its unix socket in that
+directory, as a child of the test process with a parent-death signal (so a
+killed test run leaves no server), and at the end a fast shutdown (then
+SIGKILL if it is still there) and the directory removed, even when a test
+failed.
 
 The cluster is tuned for tests, not durability (``fsync=off``,
 ``synchronous_commit=off``, ``full_page_writes=off``): a crash loses the
@@ -87,6 +88,7 @@ class PgServer:
         self.data = self.dir / "data"
         self.log = self.dir / "server.log"
         self._pid: int | None = None
+        self._proc: subprocess.Popen | None = None
 
     # ------------------------------------------------------------- helpers
     def _as_pg(self, *argv: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -125,31 +127,50 @@ class PgServer:
         return self
 
     def start(self) -> "PgServer":
-        """Start (or restart after :meth:`stop`) on the same port; waits until it accepts connections."""
-        self._as_pg(str(self.bin / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o",
-                    f"-p {self.port}", "-w", "-t", "60", "start")
-        pid_line = (self.data / "postmaster.pid").read_text().splitlines()[0]
-        self._pid = int(pid_line)
-        return self
+        """Start (or restart after :meth:`stop`) on the same port; waits until it accepts connections.
+
+        The postmaster runs as a direct child of this process (``setpriv``
+        drops to the postgres user and execs it, no daemonising ``pg_ctl``)
+        with a parent-death signal (SIGINT: PostgreSQL's fast shutdown), so a
+        test run that is killed before its fixtures' teardown leaves no
+        server behind."""
+        cmd = [str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port)]
+        if os.geteuid() == 0:
+            cmd = ["setpriv", f"--reuid={self.user}", f"--regid={self.user}", "--init-groups",
+                   "--pdeathsig=SIGINT", "--", *cmd]
+        else:
+            cmd = ["setpriv", "--pdeathsig=SIGINT", "--", *cmd]
+        log = open(self.log, "ab")
+        try:
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+        self._pid = self._proc.pid
+        deadline = time.monotonic() + 60
+        while True:
+            r = self._as_pg(str(self.bin / "pg_isready"), "-h", self.host, "-p", str(self.port), "-t", "2",
+                            check=False)
+            if r.returncode == 0:
+                return self
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"PostgreSQL did not start on port {self.port}\n{self._log_tail()}")
+            time.sleep(0.1)
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def stop(self) -> None:
-        """Stop fast (open connections are cut); SIGKILL the postmaster if that fails."""
-        if not (self.data / "postmaster.pid").exists():
-            self._pid = None
+        """Stop fast (SIGINT: open connections are cut); SIGKILL the postmaster if that fails."""
+        proc, self._proc, self._pid = getattr(self, "_proc", None), None, None
+        if proc is None or proc.poll() is not None:
             return
-        r = self._as_pg(str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "-t", "30", "stop",
-                        check=False)
-        if r.returncode != 0 and self._pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(self._pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.05)
-        self._pid = None
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
     def remove(self) -> None:
         self.stop()

@@ -353,7 +353,7 @@ def test_the_collector_rides_out_a_server_restart(pg_server, pg_url):
             got = store.spans_for(conn, trace_ids(first + second + third))
         assert sum(len(v) for v in got.values()) == len(first) + len(second)
     finally:
-        if not (pg_server.data / "postmaster.pid").exists():
+        if not pg_server.running():
             pg_server.start()
         patient.close(5.0)
         impatient.close(5.0)
