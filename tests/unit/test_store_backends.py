@@ -360,24 +360,29 @@ def test_the_collector_rides_out_a_server_restart(pg_server, pg_url):
 
 
 def test_concurrent_first_writers_create_the_schema_once(pg_url):
+    assert _concurrently(lambda _: store.connect(pg_url).close(), 4) == []
+    with store.reading(pg_url) as c:
+        assert store.info(c)["traces"] == 0
+
+
+def _concurrently(fn, n: int) -> list[BaseException]:
+    """Run ``fn(i)`` for i in range(n) on n threads at once; what they raised."""
     import threading
 
     errors: list[BaseException] = []
 
-    def open_close():
+    def run(i: int) -> None:
         try:
-            store.connect(pg_url).close()
-        except BaseException as e:  # noqa: BLE001 - collected for the assert
+            fn(i)
+        except BaseException as e:  # noqa: BLE001 - collected for the caller's assert
             errors.append(e)
 
-    threads = [threading.Thread(target=open_close) for _ in range(4)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert errors == []
-    with store.reading(pg_url) as c:
-        assert store.info(c)["traces"] == 0
+    return errors
 
 
 def test_a_span_sent_twice_in_one_batch_is_stored_once(backend):
@@ -399,13 +404,11 @@ def test_concurrent_writers_of_the_same_traces_do_not_deadlock(pg_url):
     once: rows are locked in trace-id order, so none waits on another in a
     cycle (PostgreSQL would abort one with "deadlock detected")."""
     import random
-    import threading
 
     from test_collector import record_spans, trace_ids
 
     spans = record_spans(3)
     store.connect(pg_url).close()
-    errors: list[BaseException] = []
 
     def writer(seed: int) -> None:
         rng = random.Random(seed)
@@ -415,17 +418,10 @@ def test_concurrent_writers_of_the_same_traces_do_not_deadlock(pg_url):
                 batch = spans[:]
                 rng.shuffle(batch)
                 store.write_spans(conn, batch)
-        except BaseException as e:  # noqa: BLE001 - collected for the assert
-            errors.append(e)
         finally:
             conn.close()
 
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert _concurrently(writer, 4) == []
     with store.reading(pg_url) as c:
         rows = store.slowest(c, 100)
         assert sum(len(v) for v in store.spans_for(c, trace_ids(spans)).values()) == len(spans)
