@@ -68,9 +68,11 @@ def phase_chart(ph: pd.DataFrame, mode: str, path: str, x_max: float | None, tit
     )
 
 
-def waterfall_chart(spans: pd.DataFrame, critical_ms: tuple[float, float] | None) -> alt.LayerChart:
+def waterfall_chart(spans: pd.DataFrame, critical_ms: tuple[float, float] | None,
+                    handoff: str | None = None) -> alt.LayerChart:
     """One trace's spans (``data.trace_detail``) as lanes per role · phase, bars and
-    ◆ points, critical-path spans outlined and the critical window (ms) shaded."""
+    ◆ points, critical-path spans outlined and the critical window (ms) shaded;
+    ``handoff``: the handoff as the page shows it (default: the window's width in ms)."""
     lanes = list(dict.fromkeys(spans["lane"]))
     attr_cols = [c for c in spans.columns if c.startswith("attr_")]
     tooltip = ([alt.Tooltip("phase:N"), alt.Tooltip("role:N"),
@@ -83,7 +85,7 @@ def waterfall_chart(spans: pd.DataFrame, critical_ms: tuple[float, float] | None
     layers = []
     if critical_ms is not None:
         band = pd.DataFrame([{"from_ms": critical_ms[0], "to_ms": critical_ms[1],
-                              "label": f"critical path (handoff {critical_ms[1] - critical_ms[0]:.2f} ms)"}])
+                              "label": f"critical path (handoff {handoff or f'{critical_ms[1] - critical_ms[0]:,.1f} ms'})"}])
         layers.append(
             alt.Chart(band).mark_rect(color="#e45756", opacity=0.12)
             .encode(x="from_ms:Q", x2="to_ms:Q", tooltip=["label:N"])

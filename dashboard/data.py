@@ -30,6 +30,7 @@ from urllib.parse import urlencode
 import pandas as pd
 
 from exporters import benchrows, store, tracemodel
+from exporters.store import queries
 from instrumented_connector import semconv as sc
 
 MODES: tuple[str, ...] = tuple(m.value for m in sc.Mode)
@@ -268,14 +269,15 @@ def breakdown_words(phases: pd.DataFrame) -> dict[str, str]:
 
 
 _SLOW_COLS = ["trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "ttft_s", "handoff_s", "n_spans",
-              "handoff_err_s", "handoff_note"]
+              "handoff_err_s", "handoff_note", "p_engine", "d_engine"]
 
 
-def slowest(path: str | Path, n: int = 50, *, order: str = "handoff", **filters: Any) -> pd.DataFrame:
-    """The store's ``slowest`` as a DataFrame (columns ``_SLOW_COLS``);
-    ``filters``: the fields of :class:`exporters.store.TraceFilter`."""
+def slowest(path: str | Path, n: int = 50, *, order: str = "handoff", p_engine: str | None = None,
+            d_engine: str | None = None, **filters: Any) -> pd.DataFrame:
+    """The store's ``slowest`` as a DataFrame (columns ``_SLOW_COLS``), on the
+    engines given (None: any); ``filters``: the fields of :class:`exporters.store.TraceFilter`."""
     with store.reading(path) as c:
-        rows = store.slowest(c, n, order=order, **filters)
+        rows = queries.slowest_on(c, n, p_engine=p_engine, d_engine=d_engine, order=order, **filters)
     return pd.DataFrame([{k: r.get(k) for k in _SLOW_COLS} for r in rows], columns=_SLOW_COLS)
 
 

@@ -6,6 +6,7 @@ message, and number formatting. Runs on Streamlit's script thread.
 from __future__ import annotations
 
 import argparse
+import math
 import numbers
 import sys
 from dataclasses import dataclass
@@ -115,7 +116,9 @@ def fmt_short(v: float | None, scale: float = 1.0) -> str:
     x = v * scale
     if abs(x) >= 100:
         return f"{x:,.0f}"
-    return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}" if abs(x) >= 0.01 or x == 0 else f"{x:.1e}"
+    if abs(x) >= 1 or x == 0:
+        return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+    return f"{x:.3f}" if abs(x) >= 0.01 else f"{x:.1e}"  # 0.550, 0.012: TPOT in a row of seconds
 
 
 def fmt_rate(v: float | None) -> str:
@@ -128,11 +131,48 @@ def fmt_rate(v: float | None) -> str:
 
 
 def fmt_handoff(h: float | None, err: float | None, note: str | None = None) -> str:
-    """A handoff with its clock bound (``12.3 ms ± 0.4 ms``); ``unknown`` when
-    the store could not bound the P/D clocks (the note says why elsewhere)."""
+    """A handoff in ms with its clock bound, to the digits the bound supports
+    (``9,247.0 ± 0.4 ms``); ``unknown`` when the store could not bound the P/D
+    clocks (the note says why elsewhere)."""
     if _missing(h):
         return "unknown" if note else MISSING
-    return fmt_s(h) if err is None or pd.isna(err) else f"{fmt_s(h)} ± {fmt_s(err)}"
+    return f"{fmt_ms(h)} ms" if _missing(err) else f"{fmt_ms(h, err)} ± {fmt_err_ms(err)} ms"
+
+
+def bound_decimals(err_ms: float | None) -> int | None:
+    """Decimal places of ms that a bound of ± ``err_ms`` supports: down to its
+    first significant digit, one more when that digit is 1 (±0.4: 1, ±0.15: 2,
+    ±3: 0, ±40: -1, i.e. tens); None when unknown or 0."""
+    if _missing(err_ms) or err_ms <= 0:
+        return None
+    e = math.floor(math.log10(err_ms))
+    return -e + (1 if round(err_ms / 10.0 ** e, 9) < 2 else 0)
+
+
+def _fixed(x: float, d: int) -> str:
+    return f"{round(x, d):,.0f}" if d <= 0 else f"{x:,.{d}f}"
+
+
+def fmt_ms(v_s: float | None, err_s: float | None = None) -> str:
+    """Seconds as a ms figure (no unit) to what the bound ``err_s`` supports
+    (:func:`bound_decimals`: ±0.4 ms shows 0.1 ms); without a bound, 3
+    significant digits and whole ms at least (``12.3``, ``9,247``); ``-`` when missing."""
+    if _missing(v_s):
+        return MISSING
+    v = v_s * 1e3
+    d = bound_decimals(None if _missing(err_s) else err_s * 1e3)
+    if d is None:
+        d = 0 if v == 0 or abs(v) >= 100 else 2 - math.floor(math.log10(abs(v)))
+    return _fixed(v, d)
+
+
+def fmt_err_ms(err_s: float | None) -> str:
+    """A clock bound (seconds) in ms, to its first significant digit (two when
+    that digit is 1); ``-`` when missing."""
+    if _missing(err_s):
+        return MISSING
+    d = bound_decimals(err_s * 1e3)
+    return "0" if d is None else _fixed(err_s * 1e3, d)
 
 
 def clock_caption(rec: dict) -> str:

@@ -11,6 +11,12 @@ Push/pull ratio: a push row's figure divided by the pull row's figure of the
 same cell (:data:`CELL_KEYS`); < 1 means push was faster. Pull rows, cells
 without a pull row and missing figures get None.
 
+Intervals: each stored ratio has a bootstrap 95 % confidence interval
+(``<ratio key>_lo`` / ``_hi``, computed by the bench over the cell's requests
+and rounds) and a verdict (:func:`verdict`, ``<metric>_verdict``): a winner
+only where the interval excludes 1. ``rounds`` is how many rounds the row
+pools (``kvlens bench --repeat``); a row without it predates intervals.
+
 Pure functions, no I/O; safe from any thread.
 """
 
@@ -30,10 +36,10 @@ FIGURE_KEYS = (
     "num_prompts", "completed", "failed", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_untimed",
     "handoff_p50_s", "handoff_p99_s", "req_per_s",
 )  # fmt: skip
-#: Keys every row has, in display order: the ``--json`` contract and the dashboard's bench table.
-ROW_KEYS = VARIANT_KEYS + CELL_KEYS + FIGURE_KEYS
 #: Figures a push row can be compared with pull on.
 RATIO_METRICS = ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "handoff_p50_s", "handoff_p99_s")
+#: The confidence level of the stored intervals.
+CI_LEVEL = 0.95
 
 
 def ratio_key(metric: str) -> str:
@@ -41,8 +47,42 @@ def ratio_key(metric: str) -> str:
     return f"{metric.removesuffix('_s')}_push_over_pull"
 
 
+def interval_keys(metric: str) -> tuple[str, str]:
+    """The row keys of the bounds of a metric's push/pull interval:
+    ``ttft_p50_s`` -> (``ttft_p50_push_over_pull_lo``, ``..._hi``)."""
+    return f"{ratio_key(metric)}_lo", f"{ratio_key(metric)}_hi"
+
+
+def verdict_key(metric: str) -> str:
+    """The row key of a metric's verdict: ``ttft_p50_s`` -> ``ttft_p50_verdict``."""
+    return f"{metric.removesuffix('_s')}_verdict"
+
+
 #: Ratios every written row carries (key -> metric), None on pull rows.
 STORED_RATIOS = {ratio_key(m): m for m in ("ttft_p50_s", "handoff_p50_s")}
+#: Rounds pooled, then the bounds of each stored ratio's interval (None where there is none).
+INTERVAL_KEYS = ("rounds",) + tuple(k for m in STORED_RATIOS.values() for k in interval_keys(m))
+#: Keys every row has, in display order: the ``--json`` contract and the dashboard's bench table.
+ROW_KEYS = VARIANT_KEYS + CELL_KEYS + FIGURE_KEYS + INTERVAL_KEYS
+
+#: Verdicts (:func:`verdict`).
+PUSH_LOWER = "push lower"
+PULL_LOWER = "pull lower"
+NO_DIFFERENCE = "no resolvable difference"
+NOT_ENOUGH_DATA = "not enough data"
+
+
+def verdict(lo: float | None, hi: float | None) -> str:
+    """The one reading of a push/pull interval: a side is lower only where
+    the whole interval is on its side of 1; an interval that contains 1 is
+    :data:`NO_DIFFERENCE`, a missing one :data:`NOT_ENOUGH_DATA`."""
+    if _missing(lo) or _missing(hi):
+        return NOT_ENOUGH_DATA
+    if hi < 1.0:
+        return PUSH_LOWER
+    if lo > 1.0:
+        return PULL_LOWER
+    return NO_DIFFERENCE
 
 
 def _missing(v: Any) -> bool:

@@ -61,6 +61,10 @@ from instrumented_connector.logutil import log_once
 
 #: Bound on the (P engine, D engine) label pairs of the clock gauges.
 MAX_PAIRS = 64
+#: Trace ids remembered as looked up, so a second trigger span of the same
+#: request (root span and ``kv.ready`` with ``handoff_from="any"``) is
+#: not counted again: far more than arrive within one trigger's spread.
+DONE_CAP = 100_000
 
 
 class HandoffResolver:
@@ -89,17 +93,30 @@ class HandoffResolver:
         self._conn = None
         self._pid = os.getpid()
         self._pairs: set[tuple[str, str]] = set()
+        #: trace ids looked up already, newest last (bounded: :data:`DONE_CAP`)
+        self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
 
-    def submit(self, trace_id: str, mode: str) -> None:
-        """Queue ``trace_id`` (32 hex) for lookup. Any thread; never blocks on I/O."""
+    def submit(self, trace_id: str, mode: str, wait_s: float = 0.0) -> None:
+        """Queue ``trace_id`` (32 hex) for lookup. Any thread; never blocks on I/O.
+        A trace already pending or looked up (several trigger spans of one
+        request: the router's root and D's ``kv.ready``) counts once.
+        ``wait_s``: read it no sooner than this (D's ``kv.ready`` where a
+        router's spans may still be on their way: its ``relay`` decides the
+        derived phases); a later submit without a wait lifts it."""
+        now = time.monotonic()
         with self._lock:
-            if trace_id in self._pending:
+            if trace_id in self._done:
+                return
+            held = self._pending.get(trace_id)
+            if held is not None:
+                if now + wait_s < held[2]:
+                    self._pending[trace_id] = (held[0], held[1], now + wait_s)
                 return
             if len(self._pending) >= self.max_pending:
                 overflow = True
             else:
                 overflow = False
-                self._pending[trace_id] = (mode, time.monotonic() + self.deadline_s)
+                self._pending[trace_id] = (mode, now + self.deadline_s, now + wait_s)
         if overflow:
             self.fam.child(self.fam.unresolved, (mode, "overflow")).inc()
             return
@@ -163,26 +180,53 @@ class HandoffResolver:
         now = time.monotonic()
         resolved, expired = [], []
         with self._lock:
-            for tid, (mode, deadline) in items:
+            for tid, (mode, deadline, not_before) in items:
                 # pop() decides: a concurrent pass (thread vs force_flush) may
                 # have taken this id already, and each id counts exactly once.
                 row = found.get(tid)
                 due = expire and now >= deadline
-                if row is not None and (row["complete"] or due):
+                if row is not None and ((row["complete"] and now >= not_before) or due):
                     if self._pending.pop(tid, None) is not None:
                         resolved.append((tid, mode, row))
+                        self._mark_done(tid)
                 elif due:
                     if self._pending.pop(tid, None) is not None:
-                        expired.append(mode)
+                        expired.append((tid, mode))
+                        self._mark_done(tid)
         fam = self.fam
         for tid, mode, row in resolved:
             self._observe(tid, mode, row)
         if resolved:
             self._observe_derived({tid: mode for tid, mode, _ in resolved})
         reason = "missing" if store_ok else "no_store"
-        for mode in expired:
+        for _, mode in expired:
             fam.child(fam.unresolved, (mode, reason)).inc()
+        if expired and store_ok:
+            self._count_halves(expired)
         return len(resolved)
+
+    def _mark_done(self, tid: str) -> None:
+        """Remember a looked-up trace (caller holds the lock)."""
+        done = self._done
+        done[tid] = None
+        if len(done) > DONE_CAP:
+            done.popitem(last=False)
+
+    def _count_halves(self, expired: list[tuple[str, str]]) -> None:
+        """Of the traces that expired without a handoff, count those holding
+        one side's spans only (``kvlens_traces_unjoined_total``): P's and D's
+        records of one request did not join (docs/phases.md, "Trace correlation")."""
+        try:
+            sides = store.halves(self._connection(), [t for t, _ in expired])
+        except Exception as e:
+            log_once("handoff-halves:" + type(e).__name__, "half traces not counted (%s); skipped", e)
+            return
+        fam = self.fam
+        for tid, mode in expired:
+            side = sides.get(tid)
+            if side is not None:
+                why = "no_decode_side" if side == sc.Role.PREFILL.value else "no_prefill_side"
+                fam.child(fam.unjoined, (mode, why)).inc()
 
     def _observe(self, tid: str, mode: str, row: dict) -> None:
         fam = self.fam

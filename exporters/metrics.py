@@ -82,6 +82,10 @@ from instrumented_connector.recorder import DropReason
 
 #: Where the handoff trigger runs (see :mod:`exporters.handoff`): router | decode | off.
 HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
+#: With ``handoff_from="any"``, how long a lookup triggered by D's
+#: ``kv.ready`` waits for a router's spans (its ``relay`` decides which
+#: derived phases the trace has); the router's root span ends the wait.
+KV_READY_WAIT_S = 3.0
 
 _OTHER = sc.OTHER
 
@@ -153,7 +157,10 @@ class PhaseMetricsProcessor(SpanProcessor):
 
     ``store_path``: trace store for the handoff lookup (default
     :func:`config.store_path`). ``handoff_from``: ``"router"`` (default;
-    env ``KVLENS_HANDOFF_FROM``), ``"decode"`` or ``"off"``. ``exemplars``: attach
+    env ``KVLENS_HANDOFF_FROM``: the root span triggers the lookup),
+    ``"decode"`` (D's ``kv.ready``: behind another router), ``"any"``
+    (either, each trace counted once: where every span meets, the collector)
+    or ``"off"``. ``exemplars``: attach
     ``trace_id`` exemplars (default: on unless ``PROMETHEUS_MULTIPROC_DIR``
     is set, where prometheus_client cannot store them). ``dropped_source``:
     where ``kvlens_telemetry_dropped_total`` reads drop counts (see
@@ -173,8 +180,8 @@ class PhaseMetricsProcessor(SpanProcessor):
         dropped_source: DroppedSource | None = None,
     ) -> None:
         handoff_from = (handoff_from or os.environ.get(HANDOFF_FROM_ENV) or "router").strip().lower()
-        if handoff_from not in ("router", "decode", "off"):
-            raise ValueError(f"handoff_from must be router, decode or off, got {handoff_from!r}")
+        if handoff_from not in ("router", "decode", "any", "off"):
+            raise ValueError(f"handoff_from must be router, decode, any or off, got {handoff_from!r}")
         if handoff_deadline_s <= 0 or handoff_poll_s <= 0:
             raise ValueError("handoff_deadline_s and handoff_poll_s must be > 0")
         if int(handoff_max_pending) <= 0:
@@ -184,7 +191,8 @@ class PhaseMetricsProcessor(SpanProcessor):
         if exemplars is None:
             exemplars = not os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.exemplars = bool(exemplars)
-        self._trigger = {"router": sc.Phase.REQUEST.value, "decode": sc.Phase.KV_READY.value, "off": None}[handoff_from]
+        self._trigger = {"router": (sc.Phase.REQUEST.value,), "decode": (sc.Phase.KV_READY.value,),
+                         "any": (sc.Phase.REQUEST.value, sc.Phase.KV_READY.value), "off": ()}[handoff_from]
         self.handoff = HandoffResolver(
             self.fam, store_path if store_path is not None else config.store_path(),
             deadline_s=float(handoff_deadline_s), max_pending=int(handoff_max_pending),
@@ -269,8 +277,9 @@ class PhaseMetricsProcessor(SpanProcessor):
             elif phase == "prefill.finished" and outcome == "ok":
                 fam.prefills_waiting.inc()
 
-        if name == self._trigger:
-            self.handoff.submit(format(span.context.trace_id, "032x"), mode)
+        if name in self._trigger:
+            wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
+            self.handoff.submit(format(span.context.trace_id, "032x"), mode, wait)
 
     def sync_dropped(self) -> None:
         """Add the new losses of the drop source to ``kvlens_telemetry_dropped_total``."""

@@ -54,10 +54,15 @@ def derive(spans: Sequence[Any]) -> list[tuple[str, str, int, int]]:
     (from, to) pair the trace has both ends of is used: the interval starts
     at the latest ``from`` timestamp (several workers may record it) and
     ends at the earliest ``to`` at or after it; none is derived when the
-    order is reversed (a clock mismatch) or the interval is empty."""
+    order is reversed (a clock mismatch) or the interval is empty, nor
+    where the trace holds the phase's ``unless`` phase (``router.hop``
+    where kvlens' router recorded its ``relay``)."""
     out = []
     recorded = [s for s in spans if s.name not in _DERIVED]
+    present = {s.name for s in recorded}
     for phase, how in sc.DERIVED_PHASES.items():
+        if how.unless is not None and how.unless.value in present:
+            continue
         for a, b in how.pairs:
             froms = _boundary_times(recorded, a.role, a.phase.value, a.end)
             tos = _boundary_times(recorded, b.role, b.phase.value, b.end)

@@ -152,6 +152,10 @@ class Trace:
     handoff_note: str | None = None
     p_engine: str | None = None
     d_engine: str | None = None
+    #: ``router`` (client-seen, kvlens' router) or ``engines`` (P's arrival ->
+    #: D's first token, corrected like the handoff, true within ``ttft_err_s``)
+    ttft_source: str | None = None
+    ttft_err_s: float | None = None
 
     @classmethod
     def from_rows(cls, summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]] = ()) -> Trace:
@@ -178,6 +182,16 @@ class Trace:
         marked.sort(key=lambda x: x.start_ns)  # stable: recorded order kept among equal starts
         fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in ("n_spans", "kv_ready_ns")}
         return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, **fields)
+
+    @property
+    def half(self) -> str | None:
+        """``"prefill"`` / ``"decode"``: only that side's spans joined this
+        trace (docs/phases.md, "Trace correlation"); ``None`` for a whole one."""
+        if self.p_engine is not None and self.d_engine is None:
+            return sc.Role.PREFILL.value
+        if self.d_engine is not None and self.p_engine is None:
+            return sc.Role.DECODE.value
+        return None
 
     @property
     def window(self) -> tuple[int, int] | None:
@@ -227,6 +241,7 @@ class Trace:
                 "handoff_raw_s": self.handoff_raw_s, "handoff_note": self.handoff_note,
                 "clock_offset_s": self.clock_offset_s, "clock_interval_s": interval,
                 "p_engine": self.p_engine, "d_engine": self.d_engine, "start_ns": self.start_ns,
+                "ttft_source": self.ttft_source, "ttft_err_s": self.ttft_err_s, "half": self.half,
                 "spans": [s.to_json() for s in self.spans]}
 
 

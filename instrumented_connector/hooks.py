@@ -27,11 +27,15 @@ SCHEDULER_HOOKS: Final[dict[str, dict[str, tuple[Phase, ...]]]] = {
     "NixlPushConnectorScheduler": {
         "request_finished": (Phase.PREFILL, Phase.PREFILL_FINISHED),
         "update_state_after_alloc": (Phase.REGISTRATION_STAGE, Phase.DECODE_QUEUE),
-        "build_connector_meta": (Phase.KV_READY,),  # registration-timeout outcome
+        # registration-timeout outcome; D's first step after the KV arrived
+        "build_connector_meta": (Phase.KV_READY, Phase.DECODE_FIRST_STEP),
+        "update_connector_output": (Phase.DECODE_FIRST_STEP,),
     },
     "NixlPullConnectorScheduler": {
         "request_finished": (Phase.PREFILL, Phase.PREFILL_FINISHED),
         "update_state_after_alloc": (Phase.ALLOC, Phase.DECODE_QUEUE),
+        "build_connector_meta": (Phase.DECODE_FIRST_STEP,),
+        "update_connector_output": (Phase.DECODE_FIRST_STEP,),
     },
 }
 

@@ -27,6 +27,8 @@ from typing import Iterator, Mapping
 
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
+from instrumented_connector.semconv import ATTR_JOIN_REQUEST_ID
+
 _SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # as vLLM's get_base_request_id
 _HEX32_RE = re.compile(r"[0-9a-f]{32}")
 _HEX32_FULL = re.compile(r"^[0-9a-f]{32}$")
@@ -95,6 +97,48 @@ def trace_id_for(request_id: str) -> int:
         if tid:
             return tid
     return int.from_bytes(hashlib.blake2b(base.encode(), digest_size=16).digest(), "big") or 1
+
+
+#: Most D request ids whose P request id one span builder remembers (one
+#: dict entry each, ~200 bytes): far more than one engine holds in flight.
+MAX_JOINS = 65536
+
+
+class Joins:
+    """Which request id a span's trace comes from (docs/phases.md, "Trace
+    correlation"): P's request id where an event of D's request named it
+    (``kvlens.join.request_id``: the ``remote_request_id`` of the
+    ``kv_transfer_params`` D received), else the span's own request id.
+
+    A router that sends P and D the same ``X-Request-Id`` (kvlens', vLLM's
+    ``vllm-router``) gives both the same answer; one that forwards only
+    P's ``kv_transfer_params`` (D's own id is then a fresh uuid) still joins
+    D to P. The first event that names P's id teaches the request's later
+    events in this process (``kv.ready`` only knows D's id). Bounded
+    (:data:`MAX_JOINS`, oldest out first). One thread (the span builder)."""
+
+    __slots__ = ("_m", "cap")
+
+    def __init__(self, cap: int = MAX_JOINS) -> None:
+        self._m: dict[str, str] = {}
+        self.cap = cap
+
+    def key(self, request_id: str, attrs: dict) -> str:
+        """The id to derive the trace from; sets ``attrs``' join attribute
+        on a span whose earlier event named P's id."""
+        m = self._m
+        key = attrs.get(ATTR_JOIN_REQUEST_ID)
+        if key:
+            if request_id not in m:
+                if len(m) >= self.cap:
+                    del m[next(iter(m))]
+                m[request_id] = key
+            return key
+        key = m.get(request_id)
+        if key is None:
+            return request_id
+        attrs[ATTR_JOIN_REQUEST_ID] = key
+        return key
 
 
 def root_span_id(trace_id: int) -> int:

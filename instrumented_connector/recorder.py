@@ -133,6 +133,7 @@ class Recorder:
         self._pipeline_failed = False
         self.thread_name = "kvlens-recorder"
         self.losses = None  # the provider's processors' loss counter (exporters.batching.LossCounter), once built
+        self._joins = ids.Joins()  # D's request id -> P's; span-builder thread only
 
     # ------------------------------------------------------------------ hot path
     def record(
@@ -287,11 +288,11 @@ class Recorder:
             return
         phase, rid, t0, t1, outcome, attrs = ev
         name = phase.value if isinstance(phase, sc.Phase) else str(phase)
-        tid = ids.trace_id_for(rid)
+        a = self._attributes(rid, outcome, attrs)
+        tid = ids.trace_id_for(self._joins.key(rid, a))
         ctx = otel_trace.set_span_in_context(
             NonRecordingSpan(SpanContext(tid, ids.root_span_id(tid), True, _SAMPLED))
         )
-        a = self._attributes(rid, outcome, attrs)
         self._end(tracer.start_span(name, context=ctx, attributes=a, start_time=t0), a, t0, t1)
 
     def _emit_root(self, ev: Event) -> None:

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 
 from instrumented_connector import hooks
 from instrumented_connector import semconv as sc
-from instrumented_connector.hooks import NullRecorder, fail, nblocks, now
+from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now
 
 P = sc.Phase
 
@@ -29,9 +29,50 @@ class _SchedulerHooks:
 
     _kvl: Any = NullRecorder()
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # All hook state exists before vLLM can call a hook.
+        self._kvl_loaded = Pending()  # D: rid whose KV arrived, not yet scheduled -> None
+        self._kvl_sched = Pending()  # D: rid -> ns its first step after the KV was scheduled
+
     def _kvl_setup(self, rec) -> None:
         """Connect the recorder (called once, after ``__init__``)."""
         self._kvl = rec
+
+    # -- D's first decode step (the end of the TTFT the engines prove) -------
+    # A step: schedule() ends with build_connector_meta, the model runs, then
+    # update_from_output ends with update_connector_output. The request's KV
+    # arrived in one step's output (finished_recving); the next step that
+    # schedules it samples its first token, seen at that step's output.
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        loaded = self._kvl_loaded
+        if loaded:
+            try:
+                n = scheduler_output.num_scheduled_tokens
+                t = None
+                for rid in [r for r in loaded if r in n]:
+                    del loaded[rid]
+                    t = t or now()
+                    self._kvl_sched.put(rid, t)
+            except Exception:
+                fail("build_connector_meta")
+        return meta
+
+    def update_connector_output(self, connector_output):
+        res = super().update_connector_output(connector_output)
+        try:
+            sched = self._kvl_sched
+            if sched:
+                t = now()
+                for rid, t0 in sched.items():
+                    self._kvl.record(P.DECODE_FIRST_STEP, rid, t0, max(t, t0))
+                sched.clear()
+            for rid in connector_output.finished_recving or ():
+                self._kvl_loaded.put(rid, None)
+        except Exception:
+            fail("update_connector_output")
+        return res
 
     def request_finished(self, request, block_ids):
         """P: prefill (arrival -> now) and the prefill.finished point."""
@@ -69,7 +110,11 @@ class _SchedulerHooks:
         try:
             t = now()
             rid = request.request_id
-            attrs = {sc.ATTR_REMOTE_ENGINE_ID: params.get("remote_engine_id"), sc.ATTR_TOKENS: request.num_prompt_tokens}
+            # Pull joins D to P by the request id P returned (any router);
+            # push by D's own id, which P's matching already requires.
+            join = params.get("remote_request_id") if phase is P.ALLOC else None
+            attrs = {sc.ATTR_REMOTE_ENGINE_ID: params.get("remote_engine_id"), sc.ATTR_TOKENS: request.num_prompt_tokens,
+                     sc.ATTR_JOIN_REQUEST_ID: join}
             try:
                 attrs[sc.ATTR_BLOCKS] = nblocks(blocks.get_block_ids())
             except Exception:
@@ -77,7 +122,7 @@ class _SchedulerHooks:
             arrival = getattr(request, "arrival_time", None)
             if arrival:
                 self._kvl.record(P.DECODE_QUEUE, rid, min(int(arrival * 1e9), t), t, "ok",
-                                 {sc.ATTR_TOKENS: request.num_prompt_tokens})
+                                 {sc.ATTR_TOKENS: request.num_prompt_tokens, sc.ATTR_JOIN_REQUEST_ID: join})
             self._kvl.record(phase, rid, t, t, "ok", attrs)
         except Exception:
             fail("update_state_after_alloc")

@@ -44,6 +44,14 @@ class Phase(str, enum.Enum):
     """Derived (:data:`DERIVED_PHASES`): the router sent D's request (``relay``
     end) -> D's frontend stamped the request's arrival (``decode.queue``
     start): HTTP transit and request parsing on D. Pull and sequential push."""
+    ROUTER_HOP = "router.hop"
+    """Derived (:data:`DERIVED_PHASES`), only where the trace has no
+    ``relay`` span (a router other than kvlens', e.g. vLLM's ``vllm-router``):
+    P ``prefill.finished`` -> D's frontend stamped the request's arrival
+    (``decode.queue`` start). The whole hop between the engines in one
+    phase: P's output path and HTTP response, the router, D's HTTP intake.
+    Pull and sequential push; on P's clock (D's end moved by the store's
+    clock offset)."""
     DECODE_QUEUE = "decode.queue"
     """D scheduler (EngineCore), both modes: the request's arrival (vLLM's
     ``Request.arrival_time``, stamped by D's frontend when it starts rendering
@@ -114,6 +122,13 @@ class Phase(str, enum.Enum):
     # D side, both modes
     KV_READY = "kv.ready"
     """D worker, point: request reported in ``finished_recving``."""
+    DECODE_FIRST_STEP = "decode.first_step"
+    """D scheduler, after the handoff: the first engine step that schedules
+    the request once its KV arrived (``build_connector_meta``) -> that step's
+    output reached the scheduler (``update_connector_output``): D sampled
+    the first token. Its end is D's first token, the end of the TTFT kvlens
+    proves from the engines' own timestamps (``kvlens.ttft.source =
+    engines``) where no kvlens router measured it at the client."""
 
 
 PUSH_PHASES: Final = (
@@ -181,10 +196,13 @@ class Boundary(NamedTuple):
 
 class Derivation(NamedTuple):
     """How a derived phase is built: the side whose work it is (its lane in
-    the waterfall) and the (from, to) boundary pairs to try, in order."""
+    the waterfall), the (from, to) boundary pairs to try, in order, and a
+    recorded phase whose presence means the interval is better named by
+    others (``unless``: ``router.hop`` only where there is no ``relay``)."""
 
     role: str
     pairs: tuple[tuple[Boundary, Boundary], ...]
+    unless: "Phase | None" = None
 
 
 #: Phases no process records: :mod:`exporters.tracemodel` derives each from
@@ -200,6 +218,9 @@ DERIVED_PHASES: Final[dict[Phase, Derivation]] = {
         (Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("router", Phase.RELAY, "start")),)),
     Phase.DECODE_INTAKE: Derivation("decode", (
         (Boundary("router", Phase.RELAY, "end"), Boundary("decode", Phase.DECODE_QUEUE, "start")),)),
+    Phase.ROUTER_HOP: Derivation("router", (
+        (Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("decode", Phase.DECODE_QUEUE, "start")),),
+        unless=Phase.RELAY),
     Phase.REGISTRATION_DISPATCH: Derivation("decode", (
         (Boundary("decode", Phase.REGISTRATION_STAGE, "end"), Boundary("decode", Phase.REGISTRATION_SEND, "start")),)),
     Phase.PREFILL_DISPATCH: Derivation("prefill", (
@@ -221,6 +242,7 @@ PHASE_WORDS: Final[dict[str, str]] = {
     Phase.PREFILL_RESPOND.value: "P's response path to the router",
     Phase.RELAY.value: "the router's relay",
     Phase.DECODE_INTAKE.value: "D's HTTP intake",
+    Phase.ROUTER_HOP.value: "the hop from P's response through the router to D's intake",
     Phase.DECODE_QUEUE.value: "D's scheduler queue",
     Phase.REGISTRATION_STAGE.value: "D staging its blocks",
     Phase.REGISTRATION_DISPATCH.value: "D's engine step handing its registration to the writer thread",
@@ -240,6 +262,7 @@ PHASE_WORDS: Final[dict[str, str]] = {
     Phase.READ_COMPLETE.value: "the READ in flight",
     Phase.KV_RELEASED.value: "P releasing the blocks",
     Phase.KV_READY.value: "D reporting the KV ready",
+    Phase.DECODE_FIRST_STEP.value: "D's first decode step",
 }
 """Every phase in a few words, for sentences such as "pull: 71 % of the
 handoff is D's scheduler queue" (:func:`exporters.tracemodel.dominant_words`)."""
@@ -261,6 +284,13 @@ class Outcome(str, enum.Enum):
     TIMEOUT = "timeout"
     FAILED = "failed"
     EXPIRED = "expired"
+
+
+class TtftSource(str, enum.Enum):
+    """Values of :data:`ATTR_TTFT_SOURCE` (and the store's ``ttft_source``)."""
+
+    ROUTER = "router"
+    ENGINES = "engines"
 
 
 class Dispatch(str, enum.Enum):
@@ -330,6 +360,15 @@ ATTR_TOKENS: Final = "kvlens.tokens"
 """Prompt tokens (count only; never text)."""
 ATTR_TTFT_S: Final = "kvlens.ttft_s"
 """Client-seen time to first token measured at the router, seconds."""
+ATTR_TTFT_SOURCE: Final = "kvlens.ttft.source"
+"""Where a trace's TTFT comes from (:class:`TtftSource`): ``router`` (kvlens'
+router, client-seen) or ``engines`` (P's arrival -> D's first token, on P's
+clock with the handoff's clock bound)."""
+ATTR_JOIN_REQUEST_ID: Final = "kvlens.join.request_id"
+"""D side: P's vLLM request id, from the ``remote_request_id`` of the
+``kv_transfer_params`` D received. The span's trace is derived from it
+instead of D's own request id (docs/phases.md, "Trace correlation"), so P's
+and D's spans of one request join whatever router sent them."""
 ATTR_STATUS_CODE: Final = "http.response.status_code"
 """HTTP status the router returned."""
 ATTR_DEFERRED: Final = "kvlens.deferred"
@@ -338,6 +377,14 @@ ATTR_CLIENT_REQUEST_ID: Final = "kvlens.client.request_id"
 """Router root span: the client's ``X-Request-Id`` when the router used another id (clipped)."""
 ATTR_CLIENT_TRACE_ID: Final = "kvlens.client.trace_id"
 """Router root span: the client's ``traceparent`` trace id when the router used another id."""
+ATTR_PREFILL_URL: Final = "kvlens.prefill.url"
+"""Router root span: base URL of the P instance the router sent the request to."""
+ATTR_PREFILL_ENGINE_ID: Final = "kvlens.prefill.engine_id"
+"""Router root span: that P's engine id as the router knows it (``kvlens proxy --prefill-engine-id``)."""
+ATTR_DECODE_URL: Final = "kvlens.decode.url"
+"""Router root span: base URL of the D instance the router sent the request to."""
+ATTR_DECODE_ENGINE_ID: Final = "kvlens.decode.engine_id"
+"""Router root span: that D's engine id as the router knows it (``kvlens proxy --decode-engine-id``)."""
 ATTR_DERIVED: Final = "kvlens.derived"
 """True on a phase :mod:`exporters.tracemodel` derived from two recorded
 timestamps (:data:`DERIVED_PHASES`); never on a recorded span."""

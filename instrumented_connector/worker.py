@@ -185,16 +185,20 @@ class _WorkerHooks:
             else:
                 tls.failed = True
 
-    def _kvl_request_posted(self, phase_post: P, rid: str, t0: int, blocks: int, engine: str | None) -> None:
-        """Record descriptor.prep and the post phase after a request's posts."""
+    def _kvl_request_posted(self, phase_post: P, rid: str, t0: int, blocks: int, engine: str | None,
+                            join: str | None = None) -> None:
+        """Record descriptor.prep and the post phase after a request's posts.
+        ``join``: P's request id where D's trace derives from it (pull)."""
         tls = self._kvl_tls
         first, last = tls.first, tls.last or now()
         if first is None:
             return
-        attrs = {sc.ATTR_BLOCKS: blocks, sc.ATTR_REMOTE_ENGINE_ID: engine, sc.ATTR_REMOTE_RANK: tls.rank}
+        attrs = {sc.ATTR_BLOCKS: blocks, sc.ATTR_REMOTE_ENGINE_ID: engine, sc.ATTR_REMOTE_RANK: tls.rank,
+                 sc.ATTR_JOIN_REQUEST_ID: join}
         hs = self._kvl_hs_t0.pop(rid, None)
         if hs is not None:
-            self._kvl.record(P.HANDSHAKE, rid, hs, max(t0, hs), "ok", {sc.ATTR_REMOTE_ENGINE_ID: engine})
+            self._kvl.record(P.HANDSHAKE, rid, hs, max(t0, hs), "ok",
+                             {sc.ATTR_REMOTE_ENGINE_ID: engine, sc.ATTR_JOIN_REQUEST_ID: join})
         self._kvl.record(P.DESCRIPTOR_PREP, rid, t0, first, "ok", attrs)
         outcome = "ok" if tls.posted and not tls.failed else "failed"
         self._kvl.record(phase_post, rid, first, last, outcome, attrs)
@@ -360,8 +364,9 @@ class InstrumentedNixlPullConnectorWorker(_WorkerHooks, NixlPullConnectorWorker)
                 # No post: deferred to a handshake (called again later) or
                 # a notify-only / failed request; nothing to record yet.
                 if tls.first is not None:
-                    engine = meta.remote.engine_id if meta.remote is not None else None
-                    self._kvl_request_posted(P.READ_POST, req_id, t0, nblocks(meta.local_block_ids), engine)
+                    remote = meta.remote
+                    engine, join = (remote.engine_id, remote.request_id) if remote is not None else (None, None)
+                    self._kvl_request_posted(P.READ_POST, req_id, t0, nblocks(meta.local_block_ids), engine, join)
             except Exception:
                 fail("_read_blocks_for_req")
 

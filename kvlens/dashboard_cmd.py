@@ -6,7 +6,8 @@ Streamlit's own safety settings are passed as its command-line flags, which
 win over every config file: ``server.address`` (127.0.0.1 by default),
 ``client.showErrorDetails`` (``none`` unless ``--show-error-details``: an
 exception on a page does not show its traceback and source to whoever opens
-the URL), headless, no usage statistics, CORS and XSRF protection on. The
+the URL), the toolbar a viewer needs (``client.toolbarMode = viewer``: no
+Deploy button), headless, no usage statistics, CORS and XSRF protection on. The
 same settings are in the repository's ``.streamlit/config.toml`` for a bare
 ``streamlit run dashboard/app.py``.
 
@@ -134,6 +135,8 @@ def command(args: argparse.Namespace, store: Any) -> list[str]:
         "--server.enableXsrfProtection", "true",
         # getattr: callers that build the Namespace themselves (kvlens demo) may leave the flag out
         "--client.showErrorDetails", "full" if getattr(args, "show_error_details", False) else "none",
+        # a viewer's toolbar: no Deploy button, no rerun / clear-cache developer entries
+        "--client.toolbarMode", "viewer",
         "--", "--store", str(_split_password(store)[0]),
     ]
     if args.prometheus:

@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-from exporters import store, tracemodel
+from exporters import perfetto, store, tracemodel
 from exporters.tracemodel import Trace
 from instrumented_connector import config
 from instrumented_connector import semconv as sc
@@ -59,6 +59,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outcome", choices=[o.value for o in sc.Outcome], help="only this outcome")
     p.add_argument("--since", metavar="DUR", type=since_arg,
                    help="only requests started in the last DUR (30s, 10m, 2h, 1d)")
+    p.add_argument("--p-engine", metavar="ENGINE", help="only requests prefilled by this P engine id (e.g. p1)")
+    p.add_argument("--d-engine", metavar="ENGINE", help="only requests decoded by this D engine id (e.g. d0)")
+    p.add_argument("--half", choices=["prefill", "decode"],
+                   help="only half traces: requests whose other side never joined (docs/phases.md, "
+                        "'Trace correlation')")
     p.add_argument("--trace", metavar="ID", help="one trace by id (32 hex)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
     p.add_argument("--width", type=int_in(MIN_WIDTH, MAX_WIDTH), default=60,
@@ -67,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead of waterfalls: per mode (and push dispatch), what the handoff is made of, "
                         "the unattributed share at the median, and the unnamed gaps "
                         f"(newest {tracemodel.BREAKDOWN_SAMPLE} completed traces matching the filters)")
+    p.add_argument("--perfetto", metavar="FILE",
+                   help="write the traces asked for (--trace ID, or --slowest N with the filters) as Chrome "
+                        "trace-event JSON for ui.perfetto.dev / chrome://tracing; - for stdout")
 
 
 def _fmt_s(v) -> str:
@@ -84,14 +92,34 @@ def _fmt_handoff(trace: Trace) -> str:
     return f"{_fmt_s(trace.handoff_s)}±{_fmt_s(trace.handoff_err_s)}"
 
 
+def _fmt_ttft(trace: Trace) -> str:
+    """``412.0ms (router)``, ``398.1ms±0.3ms (engines)``, or ``-``."""
+    if trace.ttft_s is None:
+        return "-"
+    err = f"±{_fmt_s(trace.ttft_err_s)}" if trace.ttft_err_s else ""
+    return f"{_fmt_s(trace.ttft_s)}{err} ({trace.ttft_source or 'router'})"
+
+
+def _filters(args: argparse.Namespace) -> dict:
+    """The store filters the command line asks for (``store.TraceFilter`` fields)."""
+    return {"mode": args.mode, "outcome": args.outcome, "since_ns": store.parse_since(args.since),
+            "p_engine": getattr(args, "p_engine", None), "d_engine": getattr(args, "d_engine", None),
+            "half": getattr(args, "half", None)}
+
+
 def waterfall(trace: Trace, width: int = 60) -> str:
     """A text waterfall for one trace (pure function; tested). ``width`` is
     clamped to MIN_WIDTH..MAX_WIDTH."""
     width = min(MAX_WIDTH, max(MIN_WIDTH, int(width)))
     lines = [
         f"trace {trace.trace_id}  mode={trace.mode}  outcome={trace.outcome}  "
-        f"handoff={_fmt_handoff(trace)}  ttft={_fmt_s(trace.ttft_s)}  request={trace.request_id}"
+        f"handoff={_fmt_handoff(trace)}  ttft={_fmt_ttft(trace)}  P={trace.p_engine or '-'}  "
+        f"D={trace.d_engine or '-'}  request={trace.request_id}"
     ]
+    if trace.half:
+        other = "D" if trace.half == sc.Role.PREFILL.value else "P"
+        lines.append(f"  half a trace: no span of {other}'s joined it (a router that gave {other} another request "
+                     "id and no kv_transfer_params link; docs/phases.md, 'Trace correlation')")
     if trace.clock_offset_s:
         lines.append(f"  D's clock {trace.clock_offset_s * 1000:+.2f}ms off P's: D's spans shown on P's clock")
     spans = trace.spans
@@ -158,15 +186,13 @@ def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> st
 
 def _load_breakdown(path: str, args: argparse.Namespace) -> dict[str, tracemodel.Breakdown]:
     with store.reading(path) as conn:
-        return tracemodel.breakdown(conn, by_dispatch=True, mode=args.mode, outcome=args.outcome,
-                                    since_ns=store.parse_since(args.since))
+        return tracemodel.breakdown(conn, by_dispatch=True, **_filters(args))
 
 
 def _summary_lines(path: str, args: argparse.Namespace) -> list[str]:
     """The closing "what dominates" line per mode under the waterfalls."""
     with store.reading(path) as conn:
-        groups = tracemodel.breakdown(conn, mode=args.mode, outcome=args.outcome,
-                                      since_ns=store.parse_since(args.since))
+        groups = tracemodel.breakdown(conn, **_filters(args))
     return [tracemodel.dominant_words(groups.get(m), m) for m in (m.value for m in sc.Mode)
             if not args.mode or args.mode == m]
 
@@ -177,11 +203,32 @@ def _load(path: str, args: argparse.Namespace) -> list[Trace]:
         return tracemodel.slowest(
             conn,
             args.slowest,
-            mode=args.mode,
-            outcome=args.outcome,
-            since_ns=store.parse_since(args.since),
+            order="start" if getattr(args, "half", None) else "handoff",  # a half trace has no handoff
             trace_ids=[args.trace.lower()] if args.trace else None,
+            **_filters(args),
         )
+
+
+def _write_perfetto(out: str, traces: list[Trace], path: str) -> int:
+    """Write ``--perfetto``'s file (``-``: stdout; then the summary goes to
+    stderr): 0; 2 when the file cannot be written."""
+    if not traces:
+        print(f"no traces match in {store.display(path)}; {out} not written", file=sys.stderr)
+        return 0
+    doc = perfetto.document(traces)
+    text = json.dumps(doc, separators=(",", ":"))
+    summary = f"wrote {len(traces)} trace(s), {len(doc['traceEvents'])} events to {out}"
+    if out == "-":
+        sys.stdout.write(text + "\n")
+        print(summary.replace(" to -", " to stdout"), file=sys.stderr)
+        return 0
+    try:
+        Path(out).write_text(text + "\n", encoding="utf-8")
+    except OSError as e:
+        print(f"kvlens traces: cannot write {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    print(summary + " (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
             print(breakdown_text(_load_breakdown(path, args)))
             return 0
         traces = _load(path, args)
-        summary = [] if args.json or args.trace or not traces else _summary_lines(path, args)
+        quiet = args.json or args.trace or getattr(args, "perfetto", None) or not traces
+        summary = [] if quiet else _summary_lines(path, args)
     except store.StoreMissing as e:
         print(f"kvlens traces: {e} (run `kvlens up` and send requests, or pass --store)", file=sys.stderr)
         return 1
@@ -213,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
     if args.trace and not traces:
         print(f"kvlens traces: no trace {args.trace} in {store.display(path)}", file=sys.stderr)
         return 1
+    if getattr(args, "perfetto", None):
+        return _write_perfetto(args.perfetto, traces, path)
     if args.json:
         for t in traces:
             print(json.dumps(t.to_json()))

@@ -1,6 +1,7 @@
 """Compare page: push vs pull from the benchmark grid (``kvlens bench`` /
-``kvlens demo`` rows in the store, with push÷pull ratios of each cell) and
-over a live window of traced requests.
+``kvlens demo`` rows in the store, with push÷pull ratios of each cell, their
+95 % intervals and the verdict they allow) and over a live window of traced
+requests.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import ui
+from exporters import benchrows as B
 
 LABELS = {
     "input_len": "input len", "qps": "QPS",
@@ -56,7 +58,9 @@ def bench_grid(cfg: ui.Config) -> bool:
     st.dataframe(ui.table_view(show, ms_formats(show)), hide_index=True, width="stretch",
                  column_config=ms_columns(show))
     st.caption("Times in ms. Ratio columns: push ÷ pull for the same input length, output length and QPS "
-               "(< 1: push is faster), on the push rows. -: no figure (see each column's ?).")
+               "(< 1: push is faster), on the push rows. 95% CI: the bootstrap interval of the p50 ratio over "
+               "the cell's requests and rounds; a side is lower only where the interval excludes 1, otherwise "
+               "the verdict is \"no resolvable difference\". -: no figure (see each column's ?).")
     with st.expander("All columns of this run"):
         st.dataframe(ui.table_view(df), hide_index=True, width="stretch")
     st.altair_chart(charts.bench_chart(df))
@@ -106,12 +110,35 @@ def bench_display(df: pd.DataFrame) -> pd.DataFrame:
     for c in df.columns:
         if "÷" in c:
             out[c] = df[c]
+    out["rounds"] = df["rounds"] if "rounds" in df.columns else float("nan")
+    for name, metric in (("TTFT p50", "ttft_p50_s"), ("handoff p50", "handoff_p50_s")):
+        cis, verdicts = zip(*(interval_cells(r, metric) for r in df.to_dict("records"))) if len(df) else ((), ())
+        out[f"{name} 95% CI"] = list(cis)
+        out[f"{name} verdict"] = list(verdicts)
     return out
+
+
+def _nan(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and v != v)
+
+
+def interval_cells(row: dict, metric: str) -> tuple[str | None, str | None]:
+    """(the interval as text, the verdict) of a bench row's push÷pull ratio of
+    ``metric``; (None, None) where there is no ratio (pull rows, a cell
+    without pull, a missing figure), and no verdict for rows saved before
+    intervals were recorded."""
+    if row.get("mode") != "push" or _nan(row.get(f"{metric.removesuffix('_s')} push÷pull")):
+        return None, None
+    if _nan(row.get("rounds")):
+        return None, "no interval recorded"
+    lo, hi = (row.get(k) for k in B.interval_keys(metric))
+    ci = None if _nan(lo) or _nan(hi) else f"{lo:.2f}–{hi:.2f}"
+    return ci, B.verdict(None if _nan(lo) else lo, None if _nan(hi) else hi)
 
 
 def ms_formats(df: pd.DataFrame) -> dict[str, str]:
     """Cell formats of the grid: ms to 2 decimals, ratios as ``0.80×``, lengths as integers."""
-    fmts = {"input_len": ",.0f"}
+    fmts = {"input_len": ",.0f", "rounds": ",.0f"}
     for c in df.columns:
         if c.endswith("(ms)"):
             fmts[c] = ".2f"
@@ -129,6 +156,15 @@ def ms_columns(df: pd.DataFrame) -> dict[str, Any]:
                                                  "-: on pull rows, or a side has no figure")
         elif c.startswith("TPOT"):
             cfg[c] = st.column_config.TextColumn(c, help="-: unknown (every token of the cell arrived together)")
+        elif c.endswith("95% CI"):
+            cfg[c] = st.column_config.TextColumn(c, help="95% bootstrap interval of the push ÷ pull p50 ratio, over "
+                                                 "the cell's rounds and requests; -: pull rows, or not enough data")
+        elif c.endswith("verdict"):
+            cfg[c] = st.column_config.TextColumn(c, help="push/pull lower: the interval excludes 1; no resolvable "
+                                                 "difference: it contains 1; not enough data: under 2 requests a side")
+        elif c == "rounds":
+            cfg[c] = st.column_config.TextColumn(c, help="rounds pooled (kvlens bench --repeat); -: a run saved "
+                                                 "before intervals were recorded")
     return cfg
 
 

@@ -17,7 +17,7 @@ import streamlit as st
 from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
-from dashboard import prom, ui
+from dashboard import pairs, prom, ui
 from exporters.store import display
 from instrumented_connector import semconv as sc
 
@@ -99,6 +99,7 @@ def body(cfg: ui.Config, range_key: str) -> None:
     ph_max = float(tot.max()) if len(tot) else None  # one x scale: push and pull bars compare
     h_max = float(hist["hi"].max()) if len(hist) else None
     words = D.breakdown_words(phases)
+    units = row_units(stats)
     cols = st.columns(2, gap="large")
     for col, mode in zip(cols, D.MODES):
         with col, st.container(border=True, key=f"ov_{mode}"):
@@ -106,8 +107,17 @@ def body(cfg: ui.Config, range_key: str) -> None:
             if not stats[mode].requests:
                 st.info(f"No {mode} requests in this range.")
                 continue
-            mode_figures(mode, stats[mode], source.startswith("Prometheus"))
+            mode_figures(mode, stats[mode], source.startswith("Prometheus"), units)
             mode_charts(mode, phases, hist, ph_max, h_max, words.get(mode))
+    pair_view(cfg, range_key)
+
+
+def row_units(stats: dict[str, D.ModeStats]) -> dict[str, tuple[str, float]]:
+    """One time unit per row of cards, chosen from push's and pull's figures
+    together, so that the two columns read across (``handoff``, ``ttft``)."""
+    ms = [s for s in stats.values() if s.requests]
+    return {"handoff": ui.time_unit([v for s in ms for v in s.handoff.values()]),
+            "ttft": ui.time_unit([v for s in ms for v in (s.ttft.get("p50"), s.ttft.get("p99"), s.tpot_mean)])}
 
 
 HANDOFF_HELP = ("Handoff = prefill.finished (P) → kv.ready (D), {src}. "
@@ -117,15 +127,16 @@ DROPPED_HELP = ("Spans kvlens lost in this range, all processes, by reason: buff
                 "shutdown (still queued at exit). Increase of kvlens_telemetry_dropped_total.")
 
 
-def mode_figures(mode: str, s: D.ModeStats, from_prom: bool) -> None:
-    """The metric cards of one mode (short values, the unit in the label, detail in
-    ``help``), and links from its handoff percentiles to the Traces page."""
+def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tuple[str, float]]) -> None:
+    """The metric cards of one mode (short values, the unit in the label, the
+    same in both modes' columns: ``units``; detail in ``help``), and links
+    from its handoff percentiles to the Traces page."""
     src = "from Prometheus' kvlens_handoff_seconds histogram" if from_prom else "from the trace store"
-    unit, k = ui.time_unit(s.handoff.values())
-    st.caption(f"Handoff in {unit}, {src}.", help=HANDOFF_HELP.format(src=src))
+    unit, k = units["handoff"]
+    st.caption(f"Handoff {src}.", help=HANDOFF_HELP.format(src=src))
     for col, (name, v) in zip(st.columns(3), s.handoff.items()):
-        col.metric(f"handoff {name}", ui.fmt_short(v, k))  # no ? icon: the label fits at 1280 px
-    unit, k = ui.time_unit([s.ttft.get("p50"), s.ttft.get("p99"), s.tpot_mean])
+        col.metric(f"handoff {name} ({unit})", ui.fmt_short(v, k))  # no ? icon: the label fits at 1280 px
+    unit, k = units["ttft"]
     a, b, c = st.columns(3)
     ttft_help = "Time to first token as the client sees it (router: request in → first token out)."
     a.metric(f"TTFT p50 ({unit})", ui.fmt_short(s.ttft.get("p50"), k), help=ttft_help)
@@ -149,8 +160,57 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool) -> None:
     links = st.columns(3)
     for lc, (name, v) in zip(links, s.handoff.items()):
         if v is not None:
-            lc.page_link(TRACES_PAGE, label=f"≥ {name} traces", icon=":material/search:",
+            # a short label: "≥ p50 traces" is cut in a column at 1280 px
+            lc.page_link(TRACES_PAGE, label=f"≥ {name}", icon=":material/search:",
+                         help=f"The traces with a handoff ≥ the {name} ({ui.fmt_ms(v)} ms).",
                          query_params={"mode": mode, "min_handoff": f"{v:.6g}"})
+
+
+PAIR_HELP = ("One row per (mode, P engine, D engine), slowest handoff p50 first within a mode, over this "
+             "range's traces in the trace store. ±: the median clock bound of the pair's handoffs (it decides "
+             "the digits shown). × fastest: this pair's handoff p50 over the fastest pair's of the same mode. "
+             "D − P clock: the window the store bounds D's clock minus P's to, for the pair's newest trace "
+             "(each pair has its own; a window without 0 means D's spans were moved onto P's clock).")
+
+
+def pair_view(cfg: ui.Config, range_key: str) -> None:
+    """The handoff per (P, D) pair, so that one slow instance stands out.
+
+    On the Overview rather than the Traces page: this is where an operator
+    first asks "is it push or pull, and is it one instance?", over the same
+    time range as the cards above; each row links to the Traces page filtered
+    to its pair, where the filters by P and D engine also live."""
+    try:
+        df = L.load_pairs(cfg.store, range_key, L.now_bucket(range_key))
+    except D.StoreMissing:  # (from Prometheus without a store: nothing to show per pair)
+        return
+    except D.StoreError as e:
+        st.caption(f"Per-pair view unavailable: the trace store could not be read ({e}).")
+        return
+    if not len(df):
+        return
+    st.subheader("Handoff per (P, D) pair", help=PAIR_HELP)
+    show = pd.DataFrame({
+        "mode": df["mode"], "pair": df["pair"], "requests": df["requests"],
+        "handoff p50 (ms)": [ui.fmt_ms(h, e) for h, e in zip(df["handoff_p50_s"], df["err_p50_s"])],
+        "handoff p90 (ms)": [ui.fmt_ms(h, e) for h, e in zip(df["handoff_p90_s"], df["err_p50_s"])],
+        "± (ms)": [ui.fmt_err_ms(e) for e in df["err_p50_s"]],
+        "× fastest": df["vs_best"],
+        "TTFT p50 (ms)": [ui.fmt_ms(t) for t in df["ttft_p50_s"]],
+        "D − P clock (ms)": [pairs.clock_window_text(lo, hi) for lo, hi in zip(df["clock_lo_s"], df["clock_hi_s"])],
+        "traces": df["link"],
+    })
+    text = st.column_config.TextColumn
+    st.dataframe(ui.table_view(show, {"× fastest": "{:.2f}×"}), hide_index=True, width="stretch",
+                 height=min(38 + 35 * len(show), 360),
+                 column_config={
+                     "handoff p50 (ms)": text("handoff p50 (ms)", help="-: no known handoff for this pair"),
+                     "± (ms)": text("± (ms)", help="median clock bound of the pair's handoffs; -: none known"),
+                     "× fastest": text("× fastest", help="handoff p50 ÷ the fastest pair's of this mode"),
+                     "TTFT p50 (ms)": text("TTFT p50 (ms)", help="-: no request of the pair has a TTFT"),
+                     "D − P clock (ms)": text("D − P clock (ms)", help="-: no clock window for this pair yet"),
+                     "traces": st.column_config.LinkColumn("traces", display_text="open"),
+                 })
 
 
 WORDS_HELP = ("Shares of the summed handoff time (prefill.finished → kv.ready) of this range's completed requests; "

@@ -1,6 +1,6 @@
 """Traces page: the slowest requests under filters (mode, outcome, time
-range, handoff bounds, N, order) and one trace's P+D waterfall with the
-critical path marked.
+range, handoff bounds, N, order, P engine, D engine) and one trace's P+D
+waterfall with the critical path marked.
 
 The filters can be pre-set from the URL (``?page=traces&mode=push&min_handoff=0.12``,
 the links of the Overview page) and the URL follows the filters, so a view
@@ -18,14 +18,16 @@ from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import ui
+from dashboard.pairs import pair_label
 
 #: Query param -> the widget key it pre-sets.
 QUERY_KEYS = {"mode": "tr_mode", "outcome": "tr_outcome", "range": "tr_range", "min_handoff": "tr_min",
-              "max_handoff": "tr_max", "n": "tr_n", "order": "tr_order", "trace": "tr_trace"}
+              "max_handoff": "tr_max", "n": "tr_n", "order": "tr_order", "trace": "tr_trace",
+              "p_engine": "tr_p", "d_engine": "tr_d"}
 #: Filter defaults (kept in session state, not in the widgets' value=, so that
 #: query params can pre-set any of them without Streamlit's double-default warning).
 DEFAULTS = {"tr_mode": "any", "tr_outcome": "any", "tr_range": "all", "tr_min": None, "tr_max": None,
-            "tr_n": 50, "tr_order": "handoff"}
+            "tr_n": 50, "tr_order": "handoff", "tr_p": "any", "tr_d": "any"}
 
 
 def main() -> None:
@@ -36,11 +38,13 @@ def main() -> None:
         return
     for k, v in DEFAULTS.items():
         st.session_state.setdefault(k, v)
-    f = filters()
+    ok, pairs = ui.guarded(cfg, lambda: L.load_engines(cfg.store, L.now_bucket()))
+    if not ok:
+        return
+    f = filters(pairs)
     ok, df = ui.guarded(cfg, lambda: L.load_slowest(
-        cfg.store, f["n"], None if f["mode"] == "any" else f["mode"],
-        None if f["outcome"] == "any" else f["outcome"], f["range"], L.now_bucket(f["range"]),
-        f["min_h"], f["max_h"], f["order"]))
+        cfg.store, f["n"], _any(f["mode"]), _any(f["outcome"]), f["range"], L.now_bucket(f["range"]),
+        f["min_h"], f["max_h"], f["order"], _any(f["p"]), _any(f["d"])))
     if not ok:
         return
     if not len(df):
@@ -50,6 +54,11 @@ def main() -> None:
     tid = pick_trace(df)
     sync_url(f, tid)
     trace_view(cfg, tid)
+
+
+def _any(v: str | None) -> str | None:
+    """A picker's value as a filter: "any" filters nothing."""
+    return None if v in (None, "any") else v
 
 
 def _float_or_none(v: Any) -> float | None:
@@ -82,11 +91,22 @@ def apply_query_params() -> None:
         ss["tr_order"] = qp["order"]
     if qp.get("trace"):
         ss["_tr_want_trace"] = qp["trace"]
+    ss["tr_p"] = qp.get("p_engine") or "any"
+    ss["tr_d"] = qp.get("d_engine") or "any"
 
 
-def filters() -> dict[str, Any]:
-    """The filter widgets; their values (mode, outcome, range, min_h, max_h in s, n, order)."""
+def engine_options(pairs: list[tuple[str | None, str | None]], side: int, key: str) -> list[str]:
+    """A P (side 0) or D (side 1) engine picker's choices: "any", then the
+    engines the store has seen (and the one the URL asked for, if it has not)."""
+    seen = sorted({p[side] for p in pairs if p[side]})
+    want = st.session_state.get(key)
+    return ["any", *seen, *([want] if want and want != "any" and want not in seen else [])]
+
+
+def filters(pairs: list[tuple[str | None, str | None]]) -> dict[str, Any]:
+    """The filter widgets; their values (mode, outcome, range, min_h, max_h in s, n, order, p, d engines)."""
     f = st.columns([1, 1, 1, 1, 1, 1])
+    g = st.columns([2, 1, 1])
     return {
         "mode": f[0].selectbox("Mode", ["any", *D.MODES], key="tr_mode"),
         "outcome": f[1].selectbox("Outcome", ["any", *D.OUTCOMES], key="tr_outcome"),
@@ -96,25 +116,33 @@ def filters() -> dict[str, Any]:
         "max_h": f[4].number_input("Max handoff (s)", min_value=0.0, value=None, step=0.001, format="%.4f",
                                    key="tr_max"),
         "n": int(f[5].number_input("Show N", min_value=1, max_value=500, step=10, key="tr_n")),
-        "order": st.radio("Order by", ["handoff", "ttft"], horizontal=True, key="tr_order"),
+        "order": g[0].radio("Order by", ["handoff", "ttft"], horizontal=True, key="tr_order"),
+        "p": g[1].selectbox("P engine", engine_options(pairs, 0, "tr_p"), key="tr_p",
+                            help="Only the traces this prefill instance served (engine id)."),
+        "d": g[2].selectbox("D engine", engine_options(pairs, 1, "tr_d"), key="tr_d",
+                            help="Only the traces this decode instance served (engine id)."),
     }
 
 
 def slowest_table(df: pd.DataFrame) -> None:
-    """The listed traces, times in ms; ``-`` where a figure is missing (the column's help says why)."""
+    """The listed traces, times in ms, each handoff to the digits its clock bound
+    supports (``ui.fmt_ms``); ``-`` where a figure is missing (the column's help says why)."""
     show = df.assign(
         started_utc=pd.to_datetime(df["start_ns"], unit="ns").dt.strftime("%Y-%m-%d %H:%M:%S"),
-        handoff_ms=df["handoff_s"] * 1e3, err_ms=df["handoff_err_s"] * 1e3, ttft_ms=df["ttft_s"] * 1e3,
-    )[["trace_id", "mode", "dispatch", "outcome", "handoff_ms", "err_ms", "ttft_ms", "n_spans", "started_utc",
-       "request_id", "handoff_note"]]
+        handoff_ms=[ui.fmt_ms(h, e) for h, e in zip(df["handoff_s"], df["handoff_err_s"])],
+        err_ms=[ui.fmt_err_ms(e) for e in df["handoff_err_s"]], ttft_ms=[ui.fmt_ms(t) for t in df["ttft_s"]],
+        pair=[pair_label(p, d) for p, d in zip(df["p_engine"], df["d_engine"])],
+    )[["trace_id", "mode", "dispatch", "outcome", "handoff_ms", "err_ms", "ttft_ms", "pair", "n_spans",
+       "started_utc", "request_id", "handoff_note"]]
     text = st.column_config.TextColumn
-    st.dataframe(ui.table_view(show, {"handoff_ms": ".3f", "err_ms": ".3f", "ttft_ms": ".3f", "n_spans": ",.0f"}),
+    st.dataframe(ui.table_view(show, {"n_spans": ",.0f"}),
                  hide_index=True, width="stretch", height=min(38 + 35 * len(show), 320),
-                 column_config={"handoff_ms": text("handoff (ms)", help="-: no kv.ready (the request failed "
-                                                   "first) or P/D clocks not bounded; see note"),
+                 column_config={"handoff_ms": text("handoff (ms)", help="to the digits its ± supports; -: no kv.ready "
+                                                   "(the request failed first) or P/D clocks not bounded; see note"),
                                 "err_ms": text("± (ms)", help="bound from the P/D clock offset interval; "
                                                "-: no handoff or no bound"),
                                 "ttft_ms": text("TTFT (ms)", help="-: no first token (the request failed)"),
+                                "pair": text("P → D", help="the engines that served it (?: not recorded)"),
                                 "n_spans": text("spans"),
                                 "request_id": text("request_id", help="-: the router saw no request id"),
                                 "handoff_note": text("note", help="why a handoff is unknown; -: nothing to note")})
@@ -145,7 +173,8 @@ def sync_url(f: dict[str, Any], tid: str) -> None:
         "page": "traces", "mode": None if f["mode"] == "any" else f["mode"],
         "outcome": None if f["outcome"] == "any" else f["outcome"], "range": f["range"],
         "min_handoff": None if f["min_h"] is None else f"{f['min_h']:.6g}",
-        "max_handoff": None if f["max_h"] is None else f"{f['max_h']:.6g}", "trace": tid}.items() if v is not None})
+        "max_handoff": None if f["max_h"] is None else f"{f['max_h']:.6g}", "p_engine": _any(f["p"]),
+        "d_engine": _any(f["d"]), "trace": tid}.items() if v is not None})
     st.session_state["_tr_applied"] = tuple(sorted(
         (k, v) for k, v in st.query_params.to_dict().items() if k in QUERY_KEYS))
 
@@ -159,27 +188,54 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
     if rec is None or not len(spans):
         st.info("This trace has no spans in the store.")
         return
+    trace_cards(rec)
+    st.caption(f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
+               f"P → D `{pair_label(rec.get('p_engine'), rec.get('d_engine'))}` · {ui.clock_caption(rec)} "
+               "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases.")
+    st.altair_chart(charts.waterfall_chart(
+        spans, rec["critical_ms"], ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"])),
+        width="stretch")
+    st.dataframe(
+        ui.table_view(span_rows(spans, rec["handoff_err_s"])),
+        hide_index=True, width="stretch",
+        column_config={"start_ms": st.column_config.TextColumn(
+                           "start (ms)", help="from the trace's start, to the digits the handoff's ± supports"),
+                       "duration_ms": st.column_config.TextColumn("duration (ms)", help="on one clock: 3 significant "
+                                                                  "digits, whole ms at least"),
+                       "outcome": st.column_config.TextColumn("outcome", help="-: a point phase has no outcome")},
+    )
+
+
+def span_rows(spans: pd.DataFrame, err_s: float | None) -> pd.DataFrame:
+    """The span table: starts (P's and D's clocks mixed) to the digits the
+    trace's clock bound supports, durations (each on one clock) to 3 significant digits."""
+    out = spans[["role", "phase", "start_ms", "duration_ms", "critical", "outcome", "attributes"]].copy()
+    out["start_ms"] = [ui.fmt_ms(v / 1e3, err_s) for v in spans["start_ms"]]
+    out["duration_ms"] = [ui.fmt_ms(v / 1e3) for v in spans["duration_ms"]]
+    return out
+
+
+def trace_cards(rec: dict[str, Any]) -> None:
+    """One trace's cards: short values in one time unit (in the labels) so that
+    every card is whole at 1280 px; the handoff's exact figure and its ± below it."""
     dec = rec["decomposition"]
+    h, err, note = rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]
+    times = {"handoff": h, "TTFT": rec["ttft_s"], "queue + prefill": dec["queue_prefill_s"],
+             "first decode": dec["first_decode_s"]}
+    unit, k = ui.time_unit(times.values())
     m = st.columns(6)
     m[0].metric("mode", rec["mode"] or ui.MISSING)
     m[1].metric("outcome", rec["outcome"] or ui.MISSING)
-    m[2].metric("handoff", ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]),
-                help=rec["handoff_note"] or "± the bound from the P/D clock offset interval")
-    m[3].metric("TTFT (client)", ui.fmt_s(rec["ttft_s"]))
-    m[4].metric("queue + prefill", ui.fmt_s(dec["queue_prefill_s"]))
-    m[5].metric("first decode step", ui.fmt_s(dec["first_decode_s"]))
-    st.caption(f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
-               f"{ui.clock_caption(rec)} "
-               "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases.")
-    st.altair_chart(charts.waterfall_chart(spans, rec["critical_ms"]), width="stretch")
-    st.dataframe(
-        ui.table_view(spans[["role", "phase", "start_ms", "duration_ms", "critical", "outcome", "attributes"]],
-                      {"start_ms": ".3f", "duration_ms": ".3f"}),
-        hide_index=True, width="stretch",
-        column_config={"start_ms": st.column_config.TextColumn("start (ms)"),
-                       "duration_ms": st.column_config.TextColumn("duration (ms)"),
-                       "outcome": st.column_config.TextColumn("outcome", help="-: a point phase has no outcome")},
-    )
+    helps = {"handoff": note or "prefill.finished (P) → kv.ready (D), on P's clock; the exact figure and its "
+                                "clock bound below", "TTFT": "time to first token as the client saw it (router)",
+             "queue + prefill": "router arrival → prefill.finished (P)",
+             "first decode": "kv.ready → first token (D)"}
+    for col, (name, v) in zip(m[2:], times.items()):
+        col.metric(f"{name} ({unit})", ui.fmt_short(v, k), help=helps[name])
+    if h is not None:
+        m[2].caption(ui.fmt_handoff(h, err, note))
+    elif note:
+        m[2].caption("unknown: see the note below")
 
 
 if __name__ == "__main__":

@@ -321,7 +321,7 @@ def collector_ingest(store_path: str | Path, registry: CollectorRegistry, *, max
     unresolved. ``kw``: further :class:`Ingest` options."""
     from exporters.metrics import PhaseMetricsProcessor
 
-    proc = PhaseMetricsProcessor(registry=registry, store_path=store_path, handoff_from="router",
+    proc = PhaseMetricsProcessor(registry=registry, store_path=store_path, handoff_from="any",
                                  exemplars=exemplars, handoff_deadline_s=handoff_deadline_s)
 
     def on_written(spans: Sequence) -> None:

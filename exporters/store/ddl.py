@@ -44,6 +44,20 @@ CREATE TABLE IF NOT EXISTS @name@ (
                             COALESCE(kv_ready_ns - prefill_finished_ns, p2d_recv_ns - p2d_sent_ns))) STORED
 )"""
 
+#: Columns version 3 added (``ALTER TABLE ... ADD COLUMN`` on an older
+#: store): the TTFT the engines prove where no kvlens router measured one.
+#: ``p_arrival_ns``: P's request arrival (its ``prefill`` span's start, P's
+#: clock); ``d_first_ns``: D's first token (``decode.first_step`` end, D's
+#: clock). The settle pass writes ``ttft_s`` from them (corrected like the
+#: handoff, ``ttft_err_s`` its bound) with ``ttft_source = 'engines'`` when
+#: no router root span gave the client-seen one (``ttft_source = 'router'``).
+V3_TRACE_COLUMNS = (("ttft_source", "TEXT"), ("ttft_err_s", "{real}"), ("p_arrival_ns", "{int}"),
+                    ("d_first_ns", "{int}"))
+#: Version 2's traces table (what the version 1 -> 2 migration builds).
+_TRACES_V2_DDL = _TRACES_DDL
+_TRACES_DDL = _TRACES_V2_DDL[: _TRACES_V2_DDL.rindex(")")].rstrip() + "".join(
+    f",\n    {c:<19} {t}" for c, t in V3_TRACE_COLUMNS) + "\n)"
+
 
 #: The schema as a template (``{int}``, ``{real}``, ``{desc}``, ...: :meth:`Dialect.sql`).
 SCHEMA_TEMPLATE = """

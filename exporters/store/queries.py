@@ -24,7 +24,8 @@ from exporters.store.schema import PARAM, SPAN_COLUMNS, params, read_tx, write_t
 #: Columns of a trace summary (``slowest`` rows, :mod:`exporters.tracemodel`).
 SUMMARY_COLUMNS = ("trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "end_ns", "ttft_s",
                    "prefill_finished_ns", "kv_ready_ns", "handoff_s", "n_spans", "handoff_err_s", "handoff_raw_s",
-                   "clock_offset_s", "clock_lo_s", "clock_hi_s", "handoff_note", "p_engine", "d_engine")
+                   "clock_offset_s", "clock_lo_s", "clock_hi_s", "handoff_note", "p_engine", "d_engine",
+                   "ttft_source", "ttft_err_s")
 #: Columns of :func:`handoffs` rows (the resolver's view of a settled trace).
 #: ``complete``: the request's own crossings both ways have arrived, so a
 #: later span cannot change its settled figure any more.
@@ -76,13 +77,18 @@ class TraceFilter:
     max_handoff_s: float | None = None
     trace_ids: Sequence[str] | None = None
     completed: bool = False
+    p_engine: str | None = None
+    d_engine: str | None = None
+    #: only traces that lack one side: ``"prefill"`` (no span of D's) or ``"decode"`` (no span of P's)
+    half: str | None = None
 
     def where(self) -> tuple[str, list[Any]]:
         """The one WHERE builder over ``traces``: (clause, params)."""
         clauses, args = ["1=1"], []
         for cond, value in (("mode = ", self.mode), ("outcome = ", self.outcome), ("start_ns >= ", self.since_ns),
                             ("start_ns <= ", self.until_ns), ("handoff_s >= ", self.min_handoff_s),
-                            ("handoff_s < ", self.max_handoff_s)):
+                            ("handoff_s < ", self.max_handoff_s), ("p_engine = ", self.p_engine),
+                            ("d_engine = ", self.d_engine)):
             if value is not None and value != "":  # "" (an unset form field) filters nothing either
                 clauses.append(cond + PARAM)
                 args.append(value)
@@ -91,7 +97,17 @@ class TraceFilter:
             args.extend(self.trace_ids)
         if self.completed:
             clauses.append("handoff_s IS NOT NULL")
+        if self.half is not None:
+            if self.half not in HALF_TRACE_SQL:
+                raise ValueError(f"half must be one of {sorted(HALF_TRACE_SQL)}, got {self.half!r}")
+            clauses.append(HALF_TRACE_SQL[self.half])
         return " AND ".join(clauses), args
+
+
+#: A half trace: the side present has its engine, the other none (the trace
+#: row folds ``p_engine`` from P's spans and ``d_engine`` from D's).
+HALF_TRACE_SQL = {"prefill": "p_engine IS NOT NULL AND d_engine IS NULL",
+                  "decode": "d_engine IS NOT NULL AND p_engine IS NULL"}
 
 
 def _where(**filters: Any) -> tuple[str, list[Any]]:
@@ -215,6 +231,20 @@ def handoffs(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, di
     return out
 
 
+def halves(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, str]:
+    """``trace_id -> "prefill" | "decode"`` for those of ``trace_ids`` whose
+    row holds only that side's spans (:data:`HALF_TRACE_SQL`)."""
+    out: dict[str, str] = {}
+    ids = list(trace_ids)
+    for side, cond in HALF_TRACE_SQL.items():
+        for i in range(0, len(ids), 500):
+            chunk = ids[i : i + 500]
+            where, args = _where(trace_ids=chunk)
+            for (tid,) in conn.execute(f"SELECT trace_id FROM traces WHERE {where} AND {cond}", args):
+                out[tid] = side
+    return out
+
+
 def save_bench_rows(conn: sqlite3.Connection, run_id: str, rows: Sequence[dict[str, Any]]) -> None:
     """Persist ``kvlens bench`` rows (dicts with the --json keys), in one
     write transaction on a writer connection."""
@@ -252,3 +282,55 @@ def bench_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
             "GROUP BY run_id ORDER BY created_ns DESC"
         )
     ]
+
+
+# ------------------------------------------------------------- per (P, D) pair
+#: Tuple order of :func:`pair_rows` rows.
+PAIR_COLUMNS = ("mode", "p_engine", "d_engine", "start_ns", "handoff_s", "handoff_err_s", "ttft_s",
+                "clock_lo_s", "clock_hi_s", "clock_offset_s")
+
+
+def _engine_where(where: str, args: list[Any], p_engine: str | None, d_engine: str | None) -> str:
+    for cond, value in (("p_engine = ", p_engine), ("d_engine = ", d_engine)):
+        if value:
+            where += f" AND {cond}{PARAM}"
+            args.append(value)
+    return where
+
+
+def pair_rows(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int | None, limit: int) -> list[tuple]:
+    """Traces that started in [since_ns, until_ns] with the engines that
+    served them and their settled clock window, newest first, at most
+    ``limit``: tuples in :data:`PAIR_COLUMNS` order (the per-pair figures are
+    percentiles, which SQLite cannot compute, so the caller aggregates)."""
+    where, args = _where(since_ns=since_ns, until_ns=until_ns)
+    sql = (f"SELECT {', '.join(PAIR_COLUMNS)} FROM traces WHERE {where} "
+           f"ORDER BY start_ns DESC LIMIT {PARAM}")
+    return _tuples(conn, sql, [*args, int(limit)])
+
+
+def engines(conn: sqlite3.Connection) -> list[tuple[str | None, str | None]]:
+    """The distinct (P engine, D engine) pairs in the store (the pair index
+    answers it), sorted; ``None`` where a side was never recorded."""
+    rows = conn.execute("SELECT DISTINCT p_engine, d_engine FROM traces").fetchall()
+    return sorted(((r[0], r[1]) for r in rows), key=lambda t: (t[0] or "", t[1] or ""))
+
+
+def slowest_on(conn: sqlite3.Connection, n: int = 10, *, p_engine: str | None = None, d_engine: str | None = None,
+               order: str = "handoff", **filters: Any) -> list[dict[str, Any]]:
+    """:func:`slowest` restricted to the traces served by the P engine
+    ``p_engine`` and / or the D engine ``d_engine`` (None: any)."""
+    if not p_engine and not d_engine:
+        return slowest(conn, n, order=order, **filters)
+    col = _ORDER.get(order)
+    if col is None:
+        raise ValueError(f"unknown order {order!r}")
+    if filters.get("trace_ids") is not None:
+        filters["trace_ids"] = list(filters["trace_ids"])
+        if not filters["trace_ids"]:
+            return []
+    where, args = _where(**filters)
+    where = _engine_where(where, args, p_engine, d_engine)
+    sql = (f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM traces WHERE {where} "
+           f"ORDER BY {col} {dialect_of(conn).desc} LIMIT {PARAM}")
+    return [dict(r) for r in conn.execute(sql, [*args, int(n)])]

@@ -53,7 +53,7 @@ from typing import Any, Iterator
 from urllib.parse import quote
 
 from exporters.store import pg
-from exporters.store.ddl import _TRACES_DDL, SCHEMA_TEMPLATE
+from exporters.store.ddl import _TRACES_V2_DDL, SCHEMA_TEMPLATE, V3_TRACE_COLUMNS
 from exporters.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of, display, is_url, location
 from exporters.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
 
@@ -78,7 +78,7 @@ def params(n: int) -> str:
 
 # ------------------------------------------------------------------ schema
 #: The schema this code writes and reads. Bump it with a MIGRATIONS entry.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Stores written before the ``meta`` table existed have version 1's tables.
 LEGACY_VERSION = 1
 
@@ -96,12 +96,14 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
         *(f"DROP INDEX IF EXISTS {i}" for i in _V1_INDEXES),
         "ALTER TABLE traces RENAME TO traces_v1",
-        _TRACES_DDL.replace("@name@", "traces"),
+        _TRACES_V2_DDL.replace("@name@", "traces"),
         f"INSERT INTO traces ({_V1_TRACE_COLUMNS}, handoff_note) SELECT {_V1_TRACE_COLUMNS}, "
         "CASE WHEN kv_ready_ns IS NOT NULL AND prefill_finished_ns IS NOT NULL "
         "THEN 'unknown: recorded before clock bounds (schema 1)' END FROM traces_v1",
         "DROP TABLE traces_v1",
     ),
+    # 2 -> 3: the engines' TTFT (ddl.V3_TRACE_COLUMNS); older rows keep NULLs.
+    2: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V3_TRACE_COLUMNS),
 }
 
 def schema_for(d: Dialect) -> str:

@@ -38,13 +38,13 @@ def _rank(col: str) -> str:
 
 
 _FOLD_FIRST = ("prefill_finished_ns", "kv_ready_ns", "p_engine", "d_engine",
-               "d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
+               "d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns", "p_arrival_ns", "d_first_ns")
 
 _UPSERT_TRACE = f"""
 INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns,
-                    ttft_s, {", ".join(_FOLD_FIRST)}, n_spans)
+                    ttft_s, ttft_source, {", ".join(_FOLD_FIRST)}, n_spans)
 VALUES (:trace_id, :request_id, :mode, :dispatch, :outcome, :start_ns, :end_ns,
-        :ttft_s, {", ".join(":" + c for c in _FOLD_FIRST)}, :n_spans)
+        :ttft_s, :ttft_source, {", ".join(":" + c for c in _FOLD_FIRST)}, :n_spans)
 ON CONFLICT (trace_id) DO UPDATE SET
     request_id = CASE WHEN :is_router OR traces.request_id IS NULL
                       THEN excluded.request_id ELSE traces.request_id END,
@@ -55,6 +55,8 @@ ON CONFLICT (trace_id) DO UPDATE SET
     start_ns = {{least}}(traces.start_ns, excluded.start_ns),
     end_ns = {{greatest}}(traces.end_ns, excluded.end_ns),
     ttft_s = COALESCE(excluded.ttft_s, traces.ttft_s),
+    ttft_err_s = CASE WHEN excluded.ttft_s IS NOT NULL THEN NULL ELSE traces.ttft_err_s END,
+    ttft_source = COALESCE(excluded.ttft_source, traces.ttft_source),
     {", ".join(f"{c} = COALESCE(traces.{c}, excluded.{c})" for c in _FOLD_FIRST)},
     n_spans = traces.n_spans + excluded.n_spans
 """
@@ -70,6 +72,8 @@ _INSERT_TRACE = f"INSERT INTO traces ({', '.join(TRACE_COLUMNS)}) VALUES ({param
 # Plain-string constants: enum ``.value`` lookups cost ~0.4 us each per span.
 _ROUTER, _PREFILL, _DECODE = sc.Role.ROUTER.value, sc.Role.PREFILL.value, sc.Role.DECODE.value
 _REQUEST, _PF, _KV = sc.Phase.REQUEST.value, sc.Phase.PREFILL_FINISHED.value, sc.Phase.KV_READY.value
+_PREFILL_PHASE, _FIRST = sc.Phase.PREFILL.value, sc.Phase.DECODE_FIRST_STEP.value
+_TTFT_ROUTER, _TTFT_ENGINES = sc.TtftSource.ROUTER.value, sc.TtftSource.ENGINES.value
 _JSON = json.JSONEncoder(default=str, separators=(",", ":")).encode
 
 
@@ -95,6 +99,9 @@ def _span_rows(span) -> tuple[tuple, dict]:
         "start_ns": start,
         "end_ns": end,
         "ttft_s": g(sc.ATTR_TTFT_S) if name == _REQUEST else None,
+        "ttft_source": None,
+        "p_arrival_ns": start if name == _PREFILL_PHASE and role == _PREFILL else None,
+        "d_first_ns": end if name == _FIRST and role == _DECODE else None,
         "prefill_finished_ns": end if name == _PF else None,
         "kv_ready_ns": end if name == _KV else None,
         "is_router": is_router,
@@ -103,6 +110,8 @@ def _span_rows(span) -> tuple[tuple, dict]:
         "d_engine": g(sc.ATTR_ENGINE_ID) if role == _DECODE else None,
         "d2p_sent_ns": None, "d2p_recv_ns": None, "p2d_sent_ns": None, "p2d_recv_ns": None,
     }
+    if up["ttft_s"] is not None:
+        up["ttft_source"] = _TTFT_ROUTER
     cross = sc.CROSSINGS.get((role, name, None)) or sc.CROSSINGS.get((role, name, mode))
     if cross is not None:
         up[cross[0]] = start if cross[1] == "start" else end
@@ -148,7 +157,7 @@ def _fold(a: dict, b: dict) -> dict:
         out["request_id"] = b["request_id"]
     out["is_router"] = a["is_router"] or b["is_router"]
     out["mode"] = a["mode"] if a["mode"] is not None else b["mode"]
-    for k in ("dispatch", "ttft_s"):
+    for k in ("dispatch", "ttft_s", "ttft_source"):
         if b[k] is not None:
             out[k] = b[k]
     if rank.get(b["outcome"], 0) > rank.get(a["outcome"], 0):
@@ -162,12 +171,15 @@ def _fold(a: dict, b: dict) -> dict:
     return out
 
 
-_SETTLE_COLUMNS = ("trace_id", "p_engine", "d_engine", "start_ns", "prefill_finished_ns", "kv_ready_ns",
-                   "d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
+_SETTLE_COLUMNS = ("trace_id", "p_engine", "d_engine", "start_ns", "ttft_source", "p_arrival_ns", "d_first_ns",
+                   "prefill_finished_ns", "kv_ready_ns", "d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
 _PAIR_WINDOW = (f"SELECT MAX(xlo_ns), MIN(xhi_ns) FROM traces WHERE p_engine = {PARAM} AND d_engine = {PARAM} "
                 f"AND start_ns >= {PARAM} AND start_ns <= {PARAM}")
 _SET_SETTLED = (f"UPDATE traces SET handoff_s = {PARAM}, handoff_err_s = {PARAM}, clock_offset_s = {PARAM}, "
                 f"clock_lo_s = {PARAM}, clock_hi_s = {PARAM}, handoff_note = {PARAM} WHERE trace_id = {PARAM}")
+#: The engines' TTFT, never over a router's (client-seen) one.
+_SET_ENGINE_TTFT = (f"UPDATE traces SET ttft_s = {PARAM}, ttft_err_s = {PARAM}, ttft_source = {PARAM} "
+                    f"WHERE trace_id = {PARAM} AND (ttft_source IS NULL OR ttft_source = '{_TTFT_ENGINES}')")
 
 
 def settle(conn: sqlite3.Connection, trace_ids: Iterable[str]) -> int:
@@ -192,13 +204,20 @@ def settle(conn: sqlite3.Connection, trace_ids: Iterable[str]) -> int:
         pair: tuple(conn.execute(_PAIR_WINDOW, (*pair, min(st) - WINDOW_NS, max(st) + WINDOW_NS)).fetchone())
         for pair, st in spans.items()
     }
-    updates = []
-    for tid, pe, de, _, pf, kv, *cross in rows:
+    updates, ttfts = [], []
+    for tid, pe, de, _, ttft_src, p_arr, d_first, pf, kv, *cross in rows:
         raw = kv - pf
         s = clockbounds.settle(raw, clockbounds.own_bounds(raw, *cross), windows.get((pe, de)))
         updates.append((s.handoff_s, s.err_s, s.offset_s, s.lo_s, s.hi_s, s.note, tid))
+        if ttft_src != _TTFT_ROUTER and p_arr is not None and d_first is not None:
+            # P's arrival -> D's first token, two clocks like the handoff: the
+            # same offset corrects it, with the same bound (unknown with it)
+            ttft = None if s.handoff_s is None else s.handoff_s + ((d_first - p_arr) - raw) / 1e9
+            ttfts.append((ttft, None if ttft is None else s.err_s, _TTFT_ENGINES, tid))
     updates.sort(key=lambda u: u[-1])  # trace-id lock order
     conn.executemany(_SET_SETTLED, updates)
+    if ttfts:
+        conn.executemany(_SET_ENGINE_TTFT, ttfts)
     return len(updates)
 
 

@@ -16,7 +16,11 @@ requests is read back from the trace store and joined to the client figures.
 Rows (schema: :mod:`exporters.benchrows`) go to the store (``bench_rows``,
 for the dashboard) and, with ``--json``, to a JSON-lines file as each cell
 completes, so Ctrl-C keeps what finished. Pull runs first so that each push
-row can carry its push/pull ratios when it is written.
+row can carry its push/pull ratios when it is written. Each ratio of p50s
+comes with a bootstrap 95 % interval, and a side is called lower only where
+the interval excludes 1. ``repeat`` K > 1 runs the grid K times with push
+and pull in ABBA order (:mod:`.rounds`); its rows pool each cell's rounds
+and are written when the run ends (or is interrupted).
 
 The load generator is small and self-contained (asyncio + httpx, prompts
 from the model's own ``tokenizers`` file, built the way vLLM's
@@ -31,7 +35,8 @@ Modules, bottom up: :mod:`.grid` (options, validation, run order),
 :mod:`.stats`, :mod:`.prompts`, :mod:`.results` (per-request results, the
 store join, the row), :mod:`.probe` (what a router says about itself),
 :mod:`.load` (the HTTP load loop), :mod:`.report` (table, findings,
-cross-checks), :mod:`.runner` (routers or started stacks), :mod:`.cli`.
+cross-checks), :mod:`.rounds` (ABBA order, pooled rows, intervals),
+:mod:`.runner` (routers or started stacks), :mod:`.cli`.
 This package re-exports the names other modules and the tests use.
 """
 
@@ -63,14 +68,15 @@ from kvlens.bench.report import (
 )
 from kvlens.bench.results import Cell, RequestResult, Target, summarize_cell, tpot_figures, wait_for_traces
 from kvlens.bench.runner import BenchRun, Sink, bench_routers, bench_stacks, new_run
-from kvlens.bench.stats import mean, percentile, rel_diff
+from kvlens.bench.stats import bootstrap_ratio, mean, percentile, rel_diff
 
 __all__ = [
     "DECODE_TPOT_METRICS", "DEFAULT_MAX_MODEL_LEN", "DISPATCHES", "MODES", "ROW_KEYS", "TPOT_CROSSCHECK_WARN",
     "TTFT_CROSSCHECK_WARN",
     "BenchError", "BenchOptions", "BenchRun", "Cell", "CrossCheck", "PromptMaker", "RequestResult", "RouterInfo",
     "Sink", "Target",
-    "add_arguments", "add_grid_arguments", "add_ratios", "bench_routers", "bench_stacks", "cross_check",
+    "add_arguments", "add_grid_arguments", "add_ratios", "bench_routers", "bench_stacks", "bootstrap_ratio",
+    "cross_check",
     "decode_tpot", "describe",
     "format_table", "mean", "model_max_len", "new_run", "one_request", "options_from_args", "parse_list", "parse_tpot",
     "parse_names", "percentile", "plan_groups", "print_report", "probe_router", "quiet_http_logs", "ratio",

@@ -21,12 +21,20 @@ from kvlens.stack.commands import env_api_key
 from kvlens.up import StackError
 
 
-def add_grid_arguments(p: argparse.ArgumentParser, *, qps: str, input_len: str, output_len: int, num_prompts: int) -> None:
+def add_grid_arguments(p: argparse.ArgumentParser, *, qps: str, input_len: str, output_len: int, num_prompts: int,
+                       repeat: int = 1) -> None:
     """The grid flags, with the caller's defaults (``bench`` and ``demo`` differ)."""
     p.add_argument("--qps", default=qps, help=f"comma list of request rates (Poisson), default {qps}")
     p.add_argument("--input-len", default=input_len, help=f"comma list of prompt lengths in tokens, default {input_len}")
     p.add_argument("--output-len", type=int, default=output_len, help=f"tokens per answer (ignore_eos), default {output_len}")
-    p.add_argument("--num-prompts", type=int, default=num_prompts, help=f"requests per cell, default {num_prompts}")
+    p.add_argument("--num-prompts", type=int, default=num_prompts,
+                   help=f"requests per cell and round, default {num_prompts}")
+    p.add_argument("--repeat", type=int, default=repeat, metavar="K",
+                   help=f"run the grid K times, push and pull alternating ABBA across the rounds; each push/pull "
+                        f"ratio gets a 95%% interval over rounds and requests (default {repeat})")
+    p.add_argument("--fresh-stacks", action="store_true",
+                   help="with --repeat on started stacks: start fresh stacks for every round (default: a mode's "
+                        "stack serves the two rounds in a row that ABBA gives it)")
     p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default 0)")
     p.add_argument("--prefix-caching", choices=["off", "on"], default="off",
                    help="vLLM prefix caching on started stacks (default off: every request transfers all its KV)")
@@ -59,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
     """BenchOptions from the grid flags; BenchError on a bad value."""
+    if args.repeat < 1:
+        raise BenchError(f"--repeat must be >= 1, got {args.repeat}")
     if args.warmup < 0:
         raise BenchError(f"--warmup must be >= 0, got {args.warmup}")
     if not args.trace_wait >= 0:
@@ -84,6 +94,8 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         model=args.model,
         api_key=getattr(args, "api_key", None) or env_api_key(),
         decode_url=decode_url.rstrip("/") if decode_url else None,
+        repeat=args.repeat,
+        fresh_stacks=args.fresh_stacks,
     )
 
 
@@ -117,6 +129,8 @@ def _parse(args: argparse.Namespace) -> tuple[BenchOptions, list[str] | None, li
                   output_len=opts.output_len, num_prompts=opts.num_prompts, max_model_len=max_len)
     if opts.decode_url and not args.proxy:
         raise BenchError("--decode-url goes with --proxy (started stacks cross-check their own D)")
+    if opts.fresh_stacks and args.proxy:
+        raise BenchError("--fresh-stacks goes with stacks kvlens bench starts, not with --proxy")
     target = _proxy_target(args.proxy, modes, dispatches, opts) if args.proxy else None
     return opts, modes, dispatches, target
 
@@ -141,9 +155,20 @@ def run_guarded(prog: str, run_: BenchRun, body: Callable[[], Any]) -> int | Non
         code = 130
     else:
         return None
+    _finish(prog, run_)
     if run_.cells:
         print_report(run_)
     return code
+
+
+def _finish(prog: str, run_: BenchRun) -> None:
+    """Save the pooled rows of the rounds that finished (``--repeat``); a
+    failure to save is said, not raised, so the report still prints."""
+    try:
+        with sigterm_as_interrupt():
+            run_.finish()
+    except (Exception, KeyboardInterrupt) as e:
+        print(f"kvlens {prog}: could not save the pooled rows: {e!r}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -45,6 +45,8 @@ class BenchOptions:
     model: Path | str | None = None  # tokenizer (and model for started stacks)
     api_key: str | None = field(default=None, repr=False)  # the routers' (and started stacks') API key
     decode_url: str | None = None  # D's base URL for the TPOT cross-check (started stacks: their own D)
+    repeat: int = 1  # rounds of the whole grid, push and pull in ABBA order (kvlens.bench.rounds)
+    fresh_stacks: bool = False  # started stacks: a fresh stack for every round of every mode
 
 
 def parse_list(text: str, kind: type, what: str) -> list:
@@ -100,9 +102,11 @@ def validate_grid(
     output_len: int,
     num_prompts: int,
     max_model_len: int | None = None,
+    repeat: int = 1,
 ) -> None:
     """Raise BenchError naming the first problem with the grid."""
     _check_names(modes, dispatches)
+    _positive_int(repeat, "--repeat")
     if not qps:
         raise BenchError("no QPS given")
     for q in qps:

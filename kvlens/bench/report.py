@@ -9,10 +9,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from exporters import benchrows as B
 from exporters.benchrows import add_ratios, cell_key, pull_by_cell
 from kvlens.bench.probe import DECODE_TPOT_METRICS
 from kvlens.bench.results import Cell, tpot_figures
-from kvlens.bench.stats import percentile, rel_diff
+from kvlens.bench.stats import MIN_REQUESTS, percentile, rel_diff
 
 TTFT_CROSSCHECK_WARN = 0.02  # median relative client-vs-router TTFT difference
 #: median relative client-vs-D TPOT difference: the client's figure also
@@ -45,6 +46,22 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def _ci(row: dict, metric: str) -> str:
+    """A push row's ratio with its interval: ``0.80 [0.71-0.93]``; ``[?]``:
+    not enough data for one; no brackets: a row from before intervals."""
+    r = row.get(B.ratio_key(metric))
+    if r is None:
+        return "-"
+    if "rounds" not in row:
+        return _x(r)
+    lo, hi = (row.get(k) for k in B.interval_keys(metric))
+    return f"{r:.2f} [?]" if lo is None or hi is None else f"{r:.2f} [{lo:.2f}-{hi:.2f}]"
+
+
+def _by_round(row: dict, key: str) -> str:
+    return "/".join("-" if v is None else f"{v * 1000:.0f}" for v in row.get(key) or [])
+
+
 TABLE_COLUMNS = (
     ("mode", lambda r: r["mode"]),
     ("dispatch", lambda r: r.get("dispatch") or "-"),
@@ -61,17 +78,25 @@ TABLE_COLUMNS = (
     ("req/s", lambda r: "-" if r.get("req_per_s") is None else f"{r['req_per_s']:.2f}"),
     ("completed", lambda r: str(r["completed"])),
     ("failed", lambda r: str(r["failed"])),
-    ("TTFT p50 push/pull", lambda r: _x(r.get("ttft_p50_push_over_pull"))),
-    ("handoff p50 push/pull", lambda r: _x(r.get("handoff_p50_push_over_pull"))),
+    ("TTFT p50 push/pull [95% CI]", lambda r: _ci(r, "ttft_p50_s")),
+    ("handoff p50 push/pull [95% CI]", lambda r: _ci(r, "handoff_p50_s")),
+)
+#: Added where rows pool several rounds: how many, and each round's p50 (the spread between rounds).
+ROUND_COLUMNS = (
+    ("rounds", lambda r: str(r.get("rounds") or "-")),
+    ("TTFT p50 by round ms", lambda r: _by_round(r, "round_ttft_p50_s")),
+    ("handoff p50 by round ms", lambda r: _by_round(r, "round_handoff_p50_s")),
 )
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """A plain-text table. Ratios < 1: push is faster."""
+    """A plain-text table. Ratios < 1: push is faster; ``[lo-hi]``: the 95 %
+    interval, ``[?]`` not enough data for one."""
     if not rows:
         return "(no rows)"
-    cells = [[h for h, _ in TABLE_COLUMNS]] + [[f(r) for _, f in TABLE_COLUMNS] for r in sort_rows(rows)]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(TABLE_COLUMNS))]
+    columns = TABLE_COLUMNS + (ROUND_COLUMNS if any((r.get("rounds") or 1) > 1 for r in rows) else ())
+    cells = [[h for h, _ in columns]] + [[f(r) for _, f in columns] for r in sort_rows(rows)]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
     lines = []
     for n, c in enumerate(cells):
         lines.append("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
@@ -80,42 +105,83 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
-def _compare(name: str, r: float | None, push_v: float | None, pull_v: float | None) -> str:
+#: The metrics that carry intervals, with their names in words.
+COMPARED = (("TTFT p50", "ttft_p50_s"), ("handoff p50", "handoff_p50_s"))
+
+
+def _verdict(row: dict, metric: str) -> str | None:
+    """The row's verdict on a metric (:func:`exporters.benchrows.verdict`);
+    None for a row from before intervals."""
+    if "rounds" not in row:
+        return None
+    return B.verdict(*(row.get(k) for k in B.interval_keys(metric)))
+
+
+def _compare(name: str, row: dict, pull: dict, metric: str) -> str:
+    r, push_v, pull_v = row.get(B.ratio_key(metric)), row.get(metric), pull.get(metric)
     if r is None:
         return f"{name}: no comparison (missing figure)"
     fig = f"{_ms(push_v)} ms vs {_ms(pull_v)} ms"
-    if abs(r - 1.0) < 0.02:
-        return f"{name} {fig}: a tie (within 2%)"
-    if r < 1:
-        return f"{name} {fig}: push {(1 - r) * 100:.0f}% lower"
-    return f"{name} {fig}: pull {(1 - 1 / r) * 100:.0f}% lower"
+    v = _verdict(row, metric)
+    if v is None:
+        return f"{name} {fig}: push/pull {r:.2f}, no interval recorded, so no verdict"
+    if v == B.NOT_ENOUGH_DATA:
+        return (f"{name} {fig}: not enough data for an interval "
+                f"(it needs {MIN_REQUESTS} requests with the figure a side)")
+    lo, hi = (row[k] for k in B.interval_keys(metric))
+    ci = f"push/pull {r:.2f}, 95% CI {lo:.2f}-{hi:.2f}"
+    if v == B.NO_DIFFERENCE:
+        return f"{name} {fig}: no resolvable difference ({ci})"
+    if v == B.PUSH_LOWER:
+        return f"{name} {fig}: push {(1 - r) * 100:.0f}% lower ({ci})"
+    return f"{name} {fig}: pull {(1 - 1 / r) * 100:.0f}% lower ({ci})"
 
 
 def _tally(compared: list[dict]) -> list[str]:
-    """One line per (push dispatch, metric): cells won and the median ratio."""
+    """One line per (push dispatch, metric): the cells of each verdict, and
+    the median ratio as a description, not a verdict."""
     out = []
     for d in dict.fromkeys(r.get("dispatch") for r in compared):
         mine = [r for r in compared if r.get("dispatch") == d]
-        for metric, key in (("TTFT p50", "ttft_p50_push_over_pull"), ("handoff p50", "handoff_p50_push_over_pull")):
-            rs = [r[key] for r in mine if r.get(key) is not None]
-            if not rs:
+        for name, metric in COMPARED:
+            withr = [r for r in mine if r.get(B.ratio_key(metric)) is not None]
+            if not withr:
                 continue
-            wins = sum(1 for x in rs if x < 1)
-            med = statistics.median(rs)
-            who = "push" if med < 1 else "pull"
-            by = (1 - med) * 100 if med < 1 else (1 - 1 / med) * 100
+            rs = [r[B.ratio_key(metric)] for r in withr]
+            counts = {v: 0 for v in (B.PUSH_LOWER, B.PULL_LOWER, B.NO_DIFFERENCE, B.NOT_ENOUGH_DATA, None)}
+            for r in withr:
+                counts[_verdict(r, metric)] += 1
+            parts = [f"{v} in {n}" for v, n in counts.items() if v and n]
+            if counts[None]:
+                parts.append(f"no interval recorded in {counts[None]}")
             out.append(
-                f"Overall, push ({d}) had the lower {metric} in {wins} of {len(rs)} cells; "
-                f"median push/pull ratio {med:.2f} ({who} {by:.0f}% lower at the median; "
-                f"range {min(rs):.2f}-{max(rs):.2f})."
+                f"Overall, push ({d}) vs pull on {name} over {len(withr)} cells: {', '.join(parts)} "
+                f"(95% intervals over requests and rounds); median push/pull ratio {statistics.median(rs):.2f} "
+                f"(range {min(rs):.2f}-{max(rs):.2f})."
             )
     return out
 
 
+def caveats(rows: Sequence[dict], fresh_stacks: bool = False) -> list[str]:
+    """What the intervals of these rows do not cover."""
+    rounds = {r.get("rounds") for r in rows if r.get("rounds")}
+    if not rounds:
+        return []
+    if rounds == {1}:
+        return ["One round: each interval covers the variation between requests of one stack start only; on a "
+                "small shared host separate starts of the same stack have differed by far more. For a verdict "
+                "that holds across starts: --repeat 3 --fresh-stacks."]
+    if not fresh_stacks:
+        return [f"{max(rounds)} rounds; a mode's stack served two rounds in a row (ABBA), so the intervals cover "
+                "fewer stack starts than rounds (--fresh-stacks: one start per round)."]
+    return []
+
+
 def describe(rows: Sequence[dict]) -> list[str]:
-    """Plain-words findings computed from the rows: per cell who had the
-    lower TTFT p50 and handoff p50, by how much, then a tally per push
-    dispatch. Needs the ratios (:func:`exporters.benchrows.add_ratios`) set."""
+    """Plain-words findings computed from the rows: per cell, for TTFT p50 and
+    handoff p50, the push/pull ratio with its 95 % interval and who was lower
+    (only where the interval excludes 1), then a tally per push dispatch.
+    Needs the ratios (:func:`exporters.benchrows.add_ratios`) set."""
     out: list[str] = []
     push_rows = [r for r in sort_rows(rows) if r["mode"] == "push"]
     pull = pull_by_cell(rows)
@@ -124,12 +190,8 @@ def describe(rows: Sequence[dict]) -> list[str]:
         return ["No push/pull pair ran on the same cell, so there is nothing to compare."]
     for r in compared:
         p = pull[cell_key(r)]
-        out.append(
-            f"input {r['input_len']} tokens, {r['qps']:g} QPS, {variant(r)} vs pull: "
-            + _compare("TTFT p50", r.get("ttft_p50_push_over_pull"), r.get("ttft_p50_s"), p.get("ttft_p50_s"))
-            + "; "
-            + _compare("handoff p50", r.get("handoff_p50_push_over_pull"), r.get("handoff_p50_s"), p.get("handoff_p50_s"))
-        )
+        out.append(f"input {r['input_len']} tokens, {r['qps']:g} QPS, {variant(r)} vs pull: "
+                   + "; ".join(_compare(name, r, p, metric) for name, metric in COMPARED))
     return out + _tally(compared)
 
 
@@ -230,8 +292,10 @@ def cross_check(cells: Sequence[Cell]) -> CrossCheck:
     diffs, signed = [], []
     completed = ok_in_store = sent = in_store = missing = 0
     failed, tpot = [], []
+    rounds = any(c.round > 1 for c in cells)
     for c in cells:
-        tpot.append((f"{c.target.label} in={c.input_len} qps={c.qps:g}", tpot_figures(c)))
+        tag = f" round {c.round}" if rounds else ""
+        tpot.append((f"{c.target.label} in={c.input_len} qps={c.qps:g}{tag}", tpot_figures(c)))
         for r in c.results:
             sent += 1
             t = c.traces.get(r.request_id)
@@ -263,9 +327,13 @@ def print_report(run, out=None) -> CrossCheck:
     out = out or sys.stdout
     rows = add_ratios(run.rows)
     print("\n" + format_table(rows), file=out)
-    print("(times in ms; push/pull < 1: push is faster on that cell)", file=out)
+    print("(times in ms; push/pull < 1: push is faster on that cell; [lo-hi]: its 95% confidence interval, "
+          "[?]: not enough data for one; a side is lower only where the interval excludes 1)", file=out)
+    if run.repeat > 1 and run.interrupted:
+        done = max((c.round for c in run.cells), default=0)
+        print(f"(interrupted in round {done} of {run.repeat}: rows pool the rounds that ran)", file=out)
     print("\nWhat this measured:", file=out)
-    for line in describe(rows):
+    for line in describe(rows) + caveats(rows, getattr(run, "fresh_stacks", False)):
         print("  " + line, file=out)
     cc = cross_check(run.cells)
     print("\nCross-checks:", file=out)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from exporters import store
+from exporters.benchrows import INTERVAL_KEYS
 from kvlens.bench.grid import BenchOptions
 from kvlens.bench.stats import mean, percentile, rel_diff
 
@@ -96,6 +97,39 @@ class Cell:
     decode_tpot: tuple[float, float] | None = None
     #: why ``decode_tpot`` is None
     decode_tpot_note: str | None = None
+    #: which round of ``kvlens bench --repeat`` measured it (1-based)
+    round: int = 1
+
+
+def samples(cell: Cell, metric: str) -> list[float]:
+    """The per-request figures behind a row's ``ttft_p50_s`` (the client's
+    TTFT of completed requests) or ``handoff_p50_s`` (their handoff in the
+    store), the ones its intervals resample."""
+    ok = [r for r in cell.results if r.ok]
+    if metric.startswith("ttft_"):
+        return [r.ttft_s for r in ok if r.ttft_s is not None]
+    if metric.startswith("handoff_"):
+        tr = [cell.traces.get(r.request_id) for r in ok]
+        return [t["handoff_s"] for t in tr if t and t.get("handoff_s") is not None]
+    raise ValueError(f"no per-request samples for {metric!r}")
+
+
+def pool_cells(cells: Sequence[Cell]) -> Cell:
+    """One cell holding the requests of several rounds of the same variant and
+    grid cell (their row is the pooled row). D's TPOT histogram growth is
+    summed where every round has it."""
+    first = cells[0]
+    traces: dict[str, dict] = {}
+    for c in cells:
+        traces.update(c.traces)
+    grown = [c.decode_tpot for c in cells]
+    pooled = Cell(first.target, first.qps, first.input_len, [r for c in cells for r in c.results], traces,
+                  sum(c.duration_s for c in cells), round=first.round)
+    if all(g is not None for g in grown):
+        pooled.decode_tpot = (sum(g[0] for g in grown), sum(g[1] for g in grown))
+    else:
+        pooled.decode_tpot_note = next((c.decode_tpot_note for c in cells if c.decode_tpot is None), None)
+    return pooled
 
 
 def _trace_figures(cell: Cell) -> dict:
@@ -187,6 +221,9 @@ def summarize_cell(cell: Cell, opts: BenchOptions, run_id: str, prefix_caching: 
         "duration_s": cell.duration_s,
         "prefix_caching": prefix_caching,
         "url": cell.target.url,
+        # set by kvlens.bench.rounds.add_intervals, which needs the cell's pull rounds too
+        **dict.fromkeys(INTERVAL_KEYS),
+        "rounds": 1,
     }
 
 

@@ -2,9 +2,17 @@
 or on stacks started one mode at a time (:func:`bench_stacks`, pull first so
 that each push row carries its push/pull ratios when it is written).
 
+With ``repeat`` K > 1 the whole grid runs K times, push and pull in ABBA
+order across the rounds (:mod:`.rounds`); on started stacks a mode's stack
+runs two rounds in a row (the end of one and the start of the next) unless
+``fresh_stacks`` gives every round its own start.
+
 Each finished cell's row goes straight to the store and the JSON-lines file
-(:class:`Sink`), so an interrupted run keeps what finished. Blocking; runs in
-the main thread (Ctrl-C / SIGTERM unwind through here, stopping stacks)."""
+(:class:`Sink`), so an interrupted run keeps what finished. With K > 1 a
+row pools a cell's rounds, so rows are written when the last round ends
+(:meth:`BenchRun.finish`; an interrupted run writes what its finished
+rounds pooled). Blocking; runs in the main thread (Ctrl-C / SIGTERM unwind
+through here, stopping stacks)."""
 
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from kvlens.bench.load import run_cell_async, warm_up
 from kvlens.bench.probe import RouterInfo, decode_tpot, probe_router, served_name
 from kvlens.bench.prompts import PromptMaker, rng
 from kvlens.bench.results import Cell, Target, summarize_cell, wait_for_traces
+from kvlens.bench.rounds import abba, add_intervals, pooled_rows, stack_plan
 from kvlens.model import ensure_model
 from kvlens.stack.supervise import signals_ignored
 from kvlens.up import Stack
@@ -46,7 +55,12 @@ class BenchRun:
     json_path: Path | None
     cells: list[Cell] = field(default_factory=list)
     interrupted: bool = False
+    #: rounds asked for (``--repeat``), and whether each round started fresh stacks
+    repeat: int = 1
+    fresh_stacks: bool = False
+    opts: BenchOptions | None = field(default=None, repr=False)
     _sink: Any = None
+    _pooled: list[dict] | None = None
 
     def sink(self) -> "Sink":
         if self._sink is None:
@@ -55,7 +69,22 @@ class BenchRun:
 
     @property
     def rows(self) -> list[dict]:
-        return [c.row for c in self.cells]
+        """One row per variant and grid cell: each cell's own row, or with
+        ``repeat`` > 1 the rows pooling its rounds (as written by :meth:`finish`)."""
+        if self.repeat == 1:
+            return [c.row for c in self.cells]
+        if self._pooled is not None:
+            return self._pooled
+        return pooled_rows(self.cells, self.opts or BenchOptions(), self.run_id)
+
+    def finish(self) -> None:
+        """With ``repeat`` > 1: write the pooled rows of the finished cells, once.
+        (A single round's rows were written as each cell finished.)"""
+        if self.repeat == 1 or self._pooled is not None or not self.cells:
+            return
+        self._pooled = self.rows
+        for row in self._pooled:
+            self.sink().write(row)
 
 
 class Sink:
@@ -88,7 +117,7 @@ def new_run(opts: BenchOptions) -> BenchRun:
     """A fresh run writing to ``opts.store`` (default ``<home>/traces.db``) and ``opts.json_path``."""
     store_path = store.location(opts.store) if opts.store else config.store_path()
     jp = Path(opts.json_path).expanduser().resolve() if opts.json_path else None
-    return BenchRun(new_run_id(), store_path, jp)
+    return BenchRun(new_run_id(), store_path, jp, repeat=opts.repeat, fresh_stacks=opts.fresh_stacks, opts=opts)
 
 
 def _warm_up(targets: Sequence[Target], opts: BenchOptions, maker: PromptMaker, model_name: str | None,
@@ -115,12 +144,14 @@ def _decode_growth(cell: Cell, before: tuple[float, float] | None, note: str | N
 
 
 def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: list[str], r, opts: BenchOptions,
-              model_name: str | None, prefix_caching: str) -> None:
-    """Load one target on one cell, join its traces, write its row."""
+              model_name: str | None, prefix_caching: str, round_: int = 1) -> None:
+    """Load one target on one cell, join its traces, write its row (one round:
+    at once; several: :meth:`BenchRun.finish` writes the pooled rows)."""
     from tqdm import tqdm  # here for start-up cost: `kvlens --help` imports this module
 
+    tag = f" r{round_}" if run.repeat > 1 else ""
     bar = tqdm(
-        total=len(prompts), desc=f"{t.label:<17} in={input_len:<5} qps={qps:<4g}", unit="req",
+        total=len(prompts), desc=f"{t.label:<17} in={input_len:<5} qps={qps:<4g}{tag}", unit="req",
         file=sys.stderr, disable=not opts.progress, leave=True, dynamic_ncols=True,
     )
     before, note = decode_tpot(t.decode_url)
@@ -132,33 +163,41 @@ def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: lis
     finally:
         bar.close()
     traces = wait_for_traces(run.store, results, opts.trace_wait_s)
-    cell = Cell(t, float(qps), int(input_len), results, traces, dur)
+    cell = Cell(t, float(qps), int(input_len), results, traces, dur, round=round_)
     _decode_growth(cell, before, note)
     cell.row = summarize_cell(cell, opts, run.run_id, prefix_caching)
     run.cells.append(cell)
-    add_ratios(run.rows)
-    run.sink().write(cell.row)
+    if run.repeat == 1:
+        add_ratios(run.rows)
+        add_intervals([cell.row], run.cells)  # pull runs first: a push row's pull cell is already here
+        run.sink().write(cell.row)
 
 
-def _bench_targets(run: BenchRun, targets: Sequence[Target], opts: BenchOptions, maker: PromptMaker,
-                   model_name: str | None, prefix_caching: str, target_index0: int = 0) -> None:
-    """Warm each target up, then run every cell on every target (targets
-    interleaved per cell, so drift hits them alike)."""
-    _warm_up(targets, opts, maker, model_name, target_index0)
+def _bench_targets(run: BenchRun, targets: Sequence[tuple[int, Target]], opts: BenchOptions, maker: PromptMaker,
+                   model_name: str | None, prefix_caching: str, target_index0: int = 0, round_: int = 1,
+                   warm: bool = True) -> None:
+    """Warm each target up (``warm``), then run every cell on every target
+    (targets interleaved per cell in the order given, so drift hits them
+    alike). ``targets``: (index, target); the index and the round seed the
+    prompts and arrivals (round 1: as a run without repeats)."""
+    if warm:
+        _warm_up([t for _, t in sorted(targets, key=lambda it: it[0])], opts, maker, model_name, target_index0)
     ci = 0
     for input_len in opts.input_lens:
         for qps in opts.qps:
             ci += 1
-            for ti, t in enumerate(targets):
-                r = rng(opts.seed, target_index0 + ti, ci)
+            for ti, t in targets:
+                key = (target_index0 + ti, ci) + ((round_,) if round_ > 1 else ())
+                r = rng(opts.seed, *key)
                 prompts = [maker.make(int(input_len), r) for _ in range(opts.num_prompts)]
-                _run_cell(run, t, qps, input_len, prompts, r, opts, model_name, prefix_caching)
+                _run_cell(run, t, qps, input_len, prompts, r, opts, model_name, prefix_caching, round_)
 
 
 def _prepare(opts: BenchOptions, modes: Sequence[str], dispatches: Sequence[str],
              model_dir: Path | None, max_len: int | None) -> PromptMaker:
     validate_grid(modes=modes, dispatches=dispatches, qps=list(opts.qps), input_lens=list(opts.input_lens),
-                  output_len=opts.output_len, num_prompts=opts.num_prompts, max_model_len=max_len)
+                  output_len=opts.output_len, num_prompts=opts.num_prompts, max_model_len=max_len,
+                  repeat=opts.repeat)
     if model_dir is None or not Path(model_dir).is_dir():
         raise BenchError(f"model directory not found: {model_dir} (pass --model DIR)")
     return PromptMaker(model_dir)
@@ -191,8 +230,10 @@ def bench_routers(routers: Sequence[str | Target], opts: BenchOptions, run: Benc
     model_name = next((i.model for i in infos if i.model), None)
     run = run or new_run(opts)
     run.sink()
-    ordered = sorted(targets, key=lambda t: 0 if t.mode == "pull" else 1)
-    _bench_targets(run, ordered, opts, maker, model_name, "external")
+    ordered = list(enumerate(sorted(targets, key=lambda t: 0 if t.mode == "pull" else 1)))
+    for r, items in abba(ordered, opts.repeat):
+        _bench_targets(run, items, opts, maker, model_name, "external", round_=r, warm=r == 1)
+    run.finish()
     return run
 
 
@@ -210,21 +251,46 @@ def bench_stacks(modes: Sequence[str], dispatches: Sequence[str], opts: BenchOpt
                          f"file, got {store.display(run.store)} (bench routers you started yourself with --url "
                          "may write a PostgreSQL store)")
     run.sink()
-    factory = stack_factory or Stack
-    vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
-    for ti, (mode, ds) in enumerate(plan_groups(modes, dispatches)):
-        stack = factory(mode=mode, dispatch=ds[0] or "overlapped", model=model_dir, port=None,
-                        kvlens_home=run.store.parent, vllm_args=vllm_args, api_key=opts.api_key)
-        try:
-            stack.start()
-            key = getattr(stack, "api_key", None) or opts.api_key
-            d_url = getattr(stack, "decode_url", None) or None
-            targets = [Target(mode, ds[0], stack.router_url, d_url, key)]
-            targets += [Target(mode, d, stack.add_router(d), d_url, key) for d in ds[1:]]
-            _bench_targets(run, targets, opts, maker, served_name(stack.router_url, key),
-                           "on" if opts.prefix_caching else "off", target_index0=10 * ti)
-        finally:
-            with signals_ignored():  # a second Ctrl-C while stopping must not leave orphans
-                stack.stop()
+    groups = plan_groups(modes, dispatches)
+    stack = targets = model_name = None
+    try:
+        for r, gi, start in stack_plan(len(groups), opts.repeat, opts.fresh_stacks):
+            if start:
+                _stop(stack)
+                stack = None  # a failed start must not be stopped twice
+                stack, targets, model_name = _start(stack_factory or Stack, groups[gi], model_dir, run.store.parent,
+                                                    opts)
+            items = list(enumerate(targets)) if r % 2 else list(reversed(list(enumerate(targets))))
+            _bench_targets(run, items, opts, maker, model_name, "on" if opts.prefix_caching else "off",
+                           target_index0=10 * gi, round_=r, warm=start)
+    finally:
+        _stop(stack)
+    run.finish()
     return run
+
+
+def _start(factory: Callable[..., Any], group: tuple[str, list[str | None]], model_dir: Path, home: Path,
+           opts: BenchOptions) -> tuple[Any, list[Target], str | None]:
+    """Start one stack for a (mode, dispatches) group: (stack, its targets, the served model name).
+    A stack that fails to start stops itself (``Stack.start``)."""
+    mode, ds = group
+    vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
+    stack = factory(mode=mode, dispatch=ds[0] or "overlapped", model=model_dir, port=None,
+                    kvlens_home=home, vllm_args=vllm_args, api_key=opts.api_key)
+    try:
+        stack.start()
+        key = getattr(stack, "api_key", None) or opts.api_key
+        d_url = getattr(stack, "decode_url", None) or None
+        targets = [Target(mode, ds[0], stack.router_url, d_url, key)]
+        targets += [Target(mode, d, stack.add_router(d), d_url, key) for d in ds[1:]]
+        return stack, targets, served_name(stack.router_url, key)
+    except BaseException:
+        _stop(stack)
+        raise
+
+
+def _stop(stack: Any) -> None:
+    if stack is not None:
+        with signals_ignored():  # a second Ctrl-C while stopping must not leave orphans
+            stack.stop()
 

@@ -2,8 +2,9 @@
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` go through P and D
 (:mod:`kvlens.proxy.dispatch`, :mod:`kvlens.proxy.relay`) once
-:mod:`kvlens.proxy.intake` accepted them; ``GET /health`` asks both;
-``GET /v1/models`` is D's; ``/metrics`` serves the router's span-derived
+:mod:`kvlens.proxy.intake` accepted them, to the P and D the
+:class:`~kvlens.proxy.balancer.Balancer` picks; ``GET /health`` asks every
+P and D; ``GET /v1/models`` is the first D's; ``/metrics`` serves the router's span-derived
 Prometheus metrics. With an API key (``ProxyConfig.api_key``) the ``/v1/*``
 routes require it; ``/health`` and ``/metrics`` stay open, as on vLLM.
 All handlers run on the event loop.
@@ -24,6 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from exporters.metrics import metrics_app
 from kvlens.proxy import relay
+from kvlens.proxy.balancer import Balancer
 from kvlens.proxy.config import ProxyConfig
 from kvlens.proxy.dispatch import dispatcher
 from kvlens.proxy.errors import Upstream, from_http_error
@@ -68,13 +70,15 @@ async def unless_client_gone(request: Request, work: Awaitable[Response]) -> Res
 
 class Router:
     """One app's shared state: the HTTP client towards P and D, the
-    telemetry, the trace ids in use (:class:`~kvlens.proxy.isolation.TraceIds`)
-    and D's model name (asked once, for bodies without one).
+    balancer, the telemetry, the trace ids in use
+    (:class:`~kvlens.proxy.isolation.TraceIds`) and D's model name (asked
+    once, for bodies without one).
     ``client``/``tel`` exist between :meth:`open` and :meth:`close`."""
 
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
         self.dispatch = dispatcher(cfg)
+        self.balancer = Balancer.for_config(cfg)
         self.ids = TraceIds(cfg.reuse_window_s)
         self.client: httpx.AsyncClient | None = None
         self.tel: RouterTelemetry | None = None
@@ -127,6 +131,9 @@ class Router:
         return self._model
 
     async def health(self) -> Response:
+        """200 when every P and every D answers its ``/health`` with 200, else
+        503. Each instance is named by engine id, never by URL (``/health``
+        needs no key: clients must not learn the instances' addresses)."""
         async def one(url: str) -> str:
             try:
                 r = await self.client.get(url + "/health", timeout=5, headers=self._auth_headers(None))
@@ -135,10 +142,18 @@ class Router:
                 return f"{type(e).__name__}"
 
         cfg = self.cfg
-        p, d = await asyncio.gather(one(cfg.prefill_url), one(cfg.decode_url))
-        ok = p == "ok" and d == "ok"
+        ps, ds = cfg.prefills, cfg.decodes
+        got = await asyncio.gather(*(one(x.url) for x in [*ps, *ds]))
+        p_got, d_got = got[:len(ps)], got[len(ps):]
+
+        def side(states: list[str]) -> str:  # "ok", or the first problem
+            return next((s for s in states if s != "ok"), "ok")
+
+        ok = all(s == "ok" for s in got)
         return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "prefill": p, "decode": d,
+            {"status": "ok" if ok else "unhealthy", "prefill": side(p_got), "decode": side(d_got),
+             "instances": {"prefill": {p.engine_id: s for p, s in zip(ps, p_got)},
+                           "decode": {d.engine_id: s for d, s in zip(ds, d_got)}},
              "mode": cfg.mode, "dispatch": cfg.effective_dispatch},
             status_code=200 if ok else 503,
         )
@@ -163,6 +178,7 @@ class Router:
 
     async def _answer(self, ex: Exchange, request: Request) -> Response:
         """P and D for a checked request, and the relay of D's answer."""
+        ex.route = self.balancer.pick()  # after intake: a refused request takes no turn
         if "model" not in ex.body:
             name = await self.model_name(request)
             if name:

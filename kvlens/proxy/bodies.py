@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from instrumented_connector.ids import vllm_request_id_base
-from kvlens.proxy.config import ProxyConfig
+from kvlens.proxy.config import Prefill, ProxyConfig
 
 #: What vLLM's own disaggregated proxy examples send to P.
 P_KV_PARAMS = {
@@ -37,18 +37,20 @@ def decode_body(body: dict, kv_transfer_params: dict) -> dict:
     return b
 
 
-def overlapped_d_params(cfg: ProxyConfig, endpoint: str, trace_id: str) -> dict:
-    """D's ``kv_transfer_params`` for an overlapped push, from P's identity
-    known in advance (instead of P's answer)."""
+def overlapped_d_params(prefill: Prefill | ProxyConfig, endpoint: str, trace_id: str) -> dict:
+    """D's ``kv_transfer_params`` for an overlapped push, from the chosen P's
+    identity known in advance (instead of P's answer). ``prefill``: that P,
+    or a config (its first P, for callers with one P)."""
+    p = prefill.prefills[0] if isinstance(prefill, ProxyConfig) else prefill
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
-        "remote_engine_id": cfg.prefill_engine_id,
+        "remote_engine_id": p.engine_id,
         # P's real id carries a random suffix we cannot know; push matching on
         # P strips suffixes (get_base_request_id), and D only uses this for
         # lease heartbeats, so the base id is what fits best.
         "remote_request_id": vllm_request_id_base(endpoint, trace_id),
-        "remote_host": cfg.prefill_side_host,
-        "remote_port": cfg.prefill_side_port,
-        "tp_size": cfg.prefill_tp_size,
+        "remote_host": p.side_host,
+        "remote_port": p.side_port,
+        "tp_size": p.tp_size,
     }

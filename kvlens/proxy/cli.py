@@ -1,13 +1,20 @@
-"""``kvlens proxy`` command line: flags and ``run`` (uvicorn, blocking)."""
+"""``kvlens proxy`` command line: flags and ``run`` (uvicorn, blocking).
+
+Several P and D: ``--prefill`` and ``--decode`` repeat; the per-P flags
+(``--prefill-engine-id``, ``--prefill-side-port``, ...) repeat too and pair
+with ``--prefill`` by position (:func:`instances`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import sys
+import urllib.parse
 
 from kvlens.argtypes import positive
-from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, ProxyConfig
+from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, Decode, Prefill, ProxyConfig
 from kvlens.stack.ports import is_loopback, port_arg
 
 logger = logging.getLogger("kvlens.proxy")
@@ -18,20 +25,44 @@ API_KEY_ENV = ("KVLENS_API_KEY", "VLLM_API_KEY")
 MIB = 1024 * 1024
 
 
+def base_url(text: str) -> str:
+    """argparse ``type=``: an ``http(s)://host[:port]`` base URL (a path is
+    kept, a trailing slash dropped); anything else is a usage error."""
+    try:
+        u = urllib.parse.urlsplit(text.strip())
+        port = u.port  # ValueError when out of range or not a number
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an http(s)://host:port URL: {text!r}") from None
+    if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment or port == 0:
+        raise argparse.ArgumentTypeError(f"not an http(s)://host:port URL: {text!r}")
+    return text.strip().rstrip("/")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", required=True, help="P's base URL, e.g. http://127.0.0.1:8100")
-    p.add_argument("--decode", required=True, help="D's base URL")
+    p.add_argument("--prefill", action="append", required=True, type=base_url, metavar="URL",
+                   help="a P's base URL, e.g. http://127.0.0.1:8100; repeat for several P (round robin)")
+    p.add_argument("--decode", action="append", required=True, type=base_url, metavar="URL",
+                   help="a D's base URL; repeat for several D (round robin, independent of P's)")
     p.add_argument("--mode", choices=["push", "pull"], required=True)
     p.add_argument("--dispatch", choices=["overlapped", "sequential"], default="overlapped",
                    help="push: send D's request at once (overlapped) or after P answers")
     p.add_argument("--port", type=port_arg(), default=8000)
     p.add_argument("--host", default="127.0.0.1",
                    help="bind address (default loopback; any other needs --api-key, or it is open to all)")
-    p.add_argument("--prefill-engine-id", default="p0", help="P's kv_transfer_config.engine_id (overlapped push)")
-    p.add_argument("--prefill-side-host", default="127.0.0.1", help="P's NIXL side-channel host (overlapped push)")
-    p.add_argument("--prefill-side-port", type=port_arg(), default=None,
-                   help="P's VLLM_NIXL_SIDE_CHANNEL_PORT (required for overlapped push)")
-    p.add_argument("--prefill-tp-size", type=positive(int), default=1)
+    p.add_argument("--prefill-engine-id", action="append", default=None, metavar="ID",
+                   help="P's kv_transfer_config.engine_id, once per --prefill in the same order "
+                        "(default p0, p1, ... as `kvlens up` names them)")
+    p.add_argument("--prefill-side-host", action="append", default=None, metavar="HOST",
+                   help="P's NIXL side-channel host (overlapped push): once for all P, or once per --prefill "
+                        "(default 127.0.0.1)")
+    p.add_argument("--prefill-side-port", action="append", type=port_arg(), default=None, metavar="PORT",
+                   help="P's VLLM_NIXL_SIDE_CHANNEL_PORT, once per --prefill in the same order "
+                        "(required for overlapped push)")
+    p.add_argument("--prefill-tp-size", action="append", type=positive(int), default=None, metavar="N",
+                   help="P's tensor-parallel size: once for all P, or once per --prefill (default 1)")
+    p.add_argument("--decode-engine-id", action="append", default=None, metavar="ID",
+                   help="D's engine id, once per --decode in the same order (default d0, d1, ...; names D "
+                        "on root spans and in /health)")
     p.add_argument("--timeout", type=positive(float), default=600.0, help="read timeout towards P and D, seconds")
     p.add_argument("--max-body-mb", type=positive(float), default=DEFAULT_MAX_BODY_BYTES / MIB, metavar="MB",
                    help=f"largest request body accepted, MiB (default {DEFAULT_MAX_BODY_BYTES // MIB}); "
@@ -60,17 +91,44 @@ def api_key(args: argparse.Namespace) -> str | None:
     return next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
 
 
+def _per_instance(values: list | None, n: int, flag: str, of: str, default, one_for_all: bool = False) -> list:
+    """``values`` of a per-instance flag spread over ``n`` instances: none
+    (``default(i)`` each), exactly ``n``, or (``one_for_all``) one for all;
+    any other count is a ValueError naming both flags."""
+    if not values:
+        return [default(i) for i in range(n)]
+    if len(values) == n:
+        return list(values)
+    if one_for_all and len(values) == 1:
+        return list(values) * n
+    want = f"1 or {n}" if one_for_all else str(n)
+    raise ValueError(f"{flag} given {len(values)} times for {n} {of} (give it {want} times, in the order of {of})")
+
+
+def instances(args: argparse.Namespace) -> tuple[list[Prefill], list[Decode]]:
+    """The P and D instances from the repeated flags (ValueError on a count
+    mismatch, naming the flags)."""
+    urls_p, urls_d = list(args.prefill), list(args.decode)
+    n = len(urls_p)
+    of = "--prefill"
+    ids_p = _per_instance(args.prefill_engine_id, n, "--prefill-engine-id", of, lambda i: f"p{i}")
+    hosts = _per_instance(args.prefill_side_host, n, "--prefill-side-host", of, lambda i: "127.0.0.1", True)
+    ports = _per_instance(args.prefill_side_port, n, "--prefill-side-port", of, lambda i: None)
+    tps = _per_instance(args.prefill_tp_size, n, "--prefill-tp-size", of, lambda i: 1, True)
+    ids_d = _per_instance(getattr(args, "decode_engine_id", None), len(urls_d), "--decode-engine-id", "--decode",
+                          lambda i: f"d{i}")
+    return ([Prefill(*x) for x in zip(urls_p, ids_p, hosts, ports, tps)],
+            [Decode(u, e) for u, e in zip(urls_d, ids_d)])
+
+
 def config(args: argparse.Namespace) -> ProxyConfig:
     """The router's settings from its flags (ValueError on a bad mix)."""
-    return ProxyConfig(
-        prefill_url=args.prefill,
-        decode_url=args.decode,
+    prefills, decodes = instances(args)
+    return ProxyConfig.of(
+        prefills,
+        decodes,
         mode=args.mode,
         dispatch=args.dispatch,
-        prefill_engine_id=args.prefill_engine_id,
-        prefill_side_host=args.prefill_side_host,
-        prefill_side_port=args.prefill_side_port,
-        prefill_tp_size=args.prefill_tp_size,
         read_timeout_s=args.timeout,
         telemetry=not args.no_telemetry,
         api_key=api_key(args),
@@ -79,6 +137,14 @@ def config(args: argparse.Namespace) -> ProxyConfig:
         store=getattr(args, "store", None),
         retention=getattr(args, "retention", None),
     )
+
+
+def check(cfg: ProxyConfig) -> None:
+    """What the flags can only be checked for together (ValueError):
+    overlapped push needs every P's side-channel port."""
+    if cfg.overlapped_push and any(p.side_port is None for p in cfg.prefills):
+        raise ValueError("overlapped push needs --prefill-side-port (P's VLLM_NIXL_SIDE_CHANNEL_PORT), "
+                         "once per --prefill")
 
 
 def warn_if_open(host: str, key: str | None) -> bool:
@@ -99,20 +165,18 @@ def run(args: argparse.Namespace) -> int:
 
     from kvlens.proxy.app import create_app
 
-    if args.mode == "push" and args.dispatch == "overlapped" and not args.prefill_side_port:
-        print("kvlens proxy: error: overlapped push needs --prefill-side-port "
-              "(P's VLLM_NIXL_SIDE_CHANNEL_PORT)", flush=True)
-        return 2
     try:
         cfg = config(args)
+        check(cfg)
     except ValueError as e:
-        print(f"kvlens proxy: error: {e}", flush=True)
+        print(f"kvlens proxy: error: {e}", file=sys.stderr, flush=True)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)
     warn_if_open(args.host, cfg.api_key)
     app = create_app(cfg)
-    logger.info("kvlens proxy %s/%s on %s:%d -> P %s, D %s", cfg.mode, cfg.dispatch,
-                args.host, args.port, cfg.prefill_url, cfg.decode_url)
+    logger.info("kvlens proxy %s/%s on %s:%d -> P %s, D %s (round robin)", cfg.mode, cfg.dispatch, args.host,
+                args.port, ", ".join(f"{p.engine_id}={p.url}" for p in cfg.prefills),
+                ", ".join(f"{d.engine_id}={d.url}" for d in cfg.decodes))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 access_log=False, timeout_graceful_shutdown=5)
     return 0

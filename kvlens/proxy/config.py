@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from instrumented_connector import config as kvconfig
 
@@ -18,13 +18,40 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_REUSE_WINDOW_S = 600.0
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """One P instance as the router needs it: its base URL and, for an
+    overlapped push (D's request goes out before P has answered), its
+    identity as D needs it: ``kv_transfer_config.engine_id``, NIXL
+    side-channel host and port (``VLLM_NIXL_SIDE_CHANNEL_PORT``), TP size."""
+
+    url: str
+    engine_id: str = "p0"
+    side_host: str = "127.0.0.1"
+    side_port: int | None = None
+    tp_size: int = 1
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One D instance: its base URL and engine id (named on root spans and
+    in ``/health``; D's own spans carry the id it really has)."""
+
+    url: str
+    engine_id: str = "d0"
+
+
 @dataclass
 class ProxyConfig:
     """Where P and D are, how to dispatch, and the HTTP client's limits.
 
-    ``prefill_engine_id`` / ``prefill_side_host`` / ``prefill_side_port`` /
-    ``prefill_tp_size``: P's identity as D needs it for an overlapped push
-    (D's request goes out before P has answered). Timeouts in seconds.
+    ``prefill_url`` / ``prefill_engine_id`` / ``prefill_side_host`` /
+    ``prefill_side_port`` / ``prefill_tp_size``: the first (often only) P,
+    ``decode_url`` / ``decode_engine_id`` the first D; ``more_prefills`` /
+    ``more_decodes``: the instances after them. :attr:`prefills` and
+    :attr:`decodes` list them all (the router balances over those, see
+    :mod:`kvlens.proxy.balancer`); :meth:`of` builds a config from lists.
+    Timeouts in seconds.
     ``kvlens_home``: where spans go (default: the kvlens home).
     ``store``: a PostgreSQL URL (``postgresql://user@host:port/db``) to
     write spans to instead of ``<kvlens_home>/traces.db``: the router's own
@@ -44,6 +71,9 @@ class ProxyConfig:
     prefill_side_host: str = "127.0.0.1"
     prefill_side_port: int | None = None
     prefill_tp_size: int = 1
+    decode_engine_id: str = "d0"
+    more_prefills: list[Prefill] = field(default_factory=list)
+    more_decodes: list[Decode] = field(default_factory=list)
     kvlens_home: str | None = None
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
@@ -60,6 +90,13 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         self.prefill_url = self.prefill_url.rstrip("/")
         self.decode_url = self.decode_url.rstrip("/")
+        self.more_prefills = [Prefill(p.url.rstrip("/"), p.engine_id, p.side_host, p.side_port, p.tp_size)
+                              for p in self.more_prefills]
+        self.more_decodes = [Decode(d.url.rstrip("/"), d.engine_id) for d in self.more_decodes]
+        for side, ids in (("prefill", [p.engine_id for p in self.prefills]),
+                          ("decode", [d.engine_id for d in self.decodes])):
+            if len(set(ids)) != len(ids):  # D would be told the wrong P; traces would name the wrong one
+                raise ValueError(f"{side} engine ids must be distinct, got {', '.join(ids)}")
         if self.mode not in ("push", "pull"):
             raise ValueError(f"mode must be push or pull, got {self.mode!r}")
         if self.dispatch not in ("overlapped", "sequential"):
@@ -81,6 +118,30 @@ class ProxyConfig:
             self.store = check_url(self.store)
         if self.retention is not None:
             kvconfig.retention_s({"kvlens_retention": self.retention})
+
+    @classmethod
+    def of(cls, prefills: list[Prefill], decodes: list[Decode], **kw) -> "ProxyConfig":
+        """A config for these P and D instances (at least one of each)."""
+        if not prefills or not decodes:
+            raise ValueError("need at least one prefill and one decode instance")
+        p0, d0 = prefills[0], decodes[0]
+        return cls(prefill_url=p0.url, decode_url=d0.url, prefill_engine_id=p0.engine_id,
+                   prefill_side_host=p0.side_host, prefill_side_port=p0.side_port, prefill_tp_size=p0.tp_size,
+                   decode_engine_id=d0.engine_id, more_prefills=list(prefills[1:]),
+                   more_decodes=list(decodes[1:]), **kw)
+
+    @property
+    def prefills(self) -> list[Prefill]:
+        """Every P, the first from the ``prefill_*`` fields (read now: a
+        change to them after construction counts)."""
+        first = Prefill(self.prefill_url, self.prefill_engine_id, self.prefill_side_host, self.prefill_side_port,
+                        self.prefill_tp_size)
+        return [first, *self.more_prefills]
+
+    @property
+    def decodes(self) -> list[Decode]:
+        """Every D, the first from ``decode_url`` / ``decode_engine_id``."""
+        return [Decode(self.decode_url, self.decode_engine_id), *self.more_decodes]
 
     def pipeline_config(self) -> dict[str, str]:
         """The connector-style config for this router's telemetry pipeline

@@ -4,7 +4,9 @@
 * :func:`pull`: P first; D gets P's ``kv_transfer_params`` and pulls the KV.
 * :func:`push_sequential`: P first, then D, as pull; P pushes the KV.
 * :func:`push_overlapped`: D's request goes out at once, concurrently with
-  P's, with P's identity known in advance; a P failure cancels D.
+  P's, with the chosen P's identity known in advance; a P failure cancels D.
+
+P and D are the ones the balancer chose for this request (``ex.route``).
 
 Each returns D's open 200 response (body not read; the caller relays and
 closes it) or raises :class:`~kvlens.proxy.errors.Upstream`. Event loop only.
@@ -63,7 +65,7 @@ async def push_overlapped(ex: Exchange) -> httpx.Response:
     this returns for a stream (the relay watches it). Until D has answered
     (headers), a P failure cancels D: D would otherwise wait for a push that
     never comes. When this is cancelled (client gone), both calls are."""
-    d_body = decode_body(ex.body, overlapped_d_params(ex.cfg, ex.endpoint, ex.trace_id))
+    d_body = decode_body(ex.body, overlapped_d_params(ex.route.prefill, ex.endpoint, ex.trace_id))
     p_task = ex.p_task = asyncio.create_task(ex.call_prefill())
     d_task = asyncio.create_task(ex.open_decode(d_body))
     try:

@@ -17,6 +17,7 @@ from typing import Callable
 import httpx
 
 from instrumented_connector.ids import root_span_id, span_hex
+from kvlens.proxy.balancer import Route
 from kvlens.proxy.bodies import prefill_body
 from kvlens.proxy.config import ProxyConfig
 from kvlens.proxy.errors import Upstream, from_http_error, from_status, unexpected
@@ -36,7 +37,9 @@ def traceparent(trace_id: str) -> str:
 @dataclass
 class Exchange:
     """State of one client request. ``t0_ns``: wall clock when it arrived
-    (the root span's start and the zero of client-seen TTFT). ``p_task``:
+    (the root span's start and the zero of client-seen TTFT). ``route``: the
+    P and D it goes to (:class:`~kvlens.proxy.balancer.Balancer`), chosen
+    once the request passed intake (a refused one names none). ``p_task``:
     P's call when it runs in the background (overlapped push).
     ``client_attrs``: what the client sent as ids, when not the trace id
     (:mod:`kvlens.proxy.isolation`). ``on_finish``: called once, when the
@@ -55,6 +58,7 @@ class Exchange:
     client_attrs: dict[str, str] = field(default_factory=dict)
     on_finish: Callable[[], None] | None = None
     finished: bool = False
+    route: Route | None = None
 
     @property
     def stream(self) -> bool:
@@ -72,7 +76,8 @@ class Exchange:
         self.finished = True
         try:
             self.tel.request(self.trace_id, self.parent, self.t0_ns, time.time_ns(), outcome, ttft_s,
-                             self.cfg.effective_dispatch, status, error=error, attrs=self.client_attrs)
+                             self.cfg.effective_dispatch, status, error=error,
+                             attrs={**(self.route.attrs() if self.route else {}), **self.client_attrs})
         finally:
             if self.on_finish is not None:
                 self.on_finish()
@@ -92,7 +97,7 @@ class Exchange:
     async def call_prefill(self) -> dict:
         """P's JSON object answering :func:`prefill_body`; raises
         :class:`Upstream` (also for a 200 that is not a JSON object)."""
-        url = self.cfg.prefill_url
+        url = self.route.prefill.url
         p_body = prefill_body(self.body)
 
         def build(ext: dict) -> httpx.Request:
@@ -116,7 +121,7 @@ class Exchange:
     async def open_decode(self, d_body: dict) -> httpx.Response:
         """D's response with status 200 and its body not read yet (the caller
         closes it); raises :class:`Upstream`."""
-        url = self.cfg.decode_url
+        url = self.route.decode.url
 
         def build(ext: dict) -> httpx.Request:
             return self.client.build_request("POST", url + self.endpoint, json=d_body, headers=self.headers,

@@ -38,7 +38,7 @@ async def whole(ex: Exchange, d_resp: httpx.Response) -> Response:
     try:
         content = await d_resp.aread()
     except httpx.HTTPError as e:
-        u = from_http_error("decode", ex.cfg.decode_url, e)
+        u = from_http_error("decode", ex.route.decode.url, e)
         ex.finish(u.status, u.outcome, None, u.message)
         return u.response(ex.trace_id)
     finally:

@@ -1,14 +1,16 @@
-"""What a stack runs: the vLLM P/D pair's and the router's command lines,
-environments and ``kv_transfer_config``. Pure functions, no process started.
+"""What a stack runs: the vLLM P and D instances', the kvlens router's and
+vLLM's own router's (``vllm-router``) command lines, environments and
+``kv_transfer_config``. Pure functions, no process started.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from kvlens.stack.errors import StackError
 
@@ -116,22 +118,23 @@ def base_env(kvlens_home: Path) -> dict[str, str]:
 
 
 def server_env(env: dict[str, str], is_p: bool, host: str, side_port: int, prom_dir: Path,
-               extra: Mapping[str, str] | None) -> dict[str, str]:
-    """A vLLM server's environment: one CPU each (P on 0, D on 1 when there
-    are two), its NIXL side channel, its Prometheus multiprocess dir, then
-    the caller's ``extra`` on top."""
+               extra: Mapping[str, str] | None, cpus: str | None = None) -> dict[str, str]:
+    """A vLLM server's environment: its CPU (``cpus``, from
+    :func:`kvlens.stack.pinning.cpu_binding`; default P on 0, D on 1 when
+    there are two), its NIXL side channel, its Prometheus multiprocess dir,
+    then the caller's ``extra`` on top."""
     env = dict(env)
+    if cpus is None:
+        cpus = "0" if is_p or (os.cpu_count() or 1) < 2 else "1"
     env.update(
         {
             "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_CPU_OMP_THREADS_BIND": "0" if is_p else "1",
+            "VLLM_CPU_OMP_THREADS_BIND": cpus,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
             "PROMETHEUS_MULTIPROC_DIR": str(prom_dir),
         }
     )
-    if (os.cpu_count() or 1) < 2:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     if extra:
         extra = dict(extra)
         path = extra.pop("PYTHONPATH", None)
@@ -161,18 +164,50 @@ def collector_argv(host: str, port: int, store: Path | str) -> list[str]:
     return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--store", str(store)]
 
 
-def router_argv(prefill_url: str, decode_url: str, mode: str, dispatch: str, host: str, port: int,
-                prefill_side_port: int) -> list[str]:
-    """Command line of one ``kvlens proxy`` in front of P (engine id ``p0``) and D."""
-    return [
-        sys.executable, "-m", "kvlens.cli", "proxy",
-        "--prefill", prefill_url,
-        "--decode", decode_url,
-        "--mode", mode,
-        "--dispatch", dispatch,
-        "--host", host,
-        "--port", str(port),
-        "--prefill-engine-id", "p0",
-        "--prefill-side-host", host,
-        "--prefill-side-port", str(prefill_side_port),
-    ]  # fmt: skip
+def router_argv(prefills: Sequence[tuple[str, str, int]], decodes: Sequence[tuple[str, str]], mode: str,
+                dispatch: str, host: str, port: int) -> list[str]:
+    """Command line of one ``kvlens proxy`` in front of ``prefills`` ((URL,
+    engine id, side-channel port) each, on ``host``) and ``decodes`` ((URL,
+    engine id) each); the per-P flags pair with ``--prefill`` by position."""
+    argv = [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", mode, "--dispatch", dispatch,
+            "--host", host, "--port", str(port), "--prefill-side-host", host]
+    for url, engine_id, side_port in prefills:
+        argv += ["--prefill", url, "--prefill-engine-id", engine_id, "--prefill-side-port", str(side_port)]
+    for url, engine_id in decodes:
+        argv += ["--decode", url, "--decode-engine-id", engine_id]
+    return argv
+
+
+#: The ``vllm-router`` release whose behaviour kvlens was checked against
+#: (pyproject's ``dev`` extra installs it).
+VLLM_ROUTER_PACKAGE = "vllm-router>=0.1.17"
+
+
+def find_vllm_router() -> str:
+    """Path of the ``vllm-router`` program: next to this Python (the
+    venv's, where ``pip install vllm-router`` puts it), else on PATH;
+    StackError when it is not installed."""
+    here = Path(sys.executable).parent / "vllm-router"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    found = shutil.which("vllm-router")
+    if found:
+        return found
+    raise StackError(f"--router vllm-router needs vLLM's router: pip install '{VLLM_ROUTER_PACKAGE}' "
+                     "(make setup installs it)")
+
+
+def vllm_router_argv(program: str, prefill_urls: Sequence[str], decode_urls: Sequence[str], host: str, port: int,
+                     metrics_port: int) -> list[str]:
+    """Command line of vLLM's own router in front of P and D: disaggregated
+    (P then D, NIXL pull: it hands D the ``kv_transfer_params`` P returns),
+    round robin over each list. ``metrics_port``: its Prometheus exporter,
+    which otherwise binds 29000 (two stacks, or a user's own router, would
+    collide there)."""
+    argv = [program, "--vllm-pd-disaggregation"]
+    for url in prefill_urls:
+        argv += ["--prefill", url]
+    for url in decode_urls:
+        argv += ["--decode", url]
+    return argv + ["--policy", "round_robin", "--host", host, "--port", str(port),
+                   "--prometheus-host", host, "--prometheus-port", str(metrics_port)]

@@ -1,9 +1,12 @@
-""":class:`Stack`: one vLLM P/D pair plus the router, started together.
+""":class:`Stack`: vLLM P and D instances (one of each by default, up to
+:data:`~kvlens.stack.instances.MAX_INSTANCES` of each) plus a router (kvlens',
+vLLM's ``vllm-router``, or both), started together.
 
-It starts the pair and the router (command lines from
-:mod:`kvlens.stack.commands`), waits for health, re-pins the workers' CPUs
-(:mod:`kvlens.stack.pinning`), warms the pair up and writes ``stack.json``
-(at each child's start too: :mod:`kvlens.stack.leftovers` reads it). With
+It starts the P and D instances concurrently and then the routers (command
+lines from :mod:`kvlens.stack.commands`), waits for health, re-pins the
+workers' CPUs (:mod:`kvlens.stack.pinning`), warms every instance up and
+writes ``stack.json`` (:mod:`kvlens.stack.manifest`, at each child's start
+too: :mod:`kvlens.stack.leftovers` reads it). With
 an API key, P, D and the router require it and the stack's calls send it.
 Tests and the benchmark start a stack in-process with it
 (``with Stack("push") as s: ... s.router_url``). Its methods block the
@@ -12,21 +15,20 @@ calling thread; ``start`` may take minutes.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from instrumented_connector import config as kvconfig
 from instrumented_connector.ids import new_trace_id
 from kvlens.model import ensure_model
+from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
 from kvlens.stack.commands import (
-    CONNECTORS,
     DEFAULT_KV_LEASE_S,
     DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
@@ -37,13 +39,16 @@ from kvlens.stack.commands import (
     check_model,
     collector_argv,
     env_api_key,
+    find_vllm_router,
     kv_transfer_config,
     router_argv,
     server_env,
     vllm_argv,
+    vllm_router_argv,
 )
 from kvlens.stack.errors import StackError
-from kvlens.stack.leftovers import busy_hint, find_leftovers, processes_record
+from kvlens.stack.instances import Instance, check_count, check_routers, child_name, engine_id, parse_routers, port_names
+from kvlens.stack.leftovers import busy_hint, find_leftovers
 from kvlens.stack.ports import DEFAULT_HOST, assign_ports, free_port
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
@@ -56,7 +61,12 @@ _AUTO_PORTS = ("router port", "prefill port", "decode port", "prefill side-chann
 
 @dataclass
 class Stack:
-    """One P/D pair plus router. ``start()`` blocks until all are healthy."""
+    """P and D instances plus router(s). ``start()`` blocks until all are
+    healthy. ``prefill_port`` / ``prefill_side_port`` (and D's) are the first
+    instance's; the others get free ports. ``routers``: ``"kvlens"``,
+    ``"vllm-router"`` or both (comma-separated or a list); ``port`` is kvlens'
+    router's, or vLLM's router's when it runs alone (else
+    ``vllm_router_port``, default a free one)."""
 
     mode: str = "push"
     dispatch: str = "overlapped"
@@ -88,11 +98,19 @@ class Stack:
     role_env: Mapping[str, Mapping[str, str]] | None = None
     #: required by P, D and the router (default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)
     api_key: str | None = field(default=None, repr=False)
+    prefill_instances: int = 1
+    decode_instances: int = 1
+    routers: str | Sequence[str] = "kvlens"
+    vllm_router_port: int | None = None
+    vllm_router_metrics_port: int | None = None
 
     # filled by start()
-    router_url: str = ""
-    prefill_url: str = ""
-    decode_url: str = ""
+    router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
+    vllm_router_url: str = ""
+    prefill_url: str = ""  #: the first P (``prefills`` lists all)
+    decode_url: str = ""  #: the first D (``decodes`` lists all)
+    #: ports of the instances after the first, by :func:`~kvlens.stack.instances.port_names`
+    more_ports: dict[str, int] = field(default_factory=dict, repr=False)
     children: list[Child] = field(default_factory=list)
     startup_s: float | None = None
     extra_routers: dict[str, str] = field(default_factory=dict, repr=False)
@@ -106,8 +124,12 @@ class Stack:
             raise StackError(f"collector must be one of {', '.join(COLLECTORS)}, got {self.collector!r}")
         if self.collector_store and not (self.separate_homes and self.collector == "process"):
             raise StackError("--collector-store needs --separate-homes with --collector process")
+        check_count("--prefill-instances", self.prefill_instances)
+        check_count("--decode-instances", self.decode_instances)
+        self.routers = parse_routers(self.routers)
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
         self.api_key = self.api_key or env_api_key()
+        check_routers(self.routers, self.mode, self.api_key, self.separate_homes, self.collector)
         if self.log_dir is None:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             tag = f"{self.mode}{'-stock' if self.stock else ''}-{stamp}-{os.getpid()}"
@@ -144,7 +166,16 @@ class Stack:
             named["prometheus port"] = self.prometheus_port
             if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
                 raise StackError("--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)")
-        auto = _AUTO_PORTS
+        more = [name for role, n in (("prefill", self.prefill_instances), ("decode", self.decode_instances))
+                for i in range(1, n) for name in port_names(role, i)]
+        named.update(dict.fromkeys(more))
+        auto = (*_AUTO_PORTS, *more)
+        if "vllm-router" in self.routers:
+            if "kvlens" in self.routers:  # else it takes the router port
+                named["vllm-router port"] = self.vllm_router_port
+                auto = (*auto, "vllm-router port")
+            named["vllm-router metrics port"] = self.vllm_router_metrics_port
+            auto = (*auto, "vllm-router metrics port")
         if self.separate_homes and self.collector == "process":
             named["collector port"] = self.collector_port
             auto = (*auto, "collector port")
@@ -158,37 +189,62 @@ class Stack:
         self.port, self.prefill_port, self.decode_port, self.prefill_side_port, self.decode_side_port = (
             got[k] for k in _AUTO_PORTS)
         self.collector_port = got.get("collector port")
+        self.more_ports = {k: got[k] for k in more}
+        if "vllm-router" in self.routers:
+            self.vllm_router_port = got.get("vllm-router port") or self.port
+            self.vllm_router_metrics_port = got["vllm-router metrics port"]
 
     @property
     def topology(self) -> Topology:
         return Topology(Path(self.kvlens_home), self.host, int(self.port or 0), self.separate_homes,
-                        self.collector, self.collector_port, self.collector_store)
+                        self.collector, self.collector_port, self.collector_store,
+                        kvlens_router="kvlens" in self.routers)
+
+    def _instance(self, role: str, index: int) -> Instance:
+        if index == 0:
+            port = self.prefill_port if role == "prefill" else self.decode_port
+            side = self.prefill_side_port if role == "prefill" else self.decode_side_port
+        else:
+            port, side = (self.more_ports.get(n) for n in port_names(role, index))
+        name = child_name(role, index)
+        pid = next((c.proc.pid for c in self.children if c.name == name and c.proc is not None), None)
+        return Instance(role, index, self.host, port, side, pid)
+
+    @property
+    def prefills(self) -> list[Instance]:
+        """Every P instance (URL, engine id, ports, pid once started), first first."""
+        return [self._instance("prefill", i) for i in range(self.prefill_instances)]
+
+    @property
+    def decodes(self) -> list[Instance]:
+        """Every D instance, first first."""
+        return [self._instance("decode", i) for i in range(self.decode_instances)]
 
     def _env(self, role: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """``env_extra``, then ``extra`` (the topology's), then ``role_env[role]``."""
         return {**(self.env_extra or {}), **(extra or {}), **((self.role_env or {}).get(role) or {})}
 
-    def _server(self, role: str) -> Child:
-        is_p = role == "prefill"
-        port = self.prefill_port if is_p else self.decode_port
-        prom = Path(self.log_dir) / f"prometheus-{role}"
+    def _server(self, role: str, index: int = 0) -> Child:
+        """The ``index``-th P or D: its own HTTP and side-channel ports,
+        Prometheus dir, log and CPU (:func:`~kvlens.stack.pinning.cpu_binding`)."""
+        inst = self._instance(role, index)
+        prom = Path(self.log_dir) / f"prometheus-{inst.name}"
         shutil.rmtree(prom, ignore_errors=True)
         prom.mkdir(parents=True)
         topo = self.topology
         home = topo.home_for(role)
-        env = server_env(base_env(home), is_p, self.host,
-                         self.prefill_side_port if is_p else self.decode_side_port, prom,
-                         self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}))
-        ktc = kv_transfer_config(self.mode, role, "p0" if is_p else "d0", self.stock, home,
+        cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances)
+        env = server_env(base_env(home), role == "prefill", self.host, inst.side_port, prom,
+                         self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}), cpus)
+        ktc = kv_transfer_config(self.mode, role, inst.engine_id, self.stock, home,
                                  self.kv_lease_s, self.push_registration_timeout_s, topo.traces_url)
-        argv = vllm_argv(Path(self.model), self.host, port, ktc, [*self.vllm_args, *topo.server_args(role)])
-        return Child(role, argv, env, Path(self.log_dir) / f"{role}.log", f"http://{self.host}:{port}",
-                     cwd=str(REPO_ROOT))
+        argv = vllm_argv(Path(self.model), self.host, inst.port, ktc, [*self.vllm_args, *topo.server_args(role)])
+        return Child(inst.name, argv, env, Path(self.log_dir) / f"{inst.name}.log", inst.url, cwd=str(REPO_ROOT))
 
     def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
         topo = self.topology
-        argv = router_argv(self.prefill_url, self.decode_url, self.mode, dispatch, self.host, port,
-                           self.prefill_side_port)
+        argv = router_argv([(p.url, p.engine_id, p.side_port) for p in self.prefills],
+                           [(d.url, d.engine_id) for d in self.decodes], self.mode, dispatch, self.host, port)
         # only the main router hosts the receiver (``--collect``); extra routers export to it
         hosts_receiver = name == "router"
         if hosts_receiver:
@@ -201,10 +257,21 @@ class Stack:
         return Child(name, argv, env, Path(self.log_dir) / f"{name}.log", f"http://{self.host}:{port}",
                      cwd=str(REPO_ROOT))
 
+    def _vllm_router(self) -> Child:
+        """vLLM's own router in front of every P and D (pull only; a StackError
+        when it is not installed). Its environment: the router role's."""
+        port = int(self.vllm_router_port or 0)
+        argv = vllm_router_argv(find_vllm_router(), [p.url for p in self.prefills], [d.url for d in self.decodes],
+                                self.host, port, int(self.vllm_router_metrics_port or 0))
+        env = base_env(self.topology.home_for("router"))
+        env.update(self._env("router"))
+        return Child("vllm-router", argv, env, Path(self.log_dir) / "vllm-router.log",
+                     f"http://{self.host}:{port}", cwd=str(REPO_ROOT))
+
     def _collector(self) -> Child:
         topo = self.topology
         env = base_env(topo.home_for("collector"))
-        env.update(self._env("collector"))
+        env.update(self._env("collector", topo.collector_env()))
         return Child("collector", collector_argv(self.host, int(self.collector_port), topo.store_path), env,
                      Path(self.log_dir) / "collector.log", str(topo.collector_url), cwd=str(REPO_ROOT))
 
@@ -216,33 +283,33 @@ class Stack:
         return c
 
     def start(self, timeout: float = DEFAULT_TIMEOUT_S) -> "Stack":
-        """Start P and D, wait for health, re-pin their workers, start the
-        router, warm up, start Prometheus if asked, write ``stack.json``.
-        ``timeout``: seconds for all of it. On any failure everything
-        started is stopped and the error (StackError mostly) propagates."""
+        """Start every P and D at once, wait for health, re-pin their
+        workers, start the router(s), warm up, start Prometheus if asked,
+        write ``stack.json``. ``timeout``: seconds for all of it. On any
+        failure everything started is stopped and the error (StackError
+        mostly) propagates."""
         t0 = time.monotonic()
         self.preflight()
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
+        auth = auth_headers(self.api_key)
         try:
             if self.separate_homes and self.collector == "process":
-                wait_healthy([self._spawn(self._collector())], t0 + timeout, self._say, auth_headers(self.api_key))
-            p, d = self._server("prefill"), self._server("decode")
-            self.prefill_url, self.decode_url = p.url, d.url
+                wait_healthy([self._spawn(self._collector())], t0 + timeout, self._say, auth)
+            servers = [self._server(i.role, i.index) for i in [*self.prefills, *self.decodes]]
+            self.prefill_url, self.decode_url = self.prefills[0].url, self.decodes[0].url
             self._say(
-                f"starting {self.mode} pair ({'stock' if self.stock else 'instrumented'} connector) "
-                f"model={self.model} logs={self.log_dir}"
+                f"starting {self.mode} {self.prefill_instances}P x {self.decode_instances}D "
+                f"({'stock' if self.stock else 'instrumented'} connector) model={self.model} logs={self.log_dir}"
             )
-            for c in (p, d):
+            for c in servers:
                 self._spawn(c)
-            wait_healthy([p, d], t0 + timeout, self._say, auth_headers(self.api_key))
-            pinning.repin(p, self._say)
-            pinning.repin(d, self._say)
-            r = self._spawn(self._router(self.dispatch, int(self.port)))
-            self.router_url = r.url
-            wait_healthy([r], t0 + timeout, self._say, auth_headers(self.api_key))
+            wait_healthy(servers, t0 + timeout, self._say, auth)
+            for c in servers:
+                pinning.repin(c, self._say)
+            self._start_routers(t0 + timeout)
             if self.warmup:
-                self._warm_up()
+                self._warm_up(rounds=max(self.prefill_instances, self.decode_instances))
             if self.prometheus:
                 self.start_prometheus(self.prometheus_port)
         except BaseException:
@@ -253,8 +320,22 @@ class Stack:
         self._say(f"ready in {self.startup_s:.0f}s")
         return self
 
-    def _warm_up(self, tries: int = 3, timeout_s: float = 90.0) -> None:
-        """One tiny request end to end before reporting ready.
+    def _start_routers(self, deadline: float) -> None:
+        """kvlens' router and/or vLLM's, started together, health-waited."""
+        started = []
+        if "kvlens" in self.routers:
+            started.append(r := self._spawn(self._router(self.dispatch, int(self.port))))
+            self.router_url = r.url
+        if "vllm-router" in self.routers:
+            started.append(v := self._spawn(self._vllm_router()))
+            self.vllm_router_url = v.url
+            self.router_url = self.router_url or v.url
+        wait_healthy(started, deadline, self._say, auth_headers(self.api_key))
+
+    def _warm_up(self, tries: int = 3, timeout_s: float = 90.0, rounds: int = 1) -> None:
+        """``rounds`` tiny requests end to end through :attr:`router_url`
+        before reporting ready (one per instance of the larger side: round
+        robin then reaches every P and every D once).
 
         The first request to a new P/D pair pays for kernel warm-up and the
         first-contact NIXL handshakes; vLLM gives a handshake reply 5 s, and
@@ -265,24 +346,28 @@ class Stack:
         """
         import httpx  # start-up cost: ``kvlens --help`` imports this module
 
-        for i in range(1, tries + 1):
-            try:
-                r = httpx.post(
-                    self.router_url + "/v1/completions",
-                    json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
-                    timeout=timeout_s,
-                    headers={"X-Request-Id": new_trace_id(), **auth_headers(self.api_key)},
-                )
-                if r.status_code == 200:
-                    self._say(f"warm-up request ok ({i}/{tries})")
-                    return
-                self._say(f"warm-up request returned HTTP {r.status_code} ({i}/{tries})")
-            except httpx.HTTPError as e:
-                self._say(f"warm-up request failed: {type(e).__name__} ({i}/{tries})")
-            dead = self.dead_child()
-            if dead is not None:
-                raise StackError(dead.died_message())
-        self._say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
+        for n in range(1, rounds + 1):
+            tag = f" {n}/{rounds}" if rounds > 1 else ""
+            for i in range(1, tries + 1):
+                try:
+                    r = httpx.post(
+                        self.router_url + "/v1/completions",
+                        json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
+                        timeout=timeout_s,
+                        headers={"X-Request-Id": new_trace_id(), **auth_headers(self.api_key)},
+                    )
+                    if r.status_code == 200:
+                        self._say(f"warm-up request{tag} ok ({i}/{tries})")
+                        break
+                    self._say(f"warm-up request{tag} returned HTTP {r.status_code} ({i}/{tries})")
+                except httpx.HTTPError as e:
+                    self._say(f"warm-up request{tag} failed: {type(e).__name__} ({i}/{tries})")
+                dead = self.dead_child()
+                if dead is not None:
+                    raise StackError(dead.died_message())
+            else:
+                self._say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
+                return
 
     # ------------------------------------------------------------ extras
     def add_router(self, dispatch: str, port: int | None = None, timeout: float = 60.0) -> str:

@@ -86,3 +86,45 @@ def repin(c: Child, say: Callable[[str], None]) -> None:
     elif moved:
         say(f"{c.name}: {moved} worker threads moved back to CPU {sorted(cpus)} "
             "(vLLM's CPU NIXL worker pins P's and D's main threads to one shared core)")
+
+
+def available_cpus() -> list[int]:
+    """The CPU ids this process may run on (its affinity), sorted; its
+    children inherit that set, so a binding outside it would fail."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def cpu_binding(role: str, index: int, n_prefill: int, n_decode: int, cpus: list[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` (one CPU id) of the ``index``-th
+    instance of ``role`` (prefill/decode) in a stack of ``n_prefill`` P and
+    ``n_decode`` D, on ``cpus`` (default :func:`available_cpus`).
+
+    The rule: P instances on the low CPUs, D instances on the high ones, and
+    never a P and a D on one CPU when there are two or more:
+
+    * one CPU: every instance on it;
+    * a CPU for every instance: P ``i`` on the ``i``-th, D ``j`` on the
+      ``n_prefill + j``-th (one P and one D: P on the first, D on the second,
+      as a pair has always run);
+    * fewer: the CPUs are split between the roles in proportion to their
+      instance counts (at least one each) and a role's instances take its
+      CPUs in turn; on 2 CPUs every P shares the first and every D the second.
+
+    Why roles stay apart: P's prefill is a burst of compute, D's decode a
+    steady run of small steps beside a spinning NIXL progress thread. A P
+    and a D on one CPU would make D's token times and the handoff follow P's
+    load, which is what kvlens measures; instances of one role sharing a CPU
+    only slow each other, the same way a busier instance would."""
+    cpus = list(cpus) if cpus is not None else available_cpus()
+    is_p = role == "prefill"
+    if len(cpus) < 2:
+        return str(cpus[0] if cpus else 0)
+    total = n_prefill + n_decode
+    if len(cpus) >= total:
+        return str(cpus[index if is_p else n_prefill + index])
+    n_p_cpus = min(len(cpus) - 1, max(1, len(cpus) * n_prefill // total))
+    mine = cpus[:n_p_cpus] if is_p else cpus[n_p_cpus:]
+    return str(mine[index % len(mine)])

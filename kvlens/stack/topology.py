@@ -20,6 +20,11 @@
   so ``llm_request`` lands in the same trace (the router sends
   ``traceparent``).
 
+Without kvlens' router (``kvlens up --router vllm-router``) no root span
+exists to trigger the handoff metric, so D's ``kv.ready`` does
+(``KVLENS_HANDOFF_FROM=decode``): on P and D on one host, on the collector
+with separate homes (the only store holding both ends).
+
 Pure: paths, URLs, environments and arguments; nothing is started here.
 """
 
@@ -44,6 +49,8 @@ class Topology:
     #: the collector's store when not its home's SQLite file: a path or a
     #: ``postgresql://`` URL (a store the whole fleet shares)
     collector_store: str | None = None
+    #: whether kvlens' own router runs (else only another router, e.g. vLLM's)
+    kvlens_router: bool = True
 
     def home_for(self, role: str) -> Path:
         """The ``KVLENS_HOME`` of ``role`` (prefill, decode, router, collector)."""
@@ -74,8 +81,15 @@ class Topology:
         return kvconfig.store_path({"kvlens_home": str(self.home_for(where))})
 
     def server_env(self, role: str) -> dict[str, str]:
-        """Extra environment of P or D: vLLM's tracing over OTLP/HTTP."""
-        return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"} if self.separate else {}
+        """Extra environment of P or D: vLLM's tracing over OTLP/HTTP; the
+        handoff metric from D's side when no kvlens router runs (module docstring)."""
+        if self.separate:
+            return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+        return {} if self.kvlens_router else {"KVLENS_HANDOFF_FROM": "decode"}
+
+    def collector_env(self) -> dict[str, str]:
+        """Extra environment of a ``kvlens collect`` child."""
+        return {} if self.kvlens_router else {"KVLENS_HANDOFF_FROM": "decode"}
 
     def server_args(self, role: str) -> list[str]:
         """Extra vLLM arguments of P or D: its own request spans to the collector."""

@@ -103,31 +103,53 @@ def test_ratios_each_push_dispatch_vs_pull():
     assert rows[3]["ttft_p50_push_over_pull"] is None
 
 
+def _ci(lo_t, hi_t, lo_h=None, hi_h=None):
+    return dict(rounds=1, ttft_p50_push_over_pull_lo=lo_t, ttft_p50_push_over_pull_hi=hi_t,
+                handoff_p50_push_over_pull_lo=lo_h, handoff_p50_push_over_pull_hi=hi_h)
+
+
 def test_table_and_findings():
     rows = bench.add_ratios([
-        _row("pull", None, 256, 1.0, 0.100, 0.020),
-        _row("push", "overlapped", 256, 1.0, 0.080, 0.005),
-        _row("push", "sequential", 256, 1.0, 0.101, None),
+        _row("pull", None, 256, 1.0, 0.100, 0.020, **_ci(None, None)),
+        _row("push", "overlapped", 256, 1.0, 0.080, 0.005, **_ci(0.7, 0.9, 0.2, 0.3)),
+        _row("push", "sequential", 256, 1.0, 0.101, None, **_ci(0.9, 1.1)),
     ])
     t = bench.format_table(rows).splitlines()
     assert t[0].split()[:4] == ["mode", "dispatch", "input", "QPS"]
-    assert "TTFT p50 push/pull" in t[0] and "handoff p50 push/pull" in t[0]
+    assert "TTFT p50 push/pull [95% CI]" in t[0] and "handoff p50 push/pull [95% CI]" in t[0]
+    assert "rounds" not in t[0]  # one round: no per-round columns
     body = t[2:]
     assert [b.split()[:2] for b in body] == [["push", "overlapped"], ["push", "sequential"], ["pull", "-"]]
-    assert "80.0" in body[0] and "0.80" in body[0] and "0.25" in body[0]
+    assert "80.0" in body[0] and "0.80 [0.70-0.90]" in body[0] and "0.25 [0.20-0.30]" in body[0]
     assert body[1].rstrip().endswith("-")  # handoff ratio missing -> "-"
     words = bench.describe(rows)
-    assert any("push (overlapped) vs pull" in w and "push 20% lower" in w and "push 75% lower" in w for w in words)
-    assert any("push (sequential)" in w and "a tie" in w for w in words)
-    assert any(w.startswith("Overall, push (overlapped) had the lower TTFT p50 in 1 of 1 cells") for w in words)
+    assert any("push (overlapped) vs pull" in w and "push 20% lower (push/pull 0.80, 95% CI 0.70-0.90)" in w
+               and "push 75% lower" in w for w in words)
+    assert any("push (sequential)" in w and "no resolvable difference (push/pull 1.01, 95% CI 0.90-1.10)" in w
+               for w in words)
+    assert any(w.startswith("Overall, push (overlapped) vs pull on TTFT p50 over 1 cells: push lower in 1 ")
+               for w in words)
+    assert any(w.startswith("Overall, push (sequential) vs pull on TTFT p50 over 1 cells: "
+                            "no resolvable difference in 1 ") for w in words)
+    assert not any("lower in" in w for w in words if "(sequential)" in w)  # never a winner inside the interval
     assert bench.format_table([]) == "(no rows)"
     assert "nothing to compare" in bench.describe([_row("pull", None, 256, 1.0, 0.1, 0.01)])[0]
 
 
 def test_pull_wins_wording():
-    rows = bench.add_ratios([_row("pull", None, 256, 2.0, 0.100, 0.010), _row("push", "overlapped", 256, 2.0, 0.125, 0.02)])
+    rows = bench.add_ratios([_row("pull", None, 256, 2.0, 0.100, 0.010, **_ci(None, None)),
+                             _row("push", "overlapped", 256, 2.0, 0.125, 0.02, **_ci(1.1, 1.4, 1.5, 2.5))])
     (cell, *_rest) = bench.describe(rows)
     assert "pull 20% lower" in cell and "pull 50% lower" in cell
+
+
+def test_rows_without_intervals_get_no_verdict():
+    """Rows saved before intervals existed: the ratio, but no winner."""
+    rows = bench.add_ratios([_row("pull", None, 256, 2.0, 0.100, 0.010), _row("push", "overlapped", 256, 2.0, 0.05, 0.02)])
+    (cell, *_rest) = bench.describe(rows)
+    assert "push/pull 0.50, no interval recorded, so no verdict" in cell and "lower" not in cell
+    body = bench.format_table(rows).splitlines()[2]
+    assert "0.50" in body and "[" not in body
 
 
 # ------------------------------------------------------ rows, cross-checks

@@ -1,0 +1,72 @@
+"""``stack.json``: what a running :class:`~kvlens.stack.launch.Stack` is
+(URLs, ports, engine ids, every instance, process groups), for other tools
+and for :mod:`kvlens.stack.leftovers` (which reads ``ports``, ``pids``,
+``processes`` and ``supervisor``). Written at each child's start and once
+ready; blocking file write on the calling thread.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from kvlens.stack.commands import CONNECTORS
+from kvlens.stack.leftovers import processes_record
+
+
+def _ports(stack) -> dict:
+    """Every port the stack uses, flat (name -> int or None): the first P and
+    D under the names a one-pair stack always used, the others by engine id."""
+    ports = {
+        "router": stack.port if "kvlens" in stack.routers else None,
+        "prefill": stack.prefill_port,
+        "decode": stack.decode_port,
+        "prefill_side_channel": stack.prefill_side_port,
+        "decode_side_channel": stack.decode_side_port,
+    }
+    for inst in [*stack.prefills[1:], *stack.decodes[1:]]:
+        ports[inst.engine_id] = inst.port
+        ports[f"{inst.engine_id}_side_channel"] = inst.side_port
+    if "vllm-router" in stack.routers:
+        ports["vllm_router"] = stack.vllm_router_port
+        ports["vllm_router_metrics"] = stack.vllm_router_metrics_port
+    return ports
+
+
+def manifest(stack) -> dict:
+    """What ``stack.json`` holds (the format other tools read). The
+    one-pair keys (``prefill_url``, ``engine_ids``, ...) name the first P
+    and D; ``instances`` lists all of them."""
+    return {
+        "mode": stack.mode,
+        "dispatch": stack.dispatch,
+        "stock": stack.stock,
+        "connector": CONNECTORS[(stack.mode, stack.stock)][0],
+        "model": str(stack.model),
+        "kvlens_home": str(stack.kvlens_home),
+        "log_dir": str(stack.log_dir),
+        "routers": list(stack.routers),
+        "router_url": stack.router_url,
+        "vllm_router_url": stack.vllm_router_url or None,
+        "prefill_url": stack.prefill_url,
+        "decode_url": stack.decode_url,
+        "ports": _ports(stack),
+        "engine_ids": {"prefill": "p0", "decode": "d0"},
+        "instances": {"prefill": [i.record() for i in stack.prefills],
+                      "decode": [i.record() for i in stack.decodes]},
+        "store": str(stack.store_path),
+        "collector_url": stack.collector_url,
+        "homes": {r: str(stack.topology.home_for(r)) for r in ("prefill", "decode", "router", "collector")},
+        "pids": {c.name: c.proc.pid for c in stack.children if c.proc is not None},
+        **processes_record(stack.children),  # groups, members' command lines (kvlens.stack.leftovers)
+        "api_key": bool(stack.api_key),  # whether the servers require one (never the key)
+        "logs": {c.name: str(c.log) for c in stack.children},
+        "startup_s": stack.startup_s,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def write(stack) -> None:
+    p = Path(stack.log_dir) / "stack.json"
+    p.write_text(json.dumps(manifest(stack), indent=2) + "\n")
