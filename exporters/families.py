@@ -32,6 +32,13 @@ _DROPPED_HELP = ("kvlens spans lost before reaching a sink, by reason: buffer_fu
 
 
 # ------------------------------------------------------------ metric families
+_UNJOINED_HELP = (
+    "Requests whose trace holds only one side's spans when its handoff was looked up (reason "
+    "no_decode_side: P's spans alone; no_prefill_side: D's alone): a router gave P and D unrelated "
+    "request ids and no kv_transfer_params link, or a side's spans were lost. Shown in kvlens traces "
+    "as half traces (--half). Also counted in kvlens_handoff_unresolved_total{reason=\"missing\"}.")
+
+
 class _Families:
     """Metric families of one registry (created once per process and registry).
 
@@ -55,14 +62,7 @@ class _Families:
             "Requests whose handoff is unknown (missing end, clocks not bounded, queue overflow, no store).",
             ("mode", "reason"), registry=r,
         )
-        self.unjoined = Counter(
-            "kvlens_traces_unjoined",
-            "Requests whose trace holds only one side's spans when its handoff was looked up (reason "
-            "no_decode_side: P's spans alone; no_prefill_side: D's alone): a router gave P and D unrelated "
-            "request ids and no kv_transfer_params link, or a side's spans were lost. Shown in kvlens traces "
-            "as half traces (--half). Also counted in kvlens_handoff_unresolved_total{reason=\"missing\"}.",
-            ("mode", "reason"), registry=r,
-        )
+        self.unjoined = Counter("kvlens_traces_unjoined", _UNJOINED_HELP, ("mode", "reason"), registry=r)
         self.clock_offset = Gauge(
             "kvlens_clock_offset_seconds",
             "Estimated wall-clock offset D minus P (middle of the bounded interval), seconds.",

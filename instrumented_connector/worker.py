@@ -24,50 +24,11 @@ from instrumented_connector import hooks
 from instrumented_connector import semconv as sc
 from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now
 from instrumented_connector.ids import base_request_id
+from instrumented_connector.taps import NixlTap as _NixlTap
+from instrumented_connector.taps import RankedRecorder
+from instrumented_connector.taps import XferTimes as _XferTimes
 
 P = sc.Phase
-
-
-class _NixlTap:
-    """Transparent proxy over vLLM's NixlWrapper that remembers NIXL's own
-    per-transfer telemetry (bytes, descriptors, duration) by handle, so the
-    completion span can carry it. Everything else is forwarded untouched."""
-
-    __slots__ = ("_inner", "_telemetry")
-
-    def __init__(self, inner, telemetry: Pending):
-        object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "_telemetry", telemetry)
-
-    def get_xfer_telemetry(self, handle):
-        res = self._inner.get_xfer_telemetry(handle)
-        try:
-            if res is not None:
-                self._telemetry.put(handle, (res.totalBytes, res.descCount, res.xferDuration))
-        except Exception:
-            fail("get_xfer_telemetry")
-        return res
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._inner, name, value)
-
-
-class _XferTimes(threading.local):
-    """Per-thread timestamps of the transfer posts inside one request's call."""
-
-    first: int | None = None
-    last: int | None = None
-    rank: int | None = None
-    posted: int = 0
-    failed: bool = False
-
-    def reset(self) -> None:
-        self.first = self.last = self.rank = None
-        self.posted = 0
-        self.failed = False
 
 
 class _WorkerHooks:
@@ -86,8 +47,14 @@ class _WorkerHooks:
         self._kvl_xfer = Pending()  # NIXL handle -> (bytes, descs, xfer us)
 
     def _kvl_setup(self, rec) -> None:
-        """Connect the recorder and tap NIXL telemetry (called once, after __init__)."""
-        self._kvl = rec
+        """Connect the recorder (every event tagged with this worker's TP
+        rank) and tap NIXL telemetry (called once, after __init__)."""
+        try:
+            rank, size = int(getattr(self, "tp_rank", 0) or 0), int(getattr(self, "world_size", 1) or 1)
+            self._kvl = RankedRecorder(rec, rank, size)
+        except Exception:
+            fail("tp_rank")
+            self._kvl = rec
         try:
             self.nixl_wrapper = _NixlTap(self.nixl_wrapper, self._kvl_xfer)
         except Exception:
@@ -171,8 +138,7 @@ class _WorkerHooks:
         t = now()
         if tls.first is None:
             tls.first = t
-            spec = kwargs.get("read_spec")
-            tls.rank = getattr(spec, "remote_rank", None)
+        tls.target(getattr(kwargs.get("read_spec"), "remote_rank", None))
         ok = False
         try:
             res = self._kvl_super_post(*args, **kwargs)
@@ -194,7 +160,7 @@ class _WorkerHooks:
         if first is None:
             return
         attrs = {sc.ATTR_BLOCKS: blocks, sc.ATTR_REMOTE_ENGINE_ID: engine, sc.ATTR_REMOTE_RANK: tls.rank,
-                 sc.ATTR_JOIN_REQUEST_ID: join}
+                 sc.ATTR_REMOTE_RANKS: list(tls.ranks) or None, sc.ATTR_JOIN_REQUEST_ID: join}
         hs = self._kvl_hs_t0.pop(rid, None)
         if hs is not None:
             self._kvl.record(P.HANDSHAKE, rid, hs, max(t0, hs), "ok",

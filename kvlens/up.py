@@ -1,6 +1,8 @@
-"""``kvlens up``: start a real prefill (P) and decode (D) vLLM pair plus the
-kvlens router, wait until all three answer ``/health``, print the endpoints,
-and stop everything on Ctrl-C / SIGTERM.
+"""``kvlens up``: start real prefill (P) and decode (D) vLLM servers (one of
+each, or ``--prefill-instances N --decode-instances M``) plus a router
+(kvlens', vLLM's ``vllm-router``, or both: ``--router``), wait until all
+answer ``/health``, print the endpoints, and stop everything on Ctrl-C /
+SIGTERM.
 
 The work is done by :mod:`kvlens.stack`; this module is the command line.
 It re-exports what callers import from here (``Stack``, ``StackError``,
@@ -14,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvlens.argtypes import positive
+from kvlens.argtypes import int_in, positive
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.commands import (
     DEFAULT_KV_LEASE_S,
@@ -25,6 +27,7 @@ from kvlens.stack.commands import (
     kv_transfer_config,
 )
 from kvlens.stack.errors import StackError
+from kvlens.stack.instances import MAX_INSTANCES, ROUTERS, check_routers, parse_routers
 from kvlens.stack.launch import Stack
 from kvlens.stack.pinning import parse_cpu_list
 from kvlens.stack.ports import DEFAULT_HOST, free_port, is_loopback, port_arg, port_in_use
@@ -46,8 +49,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", type=Path, default=None, help="model dir (default: generated tiny model in $KVLENS_HOME/model)")
     p.add_argument("--port", type=port_arg(allow_zero=True), default=8000, help="router port (default 8000; 0: a free one)")
-    p.add_argument("--prefill-port", type=port_arg(allow_zero=True), default=None, help="P's HTTP port (default: a free one)")
-    p.add_argument("--decode-port", type=port_arg(allow_zero=True), default=None, help="D's HTTP port (default: a free one)")
+    p.add_argument("--prefill-port", type=port_arg(allow_zero=True), default=None,
+                   help="the first P's HTTP port (default: a free one; the other P always get free ones)")
+    p.add_argument("--decode-port", type=port_arg(allow_zero=True), default=None,
+                   help="the first D's HTTP port (default: a free one; the other D always get free ones)")
+    p.add_argument("--prefill-instances", type=int_in(1, MAX_INSTANCES, "a number of instances"), default=1,
+                   metavar="N", help=f"how many P to start, engine ids p0..p(N-1) (default 1, at most {MAX_INSTANCES})")
+    p.add_argument("--decode-instances", type=int_in(1, MAX_INSTANCES, "a number of instances"), default=1,
+                   metavar="M", help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES})")
+    p.add_argument("--router", type=_routers_arg, default=("kvlens",), metavar="|".join(ROUTERS),
+                   help="which router(s) to start in front of P and D: kvlens (default), vllm-router (vLLM's own, "
+                        "pull only, pip package vllm-router), or both: kvlens,vllm-router")
+    p.add_argument("--vllm-router-port", type=port_arg(), default=None,
+                   help="vllm-router's port next to kvlens' router (default: a free one; alone it takes --port)")
     p.add_argument("--host", default=DEFAULT_HOST,
                    help="bind address for all three servers (default loopback; any other address opens P, D, the "
                         "router and P's NIXL side channel to everyone who can reach the host unless --api-key or "
@@ -84,6 +98,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$KVLENS_API_KEY, else $VLLM_API_KEY, else none; the environment keeps it out of `ps`)")
 
 
+def _routers_arg(text: str) -> tuple[str, ...]:
+    """argparse ``type=`` of ``--router``."""
+    try:
+        return parse_routers(text)
+    except StackError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Flag combinations refused before anything starts (StackError): what
+    vllm-router cannot do (push; an API key it could only take on its
+    command line)."""
+    routers = tuple(getattr(args, "router", ("kvlens",)))
+    check_routers(routers, args.mode, getattr(args, "api_key", None) or env_api_key(), args.separate_homes,
+                  args.collector)
+    if getattr(args, "vllm_router_port", None) and "vllm-router" not in routers:
+        raise StackError("--vllm-router-port needs --router vllm-router or kvlens,vllm-router")
+
+
 def _warn_if_open(host: str, api_key: str | None = None) -> None:
     """One warning when the stack binds beyond loopback with no API key
     (``--api-key``, or VLLM_API_KEY / KVLENS_API_KEY in the environment)."""
@@ -114,18 +147,34 @@ def _stack(args: argparse.Namespace) -> Stack:
         collector_port=args.collector_port or None,
         collector_store=getattr(args, "collector_store", None) or None,
         api_key=getattr(args, "api_key", None) or None,
+        prefill_instances=getattr(args, "prefill_instances", 1),
+        decode_instances=getattr(args, "decode_instances", 1),
+        routers=getattr(args, "router", ("kvlens",)),
+        vllm_router_port=getattr(args, "vllm_router_port", None),
     )
+
+
+def _endpoints(stack: Stack) -> str:
+    """The ready message's lines naming every router and instance."""
+    lines = []
+    if "kvlens" in stack.routers:
+        lines.append(f"  router  (OpenAI API): {stack.router_url}/v1")
+    if stack.vllm_router_url:
+        lines.append(f"  vllm-router (OpenAI): {stack.vllm_router_url}/v1")
+    for inst in [*stack.prefills, *stack.decodes]:
+        label = f"{inst.role} ({'P' if inst.role == 'prefill' else 'D'} {inst.engine_id})"
+        lines.append(f"  {label + ':':<22}{inst.url}")
+    return "\n".join(lines) + "\n"
 
 
 def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
     print(
         "\nkvlens stack is up "
         f"({args.mode}{', ' + args.dispatch if args.mode == 'push' else ''}, "
+        f"{stack.prefill_instances}P x {stack.decode_instances}D, "
         f"{'stock' if args.stock else 'instrumented'} connector)\n"
-        f"  router  (OpenAI API): {stack.router_url}/v1\n"
-        f"  prefill (P):          {stack.prefill_url}\n"
-        f"  decode  (D):          {stack.decode_url}\n"
-        f"  model:                {stack.model}\n"
+        + _endpoints(stack)
+        + f"  model:                {stack.model}\n"
         f"  logs:                 {stack.log_dir}\n"
         + ("  API key:              required on /v1/* by P, D and the router\n" if stack.api_key else "")
         + (f"  collector (OTLP):     {stack.collector_url}/v1/traces ({stack.collector})\n"
@@ -150,6 +199,11 @@ def run(args: argparse.Namespace) -> int:
     """Start the stack, print its endpoints, serve until Ctrl-C / SIGTERM
     (exit 0), a child's death (1) or a start-up error (2). Main thread."""
     stack: Stack | None = None
+    try:
+        check_args(args)
+    except StackError as e:
+        print(f"kvlens up: error: {e}", file=sys.stderr, flush=True)
+        return 2
     _warn_if_open(args.host, getattr(args, "api_key", None))
     with sigterm_as_interrupt():
         try:

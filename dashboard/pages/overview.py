@@ -201,7 +201,9 @@ def pair_view(cfg: ui.Config, range_key: str) -> None:
         "traces": df["link"],
     })
     text = st.column_config.TextColumn
-    st.dataframe(ui.table_view(show, {"× fastest": "{:.2f}×"}), hide_index=True, width="stretch",
+    for line in standouts(df):
+        st.markdown(line)
+    st.dataframe(ui.table_view(show, {"× fastest": "{:.3g}×"}), hide_index=True, width="stretch",
                  height=min(38 + 35 * len(show), 360),
                  column_config={
                      "handoff p50 (ms)": text("handoff p50 (ms)", help="-: no known handoff for this pair"),
@@ -211,6 +213,21 @@ def pair_view(cfg: ui.Config, range_key: str) -> None:
                      "D − P clock (ms)": text("D − P clock (ms)", help="-: no clock window for this pair yet"),
                      "traces": st.column_config.LinkColumn("traces", display_text="open"),
                  })
+
+
+#: A pair whose handoff p50 is this many times its mode's fastest pair's is named above the table.
+STANDOUT = 1.5
+
+
+def standouts(df: pd.DataFrame) -> list[str]:
+    """One line per pair that stands out from the other pairs of its mode."""
+    out = []
+    for r in df.itertuples():
+        others = df[(df["mode"] == r.mode) & (df["pair"] != r.pair)]
+        if len(others) and pd.notna(r.vs_best) and r.vs_best >= STANDOUT:
+            out.append(f":material/warning: **{r.mode} {r.pair}**: handoff p50 {ui.fmt_ms(r.handoff_p50_s, r.err_p50_s)}"
+                       f" ms, {r.vs_best:.3g}× the fastest {r.mode} pair's.")
+    return out
 
 
 WORDS_HELP = ("Shares of the summed handoff time (prefill.finished → kv.ready) of this range's completed requests; "

@@ -19,6 +19,7 @@ from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import ui
 from dashboard.pairs import pair_label
+from instrumented_connector import semconv as sc
 
 #: Query param -> the widget key it pre-sets.
 QUERY_KEYS = {"mode": "tr_mode", "outcome": "tr_outcome", "range": "tr_range", "min_handoff": "tr_min",
@@ -199,7 +200,8 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
         ui.table_view(span_rows(spans, rec["handoff_err_s"])),
         hide_index=True, width="stretch",
         column_config={"start_ms": st.column_config.TextColumn(
-                           "start (ms)", help="from the trace's start, to the digits the handoff's ± supports"),
+                           "start (ms)", help="from the trace's start; D's spans to the digits the handoff's ± supports, "
+                           "the others to 0.1 ms"),
                        "duration_ms": st.column_config.TextColumn("duration (ms)", help="on one clock: 3 significant "
                                                                   "digits, whole ms at least"),
                        "outcome": st.column_config.TextColumn("outcome", help="-: a point phase has no outcome")},
@@ -207,10 +209,12 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
 
 
 def span_rows(spans: pd.DataFrame, err_s: float | None) -> pd.DataFrame:
-    """The span table: starts (P's and D's clocks mixed) to the digits the
-    trace's clock bound supports, durations (each on one clock) to 3 significant digits."""
+    """The span table: D's starts (moved onto P's clock) to the digits the
+    trace's clock bound supports, the others to 0.1 ms; durations (each on one
+    clock) to 3 significant digits."""
     out = spans[["role", "phase", "start_ms", "duration_ms", "critical", "outcome", "attributes"]].copy()
-    out["start_ms"] = [ui.fmt_ms(v / 1e3, err_s) for v in spans["start_ms"]]
+    out["start_ms"] = [ui.fmt_ms(v / 1e3, err_s) if role == sc.Role.DECODE.value else f"{v:,.1f}"
+                       for v, role in zip(spans["start_ms"], spans["role"])]
     out["duration_ms"] = [ui.fmt_ms(v / 1e3) for v in spans["duration_ms"]]
     return out
 

@@ -37,14 +37,22 @@ def _rank(col: str) -> str:
     return f"(CASE {col} {whens} ELSE 0 END)"
 
 
-_FOLD_FIRST = ("prefill_finished_ns", "kv_ready_ns", "p_engine", "d_engine",
-               "d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns", "p_arrival_ns", "d_first_ns")
+# How the spans of a request fold into its row. With tensor parallelism a
+# worker-side phase arrives once per rank: the handoff ends when the last
+# rank's KV is ready (kv.ready: the latest), and each clock crossing keeps
+# its earliest send and earliest receipt (the first receipt follows the
+# first send, so the pair still bounds the offset; docs/phases.md). The
+# scheduler's points (one per request) keep the first value.
+_FOLD_FIRST = ("prefill_finished_ns", "p_engine", "d_engine", "p_arrival_ns", "d_first_ns")
+_FOLD_MIN = ("d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
+_FOLD_MAX = ("kv_ready_ns",)
+_FOLDED = (*_FOLD_FIRST, *_FOLD_MIN, *_FOLD_MAX)
 
 _UPSERT_TRACE = f"""
 INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns,
-                    ttft_s, ttft_source, {", ".join(_FOLD_FIRST)}, n_spans)
+                    ttft_s, ttft_source, {", ".join(_FOLDED)}, n_spans)
 VALUES (:trace_id, :request_id, :mode, :dispatch, :outcome, :start_ns, :end_ns,
-        :ttft_s, :ttft_source, {", ".join(":" + c for c in _FOLD_FIRST)}, :n_spans)
+        :ttft_s, :ttft_source, {", ".join(":" + c for c in _FOLDED)}, :n_spans)
 ON CONFLICT (trace_id) DO UPDATE SET
     request_id = CASE WHEN :is_router OR traces.request_id IS NULL
                       THEN excluded.request_id ELSE traces.request_id END,
@@ -58,6 +66,10 @@ ON CONFLICT (trace_id) DO UPDATE SET
     ttft_err_s = CASE WHEN excluded.ttft_s IS NOT NULL THEN NULL ELSE traces.ttft_err_s END,
     ttft_source = COALESCE(excluded.ttft_source, traces.ttft_source),
     {", ".join(f"{c} = COALESCE(traces.{c}, excluded.{c})" for c in _FOLD_FIRST)},
+    {", ".join(f"{c} = COALESCE({{least}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})"
+               for c in _FOLD_MIN)},
+    {", ".join(f"{c} = COALESCE({{greatest}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})"
+               for c in _FOLD_MAX)},
     n_spans = traces.n_spans + excluded.n_spans
 """
 
@@ -166,6 +178,12 @@ def _fold(a: dict, b: dict) -> dict:
     out["end_ns"] = max(a["end_ns"], b["end_ns"])
     for k in _FOLD_FIRST:
         if a[k] is None:
+            out[k] = b[k]
+    for k in _FOLD_MIN:
+        if a[k] is None or (b[k] is not None and b[k] < a[k]):
+            out[k] = b[k]
+    for k in _FOLD_MAX:
+        if a[k] is None or (b[k] is not None and b[k] > a[k]):
             out[k] = b[k]
     out["n_spans"] = a["n_spans"] + b["n_spans"]
     return out

@@ -162,7 +162,7 @@ def _tally(compared: list[dict]) -> list[str]:
     return out
 
 
-def caveats(rows: Sequence[dict], fresh_stacks: bool = False) -> list[str]:
+def caveats(rows: Sequence[dict], fresh_stacks: bool = False, started_stacks: bool = True) -> list[str]:
     """What the intervals of these rows do not cover."""
     rounds = {r.get("rounds") for r in rows if r.get("rounds")}
     if not rounds:
@@ -171,6 +171,9 @@ def caveats(rows: Sequence[dict], fresh_stacks: bool = False) -> list[str]:
         return ["One round: each interval covers the variation between requests of one stack start only; on a "
                 "small shared host separate starts of the same stack have differed by far more. For a verdict "
                 "that holds across starts: --repeat 3 --fresh-stacks."]
+    if not started_stacks:
+        return [f"{max(rounds)} rounds on routers that stayed up: the intervals cover variation over time, "
+                "not between stack starts."]
     if not fresh_stacks:
         return [f"{max(rounds)} rounds; a mode's stack served two rounds in a row (ABBA), so the intervals cover "
                 "fewer stack starts than rounds (--fresh-stacks: one start per round)."]
@@ -333,7 +336,7 @@ def print_report(run, out=None) -> CrossCheck:
         done = max((c.round for c in run.cells), default=0)
         print(f"(interrupted in round {done} of {run.repeat}: rows pool the rounds that ran)", file=out)
     print("\nWhat this measured:", file=out)
-    for line in describe(rows) + caveats(rows, getattr(run, "fresh_stacks", False)):
+    for line in describe(rows) + caveats(rows, run.fresh_stacks, run.started_stacks):
         print("  " + line, file=out)
     cc = cross_check(run.cells)
     print("\nCross-checks:", file=out)

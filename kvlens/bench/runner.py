@@ -58,6 +58,7 @@ class BenchRun:
     #: rounds asked for (``--repeat``), and whether each round started fresh stacks
     repeat: int = 1
     fresh_stacks: bool = False
+    started_stacks: bool = False  # set by bench_stacks
     opts: BenchOptions | None = field(default=None, repr=False)
     _sink: Any = None
     _pooled: list[dict] | None = None
@@ -251,6 +252,7 @@ def bench_stacks(modes: Sequence[str], dispatches: Sequence[str], opts: BenchOpt
                          f"file, got {store.display(run.store)} (bench routers you started yourself with --url "
                          "may write a PostgreSQL store)")
     run.sink()
+    run.started_stacks = True
     groups = plan_groups(modes, dispatches)
     stack = targets = model_name = None
     try:

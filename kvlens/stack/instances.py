@@ -39,6 +39,27 @@ def port_names(role: str, index: int) -> tuple[str, str]:
     return f"{who} port", f"{who} side-channel port"
 
 
+VLLM_ROUTER_PORT = "vllm-router port"
+VLLM_ROUTER_METRICS_PORT = "vllm-router metrics port"
+
+
+def more_ports(n_prefill: int, n_decode: int, routers: tuple[str, ...], vllm_router_port: int | None = None,
+               vllm_router_metrics_port: int | None = None) -> dict[str, int | None]:
+    """The ports a stack needs beyond the first P's and D's and kvlens'
+    router's, by name (None: pick a free one): every later instance's HTTP
+    and side-channel ports, and vLLM's router's (its own port only next to
+    kvlens' router: alone it takes the router port) and its metrics port."""
+    out: dict[str, int | None] = {}
+    for role, n in (("prefill", n_prefill), ("decode", n_decode)):
+        for i in range(1, n):
+            out.update(dict.fromkeys(port_names(role, i)))
+    if "vllm-router" in routers:
+        if "kvlens" in routers:
+            out[VLLM_ROUTER_PORT] = vllm_router_port
+        out[VLLM_ROUTER_METRICS_PORT] = vllm_router_metrics_port
+    return out
+
+
 def check_count(what: str, n: int) -> int:
     """``n`` when it is 1..:data:`MAX_INSTANCES`, else StackError naming ``what``."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_INSTANCES:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from instrumented_connector import config as kvconfig
-from instrumented_connector.ids import new_trace_id
 from kvlens.model import ensure_model
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
@@ -47,11 +46,23 @@ from kvlens.stack.commands import (
     vllm_router_argv,
 )
 from kvlens.stack.errors import StackError
-from kvlens.stack.instances import Instance, check_count, check_routers, child_name, engine_id, parse_routers, port_names
+from kvlens.stack.extras import StackExtras
+from kvlens.stack.instances import (
+    VLLM_ROUTER_METRICS_PORT,
+    VLLM_ROUTER_PORT,
+    Instance,
+    check_count,
+    check_routers,
+    child_name,
+    more_ports,
+    parse_routers,
+    port_names,
+)
 from kvlens.stack.leftovers import busy_hint, find_leftovers
-from kvlens.stack.ports import DEFAULT_HOST, assign_ports, free_port
+from kvlens.stack.ports import DEFAULT_HOST, assign_ports
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
+from kvlens.stack.warmup import warm_up
 
 logger = logging.getLogger("kvlens.up")
 
@@ -60,7 +71,7 @@ _AUTO_PORTS = ("router port", "prefill port", "decode port", "prefill side-chann
 
 
 @dataclass
-class Stack:
+class Stack(StackExtras):
     """P and D instances plus router(s). ``start()`` blocks until all are
     healthy. ``prefill_port`` / ``prefill_side_port`` (and D's) are the first
     instance's; the others get free ports. ``routers``: ``"kvlens"``,
@@ -155,6 +166,8 @@ class Stack:
         if self.model is None:
             self.model = ensure_model(kvconfig.model_dir({"kvlens_home": str(self.kvlens_home)}))
         self.model = check_model(Path(self.model))
+        if "vllm-router" in self.routers:
+            find_vllm_router()  # not installed: say so before minutes of vLLM start-up
         named = {
             "router port": self.port,
             "prefill port": self.prefill_port,
@@ -166,16 +179,10 @@ class Stack:
             named["prometheus port"] = self.prometheus_port
             if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
                 raise StackError("--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)")
-        more = [name for role, n in (("prefill", self.prefill_instances), ("decode", self.decode_instances))
-                for i in range(1, n) for name in port_names(role, i)]
-        named.update(dict.fromkeys(more))
+        more = more_ports(self.prefill_instances, self.decode_instances, self.routers, self.vllm_router_port,
+                          self.vllm_router_metrics_port)
+        named.update(more)
         auto = (*_AUTO_PORTS, *more)
-        if "vllm-router" in self.routers:
-            if "kvlens" in self.routers:  # else it takes the router port
-                named["vllm-router port"] = self.vllm_router_port
-                auto = (*auto, "vllm-router port")
-            named["vllm-router metrics port"] = self.vllm_router_metrics_port
-            auto = (*auto, "vllm-router metrics port")
         if self.separate_homes and self.collector == "process":
             named["collector port"] = self.collector_port
             auto = (*auto, "collector port")
@@ -190,9 +197,9 @@ class Stack:
             got[k] for k in _AUTO_PORTS)
         self.collector_port = got.get("collector port")
         self.more_ports = {k: got[k] for k in more}
-        if "vllm-router" in self.routers:
-            self.vllm_router_port = got.get("vllm-router port") or self.port
-            self.vllm_router_metrics_port = got["vllm-router metrics port"]
+        if "vllm-router" in self.routers:  # alone, it takes the router port
+            self.vllm_router_port = got.get(VLLM_ROUTER_PORT) or self.port
+            self.vllm_router_metrics_port = got[VLLM_ROUTER_METRICS_PORT]
 
     @property
     def topology(self) -> Topology:
@@ -333,63 +340,9 @@ class Stack:
         wait_healthy(started, deadline, self._say, auth_headers(self.api_key))
 
     def _warm_up(self, tries: int = 3, timeout_s: float = 90.0, rounds: int = 1) -> None:
-        """``rounds`` tiny requests end to end through :attr:`router_url`
-        before reporting ready (one per instance of the larger side: round
-        robin then reaches every P and every D once).
-
-        The first request to a new P/D pair pays for kernel warm-up and the
-        first-contact NIXL handshakes; vLLM gives a handshake reply 5 s, and
-        on a loaded machine a cold engine can miss that, which strands that
-        request until vLLM's registration timeout. Paying it here keeps it
-        out of the user's (and the tests') first measured request. A failed
-        handshake is retried by vLLM on the next request, hence the retries.
-        """
-        import httpx  # start-up cost: ``kvlens --help`` imports this module
-
-        for n in range(1, rounds + 1):
-            tag = f" {n}/{rounds}" if rounds > 1 else ""
-            for i in range(1, tries + 1):
-                try:
-                    r = httpx.post(
-                        self.router_url + "/v1/completions",
-                        json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
-                        timeout=timeout_s,
-                        headers={"X-Request-Id": new_trace_id(), **auth_headers(self.api_key)},
-                    )
-                    if r.status_code == 200:
-                        self._say(f"warm-up request{tag} ok ({i}/{tries})")
-                        break
-                    self._say(f"warm-up request{tag} returned HTTP {r.status_code} ({i}/{tries})")
-                except httpx.HTTPError as e:
-                    self._say(f"warm-up request{tag} failed: {type(e).__name__} ({i}/{tries})")
-                dead = self.dead_child()
-                if dead is not None:
-                    raise StackError(dead.died_message())
-            else:
-                self._say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
-                return
-
-    # ------------------------------------------------------------ extras
-    def add_router(self, dispatch: str, port: int | None = None, timeout: float = 60.0) -> str:
-        """Start one more router on the same P/D (e.g. sequential next to
-        overlapped); stopped with the stack. Returns its URL."""
-        port = port or free_port(self.host)
-        c = self._spawn(self._router(dispatch, port, f"router-{dispatch}-{port}"))
-        wait_healthy([c], time.monotonic() + timeout, self._say, auth_headers(self.api_key))
-        return c.url
-
-    def router_for(self, dispatch: str) -> str:
-        """URL of a router with this dispatch on this P/D pair, started on
-        first use (tests and the bench share one pair per mode)."""
-        if dispatch == self.dispatch and self.router_url:
-            return self.router_url
-        if dispatch not in self.extra_routers:
-            self.extra_routers[dispatch] = self.add_router(dispatch)
-        return self.extra_routers[dispatch]
-
-    @property
-    def sequential_router_url(self) -> str:
-        return self.router_for("sequential")
+        """Tiny requests through :attr:`router_url` before reporting ready
+        (:func:`kvlens.stack.warmup.warm_up`)."""
+        warm_up(self.router_url, auth_headers(self.api_key), self._say, self.dead_child, tries, timeout_s, rounds)
 
     @property
     def store_path(self) -> Path | str:
@@ -400,31 +353,6 @@ class Stack:
     def collector_url(self) -> str | None:
         """The OTLP receiver's base URL (``/v1/traces``, ``/metrics``), if any."""
         return self.topology.collector_url
-
-    def start_prometheus(self, port: int = 9090, timeout: float = 60.0):
-        """Start a real Prometheus scraping this stack's router, P and D
-        (data and config under the log dir). Returns the server; its URL is
-        ``self.prometheus_server.url``. Stopped with the stack."""
-        from exporters.prometheus_server import PrometheusServer  # start-up cost (httpx)
-
-        if self.prometheus_server is not None:
-            return self.prometheus_server
-        hostport = lambda u: u.split("://", 1)[-1].rstrip("/")  # noqa: E731
-        server = PrometheusServer(
-            {
-                "kvlens-router": [hostport(u) for u in [self.router_url, *self.extra_routers.values()]],
-                **({"kvlens-collector": [hostport(self.collector_url)]}
-                   if self.separate_homes and self.collector == "process" else {}),
-                "vllm-prefill": [hostport(self.prefill_url)],
-                "vllm-decode": [hostport(self.decode_url)],
-            },
-            port=port,
-            data_dir=Path(self.log_dir) / "prometheus",
-        )
-        server.start(timeout=timeout)
-        self.prometheus_server = server
-        self._say(f"prometheus ready at {server.url}")
-        return server
 
     # ---------------------------------------------------------- run, stop
     def dead_child(self) -> Child | None:
@@ -449,37 +377,8 @@ class Stack:
         self.children = []
 
     def manifest(self) -> dict:
-        """What ``stack.json`` holds (the format other tools read)."""
-        return {
-            "mode": self.mode,
-            "dispatch": self.dispatch,
-            "stock": self.stock,
-            "connector": CONNECTORS[(self.mode, self.stock)][0],
-            "model": str(self.model),
-            "kvlens_home": str(self.kvlens_home),
-            "log_dir": str(self.log_dir),
-            "router_url": self.router_url,
-            "prefill_url": self.prefill_url,
-            "decode_url": self.decode_url,
-            "ports": {
-                "router": self.port,
-                "prefill": self.prefill_port,
-                "decode": self.decode_port,
-                "prefill_side_channel": self.prefill_side_port,
-                "decode_side_channel": self.decode_side_port,
-            },
-            "engine_ids": {"prefill": "p0", "decode": "d0"},
-            "store": str(self.store_path),
-            "collector_url": self.collector_url,
-            "homes": {r: str(self.topology.home_for(r)) for r in ("prefill", "decode", "router", "collector")},
-            "pids": {c.name: c.proc.pid for c in self.children if c.proc is not None},
-            **processes_record(self.children),  # groups, members' command lines (kvlens.stack.leftovers)
-            "api_key": bool(self.api_key),  # whether the servers require one (never the key)
-            "logs": {c.name: str(c.log) for c in self.children},
-            "startup_s": self.startup_s,
-            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
+        """What ``stack.json`` holds (:func:`kvlens.stack.manifest.manifest`)."""
+        return stack_manifest.manifest(self)
 
     def _write_manifest(self) -> None:
-        p = Path(self.log_dir) / "stack.json"
-        p.write_text(json.dumps(self.manifest(), indent=2) + "\n")
+        stack_manifest.write(self)

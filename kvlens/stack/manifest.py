@@ -67,6 +67,23 @@ def manifest(stack) -> dict:
     }
 
 
+def scrape_targets(stack) -> dict[str, list[str]]:
+    """Prometheus jobs -> ``host:port`` targets: kvlens' routers, the
+    collector, vLLM's router's exporter, every P and every D."""
+    hostport = lambda u: u.split("://", 1)[-1].rstrip("/")  # noqa: E731
+    kvlens_routers = [stack.router_url] if "kvlens" in stack.routers else []
+    jobs = {}
+    if kvlens_routers or stack.extra_routers:
+        jobs["kvlens-router"] = [hostport(u) for u in [*kvlens_routers, *stack.extra_routers.values()]]
+    if stack.separate_homes and stack.collector == "process":
+        jobs["kvlens-collector"] = [hostport(stack.collector_url)]
+    if "vllm-router" in stack.routers:
+        jobs["vllm-router"] = [f"{stack.host}:{stack.vllm_router_metrics_port}"]
+    jobs["vllm-prefill"] = [hostport(p.url) for p in stack.prefills]
+    jobs["vllm-decode"] = [hostport(d.url) for d in stack.decodes]
+    return jobs
+
+
 def write(stack) -> None:
     p = Path(stack.log_dir) / "stack.json"
     p.write_text(json.dumps(manifest(stack), indent=2) + "\n")

@@ -221,3 +221,33 @@ def test_compare_page_reads_intervals():
     old = df[list(B.ROW_KEYS)].copy()
     old.loc[3, "qps"] = 1.0  # now its cell has a pull row, but it was saved before intervals
     assert col("TTFT p50 verdict", bench_display(with_ratios(old)))[3] == "no interval recorded"
+
+
+def test_ctrl_c_in_round_two_saves_pooled_rows(tmp_path, tiny_tokenizer_dir, capsys):  # noqa: F811
+    import os
+    import signal
+
+    opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[16], num_prompts=2, warmup=0, repeat=3)
+    opts.store.parent.mkdir()
+
+    def interrupt(n):  # the pull router's 3rd request: round 2's pull cell (after push's)
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            return True
+        return False
+
+    with FakeRouter(opts.store, "pull", on_request=interrupt) as pull, FakeRouter(opts.store, "push") as push:
+        run = bench.new_run(opts)
+        old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            code = bench.run_guarded("bench", run, lambda: bench.bench_routers([pull.url, push.url], opts, run=run))
+        finally:
+            signal.signal(signal.SIGINT, old_handler)
+    assert code == 130
+    assert [(c.round, c.target.mode) for c in run.cells] == [(1, "pull"), (1, "push"), (2, "push")]
+    conn = store.connect(opts.store, readonly=True)
+    saved = store.bench_rows(conn, run.run_id)
+    conn.close()
+    assert sorted((r["mode"], r["rounds"]) for r in saved) == [("pull", 1), ("push", 2)]
+    out = capsys.readouterr().out
+    assert "interrupted in round 2 of 3" in out and "95% CI" in out

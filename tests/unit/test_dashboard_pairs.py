@@ -117,6 +117,9 @@ def test_overview_shows_the_pairs(app, pair_store):
     assert grid["traces"].str.contains("p_engine=").all()
     assert grid["D − P clock (ms)"].str.match(r"\[[+-]\d").all()
     assert not grid.isin(["None", "nan"]).any().any()
+    # the slow instance is named above the table, in both modes; the others are not
+    named = [m.value for m in at.markdown if "the fastest" in m.value]
+    assert len(named) == 2 and all("p1 → d0" in v for v in named), named
 
 
 def test_traces_page_filters_by_engine(app, pair_store):
