@@ -141,6 +141,17 @@ class Joins:
         return key
 
 
+def trace_of_response(response_id: str | None, sent_id: str) -> str:
+    """The trace (32 hex) a client finds its request's spans under: the id
+    it sent as ``X-Request-Id`` where the router kept it (the response's
+    ``id``, ``cmpl-<X-Request-Id>``, holds it: kvlens' router), else the
+    trace of the response's own id (a router that put its own id on P and
+    D, e.g. ``vllm-router``'s ``___prefill_addr_..._<uuid>``)."""
+    if not response_id or sent_id in response_id:
+        return sent_id
+    return trace_hex(trace_id_for(response_id))
+
+
 def root_span_id(trace_id: int) -> int:
     """Span id of the request's root span (the router's ``request`` span),
     derived from the trace id so P and D can parent to it without talking to

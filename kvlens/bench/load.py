@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from instrumented_connector.ids import new_trace_id
+from instrumented_connector.ids import new_trace_id, trace_of_response
 from kvlens.bench.results import RequestResult, Target
 from kvlens.sse import has_text, parse_data_line
 from kvlens.stack.commands import auth_headers
@@ -61,6 +61,8 @@ def _take_event(ev: dict, res: RequestResult, now: float) -> bool:
         err = ev["error"]
         res.error = str(err.get("message") if isinstance(err, dict) else err)[:300]
         return False
+    if res.trace_id is None and isinstance(ev.get("id"), str):
+        res.trace_id = trace_of_response(ev["id"], res.request_id)
     text = has_text(ev)
     if text:
         if res.ttft_s is None:

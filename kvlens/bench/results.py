@@ -48,8 +48,11 @@ class RequestResult:
     """One request as the client saw it. Times in seconds from ``send_s``
     (a ``time.perf_counter`` reading)."""
 
-    request_id: str  # = the trace id (sent as X-Request-Id)
+    request_id: str  # the trace id sent as X-Request-Id
     ok: bool
+    #: the trace its spans are under (``ids.trace_of_response``): ``request_id``
+    #: unless the router replaced the id (set from the response's ``id``)
+    trace_id: str | None = None
     status: int | None = None
     error: str | None = None
     send_s: float = 0.0  # perf_counter at send
@@ -60,6 +63,11 @@ class RequestResult:
     prompt_tokens: int | None = None
     #: network reads that carried generated text (None: not counted, e.g. built by hand)
     text_reads: int | None = None
+
+    @property
+    def trace(self) -> str:
+        """The trace id to look this request up by in the store."""
+        return self.trace_id or self.request_id
 
     @property
     def tpot_untimed(self) -> bool:
@@ -109,7 +117,7 @@ def samples(cell: Cell, metric: str) -> list[float]:
     if metric.startswith("ttft_"):
         return [r.ttft_s for r in ok if r.ttft_s is not None]
     if metric.startswith("handoff_"):
-        tr = [cell.traces.get(r.request_id) for r in ok]
+        tr = [cell.traces.get(r.trace) for r in ok]
         return [t["handoff_s"] for t in tr if t and t.get("handoff_s") is not None]
     raise ValueError(f"no per-request samples for {metric!r}")
 
@@ -135,22 +143,32 @@ def pool_cells(cells: Sequence[Cell]) -> Cell:
 def _trace_figures(cell: Cell) -> dict:
     """The row's keys that come from the store's traces."""
     ok = [r for r in cell.results if r.ok]
-    tr_ok = [cell.traces.get(r.request_id) for r in ok]
+    tr_ok = [cell.traces.get(r.trace) for r in ok]
     handoffs = [t["handoff_s"] for t in tr_ok if t and t.get("handoff_s") is not None]
-    router_ttfts = [t["ttft_s"] for t in tr_ok if t and t.get("ttft_s") is not None]
-    diffs = [rel_diff(r.ttft_s, (cell.traces.get(r.request_id) or {}).get("ttft_s")) for r in ok]
+    # the store's TTFT is the kvlens router's client-seen one, or the one the
+    # engines prove (another router: P's arrival -> D's first token), which
+    # leaves out the router's own time: only the first is cross-checked
+    by_src: dict[str, list[float]] = {}
+    for t in tr_ok:
+        if t and t.get("ttft_s") is not None:
+            by_src.setdefault(t.get("ttft_source") or "router", []).append(t["ttft_s"])
+    router_ttfts = by_src.get("router", [])
+    diffs = [rel_diff(r.ttft_s, t.get("ttft_s")) for r, t in zip(ok, tr_ok)
+             if t and t.get("ttft_source") in (None, "router")]
     outcomes: dict[str, int] = {}
     for r in cell.results:
         if not r.ok:
-            o = (cell.traces.get(r.request_id) or {}).get("outcome") or "not in store"
+            o = (cell.traces.get(r.trace) or {}).get("outcome") or "not in store"
             outcomes[o] = outcomes.get(o, 0) + 1
     return {
         "handoff_p50_s": percentile(handoffs, 50),
         "handoff_p99_s": percentile(handoffs, 99),
         "router_ttft_p50_s": percentile(router_ttfts, 50),
+        "engines_ttft_p50_s": percentile(by_src.get("engines", []), 50),
+        "store_ttft_source": "+".join(sorted(by_src)) or None,
         "ttft_client_vs_router_rel_diff_p50": percentile(diffs, 50),
         "handoff_n": len(handoffs),
-        "traces_in_store": sum(1 for r in cell.results if r.request_id in cell.traces),
+        "traces_in_store": sum(1 for r in cell.results if r.trace in cell.traces),
         "traces_ok_in_store": sum(1 for t in cell.traces.values() if t.get("outcome") == "ok"),
         "failed_outcomes": outcomes,
     }
@@ -248,8 +266,8 @@ def wait_for_traces(store_path: "Path | str", results: Sequence[RequestResult], 
     every request has a trace and every completed one has its handoff and
     TTFT, or ``timeout_s`` passes. Returns what is there (trace id ->
     ``store.slowest`` row)."""
-    ids = [r.request_id for r in results]
-    need_handoff = {r.request_id for r in results if r.ok}
+    ids = [r.trace for r in results]
+    need_handoff = {r.trace for r in results if r.ok}
     deadline = time.monotonic() + timeout_s
     found: dict[str, dict] = {}
     while True:

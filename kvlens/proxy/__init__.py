@@ -1,6 +1,10 @@
 """``kvlens proxy``: an OpenAI-compatible prefill/decode router that emits the
 root ``request`` span (and ``relay`` for pull / sequential push) per request.
 
+Several P and D: ``--prefill`` / ``--decode`` repeat, and each request
+goes to the next P and, independently, the next D (``balancer``, round
+robin); the root span names both (``kvlens.prefill.*``, ``kvlens.decode.*``).
+
 Per request:
 
 * checks before anything is spent (``intake``): the API key when the router
@@ -27,7 +31,7 @@ Per request:
 * a call to P or D that failed before the server could have read it (stale
   pooled connection, refused connection) is sent once more (``retry``).
 
-Modules: ``config`` (ProxyConfig), ``intake`` (checks before spending),
+Modules: ``config`` (ProxyConfig, Prefill, Decode), ``balancer``, ``intake`` (checks before spending),
 ``isolation`` (trace ids in use), ``bodies`` (what P and D get),
 ``exchange`` (one request: calls to P and D), ``retry``, ``dispatch`` (one
 function per mode/dispatch), ``relay`` (D's answer to the client, TTFT),
@@ -36,9 +40,9 @@ function per mode/dispatch), ``relay`` (D's answer to the client, TTFT),
 
 from kvlens.proxy.bodies import P_KV_PARAMS, overlapped_d_params, prefill_body
 from kvlens.proxy.cli import add_arguments, run
-from kvlens.proxy.config import ProxyConfig
+from kvlens.proxy.config import Decode, Prefill, ProxyConfig
 
-__all__ = ["P_KV_PARAMS", "ProxyConfig", "add_arguments", "create_app", "overlapped_d_params", "prefill_body", "run"]
+__all__ = ["P_KV_PARAMS", "Decode", "Prefill", "ProxyConfig", "add_arguments", "create_app", "overlapped_d_params", "prefill_body", "run"]
 
 
 def __getattr__(name: str):

@@ -210,3 +210,28 @@ def test_schema_2_store_is_upgraded_with_the_ttft_columns(tmp_path):
     assert raw.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(store.SCHEMA_VERSION)
     assert raw.execute("SELECT ttft_s, ttft_source FROM traces").fetchone() == (0.5, None)
     raw.close()
+
+
+def test_bench_finds_a_request_by_the_id_the_router_gave_it():
+    """``kvlens bench --proxy`` in front of any router: the trace is the sent
+    X-Request-Id where the router kept it, else the one in the response's id."""
+    sent = secrets.token_hex(16)
+    assert ids.trace_of_response(f"cmpl-{sent}", sent) == sent  # kvlens' router
+    assert ids.trace_of_response(None, sent) == sent
+    uuid = secrets.token_hex(16)
+    vr = f"cmpl-___prefill_addr_127.0.0.1:8100___decode_addr_127.0.0.1:8200_{uuid}"
+    assert ids.trace_of_response(vr, sent) == uuid  # vllm-router's id on P and D
+
+
+def test_bench_cross_check_keeps_engine_ttfts_apart():
+    from kvlens.bench.report import cross_check
+    from kvlens.bench.results import Cell, RequestResult, Target
+
+    tgt = Target(mode="pull", url="http://127.0.0.1:1", dispatch=None)
+    res = [RequestResult(request_id=f"{i:032x}", ok=True, ttft_s=0.100) for i in (1, 2)]
+    traces = {f"{1:032x}": {"ttft_s": 0.090, "ttft_source": "engines", "handoff_s": 0.01, "outcome": "ok"},
+              f"{2:032x}": {"ttft_s": 0.099, "ttft_source": "router", "handoff_s": 0.01, "outcome": "ok"}}
+    cc = cross_check([Cell(tgt, 1.0, 128, res, traces, 2.0)])
+    assert cc.n_compared == 1 and cc.n_engines == 1
+    assert cc.engines_diff_p50_s == pytest.approx(0.010)
+    assert any("engines' TTFT" in line for line in cc.lines())
