@@ -277,7 +277,7 @@ def slowest(path: str | Path, n: int = 50, *, order: str = "handoff", p_engine: 
     """The store's ``slowest`` as a DataFrame (columns ``_SLOW_COLS``), on the
     engines given (None: any); ``filters``: the fields of :class:`exporters.store.TraceFilter`."""
     with store.reading(path) as c:
-        rows = queries.slowest_on(c, n, p_engine=p_engine, d_engine=d_engine, order=order, **filters)
+        rows = store.slowest(c, n, p_engine=p_engine or None, d_engine=d_engine or None, order=order, **filters)
     return pd.DataFrame([{k: r.get(k) for k in _SLOW_COLS} for r in rows], columns=_SLOW_COLS)
 
 

@@ -290,14 +290,6 @@ PAIR_COLUMNS = ("mode", "p_engine", "d_engine", "start_ns", "handoff_s", "handof
                 "clock_lo_s", "clock_hi_s", "clock_offset_s")
 
 
-def _engine_where(where: str, args: list[Any], p_engine: str | None, d_engine: str | None) -> str:
-    for cond, value in (("p_engine = ", p_engine), ("d_engine = ", d_engine)):
-        if value:
-            where += f" AND {cond}{PARAM}"
-            args.append(value)
-    return where
-
-
 def pair_rows(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int | None, limit: int) -> list[tuple]:
     """Traces that started in [since_ns, until_ns] with the engines that
     served them and their settled clock window, newest first, at most
@@ -314,23 +306,3 @@ def engines(conn: sqlite3.Connection) -> list[tuple[str | None, str | None]]:
     answers it), sorted; ``None`` where a side was never recorded."""
     rows = conn.execute("SELECT DISTINCT p_engine, d_engine FROM traces").fetchall()
     return sorted(((r[0], r[1]) for r in rows), key=lambda t: (t[0] or "", t[1] or ""))
-
-
-def slowest_on(conn: sqlite3.Connection, n: int = 10, *, p_engine: str | None = None, d_engine: str | None = None,
-               order: str = "handoff", **filters: Any) -> list[dict[str, Any]]:
-    """:func:`slowest` restricted to the traces served by the P engine
-    ``p_engine`` and / or the D engine ``d_engine`` (None: any)."""
-    if not p_engine and not d_engine:
-        return slowest(conn, n, order=order, **filters)
-    col = _ORDER.get(order)
-    if col is None:
-        raise ValueError(f"unknown order {order!r}")
-    if filters.get("trace_ids") is not None:
-        filters["trace_ids"] = list(filters["trace_ids"])
-        if not filters["trace_ids"]:
-            return []
-    where, args = _where(**filters)
-    where = _engine_where(where, args, p_engine, d_engine)
-    sql = (f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM traces WHERE {where} "
-           f"ORDER BY {col} {dialect_of(conn).desc} LIMIT {PARAM}")
-    return [dict(r) for r in conn.execute(sql, [*args, int(n)])]

@@ -86,6 +86,7 @@ _ROUTER, _PREFILL, _DECODE = sc.Role.ROUTER.value, sc.Role.PREFILL.value, sc.Rol
 _REQUEST, _PF, _KV = sc.Phase.REQUEST.value, sc.Phase.PREFILL_FINISHED.value, sc.Phase.KV_READY.value
 _PREFILL_PHASE, _FIRST = sc.Phase.PREFILL.value, sc.Phase.DECODE_FIRST_STEP.value
 _TTFT_ROUTER, _TTFT_ENGINES = sc.TtftSource.ROUTER.value, sc.TtftSource.ENGINES.value
+_PULL, _SEQUENTIAL = sc.Mode.PULL.value, sc.Dispatch.SEQUENTIAL.value
 _JSON = json.JSONEncoder(default=str, separators=(",", ":")).encode
 
 
@@ -106,7 +107,8 @@ def _span_rows(span) -> tuple[tuple, dict]:
         "trace_id": tid,
         "request_id": rid if is_router or rid is None else base_request_id(rid),
         "mode": mode,
-        "dispatch": g(sc.ATTR_DISPATCH),
+        # pull is sequential by construction (D needs P's answer), whoever routed it
+        "dispatch": g(sc.ATTR_DISPATCH) or (_SEQUENTIAL if mode == _PULL else None),
         "outcome": outcome,
         "start_ns": start,
         "end_ns": end,

@@ -69,6 +69,8 @@ class StackManager:
 def _tag(stack_kw: dict) -> str:
     if stack_kw.get("separate_homes"):
         return "-fleet"
+    if stack_kw.get("prefill_instances", 1) > 1 or stack_kw.get("decode_instances", 1) > 1:
+        return f"-{stack_kw.get('prefill_instances', 1)}p{stack_kw.get('decode_instances', 1)}d"
     return "-faults" if stack_kw else ""
 
 
@@ -155,6 +157,16 @@ def fleet_pull_stack(stack_factory):
     return stack_factory.get("pull", **fleet_stack_kw("pull"))
 
 
+@pytest.fixture
+def xpyd_stacks(stack_factory):
+    """2 P + 2 D instances (real vLLM) per mode: push behind kvlens' router
+    (overlapped); pull behind kvlens' router and vLLM's ``vllm-router``."""
+    def get(mode: str):
+        routers = "kvlens,vllm-router" if mode == "pull" else "kvlens"
+        return stack_factory.get(mode, prefill_instances=2, decode_instances=2, routers=routers)
+    return get
+
+
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
 # the e2e tests grouped by the stack they need, so each pair starts once:
 # stock push, instrumented push, fleet push, stock pull, the fault pair,
@@ -162,7 +174,7 @@ def fleet_pull_stack(stack_factory):
 # then the tests that drive stacks themselves (bench grid: pull, reusing the
 # pull pair, then push; demo; SIGTERM).
 _STACK_ORDER = ("stock_push_stack", "push_stack", "fleet_push_stack", "stock_pull_stack", "fault_push_stack",
-                "fleet_pull_stack", "pull_stack")
+                "fleet_pull_stack", "pull_stack", "xpyd_stacks")
 
 
 def _stack_group(item) -> int:

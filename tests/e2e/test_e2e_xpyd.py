@@ -1,0 +1,183 @@
+"""End-to-end: several P and D instances (2P2D on real vLLM, tiny model)
+behind kvlens' router in the 2P1D and 1P2D shapes, push and pull, and
+behind vLLM's own router (``vllm-router`` from PyPI, pull).
+
+One stack start per mode: the 2P2D stack's own router balances over all
+four instances; two more ``kvlens proxy`` processes route the same
+instances as 2P+1D and 1P+2D. In pull, vLLM's router sits in front of the
+same instances too, and its requests carry no kvlens header at all: their
+traces must join P and D by what vLLM itself passes (the request id it
+puts on both, the ``kv_transfer_params``), get a TTFT from the engines'
+own timestamps and name >= 90 % of the handoff at the median.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+from exporters import store, tracemodel
+from instrumented_connector import ids
+
+pytestmark = pytest.mark.e2e
+
+#: requests per router and shape: enough that round robin covers every pair
+N = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _proxy(stack, prefills, decodes, dispatch: str):
+    """A ``kvlens proxy`` over a subset of the stack's instances, writing the
+    stack's store; stopped by its process group whatever happens."""
+    port = _free_port()
+    argv = [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", stack.mode, "--dispatch", dispatch,
+            "--port", str(port)]
+    for p in prefills:
+        argv += ["--prefill", p.url, "--prefill-engine-id", p.engine_id, "--prefill-side-port", str(p.side_port)]
+    for d in decodes:
+        argv += ["--decode", d.url, "--decode-engine-id", d.engine_id]
+    env = {**os.environ, "KVLENS_HOME": str(stack.kvlens_home)}
+    log = open(os.path.join(str(stack.log_dir), f"proxy-{port}.log"), "wb")
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, f"kvlens proxy exited {proc.returncode}; see {log.name}"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, "kvlens proxy not healthy in 120 s"
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+
+
+def _send(url: str, n: int, *, kvlens_id: bool) -> list[str]:
+    """n streamed completions; the trace id of each, as a client finds it
+    (``ids.trace_of_response``: the id sent, or the one the router gave)."""
+    out = []
+    with httpx.Client(timeout=180) as c:
+        for i in range(n):
+            sent = uuid.uuid4().hex
+            body = {"prompt": f"xpyd request {i} " + "tokens " * (30 + 20 * i), "max_tokens": 4,
+                    "temperature": 0}
+            r = c.post(url + "/v1/completions", json=body, headers={"X-Request-Id": sent} if kvlens_id else {})
+            assert r.status_code == 200, r.text
+            out.append(ids.trace_of_response(r.json().get("id"), sent))
+    return out
+
+
+def _wait(db, trace_ids, *, timeout=90.0) -> dict[str, tracemodel.Trace]:
+    """Until every trace is joined, settled and has its TTFT."""
+    deadline = time.time() + timeout
+    while True:
+        with store.reading(db) as conn:
+            got = tracemodel.find(conn, trace_ids)
+        done = all(t in got and got[t].handoff_s is not None and got[t].ttft_s is not None
+                   and got[t].half is None for t in trace_ids)
+        if done or time.time() > deadline:
+            return got
+        time.sleep(0.5)
+
+
+def _check(got, trace_ids, mode, *, pes, des, ttft_source):
+    assert set(got) == set(trace_ids), f"{len(set(trace_ids) - set(got))} requests without a trace"
+    pairs = set()
+    for tid in trace_ids:
+        tr = got[tid]
+        assert tr.mode == mode and tr.outcome == "ok", (tid, tr.mode, tr.outcome)
+        assert tr.half is None, (tid, tr.p_engine, tr.d_engine)
+        assert tr.handoff_s is not None and tr.handoff_s > 0, (tid, tr.handoff_note)
+        assert tr.ttft_s is not None and tr.ttft_source == ttft_source, (tid, tr.ttft_source)
+        pairs.add((tr.p_engine, tr.d_engine))
+    assert {p for p, _ in pairs} == set(pes) and {d for _, d in pairs} == set(des), pairs
+    return pairs
+
+
+def _pair_windows(db, pairs):
+    """Each (P, D) pair's settled clock interval comes from its own traces."""
+    with store.reading(db) as conn:
+        rows = [r for r in store.slowest(conn, 10_000, order="start") if (r["p_engine"], r["d_engine"]) in pairs]
+    for pair in pairs:
+        mine = [r for r in rows if (r["p_engine"], r["d_engine"]) == pair]
+        assert mine and all(r["clock_lo_s"] is not None and r["clock_lo_s"] <= r["clock_hi_s"] for r in mine), pair
+
+
+def _shapes(stack, dispatch):
+    p, d = stack.prefills, stack.decodes
+    return {"2P1D": (p, d[:1]), "1P2D": (p[:1], d)}
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_xpyd_behind_kvlens_router(mode, xpyd_stacks):
+    """2P2D through the stack's router, then 2P1D and 1P2D: one trace per
+    request naming its engines, every pair with its own clock interval."""
+    stack = xpyd_stacks(mode)
+    db = stack.store_path
+    dispatch = "overlapped" if mode == "push" else "sequential"
+    sent = _send(stack.router_url, N, kvlens_id=True)
+    pairs = _check(_wait(db, sent), sent, mode, pes=("p0", "p1"), des=("d0", "d1"), ttft_source="router")
+    assert len(pairs) >= 2
+    for shape, (ps, ds) in _shapes(stack, dispatch).items():
+        with _proxy(stack, ps, ds, dispatch) as url:
+            ids_ = _send(url, N, kvlens_id=True)
+        got = _wait(db, ids_)
+        pairs |= _check(got, ids_, mode, pes=[x.engine_id for x in ps], des=[x.engine_id for x in ds],
+                        ttft_source="router")
+        assert all(got[t].spans and any(s.name == "relay" for s in got[t].spans) or mode == "push" for t in ids_)
+    assert pairs == {(p, d) for p in ("p0", "p1") for d in ("d0", "d1")}
+    _pair_windows(db, pairs)
+    # the CLI filters by engine: only p1's requests
+    with store.reading(db) as conn:
+        only = tracemodel.slowest(conn, 1000, order="start", p_engine="p1", mode=mode)
+    assert only and all(t.p_engine == "p1" for t in only)
+
+
+def test_pull_behind_vllm_router(xpyd_stacks):
+    """vLLM's router (round robin over 2 P and 2 D) in front of the pull
+    instances: every answered request one joined trace with a handoff and
+    the engines' TTFT (with its bound), the hop through vllm-router named
+    as router.hop, >= 90 % of the handoff named at the median."""
+    stack = xpyd_stacks("pull")
+    assert stack.vllm_router_url
+    sent = _send(stack.vllm_router_url, N, kvlens_id=False)
+    got = _wait(stack.store_path, sent)
+    _check(got, sent, "pull", pes=("p0", "p1"), des=("d0", "d1"), ttft_source="engines")
+    shares = []
+    for tid in sent:
+        tr = got[tid]
+        assert tr.request_id and "___prefill_addr_" in tr.request_id, tr.request_id
+        assert tr.ttft_err_s is not None and tr.ttft_s > tr.handoff_s
+        names = {s.name for s in tr.spans}
+        assert "relay" not in names and {"router.hop", "decode.first_step"} <= names, names
+        shares.append(tr.tiling().unattributed_share)
+    assert statistics.median(shares) <= 0.10, shares
+    with store.reading(stack.store_path) as conn:
+        halves = tracemodel.slowest(conn, 100, order="start", half="decode") + \
+            tracemodel.slowest(conn, 100, order="start", half="prefill")
+    assert not [t for t in halves if t.trace_id in sent]
