@@ -131,6 +131,9 @@ class ModeStats:
     req_per_s: float | None = None
     handoff: dict[str, float | None] = field(default_factory=dict)  # p50 / p90 / p99
     ttft: dict[str, float | None] = field(default_factory=dict)  # mean / p50 / p99
+    #: where the TTFT figures come from: "router" (client-seen at kvlens' router),
+    #: "engines" (P's arrival -> D's first token, another router), both joined by "+", or "" (none)
+    ttft_source: str = ""
     tpot_mean: float | None = None
     tpot_note: str = ""  # where tpot_mean comes from, or why it is missing
     outcomes: dict[str, float] = field(default_factory=dict)
@@ -160,6 +163,8 @@ def stats_from_traces(df: pd.DataFrame, window_s: float | None) -> dict[str, Mod
         st.handoff = {"p50": _q(h, 0.5), "p90": _q(h, 0.9), "p99": _q(h, 0.99)}
         tt = t.dropna()
         st.ttft = {"mean": float(tt.mean()) if len(tt) else None, "p50": _q(t, 0.5), "p99": _q(t, 0.99)}
+        if len(tt) and "ttft_source" in d:
+            st.ttft_source = "+".join(sorted({v or "router" for v in d.loc[tt.index, "ttft_source"]}))
         counts = d["outcome"].value_counts().to_dict() if len(d) else {}
         st.outcomes = {o: float(counts.get(o, 0)) for o in OUTCOMES}
         out[mode] = st

@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from exporters import store
+from exporters import ranks, store
 from exporters.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
     _DERIVED,
     _PHASES,
@@ -242,7 +242,19 @@ class Trace:
                 "clock_offset_s": self.clock_offset_s, "clock_interval_s": interval,
                 "p_engine": self.p_engine, "d_engine": self.d_engine, "start_ns": self.start_ns,
                 "ttft_source": self.ttft_source, "ttft_err_s": self.ttft_err_s, "half": self.half,
-                "spans": [s.to_json() for s in self.spans]}
+                "ranks": self.ranks_json(), "spans": [s.to_json() for s in self.spans]}
+
+    def ranks_json(self) -> dict[str, Any] | None:
+        """Tensor-parallel ranks of the trace (:mod:`exporters.ranks`): ranks
+        seen per role, the straggler of each per-rank completion phase, and
+        the transfer over ranks (bytes summed, time the slowest rank's);
+        None where no span carries a rank."""
+        tp = ranks.tp_sizes(self.spans)
+        if not tp:
+            return None
+        tot = ranks.transfer_totals(self.spans)
+        return {"tp": tp, "stragglers": [x.to_json() for x in ranks.stragglers(self.spans)],
+                "transfer": None if tot is None else tot._asdict()}
 
 
 def trace_record(summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

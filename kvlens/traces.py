@@ -16,13 +16,14 @@ import math
 import sys
 from pathlib import Path
 
-from exporters import perfetto, store, tracemodel
+from exporters import perfetto, ranks, store, tracemodel
 from exporters.tracemodel import Trace
 from instrumented_connector import config
 from instrumented_connector import semconv as sc
 from kvlens.argtypes import int_in
 
 LANES = (("router", sc.Role.ROUTER.value), ("P", sc.Role.PREFILL.value), ("D", sc.Role.DECODE.value))
+_LANE_OF = {role: lane for lane, role in LANES}
 
 
 #: Most traces one call prints (--slowest); the store's LIMIT is a 64-bit
@@ -138,19 +139,25 @@ def waterfall(trace: Trace, width: int = 60) -> str:
             axis[i] = "~"
     lines.append(f"  {'critical path':<30}[{''.join(axis)}]")
     name_w = 22
+    multi = any(n > 1 for n in ranks.tp_sizes(spans).values())
     for lane, role in LANES:
         lane_spans = sorted(
             (s for s in spans if s.role == role),
-            key=lambda s: (s.start_ns, sc.PHASE_ORDER.get(s.name, 99)),
+            key=lambda s: ((ranks.rank_of(s) or 0) if multi else 0, s.start_ns, sc.PHASE_ORDER.get(s.name, 99)),
         )
         for s in lane_spans:
+            label = ranks.lane(lane, s, multi)
             bar = [" "] * width
             ch = "|" if s.start_ns == s.end_ns else ("#" if s.critical else "=")
             for i in range(col(s.start_ns), col(s.end_ns) + 1):
                 bar[i] = ch
             flag = "" if s.outcome in (None, "ok") else f" !{s.outcome}"
-            lines.append(f"  {lane:<7}{s.name[:name_w]:<{name_w + 1}}[{''.join(bar)}] {_fmt_s(s.duration_s)}{flag}")
+            lines.append(f"  {label:<7}{s.name[:name_w]:<{name_w + 1}}[{''.join(bar)}] {_fmt_s(s.duration_s)}{flag}")
     lines.append(f"  {'':<30} 0{'':>{width - 10}}{_fmt_s(span_ns / 1e9):>9}")
+    for x in ranks.stragglers(spans):
+        side = _LANE_OF.get(x.role, x.role)
+        lines.append(f"  straggler: {side} rank {x.rank} finished {x.phase} last, {_fmt_s(x.lag_s)} after rank "
+                     f"{x.first_rank} ({x.ranks} ranks; the request waits for the last)")
     return "\n".join(lines)
 
 

@@ -127,6 +127,21 @@ DROPPED_HELP = ("Spans kvlens lost in this range, all processes, by reason: buff
                 "shutdown (still queued at exit). Increase of kvlens_telemetry_dropped_total.")
 
 
+#: Where a mode's TTFT cards come from (``ModeStats.ttft_source``), in words.
+TTFT_SOURCE_WORDS = {
+    "router": "client-seen, at kvlens' router",
+    "engines": "the engines' own (P's arrival → D's first token; another router)",
+    "engines+router": "mixed: kvlens' router where it ran, else the engines' own",
+}
+TTFT_HELP = {
+    "router": "Time to first token as the client sees it (kvlens' router: request in → first token out).",
+    "engines": "Time to first token the engines prove without kvlens' router: P's arrival → D's first token, "
+               "corrected for the P/D clock offset; it leaves out the router's own time.",
+    "engines+router": "Client-seen TTFT where kvlens' router measured it, else the engines' own "
+                      "(P's arrival → D's first token).",
+}
+
+
 def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tuple[str, float]]) -> None:
     """The metric cards of one mode (short values, the unit in the label, the
     same in both modes' columns: ``units``; detail in ``help``), and links
@@ -138,10 +153,12 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tu
         col.metric(f"handoff {name} ({unit})", ui.fmt_short(v, k))  # no ? icon: the label fits at 1280 px
     unit, k = units["ttft"]
     a, b, c = st.columns(3)
-    ttft_help = "Time to first token as the client sees it (router: request in → first token out)."
+    ttft_help = TTFT_HELP.get(s.ttft_source if not from_prom else "router", TTFT_HELP["engines+router"])
     a.metric(f"TTFT p50 ({unit})", ui.fmt_short(s.ttft.get("p50"), k), help=ttft_help)
     b.metric(f"TTFT p99 ({unit})", ui.fmt_short(s.ttft.get("p99"), k), help=ttft_help)
     c.metric(f"TPOT ({unit})", ui.fmt_short(s.tpot_mean, k), help=s.tpot_note or "Mean time per output token.")
+    if s.ttft_source and not from_prom:
+        st.caption(f"TTFT: {TTFT_SOURCE_WORDS.get(s.ttft_source, s.ttft_source)}")
     a, b, c = st.columns(3)
     a.metric("req/s", ui.fmt_rate(s.req_per_s), help="Requests per second over the time range.")
     a.caption(f"{ui.fmt_n(s.requests)} requests")

@@ -32,7 +32,7 @@ SUMMARY_COLUMNS = ("trace_id", "request_id", "mode", "dispatch", "outcome", "sta
 HANDOFF_COLUMNS = ("handoff_s", "handoff_err_s", "handoff_raw_s", "clock_offset_s", "clock_lo_s", "clock_hi_s",
                    "handoff_note", "p_engine", "d_engine", "complete")
 #: Tuple order of :func:`window` rows.
-WINDOW_COLUMNS = ("mode", "outcome", "start_ns", "ttft_s", "handoff_s")
+WINDOW_COLUMNS = ("mode", "outcome", "start_ns", "ttft_s", "handoff_s", "ttft_source")
 #: Tuple orders of :func:`handoff_sample` rows.
 SAMPLE_TRACE_COLUMNS = ("trace_id", "mode", "prefill_finished_ns", "kv_ready_ns", "handoff_s", "clock_offset_s")
 SAMPLE_SPAN_COLUMNS = ("trace_id", "role", "name", "start_ns", "end_ns")

@@ -152,6 +152,13 @@ def test_xpyd_behind_kvlens_router(mode, xpyd_stacks):
         assert all(got[t].spans and any(s.name == "relay" for s in got[t].spans) or mode == "push" for t in ids_)
     assert pairs == {(p, d) for p in ("p0", "p1") for d in ("d0", "d1")}
     _pair_windows(db, pairs)
+    # the dashboard's per-pair view: one row per pair of this mode, each with its figures
+    from dashboard.pairs import pair_table
+
+    table = pair_table(str(db), None, None)
+    mine = table[table["mode"] == mode]
+    assert set(zip(mine["p_engine"], mine["d_engine"])) == pairs, mine
+    assert mine["handoff_p50_s"].notna().all()
     # the CLI filters by engine: only p1's requests
     with store.reading(db) as conn:
         only = tracemodel.slowest(conn, 1000, order="start", p_engine="p1", mode=mode)

@@ -1,0 +1,109 @@
+"""Tensor-parallel ranks, traced rank by rank (exporters/ranks.py): several
+real worker processes, one per rank, record one request through their own
+recorder, the real sidecar (span building off the engine's GIL), the real
+store and the trace model -- the multi-rank path as vLLM's multiprocess
+executor runs it, without a model (vLLM CPU's TP > 1 start-up is covered by
+docs/tensor-parallel.md).
+
+Each rank process wraps its recorder as the worker hooks do
+(``taps.RankedRecorder``), so every span carries ``kvlens.rank``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+
+from exporters import pipeline, ranks, store, tracemodel
+from instrumented_connector import semconv as sc
+from instrumented_connector.taps import RankedRecorder
+
+MS = 1_000_000
+P = sc.Phase
+
+
+def _cfg(home: Path) -> dict:
+    return {"kvlens_home": str(home), "kvlens_metrics": "off"}
+
+
+def _rank_worker(home: str, role: str, rank: int, size: int, p_rid: str, d_rid: str, t0: int, lag_ms: int) -> None:
+    """One TP rank's worker process (spawned): its own recorder and sidecar."""
+    rec = pipeline.get_recorder(role, "pull", "d0" if role == "decode" else "p0", _cfg(Path(home)),
+                                span_builder="sidecar").start()
+    r = RankedRecorder(rec, rank, size)
+    if role == "decode":
+        t = t0 + 50 * MS
+        r.record(P.DESCRIPTOR_PREP, d_rid, t, t + MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
+        r.record(P.READ_POST, d_rid, t + MS, t + 2 * MS, "ok",
+                 {sc.ATTR_REMOTE_RANKS: [rank], sc.ATTR_BYTES: 1000, sc.ATTR_JOIN_REQUEST_ID: p_rid})
+        done = t + (5 + lag_ms) * MS
+        r.record(P.READ_COMPLETE, d_rid, t + 2 * MS, done, "ok",
+                 {sc.ATTR_BYTES: 4096 * (rank + 1), sc.ATTR_DESCRIPTORS: 8, sc.ATTR_NIXL_XFER_S: (3 + lag_ms) / 1e3})
+        r.record(P.KV_READY, d_rid, done + MS, done + MS)
+    else:
+        r.record(P.KV_RELEASED, p_rid, t0 + (58 + lag_ms) * MS, t0 + (58 + lag_ms) * MS)
+    rec.flush()
+    rec.close()
+
+
+def test_ranks_of_one_request_in_separate_processes_join_with_the_last_rank_critical(tmp_path):
+    p_rid, d_rid = f"cmpl-{secrets.token_hex(16)}-0-0000abcd", f"cmpl-{secrets.token_hex(16)}-0-0000beef"
+    t0 = time.time_ns()
+    # P's scheduler (EngineCore: no rank)
+    sched = pipeline.get_recorder("prefill", "pull", "p0", _cfg(tmp_path), span_builder="inline")
+    sched.record(P.PREFILL, p_rid, t0, t0 + 30 * MS, "ok")
+    sched.record(P.PREFILL_FINISHED, p_rid, t0 + 30 * MS, t0 + 30 * MS, "ok")
+    dsched = pipeline.get_recorder("decode", "pull", "d0", _cfg(tmp_path), span_builder="inline")
+    q = t0 + 40 * MS
+    dsched.record(P.DECODE_QUEUE, d_rid, q, q + 5 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
+    dsched.record(P.ALLOC, d_rid, q + 5 * MS, q + 5 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
+    sched.flush()
+    dsched.flush()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank_worker, args=(str(tmp_path), role, rank, 2, p_rid, d_rid, t0, 4 * rank))
+             for role in ("decode", "prefill") for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    deadline = time.time() + 30
+    while True:
+        with store.reading(tmp_path / "traces.db") as conn:
+            got = tracemodel.slowest(conn, 10, order="start")
+        if got and sum(1 for s in got[0].spans if s.name == "kv.ready") == 2 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    (tr,) = got
+    assert tr.half is None and tr.handoff_s is not None
+    kvs = [s for s in tr.spans if s.name == "kv.ready"]
+    assert sorted(ranks.rank_of(s) for s in kvs) == [0, 1]
+    # the handoff ends at the last rank's kv.ready
+    assert tr.kv_ready_ns == max(s.end_ns for s in kvs)
+    (slow_read, slow_ready) = [x for x in ranks.stragglers(tr.spans) if x.role == "decode"]
+    assert (slow_read.phase, slow_read.rank, slow_read.first_rank) == ("read.complete", 1, 0)
+    assert slow_read.lag_s == pytest.approx(0.004)
+    assert slow_ready.phase == "kv.ready" and slow_ready.rank == 1
+    tot = ranks.transfer_totals(tr.spans)
+    assert (tot.ranks, tot.bytes, tot.descriptors) == (2, 4096 + 8192, 16)  # summed over ranks
+    assert tot.xfer_s == pytest.approx(0.007) and tot.complete_s == pytest.approx(0.007)  # the slowest rank's
+    js = tr.to_json()["ranks"]
+    assert js["tp"] == {"decode": 2, "prefill": 2} and js["stragglers"][0]["rank"] == 1
+    # the tiling counts each stretch once, however many ranks cover it
+    til = tr.tiling()
+    assert til.named_ns <= til.handoff_ns
+    assert sum(til.phases.values()) == til.named_ns
+    from kvlens.traces import waterfall
+
+    text = waterfall(tr)
+    assert "D r0" in text and "D r1" in text and "straggler: D rank 1 finished read.complete last" in text
+
+
+def test_single_rank_traces_have_no_rank_section():
+    span = tracemodel.Span(name="kv.ready", role="decode", start_ns=1, end_ns=1)
+    assert ranks.tp_sizes([span]) == {} and ranks.stragglers([span]) == []
+    assert ranks.lane("D", span, True) == "D"
