@@ -39,6 +39,12 @@ _UNJOINED_HELP = (
     "as half traces (--half). Also counted in kvlens_handoff_unresolved_total{reason=\"missing\"}.")
 
 
+_RANK_HELP = (
+    "Duration of a per-rank transfer phase (write/read.post, write/read.complete) on one tensor-parallel rank, "
+    "seconds; only engines with TP > 1. Per rank: a request's transfer time is its slowest rank's (the request "
+    "waits for the last); rank values 0..63, others _OTHER.")
+
+
 class _Families:
     """Metric families of one registry (created once per process and registry).
 
@@ -82,13 +88,17 @@ class _Families:
             "kvlens_requests", "Requests finished by the kvlens router.", ("mode", "outcome"), registry=r,
         )
         self.xfer_bytes = Histogram(
-            "kvlens_transfer_bytes", "KV bytes moved by NIXL per request (write/read.complete), bytes.",
+            "kvlens_transfer_bytes", "KV bytes NIXL moved for one request on one rank (write/read.complete), "
+            "bytes. Per rank: a TP N engine observes N per request; the request's bytes are their sum.",
             ("mode", "role"), buckets=BYTES_BUCKETS, registry=r,
         )
         self.xfer_desc = Histogram(
-            "kvlens_transfer_descriptors", "NIXL descriptors per request (write/read.complete).",
+            "kvlens_transfer_descriptors", "NIXL descriptors of one request on one rank (write/read.complete). "
+            "Per rank, as kvlens_transfer_bytes: the request's count is their sum.",
             ("mode", "role"), buckets=DESCRIPTOR_BUCKETS, registry=r,
         )
+        self.rank_phase = Histogram("kvlens_rank_phase_duration_seconds", _RANK_HELP,
+                                    ("mode", "role", "phase", "rank"), buckets=PHASE_BUCKETS, registry=r)
         self.regs_waiting = Gauge(
             "kvlens_push_registrations_waiting",
             "Push: D registrations received on P and not yet matched with a finished prefill.",

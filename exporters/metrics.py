@@ -23,7 +23,8 @@ anything else becomes ``_OTHER``; request and trace ids are never labels)::
     kvlens_requests_total{mode,outcome}                       counter (router)
         # error ratio: sum by (mode) (rate(kvlens_requests_total{outcome!="ok"}[5m]))
         #              / sum by (mode) (rate(kvlens_requests_total[5m]))
-    kvlens_transfer_bytes{mode,role}                          histogram (write/read.complete)
+    kvlens_transfer_bytes{mode,role}                          histogram (write/read.complete; per rank)
+    kvlens_rank_phase_duration_seconds{mode,role,phase,rank}  histogram (transfer phases, TP > 1 only)
         # throughput: sum by (mode) (rate(kvlens_transfer_bytes_sum[1m]))
     kvlens_transfer_descriptors{mode,role}                    histogram (write/read.complete)
     kvlens_push_registrations_waiting                         gauge (P, push)
@@ -81,6 +82,17 @@ from instrumented_connector.logutil import log_once
 from instrumented_connector.recorder import DropReason
 
 #: Where the handoff trigger runs (see :mod:`exporters.handoff`): router | decode | off.
+#: Per-rank transfer phases observed by rank (``kvlens_rank_phase_duration_seconds``).
+_RANK_PHASES = frozenset(p.value for p in (sc.Phase.WRITE_POST, sc.Phase.WRITE_COMPLETE, sc.Phase.READ_POST,
+                                           sc.Phase.READ_COMPLETE))
+#: The rank label's closed set: 0..MAX_RANK_LABEL-1 (TP sizes up to 64), else ``_OTHER``.
+MAX_RANK_LABEL = 64
+
+
+def _rank_label(rank: object) -> str:
+    return str(rank) if isinstance(rank, int) and 0 <= rank < MAX_RANK_LABEL else sc.OTHER
+
+
 HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
 #: With ``handoff_from="any"``, how long a lookup triggered by D's
 #: ``kv.ready`` waits for a router's spans (its ``relay`` decides which
@@ -252,6 +264,8 @@ class PhaseMetricsProcessor(SpanProcessor):
         ex = {"trace_id": format(span.context.trace_id, "032x")} if self.exemplars else None
         d = max(t1 - t0, 0) / 1e9
         fam.child(fam.phase, (mode, role, phase, outcome)).observe(d, ex)
+        if phase in _RANK_PHASES and (a.get(sc.ATTR_TP_SIZE) or 1) > 1:
+            fam.child(fam.rank_phase, (mode, role, phase, _rank_label(a.get(sc.ATTR_RANK)))).observe(d, ex)
 
         if phase == "request":
             fam.child(fam.requests, (mode, outcome)).inc()

@@ -107,3 +107,25 @@ def test_single_rank_traces_have_no_rank_section():
     span = tracemodel.Span(name="kv.ready", role="decode", start_ns=1, end_ns=1)
     assert ranks.tp_sizes([span]) == {} and ranks.stragglers([span]) == []
     assert ranks.lane("D", span, True) == "D"
+
+
+def test_rank_label_is_bounded_and_only_for_tp_engines():
+    from opentelemetry.sdk.trace import TracerProvider
+    from prometheus_client import CollectorRegistry
+
+    from exporters.metrics import PhaseMetricsProcessor
+
+    reg = CollectorRegistry()
+    proc = PhaseMetricsProcessor(registry=reg, store_path="/nonexistent/traces.db", handoff_from="off")
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(proc)
+    tracer = tracer_provider.get_tracer("t")
+    for rank, size in ((0, 2), (1, 2), (99, 128), (0, 1)):
+        attrs = {sc.ATTR_MODE: "pull", sc.ATTR_ROLE: "decode", sc.ATTR_RANK: rank, sc.ATTR_TP_SIZE: size}
+        tracer.start_span("read.complete", attributes=attrs, start_time=0).end(end_time=2_000_000)
+    val = reg.get_sample_value
+    key = {"mode": "pull", "role": "decode", "phase": "read.complete"}
+    assert val("kvlens_rank_phase_duration_seconds_count", {**key, "rank": "0"}) == 1  # the TP 1 span adds none
+    assert val("kvlens_rank_phase_duration_seconds_count", {**key, "rank": "1"}) == 1
+    assert val("kvlens_rank_phase_duration_seconds_count", {**key, "rank": "_OTHER"}) == 1
+    assert val("kvlens_phase_duration_seconds_count", {**key, "outcome": "ok"}) == 4
