@@ -1,5 +1,6 @@
 """``kvlens up``: start real prefill (P) and decode (D) vLLM servers (one of
-each, or ``--prefill-instances N --decode-instances M``) plus a router
+each, or ``--prefill-instances N --decode-instances M``, each at
+tensor-parallel size ``--tp N`` or ``--prefill-tp`` / ``--decode-tp``) plus a router
 (kvlens', vLLM's ``vllm-router``, or both: ``--router``), wait until all
 answer ``/health``, print the endpoints, and stop everything on Ctrl-C /
 SIGTERM.
@@ -32,6 +33,7 @@ from kvlens.stack.launch import Stack
 from kvlens.stack.pinning import parse_cpu_list
 from kvlens.stack.ports import DEFAULT_HOST, free_port, is_loopback, port_arg, port_in_use
 from kvlens.stack.supervise import signals_ignored
+from kvlens.stack.tp import MAX_TP, STARTUP_S_PER_EXTRA_PROCESS, parse_tp, tp_note
 
 __all__ = [
     "MAX_MODEL_LEN", "Stack", "StackError", "add_arguments", "free_port", "kv_transfer_config",
@@ -57,6 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="N", help=f"how many P to start, engine ids p0..p(N-1) (default 1, at most {MAX_INSTANCES})")
     p.add_argument("--decode-instances", type=int_in(1, MAX_INSTANCES, "a number of instances"), default=1,
                    metavar="M", help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES})")
+    p.add_argument("--tp", type=int_in(1, MAX_TP, "a tensor-parallel size"), default=1, metavar="N",
+                   help="tensor-parallel size of every P and D (vLLM's --tensor-parallel-size; each rank gets its "
+                        f"own CPU list, docs/tensor-parallel.md; default 1, at most {MAX_TP})")
+    p.add_argument("--prefill-tp", type=_tp_arg, default=None, metavar="N[,N...]",
+                   help="P's tensor-parallel size, overriding --tp: one for all P, or one per P in engine-id order")
+    p.add_argument("--decode-tp", type=_tp_arg, default=None, metavar="N[,N...]",
+                   help="D's tensor-parallel size, overriding --tp: one for all D, or one per D (--decode-tp 2,1: "
+                        "d0 at TP 2, d1 at TP 1)")
     p.add_argument("--router", type=_routers_arg, default=("kvlens",), metavar="|".join(ROUTERS),
                    help="which router(s) to start in front of P and D: kvlens (default), vllm-router (vLLM's own, "
                         "pull only, pip package vllm-router), or both: kvlens,vllm-router")
@@ -68,8 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "VLLM_API_KEY is set, and even then for the side channel)")
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
-    p.add_argument("--timeout", type=positive(float), default=DEFAULT_TIMEOUT_S,
-                   help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--timeout", type=positive(float), default=None,
+                   help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g} for one P and one D, plus "
+                        f"{STARTUP_S_PER_EXTRA_PROCESS:g} per further engine process: every instance, and every TP "
+                        "rank, is one)")
     p.add_argument("--prometheus", action="store_true",
                    help="also start a Prometheus server (Debian package prometheus) scraping router, P and D, "
                         "with the kvlens recording rules and exemplar storage; data under the log dir")
@@ -103,6 +115,14 @@ def _routers_arg(text: str) -> tuple[str, ...]:
     try:
         return parse_routers(text)
     except StackError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _tp_arg(text: str) -> tuple[int, ...]:
+    """argparse ``type=`` of ``--prefill-tp`` / ``--decode-tp``."""
+    try:
+        return parse_tp(text)
+    except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
@@ -151,6 +171,8 @@ def _stack(args: argparse.Namespace) -> Stack:
         decode_instances=getattr(args, "decode_instances", 1),
         routers=getattr(args, "router", ("kvlens",)),
         vllm_router_port=getattr(args, "vllm_router_port", None),
+        prefill_tp=getattr(args, "prefill_tp", None) or getattr(args, "tp", 1),
+        decode_tp=getattr(args, "decode_tp", None) or getattr(args, "tp", 1),
     )
 
 
@@ -171,7 +193,7 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
     print(
         "\nkvlens stack is up "
         f"({args.mode}{', ' + args.dispatch if args.mode == 'push' else ''}, "
-        f"{stack.prefill_instances}P x {stack.decode_instances}D, "
+        f"{stack.prefill_instances}P x {stack.decode_instances}D{tp_note(stack.prefill_tp, stack.decode_tp)}, "
         f"{'stock' if args.stock else 'instrumented'} connector)\n"
         + _endpoints(stack)
         + f"  model:                {stack.model}\n"

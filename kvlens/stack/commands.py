@@ -164,15 +164,20 @@ def collector_argv(host: str, port: int, store: Path | str) -> list[str]:
     return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--store", str(store)]
 
 
-def router_argv(prefills: Sequence[tuple[str, str, int]], decodes: Sequence[tuple[str, str]], mode: str,
+def router_argv(prefills: Sequence[tuple], decodes: Sequence[tuple[str, str]], mode: str,
                 dispatch: str, host: str, port: int) -> list[str]:
     """Command line of one ``kvlens proxy`` in front of ``prefills`` ((URL,
-    engine id, side-channel port) each, on ``host``) and ``decodes`` ((URL,
-    engine id) each); the per-P flags pair with ``--prefill`` by position."""
+    engine id, side-channel port[, TP size]) each, on ``host``) and
+    ``decodes`` ((URL, engine id) each); the per-P flags pair with
+    ``--prefill`` by position. ``--prefill-tp-size`` goes to every P once any
+    P runs more than one rank: overlapped push tells D each P's TP size."""
     argv = [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", mode, "--dispatch", dispatch,
             "--host", host, "--port", str(port), "--prefill-side-host", host]
-    for url, engine_id, side_port in prefills:
+    any_tp = any(len(p) > 3 and p[3] > 1 for p in prefills)
+    for url, engine_id, side_port, *tp in prefills:
         argv += ["--prefill", url, "--prefill-engine-id", engine_id, "--prefill-side-port", str(side_port)]
+        if any_tp:
+            argv += ["--prefill-tp-size", str(tp[0] if tp else 1)]
     for url, engine_id in decodes:
         argv += ["--decode", url, "--decode-engine-id", engine_id]
     return argv

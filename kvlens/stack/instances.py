@@ -107,6 +107,8 @@ class Instance:
     port: int | None
     side_port: int | None
     pid: int | None = None
+    #: tensor-parallel size (ranks)
+    tp: int = 1
 
     @property
     def engine_id(self) -> str:
@@ -123,4 +125,4 @@ class Instance:
     def record(self) -> dict:
         """What ``stack.json`` keeps of it."""
         return {"name": self.name, "engine_id": self.engine_id, "url": self.url, "port": self.port,
-                "side_channel_port": self.side_port, "pid": self.pid}
+                "side_channel_port": self.side_port, "pid": self.pid, "tp_size": self.tp}

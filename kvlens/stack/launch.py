@@ -30,7 +30,6 @@ from kvlens.stack import pinning
 from kvlens.stack.commands import (
     DEFAULT_KV_LEASE_S,
     DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
-    DEFAULT_TIMEOUT_S,
     REPO_ROOT,
     api_key_env,
     auth_headers,
@@ -62,6 +61,7 @@ from kvlens.stack.leftovers import busy_hint, find_leftovers
 from kvlens.stack.ports import DEFAULT_HOST, assign_ports
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
+from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, startup_timeout_s, tp_args, tp_note
 from kvlens.stack.warmup import warm_up
 
 logger = logging.getLogger("kvlens.up")
@@ -114,6 +114,10 @@ class Stack(StackExtras):
     routers: str | Sequence[str] = "kvlens"
     vllm_router_port: int | None = None
     vllm_router_metrics_port: int | None = None
+    #: tensor-parallel size of every P (of every D): one int, or one per
+    #: instance (:mod:`kvlens.stack.tp`); a tuple per instance after init
+    prefill_tp: int | Sequence[int] = 1
+    decode_tp: int | Sequence[int] = 1
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
@@ -137,6 +141,9 @@ class Stack(StackExtras):
             raise StackError("--collector-store needs --separate-homes with --collector process")
         check_count("--prefill-instances", self.prefill_instances)
         check_count("--decode-instances", self.decode_instances)
+        self.prefill_tp = check_tp("--prefill-tp", self.prefill_tp, self.prefill_instances)
+        self.decode_tp = check_tp("--decode-tp", self.decode_tp, self.decode_instances)
+        check_vllm_args(self.vllm_args)
         self.routers = parse_routers(self.routers)
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
         self.api_key = self.api_key or env_api_key()
@@ -215,7 +222,8 @@ class Stack(StackExtras):
             port, side = (self.more_ports.get(n) for n in port_names(role, index))
         name = child_name(role, index)
         pid = next((c.proc.pid for c in self.children if c.name == name and c.proc is not None), None)
-        return Instance(role, index, self.host, port, side, pid)
+        tp = (self.prefill_tp if role == "prefill" else self.decode_tp)[index]  # type: ignore[index]
+        return Instance(role, index, self.host, port, side, pid, tp)
 
     @property
     def prefills(self) -> list[Instance]:
@@ -240,17 +248,19 @@ class Stack(StackExtras):
         prom.mkdir(parents=True)
         topo = self.topology
         home = topo.home_for(role)
-        cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances)
+        cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances,
+                                   tps={"prefill": self.prefill_tp, "decode": self.decode_tp})
         env = server_env(base_env(home), role == "prefill", self.host, inst.side_port, prom,
                          self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}), cpus)
         ktc = kv_transfer_config(self.mode, role, inst.engine_id, self.stock, home,
                                  self.kv_lease_s, self.push_registration_timeout_s, topo.traces_url)
-        argv = vllm_argv(Path(self.model), self.host, inst.port, ktc, [*self.vllm_args, *topo.server_args(role)])
+        argv = vllm_argv(Path(self.model), self.host, inst.port, ktc,
+                         [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)])
         return Child(inst.name, argv, env, Path(self.log_dir) / f"{inst.name}.log", inst.url, cwd=str(REPO_ROOT))
 
     def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
         topo = self.topology
-        argv = router_argv([(p.url, p.engine_id, p.side_port) for p in self.prefills],
+        argv = router_argv([(p.url, p.engine_id, p.side_port, p.tp) for p in self.prefills],
                            [(d.url, d.engine_id) for d in self.decodes], self.mode, dispatch, self.host, port)
         # only the main router hosts the receiver (``--collect``); extra routers export to it
         hosts_receiver = name == "router"
@@ -289,13 +299,19 @@ class Stack(StackExtras):
         self._write_manifest()
         return c
 
-    def start(self, timeout: float = DEFAULT_TIMEOUT_S) -> "Stack":
+    @property
+    def default_timeout_s(self) -> float:
+        """``start``'s default seconds: more per TP rank (:func:`~kvlens.stack.tp.startup_timeout_s`)."""
+        return startup_timeout_s(engine_processes(self.prefill_tp, self.decode_tp))  # type: ignore[arg-type]
+
+    def start(self, timeout: float | None = None) -> "Stack":
         """Start every P and D at once, wait for health, re-pin their
         workers, start the router(s), warm up, start Prometheus if asked,
-        write ``stack.json``. ``timeout``: seconds for all of it. On any
-        failure everything started is stopped and the error (StackError
-        mostly) propagates."""
+        write ``stack.json``. ``timeout``: seconds for all of it (default
+        :attr:`default_timeout_s`). On any failure everything started is
+        stopped and the error (StackError mostly) propagates."""
         t0 = time.monotonic()
+        timeout = self.default_timeout_s if timeout is None else timeout
         self.preflight()
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
@@ -305,10 +321,9 @@ class Stack(StackExtras):
                 wait_healthy([self._spawn(self._collector())], t0 + timeout, self._say, auth)
             servers = [self._server(i.role, i.index) for i in [*self.prefills, *self.decodes]]
             self.prefill_url, self.decode_url = self.prefills[0].url, self.decodes[0].url
-            self._say(
-                f"starting {self.mode} {self.prefill_instances}P x {self.decode_instances}D "
-                f"({'stock' if self.stock else 'instrumented'} connector) model={self.model} logs={self.log_dir}"
-            )
+            self._say(f"starting {self.mode} {self.prefill_instances}P x {self.decode_instances}D"
+                      f"{tp_note(self.prefill_tp, self.decode_tp)} ({'stock' if self.stock else 'instrumented'} "
+                      f"connector) model={self.model} logs={self.log_dir}")
             for c in servers:
                 self._spawn(c)
             wait_healthy(servers, t0 + timeout, self._say, auth)

@@ -225,3 +225,28 @@ def test_writer_wake_and_match_split_on_p():
     assert wake0 <= wake1 and (m0, m1) == (5, wake0)
     assert mattrs[sc.ATTR_MATCH_FIRST] == "registration"
     assert not t._kvl_enq  # nothing left behind
+
+
+def test_per_rank_and_join_fields_the_hooks_read():
+    """What the rank, join and first-token hooks read besides the hook
+    points: each rank's post names its remote rank (``tp_mapping.ReadSpec``),
+    the worker knows its TP rank and size, D's meta names P's request id,
+    and a scheduler step says which requests it scheduled."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata, tp_mapping
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    assert "remote_rank" in {f.name for f in dataclasses.fields(tp_mapping.ReadSpec)}
+    assert callable(tp_mapping.compute_tp_mapping)
+    init = inspect.getsource(nixl.NixlPullConnectorWorker.__mro__[1].__init__)
+    assert "self.tp_rank =" in init and "self.world_size =" in init
+    assert "request_id" in {f.name for f in dataclasses.fields(metadata.RemoteMeta)}
+    assert "num_scheduled_tokens" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert "finished_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    for cls in (nixl.NixlPushConnectorScheduler, nixl.NixlPullConnectorScheduler):
+        assert list(inspect.signature(cls.update_connector_output).parameters)[1:] == ["connector_output"]
+        assert list(inspect.signature(cls.build_connector_meta).parameters)[1:] == ["scheduler_output"]
+    src = inspect.getsource(nixl.NixlPullConnectorScheduler.request_finished)
+    assert "remote_request_id=request.request_id" in src  # what D's params name: P's own request id
