@@ -59,14 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="N", help=f"how many P to start, engine ids p0..p(N-1) (default 1, at most {MAX_INSTANCES})")
     p.add_argument("--decode-instances", type=int_in(1, MAX_INSTANCES, "a number of instances"), default=1,
                    metavar="M", help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES})")
-    p.add_argument("--tp", type=int_in(1, MAX_TP, "a tensor-parallel size"), default=1, metavar="N",
-                   help="tensor-parallel size of every P and D (vLLM's --tensor-parallel-size; each rank gets its "
-                        f"own CPU list, docs/tensor-parallel.md; default 1, at most {MAX_TP})")
-    p.add_argument("--prefill-tp", type=_tp_arg, default=None, metavar="N[,N...]",
-                   help="P's tensor-parallel size, overriding --tp: one for all P, or one per P in engine-id order")
-    p.add_argument("--decode-tp", type=_tp_arg, default=None, metavar="N[,N...]",
-                   help="D's tensor-parallel size, overriding --tp: one for all D, or one per D (--decode-tp 2,1: "
-                        "d0 at TP 2, d1 at TP 1)")
+    _add_tp_arguments(p)
     p.add_argument("--router", type=_routers_arg, default=("kvlens",), metavar="|".join(ROUTERS),
                    help="which router(s) to start in front of P and D: kvlens (default), vllm-router (vLLM's own, "
                         "pull only, pip package vllm-router), or both: kvlens,vllm-router")
@@ -116,6 +109,17 @@ def _routers_arg(text: str) -> tuple[str, ...]:
         return parse_routers(text)
     except StackError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_tp_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=int_in(1, MAX_TP, "a tensor-parallel size"), default=1, metavar="N",
+                   help="tensor-parallel size of every P and D (vLLM's --tensor-parallel-size; each rank gets its "
+                        f"own CPU list, docs/tensor-parallel.md; default 1, at most {MAX_TP})")
+    p.add_argument("--prefill-tp", type=_tp_arg, default=None, metavar="N[,N...]",
+                   help="P's tensor-parallel size, overriding --tp: one for all P, or one per P in engine-id order")
+    p.add_argument("--decode-tp", type=_tp_arg, default=None, metavar="N[,N...]",
+                   help="D's tensor-parallel size, overriding --tp: one for all D, or one per D (--decode-tp 2,1: "
+                        "d0 at TP 2, d1 at TP 1)")
 
 
 def _tp_arg(text: str) -> tuple[int, ...]:

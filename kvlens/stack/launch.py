@@ -326,7 +326,10 @@ class Stack(StackExtras):
                       f"connector) model={self.model} logs={self.log_dir}")
             for c in servers:
                 self._spawn(c)
-            wait_healthy(servers, t0 + timeout, self._say, auth)
+            # re-pin every poll: ready engines' workers spin on vLLM's pinned core and starved
+            # a still-starting one there for 10+ min (pinning's docstring)
+            wait_healthy(servers, t0 + timeout, self._say, auth,
+                         each_poll=lambda c: pinning.repin(c, pinning.quiet))  # workers may not exist yet
             for c in servers:
                 pinning.repin(c, self._say)
             self._start_routers(t0 + timeout)

@@ -10,7 +10,11 @@ thread on the same core, away from the core each instance was given
 10-85 s in every phase (prefill, registration, WRITE, decode); with each
 worker's threads back on its own core, 260 requests at 4-8 in flight finished
 in at most 1.5 s. Threads created later inherit the main thread's set, so
-doing this once after start-up is enough.
+doing this once after start-up is enough for one pair. With several
+instances it is not: a ready engine's workers spin on that core (vLLM's shm
+broadcast polling), and a 2P2D stack's fourth server, still zeroing its KV
+cache there, made no progress for 10+ minutes; the stack therefore re-pins
+every server on each health poll while the others start.
 
 With tensor parallelism (``VLLM_CPU_OMP_THREADS_BIND="0|1"``, one CPU list
 per rank) vLLM pins every rank's main thread, which also runs the rank's
@@ -64,7 +68,8 @@ def parse_rank_cpu_lists(spec: str | None) -> list[set[int]] | None:
 
 #: The TP rank in a worker's process title (vLLM: ``VLLM::Worker_TP1``,
 #: ``VLLM::Worker_PP0_TP1``, ...); the kernel's 15-character ``comm`` cuts the
-#: digit off, so it is read from the command line the title rewrites.
+#: digit off, so it is read from the command line the title rewrites (where
+#: psutil's ``name()`` also finds it, but only when the title starts it).
 _TP_RANK = re.compile(r"Worker\w*?_TP(\d+)")
 
 
@@ -128,6 +133,11 @@ def repin(c: Child, say: Callable[[str], None]) -> None:
     elif moved:
         say(f"{c.name}: {moved} worker threads moved back to CPU {where} (one list per rank; vLLM's CPU NIXL "
             "worker pins every worker's main thread to one shared core)")
+
+
+def quiet(_line: str) -> None:
+    """A ``say`` for :func:`repin` that says nothing (re-pinning while a
+    stack's servers still start, before their workers all exist)."""
 
 
 def available_cpus() -> list[int]:

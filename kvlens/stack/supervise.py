@@ -260,9 +260,12 @@ def stop_children(children: list[Child], grace_s: float = 15.0) -> None:
 
 
 def wait_healthy(children: list[Child], deadline: float, say: Callable[[str], None],
-                 headers: Mapping[str, str] | None = None) -> None:
+                 headers: Mapping[str, str] | None = None,
+                 each_poll: Callable[[Child], None] | None = None) -> None:
     """Poll each child's ``/health`` (sending ``headers``, e.g. the stack's
-    API key) until all answer 200.
+    API key) until all answer 200. ``each_poll``: called for every child,
+    ready or not, once per poll round (the stack re-pins vLLM's workers
+    there while the others still start).
 
     ``deadline``: ``time.monotonic()`` value. Raises StackError when a child
     dies (with its log tail) or at the deadline. ``say`` gets progress lines
@@ -274,6 +277,8 @@ def wait_healthy(children: list[Child], deadline: float, say: Callable[[str], No
     last_note = 0.0
     with httpx.Client(timeout=2.0, trust_env=False, headers=dict(headers or {})) as client:
         while pending:
+            for c in children if each_poll is not None else ():
+                each_poll(c)
             for c in list(pending):
                 if not c.alive():
                     raise StackError(c.died_message())
