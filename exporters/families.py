@@ -25,6 +25,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))
 #: NIXL descriptors per request: 1 .. 65536 in powers of 2... of 4 past 64.
 DESCRIPTOR_BUCKETS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0)
+#: Gb/s of one rank's transfer: a loopback of a tiny model (~1) .. NVLink (3600, the default ceiling).
+GBPS_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 200.0, 400.0, 800.0, 1600.0, 3600.0)
 
 _DROPPED_HELP = ("kvlens spans lost before reaching a sink, by reason: buffer_full (recorder buffer), queue_full "
                  "(export queue), store (trace store locked or unwritable), export_failed (OTLP), shutdown "
@@ -43,6 +45,20 @@ _RANK_HELP = (
     "Duration of a per-rank transfer phase (write/read.post, write/read.complete) on one tensor-parallel rank, "
     "seconds; only engines with TP > 1. Per rank: a request's transfer time is its slowest rank's (the request "
     "waits for the last); rank values 0..63, others _OTHER.")
+
+
+_GBPS_HELP = (
+    "Bandwidth of one request's transfer on one rank (write/read.complete), Gb/s: kvlens.bytes x 8 / NIXL's "
+    "xferDuration (kvlens.nixl_xfer_s, from the post until NIXL saw the transfer complete), per rank; not the "
+    "post -> seen-done span. Figures above the link ceiling (KVLENS_LINK_GBPS) are counted in "
+    "kvlens_transfer_implausible_total instead.")
+_IMPLAUSIBLE_HELP = (
+    "Transfers (one request on one rank) whose bytes / NIXL's xferDuration is above the link ceiling "
+    "(KVLENS_LINK_GBPS): NIXL's duration is implausible, so no bandwidth was observed for them.")
+_HOLD_HELP = (
+    "Requests whose P held the KV blocks longer than KVLENS_HOLD_WARN_S (default 5 s) after D's kv.ready "
+    "(the kv.hold phase: until D's read-done notification in pull, P's WRITE seen done or the lease's expiry "
+    "in push); counted by the handoff resolver.")
 
 
 class _Families:
@@ -99,6 +115,18 @@ class _Families:
         )
         self.rank_phase = Histogram("kvlens_rank_phase_duration_seconds", _RANK_HELP,
                                     ("mode", "role", "phase", "rank"), buckets=PHASE_BUCKETS, registry=r)
+        self._transfer_and_waiting(r)
+        self.lock = threading.Lock()
+        self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child
+        self.drop_seen: dict[Any, int] = {}
+
+    def _transfer_and_waiting(self, r: CollectorRegistry) -> None:
+        """Bandwidth, P's long holds, the push waiting gauges and the drop counter."""
+        self.xfer_gbps = Histogram("kvlens_transfer_gbps", _GBPS_HELP, ("mode", "role"), buckets=GBPS_BUCKETS,
+                                   registry=r)
+        self.xfer_implausible = Counter("kvlens_transfer_implausible", _IMPLAUSIBLE_HELP, ("mode", "role"),
+                                        registry=r)
+        self.hold_long = Counter("kvlens_kv_hold_long", _HOLD_HELP, ("mode",), registry=r)
         self.regs_waiting = Gauge(
             "kvlens_push_registrations_waiting",
             "Push: D registrations received on P and not yet matched with a finished prefill.",
@@ -112,9 +140,6 @@ class _Families:
         self.dropped = Counter(
             "kvlens_telemetry_dropped", _DROPPED_HELP, ("role", "reason"), registry=r,
         )
-        self.lock = threading.Lock()
-        self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child
-        self.drop_seen: dict[Any, int] = {}
 
     def child(self, metric, key: tuple):
         """Cached labelled child of ``metric`` for the closed label tuple ``key``."""

@@ -20,6 +20,8 @@ without one is rank 0 of a single-rank engine, or a scheduler-side phase).
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any, Iterable, NamedTuple
 
 from instrumented_connector import semconv as sc
@@ -93,7 +95,9 @@ class TransferTotals(NamedTuple):
 def transfer_totals(spans: Iterable[Any]) -> TransferTotals | None:
     """Bytes and descriptors summed over the ranks that moved the request's
     KV, transfer time the slowest rank's; None without a completion span."""
-    done = [s for s in spans if s.name in (sc.Phase.WRITE_COMPLETE.value, sc.Phase.READ_COMPLETE.value)]
+    # a lease reaped (``expired``: a point, no transfer) is no rank's transfer
+    done = [s for s in spans if s.name in (sc.Phase.WRITE_COMPLETE.value, sc.Phase.READ_COMPLETE.value)
+            and getattr(s, "outcome", None) != sc.Outcome.EXPIRED.value]
     if not done:
         return None
     per_rank: dict[int | None, Any] = {}
@@ -109,6 +113,60 @@ def transfer_totals(spans: Iterable[Any]) -> TransferTotals | None:
         xfer_s=max(xfer) if xfer else None,
         complete_s=max((s.end_ns - s.start_ns) / 1e9 for s in spans_),
     )
+
+
+# ------------------------------------------------------------------ bandwidth
+LINK_GBPS_ENV = "KVLENS_LINK_GBPS"
+#: The default link ceiling, Gb/s per rank: NVLink 4's 450 GB/s per
+#: direction per GPU (H100/H200), the fastest path one rank's KV takes on
+#: the hardware vLLM's NIXL connectors usually run on; a loopback copy on a
+#: CPU host (memory bandwidth) and any single NIC (400 Gb/s NDR) are below
+#: it. Set KVLENS_LINK_GBPS to the link a deployment really has (400 on one
+#: NDR NIC per GPU) to flag what that link cannot carry.
+DEFAULT_LINK_GBPS = 3600.0
+
+
+def link_gbps() -> float:
+    """The link ceiling (env ``KVLENS_LINK_GBPS``, Gb/s; :data:`DEFAULT_LINK_GBPS`
+    when unset or not a positive number)."""
+    try:
+        v = float(os.environ.get(LINK_GBPS_ENV) or DEFAULT_LINK_GBPS)
+    except ValueError:
+        return DEFAULT_LINK_GBPS
+    return v if math.isfinite(v) and v > 0 else DEFAULT_LINK_GBPS
+
+
+def gbps(nbytes: Any, xfer_s: Any) -> float | None:
+    """bytes / NIXL's transfer time, in Gb/s; None where either is unknown or 0."""
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in (nbytes, xfer_s))
+    return nbytes * 8 / xfer_s / 1e9 if ok else None
+
+
+def implausible_note(ceiling: float) -> str:
+    return f"above the link ceiling {ceiling:g} Gb/s: NIXL's duration is implausible"
+
+
+def bandwidth(tot: TransferTotals, ceiling: float | None = None) -> dict[str, Any]:
+    """The ``transfer`` object of ``kvlens traces --json``: the request's
+    bytes and descriptors (summed over ranks), NIXL's transfer time (the
+    slowest rank's), post -> seen done (the slowest rank's), and ``gbps``
+    = bytes / that NIXL time, in Gb/s. Above the link ceiling (``ceiling``,
+    default :func:`link_gbps`) it is not a fact: ``gbps`` null, ``gbps_flag``
+    true, ``gbps_note`` says why (also where NIXL reported no time; else null)."""
+    ceiling = link_gbps() if ceiling is None else ceiling
+    g = gbps(tot.bytes, tot.xfer_s)
+    flag = g is not None and g > ceiling
+    note = implausible_note(ceiling) if flag else None
+    if g is None:
+        note = "no NIXL transfer time or bytes (telemetry unavailable)"
+    return {**tot._asdict(), "gbps": None if flag else g, "gbps_flag": flag, "gbps_note": note,
+            "link_gbps": ceiling}
+
+
+def transfer_json(spans: Iterable[Any]) -> dict[str, Any] | None:
+    """:func:`bandwidth` of :func:`transfer_totals`; None without a completion span."""
+    tot = transfer_totals(spans)
+    return None if tot is None else bandwidth(tot)
 
 
 def lane(role_lane: str, span: Any, multi: bool) -> str:

@@ -24,17 +24,22 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Sequence
 
+from exporters.ranks import rank_of
 from instrumented_connector import semconv as sc
 
 #: Phases that are never a part of the handoff (the root contains it; P's
-#: prefill precedes it).
-NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value})
+#: prefill precedes it; P's hold of the blocks follows it).
+NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value,
+                                                sc.Phase.KV_HOLD.value})
 _POINTS = frozenset(p.value for p in sc.POINT_PHASES)
 #: kvlens' own phases; any other span in a trace (vLLM's ``llm_request``,
 #: joined by ``traceparent``) is context, never handoff cost.
 _PHASES = frozenset(p.value for p in sc.Phase)
 _DERIVED = frozenset(p.value for p in sc.DERIVED_PHASES)
 _WAITING = frozenset(p.value for p in sc.WAITING_PHASES)
+#: Derived phases that are parts of a recorded one (``write.wire`` + ``write.noticed``
+#: = ``write.complete``): a sum of durations must not count both.
+SPLIT_PHASES: frozenset[str] = frozenset(p.value for p, how in sc.DERIVED_PHASES.items() if how.split)
 
 #: The label of handoff time no phase accounts for (never a Phase).
 UNATTRIBUTED = "unattributed"
@@ -45,35 +50,139 @@ def _boundary_times(spans: Iterable[Any], role: str, phase: str, end: str) -> li
     return [s.end_ns if end == "end" else s.start_ns for s in spans if s.role == role and s.name == phase]
 
 
+class Derived(NamedTuple):
+    """One derived phase of a trace (:func:`derived_spans`)."""
+
+    name: str
+    role: str
+    start_ns: int
+    end_ns: int
+    #: the TP rank of the span it was cut from (a :class:`semconv.Split`), else None
+    rank: int | None = None
+    #: the release's outcome for ``kv.hold`` (``expired``: the lease ran out), else None
+    outcome: str | None = None
+
+
 def derive(spans: Sequence[Any]) -> list[tuple[str, str, int, int]]:
     """The derived phases (``semconv.DERIVED_PHASES``) a trace's recorded
-    spans allow: ``(name, role, start_ns, end_ns)`` tuples, pure.
+    spans allow: ``(name, role, start_ns, end_ns)`` tuples, pure
+    (:func:`derived_spans` with the rank and outcome left out)."""
+    return [tuple(d[:4]) for d in derived_spans(spans)]  # type: ignore[misc]
 
-    ``spans``: objects with ``name``, ``role``, ``start_ns``, ``end_ns``,
-    already on one clock (D's moved onto P's). Per phase the first
-    (from, to) pair the trace has both ends of is used: the interval starts
-    at the latest ``from`` timestamp (several workers may record it) and
-    ends at the earliest ``to`` at or after it; none is derived when the
-    order is reversed (a clock mismatch) or the interval is empty, nor
-    where the trace holds the phase's ``unless`` phase (``router.hop``
-    where kvlens' router recorded its ``relay``)."""
-    out = []
+
+def derived_spans(spans: Sequence[Any]) -> list[Derived]:
+    """The derived phases a trace's recorded spans allow, pure.
+
+    ``spans``: objects with ``name``, ``role``, ``start_ns``, ``end_ns``
+    (``attributes``, ``outcome`` where there are), already on one clock
+    (D's moved onto P's). Per phase the first (from, to) pair the trace has
+    both ends of is used: the interval starts at the latest ``from``
+    timestamp (several workers may record it) and ends at the earliest
+    ``to`` at or after it (the latest ``to`` of every pair for a
+    ``latest`` phase: ``kv.hold`` ends at P's last release); none is derived
+    when the order is reversed (a clock mismatch) or the interval is empty,
+    nor where the trace holds the phase's ``unless`` phase (``router.hop``
+    where kvlens' router recorded its ``relay``). A :class:`semconv.Split`
+    phase is cut from each span it names (:func:`_splits`)."""
+    out: list[Derived] = []
     recorded = [s for s in spans if s.name not in _DERIVED]
     present = {s.name for s in recorded}
     for phase, how in sc.DERIVED_PHASES.items():
         if how.unless is not None and how.unless.value in present:
             continue
-        for a, b in how.pairs:
-            froms = _boundary_times(recorded, a.role, a.phase.value, a.end)
-            tos = _boundary_times(recorded, b.role, b.phase.value, b.end)
-            if not froms or not tos:
-                continue
-            t0 = max(froms)
-            after = [t for t in tos if t >= t0]
-            if after and min(after) > t0:
-                out.append((phase.value, how.role, t0, min(after)))
-            break
+        if how.split is not None:
+            out += _splits(recorded, phase.value, how.role, how.split)
+        elif how.latest:
+            d = _latest(recorded, phase.value, how)
+            if d is not None:
+                out.append(d)
+        else:
+            for a, b in how.pairs:
+                froms = _boundary_times(recorded, a.role, a.phase.value, a.end)
+                tos = _boundary_times(recorded, b.role, b.phase.value, b.end)
+                if not froms or not tos:
+                    continue
+                t0 = max(froms)
+                after = [t for t in tos if t >= t0]
+                if after and min(after) > t0:
+                    out.append(Derived(phase.value, how.role, t0, min(after)))
+                break
     return out
+
+
+def _xfer_s(span: Any, attr: str) -> float | None:
+    v = (getattr(span, "attributes", None) or {}).get(attr)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
+
+
+def _splits(recorded: Sequence[Any], name: str, role: str, how: sc.Split) -> list[Derived]:
+    """``how``'s part of each ``how.phase`` span of ``role`` (one per rank).
+
+    The write/read.complete spans run from the request's last post to the
+    engine loop seeing DONE; NIXL's xferDuration runs from each post, so
+    start + duration puts the wire's end on our clock to within the post's
+    own length (``write.post``: the first post may have left that much
+    earlier). Summed over several transfers of one rank it can exceed the
+    span (they ran side by side): clipped, the wire then holds the span."""
+    out = []
+    for s in recorded:
+        if s.role != role or s.name != how.phase.value or s.end_ns <= s.start_ns:
+            continue
+        x = _xfer_s(s, how.attr)
+        if x is None:  # telemetry unavailable: the completion span keeps its time
+            continue
+        cut = min(s.start_ns + round(x * 1e9), s.end_ns)
+        a, b = (s.start_ns, cut) if how.head else (cut, s.end_ns)
+        if b > a:
+            out.append(Derived(name, role, a, b, rank_of(s)))
+    return out
+
+
+def _latest(recorded: Sequence[Any], name: str, how: sc.Derivation) -> Derived | None:
+    """``from`` (the latest of every pair's) -> the latest ``to`` of every
+    pair the trace has, where that is later; the outcome of the span that
+    gave the ``to`` (``kv.hold``: how P let go)."""
+    froms: list[int] = []
+    tos: list[tuple[int, Any]] = []
+    for a, b in how.pairs:
+        f = _boundary_times(recorded, a.role, a.phase.value, a.end)
+        t = [(s.end_ns if b.end == "end" else s.start_ns, s) for s in recorded
+             if s.role == b.role and s.name == b.phase.value]
+        if f and t:
+            froms += f
+            tos += t
+    if not froms:
+        return None
+    t0 = max(froms)
+    t1, last = max(tos, key=lambda x: x[0])
+    if t1 <= t0:
+        return None  # P let go before D reported the KV ready: no hold
+    return Derived(name, how.role, t0, t1, None, getattr(last, "outcome", None))
+
+
+def release_of(spans: Iterable[Any]) -> Any | None:
+    """P's last release of the request's blocks (the recorded span a
+    ``kv.hold`` would end at: ``kv.released``, P's ``write.complete``, or
+    the lease's ``expired`` point), whenever it was; None without one."""
+    ends = {(b.role, b.phase.value) for _, b in sc.DERIVED_PHASES[sc.Phase.KV_HOLD].pairs}
+    rel = [s for s in spans if (s.role, s.name) in ends and s.name not in _DERIVED]
+    return max(rel, key=lambda s: s.end_ns) if rel else None
+
+
+def release_json(spans: Sequence[Any], kv_ready_ns: int | None) -> dict[str, Any] | None:
+    """When P let go of the request's blocks against D's ``kv.ready`` (both
+    on P's clock), for ``kvlens traces --json``: ``by`` (the release span),
+    its ``outcome`` (``expired``: the lease ran out), ``after_kv_ready_s``
+    (negative: P let go before D reported the KV ready, as push usually
+    does) and ``hold_s`` (the ``kv.hold`` phase, null without one); None
+    without a release or a kv.ready."""
+    rel = release_of(spans)
+    if rel is None or kv_ready_ns is None:
+        return None
+    hold = [s for s in spans if s.name == sc.Phase.KV_HOLD.value]
+    return {"by": rel.name, "outcome": getattr(rel, "outcome", None),
+            "after_kv_ready_s": (rel.end_ns - kv_ready_ns) / 1e9,
+            "hold_s": (hold[0].end_ns - hold[0].start_ns) / 1e9 if hold else None}
 
 
 class Tiling(NamedTuple):

@@ -43,12 +43,16 @@ from exporters.tiling import (  # noqa: F401 (re-exported: the one trace model's
     _PHASES,
     _POINTS,
     NOT_HANDOFF_PHASES,
+    SPLIT_PHASES,
     UNATTRIBUTED,
     Breakdown,
     Tiling,
     derive,
+    derived_spans,
     dominant_words,
     phase_words,
+    release_json,
+    release_of,
     summarize,
     tile,
 )
@@ -176,9 +180,12 @@ class Trace:
                                span_id=s.get("span_id"), parent_id=s.get("parent_id"), outcome=s.get("outcome"),
                                attributes=s.get("attributes") or {}, point=is_point(s["name"], t0, t1),
                                critical=on_critical_path(s["name"], t0, t1, pf, kv)))
-        for name, role, t0, t1 in derive(marked):
-            marked.append(Span(name=name, role=role, start_ns=t0, end_ns=t1, attributes={sc.ATTR_DERIVED: True},
-                               critical=on_critical_path(name, t0, t1, pf, kv)))
+        for d in derived_spans(marked):
+            attrs: dict[str, Any] = {sc.ATTR_DERIVED: True}
+            if d.rank is not None:  # cut from one rank's span: drawn in that rank's lane
+                attrs[sc.ATTR_RANK] = d.rank
+            marked.append(Span(name=d.name, role=d.role, start_ns=d.start_ns, end_ns=d.end_ns, outcome=d.outcome,
+                               attributes=attrs, critical=on_critical_path(d.name, d.start_ns, d.end_ns, pf, kv)))
         marked.sort(key=lambda x: x.start_ns)  # stable: recorded order kept among equal starts
         fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in ("n_spans", "kv_ready_ns")}
         return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, **fields)
@@ -242,7 +249,8 @@ class Trace:
                 "clock_offset_s": self.clock_offset_s, "clock_interval_s": interval,
                 "p_engine": self.p_engine, "d_engine": self.d_engine, "start_ns": self.start_ns,
                 "ttft_source": self.ttft_source, "ttft_err_s": self.ttft_err_s, "half": self.half,
-                "ranks": self.ranks_json(), "spans": [s.to_json() for s in self.spans]}
+                "ranks": self.ranks_json(), "transfer": ranks.transfer_json(self.spans),
+                "release": release_json(self.spans, self.kv_ready_ns), "spans": [s.to_json() for s in self.spans]}
 
     def ranks_json(self) -> dict[str, Any] | None:
         """Tensor-parallel ranks of the trace (:mod:`exporters.ranks`): ranks
@@ -325,6 +333,8 @@ def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]
         rows.sort(key=lambda r: r.start_ns)
         derived = [_Row(*d) for d in derive(rows)]
         for r in derived:
+            if r.name in NOT_HANDOFF_PHASES:  # P's hold follows the handoff: neither cost nor overlap
+                continue
             key = (mode, r.role, r.name)
             over[key] = over.get(key, 0) + (r.end_ns - r.start_ns) - critical_ns(r.name, r.start_ns, r.end_ns, pf, kv)
         rows += derived

@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from typing import Final, NamedTuple
 
+from instrumented_connector.words import PHASE_WORDS as _PHASE_WORDS
+
 
 class Phase(str, enum.Enum):
     """Span names. The value is the OTel span name and the ``phase`` label.
@@ -104,7 +106,14 @@ class Phase(str, enum.Enum):
     WRITE_POST = "write.post"
     """P: descriptor ids + ``make_prepped_xfer`` + ``transfer`` for every rank."""
     WRITE_COMPLETE = "write.complete"
-    """P: WRITE posted -> transfer state DONE observed by the engine thread."""
+    """P: WRITE posted -> transfer state DONE observed by the engine thread
+    (the wire and the wait for vLLM's next poll together)."""
+    WRITE_WIRE = "write.wire"
+    """Derived (:class:`Split`), push, per rank: ``write.complete`` start -> + NIXL's
+    ``kvlens.nixl_xfer_s``, clipped to it. NIXL times a transfer from its post:
+    true on our clock to within the post's own length (``write.post``)."""
+    WRITE_NOTICED = "write.noticed"
+    """Derived (:class:`Split`), push, per rank: ``write.wire`` end -> ``write.complete`` end (vLLM noticing)."""
     WRITE_NOTIFY = "write.notify"
     """Derived (:data:`DERIVED_PHASES`), push: P saw its WRITE done
     (``write.complete`` end) -> D reported the KV ready (``kv.ready``): D
@@ -113,7 +122,11 @@ class Phase(str, enum.Enum):
     READ_POST = "read.post"
     """D: descriptor ids + ``make_prepped_xfer`` + ``transfer`` for every rank."""
     READ_COMPLETE = "read.complete"
-    """D: READ posted -> transfer state DONE observed."""
+    """D: READ posted -> transfer state DONE observed (wire + noticing)."""
+    READ_WIRE = "read.wire"
+    """Derived (:class:`Split`), pull, per rank: as ``write.wire``, of ``read.complete``."""
+    READ_NOTICED = "read.noticed"
+    """Derived (:class:`Split`), pull, per rank: as ``write.noticed``, of ``read.complete``."""
     # pull, P side
     KV_RELEASED = "kv.released"
     """P worker, point: D's read-done notification received (P frees the
@@ -122,6 +135,10 @@ class Phase(str, enum.Enum):
     # D side, both modes
     KV_READY = "kv.ready"
     """D worker, point: request reported in ``finished_recving``."""
+    KV_HOLD = "kv.hold"
+    """Derived, P: D's ``kv.ready`` -> P's last release (``kv.released``, ``write.complete``
+    end, or the lease's ``expired`` point), where it is later. After the handoff:
+    off the critical path, but P's memory. Its outcome is the release's."""
     DECODE_FIRST_STEP = "decode.first_step"
     """D scheduler, after the handoff: the first engine step that schedules
     the request once its KV arrived (``build_connector_meta``) -> that step's
@@ -132,17 +149,9 @@ class Phase(str, enum.Enum):
 
 
 PUSH_PHASES: Final = (
-    Phase.PREFILL_FINISHED,
-    Phase.DECODE_QUEUE,
-    Phase.REGISTRATION_STAGE,
-    Phase.REGISTRATION_SEND,
-    Phase.REGISTRATION_RECEIVE,
-    Phase.WRITER_WAKE,
-    Phase.MATCH,
-    Phase.DESCRIPTOR_PREP,
-    Phase.WRITE_POST,
-    Phase.WRITE_COMPLETE,
-    Phase.KV_READY,
+    Phase.PREFILL_FINISHED, Phase.DECODE_QUEUE, Phase.REGISTRATION_STAGE, Phase.REGISTRATION_SEND,
+    Phase.REGISTRATION_RECEIVE, Phase.WRITER_WAKE, Phase.MATCH, Phase.DESCRIPTOR_PREP, Phase.WRITE_POST,
+    Phase.WRITE_COMPLETE, Phase.KV_READY,
 )
 """Recorded phases every completed push request must have (``handshake`` only
 on first contact; ``writer.wake`` only where P's finished blocks went through
@@ -173,16 +182,8 @@ PUSH_OVERLAP_PHASES: Final = frozenset(
 WAITING_PHASES: Final = frozenset({Phase.MATCH})
 
 #: Point phases: recorded as zero-length spans (start == end).
-POINT_PHASES: Final = frozenset(
-    {
-        Phase.PREFILL_FINISHED,
-        Phase.REGISTRATION_STAGE,
-        Phase.REGISTRATION_RECEIVE,
-        Phase.ALLOC,
-        Phase.KV_READY,
-        Phase.KV_RELEASED,
-    }
-)
+POINT_PHASES: Final = frozenset({Phase.PREFILL_FINISHED, Phase.REGISTRATION_STAGE, Phase.REGISTRATION_RECEIVE,
+                                 Phase.ALLOC, Phase.KV_READY, Phase.KV_RELEASED})
 
 
 class Boundary(NamedTuple):
@@ -194,15 +195,29 @@ class Boundary(NamedTuple):
     end: str  # "start" | "end"
 
 
+class Split(NamedTuple):
+    """A phase cut from each ``phase`` span by its duration attribute ``attr`` (s, from the
+    start): ``head`` [start, start + d], else [start + d, end], clipped; none where d is 0 or missing."""
+
+    phase: Phase
+    attr: str
+    head: bool
+
+
 class Derivation(NamedTuple):
     """How a derived phase is built: the side whose work it is (its lane in
     the waterfall), the (from, to) boundary pairs to try, in order, and a
     recorded phase whose presence means the interval is better named by
-    others (``unless``: ``router.hop`` only where there is no ``relay``)."""
+    others (``unless``: ``router.hop`` only where there is no ``relay``). ``latest``: every
+    pair counts, ending at the latest ``to``. ``split``: cut from a span instead (no pairs)."""
 
     role: str
     pairs: tuple[tuple[Boundary, Boundary], ...]
     unless: "Phase | None" = None
+    latest: bool = False
+    split: "Split | None" = None
+
+_XFER_S = "kvlens.nixl_xfer_s"  # ATTR_NIXL_XFER_S (defined with the attribute keys below)
 
 
 #: Phases no process records: :mod:`exporters.tracemodel` derives each from
@@ -230,42 +245,23 @@ DERIVED_PHASES: Final[dict[Phase, Derivation]] = {
         (Boundary("decode", Phase.ALLOC, "end"), Boundary("decode", Phase.DESCRIPTOR_PREP, "start")))),
     Phase.WRITE_NOTIFY: Derivation("decode", (
         (Boundary("prefill", Phase.WRITE_COMPLETE, "end"), Boundary("decode", Phase.KV_READY, "end")),)),
+    # per completion span (so per rank): NIXL's own transfer time, and the rest
+    Phase.WRITE_WIRE: Derivation("prefill", (), split=Split(Phase.WRITE_COMPLETE, _XFER_S, True)),
+    Phase.WRITE_NOTICED: Derivation("prefill", (), split=Split(Phase.WRITE_COMPLETE, _XFER_S, False)),
+    Phase.READ_WIRE: Derivation("decode", (), split=Split(Phase.READ_COMPLETE, _XFER_S, True)),
+    Phase.READ_NOTICED: Derivation("decode", (), split=Split(Phase.READ_COMPLETE, _XFER_S, False)),
+    # P's release: pull, D's read-done notification; push, its WRITE seen
+    # done; either mode, the lease reaped (an ``expired`` point on P)
+    Phase.KV_HOLD: Derivation("prefill", tuple((Boundary("decode", Phase.KV_READY, "end"), Boundary("prefill", p, "end"))
+                                               for p in (Phase.KV_RELEASED, Phase.WRITE_COMPLETE, Phase.READ_COMPLETE)),
+                              latest=True),
 }
 
 PHASE_ORDER: Final = {p.value: i for i, p in enumerate(Phase)}
 """Display order of phases (waterfalls, tables)."""
 
-PHASE_WORDS: Final[dict[str, str]] = {
-    Phase.REQUEST.value: "the whole request",
-    Phase.PREFILL.value: "P's queue and prefill",
-    Phase.PREFILL_FINISHED.value: "P finishing the prefill",
-    Phase.PREFILL_RESPOND.value: "P's response path to the router",
-    Phase.RELAY.value: "the router's relay",
-    Phase.DECODE_INTAKE.value: "D's HTTP intake",
-    Phase.ROUTER_HOP.value: "the hop from P's response through the router to D's intake",
-    Phase.DECODE_QUEUE.value: "D's scheduler queue",
-    Phase.REGISTRATION_STAGE.value: "D staging its blocks",
-    Phase.REGISTRATION_DISPATCH.value: "D's engine step handing its registration to the writer thread",
-    Phase.REGISTRATION_SEND.value: "D sending its registration",
-    Phase.REGISTRATION_RECEIVE.value: "P receiving D's registration",
-    Phase.PREFILL_DISPATCH.value: "P's engine step handing the blocks to its worker",
-    Phase.WRITER_WAKE.value: "P's writer-thread wake-up",
-    Phase.MATCH.value: "P waiting for the other side",
-    Phase.ALLOC.value: "D allocating blocks",
-    Phase.DECODE_DISPATCH.value: "D's engine step handing the request to its worker",
-    Phase.HANDSHAKE.value: "the NIXL handshake",
-    Phase.DESCRIPTOR_PREP.value: "descriptor preparation",
-    Phase.WRITE_POST.value: "posting the WRITE",
-    Phase.WRITE_COMPLETE.value: "the WRITE in flight",
-    Phase.WRITE_NOTIFY.value: "D learning the WRITE is done",
-    Phase.READ_POST.value: "posting the READ",
-    Phase.READ_COMPLETE.value: "the READ in flight",
-    Phase.KV_RELEASED.value: "P releasing the blocks",
-    Phase.KV_READY.value: "D reporting the KV ready",
-    Phase.DECODE_FIRST_STEP.value: "D's first decode step",
-}
-"""Every phase in a few words, for sentences such as "pull: 71 % of the
-handoff is D's scheduler queue" (:func:`exporters.tracemodel.dominant_words`)."""
+PHASE_WORDS: Final[dict[str, str]] = _PHASE_WORDS
+"""Every phase in a few words (:mod:`instrumented_connector.words`)."""
 
 
 class Mode(str, enum.Enum):
@@ -349,7 +345,7 @@ ATTR_REMOTE_RANK: Final = "kvlens.remote_rank"
 ATTR_REMOTE_RANKS: Final = "kvlens.remote_ranks"
 """Every peer TP rank this rank's posts for the request targeted (vLLM's ``tp_mapping``)."""
 ATTR_RANK: Final = "kvlens.rank"
-"""This worker's tensor-parallel rank (every worker-side span; never a label beyond TP size)."""
+"""This worker's tensor-parallel rank (every worker-side span of an engine with TP > 1; absent: the only rank)."""
 ATTR_TP_SIZE: Final = "kvlens.tp_size"
 """The engine's tensor-parallel size, on worker-side spans."""
 ATTR_BLOCKS: Final = "kvlens.blocks"
@@ -358,8 +354,9 @@ ATTR_BYTES: Final = "kvlens.bytes"
 """Bytes moved by NIXL for this request (NIXL telemetry), unit bytes."""
 ATTR_DESCRIPTORS: Final = "kvlens.descriptors"
 """NIXL descriptor count for this request's transfers."""
-ATTR_NIXL_XFER_S: Final = "kvlens.nixl_xfer_s"
-"""NIXL's own xferDuration for the request's transfers, seconds (summed)."""
+ATTR_NIXL_XFER_S: Final = _XFER_S
+"""NIXL's own xferDuration for the request's transfers on this rank, seconds
+(summed; measured by NIXL from each post: the ``*.wire`` phases)."""
 ATTR_MATCH_FIRST: Final = "kvlens.match.first"
 """Which side reached P's writer first: registration | prefill."""
 ATTR_TOKENS: Final = "kvlens.tokens"

@@ -48,13 +48,18 @@ class _WorkerHooks:
 
     def _kvl_setup(self, rec) -> None:
         """Connect the recorder (every event tagged with this worker's TP
-        rank) and tap NIXL telemetry (called once, after __init__)."""
+        rank where the engine has several) and tap NIXL telemetry (called
+        once, after __init__)."""
+        # Tag events with the rank only where there are several: a single-
+        # rank engine's hot path stays one call (a span without kvlens.rank
+        # is the only rank; the wrapper costs ~1.5x per event).
+        self._kvl = rec
         try:
             rank, size = int(getattr(self, "tp_rank", 0) or 0), int(getattr(self, "world_size", 1) or 1)
-            self._kvl = RankedRecorder(rec, rank, size)
+            if size > 1:
+                self._kvl = RankedRecorder(rec, rank, size)
         except Exception:
             fail("tp_rank")
-            self._kvl = rec
         try:
             self.nixl_wrapper = _NixlTap(self.nixl_wrapper, self._kvl_xfer)
         except Exception:

@@ -2,7 +2,7 @@
 root ``request`` span (and ``relay`` for pull / sequential push) per request.
 
 Several P and D: ``--prefill`` / ``--decode`` repeat, and each request
-goes to the next P and, independently, the next D (``balancer``, round
+goes to the next (P, D) pair of a cycle over all pairs (``balancer``, round
 robin); the root span names both (``kvlens.prefill.*``, ``kvlens.decode.*``).
 
 Per request:

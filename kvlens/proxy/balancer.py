@@ -1,5 +1,5 @@
 """Which P and which D serve a request (:class:`Balancer`): round robin over
-each list, P and D chosen independently.
+every (P, D) pair.
 
 Why round robin and nothing smarter: the router's job here is to spread
 requests over the instances it was given so that every (P, D) pair shows up
@@ -9,12 +9,14 @@ out of the rotation: the next request simply goes to the next instance
 (failures stay per request, :mod:`kvlens.proxy.retry`), so one broken
 instance costs its share of requests, never the others.
 
-Why independent counters: with one counter for the pair, N P and M D with a
-common divisor would only ever see some pairs (2 x 2: P0-D0 and P1-D1).
-Independent counters still give every P and every D its share; which pairs
-meet depends on N and M, as with any independent round robin.
+Why a cycle over the pairs: two counters stepped together (P = k mod N,
+D = k mod M) only ever meet some pairs when N and M share a divisor (2 x 2:
+P0-D0 and P1-D1 forever), so a slow pair, or one whose first NIXL handshake
+is still to come, would hide. Request k goes to P = k mod N and
+D = (k div N + P) mod M: every N*M requests visit every (P, D) pair once,
+each P gets M of them and each D gets N (2 x 2: P0-D0, P1-D1, P0-D1, P1-D0).
 
-:meth:`Balancer.pick` holds a lock for two integer increments: safe from the
+:meth:`Balancer.pick` holds a lock for one integer increment: safe from the
 event loop (it never awaits) and from threads (tests, a future worker pool).
 """
 
@@ -22,30 +24,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Generic, Sequence, TypeVar
+from typing import Sequence
 
 from instrumented_connector import semconv as sc
 from kvlens.proxy.config import Decode, Prefill, ProxyConfig
-
-T = TypeVar("T")
-
-
-class RoundRobin(Generic[T]):
-    """The items in turn, forever; thread-safe."""
-
-    def __init__(self, items: Sequence[T]) -> None:
-        if not items:
-            raise ValueError("round robin over nothing")
-        self.items: tuple[T, ...] = tuple(items)
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def pick(self) -> T:
-        with self._lock:
-            i = self._next
-            self._next = (i + 1) % len(self.items)
-        return self.items[i]
-
 
 @dataclass(frozen=True)
 class Route:
@@ -69,13 +51,27 @@ class Balancer:
     instances (module docstring)."""
 
     def __init__(self, prefills: Sequence[Prefill], decodes: Sequence[Decode]) -> None:
-        self.prefills = RoundRobin(prefills)
-        self.decodes = RoundRobin(decodes)
+        if not prefills or not decodes:
+            raise ValueError("round robin over nothing")
+        self.prefills: tuple[Prefill, ...] = tuple(prefills)
+        self.decodes: tuple[Decode, ...] = tuple(decodes)
+        self._k = 0
+        self._lock = threading.Lock()
 
     @classmethod
     def for_config(cls, cfg: ProxyConfig) -> "Balancer":
         return cls(cfg.prefills, cfg.decodes)
 
     def pick(self) -> Route:
-        """The next P and the next D."""
-        return Route(self.prefills.pick(), self.decodes.pick())
+        """The next (P, D) pair of the cycle (module docstring)."""
+        n, m = len(self.prefills), len(self.decodes)
+        with self._lock:
+            k = self._k
+            self._k = (k + 1) % (n * m)
+        p = k % n
+        return Route(self.prefills[p], self.decodes[(k // n + p) % m])
+
+    @property
+    def pairs(self) -> int:
+        """Requests in one cycle over every (P, D) pair."""
+        return len(self.prefills) * len(self.decodes)

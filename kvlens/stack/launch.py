@@ -334,7 +334,7 @@ class Stack(StackExtras):
                 pinning.repin(c, self._say)
             self._start_routers(t0 + timeout)
             if self.warmup:
-                self._warm_up(rounds=max(self.prefill_instances, self.decode_instances))
+                self._warm_up(rounds=self.prefill_instances * self.decode_instances)  # every pair's handshake
             if self.prometheus:
                 self.start_prometheus(self.prometheus_port)
         except BaseException:

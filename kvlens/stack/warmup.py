@@ -14,8 +14,8 @@ from kvlens.stack.errors import StackError
 def warm_up(router_url: str, headers: Mapping[str, str], say: Callable[[str], None], dead_child: Callable,
             tries: int = 3, timeout_s: float = 90.0, rounds: int = 1) -> None:
     """``rounds`` tiny requests through the router at ``router_url`` (one per
-    instance of the larger side: round robin then reaches every P and every
-    D once), each tried up to ``tries`` times. ``dead_child()``: a child
+    (P, D) pair: kvlens' router cycles over the pairs, so every pair's
+    first-contact handshake happens here), each tried up to ``tries`` times. ``dead_child()``: a child
     that died (then StackError), else None.
 
     The first request to a new P/D pair pays for kernel warm-up and the

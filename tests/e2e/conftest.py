@@ -67,6 +67,8 @@ class StackManager:
 
 
 def _tag(stack_kw: dict) -> str:
+    if stack_kw.get("prefill_tp", 1) != 1 or stack_kw.get("decode_tp", 1) != 1:
+        return "-tp"
     if stack_kw.get("separate_homes"):
         return "-fleet"
     if stack_kw.get("prefill_instances", 1) > 1 or stack_kw.get("decode_instances", 1) > 1:
@@ -167,6 +169,13 @@ def xpyd_stacks(stack_factory):
     return get
 
 
+@pytest.fixture
+def tp_stack(stack_factory):
+    """Pull, kvlens' router: P at tensor-parallel size 2 and two D, d0 at TP 2
+    and d1 at TP 1, so one start covers P TP 2 -> D TP 2 and P TP 2 -> D TP 1."""
+    return stack_factory.get("pull", prefill_tp=2, decode_instances=2, decode_tp=(2, 1))
+
+
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
 # the e2e tests grouped by the stack they need, so each pair starts once:
 # stock push, instrumented push, fleet push, stock pull, the fault pair,
@@ -174,7 +183,7 @@ def xpyd_stacks(stack_factory):
 # then the tests that drive stacks themselves (bench grid: pull, reusing the
 # pull pair, then push; demo; SIGTERM).
 _STACK_ORDER = ("stock_push_stack", "push_stack", "fleet_push_stack", "stock_pull_stack", "fault_push_stack",
-                "fleet_pull_stack", "pull_stack", "xpyd_stacks")
+                "fleet_pull_stack", "pull_stack", "xpyd_stacks", "tp_stack")
 
 
 def _stack_group(item) -> int:

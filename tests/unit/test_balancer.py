@@ -13,7 +13,7 @@ import pytest
 from test_proxy import TID, Fake, _closed_port_url, _post, d_answers, d_echo, p_echo_id, recorder, router  # noqa: F401
 
 from kvlens import proxy
-from kvlens.proxy.balancer import Balancer, RoundRobin
+from kvlens.proxy.balancer import Balancer
 from kvlens.proxy.config import Decode, Prefill, ProxyConfig
 
 
@@ -26,26 +26,32 @@ def _decodes(n: int) -> list[Decode]:
 
 
 # ----------------------------------------------------------- the balancer
-def test_round_robin_over_p_and_d_independently():
+def test_round_robin_cycles_over_every_pair():
     b = Balancer(_prefills(3), _decodes(2))
     picks = [b.pick() for _ in range(6)]
     assert [r.prefill.engine_id for r in picks] == ["p0", "p1", "p2", "p0", "p1", "p2"]
     assert [r.decode.engine_id for r in picks] == ["d0", "d1", "d0", "d1", "d0", "d1"]
-    # independent counters: with 3 P and 2 D every pair meets within 6 requests
-    assert len({(r.prefill.engine_id, r.decode.engine_id) for r in picks}) == 6
+    assert len({(r.prefill.engine_id, r.decode.engine_id) for r in picks}) == 6 == b.pairs
     assert picks[0].attrs() == {"kvlens.prefill.url": "http://p0", "kvlens.prefill.engine_id": "p0",
                                 "kvlens.decode.url": "http://d0", "kvlens.decode.engine_id": "d0"}
+    # N and M with a common divisor: two counters stepped together would only
+    # ever meet P0-D0 and P1-D1; the cycle meets all four, each P and D twice
+    b = Balancer(_prefills(2), _decodes(2))
+    pairs = [(r.prefill.engine_id, r.decode.engine_id) for r in (b.pick() for _ in range(4))]
+    assert pairs == [("p0", "d0"), ("p1", "d1"), ("p0", "d1"), ("p1", "d0")]
+    b = Balancer(_prefills(1), _decodes(3))
+    assert [b.pick().decode.engine_id for _ in range(4)] == ["d0", "d1", "d2", "d0"]
     with pytest.raises(ValueError):
-        RoundRobin([])
+        Balancer([], _decodes(1))
 
 
-def test_round_robin_is_thread_safe():
-    rr = RoundRobin(["a", "b", "c"])
+def test_balancer_is_thread_safe():
+    b = Balancer(_prefills(3), _decodes(1))
     got: list[str] = []
     lock = threading.Lock()
 
     def work():
-        mine = [rr.pick() for _ in range(3000)]
+        mine = [b.pick().prefill.engine_id for _ in range(3000)]
         with lock:
             got.extend(mine)
 
@@ -54,7 +60,7 @@ def test_round_robin_is_thread_safe():
         t.start()
     for t in threads:
         t.join()
-    assert Counter(got) == {"a": 8000, "b": 8000, "c": 8000}
+    assert Counter(got) == {"p0": 8000, "p1": 8000, "p2": 8000}
 
 
 def test_config_lists_and_one_pair_names():
@@ -97,7 +103,7 @@ def test_router_balances_and_names_p_and_d(tmp_path, recorder, fakes, mode, disp
     assert [r.status_code for r in rs] == [200] * 4
     used = [r.headers["x-request-id"] for r in rs]
     assert _ids(p0) == [used[0], used[2]] and _ids(p1) == [used[1], used[3]]
-    assert _ids(d0) == [used[0], used[2]] and _ids(d1) == [used[1], used[3]]
+    assert _ids(d0) == [used[0], used[3]] and _ids(d1) == [used[1], used[2]]  # the pair cycle
     for p_fake, eid, side in ((p0, "p0", 5600), (p1, "p1", 5601)):
         for tid in _ids(p_fake):  # D got the kv_transfer_params of the P that served the same request
             d_req = next(r for f in (d0, d1) for r in f.requests if r["headers"]["X-Request-Id"] == tid)
@@ -108,7 +114,7 @@ def test_router_balances_and_names_p_and_d(tmp_path, recorder, fakes, mode, disp
                 assert kv["remote_request_id"] == f"cmpl-{tid}-0-1234abcd"
     roots = {r[0]: r[5] for r in recorder.roots}
     assert roots[used[1]]["kvlens.prefill.engine_id"] == "p1" and roots[used[1]]["kvlens.prefill.url"] == p1.url
-    assert roots[used[2]]["kvlens.decode.engine_id"] == "d0" and roots[used[2]]["kvlens.decode.url"] == d0.url
+    assert roots[used[3]]["kvlens.decode.engine_id"] == "d0" and roots[used[3]]["kvlens.decode.url"] == d0.url
 
 
 def test_a_dead_p_does_not_stop_the_others(tmp_path, recorder, fakes):  # noqa: F811

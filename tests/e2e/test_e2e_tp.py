@@ -1,0 +1,125 @@
+"""End-to-end: tensor parallelism on vLLM's CPU backend (tiny model, pull,
+kvlens' router). One stack start: P at ``--tensor-parallel-size 2`` and two
+D instances, d0 at TP 2 (each D rank reads its P rank's KV head) and d1 at
+TP 1 (its one rank reads both P ranks'), each rank on its own CPU list
+(``VLLM_CPU_OMP_THREADS_BIND="0|1"``, docs/tensor-parallel.md).
+
+Per request: one trace with a handoff, P's two ranks and D's ranks recorded
+(``kvlens.rank``), the rank D waited for named for D's ``read.complete``
+(TP 2 -> 2), D's one rank reading from both P ranks (TP 2 -> 1), and the
+handoff's unattributed share at most 10 % at the median.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+
+import httpx
+import pytest
+
+from exporters import ranks, store, tracemodel
+from instrumented_connector import ids
+from instrumented_connector import semconv as sc
+
+pytestmark = pytest.mark.e2e
+
+#: requests through the router (alternating over d0 and d1)
+N = 6
+READ_COMPLETE = sc.Phase.READ_COMPLETE.value
+
+
+def _send(url: str, n: int) -> list[str]:
+    """n greedy completions through the router; the trace id of each."""
+    out = []
+    with httpx.Client(timeout=300) as c:
+        for i in range(n):
+            sent = uuid.uuid4().hex
+            body = {"prompt": f"tp request {i} " + "tokens " * (40 + 16 * i), "max_tokens": 4, "temperature": 0}
+            r = c.post(url + "/v1/completions", json=body, headers={"X-Request-Id": sent})
+            assert r.status_code == 200, r.text
+            out.append(ids.trace_of_response(r.json().get("id"), sent))
+    return out
+
+
+def _settled(tr: tracemodel.Trace, d_ranks: int) -> bool:
+    """Joined, with its handoff, and every rank's spans in (they arrive per process)."""
+    seen = ranks.tp_sizes(tr.spans)
+    return (tr.handoff_s is not None and tr.half is None and seen.get("prefill") == 2
+            and seen.get("decode") == d_ranks)
+
+
+def _wait(db, trace_ids, d_tp: dict[str, int], *, timeout=120.0) -> dict[str, tracemodel.Trace]:
+    deadline = time.time() + timeout
+    while True:
+        with store.reading(db) as conn:
+            got = tracemodel.find(conn, trace_ids)
+        done = all(t in got and _settled(got[t], d_tp.get(got[t].d_engine or "", 0)) for t in trace_ids)
+        if done or time.time() > deadline:
+            return got
+        time.sleep(0.5)
+
+
+def _ranks(tr: tracemodel.Trace, role: str) -> set[int]:
+    return {r for s in tr.spans if s.role == role and (r := ranks.rank_of(s)) is not None}
+
+
+def test_every_rank_in_every_trace(tp_stack):
+    stack = tp_stack
+    d_tp = {d.engine_id: d.tp for d in stack.decodes}
+    assert [p.tp for p in stack.prefills] == [2] and d_tp == {"d0": 2, "d1": 1}
+    sent = _send(stack.router_url, N)
+    got = _wait(stack.store_path, sent, d_tp)
+    assert set(got) == set(sent), f"{len(set(sent) - set(got))} requests without a trace"
+    shares, ds = [], set()
+    for tid in sent:
+        tr = got[tid]
+        assert tr.mode == "pull" and tr.outcome == "ok" and tr.half is None, (tid, tr.outcome, tr.half)
+        assert tr.handoff_s is not None and tr.handoff_s > 0, (tid, tr.handoff_note)
+        assert tr.p_engine == "p0" and tr.d_engine in d_tp, (tr.p_engine, tr.d_engine)
+        ds.add(tr.d_engine)
+        assert _ranks(tr, "prefill") == {0, 1}, (tid, sorted(s.name for s in tr.spans if s.role == "prefill"))
+        assert _ranks(tr, "decode") == set(range(d_tp[tr.d_engine])), (tid, tr.d_engine)
+        late = [st for st in ranks.stragglers(tr.spans) if st.role == "decode" and st.phase == READ_COMPLETE]
+        if d_tp[tr.d_engine] == 2:  # TP 2 -> 2: the rank D waited for, and its lag
+            assert len(late) == 1 and late[0].ranks == 2 and late[0].rank in (0, 1) and late[0].lag_s >= 0, late
+        else:  # TP 2 -> 1: no second D rank to wait for; its one rank read both P ranks' KV
+            assert not late, late
+            remote = {r for s in tr.spans if s.role == "decode" and s.name == sc.Phase.READ_POST.value
+                      for r in (s.attributes or {}).get(sc.ATTR_REMOTE_RANKS) or ()}
+            assert remote == {0, 1}, (tid, remote)
+        tiling = tr.tiling()
+        assert tiling is not None, tid
+        shares.append(tiling.unattributed_share)
+    assert ds == set(d_tp), ds  # both pairs served
+    assert statistics.median(shares) <= 0.10, shares
+
+
+def _affinity(tid: int) -> frozenset[int] | None:
+    try:
+        return frozenset(os.sched_getaffinity(tid))
+    except OSError:  # the thread ended meanwhile
+        return None
+
+
+def test_each_rank_runs_on_its_own_cpu(tp_stack):
+    """After start-up every TP worker's threads are on its rank's CPU list
+    (vLLM's CPU NIXL worker had moved them all to the last core)."""
+    psutil = pytest.importorskip("psutil")
+    from kvlens.stack.pinning import parse_rank_cpu_lists
+
+    for c in tp_stack.children:
+        lists = parse_rank_cpu_lists(c.env.get("VLLM_CPU_OMP_THREADS_BIND"))
+        if lists is None or len(lists) < 2:
+            continue
+        seen = {}
+        for proc in psutil.Process(c.proc.pid).children(recursive=True):
+            cmd = " ".join(proc.cmdline())
+            for rank in range(len(lists)):
+                if cmd.startswith(f"VLLM::Worker_TP{rank}"):
+                    seen[rank] = {a for t in proc.threads() if (a := _affinity(t.id)) is not None}
+        assert sorted(seen) == list(range(len(lists))), (c.name, sorted(seen))
+        for rank, sets in seen.items():
+            assert sets == {frozenset(lists[rank])}, (c.name, rank, sets)
