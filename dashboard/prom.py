@@ -127,7 +127,8 @@ def _mode_phases(q: Query, mode: str, w: str) -> list[tuple]:
     prefill.finished, so push's registration.* phases count as overlap
     (PUSH_OVERLAP_PHASES) and every other phase as critical path."""
     overlap = {p.value for p in sc.PUSH_OVERLAP_PHASES}
-    skip = {p.value for p in sc.POINT_PHASES} | set(tracemodel.NOT_HANDOFF_PHASES)
+    # the wire / noticed parts of write/read.complete: the whole is counted already
+    skip = {p.value for p in sc.POINT_PHASES} | set(tracemodel.NOT_HANDOFF_PHASES) | set(tracemodel.SPLIT_PHASES)
     ps = selector("kvlens_phase_duration_seconds_sum", mode=mode)
     pc = selector("kvlens_phase_duration_seconds_count", mode=mode)
     rows = []

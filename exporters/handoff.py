@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exporters import store, tiling, tracemodel
+from exporters import store, tracemodel
 from instrumented_connector import procstats
 from instrumented_connector import semconv as sc
 from instrumented_connector.logutil import log_once
@@ -65,6 +65,25 @@ MAX_PAIRS = 64
 #: request (root span and ``kv.ready`` with ``handoff_from="any"``) is
 #: not counted again: far more than arrive within one trigger's spread.
 DONE_CAP = 100_000
+
+
+HOLD_WARN_ENV = "KVLENS_HOLD_WARN_S"
+#: A ``kv.hold`` longer than this counts in ``kvlens_kv_hold_long_total``:
+#: P lets go within an engine step or two of D's kv.ready (milliseconds);
+#: 5 s is vLLM's lease heartbeat interval (``kv_lease_duration`` 30 s / 6),
+#: so a longer hold is one P's lease had to be kept alive for, and every
+#: lease that ran out (30 s) counts.
+DEFAULT_HOLD_WARN_S = 5.0
+
+
+def hold_warn_s() -> float:
+    """The long-hold threshold, seconds (env ``KVLENS_HOLD_WARN_S``; the
+    default when unset or not a number >= 0)."""
+    try:
+        v = float(os.environ.get(HOLD_WARN_ENV) or DEFAULT_HOLD_WARN_S)
+    except ValueError:
+        return DEFAULT_HOLD_WARN_S
+    return v if v >= 0 and v != float("inf") else DEFAULT_HOLD_WARN_S
 
 
 class HandoffResolver:
@@ -93,6 +112,7 @@ class HandoffResolver:
         self._conn = None
         self._pid = os.getpid()
         self._pairs: set[tuple[str, str]] = set()
+        self.hold_warn_s = hold_warn_s()
         #: trace ids looked up already, newest last (bounded: :data:`DONE_CAP`)
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -254,10 +274,12 @@ class HandoffResolver:
     def _observe_derived(self, modes: dict[str, str]) -> None:
         """The derived phases of traces just resolved
         (``semconv.DERIVED_PHASES``: intervals between two processes, which
-        no span processor sees whole) into ``kvlens_phase_duration_seconds``,
+        no span processor sees whole, and the wire / noticed split of each
+        rank's completion span) into ``kvlens_phase_duration_seconds``,
         like every recorded phase: the resolver is the one place that reads
-        the whole trace back, once per request. One read per pass; a failed
-        read skips these phases for the pass (logged once), never the handoff."""
+        the whole trace back, once per request. A ``kv.hold`` over
+        :func:`hold_warn_s` counts in ``kvlens_kv_hold_long_total``. One read
+        per pass; a failed read skips these for the pass (logged once), never the handoff."""
         try:
             traces = tracemodel.find(self._connection(), list(modes))
         except Exception as e:
@@ -265,12 +287,17 @@ class HandoffResolver:
             return
         fam = self.fam
         for tid, tr in traces.items():
-            for name, role, t0, t1 in tiling.derive(tr.spans):
-                child = fam.child(fam.phase, (modes[tid], sc.closed(role, sc.Role), name, sc.Outcome.OK.value))
+            mode = modes[tid]
+            # the trace's own derived spans: the split ones per rank, kv.hold with its release's outcome
+            for d in (s for s in tr.spans if s.attributes.get(sc.ATTR_DERIVED)):
+                outcome = sc.closed(d.outcome or sc.Outcome.OK.value, sc.Outcome)
+                child = fam.child(fam.phase, (mode, sc.closed(d.role, sc.Role), d.name, outcome))
                 if self.exemplars:
-                    child.observe((t1 - t0) / 1e9, {"trace_id": tid})
+                    child.observe(d.duration_s, {"trace_id": tid})
                 else:
-                    child.observe((t1 - t0) / 1e9)
+                    child.observe(d.duration_s)
+                if d.name == sc.Phase.KV_HOLD.value and d.duration_s > self.hold_warn_s:
+                    fam.child(fam.hold_long, (mode,)).inc()
 
     def flush(self, timeout_s: float) -> bool:
         """Resolve until nothing is pending or ``timeout_s`` passed (tests, shutdown). Blocks."""

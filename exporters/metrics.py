@@ -27,6 +27,9 @@ anything else becomes ``_OTHER``; request and trace ids are never labels)::
     kvlens_rank_phase_duration_seconds{mode,role,phase,rank}  histogram (transfer phases, TP > 1 only)
         # throughput: sum by (mode) (rate(kvlens_transfer_bytes_sum[1m]))
     kvlens_transfer_descriptors{mode,role}                    histogram (write/read.complete)
+    kvlens_transfer_gbps{mode,role}                           histogram (bytes / NIXL's xferDuration, per rank)
+    kvlens_transfer_implausible_total{mode,role}              counter (that figure above KVLENS_LINK_GBPS)
+    kvlens_kv_hold_long_total{mode}                           counter (kv.hold > KVLENS_HOLD_WARN_S; resolver)
     kvlens_push_registrations_waiting                         gauge (P, push)
     kvlens_push_prefills_waiting                              gauge (P, push)
     kvlens_telemetry_dropped_total{role,reason}               counter
@@ -74,6 +77,7 @@ from typing import Any, Callable, Mapping
 from opentelemetry.sdk.trace import SpanProcessor
 from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multiprocess
 
+from exporters import ranks
 from exporters.families import _Families, _families_for  # noqa: F401  (re-exported for tests)
 from exporters.handoff import HandoffResolver
 from instrumented_connector import config
@@ -211,6 +215,8 @@ class PhaseMetricsProcessor(SpanProcessor):
             poll_s=float(handoff_poll_s), exemplars=self.exemplars,
         )
         self._dropped_source = dropped_source or _no_drops
+        #: bandwidth above this (Gb/s, env KVLENS_LINK_GBPS) is counted implausible, not observed
+        self.link_gbps = ranks.link_gbps()
         self._next_drop_check = 0.0
 
     # SpanProcessor API ----------------------------------------------------
@@ -280,6 +286,12 @@ class PhaseMetricsProcessor(SpanProcessor):
             n = _num(a.get(sc.ATTR_DESCRIPTORS))
             if n is not None and n > 0:
                 fam.child(fam.xfer_desc, (mode, role)).observe(n, ex)
+            g = ranks.gbps(b, _num(a.get(sc.ATTR_NIXL_XFER_S)))
+            if g is not None:  # per rank: bytes / NIXL's own time; above the link it is no fact
+                if g > self.link_gbps:
+                    fam.child(fam.xfer_implausible, (mode, role)).inc()
+                else:
+                    fam.child(fam.xfer_gbps, (mode, role)).observe(g, ex)
             if phase == "write.complete" and outcome == "expired" and mode == "push":
                 fam.prefills_waiting.dec()
         elif mode == "push":

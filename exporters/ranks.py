@@ -39,11 +39,12 @@ def rank_of(span: Any) -> int | None:
 
 def ranks_by_phase(spans: Iterable[Any]) -> dict[tuple[str | None, str], dict[int, Any]]:
     """(role, phase) -> rank -> the rank's span (the last one when a rank
-    recorded a phase twice), for phases recorded with a rank."""
+    recorded a phase twice), for phases recorded with a rank; a lease's
+    ``expired`` point is no rank finishing its transfer and is left out."""
     out: dict[tuple[str | None, str], dict[int, Any]] = {}
     for s in spans:
         r = rank_of(s)
-        if r is not None:
+        if r is not None and getattr(s, "outcome", None) != sc.Outcome.EXPIRED.value:
             out.setdefault((s.role, s.name), {})[r] = s
     return out
 

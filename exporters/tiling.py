@@ -223,7 +223,7 @@ def tile(spans: Iterable[Any], window: tuple[int, int] | None) -> Tiling | None:
 
     Every stretch between two consecutive span boundaries inside the window
     goes to the critical span covering it that started last (ties: the
-    shorter); a waiting phase (``semconv.WAITING_PHASES``: ``match``, P
+    shorter, then a split part such as ``write.wire`` over its whole); a waiting phase (``semconv.WAITING_PHASES``: ``match``, P
     waiting for D) only gets what no other phase covers, since what it
     waits for is named there. Overlapping spans never count twice and the phases sum to
     the union of the named critical intervals; stretches no span covers are
@@ -258,8 +258,9 @@ def tile(spans: Iterable[Any], window: tuple[int, int] | None) -> Tiling | None:
         owner, best = None, None
         for a, b, role, name, start in ivs:
             if a <= lo and b >= hi:
-                # doing over waiting, then the latest start (the span's own, not clipped), the shorter
-                rank = (name not in _WAITING, start, a - b)
+                # doing over waiting, then the latest start (the span's own, not clipped), the shorter,
+                # then a part over its whole (a wire that fills its completion span names it)
+                rank = (name not in _WAITING, start, a - b, name in SPLIT_PHASES)
                 if best is None or rank > best:
                     owner, best = (a, b, role, name), rank
         if owner is None:

@@ -305,13 +305,18 @@ class _Row(NamedTuple):
     role: str | None
     start_ns: int
     end_ns: int
+    attributes: Mapping[str, Any] = {}
 
 
-def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]]) -> HandoffCosts:
+def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]],
+                  attrs: Mapping[tuple, Mapping[str, Any]] | None = None) -> HandoffCosts:
     """Split each trace's handoff among its phases by the rule above (derived
     phases included), summed per (mode, role, phase), and add the tilings up
     per mode. ``traces`` / ``spans``: rows in ``store.SAMPLE_TRACE_COLUMNS`` /
-    ``store.SAMPLE_SPAN_COLUMNS`` order."""
+    ``store.SAMPLE_SPAN_COLUMNS`` order; ``attrs``: the attributes of the
+    spans a derivation reads (NIXL's time on write/read.complete), keyed by
+    the span row (``store.attributes_of``)."""
+    attrs = attrs or {}
     traces = list(traces)
     # D's times go onto P's clock (kv.ready and D's spans), as in Trace.from_rows
     window = {tid: (mode, pf, kv - d_shift_ns(off), d_shift_ns(off)) for tid, mode, pf, kv, _, off in traces}
@@ -322,7 +327,7 @@ def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]
         if w is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
             continue
         d = w[3] if role == sc.Role.DECODE.value else 0
-        row = _Row(name, role, start - d, end - d)
+        row = _Row(name, role, start - d, end - d, attrs.get((tid, role, name, start, end), {}))
         by_trace.setdefault(tid, []).append(row)
         key = (w[0], role, name)
         over[key] = over.get(key, 0) + (end - start) - critical_ns(name, row.start_ns, row.end_ns, w[1], w[2])
@@ -383,4 +388,5 @@ def sample_costs(conn, *, since_ns: int | None, until_ns: int | None, limit: int
     started in [since_ns, until_ns] (the dashboard's per-phase breakdown)."""
     traces, spans = store.handoff_sample(conn, since_ns=since_ns, until_ns=until_ns, limit=limit,
                                          exclude_phases=NOT_HANDOFF_PHASES)
-    return handoff_costs(traces, spans)
+    split = {how.split.phase.value for how in sc.DERIVED_PHASES.values() if how.split is not None}
+    return handoff_costs(traces, spans, store.attributes_of(conn, [t[0] for t in traces], split))

@@ -224,8 +224,9 @@ _XFER_S = "kvlens.nixl_xfer_s"  # ATTR_NIXL_XFER_S (defined with the attribute k
 #: two recorded timestamps (``from`` -> ``to``, the first pair whose ends a
 #: trace both has), where no one process sees the whole interval. They are
 #: shown and counted like recorded phases (waterfall, breakdown), carry
-#: ``kvlens.derived = true`` in ``kvlens traces --json``, and are not in the
-#: ``kvlens_phase_duration_seconds`` histogram (no process exports them).
+#: ``kvlens.derived = true`` in ``kvlens traces --json``, and reach
+#: ``kvlens_phase_duration_seconds`` through the handoff resolver. A ``split``
+#: phase is cut from each span it names instead (per rank).
 #: D's ends are on P's clock by then (the store's clock offset); the
 #: router's clock is taken as P's (docs/phases.md, "Clocks across hosts").
 DERIVED_PHASES: Final[dict[Phase, Derivation]] = {

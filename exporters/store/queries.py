@@ -204,6 +204,24 @@ def handoff_sample(
     return traces, spans
 
 
+def attributes_of(conn: sqlite3.Connection, trace_ids: Sequence[str],
+                  names: Iterable[str]) -> dict[tuple[str, str | None, str, int, int], dict[str, Any]]:
+    """The decoded attributes of the spans named ``names`` in the given
+    traces, keyed (trace_id, role, name, start_ns, end_ns): the few figures
+    a sample's tiling needs beyond :data:`SAMPLE_SPAN_COLUMNS` (NIXL's
+    transfer time on write/read.complete), without decoding every span."""
+    names = sorted(names)
+    out: dict[tuple[str, str | None, str, int, int], dict[str, Any]] = {}
+    ids = list(trace_ids)
+    for i in range(0, len(ids), 500):
+        chunk = ids[i:i + 500]
+        sql = (f"SELECT trace_id, role, name, start_ns, end_ns, attributes FROM spans "
+               f"WHERE trace_id IN ({params(len(chunk))}) AND name IN ({params(len(names))})")
+        for tid, role, name, t0, t1, attrs in _tuples(conn, sql, [*chunk, *names]):
+            out[(tid, role, name, t0, t1)] = json.loads(attrs or "{}")
+    return out
+
+
 def info(conn: sqlite3.Connection) -> dict[str, Any]:
     """``{"traces": n, "first_ns", "last_ns", "bench_runs": n}`` (first/last: trace start times)."""
     r = conn.execute("SELECT COUNT(*), MIN(start_ns), MAX(start_ns) FROM traces").fetchone()

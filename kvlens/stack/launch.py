@@ -114,8 +114,7 @@ class Stack(StackExtras):
     routers: str | Sequence[str] = "kvlens"
     vllm_router_port: int | None = None
     vllm_router_metrics_port: int | None = None
-    #: tensor-parallel size of every P (of every D): one int, or one per
-    #: instance (:mod:`kvlens.stack.tp`); a tuple per instance after init
+    #: TP size of the P (D): one for all or one per instance (:mod:`kvlens.stack.tp`); tuples after init
     prefill_tp: int | Sequence[int] = 1
     decode_tp: int | Sequence[int] = 1
 
@@ -149,8 +148,7 @@ class Stack(StackExtras):
         self.api_key = self.api_key or env_api_key()
         check_routers(self.routers, self.mode, self.api_key, self.separate_homes, self.collector)
         if self.log_dir is None:
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            tag = f"{self.mode}{'-stock' if self.stock else ''}-{stamp}-{os.getpid()}"
+            tag = f"{self.mode}{'-stock' if self.stock else ''}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
             self.log_dir = Path(self.kvlens_home) / "runs" / tag
         self.log_dir = Path(self.log_dir).resolve()
 
@@ -162,10 +160,7 @@ class Stack(StackExtras):
         self.stop()
 
     def _say(self, msg: str) -> None:
-        if self.quiet:
-            logger.info(msg)
-        else:
-            print(f"[kvlens up] {msg}", flush=True)
+        (logger.info if self.quiet else lambda m: print(f"[kvlens up] {m}", flush=True))(msg)
 
     # -------------------------------------------------------------- start
     def preflight(self) -> None:
@@ -248,8 +243,8 @@ class Stack(StackExtras):
         prom.mkdir(parents=True)
         topo = self.topology
         home = topo.home_for(role)
-        cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances,
-                                   tps={"prefill": self.prefill_tp, "decode": self.decode_tp})
+        tps = {"prefill": self.prefill_tp, "decode": self.decode_tp}
+        cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances, tps=tps)
         env = server_env(base_env(home), role == "prefill", self.host, inst.side_port, prom,
                          self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}), cpus)
         ktc = kv_transfer_config(self.mode, role, inst.engine_id, self.stock, home,

@@ -171,9 +171,11 @@ def xpyd_stacks(stack_factory):
 
 @pytest.fixture
 def tp_stack(stack_factory):
-    """Pull, kvlens' router: P at tensor-parallel size 2 and two D, d0 at TP 2
-    and d1 at TP 1, so one start covers P TP 2 -> D TP 2 and P TP 2 -> D TP 1."""
-    return stack_factory.get("pull", prefill_tp=2, decode_instances=2, decode_tp=(2, 1))
+    """Pull, kvlens' router, P and D at tensor-parallel size 2 (rank i on CPU
+    i). Not with a TP 1 D beside them: on 2 cores the TP 1 D comes up first
+    and its idle worker spins on CPU 1, where P's and D's rank 1 were still
+    importing (docs/tensor-parallel.md, "A TP 1 D in the same stack")."""
+    return stack_factory.get("pull", prefill_tp=2, decode_tp=2)
 
 
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run

@@ -136,6 +136,36 @@ def _derived(db, ids, traces=None) -> dict[str, set[str]]:
     return out
 
 
+def _check_wire_and_release(trs: dict, mode: str) -> None:
+    """Each rank's completion span split into NIXL's own time (``*.wire``)
+    and the rest (``*.noticed``), summing to it; P's release against D's
+    kv.ready, with ``kv.hold`` exactly where P let go after it; the tiling
+    still names >= 90 % of the handoff at the median."""
+    import statistics
+
+    from exporters import ranks
+
+    kind, side = ("write", "prefill") if mode == "push" else ("read", "decode")
+    shares = []
+    for tid, tr in trs.items():
+        done = [s for s in tr.spans if s.name == f"{kind}.complete" and s.role == side and s.outcome == "ok"]
+        assert done, tid
+        for c in done:
+            assert c.attributes[sc.ATTR_NIXL_XFER_S] > 0, c  # vLLM asks NIXL for its telemetry
+            parts = [s for s in tr.spans if s.name in (f"{kind}.wire", f"{kind}.noticed")
+                     and ranks.rank_of(s) == ranks.rank_of(c) and c.start_ns <= s.start_ns < c.end_ns]
+            wire = [s for s in parts if s.name == f"{kind}.wire"]
+            assert len(wire) == 1 and wire[0].start_ns == c.start_ns, (tid, parts)
+            assert sum(s.end_ns - s.start_ns for s in parts) == c.end_ns - c.start_ns
+        rel = tr.to_json()["release"]
+        assert rel is not None and rel["by"] == ("kv.released" if mode == "pull" else "write.complete"), rel
+        holds = [s for s in tr.spans if s.name == "kv.hold"]
+        assert len(holds) == (1 if rel["after_kv_ready_s"] > 0 else 0), (rel, holds)
+        assert all(not h.critical and h.role == "prefill" for h in holds)
+        shares.append(tr.tiling().unattributed_share)
+    assert statistics.median(shares) <= 0.10, shares
+
+
 def test_push_overlapped_every_phase_in_causal_order(push_stack):
     ids = _send(push_stack.router_url, N)
     phases = sc.PUSH_PHASES + (sc.Phase.REQUEST, sc.Phase.PREFILL)
@@ -150,6 +180,8 @@ def test_push_overlapped_every_phase_in_causal_order(push_stack):
         # P may see its WRITE done after D reported it: then no write.notify
         wc = next(s for s in trs[tid].spans if s.name == "write.complete")
         assert ("write.notify" in derived[tid]) == (wc.end_ns < trs[tid].kv_ready_ns)
+        assert "write.wire" in derived[tid]
+    _check_wire_and_release(trs, "push")
 
 
 def test_push_sequential_every_phase_in_causal_order(push_stack):
@@ -190,9 +222,11 @@ def test_pull_every_phase_in_causal_order(pull_stack):
     # the first request to a new P waits for the NIXL handshake: recorded once
     hs = [s for t in ids for s in spans[t] if s["name"] == "handshake"]
     assert len(hs) <= 1
-    derived = _derived(pull_stack.store_path, ids)
+    trs: dict = {}
+    derived = _derived(pull_stack.store_path, ids, trs)
     for tid in ids:
-        assert {"prefill.respond", "decode.intake", "decode.dispatch"} <= derived[tid], derived[tid]
+        assert {"prefill.respond", "decode.intake", "decode.dispatch", "read.wire"} <= derived[tid], derived[tid]
+    _check_wire_and_release(trs, "pull")
 
 
 def test_traces_cli_json_matches_the_store(pull_stack, capsys):

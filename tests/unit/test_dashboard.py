@@ -118,11 +118,11 @@ def test_phase_breakdown_splits_push_overlap(store_path):
     over = set(push.loc[push["path"] == D.OVERLAP, "phase"])
     assert "registration.send" in over and "match" in over  # overlapped push: before prefill.finished
     crit = set(push.loc[push["path"] == D.CRITICAL, "phase"])
-    assert {"write.post", "write.complete", "descriptor.prep"} <= crit
+    assert {"write.post", "write.wire", "descriptor.prep"} <= crit  # write.complete's time named by its parts
     assert "registration.send" not in crit
     pull = ph[ph["mode"] == "pull"]
     assert set(pull["path"]) == {D.CRITICAL}
-    assert {"read.post", "read.complete", "relay"} <= set(pull["phase"])
+    assert {"read.post", "read.wire", "relay"} <= set(pull["phase"])
     # the critical-path segments add up to the mean handoff
     df = D.window_traces(store_path, None, None)
     for mode in D.MODES:
@@ -148,8 +148,8 @@ def test_breakdown_words_from_the_store_and_from_prometheus(store_path):
                               ("push", "prefill", "match", D.CRITICAL, 0.002, float("nan"))],
                              columns=["mode", "role", "phase", "path", "seconds", "requests"])
     w = D.breakdown_words(prom_like)
-    assert w["push"] == ("push: 75 % of the handoff is the WRITE in flight (write.complete), then 25 % P waiting "
-                         "for the other side (match) (mean phase durations; their overlap unknown)")
+    assert w["push"] == ("push: 75 % of the handoff is the WRITE posted -> seen done (write.complete), then 25 % "
+                         "P waiting for the other side (match) (mean phase durations; their overlap unknown)")
     assert w["pull"] == "pull: no completed handoff to break down"
 
 

@@ -56,6 +56,7 @@ def test_critical_path_marking():
         "match": True,  # a part of it lies inside the window
         "prefill.finished": True, "kv.ready": True,  # point phases at the window's ends
         "write.post": True, "write.complete": True,
+        "kv.hold": False,  # P saw its WRITE done 2 ms after kv.ready: held after the handoff, off its path
     }
     points = {s.name for s in tr.spans if s.point}
     assert points == {"registration.stage", "prefill.finished", "kv.ready"}
@@ -84,7 +85,8 @@ def test_json_form_keys_are_the_cli_contract():
     rec = Trace.from_rows(_summary(), SPANS).to_json()
     assert list(rec) == ["trace_id", "request_id", "mode", "dispatch", "outcome", "ttft_s", "handoff_s",
                          "handoff_err_s", "handoff_raw_s", "handoff_note", "clock_offset_s", "clock_interval_s",
-                         "p_engine", "d_engine", "start_ns", "ttft_source", "ttft_err_s", "half", "ranks", "spans"]
+                         "p_engine", "d_engine", "start_ns", "ttft_source", "ttft_err_s", "half", "ranks", "transfer",
+                         "release", "spans"]
     assert [list(s) for s in rec["spans"]][0] == ["name", "role", "start_ns", "end_ns", "span_id", "parent_id",
                                                   "outcome", "attributes"]
     assert rec == tracemodel.trace_record(_summary(), SPANS)
@@ -254,7 +256,7 @@ def test_derived_spans_in_the_trace_marked_and_drawn():
     tr = Trace.from_rows(_summary(), spans)
     derived = [s for s in tr.spans if s.attributes.get("kvlens.derived")]
     assert [(s.name, s.role, s.start_ns, s.end_ns, s.critical) for s in derived] == [
-        ("prefill.dispatch", "prefill", PF, PF + 1 * MS, True)]
+        ("prefill.dispatch", "prefill", PF, PF + 1 * MS, True), ("kv.hold", "prefill", KV, KV + 2 * MS, False)]
     assert [s.start_ns for s in tr.spans] == sorted(s.start_ns for s in tr.spans)
     assert "prefill.dispatch" in cli_traces.waterfall(tr)
     assert tr.to_json()["spans"][[s.name for s in tr.spans].index("prefill.dispatch")]["attributes"] == {
@@ -268,7 +270,7 @@ def test_dominant_words():
                                                                ("decode", "read.post"): 5}, ()))])["pull"]
     assert tracemodel.dominant_words(b) == (
         "pull: 71 % of the handoff is D's scheduler queue (decode.queue), then 12 % P's response path to "
-        "the router (prefill.respond), 9 % the READ in flight (read.complete); unattributed 3 % "
+        "the router (prefill.respond), 9 % the READ posted -> seen done (read.complete); unattributed 3 % "
         "(median per request 3 %)")
     assert tracemodel.dominant_words(None, "push") == "push: no completed handoff to break down"
     assert dict(b.shares())["unattributed"] == pytest.approx(0.03) and b.shares()[0][0] == "decode.queue"
