@@ -48,7 +48,9 @@ class StackManager:
             **stack_kw,
         )
         try:
-            stack.start(timeout=float(os.environ.get("KVLENS_TEST_STACK_TIMEOUT", "420")))
+            # several instances / TP ranks start slower: the stack's own default grows with them
+            stack.start(timeout=max(float(os.environ.get("KVLENS_TEST_STACK_TIMEOUT", "420")),
+                                    stack.default_timeout_s))
         except StackError as e:
             self.failed[key] = str(e)
             pytest.fail(f"could not start {key} stack: {e}")

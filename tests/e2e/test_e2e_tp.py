@@ -25,7 +25,13 @@ from exporters import ranks, store, tracemodel
 from instrumented_connector import ids
 from instrumented_connector import semconv as sc
 
-pytestmark = pytest.mark.e2e
+# Opt-in (KVLENS_TEST_TP=1): on this 2-core machine a TP 2 -> TP 2 stack
+# took 371 s to start and 886 s to test (4 ranks spinning on 2 cores,
+# docs/tensor-parallel.md), which does not fit make test's 30 minutes; the
+# multi-rank path is covered in make test by tests/unit/test_ranks.py.
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(os.environ.get("KVLENS_TEST_TP") != "1",
+                                 reason="TP stack is opt-in: KVLENS_TEST_TP=1 (~15 min on 2 cores)")]
 
 #: requests through the router
 N = 6
