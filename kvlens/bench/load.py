@@ -110,6 +110,7 @@ async def one_request(client, url: str, model: str | None, prompt: str, output_l
             headers={"X-Request-Id": rid, **auth_headers(api_key)}
         ) as resp:
             res.status = resp.status_code
+            res.kvlens_router = resp.headers.get("x-request-id") == rid
             if resp.status_code != 200:
                 res.error = await _http_error(resp)
                 return res

@@ -53,6 +53,9 @@ class RequestResult:
     #: the trace its spans are under (``ids.trace_of_response``): ``request_id``
     #: unless the router replaced the id (set from the response's ``id``)
     trace_id: str | None = None
+    #: the router answered with our id as its X-Request-Id (kvlens' router
+    #: does): its root span, with the client-seen TTFT, will be in the store
+    kvlens_router: bool = False
     status: int | None = None
     error: str | None = None
     send_s: float = 0.0  # perf_counter at send
@@ -264,10 +267,13 @@ def _read_traces(store_path: "Path | str", ids: list[str]) -> dict[str, dict] | 
 def wait_for_traces(store_path: "Path | str", results: Sequence[RequestResult], timeout_s: float) -> dict[str, dict]:
     """Poll the store (read-only, every 0.5 s; blocks the calling thread) until
     every request has a trace and every completed one has its handoff and
-    TTFT, or ``timeout_s`` passes. Returns what is there (trace id ->
+    TTFT (the router's, for a request kvlens' router answered: the engines'
+    TTFT can settle before the router's root span replaces it), or
+    ``timeout_s`` passes. Returns what is there (trace id ->
     ``store.slowest`` row)."""
     ids = [r.trace for r in results]
     need_handoff = {r.trace for r in results if r.ok}
+    routed = {r.trace for r in results if r.ok and r.kvlens_router}
     deadline = time.monotonic() + timeout_s
     found: dict[str, dict] = {}
     while True:
@@ -275,7 +281,8 @@ def wait_for_traces(store_path: "Path | str", results: Sequence[RequestResult], 
         if got is not None:
             found = got
         complete = all(i in found for i in ids) and all(
-            found[i].get("handoff_s") is not None and found[i].get("ttft_s") is not None for i in need_handoff
+            found[i].get("handoff_s") is not None and found[i].get("ttft_s") is not None
+            and (i not in routed or found[i].get("ttft_source") == "router") for i in need_handoff
         )
         if complete or time.monotonic() >= deadline:
             return found

@@ -85,7 +85,7 @@ def _shared_id_case(stack) -> None:
     while True:
         with store.reading(stack.store_path) as conn:
             rows = {r["trace_id"]: r for r in store.slowest(conn, 100, trace_ids=used)}
-        if (len(rows) == len(used) and all(r["kv_ready_ns"] and r["ttft_s"] is not None for r in rows.values())) \
+        if (len(rows) == len(used) and all(r["kv_ready_ns"] and r["ttft_source"] == "router" for r in rows.values())) \
                 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
@@ -142,7 +142,7 @@ def _soak_case(stack, mode: str) -> None:
     while True:
         with store.reading(stack.store_path) as conn:
             rows = {r["trace_id"]: r for r in store.slowest(conn, 10 * SOAK_N, trace_ids=answered)}
-        whole = [t for t in answered if t in rows and rows[t]["kv_ready_ns"] and rows[t]["ttft_s"] is not None]
+        whole = [t for t in answered if t in rows and rows[t]["kv_ready_ns"] and rows[t]["ttft_source"] == "router"]
         if len(whole) == len(answered) or time.monotonic() > deadline:
             break
         time.sleep(1)

@@ -42,7 +42,7 @@ def _wait_traces(db, ids, phases, timeout=60.0):
         finally:
             conn.close()
         done = all(
-            t in rows and rows[t]["handoff_s"] is not None and rows[t]["ttft_s"] is not None
+            t in rows and rows[t]["handoff_s"] is not None and rows[t]["ttft_source"] == "router"
             and {p.value for p in phases} <= {s["name"] for s in spans[t]}
             for t in ids
         )
