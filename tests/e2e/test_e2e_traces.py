@@ -299,7 +299,7 @@ def test_dashboard_pages_on_the_real_run_store(pull_stack, monkeypatch):
     at.run()
     at.select_slider(key="ov_range").set_value("all").run()
     assert not at.exception, [e.value for e in at.exception]
-    assert len([m for m in at.metric if m.label == "handoff p50"]) == 2  # push and pull side by side
+    assert len([m for m in at.metric if m.label.startswith("handoff p50 (")]) == 2  # push and pull side by side
 
     at = AppTest.from_file(app, default_timeout=90)
     at.query_params["page"] = "traces"

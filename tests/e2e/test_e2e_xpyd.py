@@ -121,10 +121,12 @@ def _check(got, trace_ids, mode, *, pes, des, ttft_source):
     return pairs
 
 
-def _pair_windows(db, pairs):
-    """Each (P, D) pair's settled clock interval comes from its own traces."""
+def _pair_windows(db, pairs, trace_ids):
+    """Each (P, D) pair's settled clock interval comes from its own traces
+    (this test's: the session's other stacks share the store and engine ids)."""
     with store.reading(db) as conn:
-        rows = [r for r in store.slowest(conn, 10_000, order="start") if (r["p_engine"], r["d_engine"]) in pairs]
+        rows = [r for r in store.slowest(conn, 10_000, order="start", trace_ids=trace_ids)
+                if (r["p_engine"], r["d_engine"]) in pairs]
     for pair in pairs:
         mine = [r for r in rows if (r["p_engine"], r["d_engine"]) == pair]
         assert mine and all(r["clock_lo_s"] is not None and r["clock_lo_s"] <= r["clock_hi_s"] for r in mine), pair
@@ -143,28 +145,30 @@ def test_xpyd_behind_kvlens_router(mode, xpyd_stacks):
     db = stack.store_path
     dispatch = "overlapped" if mode == "push" else "sequential"
     sent = _send(stack.router_url, N, kvlens_id=True)
+    mine_ids = list(sent)
     pairs = _check(_wait(db, sent, "router"), sent, mode, pes=("p0", "p1"), des=("d0", "d1"), ttft_source="router")
     assert len(pairs) >= 2
     for shape, (ps, ds) in _shapes(stack, dispatch).items():
         with _proxy(stack, ps, ds, dispatch) as url:
             ids_ = _send(url, N, kvlens_id=True)
+        mine_ids += ids_
         got = _wait(db, ids_, "router")
         pairs |= _check(got, ids_, mode, pes=[x.engine_id for x in ps], des=[x.engine_id for x in ds],
                         ttft_source="router")
         assert all(got[t].spans and any(s.name == "relay" for s in got[t].spans) or mode == "push" for t in ids_)
     assert pairs == {(p, d) for p in ("p0", "p1") for d in ("d0", "d1")}
-    _pair_windows(db, pairs)
+    _pair_windows(db, pairs, mine_ids)
     # the dashboard's per-pair view: one row per pair of this mode, each with its figures
     from dashboard.pairs import pair_table
 
     table = pair_table(str(db), None, None)
-    mine = table[table["mode"] == mode]
+    mine = table[(table["mode"] == mode) & table["p_engine"].isin(["p0", "p1"]) & table["d_engine"].isin(["d0", "d1"])]
     assert set(zip(mine["p_engine"], mine["d_engine"])) == pairs, mine
     assert mine["handoff_p50_s"].notna().all()
     # the CLI filters by engine: only p1's requests
     with store.reading(db) as conn:
-        only = tracemodel.slowest(conn, 1000, order="start", p_engine="p1", mode=mode)
-    assert only and all(t.p_engine == "p1" for t in only)
+        only = tracemodel.slowest(conn, 1000, order="start", p_engine="p1", mode=mode, trace_ids=mine_ids)
+    assert only and all(t.p_engine == "p1" for t in only) and len(only) < len(mine_ids)
 
 
 def test_pull_behind_vllm_router(xpyd_stacks):
