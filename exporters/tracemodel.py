@@ -254,15 +254,13 @@ class Trace:
 
     def ranks_json(self) -> dict[str, Any] | None:
         """Tensor-parallel ranks of the trace (:mod:`exporters.ranks`): ranks
-        seen per role, the straggler of each per-rank completion phase, and
-        the transfer over ranks (bytes summed, time the slowest rank's);
-        None where no span carries a rank."""
+        seen per role and the straggler of each per-rank completion phase
+        (the transfer over ranks is the JSON's ``transfer``); None where no
+        span carries a rank."""
         tp = ranks.tp_sizes(self.spans)
         if not tp:
             return None
-        tot = ranks.transfer_totals(self.spans)
-        return {"tp": tp, "stragglers": [x.to_json() for x in ranks.stragglers(self.spans)],
-                "transfer": None if tot is None else tot._asdict()}
+        return {"tp": tp, "stragglers": [x.to_json() for x in ranks.stragglers(self.spans)]}
 
 
 def trace_record(summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -38,3 +38,17 @@ def int_in(lo: int, hi: int, what: str = "an integer"):
 
     parse.__name__ = "port" if what == "a port number" else "int"
     return parse
+
+
+def from_parser(fn, *errors: type[Exception]):
+    """argparse ``type=`` around a parser that raises one of ``errors``
+    with a message fit for the user (the message becomes the usage error)."""
+
+    def parse(text: str):
+        try:
+            return fn(text)
+        except errors as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = getattr(fn, "__name__", "value")
+    return parse

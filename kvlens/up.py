@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvlens.argtypes import int_in, positive
+from kvlens.argtypes import from_parser, int_in, positive
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.commands import (
     DEFAULT_KV_LEASE_S,
@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-instances", type=int_in(1, MAX_INSTANCES, "a number of instances"), default=1,
                    metavar="M", help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES})")
     _add_tp_arguments(p)
-    p.add_argument("--router", type=_routers_arg, default=("kvlens",), metavar="|".join(ROUTERS),
+    p.add_argument("--router", type=_ROUTERS, default=("kvlens",), metavar="|".join(ROUTERS),
                    help="which router(s) to start in front of P and D: kvlens (default), vllm-router (vLLM's own, "
                         "pull only, pip package vllm-router), or both: kvlens,vllm-router")
     p.add_argument("--vllm-router-port", type=port_arg(), default=None,
@@ -103,31 +103,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "$KVLENS_API_KEY, else $VLLM_API_KEY, else none; the environment keeps it out of `ps`)")
 
 
-def _routers_arg(text: str) -> tuple[str, ...]:
-    """argparse ``type=`` of ``--router``."""
-    try:
-        return parse_routers(text)
-    except StackError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+_ROUTERS = from_parser(parse_routers, StackError)  #: argparse ``type=`` of ``--router``
+_TP_SIZES = from_parser(parse_tp, ValueError)  #: argparse ``type=`` of ``--prefill-tp`` / ``--decode-tp``
 
 
 def _add_tp_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int_in(1, MAX_TP, "a tensor-parallel size"), default=1, metavar="N",
                    help="tensor-parallel size of every P and D (vLLM's --tensor-parallel-size; each rank gets its "
                         f"own CPU list, docs/tensor-parallel.md; default 1, at most {MAX_TP})")
-    p.add_argument("--prefill-tp", type=_tp_arg, default=None, metavar="N[,N...]",
+    p.add_argument("--prefill-tp", type=_TP_SIZES, default=None, metavar="N[,N...]",
                    help="P's tensor-parallel size, overriding --tp: one for all P, or one per P in engine-id order")
-    p.add_argument("--decode-tp", type=_tp_arg, default=None, metavar="N[,N...]",
+    p.add_argument("--decode-tp", type=_TP_SIZES, default=None, metavar="N[,N...]",
                    help="D's tensor-parallel size, overriding --tp: one for all D, or one per D (--decode-tp 2,1: "
                         "d0 at TP 2, d1 at TP 1)")
-
-
-def _tp_arg(text: str) -> tuple[int, ...]:
-    """argparse ``type=`` of ``--prefill-tp`` / ``--decode-tp``."""
-    try:
-        return parse_tp(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -16,13 +16,11 @@ from __future__ import annotations
 import os
 import statistics
 import time
-import uuid
 
-import httpx
 import pytest
 
 from exporters import ranks, store, tracemodel
-from instrumented_connector import ids
+from e2e_client import send_completions
 from instrumented_connector import semconv as sc
 
 # Opt-in (KVLENS_TEST_TP=1): on this 2-core machine a TP 2 -> TP 2 stack
@@ -40,15 +38,7 @@ READ_COMPLETE = sc.Phase.READ_COMPLETE.value
 
 def _send(url: str, n: int) -> list[str]:
     """n greedy completions through the router; the trace id of each."""
-    out = []
-    with httpx.Client(timeout=300) as c:
-        for i in range(n):
-            sent = uuid.uuid4().hex
-            body = {"prompt": f"tp request {i} " + "tokens " * (40 + 16 * i), "max_tokens": 4, "temperature": 0}
-            r = c.post(url + "/v1/completions", json=body, headers={"X-Request-Id": sent})
-            assert r.status_code == 200, r.text
-            out.append(ids.trace_of_response(r.json().get("id"), sent))
-    return out
+    return send_completions(url, n, tag="tp", base_tokens=40, step_tokens=16, timeout=300)
 
 
 def _settled(tr: tracemodel.Trace, d_ranks: int) -> bool:

@@ -21,13 +21,12 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 
 import httpx
 import pytest
 
 from exporters import store, tracemodel
-from instrumented_connector import ids
+from e2e_client import send_completions
 
 pytestmark = pytest.mark.e2e
 
@@ -78,18 +77,7 @@ def _proxy(stack, prefills, decodes, dispatch: str):
 
 
 def _send(url: str, n: int, *, kvlens_id: bool) -> list[str]:
-    """n streamed completions; the trace id of each, as a client finds it
-    (``ids.trace_of_response``: the id sent, or the one the router gave)."""
-    out = []
-    with httpx.Client(timeout=180) as c:
-        for i in range(n):
-            sent = uuid.uuid4().hex
-            body = {"prompt": f"xpyd request {i} " + "tokens " * (30 + 20 * i), "max_tokens": 4,
-                    "temperature": 0}
-            r = c.post(url + "/v1/completions", json=body, headers={"X-Request-Id": sent} if kvlens_id else {})
-            assert r.status_code == 200, r.text
-            out.append(ids.trace_of_response(r.json().get("id"), sent))
-    return out
+    return send_completions(url, n, tag="xpyd", kvlens_id=kvlens_id)
 
 
 def _wait(db, trace_ids, source: str, *, timeout=90.0) -> dict[str, tracemodel.Trace]:

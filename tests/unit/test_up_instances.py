@@ -11,16 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvlens.stack.errors import StackError
+from stack_settings import offline_stack
 
 
 def _stack(tmp_path, **kw):
-    from kvlens.stack.launch import Stack
-
-    model = tmp_path / "model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    return Stack(**{"mode": "push", "model": model, "kvlens_home": tmp_path / "home", "log_dir": tmp_path / "run",
-                    "port": 0, "quiet": True, **kw})
+    return offline_stack(tmp_path, **{"mode": "push", **kw})
 
 
 @pytest.fixture(autouse=True)
