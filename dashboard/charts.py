@@ -69,16 +69,21 @@ def phase_chart(ph: pd.DataFrame, mode: str, path: str, x_max: float | None, tit
 
 
 def waterfall_chart(spans: pd.DataFrame, critical_ms: tuple[float, float] | None,
-                    handoff: str | None = None) -> alt.LayerChart:
+                    handoff: str | None = None, per_rank: bool = False) -> alt.LayerChart:
     """One trace's spans (``data.trace_detail``) as lanes per role · phase, bars and
     ◆ points, critical-path spans outlined and the critical window (ms) shaded;
-    ``handoff``: the handoff as the page shows it (default: the window's width in ms)."""
+    ``handoff``: the handoff as the page shows it (default: the window's width in ms);
+    ``per_rank``: one lane per TP rank (``rank_lane``) instead of the ranks together."""
+    if per_rank and "rank_lane" in spans:  # a role's ranks together, each rank's phases in time order
+        spans = spans.assign(lane=spans["rank_lane"], _r=spans["rank"].fillna(-1)).sort_values(
+            ["role_rank", "_r", "start_ms", "phase_rank"], kind="stable")
     lanes = list(dict.fromkeys(spans["lane"]))
     attr_cols = [c for c in spans.columns if c.startswith("attr_")]
     tooltip = ([alt.Tooltip("phase:N"), alt.Tooltip("role:N"),
                 alt.Tooltip("start_ms:Q", title="start (ms)", format=".3f"),
                 alt.Tooltip("duration_ms:Q", title="duration (ms)", format=".3f"),
                 alt.Tooltip("critical:N", title="on critical path"), alt.Tooltip("outcome:N")]
+               + ([alt.Tooltip("rank:Q", title="TP rank")] if "rank" in spans and spans["rank"].notna().any() else [])
                + [alt.Tooltip(f"{c}:N", title=c[5:]) for c in attr_cols])
     y = alt.Y("lane:N", sort=lanes, title=None, axis=alt.Axis(labelLimit=260))
     color = alt.Color("phase:N", scale=phase_color_scale(), legend=alt.Legend(title="phase"))

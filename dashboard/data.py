@@ -29,7 +29,7 @@ from urllib.parse import urlencode
 
 import pandas as pd
 
-from exporters import benchrows, store, tracemodel
+from exporters import benchrows, ranks, store, tracemodel
 from exporters.store import queries
 from instrumented_connector import semconv as sc
 
@@ -298,8 +298,11 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
     ``t0_ns``, ``critical_ms`` (the handoff window in ms from t0) and
     ``decomposition`` (TTFT = queue+prefill, handoff, first decode step;
     seconds). Span rows carry offsets in ms from the trace start, ``point``,
-    ``critical`` (tracemodel's marking), ``attributes`` (JSON text) and one
-    ``attr_*`` column per key."""
+    ``critical`` (tracemodel's marking), ``attributes`` (JSON text), one
+    ``attr_*`` column per key, the TP ``rank`` a worker span was recorded on
+    (None for scheduler spans and one-rank engines) and two lanes: ``lane``
+    (role · phase, ranks together) and ``rank_lane`` (role rN · phase, one per
+    rank: the waterfall's expanded view)."""
     with store.reading(path) as c:
         tr = tracemodel.find(c, [trace_id]).get(trace_id)
     if tr is None:
@@ -310,10 +313,13 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
     rows = []
     for s in tr.spans:
         a = dict(s.attributes)
+        r = ranks.rank_of(s)
         row = {
             "phase": s.name,
             "role": s.role or "?",
+            "rank": r,
             "lane": f"{s.role or '?'} · {s.name}",
+            "rank_lane": f"{s.role or '?'}{f' r{r}' if r is not None else ''} · {s.name}",
             "start_ms": (s.start_ns - t0) / 1e6,
             "end_ms": (s.end_ns - t0) / 1e6,
             "duration_ms": (s.end_ns - s.start_ns) / 1e6,

@@ -33,6 +33,7 @@ from kvlens.stack.launch import Stack
 from kvlens.stack.pinning import parse_cpu_list
 from kvlens.stack.ports import DEFAULT_HOST, free_port, is_loopback, port_arg, port_in_use
 from kvlens.stack.supervise import signals_ignored
+from kvlens.stack.spinners import MODES as SPIN_MODES
 from kvlens.stack.tp import MAX_TP, STARTUP_S_PER_EXTRA_PROCESS, parse_tp, tp_note
 
 __all__ = [
@@ -70,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "router and P's NIXL side channel to everyone who can reach the host unless --api-key or "
                         "VLLM_API_KEY is set, and even then for the side channel)")
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
+    p.add_argument("--nixl-progress", choices=SPIN_MODES, default="idle",
+                   help="NIXL's UCX progress thread in every vLLM worker polls with timeout 0 and takes a whole CPU "
+                        "when it runs: idle (default) gives it SCHED_IDLE once its server is up, so it runs only "
+                        "when its CPU has nothing else to do; as-is leaves it (stock and instrumented alike)")
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
     p.add_argument("--timeout", type=positive(float), default=None,
                    help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g} for one P and one D, plus "
@@ -165,6 +170,7 @@ def _stack(args: argparse.Namespace) -> Stack:
         vllm_router_port=getattr(args, "vllm_router_port", None),
         prefill_tp=getattr(args, "prefill_tp", None) or getattr(args, "tp", 1),
         decode_tp=getattr(args, "decode_tp", None) or getattr(args, "tp", 1),
+        nixl_progress=getattr(args, "nixl_progress", "idle"),
     )
 
 

@@ -21,6 +21,9 @@ from dashboard import ui
 from dashboard.pairs import pair_label
 from instrumented_connector import semconv as sc
 
+#: How a side is named next to its ranks.
+ROLE_WORD = {sc.Role.PREFILL.value: "P", sc.Role.DECODE.value: "D"}
+
 #: Query param -> the widget key it pre-sets.
 QUERY_KEYS = {"mode": "tr_mode", "outcome": "tr_outcome", "range": "tr_range", "min_handoff": "tr_min",
               "max_handoff": "tr_max", "n": "tr_n", "order": "tr_order", "trace": "tr_trace",
@@ -193,9 +196,10 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
     st.caption(f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
                f"P → D `{pair_label(rec.get('p_engine'), rec.get('d_engine'))}` · {ui.clock_caption(rec)} "
                "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases.")
+    per_rank = rank_controls(rec)
     st.altair_chart(charts.waterfall_chart(
-        spans, rec["critical_ms"], ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"])),
-        width="stretch")
+        spans, rec["critical_ms"], ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]),
+        per_rank=per_rank), width="stretch")
     st.dataframe(
         ui.table_view(span_rows(spans, rec["handoff_err_s"])),
         hide_index=True, width="stretch",
@@ -204,15 +208,40 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
                            "the others to 0.1 ms"),
                        "duration_ms": st.column_config.TextColumn("duration (ms)", help="on one clock: 3 significant "
                                                                   "digits, whole ms at least"),
-                       "outcome": st.column_config.TextColumn("outcome", help="-: a point phase has no outcome")},
+                       "outcome": st.column_config.TextColumn("outcome", help="-: a point phase has no outcome"),
+                       "rank": st.column_config.TextColumn("rank", help="the TP rank whose worker recorded it; "
+                                                           "-: a scheduler-side phase")},
     )
+
+
+def rank_controls(rec: dict[str, Any]) -> bool:
+    """For a trace recorded on several TP ranks: the ranks seen per side, the
+    straggler of each per-rank completion phase (the rank the request waited
+    for, and its lag behind the first), and the lanes toggle (one lane per
+    rank, or a phase's ranks in one lane). False (ranks together) otherwise."""
+    info = rec.get("ranks") or {}
+    tp = {role: n for role, n in (info.get("tp") or {}).items() if n > 1}
+    if not tp:
+        return False
+    sides = ", ".join(f"{ROLE_WORD.get(role, role)} {n} ranks" for role, n in sorted(tp.items()))
+    lines = [f"Tensor parallel: {sides}."]
+    for x in info.get("stragglers") or ():
+        lines.append(f"Straggler: {ROLE_WORD.get(x['role'], x['role'])} rank {x['rank']} finished `{x['phase']}` "
+                     f"last, {ui.fmt_ms(x['lag_s'])} ms after rank {x['first_rank']} ({x['ranks']} ranks; "
+                     "the request waits for the last).")
+    st.caption("  \n".join(lines))
+    return st.toggle("One lane per TP rank", value=True, key="tr_rank_lanes",
+                     help="off: each phase's ranks share one lane")
 
 
 def span_rows(spans: pd.DataFrame, err_s: float | None) -> pd.DataFrame:
     """The span table: D's starts (moved onto P's clock) to the digits the
     trace's clock bound supports, the others to 0.1 ms; durations (each on one
     clock) to 3 significant digits."""
-    out = spans[["role", "phase", "start_ms", "duration_ms", "critical", "outcome", "attributes"]].copy()
+    cols = ["role", "rank", "phase", "start_ms", "duration_ms", "critical", "outcome", "attributes"]
+    out = spans[[c for c in cols if c != "rank" or spans["rank"].notna().any()]].copy()
+    if "rank" in out:
+        out["rank"] = [None if pd.isna(r) else int(r) for r in out["rank"]]
     out["start_ms"] = [ui.fmt_ms(v / 1e3, err_s) if role == sc.Role.DECODE.value else f"{v:,.1f}"
                        for v, role in zip(spans["start_ms"], spans["role"])]
     out["duration_ms"] = [ui.fmt_ms(v / 1e3) for v in spans["duration_ms"]]

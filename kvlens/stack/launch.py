@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from instrumented_connector import config as kvconfig
-from kvlens.model import ensure_model
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
 from kvlens.stack.commands import (
@@ -34,7 +33,6 @@ from kvlens.stack.commands import (
     api_key_env,
     auth_headers,
     base_env,
-    check_model,
     collector_argv,
     env_api_key,
     find_vllm_router,
@@ -47,28 +45,22 @@ from kvlens.stack.commands import (
 from kvlens.stack.errors import StackError
 from kvlens.stack.extras import StackExtras
 from kvlens.stack.instances import (
-    VLLM_ROUTER_METRICS_PORT,
-    VLLM_ROUTER_PORT,
     Instance,
     check_count,
     check_routers,
     child_name,
-    more_ports,
     parse_routers,
     port_names,
 )
-from kvlens.stack.leftovers import busy_hint, find_leftovers
-from kvlens.stack.ports import DEFAULT_HOST, assign_ports
+from kvlens.stack.ports import DEFAULT_HOST
+from kvlens.stack.preflight import preflight
+from kvlens.stack.spinners import ProgressThreads, check_mode
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
-from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, startup_timeout_s, tp_args, tp_note
+from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, start_waves, startup_timeout_s, tp_args, tp_note
 from kvlens.stack.warmup import warm_up
 
 logger = logging.getLogger("kvlens.up")
-
-#: Ports a stack picks itself when not given (in this order).
-_AUTO_PORTS = ("router port", "prefill port", "decode port", "prefill side-channel port", "decode side-channel port")
-
 
 @dataclass
 class Stack(StackExtras):
@@ -117,6 +109,8 @@ class Stack(StackExtras):
     #: TP size of the P (D): one for all or one per instance (:mod:`kvlens.stack.tp`); tuples after init
     prefill_tp: int | Sequence[int] = 1
     decode_tp: int | Sequence[int] = 1
+    #: NIXL's spinning UCX progress threads: "idle" (SCHED_IDLE once up) or "as-is" (:mod:`kvlens.stack.spinners`)
+    nixl_progress: str = "idle"
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
@@ -127,6 +121,7 @@ class Stack(StackExtras):
     more_ports: dict[str, int] = field(default_factory=dict, repr=False)
     children: list[Child] = field(default_factory=list)
     startup_s: float | None = None
+    progress: ProgressThreads | None = field(default=None, repr=False)
     extra_routers: dict[str, str] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +138,10 @@ class Stack(StackExtras):
         self.prefill_tp = check_tp("--prefill-tp", self.prefill_tp, self.prefill_instances)
         self.decode_tp = check_tp("--decode-tp", self.decode_tp, self.decode_instances)
         check_vllm_args(self.vllm_args)
+        try:
+            check_mode(self.nixl_progress)
+        except ValueError as e:
+            raise StackError(str(e)) from None
         self.routers = parse_routers(self.routers)
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
         self.api_key = self.api_key or env_api_key()
@@ -164,44 +163,8 @@ class Stack(StackExtras):
 
     # -------------------------------------------------------------- start
     def preflight(self) -> None:
-        """Checks that need no child: model dir and ports. Raises StackError."""
-        if self.model is None:
-            self.model = ensure_model(kvconfig.model_dir({"kvlens_home": str(self.kvlens_home)}))
-        self.model = check_model(Path(self.model))
-        if "vllm-router" in self.routers:
-            find_vllm_router()  # not installed: say so before minutes of vLLM start-up
-        named = {
-            "router port": self.port,
-            "prefill port": self.prefill_port,
-            "decode port": self.decode_port,
-            "prefill side-channel port": self.prefill_side_port,
-            "decode side-channel port": self.decode_side_port,
-        }
-        if self.prometheus:
-            named["prometheus port"] = self.prometheus_port
-            if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
-                raise StackError("--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)")
-        more = more_ports(self.prefill_instances, self.decode_instances, self.routers, self.vllm_router_port,
-                          self.vllm_router_metrics_port)
-        named.update(more)
-        auto = (*_AUTO_PORTS, *more)
-        if self.separate_homes and self.collector == "process":
-            named["collector port"] = self.collector_port
-            auto = (*auto, "collector port")
-        left = find_leftovers(Path(self.kvlens_home) / "runs")
-        for lo in left:  # named, never stopped: they may be someone else's
-            (logger.warning if self.quiet else self._say)(f"warning: {lo.line()}")
-        try:
-            got = assign_ports(named, self.host, auto)
-        except StackError as e:  # a busy port: say what holds it when we know
-            raise StackError(busy_hint(str(e), left)) from None
-        self.port, self.prefill_port, self.decode_port, self.prefill_side_port, self.decode_side_port = (
-            got[k] for k in _AUTO_PORTS)
-        self.collector_port = got.get("collector port")
-        self.more_ports = {k: got[k] for k in more}
-        if "vllm-router" in self.routers:  # alone, it takes the router port
-            self.vllm_router_port = got.get(VLLM_ROUTER_PORT) or self.port
-            self.vllm_router_metrics_port = got[VLLM_ROUTER_METRICS_PORT]
+        """Checks that need no child: model dir and ports (:func:`~kvlens.stack.preflight.preflight`)."""
+        preflight(self)
 
     @property
     def topology(self) -> Topology:
@@ -319,14 +282,7 @@ class Stack(StackExtras):
             self._say(f"starting {self.mode} {self.prefill_instances}P x {self.decode_instances}D"
                       f"{tp_note(self.prefill_tp, self.decode_tp)} ({'stock' if self.stock else 'instrumented'} "
                       f"connector) model={self.model} logs={self.log_dir}")
-            for c in servers:
-                self._spawn(c)
-            # re-pin every poll: ready engines' workers spin on vLLM's pinned core and starved
-            # a still-starting one there for 10+ min (pinning's docstring)
-            wait_healthy(servers, t0 + timeout, self._say, auth,
-                         each_poll=lambda c: pinning.repin(c, pinning.quiet))  # workers may not exist yet
-            for c in servers:
-                pinning.repin(c, self._say)
+            self._start_servers(servers, t0 + timeout, auth)
             self._start_routers(t0 + timeout)
             if self.warmup:
                 self._warm_up(rounds=self.prefill_instances * self.decode_instances)  # every pair's handshake
@@ -339,6 +295,29 @@ class Stack(StackExtras):
         self._write_manifest()
         self._say(f"ready in {self.startup_s:.0f}s")
         return self
+
+    def _start_servers(self, servers: list[Child], deadline: float, auth: Mapping[str, str]) -> None:
+        """Spawn P and D in waves (largest TP first, :func:`~kvlens.stack.tp.start_waves`),
+        each health-waited; re-pin every poll (a ready engine's workers spin on vLLM's
+        pinned core and starved a still-starting one for 10+ min: pinning's docstring)
+        and demote a ready server's NIXL progress threads (:mod:`~kvlens.stack.spinners`)."""
+        self.progress = ProgressThreads(self.nixl_progress, self._say)
+        by_name = {c.name: c for c in servers}
+
+        def each_poll(c: Child) -> None:
+            pinning.repin(c, pinning.quiet)  # its workers may not exist yet
+            self.progress.on_poll(c)
+
+        waves = start_waves([(i.name, i.tp) for i in [*self.prefills, *self.decodes]])
+        for n, wave in enumerate(waves):
+            if len(waves) > 1:
+                self._say(f"start-up wave {n + 1}/{len(waves)}: {', '.join(wave)} (largest TP first)")
+            for name in wave:
+                self._spawn(by_name[name])
+            wait_healthy([by_name[name] for name in wave], deadline, self._say, auth, each_poll=each_poll)
+            for name in wave:
+                pinning.repin(by_name[name], self._say)
+                self.progress.on_poll(by_name[name])
 
     def _start_routers(self, deadline: float) -> None:
         """kvlens' router and/or vLLM's, started together, health-waited."""

@@ -63,6 +63,8 @@ def manifest(stack) -> dict:
         "api_key": bool(stack.api_key),  # whether the servers require one (never the key)
         "logs": {c.name: str(c.log) for c in stack.children},
         "startup_s": stack.startup_s,
+        # NIXL's spinning progress threads: what was demoted, per server (kvlens.stack.spinners)
+        "nixl_progress": stack.progress.to_json() if stack.progress is not None else {"mode": stack.nixl_progress},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

@@ -7,7 +7,6 @@ All functions are plain, blocking-free bind tests on the calling thread.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import random
 import socket

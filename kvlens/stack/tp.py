@@ -91,3 +91,20 @@ def startup_timeout_s(processes: int) -> float:
     start at once and share the CPUs). A 2P2D stack gets 480 s, P TP 2 with
     D TP 2 and D TP 1 600 s."""
     return DEFAULT_TIMEOUT_S + STARTUP_S_PER_EXTRA_PROCESS * max(0, processes - 2)
+
+
+def start_waves(sizes: Sequence[tuple[str, int]]) -> list[list[str]]:
+    """Names (``sizes``: (name, TP size) per instance) grouped into start-up
+    waves, largest TP first; one wave when every size is the same.
+
+    On a 2-core host a TP 1 instance started beside TP 2 ones answered
+    ``/health`` first, and its idle worker then spun on CPU 1 (vLLM's
+    shared-memory queue busy-loops for 1 s after each message) while the TP 2
+    engines' rank 1, still importing torch on CPU 1, got ~1 % of it: they
+    never started (docs/tensor-parallel.md, "A TP 1 D in the same stack").
+    Bringing the multi-rank engines up first, each wave once healthy, keeps
+    a started engine off a core a rank still needs for its import."""
+    waves: dict[int, list[str]] = {}
+    for name, tp in sizes:
+        waves.setdefault(tp, []).append(name)
+    return [waves[tp] for tp in sorted(waves, reverse=True)]

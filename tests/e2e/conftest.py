@@ -171,13 +171,26 @@ def xpyd_stacks(stack_factory):
     return get
 
 
+#: ``KVLENS_TEST_TP_LAYOUT``: ``mode:P-TP:D-TP[,D-TP...]`` (one D per size).
+TP_LAYOUT_DEFAULT = "pull:2:2"
+
+
+def tp_layout() -> tuple[str, int, tuple[int, ...]]:
+    """The TP stack's mode, P's TP size and each D's, from
+    ``KVLENS_TEST_TP_LAYOUT`` (default :data:`TP_LAYOUT_DEFAULT`)."""
+    text = os.environ.get("KVLENS_TEST_TP_LAYOUT", TP_LAYOUT_DEFAULT)
+    mode, p_tp, d_tps = text.split(":")
+    return mode, int(p_tp), tuple(int(x) for x in d_tps.split(","))
+
+
 @pytest.fixture
 def tp_stack(stack_factory):
-    """Pull, kvlens' router, P and D at tensor-parallel size 2 (rank i on CPU
-    i). Not with a TP 1 D beside them: on 2 cores the TP 1 D comes up first
-    and its idle worker spins on CPU 1, where P's and D's rank 1 were still
-    importing (docs/tensor-parallel.md, "A TP 1 D in the same stack")."""
-    return stack_factory.get("pull", prefill_tp=2, decode_tp=2)
+    """kvlens' router, P and D at the tensor-parallel sizes of
+    :func:`tp_layout` (rank i on CPU i). A TP 1 D beside TP 2 engines starts
+    after them (:func:`kvlens.stack.tp.start_waves`: started first, its idle
+    worker starved their rank 1's import on CPU 1)."""
+    mode, p_tp, d_tps = tp_layout()
+    return stack_factory.get(mode, prefill_tp=p_tp, decode_instances=len(d_tps), decode_tp=d_tps)
 
 
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run

@@ -50,7 +50,11 @@ def _rank_worker(home: str, role: str, rank: int, size: int, p_rid: str, d_rid: 
     rec.close()
 
 
-def test_ranks_of_one_request_in_separate_processes_join_with_the_last_rank_critical(tmp_path):
+@pytest.fixture(scope="module")
+def ranked(tmp_path_factory) -> tuple[Path, tracemodel.Trace]:
+    """(home, trace): one pull request recorded by P's and D's schedulers and
+    by two rank processes per side, D's rank 1 4 ms behind rank 0."""
+    tmp_path = tmp_path_factory.mktemp("ranks")
     p_rid, d_rid = f"cmpl-{secrets.token_hex(16)}-0-0000abcd", f"cmpl-{secrets.token_hex(16)}-0-0000beef"
     t0 = time.time_ns()
     # P's scheduler (EngineCore: no rank)
@@ -78,7 +82,12 @@ def test_ranks_of_one_request_in_separate_processes_join_with_the_last_rank_crit
         if got and sum(1 for s in got[0].spans if s.name == "kv.ready") == 2 or time.time() > deadline:
             break
         time.sleep(0.2)
-    (tr,) = got
+    assert len(got) == 1, got
+    return tmp_path, got[0]
+
+
+def test_ranks_of_one_request_in_separate_processes_join_with_the_last_rank_critical(ranked):
+    tr = ranked[1]
     assert tr.half is None and tr.handoff_s is not None
     kvs = [s for s in tr.spans if s.name == "kv.ready"]
     assert sorted(ranks.rank_of(s) for s in kvs) == [0, 1]
@@ -101,6 +110,39 @@ def test_ranks_of_one_request_in_separate_processes_join_with_the_last_rank_crit
 
     text = waterfall(tr)
     assert "D r0" in text and "D r1" in text and "straggler: D rank 1 finished read.complete last" in text
+
+
+def test_traces_page_draws_a_lane_per_rank_and_names_the_straggler(ranked, monkeypatch):
+    """The dashboard's Traces page on the store the rank processes wrote:
+    the ranks per side, the straggler, one lane per rank (collapsible)."""
+    import json
+    import sys
+
+    from streamlit.testing.v1 import AppTest
+
+    home, tr = ranked
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(home / "traces.db")])
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py"), default_timeout=60)
+    at.query_params["page"] = "traces"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    text = " ".join(c.value for c in at.caption)
+    assert "Tensor parallel: D 2 ranks, P 2 ranks." in text, text
+    assert "Straggler: D rank 1 finished `read.complete` last, 4.00 ms after rank 0 (2 ranks" in text, text
+
+    def lanes() -> set[str]:
+        specs = [json.loads(e.proto.spec) for e in at.main if getattr(e, "type", "") == "vega_lite_chart"]
+        wf = next(s for s in specs if "layer" in s)
+        return {row["lane"] for ds in wf["datasets"].values() for row in ds if "lane" in row}
+
+    got = lanes()
+    assert {"decode r0 · read.complete", "decode r1 · read.complete", "prefill r0 · kv.released",
+            "prefill r1 · kv.released", "prefill · prefill"} <= got, got
+    table = at.dataframe[1].value
+    assert sorted(set(table.loc[table["phase"] == "read.complete", "rank"])) == ["0", "1"]
+    at.toggle(key="tr_rank_lanes").set_value(False).run()
+    got = lanes()
+    assert "decode · read.complete" in got and not any(" r1 " in lane for lane in got), got
 
 
 def test_single_rank_traces_have_no_rank_section():

@@ -228,3 +228,13 @@ def test_manifest_records_each_instance_tp(tmp_path):
     assert [i["tp_size"] for i in m["instances"]["prefill"]] == [2]
     assert [i["tp_size"] for i in m["instances"]["decode"]] == [2, 1]
     json.dumps(m)
+
+
+def test_start_waves_bring_the_largest_tp_up_first():
+    """Mixed TP sizes start in waves, largest first (a started TP 1 engine
+    starved the TP 2 ranks' import on 2 cores); equal sizes start at once."""
+    from kvlens.stack.tp import start_waves
+
+    assert start_waves([("p0", 2), ("d0", 2), ("d1", 1)]) == [["p0", "d0"], ["d1"]]
+    assert start_waves([("p0", 1), ("d0", 4), ("d1", 2)]) == [["d0"], ["d1"], ["p0"]]
+    assert start_waves([("p0", 1), ("p1", 1), ("d0", 1)]) == [["p0", "p1", "d0"]]

@@ -1,0 +1,88 @@
+"""NIXL's spinning progress thread found and given SCHED_IDLE
+(kvlens/stack/spinners.py), on real processes: a "worker" (its ``comm`` set to
+vLLM's ``VLLM::Worker``) whose main thread sleeps while another thread spins,
+as an idle vLLM worker's NIXL progress thread does, and one that only sleeps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvlens.stack import spinners
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+
+_WORKER = r"""
+import ctypes, sys, threading, time
+ctypes.CDLL(None).prctl(15, b"VLLM::Worker", 0, 0, 0)  # PR_SET_NAME: the title vLLM gives its workers
+if sys.argv[1] == "spin":
+    def spin():
+        while True:
+            pass
+    threading.Thread(target=spin, daemon=True).start()
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def worker():
+    procs = []
+
+    def start(kind: str) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", _WORKER, kind], stdout=subprocess.PIPE, text=True)
+        procs.append(p)
+        assert p.stdout.readline().strip() == "up"
+        return p
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_the_spinning_thread_is_found_and_demoted(worker):
+    p = worker("spin")
+    found, missing = spinners.demote_spinners([p.pid], rounds=5)
+    assert missing == [] and set(found) == {p.pid}
+    tid = found[p.pid]
+    assert tid != p.pid and spinners.is_idle_class(tid)
+    assert not spinners.is_idle_class(p.pid)  # the main thread keeps its class
+
+
+def test_a_worker_without_a_spinner_is_reported_not_demoted(worker):
+    p = worker("sleep")
+    found, missing = spinners.demote_spinners([p.pid], rounds=2, sample_s=0.2)
+    assert found == {} and missing == [p.pid]
+    assert not any(spinners.is_idle_class(int(t)) for t in os.listdir(f"/proc/{p.pid}/task"))
+
+
+def test_progress_threads_of_a_ready_server_once_and_in_the_manifest(worker):
+    """The stack's tracker: only once the server is ready, once per server,
+    a warning naming a worker without a spinner; as-is does nothing."""
+    spin, idle = worker("spin"), worker("sleep")
+    said = []
+    pt = spinners.ProgressThreads("idle", said.append)
+    server = SimpleNamespace(name="prefill", ready_at=None, proc=SimpleNamespace(pid=os.getpid()))
+    pt.on_poll(server)  # not ready yet
+    assert pt.demoted == {} and said == []
+    server.ready_at = time.monotonic()
+    pt.on_poll(server)
+    assert set(pt.demoted["prefill"]) == {spin.pid} and pt.missing["prefill"] == [idle.pid]
+    assert any("SCHED_IDLE" in s for s in said)
+    assert any(f"worker pid {idle.pid}" in s and s.startswith("warning:") for s in said)
+    n = len(said)
+    pt.on_poll(server)  # handled once
+    assert len(said) == n
+    js = pt.to_json()
+    assert js["mode"] == "idle" and js["demoted"]["prefill"] == {str(spin.pid): pt.demoted["prefill"][spin.pid]}
+    off = spinners.ProgressThreads("as-is", said.append)
+    off.on_poll(server)
+    assert off.demoted == {}
+    with pytest.raises(ValueError, match="--nixl-progress"):
+        spinners.ProgressThreads("fast", said.append)
