@@ -195,7 +195,13 @@ class Child:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 cwd=self.cwd,
-                start_new_session=True,
+                # a process group of its own (stopped as one: os.killpg), but the launcher's
+                # session: with the kernel's autogroups (sched_autogroup_enabled) every session
+                # is scheduled as one entity, so SCHED_IDLE on a server's spinning NIXL thread
+                # would only yield to that server's own threads, never to another server's
+                # (measured: a starting engine got 6 % of its CPU next to another server's
+                # SCHED_IDLE spinner; kvlens.stack.spinners)
+                process_group=0,
             )
         finally:
             fh.close()

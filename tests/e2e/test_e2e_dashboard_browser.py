@@ -295,3 +295,43 @@ def test_dashboard_missing_store_and_sigterm(tmp_path, browser):
     assert "no trace store" in dash.log.read_text()
     time.sleep(0.5)
     assert not [k for k in dash.kids if alive(k)]
+
+
+#: The waterfall's lane labels (its y axis: SVG text in the chart's axis group).
+LANES_JS = """() => Array.from(document.querySelectorAll('.vega-embed svg [aria-roledescription=axis] text'))
+  .map(t => t.textContent).filter(t => t.includes(' · '))"""
+
+
+def test_traces_page_lanes_per_rank_in_chromium(tmp_path, browser):
+    """A trace recorded by two TP ranks per side (real rank processes through
+    their sidecars, tests/rank_store.py): the Traces page names the ranks and
+    the straggler, draws one lane per rank, and folds them with the toggle."""
+    from rank_store import make_rank_store
+
+    home = tmp_path / "home"
+    home.mkdir()
+    tr = make_rank_store(home)
+    dash = Dashboard(home / "traces.db", tmp_path / "dashboard.log")
+    try:
+        dash.wait_ready()
+        page = browser.new_page(viewport={"width": 1280, "height": 1600})
+        page.goto(f"{dash.url}/?page=traces&trace={tr.trace_id}", wait_until="domcontentloaded")
+        page.get_by_text("Tensor parallel: D 2 ranks, P 2 ranks.").wait_for(timeout=45_000)
+        wait_charts(page, 1)
+        page.wait_for_timeout(1500)
+        body = page.inner_text("body")
+        assert "Straggler: D rank 1 finished read.complete last, 4.00 ms after rank 0" in body, body[-3000:]
+        lanes = page.evaluate(LANES_JS)
+        for want in ("decode r0 · read.complete", "decode r1 · read.complete", "decode r1 · kv.ready",
+                     "prefill r0 · kv.released", "prefill r1 · kv.released", "prefill · prefill"):
+            assert want in lanes, (want, lanes)
+        assert lanes.index("decode r0 · kv.ready") < lanes.index("decode r1 · descriptor.prep"), lanes  # by rank
+        save(page, tmp_path, "dashboard-traces-ranks-1280.png")
+        page.get_by_text("One lane per TP rank").click()  # collapse: a phase's ranks in one lane
+        page.wait_for_function(f"({LANES_JS})().includes('decode · read.complete')", timeout=45_000)
+        lanes = page.evaluate(LANES_JS)
+        assert not [lane for lane in lanes if " r0 " in lane or " r1 " in lane], lanes
+        page.close()
+    finally:
+        rc = dash.stop(signal.SIGINT)
+    assert rc == 0, dash.log.read_text()[-3000:]

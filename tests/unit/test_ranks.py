@@ -11,79 +11,19 @@ Each rank process wraps its recorder as the worker hooks do
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import secrets
-import time
 from pathlib import Path
 
 import pytest
 
-from exporters import pipeline, ranks, store, tracemodel
+from exporters import ranks, tracemodel
 from instrumented_connector import semconv as sc
-from instrumented_connector.taps import RankedRecorder
-
-MS = 1_000_000
-P = sc.Phase
-
-
-def _cfg(home: Path) -> dict:
-    return {"kvlens_home": str(home), "kvlens_metrics": "off"}
-
-
-def _rank_worker(home: str, role: str, rank: int, size: int, p_rid: str, d_rid: str, t0: int, lag_ms: int) -> None:
-    """One TP rank's worker process (spawned): its own recorder and sidecar."""
-    rec = pipeline.get_recorder(role, "pull", "d0" if role == "decode" else "p0", _cfg(Path(home)),
-                                span_builder="sidecar").start()
-    r = RankedRecorder(rec, rank, size)
-    if role == "decode":
-        t = t0 + 50 * MS
-        r.record(P.DESCRIPTOR_PREP, d_rid, t, t + MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
-        r.record(P.READ_POST, d_rid, t + MS, t + 2 * MS, "ok",
-                 {sc.ATTR_REMOTE_RANKS: [rank], sc.ATTR_BYTES: 1000, sc.ATTR_JOIN_REQUEST_ID: p_rid})
-        done = t + (5 + lag_ms) * MS
-        r.record(P.READ_COMPLETE, d_rid, t + 2 * MS, done, "ok",
-                 {sc.ATTR_BYTES: 4096 * (rank + 1), sc.ATTR_DESCRIPTORS: 8, sc.ATTR_NIXL_XFER_S: (3 + lag_ms) / 1e3})
-        r.record(P.KV_READY, d_rid, done + MS, done + MS)
-    else:
-        r.record(P.KV_RELEASED, p_rid, t0 + (58 + lag_ms) * MS, t0 + (58 + lag_ms) * MS)
-    rec.flush()
-    rec.close()
-
+from rank_store import make_rank_store
 
 @pytest.fixture(scope="module")
 def ranked(tmp_path_factory) -> tuple[Path, tracemodel.Trace]:
-    """(home, trace): one pull request recorded by P's and D's schedulers and
-    by two rank processes per side, D's rank 1 4 ms behind rank 0."""
-    tmp_path = tmp_path_factory.mktemp("ranks")
-    p_rid, d_rid = f"cmpl-{secrets.token_hex(16)}-0-0000abcd", f"cmpl-{secrets.token_hex(16)}-0-0000beef"
-    t0 = time.time_ns()
-    # P's scheduler (EngineCore: no rank)
-    sched = pipeline.get_recorder("prefill", "pull", "p0", _cfg(tmp_path), span_builder="inline")
-    sched.record(P.PREFILL, p_rid, t0, t0 + 30 * MS, "ok")
-    sched.record(P.PREFILL_FINISHED, p_rid, t0 + 30 * MS, t0 + 30 * MS, "ok")
-    dsched = pipeline.get_recorder("decode", "pull", "d0", _cfg(tmp_path), span_builder="inline")
-    q = t0 + 40 * MS
-    dsched.record(P.DECODE_QUEUE, d_rid, q, q + 5 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
-    dsched.record(P.ALLOC, d_rid, q + 5 * MS, q + 5 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
-    sched.flush()
-    dsched.flush()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_worker, args=(str(tmp_path), role, rank, 2, p_rid, d_rid, t0, 4 * rank))
-             for role in ("decode", "prefill") for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0
-    deadline = time.time() + 30
-    while True:
-        with store.reading(tmp_path / "traces.db") as conn:
-            got = tracemodel.slowest(conn, 10, order="start")
-        if got and sum(1 for s in got[0].spans if s.name == "kv.ready") == 2 or time.time() > deadline:
-            break
-        time.sleep(0.2)
-    assert len(got) == 1, got
-    return tmp_path, got[0]
+    """(home, trace): :func:`rank_store.make_rank_store`'s one request."""
+    home = tmp_path_factory.mktemp("ranks")
+    return home, make_rank_store(home)
 
 
 def test_ranks_of_one_request_in_separate_processes_join_with_the_last_rank_critical(ranked):
@@ -131,9 +71,16 @@ def test_traces_page_draws_a_lane_per_rank_and_names_the_straggler(ranked, monke
     assert "Straggler: D rank 1 finished `read.complete` last, 4.00 ms after rank 0 (2 ranks" in text, text
 
     def lanes() -> set[str]:
-        specs = [json.loads(e.proto.spec) for e in at.main if getattr(e, "type", "") == "vega_lite_chart"]
-        wf = next(s for s in specs if "layer" in s)
-        return {row["lane"] for ds in wf["datasets"].values() for row in ds if "lane" in row}
+        """The waterfall's lanes, from the Arrow data Streamlit sends the browser."""
+        import pyarrow as pa
+
+        (wf,) = [e for e in at.main if getattr(e, "type", "") == "vega_lite_chart" and "layer" in json.loads(e.proto.spec)]
+        out = set()
+        for ds in wf.proto.datasets:
+            table = pa.ipc.open_stream(ds.data.data).read_all()
+            if "lane" in table.column_names:
+                out |= set(table.column("lane").to_pylist())
+        return out
 
     got = lanes()
     assert {"decode r0 · read.complete", "decode r1 · read.complete", "prefill r0 · kv.released",
