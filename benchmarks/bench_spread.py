@@ -1,0 +1,158 @@
+"""How much the TTFT of one cell varies between fresh starts of the same stack,
+with NIXL's spinning UCX progress threads left as they are and with
+``kvlens up``'s SCHED_IDLE for them (:mod:`kvlens.stack.spinners`), interleaved.
+
+    .venv/bin/python benchmarks/bench_spread.py                    # 5 starts per setting, push
+    .venv/bin/python benchmarks/bench_spread.py --starts 3 --settings as-is,idle --cells 2048,256
+
+For each start (settings alternate ABBA: as-is, idle, idle, as-is, ...) it
+starts a fresh instrumented 1P1D stack (:class:`kvlens.up.Stack`, its own
+home), sends each cell (``--requests`` prompts of the cell's token count,
+Poisson arrivals at ``--qps``, ``--output-len`` tokens, the same prompts and
+arrivals every start) through kvlens' router and reads the client-seen TTFT
+p50. During each cell it reads the CPU time of every process of the stack
+(P, D, router and their children) and of the whole machine (``/proc/stat``),
+so a row says how much CPU came from outside the stack.
+
+Prints one row per (start, cell) and, per (setting, cell), the spread
+(max / min of the TTFT p50 over starts) and the median. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvlens import bench  # noqa: E402
+from kvlens.bench.load import run_cell_async  # noqa: E402
+from kvlens.bench.results import Target  # noqa: E402
+from kvlens.signals import sigterm_as_interrupt  # noqa: E402
+from kvlens.stack.supervise import descendants  # noqa: E402
+from kvlens.up import Stack  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu_s(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            x = f.read().rsplit(")", 1)[1].split()
+        return (int(x[11]) + int(x[12])) / TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def stack_cpu_s(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of each child of the stack and its descendants."""
+    out = {}
+    for c in stack.children:
+        if c.proc is None:
+            continue
+        pids = [c.proc.pid, *(p.pid for p in descendants(c.proc.pid))]
+        out[c.name] = sum(_proc_cpu_s(p) for p in pids)
+    return out
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the machine spent busy (all CPUs, /proc/stat)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / TICK  # minus idle and iowait
+
+
+def run_cell(stack: Stack, prompts: list[str], a, seed_key: int) -> dict:
+    target = Target(stack.mode, stack.dispatch if stack.mode == "push" else None, stack.router_url)
+    cpu0, busy0, t0 = stack_cpu_s(stack), machine_busy_s(), time.monotonic()
+    results, _ = asyncio.run(run_cell_async(target, None, prompts, a.qps, a.output_len, bench.rng(a.seed, seed_key),
+                                            timeout_s=a.request_timeout))
+    wall = time.monotonic() - t0
+    cpu1, busy1 = stack_cpu_s(stack), machine_busy_s()
+    ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
+    per = {k: (cpu1.get(k, 0.0) - v) / wall for k, v in cpu0.items()}
+    return {"ok": len(ttfts), "sent": len(results), "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "cpu_share": per, "outside_share": max(0.0, (busy1 - busy0) / wall - sum(per.values())),
+            "wall_s": wall}
+
+
+def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]]) -> list[dict]:
+    home = Path(tempfile.mkdtemp(prefix=f"kvlens-spread-{setting}-{i}-"))
+    rows = []
+    with Stack(mode=a.mode, model=model, port=0, kvlens_home=home, quiet=True, nixl_progress=setting,
+               stock=a.stock) as st:
+        for n, (tokens, ps) in enumerate(prompts.items()):
+            r = run_cell(st, ps, a, n)
+            rows.append({"setting": setting, "start": i, "input_len": tokens, "startup_s": st.startup_s, **r,
+                         "demoted": sum(len(d) for d in (st.progress.demoted if st.progress else {}).values())})
+            p50 = r["ttft_p50_s"]
+            print(f"start {i} {setting:5} {tokens:5} tok: TTFT p50 {p50 * 1e3 if p50 else float('nan'):8.0f} ms "
+                  f"({r['ok']}/{r['sent']} ok), CPU P {r['cpu_share'].get('prefill', 0):.0%} "
+                  f"D {r['cpu_share'].get('decode', 0):.0%} router {r['cpu_share'].get('router', 0):.0%} "
+                  f"outside {r['outside_share']:.0%}; started in {st.startup_s:.0f} s, "
+                  f"{rows[-1]['demoted']} progress threads at SCHED_IDLE", flush=True)
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    print("\nTTFT p50 over fresh starts (spread = max / min):")
+    keys = sorted({(r["setting"], r["input_len"]) for r in rows})
+    for setting, tokens in keys:
+        v = [r["ttft_p50_s"] for r in rows if (r["setting"], r["input_len"]) == (setting, tokens)]
+        got = [x for x in v if x is not None]
+        if len(got) < 2 or min(got) <= 0:
+            print(f"  {setting:5} {tokens:5} tok: not enough starts with a TTFT ({len(got)} of {len(v)})")
+            continue
+        print(f"  {setting:5} {tokens:5} tok: spread {max(got) / min(got):5.2f}x over {len(got)} starts, "
+              f"median {statistics.median(got) * 1e3:7.0f} ms, min {min(got) * 1e3:7.0f}, max {max(got) * 1e3:7.0f}"
+              + (f" ({len(v) - len(got)} starts without a TTFT)" if len(got) < len(v) else ""))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--starts", type=int, default=5, help="fresh stack starts per setting (default 5)")
+    ap.add_argument("--settings", default="as-is,idle", help="--nixl-progress values to compare (default as-is,idle)")
+    ap.add_argument("--mode", choices=["push", "pull"], default="push")
+    ap.add_argument("--stock", action="store_true", help="vLLM's own connectors instead of kvlens'")
+    ap.add_argument("--cells", default="2048,256", help="prompt lengths in tokens, one cell each (default 2048,256)")
+    ap.add_argument("--qps", type=float, default=1.0)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    a = ap.parse_args()
+    settings = [s for s in a.settings.split(",") if s]
+    if a.starts < 1 or not settings or set(settings) - {"as-is", "idle"}:
+        ap.error("--starts >= 1; --settings: as-is and/or idle")
+    from kvlens.model import ensure_model
+
+    model = ensure_model(Path(tempfile.mkdtemp(prefix="kvlens-spread-model-")) / "model")
+    maker = bench.PromptMaker(model)
+    prompts = {int(t): [maker.make(int(t), bench.rng(a.seed, int(t), j)) for j in range(a.requests)]
+               for t in a.cells.split(",")}
+    order = []  # ABBA: as-is, idle, idle, as-is, ...
+    for i in range(a.starts):
+        order += [(s, i) for s in (settings if i % 2 == 0 else settings[::-1])]
+    rows: list[dict] = []
+    try:
+        for setting, i in order:
+            rows += one_start(setting, i, a, model, prompts)
+    except KeyboardInterrupt:
+        print("interrupted; the stack was stopped", file=sys.stderr)
+    report(rows)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    with sigterm_as_interrupt():
+        sys.exit(main())
