@@ -171,26 +171,27 @@ def xpyd_stacks(stack_factory):
     return get
 
 
-#: ``KVLENS_TEST_TP_LAYOUT``: ``mode:P-TP:D-TP[,D-TP...]`` (one D per size).
-TP_LAYOUT_DEFAULT = "pull:2:2"
+#: ``KVLENS_TEST_TP_LAYOUT``: ``P-TP:D-TP[,D-TP...]`` (one D per size); the
+#: default puts a TP 2 -> TP 2 and a TP 2 -> TP 1 pair in one stack.
+TP_LAYOUT_DEFAULT = "2:2,1"
+#: ``KVLENS_TEST_TP_MODES``: the modes the TP stack runs in, one start each.
+TP_MODES_DEFAULT = "pull,push"
 
 
-def tp_layout() -> tuple[str, int, tuple[int, ...]]:
-    """The TP stack's mode, P's TP size and each D's, from
-    ``KVLENS_TEST_TP_LAYOUT`` (default :data:`TP_LAYOUT_DEFAULT`)."""
-    text = os.environ.get("KVLENS_TEST_TP_LAYOUT", TP_LAYOUT_DEFAULT)
-    mode, p_tp, d_tps = text.split(":")
-    return mode, int(p_tp), tuple(int(x) for x in d_tps.split(","))
+def tp_layout() -> tuple[int, tuple[int, ...]]:
+    """P's TP size and each D's, from ``KVLENS_TEST_TP_LAYOUT``."""
+    p_tp, d_tps = os.environ.get("KVLENS_TEST_TP_LAYOUT", TP_LAYOUT_DEFAULT).split(":")
+    return int(p_tp), tuple(int(x) for x in d_tps.split(","))
 
 
-@pytest.fixture
-def tp_stack(stack_factory):
+@pytest.fixture(scope="module", params=os.environ.get("KVLENS_TEST_TP_MODES", TP_MODES_DEFAULT).split(","))
+def tp_stack(request, stack_factory):
     """kvlens' router, P and D at the tensor-parallel sizes of
-    :func:`tp_layout` (rank i on CPU i). A TP 1 D beside TP 2 engines starts
-    after them (:func:`kvlens.stack.tp.start_waves`: started first, its idle
-    worker starved their rank 1's import on CPU 1)."""
-    mode, p_tp, d_tps = tp_layout()
-    return stack_factory.get(mode, prefill_tp=p_tp, decode_instances=len(d_tps), decode_tp=d_tps)
+    :func:`tp_layout` (rank i on CPU i), once per mode (module scope: the
+    module's tests run per mode, one start each). A TP 1 D beside TP 2
+    engines starts after them (:func:`kvlens.stack.tp.start_waves`)."""
+    p_tp, d_tps = tp_layout()
+    return stack_factory.get(request.param, prefill_tp=p_tp, decode_instances=len(d_tps), decode_tp=d_tps)
 
 
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
