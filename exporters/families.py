@@ -127,6 +127,10 @@ class _Families:
         self.xfer_implausible = Counter("kvlens_transfer_implausible", _IMPLAUSIBLE_HELP, ("mode", "role"),
                                         registry=r)
         self.hold_long = Counter("kvlens_kv_hold_long", _HOLD_HELP, ("mode",), registry=r)
+        self.kv_recomputed = Counter(
+            "kvlens_kv_recomputed", "Requests whose D computed more than the prompt's last partial block itself at "
+            "its first step after the transfer (kvlens.kv.recomputed_tokens on decode.first_step): KV that moved "
+            "but was not used, e.g. a failed load under kv_load_failure_policy=recompute.", ("mode",), registry=r)
         self.regs_waiting = Gauge(
             "kvlens_push_registrations_waiting",
             "Push: D registrations received on P and not yet matched with a finished prefill.",

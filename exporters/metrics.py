@@ -30,6 +30,7 @@ anything else becomes ``_OTHER``; request and trace ids are never labels)::
     kvlens_transfer_gbps{mode,role}                           histogram (bytes / NIXL's xferDuration, per rank)
     kvlens_transfer_implausible_total{mode,role}              counter (that figure above KVLENS_LINK_GBPS)
     kvlens_kv_hold_long_total{mode}                           counter (kv.hold > KVLENS_HOLD_WARN_S; resolver)
+    kvlens_kv_recomputed_total{mode}                          counter (D computed more than the last partial block)
     kvlens_push_registrations_waiting                         gauge (P, push)
     kvlens_push_prefills_waiting                              gauge (P, push)
     kvlens_telemetry_dropped_total{role,reason}               counter
@@ -77,7 +78,7 @@ from typing import Any, Callable, Mapping
 from opentelemetry.sdk.trace import SpanProcessor
 from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multiprocess
 
-from exporters import ranks
+from exporters import kvuse, ranks
 from exporters.families import _Families, _families_for  # noqa: F401  (re-exported for tests)
 from exporters.handoff import HandoffResolver
 from instrumented_connector import config
@@ -294,6 +295,9 @@ class PhaseMetricsProcessor(SpanProcessor):
                     fam.child(fam.xfer_gbps, (mode, role)).observe(g, ex)
             if phase == "write.complete" and outcome == "expired" and mode == "push":
                 fam.prefills_waiting.dec()
+        elif phase == "decode.first_step":
+            if kvuse.is_recomputed(a):
+                fam.child(fam.kv_recomputed, (mode,)).inc()
         elif mode == "push":
             if phase == "registration.receive":
                 fam.regs_waiting.inc()

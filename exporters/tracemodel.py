@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from exporters import ranks, store
+from exporters import kvuse, ranks, store
 from exporters.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
     _DERIVED,
     _PHASES,
@@ -250,7 +250,8 @@ class Trace:
                 "p_engine": self.p_engine, "d_engine": self.d_engine, "start_ns": self.start_ns,
                 "ttft_source": self.ttft_source, "ttft_err_s": self.ttft_err_s, "half": self.half,
                 "ranks": self.ranks_json(), "transfer": ranks.transfer_json(self.spans),
-                "release": release_json(self.spans, self.kv_ready_ns), "spans": [s.to_json() for s in self.spans]}
+                "release": release_json(self.spans, self.kv_ready_ns), "kv_use": kvuse.trace_kv_use(self.spans),
+                "spans": [s.to_json() for s in self.spans]}
 
     def ranks_json(self) -> dict[str, Any] | None:
         """Tensor-parallel ranks of the trace (:mod:`exporters.ranks`): ranks

@@ -24,6 +24,18 @@ from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, n
 P = sc.Phase
 
 
+def _recomputed(scheduler_output, rid: str, scheduled: int) -> int:
+    """Prompt tokens D computes itself for ``rid`` from this step on (its first
+    after the KV arrived): the prompt minus the tokens whose KV is in place
+    (``NewRequestData.num_computed_tokens``: the transfer's, or fewer where
+    vLLM's recompute policy dropped blocks that failed to load); the tokens
+    scheduled this step when the request is not among the new ones."""
+    for r in scheduler_output.scheduled_new_reqs:
+        if r.req_id == rid and r.prompt_token_ids is not None:
+            return max(0, len(r.prompt_token_ids) - r.num_computed_tokens)
+    return scheduled
+
+
 class _SchedulerHooks:
     """Scheduler-side hooks common to push and pull. Thread: the EngineCore busy loop."""
 
@@ -33,7 +45,7 @@ class _SchedulerHooks:
         super().__init__(*args, **kwargs)
         # All hook state exists before vLLM can call a hook.
         self._kvl_loaded = Pending()  # D: rid whose KV arrived, not yet scheduled -> None
-        self._kvl_sched = Pending()  # D: rid -> ns its first step after the KV was scheduled
+        self._kvl_sched = Pending()  # D: rid -> (ns its first step after the KV was scheduled, tokens recomputed)
 
     def _kvl_setup(self, rec) -> None:
         """Connect the recorder (called once, after ``__init__``)."""
@@ -54,7 +66,7 @@ class _SchedulerHooks:
                 for rid in [r for r in loaded if r in n]:
                     del loaded[rid]
                     t = t or now()
-                    self._kvl_sched.put(rid, t)
+                    self._kvl_sched.put(rid, (t, _recomputed(scheduler_output, rid, n[rid])))
             except Exception:
                 fail("build_connector_meta")
         return meta
@@ -65,8 +77,9 @@ class _SchedulerHooks:
             sched = self._kvl_sched
             if sched:
                 t = now()
-                for rid, t0 in sched.items():
-                    self._kvl.record(P.DECODE_FIRST_STEP, rid, t0, max(t, t0))
+                for rid, (t0, recomputed) in sched.items():
+                    self._kvl.record(P.DECODE_FIRST_STEP, rid, t0, max(t, t0), "ok",
+                                     {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size})
                 sched.clear()
             for rid in connector_output.finished_recving or ():
                 self._kvl_loaded.put(rid, None)

@@ -16,7 +16,7 @@ import math
 import sys
 from pathlib import Path
 
-from exporters import perfetto, ranks, store, tracemodel
+from exporters import kvuse, perfetto, ranks, store, tracemodel
 from exporters.tracemodel import Trace
 from instrumented_connector import config
 from instrumented_connector import semconv as sc
@@ -158,6 +158,10 @@ def waterfall(trace: Trace, width: int = 60) -> str:
         side = _LANE_OF.get(x.role, x.role)
         lines.append(f"  straggler: {side} rank {x.rank} finished {x.phase} last, {_fmt_s(x.lag_s)} after rank "
                      f"{x.first_rank} ({x.ranks} ranks; the request waits for the last)")
+    use = kvuse.trace_kv_use(spans)
+    if use and use["recomputed"]:
+        lines.append(f"  KV recomputed: D computed {use['recomputed_tokens']} prompt tokens itself at its first step "
+                     "(more than the last partial block): the KV that moved was not used")
     return "\n".join(lines)
 
 

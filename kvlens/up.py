@@ -71,10 +71,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "router and P's NIXL side channel to everyone who can reach the host unless --api-key or "
                         "VLLM_API_KEY is set, and even then for the side channel)")
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
-    p.add_argument("--nixl-progress", choices=SPIN_MODES, default="idle",
+    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default=None,
+                   help="D's vLLM kv_load_failure_policy: fail the request when its KV does not arrive (vLLM's "
+                        "default) or recompute the prompt on D (kvlens then marks and counts the request: "
+                        "kvlens_kv_recomputed_total)")
+    p.add_argument("--nixl-progress", choices=SPIN_MODES, default="auto",
                    help="NIXL's UCX progress thread in every vLLM worker polls with timeout 0 and takes a whole CPU "
-                        "when it runs: idle (default) gives it SCHED_IDLE once its server is up, so it runs only "
-                        "when its CPU has nothing else to do; as-is leaves it (stock and instrumented alike)")
+                        "when it runs. idle: SCHED_IDLE once its server is up (it runs only when its CPU has "
+                        "nothing else to do); startup: idle only until every server is up, then as vLLM runs it; "
+                        "as-is: never touched; auto (default): idle when the engine processes (one per TP rank) "
+                        "outnumber the CPUs, else startup. Stock and instrumented stacks alike")
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
     p.add_argument("--timeout", type=positive(float), default=None,
                    help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g} for one P and one D, plus "
@@ -170,7 +176,8 @@ def _stack(args: argparse.Namespace) -> Stack:
         vllm_router_port=getattr(args, "vllm_router_port", None),
         prefill_tp=getattr(args, "prefill_tp", None) or getattr(args, "tp", 1),
         decode_tp=getattr(args, "decode_tp", None) or getattr(args, "tp", 1),
-        nixl_progress=getattr(args, "nixl_progress", "idle"),
+        nixl_progress=getattr(args, "nixl_progress", "auto"),
+        kv_load_failure_policy=getattr(args, "kv_load_failure_policy", None),
     )
 
 

@@ -156,13 +156,18 @@ def pick_trace(df: pd.DataFrame) -> str:
     """The trace picker over the listed traces (the URL's ``trace`` when listed, else the first)."""
     ids = list(df["trace_id"])
     want = st.session_state.pop("_tr_want_trace", None)
-    if want and want in ids:
-        st.session_state["tr_trace"] = want
+    if want:
+        st.session_state["tr_trace"] = st.session_state["_tr_linked"] = want
+    linked = st.session_state.get("_tr_linked")
+    if linked and linked not in ids:  # a shared link to a trace the filters leave out: offered all the same
+        ids.insert(0, linked)
     if st.session_state.get("tr_trace") not in ids:
         st.session_state["tr_trace"] = ids[0]
     info = {r.trace_id: r for r in df.itertuples()}
 
     def label(tid: str) -> str:
+        if tid not in info:
+            return f"{tid[:12]}…  (from the link; not in the list above)"
         r = info[tid]
         h = ui.fmt_handoff(r.handoff_s, r.handoff_err_s, r.handoff_note) if pd.notna(r.handoff_s) or r.handoff_note \
             else "no handoff"
@@ -196,6 +201,10 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
     st.caption(f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
                f"P → D `{pair_label(rec.get('p_engine'), rec.get('d_engine'))}` · {ui.clock_caption(rec)} "
                "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases.")
+    use = rec.get("kv_use") or {}
+    if use.get("recomputed"):
+        st.warning(f"D computed {use['recomputed_tokens']:,} prompt tokens itself at its first step, more than the "
+                   "last partial block: the KV that moved was not used (counted in kvlens_kv_recomputed_total).")
     per_rank = rank_controls(rec)
     st.altair_chart(charts.waterfall_chart(
         spans, rec["critical_ms"], ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]),

@@ -57,9 +57,11 @@ def kv_transfer_config(
     kv_lease_s: int = DEFAULT_KV_LEASE_S,
     push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
     otlp_endpoint: str | None = None,
+    kv_load_failure_policy: str | None = None,
 ) -> dict:
     """vLLM's ``--kv-transfer-config`` for one side (``role`` prefill/decode).
-    ``otlp_endpoint``: also send kvlens' spans there (a collector)."""
+    ``otlp_endpoint``: also send kvlens' spans there (a collector);
+    ``kv_load_failure_policy``: D's (``fail``, vLLM's default, or ``recompute``)."""
     name, module = CONNECTORS[(mode, stock)]
     extra: dict[str, Any] = {
         "kv_lease_duration": int(kv_lease_s),
@@ -72,6 +74,8 @@ def kv_transfer_config(
         "engine_id": engine_id,
         "kv_connector_extra_config": extra,
     }
+    if kv_load_failure_policy and role == "decode":
+        cfg["kv_load_failure_policy"] = kv_load_failure_policy
     if module:
         cfg["kv_connector_module_path"] = module
         extra["kvlens_home"] = str(kvlens_home)

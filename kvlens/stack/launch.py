@@ -54,7 +54,7 @@ from kvlens.stack.instances import (
 )
 from kvlens.stack.ports import DEFAULT_HOST
 from kvlens.stack.preflight import preflight
-from kvlens.stack.spinners import ProgressThreads, check_mode
+from kvlens.stack.spinners import ProgressThreads, check_mode, resolve_mode
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
 from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, start_waves, startup_timeout_s, tp_args, tp_note
@@ -109,8 +109,10 @@ class Stack(StackExtras):
     #: TP size of the P (D): one for all or one per instance (:mod:`kvlens.stack.tp`); tuples after init
     prefill_tp: int | Sequence[int] = 1
     decode_tp: int | Sequence[int] = 1
-    #: NIXL's spinning UCX progress threads: "idle" (SCHED_IDLE once up) or "as-is" (:mod:`kvlens.stack.spinners`)
-    nixl_progress: str = "idle"
+    #: NIXL's spinning UCX progress threads: auto, idle, startup or as-is (:mod:`kvlens.stack.spinners`)
+    nixl_progress: str = "auto"
+    #: D's vLLM kv_load_failure_policy: None (vLLM's default, fail) or "fail" / "recompute"
+    kv_load_failure_policy: str | None = None
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
@@ -210,8 +212,8 @@ class Stack(StackExtras):
         cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances, tps=tps)
         env = server_env(base_env(home), role == "prefill", self.host, inst.side_port, prom,
                          self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}), cpus)
-        ktc = kv_transfer_config(self.mode, role, inst.engine_id, self.stock, home,
-                                 self.kv_lease_s, self.push_registration_timeout_s, topo.traces_url)
+        ktc = kv_transfer_config(self.mode, role, inst.engine_id, self.stock, home, self.kv_lease_s,
+                                 self.push_registration_timeout_s, topo.traces_url, self.kv_load_failure_policy)
         argv = vllm_argv(Path(self.model), self.host, inst.port, ktc,
                          [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)])
         return Child(inst.name, argv, env, Path(self.log_dir) / f"{inst.name}.log", inst.url, cwd=str(REPO_ROOT))
@@ -301,7 +303,9 @@ class Stack(StackExtras):
         each health-waited; re-pin every poll (a ready engine's workers spin on vLLM's
         pinned core and starved a still-starting one for 10+ min: pinning's docstring)
         and demote a ready server's NIXL progress threads (:mod:`~kvlens.stack.spinners`)."""
-        self.progress = ProgressThreads(self.nixl_progress, self._say)
+        processes = engine_processes(self.prefill_tp, self.decode_tp)  # type: ignore[arg-type]
+        self.progress = ProgressThreads(resolve_mode(self.nixl_progress, processes, len(pinning.available_cpus())),
+                                        self._say)
         by_name = {c.name: c for c in servers}
 
         def each_poll(c: Child) -> None:
@@ -318,6 +322,7 @@ class Stack(StackExtras):
             for name in wave:
                 pinning.repin(by_name[name], self._say)
                 self.progress.on_poll(by_name[name])
+        self.progress.restore()
 
     def _start_routers(self, deadline: float) -> None:
         """kvlens' router and/or vLLM's, started together, health-waited."""

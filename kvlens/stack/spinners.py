@@ -38,8 +38,9 @@ try:  # psutil ships with vLLM, not with kvlens
 except ImportError:  # pragma: no cover
     psutil = None  # type: ignore[assignment]
 
-#: ``--nixl-progress`` values.
-MODES = ("idle", "as-is")
+#: ``--nixl-progress`` values: ``auto`` is ``idle`` where the stack's engine
+#: processes outnumber the CPUs, else ``startup`` (:func:`resolve_mode`).
+MODES = ("auto", "idle", "startup", "as-is")
 #: Share of one CPU a worker's busiest non-main thread must use, engine idle,
 #: to count as the spinning progress thread (a spinning one shared a CPU with
 #: at most three others here: >= 20 %; an idle worker's other threads: <= 2 %).
@@ -124,6 +125,22 @@ def demote_spinners(pids: Iterable[int], rounds: int = 3,
     return found, todo
 
 
+def resolve_mode(mode: str, engine_processes: int, cpus: int) -> str:
+    """What ``auto`` means for a stack: ``idle`` (SCHED_IDLE while serving
+    too) when its engine processes outnumber the CPUs, so that the spinners
+    cannot each have a CPU; else ``startup`` (SCHED_IDLE until every server
+    is up, then back to the normal class, as vLLM runs them). Measured on this
+    2-core host, 1P1D push, interleaved fresh starts
+    (benchmarks/bench_spread.py): serving with the spinners idle made the
+    256-token TTFT p50 about 3x worse (211-282 ms against 69-84 ms): UCX is
+    then progressed only from vLLM's own calls. With P TP 2 and two D (five
+    engine processes) the spinners decided whether the stack started at all
+    (docs/tensor-parallel.md). Other modes are returned as given."""
+    if mode != "auto":
+        return mode
+    return "idle" if engine_processes > cpus else "startup"
+
+
 def check_mode(value: str) -> str:
     """``value`` when it is a ``--nixl-progress`` mode, else ValueError naming the flag."""
     if value not in MODES:
@@ -139,6 +156,10 @@ class ProgressThreads:
 
     def __init__(self, mode: str, say: Callable[[str], None]) -> None:
         self.mode = check_mode(mode)
+        if self.mode == "auto":
+            raise ValueError("resolve --nixl-progress auto first (resolve_mode)")
+        #: set by :meth:`restore`: the threads went back to the normal class after start-up
+        self.restored = False
         self.say = say
         #: server name -> {worker pid: demoted tid}
         self.demoted: dict[str, dict[int, int]] = {}
@@ -149,7 +170,7 @@ class ProgressThreads:
         """For a server child (:class:`~kvlens.stack.supervise.Child`) that is
         ready and not handled yet: demote its workers' spinners; warn, naming
         the worker, where none is found. Never raises."""
-        if self.mode != "idle" or c.name in self.demoted or c.ready_at is None or c.proc is None:
+        if self.mode not in ("idle", "startup") or c.name in self.demoted or c.ready_at is None or c.proc is None:
             return
         try:
             found, missing = demote_spinners(worker_pids(c.proc.pid))
@@ -165,7 +186,22 @@ class ProgressThreads:
             self.say(f"warning: {c.name}: no spinning NIXL progress thread found in worker pid {pid}; it keeps "
                      "the scheduling vLLM gave it")
 
+    def restore(self) -> None:
+        """``startup`` mode, once every server is up: the demoted threads back
+        to the normal class (``SCHED_OTHER``), so serving runs as vLLM runs it."""
+        if self.mode != "startup":
+            return
+        for name, found in self.demoted.items():
+            for tid in found.values():
+                try:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                except OSError as e:  # the thread ended meanwhile
+                    self.say(f"warning: {name}: NIXL progress thread {tid} not restored: {e}")
+        self.restored = True
+        if self.demoted:
+            self.say("NIXL progress threads back to the normal scheduling class for serving (--nixl-progress startup)")
+
     def to_json(self) -> dict[str, Any]:
-        return {"mode": self.mode,
+        return {"mode": self.mode, "restored_for_serving": self.restored,
                 "demoted": {n: {str(p): t for p, t in d.items()} for n, d in self.demoted.items()},
                 "not_found": {n: m for n, m in self.missing.items() if m}}

@@ -111,10 +111,16 @@ def push_stack(stack_factory):
     return stack_factory.get("push")
 
 
+#: the instrumented pull pair's settings (the bench grid reuses that pair)
+PULL_STACK_KW = {"kv_load_failure_policy": "recompute"}
+
+
 @pytest.fixture
 def pull_stack(stack_factory):
-    """Instrumented pull pair."""
-    return stack_factory.get("pull")
+    """Instrumented pull pair; D recomputes KV that fails to load (vLLM's
+    ``kv_load_failure_policy: recompute``; tests/e2e/test_e2e_kv_use.py
+    makes a load fail; a request whose KV arrives is served the same)."""
+    return stack_factory.get("pull", **PULL_STACK_KW)
 
 
 @pytest.fixture

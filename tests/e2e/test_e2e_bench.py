@@ -18,6 +18,7 @@ import pytest
 from exporters import store
 from instrumented_connector.ids import new_trace_id
 from kvlens import bench
+from conftest import PULL_STACK_KW
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +40,7 @@ def _sequential_url(stack) -> str:
 def grid_run(stack_factory, tmp_path_factory):
     """One bench run over pull, then push (overlapped + sequential)."""
     out = tmp_path_factory.mktemp("bench")
-    pull = stack_factory.get("pull")
+    pull = stack_factory.get("pull", **PULL_STACK_KW)  # the pull_stack fixture's pair
     opts = bench.BenchOptions(
         qps=QPS, input_lens=INPUT_LENS, output_len=OUTPUT_LEN, num_prompts=NUM_PROMPTS,
         seed=int.from_bytes(new_trace_id()[:8].encode(), "big") % 10_000,  # fresh prompts: shared stacks cache prefixes

@@ -244,6 +244,12 @@ def test_per_rank_and_join_fields_the_hooks_read():
     assert "self.tp_rank =" in init and "self.world_size =" in init
     assert "request_id" in {f.name for f in dataclasses.fields(metadata.RemoteMeta)}
     assert "num_scheduled_tokens" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    # KV used or recomputed: the first step's new requests with their prompt and the tokens in place
+    from vllm.v1.core.sched.output import NewRequestData
+
+    assert "scheduled_new_reqs" in {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert {"req_id", "prompt_token_ids", "num_computed_tokens"} <= {f.name for f in dataclasses.fields(NewRequestData)}
+    assert "block_size =" in inspect.getsource(nixl.NixlPullConnectorScheduler.__mro__[1].__init__)
     assert "finished_recving" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
     for cls in (nixl.NixlPushConnectorScheduler, nixl.NixlPullConnectorScheduler):
         assert list(inspect.signature(cls.update_connector_output).parameters)[1:] == ["connector_output"]

@@ -86,3 +86,27 @@ def test_progress_threads_of_a_ready_server_once_and_in_the_manifest(worker):
     assert off.demoted == {}
     with pytest.raises(ValueError, match="--nixl-progress"):
         spinners.ProgressThreads("fast", said.append)
+
+
+def test_startup_mode_restores_the_normal_class_once_every_server_is_up(worker):
+    spin = worker("spin")
+    said = []
+    pt = spinners.ProgressThreads("startup", said.append)
+    server = SimpleNamespace(name="decode", ready_at=time.monotonic(), proc=SimpleNamespace(pid=os.getpid()))
+    pt.on_poll(server)
+    tid = pt.demoted["decode"][spin.pid]
+    assert spinners.is_idle_class(tid)
+    pt.restore()
+    assert not spinners.is_idle_class(tid) and pt.to_json()["restored_for_serving"] is True
+    idle = spinners.ProgressThreads("idle", said.append)
+    idle.restore()  # idle keeps them idle: nothing to restore
+    assert idle.to_json()["restored_for_serving"] is False
+
+
+def test_auto_is_idle_only_when_engine_processes_outnumber_the_cpus():
+    assert spinners.resolve_mode("auto", 2, 2) == "startup"  # 1P1D on 2 cores
+    assert spinners.resolve_mode("auto", 5, 2) == "idle"  # P TP 2, D TP 2 + TP 1
+    assert spinners.resolve_mode("auto", 16, 64) == "startup"
+    assert spinners.resolve_mode("as-is", 5, 2) == "as-is"
+    with pytest.raises(ValueError, match="resolve"):
+        spinners.ProgressThreads("auto", print)
