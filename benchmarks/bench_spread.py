@@ -1,11 +1,12 @@
 """How much the TTFT of one cell varies between fresh starts of the same stack,
-with NIXL's spinning UCX progress threads left as they are and with
-``kvlens up``'s SCHED_IDLE for them (:mod:`kvlens.stack.spinners`), interleaved.
+with NIXL's spinning UCX progress threads left as they are (``as-is``), at
+SCHED_IDLE only while the stack starts (``startup``) and while it serves too
+(``idle``) (:mod:`kvlens.stack.spinners`), interleaved.
 
-    .venv/bin/python benchmarks/bench_spread.py                    # 5 starts per setting, push
+    .venv/bin/python benchmarks/bench_spread.py                    # 5 starts per setting, push, 3 settings
     .venv/bin/python benchmarks/bench_spread.py --starts 3 --settings as-is,idle --cells 2048,256
 
-For each start (settings alternate ABBA: as-is, idle, idle, as-is, ...) it
+For each start (settings alternate ABBA: A B C, C B A, ...) it
 starts a fresh instrumented 1P1D stack (:class:`kvlens.up.Stack`, its own
 home), sends each cell (``--requests`` prompts of the cell's token count,
 Poisson arrivals at ``--qps``, ``--output-len`` tokens, the same prompts and
@@ -97,7 +98,8 @@ def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]
                   f"({r['ok']}/{r['sent']} ok), CPU P {r['cpu_share'].get('prefill', 0):.0%} "
                   f"D {r['cpu_share'].get('decode', 0):.0%} router {r['cpu_share'].get('router', 0):.0%} "
                   f"outside {r['outside_share']:.0%}; started in {st.startup_s:.0f} s, "
-                  f"{rows[-1]['demoted']} progress threads at SCHED_IDLE", flush=True)
+                  f"{rows[-1]['demoted']} progress threads demoted"
+                  f"{' (restored for serving)' if st.progress and st.progress.restored else ''}", flush=True)
     return rows
 
 
@@ -118,7 +120,8 @@ def report(rows: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--starts", type=int, default=5, help="fresh stack starts per setting (default 5)")
-    ap.add_argument("--settings", default="as-is,idle", help="--nixl-progress values to compare (default as-is,idle)")
+    ap.add_argument("--settings", default="as-is,startup,idle",
+                    help="--nixl-progress values to compare (default as-is,startup,idle)")
     ap.add_argument("--mode", choices=["push", "pull"], default="push")
     ap.add_argument("--stock", action="store_true", help="vLLM's own connectors instead of kvlens'")
     ap.add_argument("--cells", default="2048,256", help="prompt lengths in tokens, one cell each (default 2048,256)")
@@ -130,15 +133,15 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
     settings = [s for s in a.settings.split(",") if s]
-    if a.starts < 1 or not settings or set(settings) - {"as-is", "idle"}:
-        ap.error("--starts >= 1; --settings: as-is and/or idle")
+    if a.starts < 1 or not settings or set(settings) - {"as-is", "startup", "idle"}:
+        ap.error("--starts >= 1; --settings: as-is, startup and/or idle")
     from kvlens.model import ensure_model
 
     model = ensure_model(Path(tempfile.mkdtemp(prefix="kvlens-spread-model-")) / "model")
     maker = bench.PromptMaker(model)
     prompts = {int(t): [maker.make(int(t), bench.rng(a.seed, int(t), j)) for j in range(a.requests)]
                for t in a.cells.split(",")}
-    order = []  # ABBA: as-is, idle, idle, as-is, ...
+    order = []  # ABBA: A B C, C B A, A B C, ...
     for i in range(a.starts):
         order += [(s, i) for s in (settings if i % 2 == 0 else settings[::-1])]
     rows: list[dict] = []

@@ -54,7 +54,7 @@ def bench_grid(cfg: ui.Config) -> bool:
     if not len(df):
         st.info("The selected run has no rows.")
         return True
-    show = bench_display(df)
+    show = ms_text(bench_display(df))
     st.dataframe(ui.table_view(show, ms_formats(show)), hide_index=True, width="stretch",
                  column_config=ms_columns(show))
     st.caption("Times in ms. Ratio columns: push ÷ pull for the same input length, output length and QPS "
@@ -88,11 +88,12 @@ def live_window(cfg: ui.Config) -> None:
             if c.endswith("(ms)"):
                 show.loc[2, c] = live.loc[2, [k for k, v in LABELS.items() if v == c][0]]
     fmts = {c: ",.0f" if c == "requests" else ".3g" if c == "req/s" else ".2f" for c in show.columns[1:]}
+    modes = ms_text(show.iloc[:2])  # ms to the digits they carry; the push÷pull row stays a ratio
     if len(show) == 3:  # the ratio row: two decimals, whatever the column
-        show = ui.table_view(show.iloc[:2], fmts).pipe(
+        show = ui.table_view(modes, fmts).pipe(
             lambda t: pd.concat([t, ui.table_view(show.iloc[2:], {c: ".2f" for c in show.columns[1:]})]))
     else:
-        show = ui.table_view(show, fmts)
+        show = ui.table_view(modes, fmts)
     st.dataframe(show, hide_index=True, width="stretch",
                  column_config={"TPOT mean (ms)": st.column_config.TextColumn(
                      "TPOT mean (ms)", help="-: the trace store records no per-request TPOT (see the grid above)")})
@@ -136,13 +137,23 @@ def interval_cells(row: dict, metric: str) -> tuple[str | None, str | None]:
     return ci, B.verdict(None if _nan(lo) else lo, None if _nan(hi) else hi)
 
 
+def ms_text(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy with every ``(ms)`` column as text to the digits a time carries
+    without a bound (:func:`dashboard.ui.fmt_ms`: 3 significant digits, whole
+    ms at least: ``12.3``, ``9,247``); ``-`` where missing."""
+    out = df.copy()
+    for c in out.columns:
+        if c.endswith("(ms)"):
+            out[c] = [ui.fmt_ms(None if _nan(v) else float(v) / 1e3) for v in out[c]]
+    return out
+
+
 def ms_formats(df: pd.DataFrame) -> dict[str, str]:
-    """Cell formats of the grid: ms to 2 decimals, ratios as ``0.80×``, lengths as integers."""
+    """Cell formats of the grid (its ms columns are text already, :func:`ms_text`):
+    ratios as ``0.80×``, lengths as integers."""
     fmts = {"input_len": ",.0f", "rounds": ",.0f"}
     for c in df.columns:
-        if c.endswith("(ms)"):
-            fmts[c] = ".2f"
-        elif "÷" in c:
+        if "÷" in c:
             fmts[c] = "{:.2f}×"
     return fmts
 

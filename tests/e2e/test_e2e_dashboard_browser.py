@@ -204,9 +204,7 @@ def check_page(page, dash_url: str, name: str, width: int, tmp_path: Path) -> in
     where = f"{name} at {width}px"
     n = check_cards(page, where)
     if name != "overview" or page.locator("[data-testid=stDataFrame]").count():
-        # the Compare page's tables are not held to the digits rule yet: their ms figures
-        # have two decimals whatever their size
-        check_tables(page, where, digits=name != "compare")
+        check_tables(page, where)
     assert page.locator("[data-testid=stAppDeployButton]").count() == 0, f"Deploy button on {where}"
     assert page.get_by_role("button", name="Deploy").count() == 0, f"Deploy button on {where}"
     assert "Traceback" not in page.inner_text("body")

@@ -328,6 +328,15 @@ def test_compare_page(app, store_path):
     assert any("handoff vs QPS" in str(t) for t in chart_titles(at))
     live = at.dataframe[-1].value
     assert list(live["mode"]) == ["push", "pull", "push÷pull"]
+    # ms to the digits a time carries (3 significant, whole ms at least), ratios to 2 decimals
+    import re
+
+    for table in (grid, live.iloc[:2]):
+        for c in [c for c in table.columns if c.endswith("(ms)")]:
+            for v in table[c]:
+                digits = re.sub(r"\D", "", v.lstrip("0.,"))
+                assert v == "-" or len(digits) <= 3 or "." not in v, (c, v)
+    assert all(v == "-" or re.fullmatch(r"\d+\.\d\d", v) for v in live.iloc[2][1:] if isinstance(v, str)), live.iloc[2]
 
 
 def test_compare_without_bench_rows(app, tmp_path):
