@@ -80,7 +80,16 @@ TABLE_COLUMNS = (
     ("failed", lambda r: str(r["failed"])),
     ("TTFT p50 push/pull [95% CI]", lambda r: _ci(r, "ttft_p50_s")),
     ("handoff p50 push/pull [95% CI]", lambda r: _ci(r, "handoff_p50_s")),
+    ("CPU outside", lambda r: _outside(r)),
 )
+
+
+def _outside(row: dict) -> str:
+    """CPUs used outside the stack and the bench during the cell (``!``: busy,
+    the verdict may not hold; ``?``: the stack's processes are unknown)."""
+    if row.get("cpu_outside") is not None:
+        return f"{row['cpu_outside']:.2f}{' !' if row.get('machine_busy') else ''}"
+    return "?" if "cpu_busy" in row else "-"
 #: Added where rows pool several rounds: how many, and each round's p50 (the spread between rounds).
 ROUND_COLUMNS = (
     ("rounds", lambda r: str(r.get("rounds") or "-")),
@@ -162,8 +171,32 @@ def _tally(compared: list[dict]) -> list[str]:
     return out
 
 
+def machine_caveats(rows: Sequence[dict]) -> list[str]:
+    """Cells measured while other work took CPU, or with placement not as
+    asked: their verdicts may not hold (:mod:`kvlens.bench.machine`)."""
+    out = []
+    busy = [r for r in rows if r.get("machine_busy")]
+    if busy:
+        worst = max(r.get("cpu_outside") or 0.0 for r in busy)
+        cells = ", ".join(sorted({f"{r['mode']} in={r['input_len']} qps={r['qps']:g}" for r in busy}))
+        out.append(f"The machine was busy during {len(busy)} of {len(rows)} rows ({cells}): up to {worst:.2f} CPU "
+                   "went to work outside the stack and the bench; their figures and verdicts may not hold.")
+    off = sorted({r["placement"] for r in rows if (r.get("placement") or "as asked").startswith("not as asked")})
+    if off:
+        out.append("Placement not as asked during some cells (" + "; ".join(off) + "): their figures may not "
+                   "compare with the others.")
+    if rows and all(r.get("cpu_stack", 0) is None and "cpu_busy" in r for r in rows):
+        out.append("The stack's processes are not known (--proxy): each row's machine load includes the stack "
+                   "(cpu_not_bench).")
+    return out
+
+
 def caveats(rows: Sequence[dict], fresh_stacks: bool = False, started_stacks: bool = True) -> list[str]:
-    """What the intervals of these rows do not cover."""
+    """What the intervals of these rows do not cover, and what the machine did."""
+    return _round_caveats(rows, fresh_stacks, started_stacks) + machine_caveats(rows)
+
+
+def _round_caveats(rows: Sequence[dict], fresh_stacks: bool, started_stacks: bool) -> list[str]:
     rounds = {r.get("rounds") for r in rows if r.get("rounds")}
     if not rounds:
         return []

@@ -16,7 +16,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from exporters import store
 from exporters.benchrows import INTERVAL_KEYS
@@ -37,6 +37,8 @@ class Target:
     decode_url: str | None = None
     #: sent as ``Authorization: Bearer`` to the router (``kvlens proxy --api-key``)
     api_key: str | None = field(default=None, repr=False, compare=False)
+    #: the stack behind it when the bench started it (its processes' CPU per cell); None with --proxy
+    stack: Any = field(default=None, repr=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -110,6 +112,8 @@ class Cell:
     decode_tpot_note: str | None = None
     #: which round of ``kvlens bench --repeat`` measured it (1-based)
     round: int = 1
+    #: what the machine did during the cell (:class:`~kvlens.bench.machine.MachineWatch`)
+    machine: dict = field(default_factory=dict)
 
 
 def samples(cell: Cell, metric: str) -> list[float]:
@@ -237,6 +241,7 @@ def summarize_cell(cell: Cell, opts: BenchOptions, run_id: str, prefix_caching: 
         "e2e_p50_s": percentile((r.latency_s for r in ok), 50),
         "e2e_p99_s": percentile((r.latency_s for r in ok), 99),
         **tr,
+        **cell.machine,
         "prompt_tokens_mean": mean(r.prompt_tokens for r in ok),
         "output_tokens_mean": mean(r.output_tokens for r in ok),
         "duration_s": cell.duration_s,

@@ -102,5 +102,20 @@ def pooled_rows(cells: Sequence[Cell], opts: BenchOptions, run_id: str) -> list[
         row = summarize_cell(pool_cells(group), opts, run_id, group[0].row.get("prefix_caching", "external"))
         row["round_ttft_p50_s"] = [percentile(samples(c, "ttft_p50_s"), 50) for c in group]
         row["round_handoff_p50_s"] = [percentile(samples(c, "handoff_p50_s"), 50) for c in group]
+        row.update(pooled_machine(group))
         rows.append(row)
     return add_intervals(add_ratios(rows), cells)
+
+
+def pooled_machine(group: Sequence[Cell]) -> dict:
+    """A pooled row's machine fields: the busiest round's outside load and
+    CPU, each round's placement, flagged if any round was busy."""
+    ms = [c.machine for c in group if c.machine]
+    if not ms:
+        return {}
+    outside = [m["cpu_outside"] for m in ms if m.get("cpu_outside") is not None]
+    return {"cpu_busy": max(m["cpu_busy"] for m in ms), "cpu_outside": max(outside) if outside else None,
+            "machine_busy": any(m.get("machine_busy") for m in ms),
+            "round_cpu_stack": [m.get("cpu_stack") for m in ms], "round_placement": [m.get("placement") for m in ms],
+            "placement": next((m["placement"] for m in ms if (m.get("placement") or "as asked") != "as asked"),
+                              ms[0].get("placement"))}

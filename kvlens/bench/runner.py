@@ -37,6 +37,7 @@ from kvlens.bench.grid import (
     validate_grid,
 )
 from kvlens.bench.load import run_cell_async, warm_up
+from kvlens.bench.machine import MachineWatch
 from kvlens.bench.probe import RouterInfo, decode_tpot, probe_router, served_name
 from kvlens.bench.prompts import PromptMaker, rng
 from kvlens.bench.results import Cell, Target, summarize_cell, wait_for_traces
@@ -156,6 +157,7 @@ def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: lis
         file=sys.stderr, disable=not opts.progress, leave=True, dynamic_ncols=True,
     )
     before, note = decode_tpot(t.decode_url)
+    watch = MachineWatch(t.stack).start()
     try:
         results, dur = asyncio.run(
             run_cell_async(t, model_name, prompts, float(qps), opts.output_len, r,
@@ -163,8 +165,9 @@ def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: lis
         )
     finally:
         bar.close()
+    machine = watch.stop()
     traces = wait_for_traces(run.store, results, opts.trace_wait_s)
-    cell = Cell(t, float(qps), int(input_len), results, traces, dur, round=round_)
+    cell = Cell(t, float(qps), int(input_len), results, traces, dur, round=round_, machine=machine)
     _decode_growth(cell, before, note)
     cell.row = summarize_cell(cell, opts, run.run_id, prefix_caching)
     run.cells.append(cell)
@@ -283,8 +286,8 @@ def _start(factory: Callable[..., Any], group: tuple[str, list[str | None]], mod
         stack.start()
         key = getattr(stack, "api_key", None) or opts.api_key
         d_url = getattr(stack, "decode_url", None) or None
-        targets = [Target(mode, ds[0], stack.router_url, d_url, key)]
-        targets += [Target(mode, d, stack.add_router(d), d_url, key) for d in ds[1:]]
+        targets = [Target(mode, ds[0], stack.router_url, d_url, key, stack=stack)]
+        targets += [Target(mode, d, stack.add_router(d), d_url, key, stack=stack) for d in ds[1:]]
         return stack, targets, served_name(stack.router_url, key)
     except BaseException:
         _stop(stack)

@@ -113,6 +113,33 @@ def repin_worker_threads(server_pid: int, cpus: set[int] | Sequence[set[int]]) -
     return workers, moved
 
 
+def off_placement(server_pid: int, lists: Sequence[set[int]]) -> str | None:
+    """The first vLLM worker thread under ``server_pid`` whose CPU set is not
+    its rank's list (``lists``: one per rank; one list: every worker), as
+    ``"worker <pid> thread <tid> on CPUs [..], asked [..]"``; None when all
+    are where they were put. Raises when psutil is missing."""
+    if psutil is None:
+        raise RuntimeError("psutil is not installed")
+    for proc in psutil.Process(server_pid).children(recursive=True):
+        try:
+            if not proc.name().startswith("VLLM::Worker"):
+                continue
+            rank = 0 if len(lists) == 1 else _worker_rank(proc)
+            if rank is None or rank >= len(lists):
+                continue
+            tids = [t.id for t in proc.threads()]
+        except psutil.Error:
+            continue
+        for tid in tids:
+            try:
+                got = set(os.sched_getaffinity(tid))
+            except OSError:  # ended meanwhile
+                continue
+            if got != lists[rank]:
+                return f"worker {proc.pid} thread {tid} on CPUs {sorted(got)}, asked {sorted(lists[rank])}"
+    return None
+
+
 def repin(c: Child, say: Callable[[str], None]) -> None:
     """Undo vLLM's CPU NIXL worker pinning for one server child, rank by
     rank at TP > 1; the stack still serves without it (with long stalls), so

@@ -76,6 +76,8 @@ def test_every_row_present_and_sane(grid_run):
         assert r["ttft_p50_s"] <= r["e2e_p50_s"]
         assert r["handoff_p50_s"] < r["e2e_p99_s"]  # the handoff is part of the request
         assert r["output_tokens_mean"] == OUTPUT_LEN  # ignore_eos: exactly output_len tokens
+        # what the machine did: routers given by URL, so the stack's processes are not known
+        assert r["cpu_busy"] > 0 and r["cpu_not_bench"] is not None and r["cpu_stack"] is None, r
         # prompts of input_len tokens (decode/encode round trips can miss by one)
         assert abs(r["prompt_tokens_mean"] - r["input_len"]) <= 1
         assert r["handoff_n"] == r["completed"] and r["traces_in_store"] == r["num_prompts"]
@@ -164,3 +166,9 @@ def test_demo_no_dashboard(stack_factory, kvlens_home, capsys):
     finally:
         conn.close()
     assert {(r["mode"], r["dispatch"]) for r in rows} == {("pull", None), ("push", "overlapped"), ("push", "sequential")}
+    # stacks the demo started itself: every row says what P, D and the router used and where they ran
+    for r in rows:
+        assert {"prefill", "decode", "router"} <= set(r["cpu_stack"]), r["cpu_stack"]
+        assert r["cpu_stack"]["prefill"] > 0 and r["cpu_stack"]["decode"] > 0, r["cpu_stack"]
+        assert r["cpu_outside"] is not None and r["placement"] == "as asked", (r["cpu_outside"], r["placement"])
+    assert "CPU outside" in out
