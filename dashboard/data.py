@@ -298,11 +298,8 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
     ``t0_ns``, ``critical_ms`` (the handoff window in ms from t0) and
     ``decomposition`` (TTFT = queue+prefill, handoff, first decode step;
     seconds). Span rows carry offsets in ms from the trace start, ``point``,
-    ``critical`` (tracemodel's marking), ``attributes`` (JSON text), one
-    ``attr_*`` column per key, the TP ``rank`` a worker span was recorded on
-    (None for scheduler spans and one-rank engines) and two lanes: ``lane``
-    (role · phase, ranks together) and ``rank_lane`` (role rN · phase, one per
-    rank: the waterfall's expanded view)."""
+    ``critical``, ``attributes`` (JSON), one ``attr_*`` column per key, the TP ``rank`` of a worker
+    span (else None), ``lane`` (role · phase) and ``rank_lane`` (role rN · phase: one per rank)."""
     with store.reading(path) as c:
         tr = tracemodel.find(c, [trace_id]).get(trace_id)
     if tr is None:
@@ -317,8 +314,7 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
         row = {
             "phase": s.name,
             "role": s.role or "?",
-            "rank": r,
-            "lane": f"{s.role or '?'} · {s.name}",
+            "rank": r, "lane": f"{s.role or '?'} · {s.name}",
             "rank_lane": f"{s.role or '?'}{f' r{r}' if r is not None else ''} · {s.name}",
             "start_ms": (s.start_ns - t0) / 1e6,
             "end_ms": (s.end_ns - t0) / 1e6,

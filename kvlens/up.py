@@ -70,17 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bind address for all three servers (default loopback; any other address opens P, D, the "
                         "router and P's NIXL side channel to everyone who can reach the host unless --api-key or "
                         "VLLM_API_KEY is set, and even then for the side channel)")
-    p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
-    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default=None,
-                   help="D's vLLM kv_load_failure_policy: fail the request when its KV does not arrive (vLLM's "
-                        "default) or recompute the prompt on D (kvlens then marks and counts the request: "
-                        "kvlens_kv_recomputed_total)")
-    p.add_argument("--nixl-progress", choices=SPIN_MODES, default="auto",
-                   help="NIXL's UCX progress thread in every vLLM worker polls with timeout 0 and takes a whole CPU "
-                        "when it runs. idle: SCHED_IDLE once its server is up (it runs only when its CPU has "
-                        "nothing else to do); startup: idle only until every server is up, then as vLLM runs it; "
-                        "as-is: never touched; auto (default): idle when the engine processes (one per TP rank) "
-                        "outnumber the CPUs, else startup. Stock and instrumented stacks alike")
+    _add_engine_arguments(p)
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
     p.add_argument("--timeout", type=positive(float), default=None,
                    help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g} for one P and one D, plus "
@@ -116,6 +106,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 _ROUTERS = from_parser(parse_routers, StackError)  #: argparse ``type=`` of ``--router``
 _TP_SIZES = from_parser(parse_tp, ValueError)  #: argparse ``type=`` of ``--prefill-tp`` / ``--decode-tp``
+
+
+def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """What kvlens up sets in the engines it starts besides their sizes."""
+    p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
+    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default=None,
+                   help="D's vLLM kv_load_failure_policy: fail the request when its KV does not arrive (vLLM's "
+                        "default) or recompute the prompt on D (kvlens then marks and counts the request: "
+                        "kvlens_kv_recomputed_total)")
+    p.add_argument("--nixl-progress", choices=SPIN_MODES, default="auto",
+                   help="NIXL's UCX progress thread in every vLLM worker polls with timeout 0 and takes a whole CPU "
+                        "when it runs. idle: SCHED_IDLE once its server is up (it runs only when its CPU has "
+                        "nothing else to do); startup: idle only until every server is up, then as vLLM runs it; "
+                        "as-is: never touched; auto (default): idle when the engine processes (one per TP rank) "
+                        "outnumber the CPUs, else startup. Stock and instrumented stacks alike")
 
 
 def _add_tp_arguments(p: argparse.ArgumentParser) -> None:

@@ -86,7 +86,7 @@ def test_json_form_keys_are_the_cli_contract():
     assert list(rec) == ["trace_id", "request_id", "mode", "dispatch", "outcome", "ttft_s", "handoff_s",
                          "handoff_err_s", "handoff_raw_s", "handoff_note", "clock_offset_s", "clock_interval_s",
                          "p_engine", "d_engine", "start_ns", "ttft_source", "ttft_err_s", "half", "ranks", "transfer",
-                         "release", "spans"]
+                         "release", "kv_use", "spans"]
     assert [list(s) for s in rec["spans"]][0] == ["name", "role", "start_ns", "end_ns", "span_id", "parent_id",
                                                   "outcome", "attributes"]
     assert rec == tracemodel.trace_record(_summary(), SPANS)
