@@ -5,6 +5,7 @@ SCHED_IDLE only while the stack starts (``startup``) and while it serves too
 
     .venv/bin/python benchmarks/bench_spread.py                    # 5 starts per setting, push, 3 settings
     .venv/bin/python benchmarks/bench_spread.py --starts 3 --settings as-is,idle --cells 2048,256
+    .venv/bin/python benchmarks/bench_spread.py --stock-vs-instrumented   # the observer effect, by latency
 
 For each start (settings alternate ABBA: A B C, C B A, ...) it
 starts a fresh instrumented 1P1D stack (:class:`kvlens.up.Stack`, its own
@@ -80,15 +81,20 @@ def run_cell(stack: Stack, prompts: list[str], a, seed_key: int) -> dict:
     ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
     per = {k: (cpu1.get(k, 0.0) - v) / wall for k, v in cpu0.items()}
     return {"ok": len(ttfts), "sent": len(results), "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+            "ttfts_s": ttfts,
             "cpu_share": per, "outside_share": max(0.0, (busy1 - busy0) / wall - sum(per.values())),
             "wall_s": wall}
 
 
 def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]]) -> list[dict]:
+    """One fresh stack of ``setting`` (a ``--nixl-progress`` value, or with
+    ``--stock-vs-instrumented`` ``stock`` / ``instrumented``), every cell sent once."""
     home = Path(tempfile.mkdtemp(prefix=f"kvlens-spread-{setting}-{i}-"))
     rows = []
-    with Stack(mode=a.mode, model=model, port=0, kvlens_home=home, quiet=True, nixl_progress=setting,
-               stock=a.stock) as st:
+    stock = setting == "stock" if a.stock_vs_instrumented else a.stock
+    progress = a.nixl_progress if a.stock_vs_instrumented else setting
+    with Stack(mode=a.mode, model=model, port=0, kvlens_home=home, quiet=True, nixl_progress=progress,
+               stock=stock) as st:
         for n, (tokens, ps) in enumerate(prompts.items()):
             r = run_cell(st, ps, a, n)
             rows.append({"setting": setting, "start": i, "input_len": tokens, "startup_s": st.startup_s, **r,
@@ -117,6 +123,26 @@ def report(rows: list[dict]) -> None:
               + (f" ({len(v) - len(got)} starts without a TTFT)" if len(got) < len(v) else ""))
 
 
+def report_ratio(rows: list[dict], num: str = "instrumented", den: str = "stock") -> None:
+    """Per cell: ``num`` / ``den`` TTFT p50 over all their starts, with a
+    hierarchical bootstrap 95 % interval (starts, then requests within a
+    start: :func:`kvlens.bench.stats.bootstrap_ratio`)."""
+    from kvlens.bench.stats import bootstrap_ratio, percentile
+
+    print(f"\n{num} / {den} TTFT p50 (95% bootstrap interval over starts and requests):")
+    for tokens in sorted({r["input_len"] for r in rows}):
+        side = {v: [r["ttfts_s"] for r in rows if (r["setting"], r["input_len"]) == (v, tokens)] for v in (num, den)}
+        p50 = {v: percentile([x for start in side[v] for x in start], 50) for v in side}
+        ci = bootstrap_ratio(side[num], side[den])
+        if not p50[num] or not p50[den] or ci is None:
+            print(f"  {tokens:5} tok: not enough data")
+            continue
+        inside = ci[0] <= 1.0 <= ci[1]
+        print(f"  {tokens:5} tok: {p50[num] / p50[den]:.3f} [{ci[0]:.3f}-{ci[1]:.3f}] over "
+              f"{len(side[num])}+{len(side[den])} starts: "
+              + ("no resolvable difference" if inside else f"{num if ci[1] < 1 else den} lower"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--starts", type=int, default=5, help="fresh stack starts per setting (default 5)")
@@ -124,6 +150,10 @@ def main() -> int:
                     help="--nixl-progress values to compare (default as-is,startup,idle)")
     ap.add_argument("--mode", choices=["push", "pull"], default="push")
     ap.add_argument("--stock", action="store_true", help="vLLM's own connectors instead of kvlens'")
+    ap.add_argument("--stock-vs-instrumented", action="store_true",
+                    help="compare vLLM's own connectors with kvlens' instead of --settings (both with "
+                         "--nixl-progress), and print the instrumented / stock TTFT ratio with its interval")
+    ap.add_argument("--nixl-progress", default="auto", help="with --stock-vs-instrumented: both stacks' setting")
     ap.add_argument("--cells", default="2048,256", help="prompt lengths in tokens, one cell each (default 2048,256)")
     ap.add_argument("--qps", type=float, default=1.0)
     ap.add_argument("--requests", type=int, default=8)
@@ -132,9 +162,10 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
-    settings = [s for s in a.settings.split(",") if s]
-    if a.starts < 1 or not settings or set(settings) - {"as-is", "startup", "idle"}:
-        ap.error("--starts >= 1; --settings: as-is, startup and/or idle")
+    settings = ["instrumented", "stock"] if a.stock_vs_instrumented else [s for s in a.settings.split(",") if s]
+    if a.starts < 1 or not settings or (not a.stock_vs_instrumented
+                                        and set(settings) - {"as-is", "startup", "idle", "auto"}):
+        ap.error("--starts >= 1; --settings: as-is, startup, idle and/or auto")
     from kvlens.model import ensure_model
 
     model = ensure_model(Path(tempfile.mkdtemp(prefix="kvlens-spread-model-")) / "model")
@@ -151,6 +182,8 @@ def main() -> int:
     except KeyboardInterrupt:
         print("interrupted; the stack was stopped", file=sys.stderr)
     report(rows)
+    if a.stock_vs_instrumented:
+        report_ratio(rows)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 0

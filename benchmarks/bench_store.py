@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import random
 import secrets
 import statistics

@@ -30,7 +30,6 @@ from urllib.parse import urlencode
 import pandas as pd
 
 from exporters import benchrows, ranks, store, tracemodel
-from exporters.store import queries
 from instrumented_connector import semconv as sc
 
 MODES: tuple[str, ...] = tuple(m.value for m in sc.Mode)

@@ -6,7 +6,7 @@
 
   - the SQLite trace store (always, unless ``kvlens_store: off``): a
     :class:`exporters.batching.CountingBatchSpanProcessor` (bounded queue,
-    every loss counted) -> :class:`exporters.store.SQLiteSpanExporter`
+    every loss counted) -> :class:`exporters.store.StoreSpanExporter`
     (at most ``store_max_block_s`` per batch);
   - OTLP/HTTP (the standard exporter, :data:`OTLP_TIMEOUT_S` per batch,
     through the same counting processor) when ``OTEL_EXPORTER_OTLP_ENDPOINT`` /
@@ -175,7 +175,7 @@ def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Map
     TracerProvider (run once, on the recorder thread). ``config`` is checked
     here, so a bad option raises in the caller, not later.
     ``store_max_block_s``: the most one store batch may wait for the write
-    lock (default :attr:`exporters.store.SQLiteSpanExporter.MAX_BLOCK_S`)."""
+    lock (default :attr:`exporters.store.StoreSpanExporter.MAX_BLOCK_S`)."""
     cfg = validate_config(config)
 
     def build(id_generator: PinnedIdGenerator) -> BoundedTracerProvider:
@@ -186,7 +186,7 @@ def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Map
         _ledgers.append((os.getpid(), role, losses))
         provider = BoundedTracerProvider(resource=Resource.create(attrs), id_generator=id_generator, losses=losses)
         if enabled(cfg, "kvlens_store"):
-            exporter = store.SQLiteSpanExporter(store_path(cfg), max_block_s=store_max_block_s,
+            exporter = store.StoreSpanExporter(store_path(cfg), max_block_s=store_max_block_s,
                                                 retention=retention_s(cfg))
             provider.add_span_processor(CountingBatchSpanProcessor(
                 exporter, losses=losses, max_queue_size=MAX_QUEUE, schedule_delay_s=0.2,

@@ -36,7 +36,6 @@ from exporters.promapi import PrometheusError
 __all__ = ["PrometheusError", "PrometheusServer", "rules_path"]
 
 DEFAULT_BINARY = "/usr/bin/prometheus"
-DEFAULT_JOBS = ("kvlens-router", "vllm-prefill", "vllm-decode")
 RULES_FILE = "recording_rules.yml"
 _JOB_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DURATION_RE = re.compile(r"^[0-9]+(ms|s|m|h|d|w|y)$")

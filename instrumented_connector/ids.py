@@ -63,13 +63,6 @@ def incoming_trace(headers: Mapping[str, str]) -> tuple[str, int | None]:
     return new_trace_id(), None
 
 
-def traceparent_header(trace_id: str) -> str:
-    """The W3C ``traceparent`` the router sends to P and D: the request's
-    trace id with the router's root span (:func:`root_span_id`) as parent, so
-    vLLM's own tracing (``--otlp-traces-endpoint``) joins the same trace."""
-    return f"00-{trace_id}-{span_hex(root_span_id(int(trace_id, 16)))}-01"
-
-
 def vllm_request_id_base(endpoint: str, trace_id: str) -> str:
     """The id vLLM gives a request sent with ``X-Request-Id: trace_id``, without
     its random suffix (what push matching on P compares)."""

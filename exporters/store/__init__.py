@@ -12,8 +12,8 @@ everything else takes either. Same schema, same queries, same results.
 * :mod:`~exporters.store.pg`: the PostgreSQL backend (pooled psycopg 3
   connections behind the ``sqlite3`` surface the queries use).
 * :mod:`~exporters.store.retention`: :func:`prune`, :class:`Retention`.
-* :mod:`~exporters.store.writer`: spans in (``StoreSpanExporter``, alias
-  ``SQLiteSpanExporter``: the SDK exporter, either backend).
+* :mod:`~exporters.store.writer`: spans in (``StoreSpanExporter``: the SDK
+  exporter, either backend).
 * :mod:`~exporters.store.queries`: every read the resolver, ``kvlens traces``,
   the bench and the dashboard need, as functions of their parameters.
 * :mod:`~exporters.store.errors`: :class:`StoreError` and its kinds, printable as one line.
@@ -58,7 +58,6 @@ from exporters.store.queries import (
     window,
 )
 from exporters.store.schema import (
-    SCHEMA,
     SCHEMA_VERSION,
     SPAN_COLUMNS,
     TRACE_COLUMNS,
@@ -67,17 +66,15 @@ from exporters.store.schema import (
     reading,
 )
 from exporters.store.retention import Retention, prune
-from exporters.store.writer import SQLiteSpanExporter, StoreSpanExporter, bulk_insert, settle, write_spans
+from exporters.store.writer import StoreSpanExporter, bulk_insert, settle, write_spans
 
 __all__ = [
     "HANDOFF_COLUMNS",
-    "SCHEMA",
     "SAMPLE_SPAN_COLUMNS",
     "SAMPLE_TRACE_COLUMNS",
     "SCHEMA_VERSION",
     "SPAN_COLUMNS",
     "Retention",
-    "SQLiteSpanExporter",
     "StoreAccessDenied",
     "StoreSpanExporter",
     "StoreUnavailable",

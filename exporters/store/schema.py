@@ -63,9 +63,6 @@ from exporters.store.errors import StoreCorrupt, StoreError, StoreMissing, Store
 #: Parameter placeholder: both backends take ``?`` (the PostgreSQL adapter translates).
 PARAM = "?"
 LEAST, GREATEST = SQLITE.least, SQLITE.greatest
-BEGIN_WRITE = SQLITE.begin_write
-INSERT_ORDER = SQLITE.insert_order
-EXPLAIN = SQLITE.explain
 
 #: An open store connection: ``sqlite3.Connection`` or :class:`exporters.store.pg.PgConnection`.
 Connection = Any
@@ -110,9 +107,6 @@ def schema_for(d: Dialect) -> str:
     """The schema script of one backend."""
     return d.sql(SCHEMA_TEMPLATE)
 
-
-#: SQLite's schema script (kept as a name: tests and tools print it).
-SCHEMA = schema_for(SQLITE)
 
 #: Column order of a ``spans`` row (writer, ``bulk_insert``, ``spans_for``).
 SPAN_COLUMNS = ("trace_id", "span_id", "parent_id", "name", "role", "mode", "request_id",

@@ -362,6 +362,3 @@ class StoreSpanExporter:
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
 
-
-#: The original name (exporters.pipeline and tests use it); any backend.
-SQLiteSpanExporter = StoreSpanExporter

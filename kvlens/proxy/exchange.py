@@ -20,7 +20,7 @@ from instrumented_connector.ids import root_span_id, span_hex
 from kvlens.proxy.balancer import Route
 from kvlens.proxy.bodies import prefill_body
 from kvlens.proxy.config import ProxyConfig
-from kvlens.proxy.errors import Upstream, from_http_error, from_status, unexpected
+from kvlens.proxy.errors import from_http_error, from_status, unexpected
 from kvlens.proxy.retry import send_once_more
 from kvlens.proxy.telemetry import RouterTelemetry
 

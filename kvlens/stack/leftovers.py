@@ -47,11 +47,6 @@ def process_groups() -> dict[int, list[int]]:
     return out
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids of the processes in process group ``pgid``, sorted."""
-    return sorted(process_groups().get(pgid, []))
-
-
 def group_record(name: str, pgid: int, groups: Mapping[int, list[int]] | None = None) -> dict:
     """What ``stack.json`` keeps of one child: its group and each member's
     pid and command line (so a later check can tell a survivor from a

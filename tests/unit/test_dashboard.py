@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+import pandas as pd
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,10 +74,8 @@ def metric(at, label: str) -> list[str]:
     return [m.value for m in at.metric if m.label == label or m.label.rsplit(" (", 1)[0] == label]
 
 
-def ms(col) -> "pd.Series":
+def ms(col) -> pd.Series:
     """A display column (text, "-" when missing) back to numbers."""
-    import pandas as pd
-
     return pd.to_numeric(col.replace("-", None).str.replace(",", ""), errors="coerce")
 
 
@@ -403,7 +402,7 @@ def test_traces_page_query_params_preset_filters(app, store_path):
     assert at.selectbox(key="tr_trace").value == pick
 
 
-def df_by_id(path) -> "pd.DataFrame":
+def df_by_id(path) -> pd.DataFrame:
     return D.slowest(path, 10_000).set_index("trace_id")
 
 

@@ -503,14 +503,14 @@ def test_multiprocess_mode_like_vllm(tmp_path):
 
     mp = tmp_path / "mp"
     mp.mkdir()
-    worker = textwrap.dedent(f"""
+    worker = textwrap.dedent("""
         import time
         from opentelemetry.sdk.trace import TracerProvider
         from exporters.metrics import PhaseMetricsProcessor
         p = TracerProvider(); proc = PhaseMetricsProcessor(handoff_from="off"); p.add_span_processor(proc)
         assert proc.exemplars is False
         t = p.get_tracer("w")
-        attrs = {{"kvlens.mode": "push", "kvlens.role": "prefill", "kvlens.outcome": "ok"}}
+        attrs = {"kvlens.mode": "push", "kvlens.role": "prefill", "kvlens.outcome": "ok"}
         for name in ("write.post", "prefill.finished", "registration.receive"):
             t.start_span(name, attributes=attrs, start_time=1_000_000).end(end_time=3_000_000)
     """)

@@ -408,7 +408,7 @@ def test_client_id_reused_after_the_request_ended_is_not_reused(tmp_path, record
     with pair(p_echo_id, d_echo) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
         first = _post(url, {"prompt": "a", "max_tokens": 3}, {"X-Request-Id": TID})
         second = _post(url, {"prompt": "b", "max_tokens": 3}, {"X-Request-Id": TID})
-        other = _post(url, {"prompt": "c", "max_tokens": 3}, {"X-Request-Id": "my-own-id-7"})
+        _post(url, {"prompt": "c", "max_tokens": 3}, {"X-Request-Id": "my-own-id-7"})
     assert first.headers["x-request-id"] == TID and second.headers["x-request-id"] != TID
     assert len({req["headers"]["X-Request-Id"] for req in p.requests}) == 3
     assert recorder.roots[2][5]["kvlens.client.request_id"] == "my-own-id-7"
