@@ -33,6 +33,7 @@ demo: setup
 	$(VENV)/bin/kvlens demo
 
 test: setup
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup

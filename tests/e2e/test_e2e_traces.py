@@ -235,7 +235,7 @@ def test_traces_cli_json_matches_the_store(pull_stack, capsys):
     assert main(["traces", "--store", str(pull_stack.store_path), "--mode", "pull", "--slowest", "2", "--json"]) == 0
     import json
 
-    lines = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert 1 <= len(lines) <= 2
     for rec in lines:
         assert rec["mode"] == "pull" and rec["handoff_s"] > 0
