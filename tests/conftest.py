@@ -17,9 +17,28 @@ them). ``backend`` runs a test once per store backend (:mod:`store_backends`).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture
+def spawn_python():
+    """``spawn_python(code, *args, **popen_kw)`` -> a Popen of ``python -c
+    code args``; every one started is killed and reaped after the test."""
+    started: list[subprocess.Popen] = []
+
+    def start(code: str, *args: str, **kw) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, "-c", code, *args], **kw)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.kill()
+        p.wait()
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -22,18 +21,8 @@ WORKER = ("import ctypes, time\nctypes.CDLL(None).prctl(15, b'VLLM::Worker', 0, 
 
 
 @pytest.fixture
-def procs():
-    started = []
-
-    def start(code: str, **kw) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", code], **kw)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.kill()
-        p.wait()
+def procs(spawn_python):
+    return spawn_python
 
 
 def test_stack_and_outside_cpu_are_told_apart(procs):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -31,19 +30,15 @@ time.sleep(120)
 
 
 @pytest.fixture
-def worker():
-    procs = []
+def worker(spawn_python):
+    """``worker("spin" | "sleep")``: a fake vLLM worker, up."""
 
     def start(kind: str) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, "-c", _WORKER, kind], stdout=subprocess.PIPE, text=True)
-        procs.append(p)
+        p = spawn_python(_WORKER, kind, stdout=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "up"
         return p
 
-    yield start
-    for p in procs:
-        p.kill()
-        p.wait()
+    return start
 
 
 def test_the_spinning_thread_is_found_and_demoted(worker):
