@@ -15,6 +15,7 @@ from pathlib import Path
 
 from exporters import pipeline, store, tracemodel
 from instrumented_connector import semconv as sc
+from instrumented_connector.recorder import Recorder
 from instrumented_connector.taps import RankedRecorder
 
 MS = 1_000_000
@@ -23,6 +24,13 @@ P = sc.Phase
 
 def _cfg(home: Path) -> dict:
     return {"kvlens_home": str(home), "kvlens_metrics": "off"}
+
+
+def _recorder(role: str, engine: str, home: Path) -> Recorder:
+    """A scheduler's recorder of its own (spans built in this process)."""
+    return Recorder(role=role, mode="pull", engine_id=engine,
+                    pipeline_factory=pipeline.provider_factory(role=role, mode="pull", engine_id=engine,
+                                                               config=_cfg(home)))
 
 
 def _rank_worker(home: str, role: str, rank: int, size: int, p_rid: str, d_rid: str, t0: int, lag_ms: int) -> None:
@@ -52,15 +60,18 @@ def make_rank_store(tmp_path: Path) -> tracemodel.Trace:
     p_rid, d_rid = f"cmpl-{secrets.token_hex(16)}-0-0000abcd", f"cmpl-{secrets.token_hex(16)}-0-0000beef"
     t0 = time.time_ns()
     # P's scheduler (EngineCore: no rank)
-    sched = pipeline.get_recorder("prefill", "pull", "p0", _cfg(tmp_path), span_builder="inline")
+    # fresh recorders: pipeline.get_recorder's process-wide one for (prefill, pull, p0)
+    # may be an earlier test's, writing to that test's store
+    sched = _recorder("prefill", "p0", tmp_path)
     sched.record(P.PREFILL, p_rid, t0, t0 + 30 * MS, "ok")
     sched.record(P.PREFILL_FINISHED, p_rid, t0 + 30 * MS, t0 + 30 * MS, "ok")
-    dsched = pipeline.get_recorder("decode", "pull", "d0", _cfg(tmp_path), span_builder="inline")
+    dsched = _recorder("decode", "d0", tmp_path)
     q = t0 + 40 * MS
     dsched.record(P.DECODE_QUEUE, d_rid, q, q + 5 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
     dsched.record(P.ALLOC, d_rid, q + 5 * MS, q + 5 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
-    sched.flush()
-    dsched.flush()
+    for r in (sched, dsched):
+        r.flush()
+        r.close()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank_worker, args=(str(tmp_path), role, rank, 2, p_rid, d_rid, t0, 4 * rank))
              for role in ("decode", "prefill") for rank in (0, 1)]

@@ -1,5 +1,5 @@
 """Build a trace store with real-looking push and pull traces through the
-real pipeline (Recorder -> OTel SDK -> SQLiteSpanExporter), for the
+real pipeline (Recorder -> OTel SDK -> StoreSpanExporter), for the
 dashboard tests. Timestamps are plausible for a 1P1D pair on one host.
 """
 

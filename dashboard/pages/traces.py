@@ -262,7 +262,7 @@ def trace_cards(rec: dict[str, Any]) -> None:
     every card is whole at 1280 px; the handoff's exact figure and its ± below it."""
     dec = rec["decomposition"]
     h, err, note = rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]
-    times = {"handoff": h, "TTFT": rec["ttft_s"], "queue + prefill": dec["queue_prefill_s"],
+    times = {"handoff": h, "TTFT": rec["ttft_s"], "prefill": dec["queue_prefill_s"],
              "first decode": dec["first_decode_s"]}
     unit, k = ui.time_unit(times.values())
     m = st.columns(6)
@@ -270,7 +270,7 @@ def trace_cards(rec: dict[str, Any]) -> None:
     m[1].metric("outcome", rec["outcome"] or ui.MISSING)
     helps = {"handoff": note or "prefill.finished (P) → kv.ready (D), on P's clock; the exact figure and its "
                                 "clock bound below", "TTFT": "time to first token as the client saw it (router)",
-             "queue + prefill": "router arrival → prefill.finished (P)",
+             "prefill": "queue + prefill: router arrival → prefill.finished (P)",
              "first decode": "kv.ready → first token (D)"}
     for col, (name, v) in zip(m[2:], times.items()):
         col.metric(f"{name} ({unit})", ui.fmt_short(v, k), help=helps[name])

@@ -319,6 +319,7 @@ def test_traces_page_lanes_per_rank_in_chromium(tmp_path, browser):
         page.wait_for_timeout(1500)
         body = page.inner_text("body")
         assert "Straggler: D rank 1 finished read.complete last, 4.00 ms after rank 0" in body, body[-3000:]
+        check_cards(page, "traces (TP ranks) at 1280px")
         lanes = page.evaluate(LANES_JS)
         for want in ("decode r0 · read.complete", "decode r1 · read.complete", "decode r1 · kv.ready",
                      "prefill r0 · kv.released", "prefill r1 · kv.released", "prefill · prefill"):

@@ -75,6 +75,7 @@ def test_a_load_that_fails_under_recompute_is_marked_counted_and_shown(pull_stac
     normal_tid = ids.trace_of_response(normal.json().get("id"), normal.headers.get("x-request-id"))
     tr = _wait_first_step(st.store_path, tid)
     assert tr is not None, "no trace for the recomputed request"
+    assert tr.outcome == "failed", tr.outcome  # the load failed; vLLM recomputed, the client was served
     use = tr.to_json()["kv_use"]
     assert use is not None and use["recomputed"], (use, [s.name for s in tr.spans])
     assert use["recomputed_tokens"] > 100, use  # the whole prompt (~150 tokens), not its last partial block

@@ -19,7 +19,14 @@ N = 4
 
 
 def _value(prom, q: str) -> float | None:
-    res = prom.query(q)
+    """The query's first value; None (not yet) when Prometheus is slow to answer
+    (a query timeout on a busy machine), so the caller's wait tries again."""
+    import httpx
+
+    try:
+        res = prom.query(q)
+    except httpx.TimeoutException:
+        return None
     return float(res[0]["value"][1]) if res else None
 
 

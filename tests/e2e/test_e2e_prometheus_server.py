@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from exporters.metrics import PhaseMetricsProcessor
 from exporters.prometheus_server import PrometheusError, PrometheusServer, rules_path
-from exporters.store import SQLiteSpanExporter
+from exporters.store import StoreSpanExporter
 from instrumented_connector import semconv as sc
 
 PROMETHEUS = Path("/usr/bin/prometheus")
@@ -42,7 +42,7 @@ class Feed:
         db = tmp_path / "traces.db"
         self.proc = PhaseMetricsProcessor(self.reg, store_path=db, handoff_poll_s=0.02)
         self.provider = TracerProvider()
-        self.provider.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
+        self.provider.add_span_processor(SimpleSpanProcessor(StoreSpanExporter(db)))
         self.provider.add_span_processor(self.proc)
         self.tracer = self.provider.get_tracer("test")
         self.n = 0

@@ -232,7 +232,9 @@ def test_pull_every_phase_in_causal_order(pull_stack):
 def test_traces_cli_json_matches_the_store(pull_stack, capsys):
     from kvlens.cli import main
 
-    assert main(["traces", "--store", str(pull_stack.store_path), "--mode", "pull", "--slowest", "2", "--json"]) == 0
+    # outcome ok: the store also holds a pull request whose KV failed to load (test_e2e_kv_use), with no READ
+    assert main(["traces", "--store", str(pull_stack.store_path), "--mode", "pull", "--outcome", "ok", "--slowest", "2",
+                 "--json"]) == 0
     import json
 
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -306,6 +308,7 @@ def test_dashboard_pages_on_the_real_run_store(pull_stack, monkeypatch):
     at = AppTest.from_file(app, default_timeout=90)
     at.query_params["page"] = "traces"
     at.query_params["mode"] = "pull"
+    at.query_params["outcome"] = "ok"  # not the request whose KV failed to load (test_e2e_kv_use)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     spans = at.dataframe[-1].value

@@ -209,7 +209,7 @@ def test_anyvalue_types_and_span_ids_are_checked():
 # ------------------------------------------------- store and metrics parity
 def test_store_content_equals_what_the_sdk_exporter_writes(sdk_spans, tmp_path):
     sdk_db, wire_db = tmp_path / "sdk.db", tmp_path / "wire.db"
-    exp = store.SQLiteSpanExporter(sdk_db)
+    exp = store.StoreSpanExporter(sdk_db)
     exp.export(sdk_spans)
     exp.shutdown()
     conn = store.connect(wire_db)

@@ -17,7 +17,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_lates
 from exporters import metrics as m
 from exporters import pipeline, store
 from exporters.metrics import PhaseMetricsProcessor, metrics_app
-from exporters.store import SQLiteSpanExporter, connect
+from exporters.store import StoreSpanExporter, connect
 from instrumented_connector import semconv as sc
 from instrumented_connector.ids import PinnedIdGenerator
 from instrumented_connector.recorder import Recorder
@@ -36,7 +36,7 @@ def env(tmp_path, reg):
     db = tmp_path / "traces.db"
     proc = PhaseMetricsProcessor(reg, store_path=db, handoff_deadline_s=0.5, handoff_poll_s=0.02)
     provider = TracerProvider(id_generator=PinnedIdGenerator())
-    provider.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
+    provider.add_span_processor(SimpleSpanProcessor(StoreSpanExporter(db)))
     provider.add_span_processor(proc)
     yield reg, provider.get_tracer("t"), proc, db
     provider.shutdown()
@@ -229,7 +229,7 @@ def test_handoff_count_reconciles_with_store_through_recorders(tmp_path, reg):
 
     def factory(id_generator):
         p = TracerProvider(id_generator=id_generator)
-        p.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
+        p.add_span_processor(SimpleSpanProcessor(StoreSpanExporter(db)))
         p.add_span_processor(proc)
         return p
 
@@ -272,7 +272,7 @@ def test_handoff_from_decode_trigger(tmp_path, reg):
     db = tmp_path / "traces.db"
     proc = PhaseMetricsProcessor(reg, store_path=db, handoff_from="decode", handoff_poll_s=0.02)
     provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
+    provider.add_span_processor(SimpleSpanProcessor(StoreSpanExporter(db)))
     provider.add_span_processor(proc)
     tr = provider.get_tracer("t")
     t = time.time_ns()

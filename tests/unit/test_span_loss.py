@@ -92,7 +92,7 @@ def test_store_export_is_bounded_by_max_block_s(tmp_path):
     holder = sqlite3.connect(str(db), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")
     try:
-        exp = store.SQLiteSpanExporter(db, max_block_s=0.4)
+        exp = store.StoreSpanExporter(db, max_block_s=0.4)
         t0 = time.monotonic()
         assert exp.export(_spans(5)) == SpanExportResult.FAILURE
         assert time.monotonic() - t0 < 10  # generous: the bound is 0.4 s, the old code waited ~157 s
@@ -104,7 +104,7 @@ def test_store_export_is_bounded_by_max_block_s(tmp_path):
     assert exp.lost == 5 and _stored(db) == 3
     exp.shutdown()
     with pytest.raises(ValueError):
-        store.SQLiteSpanExporter(db, max_block_s=0)
+        store.StoreSpanExporter(db, max_block_s=0)
 
 
 # ------------------------------------------------------------------ OTLP

@@ -232,7 +232,7 @@ def test_unwritable_store_drops_spans_without_raising(tmp_path, caplog):
     ro = tmp_path / "ro"
     ro.mkdir()
     (ro / "traces.db").mkdir()  # a directory where the file should be: unwritable for anyone, root included
-    exp = store.SQLiteSpanExporter(ro / "traces.db")
+    exp = store.StoreSpanExporter(ro / "traces.db")
     r = Recorder(role="prefill", mode="push", pipeline_factory=pipeline.provider_factory(
         role="prefill", mode="push", engine_id=None, config={"kvlens_home": str(ro), "kvlens_metrics": "off"}))
     r.record(sc.Phase.MATCH, "x", 1, 2)

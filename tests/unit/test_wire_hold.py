@@ -24,7 +24,7 @@ from exporters import ranks, store, tracemodel
 from exporters.handoff import HandoffResolver
 from exporters.metrics import PhaseMetricsProcessor, _families_for
 from exporters.pipeline import provider_factory
-from exporters.store import SQLiteSpanExporter
+from exporters.store import StoreSpanExporter
 from instrumented_connector import semconv as sc
 from instrumented_connector.recorder import Recorder
 from instrumented_connector.taps import RankedRecorder
@@ -293,7 +293,7 @@ def test_span_processor_observes_bandwidth_or_counts_it_implausible(tmp_path, mo
     db = tmp_path / "traces.db"
     proc = PhaseMetricsProcessor(reg, store_path=db, handoff_from="off")
     provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(SQLiteSpanExporter(db)))
+    provider.add_span_processor(SimpleSpanProcessor(StoreSpanExporter(db)))
     provider.add_span_processor(proc)
     tracer = provider.get_tracer("t")
     t = time.time_ns()
