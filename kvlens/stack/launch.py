@@ -2,7 +2,8 @@
 :data:`~kvlens.stack.instances.MAX_INSTANCES` of each) plus a router (kvlens',
 vLLM's ``vllm-router``, or both), started together.
 
-It starts the P and D instances concurrently and then the routers (command
+It starts the P and D instances concurrently (in waves, largest TP first,
+when their TP sizes differ) and then the routers (command
 lines from :mod:`kvlens.stack.commands`), waits for health, re-pins the
 workers' CPUs (:mod:`kvlens.stack.pinning`), warms every instance up and
 writes ``stack.json`` (:mod:`kvlens.stack.manifest`, at each child's start
@@ -144,6 +145,8 @@ class Stack(StackExtras):
             check_mode(self.nixl_progress)
         except ValueError as e:
             raise StackError(str(e)) from None
+        if self.kv_load_failure_policy not in (None, "fail", "recompute"):
+            raise StackError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
         self.routers = parse_routers(self.routers)
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
         self.api_key = self.api_key or env_api_key()
