@@ -23,9 +23,11 @@ def _value(prom, q: str) -> float | None:
     (a query timeout on a busy machine), so the caller's wait tries again."""
     import httpx
 
+    from exporters.promapi import PrometheusError
+
     try:
         res = prom.query(q)
-    except httpx.TimeoutException:
+    except (httpx.TimeoutException, PrometheusError):  # PrometheusError wraps a read timeout
         return None
     return float(res[0]["value"][1]) if res else None
 
