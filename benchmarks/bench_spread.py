@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,52 +36,19 @@ from kvlens import bench  # noqa: E402
 from kvlens.bench.load import run_cell_async  # noqa: E402
 from kvlens.bench.results import Target  # noqa: E402
 from kvlens.signals import sigterm_as_interrupt  # noqa: E402
-from kvlens.stack.supervise import descendants  # noqa: E402
+from kvlens.bench.machine import MachineWatch  # noqa: E402
 from kvlens.up import Stack  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            x = f.read().rsplit(")", 1)[1].split()
-        return (int(x[11]) + int(x[12])) / TICK
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def stack_cpu_s(stack: Stack) -> dict[str, float]:
-    """CPU seconds so far of each child of the stack and its descendants."""
-    out = {}
-    for c in stack.children:
-        if c.proc is None:
-            continue
-        pids = [c.proc.pid, *(p.pid for p in descendants(c.proc.pid))]
-        out[c.name] = sum(_proc_cpu_s(p) for p in pids)
-    return out
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the machine spent busy (all CPUs, /proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / TICK  # minus idle and iowait
-
 
 def run_cell(stack: Stack, prompts: list[str], a, seed_key: int) -> dict:
     target = Target(stack.mode, stack.dispatch if stack.mode == "push" else None, stack.router_url)
-    cpu0, busy0, t0 = stack_cpu_s(stack), machine_busy_s(), time.monotonic()
+    watch = MachineWatch(stack).start()
     results, _ = asyncio.run(run_cell_async(target, None, prompts, a.qps, a.output_len, bench.rng(a.seed, seed_key),
                                             timeout_s=a.request_timeout))
-    wall = time.monotonic() - t0
-    cpu1, busy1 = stack_cpu_s(stack), machine_busy_s()
+    m = watch.stop()  # the CPU of the stack's processes and of the rest of the machine (kvlens.bench.machine)
     ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
-    per = {k: (cpu1.get(k, 0.0) - v) / wall for k, v in cpu0.items()}
     return {"ok": len(ttfts), "sent": len(results), "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
             "ttfts_s": ttfts,
-            "cpu_share": per, "outside_share": max(0.0, (busy1 - busy0) / wall - sum(per.values())),
-            "wall_s": wall}
+            "cpu_share": m["cpu_stack"], "outside_share": m["cpu_outside"], "placement": m["placement"]}
 
 
 def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]]) -> list[dict]:

@@ -19,6 +19,8 @@ import os
 import time
 from typing import Any
 
+from kvlens.stack.supervise import descendants
+
 #: CPUs used outside the stack and the bench, averaged over a cell, above
 #: which the cell's figures are flagged (a quarter of a CPU: on a 2-core host
 #: an eighth of its capacity taken from P and D).
@@ -41,25 +43,12 @@ def _cpu_s(pid: int) -> float:
         return 0.0
 
 
-def _tree(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for t in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    todo.extend(int(k) for k in f.read().split())
-        except OSError:
-            continue
-    return out
-
-
 def _stack_cpu(stack: Any) -> dict[str, float]:
     out = {}
     for c in getattr(stack, "children", None) or ():
         if getattr(c, "proc", None) is not None:
-            out[c.name] = sum(_cpu_s(p) for p in _tree(c.proc.pid))
+            pid = c.proc.pid
+            out[c.name] = sum(_cpu_s(p) for p in (pid, *(d.pid for d in descendants(pid))))
     return out
 
 
