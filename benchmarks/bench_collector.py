@@ -9,7 +9,7 @@ span from the process clock (all threads), so a busy machine shows in the
 wall figures but much less in the CPU ones:
 
 1. decode: body -> WireSpans (:func:`exporters.collector.otlp.decode`);
-2. store: :func:`exporters.store.write_spans` of the decoded spans, in the
+2. store: :func:`kvtrace.store.write_spans` of the decoded spans, in the
    collector's batches (2000), fresh traces each round;
 3. metrics: :class:`~exporters.metrics.PhaseMetricsProcessor` ``on_end`` per
    span (what ``collector_ingest`` adds after each write);
@@ -41,12 +41,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from exporters import store
+from kvtrace import store
 from exporters.collector import otlp
 from exporters.collector.ingest import collector_ingest
 from exporters.metrics import PhaseMetricsProcessor
-from instrumented_connector import semconv as sc
-from instrumented_connector.ids import root_span_id
+from kvrecord import semconv as sc
+from kvrecord.ids import root_span_id
 
 MS = 1_000_000
 PB = {"content-type": "application/x-protobuf"}

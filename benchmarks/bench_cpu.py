@@ -20,7 +20,7 @@ Attributed to kvlens, per vLLM process:
 * its own threads (native names ``kvlens-*``: the recorder or shipping
   thread, export threads);
 * the inline cost: events recorded in that process during the load (the
-  recorders' counters, :data:`instrumented_connector.procstats.STATS_DIR_ENV`)
+  recorders' counters, :data:`kvrecord.procstats.STATS_DIR_ENV`)
   times the per-event cost of ``Recorder.record`` measured here first
   (``benchmarks/bench_recorder.py``'s loop);
 * sidecar processes are reported on their own line: kvlens CPU, but not
@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_recorder import bench_recorder  # noqa: E402
 
-from instrumented_connector.ids import new_trace_id  # noqa: E402
-from instrumented_connector.procstats import STATS_DIR_ENV  # noqa: E402
+from kvrecord.ids import new_trace_id  # noqa: E402
+from kvrecord.procstats import STATS_DIR_ENV  # noqa: E402
 from kvlens import bench  # noqa: E402
 from kvlens.signals import sigterm_as_interrupt  # noqa: E402
 from kvlens.stack.supervise import descendants, signals_ignored  # noqa: E402

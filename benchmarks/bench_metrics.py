@@ -27,8 +27,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
 from exporters.metrics import PhaseMetricsProcessor
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import DropReason
+from kvrecord import semconv as sc
+from kvrecord.recorder import DropReason
 
 
 def make_spans(n: int):

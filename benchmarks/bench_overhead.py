@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from instrumented_connector.ids import new_trace_id
+from kvrecord.ids import new_trace_id
 from kvlens import bench
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.supervise import signals_ignored

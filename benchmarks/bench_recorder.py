@@ -29,8 +29,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 
 from exporters import pipeline
 from exporters.shipping import ShippingRecorder
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 
 BATCH = 2000
 CHUNK = 2000  # events per burst in the background figures
@@ -139,7 +139,7 @@ def bench_sidecar(n: int) -> tuple[float, float, int]:
     side = _proc_cpu_s(r.sidecar_pid) - side0
     r._thread = None
     r.close()
-    from exporters import store
+    from kvtrace import store
 
     conn = store.connect(os.path.join(home, "traces.db"), readonly=True)
     try:

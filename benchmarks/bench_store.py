@@ -42,8 +42,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from dashboard import data as D
-from exporters import store
-from instrumented_connector import semconv as sc
+from kvtrace import store
+from kvrecord import semconv as sc
 
 MS = 1_000_000
 GOAL_MS = 200.0
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(run_backend("postgresql", url, args))
         summary(results)
     finally:
-        from exporters.store import pg
+        from kvtrace.store import pg
 
         pg.close_pools()
         if server is not None:

@@ -6,7 +6,7 @@ before / after figure).
     python benchmarks/handoff_tiling.py STORE [STORE ...] [--since 1h] [--json]
 
 Unattributed = handoff - the union of the named critical intervals
-(``exporters.tracemodel.tile``). "recorded" counts only spans some process
+(``kvtrace.tracemodel.tile``). "recorded" counts only spans some process
 recorded (what a store named before derived phases existed); "named" adds
 the phases ``tracemodel`` derives from two recorded timestamps. Goal:
 named <= 10 % at the median, push and pull. ``kvlens traces --breakdown``
@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from exporters import store, tracemodel
+from kvtrace import store, tracemodel
 
 GOAL = 0.10
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard.ui import NAV_KEY, Config, parse_config
-from exporters.store import display
+from kvtrace.store import display
 
 __all__ = ["Config", "PAGES", "main", "parse_config"]
 

@@ -5,11 +5,11 @@ objects out, no Streamlit. ``dashboard/loaders.py`` wraps them in
 
 Sources
 -------
-* The trace store (:mod:`exporters.store`, through its API: no SQL here),
+* The trace store (:mod:`kvtrace.store`, through its API: no SQL here),
   always opened read-only, one short-lived connection per load (opening a
   SQLite file costs ~0.1 ms, and a store that appears or is replaced while
   the dashboard runs is just picked up). Traces and the critical-path split
-  come from :mod:`exporters.tracemodel`, as in ``kvlens traces``.
+  come from :mod:`kvtrace.tracemodel`, as in ``kvlens traces``.
 * Prometheus (``--prometheus URL``): in :mod:`dashboard.prom`, through the
   one HTTP client :mod:`exporters.promapi`.
 
@@ -29,8 +29,8 @@ from urllib.parse import urlencode
 
 import pandas as pd
 
-from exporters import benchrows, ranks, store, tracemodel
-from instrumented_connector import semconv as sc
+from kvtrace import benchrows, ranks, store, tracemodel
+from kvrecord import semconv as sc
 
 MODES: tuple[str, ...] = tuple(m.value for m in sc.Mode)
 OUTCOMES: tuple[str, ...] = tuple(o.value for o in sc.Outcome)
@@ -54,7 +54,7 @@ WINDOW_LIMIT = 200_000
 PHASE_SAMPLE = 5_000
 
 #: Stacked-bar label for handoff time no phase accounts for. Not a Phase
-#: (:data:`exporters.tracemodel.UNATTRIBUTED`).
+#: (:data:`kvtrace.tracemodel.UNATTRIBUTED`).
 UNATTRIBUTED = tracemodel.UNATTRIBUTED
 
 CRITICAL, OVERLAP = tracemodel.CRITICAL, tracemodel.OVERLAP
@@ -212,7 +212,7 @@ def phase_breakdown(
     prefill (outside it), over the newest ``sample`` completed handoffs in
     the window. Columns: mode, role, phase, path, seconds, requests.
 
-    The split is measured per span by :mod:`exporters.tracemodel` (the one
+    The split is measured per span by :mod:`kvtrace.tracemodel` (the one
     rule, shared with the Traces page and ``kvlens traces``): in overlapped
     push the registration.* phases and most of ``match`` land before
     prefill.finished. Critical seconds are each phase's exclusive share of
@@ -251,7 +251,7 @@ def phase_breakdown(
 
 def breakdown_words(phases: pd.DataFrame) -> dict[str, str]:
     """Per mode, what dominates its handoff in one sentence
-    (:func:`exporters.tracemodel.dominant_words`, as ``kvlens traces``
+    (:func:`kvtrace.tracemodel.dominant_words`, as ``kvlens traces``
     prints it). From the store's tilings when :func:`phase_breakdown` made
     ``phases``; from the mean critical seconds otherwise (Prometheus: its
     durations may overlap, and no per-request median is known)."""
@@ -279,7 +279,7 @@ _SLOW_COLS = ["trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns
 def slowest(path: str | Path, n: int = 50, *, order: str = "handoff", p_engine: str | None = None,
             d_engine: str | None = None, **filters: Any) -> pd.DataFrame:
     """The store's ``slowest`` as a DataFrame (columns ``_SLOW_COLS``), on the
-    engines given (None: any); ``filters``: the fields of :class:`exporters.store.TraceFilter`."""
+    engines given (None: any); ``filters``: the fields of :class:`kvtrace.store.TraceFilter`."""
     with store.reading(path) as c:
         rows = store.slowest(c, n, p_engine=p_engine or None, d_engine=d_engine or None, order=order, **filters)
     return pd.DataFrame([{k: r.get(k) for k in _SLOW_COLS} for r in rows], columns=_SLOW_COLS)
@@ -293,7 +293,7 @@ def _attr_col(key: str) -> str:
 
 def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None, pd.DataFrame]:
     """(summary, spans) for one trace. ``summary`` is the ``--json`` record
-    (:meth:`exporters.tracemodel.Trace.to_json`) without spans, plus
+    (:meth:`kvtrace.tracemodel.Trace.to_json`) without spans, plus
     ``t0_ns``, ``critical_ms`` (the handoff window in ms from t0) and
     ``decomposition`` (TTFT = queue+prefill, handoff, first decode step;
     seconds). Span rows carry offsets in ms from the trace start, ``point``,

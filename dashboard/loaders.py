@@ -17,7 +17,7 @@ import streamlit as st
 
 from dashboard import data as D
 from dashboard import pairs, prom
-from exporters import benchrows
+from kvtrace import benchrows
 
 #: Time-to-live (seconds) of live loads, and the step of :func:`now_bucket` for short ranges.
 CACHE_TTL_S = 5
@@ -40,7 +40,7 @@ def ratio_column(metric: str) -> str:
 def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
     """``df`` (bench rows) plus a :func:`ratio_column` per ``benchrows.RATIO_METRICS``:
     the push figure over the pull figure of the same cell (the one rule,
-    :func:`exporters.benchrows.push_over_pull`); NaN on pull rows and where
+    :func:`kvtrace.benchrows.push_over_pull`); NaN on pull rows and where
     there is no ratio. < 1: push wins."""
     out = df.copy()
     ratios = benchrows.push_over_pull(df.to_dict("records"))

@@ -6,7 +6,7 @@ pair: one slow P or D (a busy GPU, a far NIC, a clock that drifts) hides
 in them. Here each (mode, P engine, D engine) gets its own row: requests,
 handoff p50 / p90 with the pair's typical clock bound, TTFT p50, and the
 pair's clock window (D's clock minus P's, as the store settled the pair's
-newest trace: each pair has its own, :mod:`exporters.clockbounds`).
+newest trace: each pair has its own, :mod:`kvtrace.clockbounds`).
 
 Apart from :mod:`dashboard.data` only because that file is at its size
 limit; the same rules (the store's API, read-only, no SQL here).
@@ -20,9 +20,9 @@ from urllib.parse import urlencode
 
 import pandas as pd
 
-from exporters import store
-from exporters.store import queries
-from instrumented_connector import semconv as sc
+from kvtrace import store
+from kvtrace.store import queries
+from kvrecord import semconv as sc
 
 #: Newest traces of the range the pair figures are computed over.
 PAIR_LIMIT = 200_000

@@ -16,9 +16,10 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from dashboard import data as D
-from exporters import promapi, tracemodel
+from exporters import promapi
+from kvtrace import tracemodel
 from exporters.promapi import PrometheusError
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 
 __all__ = [
     "PROM_ALL_RANGE", "PrometheusError", "escape_label_value", "selector", "prom_range", "prom_query",

@@ -18,8 +18,8 @@ import streamlit as st
 
 from dashboard import data as D
 from dashboard import loaders as L
-from exporters.store import display, location
-from instrumented_connector.config import store_path
+from kvtrace.store import display, location
+from kvrecord.config import store_path
 
 
 #: Session-state flag: the entry (``app.py``) ran in this session, so its navigation is on.
@@ -49,7 +49,7 @@ class Config:
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Script arguments (after ``--`` on the streamlit command line; default ``sys.argv[1:]``).
-    No ``--store``: ``$KVLENS_HOME/traces.db`` (:func:`instrumented_connector.config.store_path`)."""
+    No ``--store``: ``$KVLENS_HOME/traces.db`` (:func:`kvrecord.config.store_path`)."""
     p = argparse.ArgumentParser(prog="kvlens-dashboard", add_help=False, allow_abbrev=False)
     p.add_argument("--store", default=None)
     p.add_argument("--prometheus", default=None)

@@ -35,9 +35,9 @@ from typing import Any, Callable
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from instrumented_connector.logutil import log_once
-from instrumented_connector.procstats import name_native_thread
-from instrumented_connector.recorder import DropReason
+from kvrecord.logutil import log_once
+from kvrecord.procstats import name_native_thread
+from kvrecord.recorder import DropReason
 
 #: Default bound of :meth:`CountingBatchSpanProcessor.shutdown` when the
 #: caller gives none.

@@ -25,7 +25,7 @@ ends (:class:`exporters.metrics.PhaseMetricsProcessor` submits it):
   drops exemplars).
 
 The lookup happens on a small daemon thread (``kvlens-handoff``), batched
-(one :func:`exporters.store.handoffs` call per poll), so ``on_end`` only
+(one :func:`kvtrace.store.handoffs` call per poll), so ``on_end`` only
 appends to a dict. Deployments without the kvlens router (a third-party
 router on one host) can set ``KVLENS_HANDOFF_FROM=decode``: the trigger then
 is D's ``kv.ready`` span, with the same store lookup (no exemplars there).
@@ -34,7 +34,7 @@ its host (same store file) or hosts the OTLP receiver (``kvlens proxy
 --collect``); otherwise ``kvlens collect`` runs this resolver.
 
 The observed value is the store's settled handoff: corrected for the P/D
-clock offset (:mod:`exporters.clockbounds`), never clamped; one whose clocks
+clock offset (:mod:`kvtrace.clockbounds`), never clamped; one whose clocks
 could not be bounded is counted ``unresolved{reason="clock_unknown"}``. Each
 observation also sets ``kvlens_clock_offset_seconds`` (the middle of the
 pair's interval for D's clock minus P's) and
@@ -54,10 +54,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from exporters import store, tracemodel
-from instrumented_connector import procstats
-from instrumented_connector import semconv as sc
-from instrumented_connector.logutil import log_once
+from kvtrace import store, tracemodel
+from kvrecord import procstats
+from kvrecord import semconv as sc
+from kvrecord.logutil import log_once
 
 #: Bound on the (P engine, D engine) label pairs of the clock gauges.
 MAX_PAIRS = 64

@@ -8,7 +8,7 @@ engine loop; it costs a few dict look-ups and one ``observe`` per span, never
 blocks on I/O and never raises (a failure is logged once and the span is
 skipped).
 
-Metrics (labels are closed sets from :mod:`instrumented_connector.semconv`;
+Metrics (labels are closed sets from :mod:`kvrecord.semconv`;
 anything else becomes ``_OTHER``; request and trace ids are never labels)::
 
     kvlens_phase_duration_seconds{mode,role,phase,outcome}   histogram
@@ -78,13 +78,13 @@ from typing import Any, Callable, Mapping
 from opentelemetry.sdk.trace import SpanProcessor
 from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multiprocess
 
-from exporters import kvuse, ranks
+from kvtrace import kvuse, ranks
 from exporters.families import _Families, _families_for  # noqa: F401  (re-exported for tests)
 from exporters.handoff import HandoffResolver
-from instrumented_connector import config
-from instrumented_connector import semconv as sc
-from instrumented_connector.logutil import log_once
-from instrumented_connector.recorder import DropReason
+from kvrecord import config
+from kvrecord import semconv as sc
+from kvrecord.logutil import log_once
+from kvrecord.recorder import DropReason
 
 #: Where the handoff trigger runs (see :mod:`exporters.handoff`): router | decode | off.
 #: Per-rank transfer phases observed by rank (``kvlens_rank_phase_duration_seconds``).

@@ -6,7 +6,7 @@
 
   - the SQLite trace store (always, unless ``kvlens_store: off``): a
     :class:`exporters.batching.CountingBatchSpanProcessor` (bounded queue,
-    every loss counted) -> :class:`exporters.store.StoreSpanExporter`
+    every loss counted) -> :class:`kvtrace.store.StoreSpanExporter`
     (at most ``store_max_block_s`` per batch);
   - OTLP/HTTP (the standard exporter, :data:`OTLP_TIMEOUT_S` per batch,
     through the same counting processor) when ``OTEL_EXPORTER_OTLP_ENDPOINT`` /
@@ -32,7 +32,7 @@
 
 The provider is an :class:`exporters.batching.BoundedTracerProvider`, so the
 recorder's close at exit (flush and shutdown of every processor) is bounded
-(:data:`instrumented_connector.recorder.CLOSE_TIMEOUT_S`).
+(:data:`kvrecord.recorder.CLOSE_TIMEOUT_S`).
 
 Configuration is validated up front (:func:`config.validate_config`) so a typo
 fails at start-up with a clear message; everything after that is forgiving.
@@ -46,14 +46,14 @@ from typing import Any, Callable, Mapping
 
 from opentelemetry.sdk.resources import Resource
 
-from exporters import store
+from kvtrace import store
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from exporters.metrics import PhaseMetricsProcessor
 from exporters.shipping import ShippingRecorder
-from instrumented_connector.config import enabled, retention_s, store_path, validate_config
-from instrumented_connector.ids import PinnedIdGenerator
-from instrumented_connector.logutil import log_once
-from instrumented_connector.recorder import DEFAULT_CAPACITY, DropReason, Recorder
+from kvrecord.config import enabled, retention_s, store_path, validate_config
+from kvrecord.ids import PinnedIdGenerator
+from kvrecord.logutil import log_once
+from kvrecord.recorder import DEFAULT_CAPACITY, DropReason, Recorder
 
 #: Bounded queue per exporter; spans beyond it are dropped and counted (queue_full).
 MAX_QUEUE = 4096
@@ -175,7 +175,7 @@ def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Map
     TracerProvider (run once, on the recorder thread). ``config`` is checked
     here, so a bad option raises in the caller, not later.
     ``store_max_block_s``: the most one store batch may wait for the write
-    lock (default :attr:`exporters.store.StoreSpanExporter.MAX_BLOCK_S`)."""
+    lock (default :attr:`kvtrace.store.StoreSpanExporter.MAX_BLOCK_S`)."""
     cfg = validate_config(config)
 
     def build(id_generator: PinnedIdGenerator) -> BoundedTracerProvider:

@@ -59,9 +59,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from instrumented_connector.logutil import log_once
-from instrumented_connector.procstats import mark_process_dead, name_native_thread, stop_process, write_stats
-from instrumented_connector.recorder import Recorder
+from kvrecord.logutil import log_once
+from kvrecord.procstats import mark_process_dead, name_native_thread, stop_process, write_stats
+from kvrecord.recorder import Recorder
 
 FRAME = struct.Struct("<I")
 #: Events per frame at most (a frame of them pickles to well under the pipe's size).

@@ -43,9 +43,9 @@ import time
 
 from exporters import pipeline
 from exporters.shipping import FRAME
-from instrumented_connector.logutil import log_once
-from instrumented_connector.procstats import mark_process_dead, name_native_thread, write_stats
-from instrumented_connector.recorder import ROOT_TAG
+from kvrecord.logutil import log_once
+from kvrecord.procstats import mark_process_dead, name_native_thread, write_stats
+from kvrecord.recorder import ROOT_TAG
 
 #: After SIGTERM, read the parent's last events for at most this long.
 TERM_GRACE_S = 10.0

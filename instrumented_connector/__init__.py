@@ -4,10 +4,13 @@ Load with ``"kv_connector_module_path": "instrumented_connector"`` and
 ``"kv_connector": "InstrumentedNixlPushConnector"`` (or
 ``InstrumentedNixlPullConnector`` / ``InstrumentedNixlConnector``).
 
-The connector classes import vLLM; they are loaded lazily (on first
-attribute access, from :mod:`instrumented_connector.connector`) so that the
-light modules (``semconv``, ``ids``, ``config``, ``recorder``) import
-without it.
+This package is only the plug-in: vLLM loads it by name, nothing of kvlens
+imports it. What it records with lives below it (:mod:`kvrecord`: the
+vocabulary, ids, options, the recorder; :mod:`exporters`: the pipeline). The
+connector classes import vLLM; they are loaded lazily (on first attribute
+access, from :mod:`instrumented_connector.connector`), so that the contract
+tests can read :mod:`instrumented_connector.hooks` without building vLLM's
+connector.
 """
 
 _CONNECTORS = {

@@ -24,11 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 
 from exporters.pipeline import get_recorder
 from instrumented_connector import hooks, scheduler, worker
-from instrumented_connector import semconv as sc
-from instrumented_connector.config import validate_config
+from kvrecord import semconv as sc
+from kvrecord.config import validate_config
 from instrumented_connector.hooks import NullRecorder
-from instrumented_connector.logutil import log_once
-from instrumented_connector.recorder import Recorder
+from kvrecord.logutil import log_once
+from kvrecord.recorder import Recorder
 from instrumented_connector.scheduler import (
     InstrumentedNixlPullConnectorScheduler,
     InstrumentedNixlPushConnectorScheduler,

@@ -16,8 +16,8 @@ from __future__ import annotations
 import time
 from typing import Final
 
-from instrumented_connector.logutil import log_once
-from instrumented_connector.semconv import Phase
+from kvrecord.logutil import log_once
+from kvrecord.semconv import Phase
 
 SUPPORTED_VLLM: Final = ("0.32", "0.33")
 """vLLM minor versions whose NIXL layout this table was checked against."""

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 )
 
 from instrumented_connector import hooks
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now
 
 P = sc.Phase

@@ -67,13 +67,13 @@ class RankedRecorder:
     """The process's recorder as one worker sees it: every event it records
     carries the worker's tensor-parallel rank (``kvlens.rank``) and the
     engine's TP size (``kvlens.tp_size``), so a phase seen on several ranks
-    can be told apart (:mod:`exporters.ranks`). Costs one call and one dict
+    can be told apart (:mod:`kvtrace.ranks`). Costs one call and one dict
     store per event; the hooks hand it fresh attribute dicts (or None)."""
 
     __slots__ = ("_rec", "_rank", "_size", "_only")
 
     def __init__(self, rec, rank: int, size: int) -> None:
-        from instrumented_connector import semconv as sc
+        from kvrecord import semconv as sc
 
         self._rec = rec
         self._rank, self._size = rank, size

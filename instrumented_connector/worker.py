@@ -21,9 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 )
 
 from instrumented_connector import hooks
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now
-from instrumented_connector.ids import base_request_id
+from kvrecord.ids import base_request_id
 from instrumented_connector.taps import NixlTap as _NixlTap
 from instrumented_connector.taps import RankedRecorder
 from instrumented_connector.taps import XferTimes as _XferTimes

@@ -18,7 +18,7 @@ import sqlite3
 import sys
 from typing import Any
 
-from instrumented_connector.config import store_path
+from kvrecord.config import store_path
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 4318
@@ -70,9 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _store_problem(path: Any) -> str | None:
     """One line saying why ``path`` (a file or a PostgreSQL URL) cannot be
     written as a trace store, or None."""
-    from exporters import store
+    from kvtrace import store
     from exporters.collector.ingest import check_store
-    from exporters.store.schema import translate
+    from kvtrace.store.schema import translate
 
     if not store.is_url(path) and path.is_dir():
         return f"--store {path} is a directory; give the store file (e.g. {path / 'traces.db'})"
@@ -114,7 +114,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
     if args.queue_spans <= 0:
         return f"--queue-spans must be > 0, got {args.queue_spans}"
     if getattr(args, "retention", None):
-        from exporters.store import parse_duration
+        from kvrecord.durations import parse_duration
 
         try:
             parse_duration(args.retention)
@@ -125,7 +125,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
 
 def _store_arg(args: argparse.Namespace) -> tuple[Any, str | None]:
     """(the store, None), or (None, why --store is unusable)."""
-    from exporters import store
+    from kvtrace import store
 
     if not args.store:
         return store_path(), None
@@ -163,7 +163,7 @@ def _serve(args: argparse.Namespace, store: Any, sock: socket.socket) -> int:
     from kvlens.signals import sigterm_as_interrupt
 
     registry = CollectorRegistry()
-    from exporters.store import display
+    from kvtrace.store import display
 
     ingest = collector_ingest(store, registry, max_queue_spans=args.queue_spans,
                               retention=getattr(args, "retention", None))

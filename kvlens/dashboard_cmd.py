@@ -16,7 +16,7 @@ child does not run in the caller's: it runs in the directory above the
 ``dashboard`` package (:func:`workdir`, the repository root of a checkout),
 with ``KVLENS_HOME`` made absolute, and the store passed as an absolute path:
 the same dashboard from wherever it is started. The app imports
-``dashboard``/``exporters``/``instrumented_connector`` from the installed
+``dashboard``/``exporters``/``kvtrace``/``kvrecord`` from the installed
 package (``make setup`` installs the checkout in editable mode), so no
 ``PYTHONPATH`` is set.
 
@@ -46,7 +46,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import dashboard
-from instrumented_connector.config import HOME_ENV, home, store_path
+from kvrecord.config import HOME_ENV, home, store_path
 
 DEFAULT_PORT = 8501
 DEFAULT_HOST = "127.0.0.1"
@@ -89,7 +89,7 @@ def child_env(store: Any = None) -> dict[str, str]:
 
 def _split_password(store: Any) -> tuple[Any, str | None]:
     """(the store without a URL's password, the password or None)."""
-    from exporters.store import is_url
+    from kvtrace.store import is_url
 
     if not is_url(store):
         return store, None
@@ -104,7 +104,7 @@ def _check_store(store: Any) -> str | None:
     """Why the dashboard cannot read a PostgreSQL store at all, or None (a
     file that does not exist yet, or a database without kvlens tables, is
     not an error: the page says so)."""
-    from exporters import store as st
+    from kvtrace import store as st
 
     if not st.is_url(store):
         if not Path(store).exists():
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prometheus and not args.prometheus.startswith(("http://", "https://")):
         print(f"kvlens dashboard: --prometheus must be an http(s) URL, got {args.prometheus!r}", file=sys.stderr)
         return 2
-    from exporters.store import display, location
+    from kvtrace.store import display, location
 
     try:
         store = location(args.store) if args.store else store_path()

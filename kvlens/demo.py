@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from instrumented_connector import config
+from kvrecord import config
 from kvlens import bench, dashboard_cmd, traces
 from kvlens.model import ensure_model
 

@@ -5,22 +5,22 @@ critical path (``prefill.finished`` -> ``kv.ready``) is marked on the axis and
 phases on it are drawn with ``#``, phases off it (push registration
 overlapping prefill, P's queue+prefill, the root ``request``) with ``=``;
 point phases are ``|``. Which span is on the critical path is
-:mod:`exporters.tracemodel`'s decision, the same the dashboard shows.
+:mod:`kvtrace.tracemodel`'s decision, the same the dashboard shows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
-from exporters import kvuse, perfetto, ranks, store, tracemodel
-from exporters.tracemodel import Trace
-from instrumented_connector import config
-from instrumented_connector import semconv as sc
 from kvlens.argtypes import int_in
+from kvrecord import config
+from kvrecord import semconv as sc
+from kvrecord.durations import parse_duration
+from kvtrace import kvuse, perfetto, ranks, store, tracemodel
+from kvtrace.tracemodel import Trace
 
 LANES = (("router", sc.Role.ROUTER.value), ("P", sc.Role.PREFILL.value), ("D", sc.Role.DECODE.value))
 _LANE_OF = {role: lane for lane, role in LANES}
@@ -39,14 +39,10 @@ MAX_SINCE_S = 100 * 365 * 86400
 def since_arg(text: str) -> str:
     """argparse ``type=`` for --since: a finite duration in (0, 100 years]
     (``30s``, ``10m``, ``2h``, ``1d``, plain seconds); returned as given."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    t = text.strip().lower()
     try:
-        secs = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: use e.g. 30s, 10m, 2h, 1d") from None
-    if not math.isfinite(secs) or secs <= 0 or secs > MAX_SINCE_S:
-        raise argparse.ArgumentTypeError(f"invalid duration {text!r}: must be > 0 and at most 36500d")
+        parse_duration(text, max_s=MAX_SINCE_S)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return text
 
 

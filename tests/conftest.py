@@ -70,7 +70,7 @@ def pg_server():
 @pytest.fixture
 def pg_url(pg_server) -> str:
     """The URL of a new, empty database on the session's server, for this test only."""
-    from exporters.store import pg
+    from kvtrace.store import pg
 
     url = pg_server.new_database()
     yield url

@@ -7,7 +7,7 @@ import uuid
 
 import httpx
 
-from instrumented_connector import ids
+from kvrecord import ids
 
 
 def send_completions(url: str, n: int, *, tag: str, kvlens_id: bool = True, base_tokens: int = 30,

@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from exporters import store
+from kvtrace import store
 from exporters.pipeline import provider_factory
-from exporters.store.schema import write_tx
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from kvtrace.store.schema import write_tx
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 from store_fixture import record_requests
 
 

@@ -13,9 +13,10 @@ import secrets
 import time
 from pathlib import Path
 
-from exporters import pipeline, store, tracemodel
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from exporters import pipeline
+from kvtrace import store, tracemodel
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 from instrumented_connector.taps import RankedRecorder
 
 MS = 1_000_000

@@ -10,10 +10,10 @@ import secrets
 import time
 from pathlib import Path
 
-from exporters import store
+from kvtrace import store
 from exporters.pipeline import provider_factory
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 
 MS = 1_000_000
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from exporters import store
+from kvtrace import store
 from exporters.pipeline import provider_factory
-from exporters.store.schema import write_tx
-from instrumented_connector.recorder import Recorder
+from kvtrace.store.schema import write_tx
+from kvrecord.recorder import Recorder
 from store_fixture import record_requests, save_bench
 
 ENGINES = {"router": None, "prefill": "p0", "decode": "d0"}

@@ -7,9 +7,14 @@ Rules (docs/architecture.md):
 
 * no import cycle among the project's modules (every ``import``, at module
   level or inside a function, is an edge);
-* the dashboard and the exporters never import ``kvlens`` (the CLI layer);
-* SQL text only in ``exporters/store``;
-* trace-id parsing (the 32-hex / traceparent patterns) only in ``instrumented_connector/ids.py``;
+* folders are layers: a module imports only from its own folder and the
+  folders below it, in the order of the table "Layers" in
+  ``docs/architecture.md`` (read from there, bottom row first); imports
+  inside functions count;
+* nothing imports the vLLM plug-in (``instrumented_connector``): vLLM loads
+  it by name, and the dashboard and the CLI must not depend on it;
+* SQL text only in ``kvtrace/store``;
+* trace-id parsing (the 32-hex / traceparent patterns) only in ``kvrecord/ids.py``;
 * files under ``MAX_FILE_LINES`` lines, functions under ``MAX_FUNC_LINES``
   unless listed in ``LONG_FUNCTIONS`` with the reason.
 
@@ -24,7 +29,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("instrumented_connector", "exporters", "dashboard", "kvlens")
+ARCHITECTURE = "docs/architecture.md"
+#: The vLLM plug-in: loaded by vLLM by name, imported by nobody.
+PLUGIN = "instrumented_connector"
 MAX_FILE_LINES = 400
 MAX_FUNC_LINES = 60
 
@@ -38,11 +45,32 @@ _SQL = re.compile(
 _ID_PATTERNS = ("[0-9a-f]{32}", "[0-9a-f]{16}", "traceparent")
 
 
-def modules() -> dict[str, Path]:
+def _rel(f: Path) -> Path:
+    return f.relative_to(ROOT) if f.is_relative_to(ROOT) else f
+
+
+_LAYER_ROW = re.compile(r"^\|\s*`([A-Za-z_][\w]*)/`\s*\|")
+
+
+def layers(root: Path = ROOT) -> list[str]:
+    """The project's top-level packages, bottom layer first: the first cells
+    of the rows of ``docs/architecture.md``'s "Layers" table that name a
+    folder (`` `kvrecord/` ``)."""
+    out = []
+    for line in (root / ARCHITECTURE).read_text().splitlines():
+        m = _LAYER_ROW.match(line)
+        if m and m.group(1) not in out:
+            out.append(m.group(1))
+    if not out:
+        raise SystemExit(f"check_layout: no layer rows (| `folder/` | ...) in {root / ARCHITECTURE}")
+    return out
+
+
+def modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for f in sorted((ROOT / pkg).rglob("*.py")):
-            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+    for pkg in layers(root):
+        for f in sorted((root / pkg).rglob("*.py")):
+            parts = list(f.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
             out[".".join(parts)] = f
@@ -119,37 +147,45 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+def upward_imports(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """Imports of a module from a folder above its own in ``order`` (bottom first)."""
+    rank = {pkg: i for i, pkg in enumerate(order)}
     return [f"{m} -> {t}" for m, ts in graph.items() for t in sorted(ts)
-            if m.split(".")[0] in ("dashboard", "exporters", "instrumented_connector") and t.split(".")[0] == "kvlens"]
+            if rank[t.split(".")[0]] > rank[m.split(".")[0]]]
+
+
+def plugin_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of the vLLM plug-in from outside it."""
+    return [f"{m} -> {t}" for m, ts in graph.items() for t in sorted(ts)
+            if t.split(".")[0] == PLUGIN and m.split(".")[0] != PLUGIN]
 
 
 def sql_outside_store(mods: dict[str, Path]) -> list[str]:
     out = []
     for m, f in mods.items():
-        if m.startswith("exporters.store"):
+        if m.startswith("kvtrace.store"):
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and _SQL.search(node.value):
-                out.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+                out.append(f"{_rel(f)}:{node.lineno}")
     return out
 
 
 def id_parsing_outside_ids(mods: dict[str, Path]) -> list[str]:
     out = []
     for m, f in mods.items():
-        if m == "instrumented_connector.ids":
+        if m == "kvrecord.ids":
             continue
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("compile", "match", "search", "fullmatch"):
                 for a in node.args[:1]:
                     if isinstance(a, ast.Constant) and isinstance(a.value, str) and any(p in a.value for p in _ID_PATTERNS):
-                        out.append(f"{f.relative_to(ROOT)}:{node.lineno}")
+                        out.append(f"{_rel(f)}:{node.lineno}")
     return out
 
 
 def big_files(mods: dict[str, Path]) -> list[str]:
-    return [f"{f.relative_to(ROOT)}: {n} lines" for f in mods.values()
+    return [f"{_rel(f)}: {n} lines" for f in mods.values()
             if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES]
 
 
@@ -161,23 +197,29 @@ def long_functions(mods: dict[str, Path]) -> list[str]:
                 n = node.end_lineno - node.lineno + 1
                 key = f"{m}.{node.name}"
                 if n > MAX_FUNC_LINES and key not in LONG_FUNCTIONS:
-                    out.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+                    out.append(f"{_rel(f)}:{node.lineno} {node.name}: {n} lines")
     return out
 
 
-def main() -> int:
-    mods = modules()
+def report(root: Path = ROOT) -> dict[str, list[str]]:
+    """Every rule's violations, by rule."""
+    order = layers(root)
+    mods = modules(root)
     graph = import_graph(mods)
-    report = {
+    return {
         "import cycles": [" <-> ".join(c) for c in cycles(graph)],
-        "upward imports (dashboard/exporters/instrumented_connector -> kvlens)": upward_imports(graph),
-        "SQL outside exporters/store": sql_outside_store(mods),
-        "trace-id parsing outside instrumented_connector/ids.py": id_parsing_outside_ids(mods),
+        f"upward imports (layers, bottom first: {' < '.join(order)})": upward_imports(graph, order),
+        f"imports of the vLLM plug-in ({PLUGIN}) from outside it": plugin_imports(graph),
+        "SQL outside kvtrace/store": sql_outside_store(mods),
+        "trace-id parsing outside kvrecord/ids.py": id_parsing_outside_ids(mods),
         f"files over {MAX_FILE_LINES} lines": big_files(mods),
         f"functions over {MAX_FUNC_LINES} lines": long_functions(mods),
     }
+
+
+def main() -> int:
     bad = 0
-    for title, items in report.items():
+    for title, items in report().items():
         print(f"{title}: {len(items) or 'none'}")
         for i in items:
             print("   ", i)

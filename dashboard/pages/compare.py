@@ -15,7 +15,7 @@ from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import ui
-from exporters import benchrows as B
+from kvtrace import benchrows as B
 
 LABELS = {
     "input_len": "input len", "qps": "QPS",

@@ -18,8 +18,8 @@ from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import pairs, prom, ui
-from exporters.store import display
-from instrumented_connector import semconv as sc
+from kvtrace.store import display
+from kvrecord import semconv as sc
 
 REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
 MODE_TITLE = {"push": "Push (NixlPushConnector)", "pull": "Pull (NixlConnector)"}

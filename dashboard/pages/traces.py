@@ -19,7 +19,7 @@ from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import ui
 from dashboard.pairs import pair_label
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 
 #: How a side is named next to its ranks.
 ROLE_WORD = {sc.Role.PREFILL.value: "P", sc.Role.DECODE.value: "D"}

@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from exporters import store
+from kvtrace import store
 from exporters.collector import otlp
 from exporters.collector.ingest import Ingest
 

@@ -5,7 +5,7 @@ that puts received spans into the trace store.
 queues one request's spans or refuses them when the queue would pass its
 bound, so the handler answers 429 and the OTLP exporter retries later. One
 daemon thread merges queued requests into batches of up to ``batch_spans``
-and writes each with :func:`exporters.store.write_spans` (all SQL stays in
+and writes each with :func:`kvtrace.store.write_spans` (all SQL stays in
 the store). The store is a file or a PostgreSQL URL (``postgresql://``).
 A store that is locked or busy, or a PostgreSQL server that is down or went
 away, is retried with backoff (up to :attr:`Ingest.MAX_BACKOFF_S`) for
@@ -42,8 +42,8 @@ from typing import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from exporters import store
-from instrumented_connector.logutil import log_once
+from kvtrace import store
+from kvrecord.logutil import log_once
 
 logger = logging.getLogger("kvlens")
 
@@ -83,7 +83,7 @@ class Ingest:
     server) is retried before the batch is dropped. ``on_written(spans)`` /
     ``on_close()``: writer-thread / close hooks. ``retention``: keep this long
     (seconds or ``"7d"``; default: keep all): older traces are pruned in
-    small batches after a write (:class:`exporters.store.Retention`).
+    small batches after a write (:class:`kvtrace.store.Retention`).
     ``registry``: where the ``kvlens_collector_*`` metrics live (default: a new one).
     """
 
@@ -303,9 +303,9 @@ class Ingest:
 
 def check_store(store_path: str | Path) -> None:
     """Open the store for writing once and close it: raises
-    :class:`exporters.store.StoreError` / ``sqlite3.Error`` / ``OSError``
+    :class:`kvtrace.store.StoreError` / ``sqlite3.Error`` / ``OSError``
     when the path cannot be a kvlens store, or (PostgreSQL) a
-    :class:`~exporters.store.StoreError` kind when the server is down,
+    :class:`~kvtrace.store.StoreError` kind when the server is down,
     refuses the user or lacks the database (for a start-up message)."""
     store.connect(store_path).close()
 

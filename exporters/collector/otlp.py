@@ -3,7 +3,7 @@
 :func:`decode` takes one request body as it came off the wire (protobuf
 ``application/x-protobuf`` or OTLP-JSON ``application/json``, optionally
 ``Content-Encoding: gzip`` / ``deflate``) and returns its spans shaped like the
-OTel SDK's ``ReadableSpan`` as far as :func:`exporters.store.write_spans` and
+OTel SDK's ``ReadableSpan`` as far as :func:`kvtrace.store.write_spans` and
 :class:`exporters.metrics.PhaseMetricsProcessor` read them, so spans that
 crossed the network land in the store exactly as a local exporter writes them.
 

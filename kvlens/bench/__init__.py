@@ -13,7 +13,7 @@ cross-checked against D's own per-request TPOT histogram on its
 span-derived handoff (``prefill.finished`` -> ``kv.ready``) of exactly those
 requests is read back from the trace store and joined to the client figures.
 
-Rows (schema: :mod:`exporters.benchrows`) go to the store (``bench_rows``,
+Rows (schema: :mod:`kvtrace.benchrows`) go to the store (``bench_rows``,
 for the dashboard) and, with ``--json``, to a JSON-lines file as each cell
 completes, so Ctrl-C keeps what finished. Pull runs first so that each push
 row can carry its push/pull ratios when it is written. Each ratio of p50s
@@ -40,7 +40,7 @@ cross-checks), :mod:`.rounds` (ABBA order, pooled rows, intervals),
 This package re-exports the names other modules and the tests use.
 """
 
-from exporters.benchrows import ROW_KEYS, add_ratios, ratio
+from kvtrace.benchrows import ROW_KEYS, add_ratios, ratio
 from kvlens.bench.cli import add_arguments, add_grid_arguments, options_from_args, quiet_http_logs, run, run_guarded
 from kvlens.bench.grid import (
     DEFAULT_MAX_MODEL_LEN,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from instrumented_connector.semconv import Dispatch, Mode
+from kvrecord.semconv import Dispatch, Mode
 from kvlens.up import MAX_MODEL_LEN
 
 MODES = tuple(m.value for m in Mode)  # ("push", "pull")

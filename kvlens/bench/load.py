@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any, Sequence
 
-from instrumented_connector.ids import new_trace_id, trace_of_response
+from kvrecord.ids import new_trace_id, trace_of_response
 from kvlens.bench.results import RequestResult, Target
 from kvlens.sse import has_text, parse_data_line
 from kvlens.stack.commands import auth_headers

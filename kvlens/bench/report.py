@@ -9,8 +9,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from exporters import benchrows as B
-from exporters.benchrows import add_ratios, cell_key, pull_by_cell
+from kvtrace import benchrows as B
+from kvtrace.benchrows import add_ratios, cell_key, pull_by_cell
 from kvlens.bench.probe import DECODE_TPOT_METRICS
 from kvlens.bench.results import Cell, tpot_figures
 from kvlens.bench.stats import MIN_REQUESTS, percentile, rel_diff
@@ -119,7 +119,7 @@ COMPARED = (("TTFT p50", "ttft_p50_s"), ("handoff p50", "handoff_p50_s"))
 
 
 def _verdict(row: dict, metric: str) -> str | None:
-    """The row's verdict on a metric (:func:`exporters.benchrows.verdict`);
+    """The row's verdict on a metric (:func:`kvtrace.benchrows.verdict`);
     None for a row from before intervals."""
     if "rounds" not in row:
         return None
@@ -217,7 +217,7 @@ def describe(rows: Sequence[dict]) -> list[str]:
     """Plain-words findings computed from the rows: per cell, for TTFT p50 and
     handoff p50, the push/pull ratio with its 95 % interval and who was lower
     (only where the interval excludes 1), then a tally per push dispatch.
-    Needs the ratios (:func:`exporters.benchrows.add_ratios`) set."""
+    Needs the ratios (:func:`kvtrace.benchrows.add_ratios`) set."""
     out: list[str] = []
     push_rows = [r for r in sort_rows(rows) if r["mode"] == "push"]
     pull = pull_by_cell(rows)

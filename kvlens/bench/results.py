@@ -1,7 +1,7 @@
 """What one grid cell measured: the client's per-request results, the
 router's traces of exactly those requests (read back from the store by
 trace id), D's own TPOT histogram over the cell, and the row that
-summarizes them (schema: :mod:`exporters.benchrows`).
+summarizes them (schema: :mod:`kvtrace.benchrows`).
 
 TPOT is only reported where it was measured: a request whose first and
 last generated tokens reached the client in the same network read (a
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from exporters import store
-from exporters.benchrows import INTERVAL_KEYS
+from kvtrace import store
+from kvtrace.benchrows import INTERVAL_KEYS
 from kvlens.bench.grid import BenchOptions
 from kvlens.bench.stats import mean, percentile, rel_diff
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Sequence, TypeVar
 
-from exporters.benchrows import CI_LEVEL, STORED_RATIOS, add_ratios, interval_keys, verdict, verdict_key
-from instrumented_connector.semconv import Mode
+from kvtrace.benchrows import CI_LEVEL, STORED_RATIOS, add_ratios, interval_keys, verdict, verdict_key
+from kvrecord.semconv import Mode
 from kvlens.bench.grid import BenchOptions
 from kvlens.bench.results import Cell, pool_cells, samples, summarize_cell
 from kvlens.bench.stats import bootstrap_ratio, percentile

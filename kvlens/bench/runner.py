@@ -25,9 +25,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from exporters import store
-from exporters.benchrows import add_ratios
-from instrumented_connector import config
+from kvtrace import store
+from kvtrace.benchrows import add_ratios
+from kvrecord import config
 from kvlens.bench.grid import (
     DEFAULT_MAX_MODEL_LEN,
     BenchError,

@@ -10,7 +10,7 @@ Per request:
 * checks before anything is spent (``intake``): the API key when the router
   has one, the body size (413), a JSON object, and the fields the router
   relies on (400 naming the field).
-* trace id (:func:`instrumented_connector.ids.incoming_trace`): a W3C
+* trace id (:func:`kvrecord.ids.incoming_trace`): a W3C
   ``traceparent`` from the client wins (its span id becomes the root span's
   parent); else a client ``X-Request-Id`` that already is 32 lowercase hex;
   else a fresh one. An id this router has in flight or ended recently is

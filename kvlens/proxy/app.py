@@ -228,7 +228,7 @@ def _receiver_ingest(config: ProxyConfig):
     from exporters.collector.ingest import Ingest
     from prometheus_client import CollectorRegistry
 
-    from instrumented_connector.config import store_path
+    from kvrecord.config import store_path
 
     return Ingest(store_path(config.pipeline_config()), registry=CollectorRegistry(), retention=config.retention)
 

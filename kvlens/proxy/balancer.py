@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 from kvlens.proxy.config import Decode, Prefill, ProxyConfig
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from instrumented_connector.ids import vllm_request_id_base
+from kvrecord.ids import vllm_request_id_base
 from kvlens.proxy.config import Prefill, ProxyConfig
 
 #: What vLLM's own disaggregated proxy examples send to P.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from instrumented_connector import config as kvconfig
+from kvrecord import config as kvconfig
 
 #: Default largest request body the router reads (bytes): far above any
 #: prompt the stacks kvlens starts accept, far below what hurts the router.
@@ -110,7 +110,7 @@ class ProxyConfig:
         if self.kvlens_home is None:
             self.kvlens_home = str(kvconfig.home())
         if self.store is not None:
-            from exporters.store.dialect import check_url, is_url
+            from kvrecord.location import check_url, is_url
 
             if not is_url(self.store):
                 raise ValueError(f"store must be a postgresql://user@host:port/dbname URL (a file store is "

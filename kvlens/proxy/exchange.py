@@ -16,7 +16,7 @@ from typing import Callable
 
 import httpx
 
-from instrumented_connector.ids import root_span_id, span_hex
+from kvrecord.ids import root_span_id, span_hex
 from kvlens.proxy.balancer import Route
 from kvlens.proxy.bodies import prefill_body
 from kvlens.proxy.config import ProxyConfig
@@ -27,7 +27,7 @@ from kvlens.proxy.telemetry import RouterTelemetry
 
 def traceparent(trace_id: str) -> str:
     """W3C ``traceparent`` naming the router's root ``request`` span of
-    ``trace_id`` (span id :func:`~instrumented_connector.ids.root_span_id`)
+    ``trace_id`` (span id :func:`~kvrecord.ids.root_span_id`)
     as the parent, sampled: vLLM's own OpenTelemetry tracing
     (``--otlp-traces-endpoint``) then puts its ``llm_request`` span in the
     same trace, under the router's root span."""

@@ -11,7 +11,7 @@ overwrites the first). A client must not be able to cause that, by accident
 purpose.
 
 The rule: a client's id (a 32-hex ``X-Request-Id`` or a ``traceparent``'s
-trace id, :func:`instrumented_connector.ids.incoming_trace`) is used as the
+trace id, :func:`kvrecord.ids.incoming_trace`) is used as the
 trace id only when this router has no request with that id in flight and
 did not end one within ``reuse_window_s`` (P may still hold that request's
 KV: a push waiting for its registration, a lease not yet expired). Otherwise
@@ -34,8 +34,8 @@ import time
 from collections import OrderedDict
 from typing import Mapping
 
-from instrumented_connector import semconv as sc
-from instrumented_connector.ids import incoming_trace, new_trace_id, parse_traceparent
+from kvrecord import semconv as sc
+from kvrecord.ids import incoming_trace, new_trace_id, parse_traceparent
 
 #: Root-span attributes holding what the client sent when it differs from
 #: the trace id used (the vocabulary's names, re-exported).

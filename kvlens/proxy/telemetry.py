@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from exporters.pipeline import get_recorder
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 from kvlens.proxy.config import ProxyConfig
 
 logger = logging.getLogger("kvlens.proxy")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from instrumented_connector import config as kvconfig
+from kvrecord import config as kvconfig
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
 from kvlens.stack.commands import (

@@ -6,7 +6,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from instrumented_connector import config as kvconfig
+from kvrecord import config as kvconfig
 from kvlens.model import ensure_model
 from kvlens.stack.commands import check_model, find_vllm_router
 from kvlens.stack.errors import StackError

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from instrumented_connector import config as kvconfig
+from kvrecord import config as kvconfig
 
 COLLECTORS = ("process", "router")
 

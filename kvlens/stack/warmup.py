@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from instrumented_connector.ids import new_trace_id
+from kvrecord.ids import new_trace_id
 from kvlens.stack.errors import StackError
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from exporters import store
-from instrumented_connector.ids import new_trace_id
+from kvtrace import store
+from kvrecord.ids import new_trace_id
 from kvlens import bench
 from conftest import PULL_STACK_KW
 

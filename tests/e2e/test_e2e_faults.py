@@ -24,8 +24,8 @@ import uuid
 import httpx
 import pytest
 
-from exporters import store
-from instrumented_connector import semconv as sc
+from kvtrace import store
+from kvrecord import semconv as sc
 from kvlens import proxy
 from stack_settings import FAULT_KV_LEASE_S, FAULT_REGISTRATION_TIMEOUT_S
 

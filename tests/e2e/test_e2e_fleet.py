@@ -23,8 +23,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import FLEET_CLOCK_SHIFT_S
-from exporters import store
-from instrumented_connector.ids import root_span_id, span_hex
+from kvtrace import store
+from kvrecord.ids import root_span_id, span_hex
 
 pytestmark = pytest.mark.e2e
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from exporters import store, tracemodel
-from instrumented_connector import ids
+from kvtrace import store, tracemodel
+from kvrecord import ids
 from kvlens.proxy.bodies import decode_body, prefill_body
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ import uuid
 import httpx
 import pytest
 
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 
 pytestmark = pytest.mark.e2e
 N = 4

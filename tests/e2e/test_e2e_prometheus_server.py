@@ -19,8 +19,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from exporters.metrics import PhaseMetricsProcessor
 from exporters.prometheus_server import PrometheusError, PrometheusServer, rules_path
-from exporters.store import StoreSpanExporter
-from instrumented_connector import semconv as sc
+from kvtrace.store import StoreSpanExporter
+from kvrecord import semconv as sc
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 needs_prometheus = pytest.mark.skipif(

@@ -24,7 +24,7 @@ import httpx
 import psutil
 import pytest
 
-from exporters import store
+from kvtrace import store
 
 pytestmark = pytest.mark.e2e
 

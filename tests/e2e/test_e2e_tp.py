@@ -20,10 +20,10 @@ import time
 
 import pytest
 
-from exporters import ranks, store, tracemodel
+from kvtrace import ranks, store, tracemodel
 from conftest import tp_layout
 from e2e_client import send_completions
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 
 # Until kvlens up set NIXL's spinning progress threads to SCHED_IDLE a TP 2 -> 2
 # stack took 371 s to start here and a TP 1 D beside it never started; with

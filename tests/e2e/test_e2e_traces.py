@@ -9,8 +9,8 @@ import uuid
 import httpx
 import pytest
 
-from exporters import store
-from instrumented_connector import semconv as sc
+from kvtrace import store
+from kvrecord import semconv as sc
 
 pytestmark = pytest.mark.e2e
 
@@ -119,7 +119,7 @@ def _check_push_order(sp):
 def _derived(db, ids, traces=None) -> dict[str, set[str]]:
     """The derived phases tracemodel builds for each trace (issue 14); the
     traces themselves (D's spans on P's clock) into ``traces`` if given."""
-    from exporters import tracemodel
+    from kvtrace import tracemodel
 
     conn = store.connect(db, readonly=True)
     try:
@@ -143,7 +143,7 @@ def _check_wire_and_release(trs: dict, mode: str) -> None:
     still names >= 90 % of the handoff at the median."""
     import statistics
 
-    from exporters import ranks
+    from kvtrace import ranks
 
     kind, side = ("write", "prefill") if mode == "push" else ("read", "decode")
     shares = []

@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 
-from exporters import store, tracemodel
+from kvtrace import store, tracemodel
 from e2e_client import send_completions
 
 pytestmark = pytest.mark.e2e

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 
-from exporters import store
-from instrumented_connector.ids import new_trace_id
+from kvtrace import store
+from kvrecord.ids import new_trace_id
 import pytest
 
 from kvlens import bench
@@ -283,7 +283,7 @@ class FakeRouter:
         from fastapi import FastAPI, Request
         from fastapi.responses import JSONResponse, StreamingResponse
 
-        from exporters import store
+        from kvtrace import store
         from kvlens.up import free_port
 
         self.store_path, self.n = store_path, 0

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from test_bench import FakeRouter, _opts, _res, tiny_tokenizer_dir  # noqa: F401 (a fixture)
 
-from exporters import benchrows as B
-from exporters import store
+from kvtrace import benchrows as B
+from kvtrace import store
 from kvlens import bench
 from kvlens.bench import Cell, Target
 from kvlens.bench.rounds import abba, add_intervals, stack_plan

@@ -31,14 +31,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
-from exporters import store
+from kvtrace import store
 from exporters.collector import otlp
 from exporters.collector.app import create_app, mount_receiver
 from exporters.collector.ingest import Ingest, collector_ingest
 from exporters.metrics import PhaseMetricsProcessor
-from exporters.store.schema import write_tx
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from kvtrace.store.schema import write_tx
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 
 PB = {"content-type": "application/x-protobuf"}
 JS = {"content-type": "application/json"}

@@ -27,8 +27,8 @@ from store_fixture import make_store  # noqa: E402
 from dashboard import data as D  # noqa: E402
 from dashboard import loaders as L  # noqa: E402
 from dashboard import prom as P  # noqa: E402
-from exporters import store  # noqa: E402
-from instrumented_connector import semconv as sc  # noqa: E402
+from kvtrace import store  # noqa: E402
+from kvrecord import semconv as sc  # noqa: E402
 
 APP = str(REPO / "dashboard" / "app.py")
 
@@ -134,7 +134,7 @@ def test_breakdown_words_from_the_store_and_from_prometheus(store_path):
     """One function words both sources: the store's tilings (with the
     per-request median), or Prometheus' mean durations (no unattributed
     figure: their overlap is unknown)."""
-    from exporters import store, tracemodel
+    from kvtrace import store, tracemodel
 
     ph = D.phase_breakdown(store_path, None, None)
     with store.reading(store_path) as c:

@@ -8,7 +8,7 @@ import pytest
 import vllm
 
 from instrumented_connector import connector, hooks, scheduler
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 from vllm.distributed.kv_transfer.kv_connector.v1 import nixl
 
 # Parameters our overrides read by name (positional order is forwarded as is).

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporters import store, tiling, tracemodel
+from kvtrace import store, tiling, tracemodel
 from exporters.handoff import HandoffResolver
 from exporters.metrics import _families_for
 from exporters.pipeline import provider_factory
-from instrumented_connector import ids
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from kvrecord import ids
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 from kvlens import cli
 
 MS = 1_000_000
@@ -187,8 +187,8 @@ def test_engines_ttft_is_p_arrival_to_d_first_token_and_a_router_ttft_wins(tmp_p
 
 
 def test_schema_2_store_is_upgraded_with_the_ttft_columns(tmp_path):
-    from exporters.store.ddl import _TRACES_V2_DDL, V3_TRACE_COLUMNS
-    from exporters.store.dialect import SQLITE
+    from kvtrace.store.ddl import _TRACES_V2_DDL, V3_TRACE_COLUMNS
+    from kvtrace.store.dialect import SQLITE
 
     db = tmp_path / "traces.db"
     raw = sqlite3.connect(db)

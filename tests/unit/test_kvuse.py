@@ -1,4 +1,4 @@
-"""KV used or recomputed (exporters/kvuse.py and the D scheduler hook's count):
+"""KV used or recomputed (kvtrace/kvuse.py and the D scheduler hook's count):
 the first step's recomputed prompt tokens, the partial-block rule, the
 trace's ``kv_use``, the counter and the CLI line."""
 
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from exporters import kvuse, tracemodel
-from instrumented_connector import semconv as sc
+from kvtrace import kvuse, tracemodel
+from kvrecord import semconv as sc
 
 
 def _first_step(tokens, block_size=16):

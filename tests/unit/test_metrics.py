@@ -15,12 +15,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
 from exporters import metrics as m
-from exporters import pipeline, store
+from exporters import pipeline
+from kvtrace import store
 from exporters.metrics import PhaseMetricsProcessor, metrics_app
-from exporters.store import StoreSpanExporter, connect
-from instrumented_connector import semconv as sc
-from instrumented_connector.ids import PinnedIdGenerator
-from instrumented_connector.recorder import Recorder
+from kvtrace.store import StoreSpanExporter, connect
+from kvrecord import semconv as sc
+from kvrecord.ids import PinnedIdGenerator
+from kvrecord.recorder import Recorder
 
 TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 

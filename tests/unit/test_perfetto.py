@@ -12,9 +12,9 @@ from collections import defaultdict
 
 import pytest
 
-from exporters import perfetto, store, tracemodel
-from exporters.tracemodel import Span, Trace
-from instrumented_connector import semconv as sc
+from kvtrace import perfetto, store, tracemodel
+from kvtrace.tracemodel import Span, Trace
+from kvrecord import semconv as sc
 from kvlens.cli import main
 
 MS = 1_000_000

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import uvicorn
 
-from instrumented_connector import ids
+from kvrecord import ids
 from kvlens import proxy
 from kvlens.proxy import telemetry
 from kvlens.sse import FirstTextWatcher

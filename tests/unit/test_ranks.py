@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks, traced rank by rank (exporters/ranks.py): several
+"""Tensor-parallel ranks, traced rank by rank (kvtrace/ranks.py): several
 real worker processes, one per rank, record one request through their own
 recorder, the real sidecar (span building off the engine's GIL), the real
 store and the trace model -- the multi-rank path as vLLM's multiprocess
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from exporters import ranks, tracemodel
-from instrumented_connector import semconv as sc
+from kvtrace import ranks, tracemodel
+from kvrecord import semconv as sc
 from rank_store import make_rank_store
 
 @pytest.fixture(scope="module")

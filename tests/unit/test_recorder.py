@@ -12,10 +12,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from exporters import pipeline, store
-from instrumented_connector import semconv as sc
-from instrumented_connector.ids import base_request_id, root_span_id, trace_id_for
-from instrumented_connector.recorder import Recorder
+from exporters import pipeline
+from kvtrace import store
+from kvrecord import semconv as sc
+from kvrecord.ids import base_request_id, root_span_id, trace_id_for
+from kvrecord.recorder import Recorder
 
 TID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
@@ -255,7 +256,7 @@ def test_span_ids_do_not_follow_the_global_random_seed():
     trace could collide (the store keeps one row per (trace, span id))."""
     import random
 
-    from instrumented_connector.ids import PinnedIdGenerator
+    from kvrecord.ids import PinnedIdGenerator
 
     draws = []
     for _ in range(2):  # two "processes" seeded the same way

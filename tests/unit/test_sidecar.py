@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, multiprocess
 
-from exporters import pipeline, store
+from exporters import pipeline
+from kvtrace import store
 from exporters.shipping import ShippingRecorder
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000_000_000_000
@@ -144,7 +145,7 @@ _CHILD = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
     from exporters import pipeline
-    from instrumented_connector import semconv as sc
+    from kvrecord import semconv as sc
     r = pipeline.get_recorder("decode", "pull", "d-kill", {{"kvlens_home": {home!r}, "kvlens_metrics": "off"}},
                               span_builder="sidecar").start()
     r.record(sc.Phase.KV_READY, "cmpl-{tid}-0-00000001", 1, 2)

@@ -34,10 +34,11 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from exporters import pipeline, store
+from exporters import pipeline
+from kvtrace import store
 from exporters.collector import otlp
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "store_spans.json"
 P = sc.Phase

@@ -14,10 +14,11 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from exporters import pipeline, store
+from exporters import pipeline
+from kvtrace import store
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import DropReason, Recorder
+from kvrecord import semconv as sc
+from kvrecord.recorder import DropReason, Recorder
 
 
 def _capturing(build):

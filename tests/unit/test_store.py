@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from exporters import pipeline, store, tracemodel
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from exporters import pipeline
+from kvtrace import store, tracemodel
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 from store_backends import Backend
 
 TID = "0af7651916cd43dd8448eb211c80319c"
@@ -165,7 +166,7 @@ def test_a_version_1_store_is_migrated_and_its_handoffs_marked_unknown(tmp_path)
 
 
 def test_a_writer_runs_the_migrations_up_to_its_version(backend, monkeypatch):
-    from exporters.store import schema
+    from kvtrace.store import schema
 
     p = backend.store
     store.connect(p).close()

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporters import store, tiling, tracemodel
+from kvtrace import store, tiling, tracemodel
 from exporters.collector.ingest import Ingest
 from store_backends import Backend
 from synthetic_store import build
@@ -37,7 +37,7 @@ def _norm(v):
 def both(pg_server, tmp_path_factory):
     """The same synthetic traces in a SQLite file and a PostgreSQL database:
     (sqlite Backend, postgresql Backend, trace ids by mode)."""
-    from exporters.store import pg
+    from kvtrace.store import pg
 
     base = time.time_ns() - 700 * 10**9
     d = tmp_path_factory.mktemp("both")
@@ -222,7 +222,7 @@ def test_retention_prunes_after_a_write_at_most_once_per_period(backend):
 
 
 def test_collector_and_connector_retention_options():
-    from instrumented_connector.config import retention_s, validate_config
+    from kvrecord.config import retention_s, validate_config
     from kvlens.cli import main
 
     assert retention_s({"kvlens_retention": "7d"}) == 7 * 86400 and retention_s({}) is None
@@ -234,7 +234,7 @@ def test_collector_and_connector_retention_options():
 
 # ------------------------------------------------------------------ faults
 def test_a_malformed_store_url_is_refused_with_a_clear_message(tmp_path, capsys):
-    from instrumented_connector.config import store_path, validate_config
+    from kvrecord.config import store_path, validate_config
     from kvlens.cli import main
 
     assert store.is_url("postgresql://u@h/db") and store.is_url("postgres://u@h/db")

@@ -1,4 +1,4 @@
-"""The one trace model (exporters/tracemodel.py): critical-path marking,
+"""The one trace model (kvtrace/tracemodel.py): critical-path marking,
 handoff, decomposition, the ``kvlens traces --json`` form, and that the CLI,
 the dashboard and the per-phase breakdown all follow it."""
 
@@ -10,8 +10,8 @@ import pytest
 from store_fixture import make_store
 
 from dashboard import data as D
-from exporters import store, tracemodel
-from exporters.tracemodel import CRITICAL, OVERLAP, Trace
+from kvtrace import store, tracemodel
+from kvtrace.tracemodel import CRITICAL, OVERLAP, Trace
 from kvlens import traces as cli_traces
 
 MS = 1_000_000

@@ -60,7 +60,7 @@ def test_run_checks_values_given_without_argparse(tmp_path, capsys):
 
 
 def test_waterfall_at_its_narrowest_and_widest(tmp_path):
-    from exporters import store, tracemodel
+    from kvtrace import store, tracemodel
     from store_fixture import make_store
 
     path = make_store(tmp_path, n_per_mode=2, bench=False)
@@ -83,7 +83,7 @@ def small_store(tmp_path_factory):
 
 
 def test_breakdown_says_what_dominates_per_mode_and_dispatch(small_store, capsys):
-    from exporters import store, tracemodel
+    from kvtrace import store, tracemodel
 
     assert main(["traces", "--store", str(small_store), "--breakdown"]) == 0
     out = capsys.readouterr().out
@@ -108,7 +108,7 @@ def test_breakdown_says_what_dominates_per_mode_and_dispatch(small_store, capsys
 
 
 def test_waterfalls_end_with_the_words(small_store, capsys):
-    from exporters import store, tracemodel
+    from kvtrace import store, tracemodel
 
     assert main(["traces", "--store", str(small_store), "--slowest", "1"]) == 0
     out = capsys.readouterr().out

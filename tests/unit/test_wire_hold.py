@@ -20,13 +20,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client import CollectorRegistry
 
-from exporters import ranks, store, tracemodel
+from kvtrace import ranks, store, tracemodel
 from exporters.handoff import HandoffResolver
 from exporters.metrics import PhaseMetricsProcessor, _families_for
 from exporters.pipeline import provider_factory
-from exporters.store import StoreSpanExporter
-from instrumented_connector import semconv as sc
-from instrumented_connector.recorder import Recorder
+from kvtrace.store import StoreSpanExporter
+from kvrecord import semconv as sc
+from kvrecord.recorder import Recorder
 from instrumented_connector.taps import RankedRecorder
 from kvlens import cli
 from kvlens.traces import waterfall

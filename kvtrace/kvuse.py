@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 
 #: The block size assumed when a span does not carry D's (vLLM's default).
 DEFAULT_BLOCK_SIZE = 16

@@ -12,7 +12,7 @@ import subprocess
 import time
 from typing import Any, Mapping
 
-from instrumented_connector.logutil import log_once
+from kvrecord.logutil import log_once
 
 #: Directory where recorders write their counters as JSON (``<role>-<pid>.json``,
 #: at most once a second and at close) when set: how ``benchmarks/bench_cpu.py``

@@ -28,7 +28,7 @@ nowhere else:
   every other handoff phase critical.
 
 Tiling the handoff, the derived phases and the breakdown in words live in
-:mod:`exporters.tiling` and are re-exported here (:func:`tile`,
+:mod:`kvtrace.tiling` and are re-exported here (:func:`tile`,
 :func:`derive`, :func:`summarize`, :func:`dominant_words`).
 """
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from exporters import kvuse, ranks, store
-from exporters.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
+from kvtrace import kvuse, ranks, store
+from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
     _DERIVED,
     _PHASES,
     _POINTS,
@@ -56,7 +56,7 @@ from exporters.tiling import (  # noqa: F401 (re-exported: the one trace model's
     summarize,
     tile,
 )
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 
 #: Labels of the two sides of the split (the dashboard shows them as is).
 CRITICAL = "critical path"
@@ -254,7 +254,7 @@ class Trace:
                 "spans": [s.to_json() for s in self.spans]}
 
     def ranks_json(self) -> dict[str, Any] | None:
-        """Tensor-parallel ranks of the trace (:mod:`exporters.ranks`): ranks
+        """Tensor-parallel ranks of the trace (:mod:`kvtrace.ranks`): ranks
         seen per role and the straggler of each per-rank completion phase
         (the transfer over ranks is the JSON's ``transfer``); None where no
         span carries a rank."""

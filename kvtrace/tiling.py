@@ -1,7 +1,7 @@
 """Tiling a handoff: the derived phases, the exclusive split of the handoff
 window among the phases, and what dominates it, in words.
 
-Part of the one trace model (:mod:`exporters.tracemodel` re-exports all of
+Part of the one trace model (:mod:`kvtrace.tracemodel` re-exports all of
 it; docs/phases.md, "Critical path"): where no one process sees an
 interval, its phase is **derived** here from two recorded timestamps
 (``semconv.DERIVED_PHASES``, :func:`derive`) and then treated like any
@@ -24,8 +24,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Sequence
 
-from exporters.ranks import rank_of
-from instrumented_connector import semconv as sc
+from kvtrace.ranks import rank_of
+from kvrecord import semconv as sc
 
 #: Phases that are never a part of the handoff (the root contains it; P's
 #: prefill precedes it; P's hold of the blocks follows it).

@@ -13,7 +13,7 @@
   :func:`store_path` returns the file's :class:`Path` or the URL (str).
 * Retention: ``kvlens_retention`` (``"7d"``, ``"12h"``, seconds, or
   ``"off"``, the default): traces older than that are pruned by the writer
-  (:func:`retention_s`, :class:`exporters.store.Retention`).
+  (:func:`retention_s`, :class:`kvtrace.store.Retention`).
 * Options: the ``kvlens_*`` / ``otlp_endpoint`` keys of
   ``kv_connector_extra_config``, checked up front by :func:`validate_config`
   so a typo fails at engine start-up with a message naming the key and the
@@ -28,6 +28,9 @@ import difflib
 import os
 from pathlib import Path
 from typing import Any, Mapping
+
+from kvrecord.durations import parse_duration
+from kvrecord.location import check_url, is_url
 
 HOME_ENV = "KVLENS_HOME"
 DEFAULT_HOME = ".kvlens"
@@ -63,16 +66,12 @@ def home(cfg: Mapping[str, Any] | None = None) -> Path:
     return Path(h).expanduser().resolve()
 
 
-def _is_url(v: Any) -> bool:
-    return isinstance(v, str) and v.strip().lower().startswith(("postgresql://", "postgres://"))
-
-
 def store_path(cfg: Mapping[str, Any] | None = None) -> Path | str:
     """The trace store: ``kvlens_store``'s PostgreSQL URL when it is one, else
     ``<home>/traces.db``. A URL is a ``str``: pass it on as it is (``Path()``
-    would mangle it); :func:`exporters.store.location` names both."""
+    would mangle it); :func:`kvtrace.store.location` names both."""
     v = (cfg or {}).get("kvlens_store")
-    if _is_url(v):
+    if is_url(v):
         return v.strip()
     return home(cfg) / STORE_FILE
 
@@ -91,8 +90,6 @@ def retention_s(cfg: Mapping[str, Any] | None = None) -> float | None:
     text = str(v).strip().lower()
     if text in _OFF + ("none", ""):
         return None
-    from exporters.store.queries import parse_duration
-
     try:
         return parse_duration(text)
     except ValueError as e:
@@ -157,8 +154,7 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"kvlens_metrics must be 'on' or 'off', got {out['kvlens_metrics']!r}")
     if "kvlens_store" in out:
         v = out["kvlens_store"]
-        if _is_url(v):
-            from exporters.store.dialect import check_url
+        if is_url(v):
 
             try:
                 check_url(v)

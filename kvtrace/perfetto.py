@@ -24,7 +24,7 @@ Layout of the timeline:
   the earliest span of all traces written (:func:`origin_ns`), in whole
   µs (:func:`_us`).
 * **Clocks**: D's spans are already on P's clock in the trace model
-  (:meth:`exporters.tracemodel.Trace.from_rows`); nothing is shifted here.
+  (:meth:`kvtrace.tracemodel.Trace.from_rows`); nothing is shifted here.
 * **Flow arrows** (``s`` / ``f``) for the messages that cross between P and
   D (:data:`MESSAGES`). A flow end on a span with a duration sits in its
   middle (``"bp": "e"``: bound to the enclosing slice, so the anchor cannot
@@ -42,8 +42,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from exporters.tracemodel import Span, Trace
-from instrumented_connector import semconv as sc
+from kvtrace.tracemodel import Span, Trace
+from kvrecord import semconv as sc
 
 #: Tensor-parallel rank of the recording worker, where a span carries one;
 #: the key is taken from semconv once it is defined there.

@@ -1,5 +1,5 @@
 """Every phase in a few words, for sentences such as "pull: 71 % of the
-handoff is D's scheduler queue" (:func:`exporters.tracemodel.dominant_words`)
+handoff is D's scheduler queue" (:func:`kvtrace.tracemodel.dominant_words`)
 and the dashboard's labels. Keyed by span name (``semconv.Phase`` values);
 re-exported as ``semconv.PHASE_WORDS``. Plain strings here, so this module
 imports nothing (``semconv`` imports it)."""

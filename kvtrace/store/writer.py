@@ -17,13 +17,14 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from exporters import clockbounds
-from exporters.clockbounds import WINDOW_NS
-from exporters.store.dialect import dialect_of, display, is_url
-from exporters.store.errors import is_transient
-from exporters.store.schema import PARAM, SPAN_COLUMNS, TRACE_COLUMNS, connect, params, set_wait, write_tx
-from instrumented_connector import semconv as sc
-from instrumented_connector.ids import base_request_id, span_hex, trace_hex
+from kvtrace import clockbounds
+from kvtrace.clockbounds import WINDOW_NS
+from kvrecord.location import display, is_url
+from kvtrace.store.dialect import dialect_of
+from kvtrace.store.errors import is_transient
+from kvtrace.store.schema import PARAM, SPAN_COLUMNS, TRACE_COLUMNS, connect, params, set_wait, write_tx
+from kvrecord import semconv as sc
+from kvrecord.ids import base_request_id, span_hex, trace_hex
 
 logger = logging.getLogger("kvlens")
 
@@ -204,7 +205,7 @@ _SET_ENGINE_TTFT = (f"UPDATE traces SET ttft_s = {PARAM}, ttft_err_s = {PARAM}, 
 
 def settle(conn: sqlite3.Connection, trace_ids: Iterable[str]) -> int:
     """Write the clock-corrected handoff of those ``trace_ids`` that have
-    both ends (:func:`exporters.clockbounds.settle`, the pair's window read
+    both ends (:func:`kvtrace.clockbounds.settle`, the pair's window read
     from the store). Inside the caller's write transaction; returns the
     number of rows settled. Idempotent: a later span of the trace re-settles it."""
     ids = list(trace_ids)
@@ -268,7 +269,7 @@ class StoreSpanExporter:
     reconnect and back-off included (default :attr:`MAX_BLOCK_S`).
     ``retention``: keep this long (seconds, or a duration such as ``"7d"``);
     older traces are pruned in small batches after a write, at most once
-    per :attr:`exporters.store.retention.Retention.every_s` (default: keep all)."""
+    per :attr:`kvtrace.store.retention.Retention.every_s` (default: keep all)."""
 
     #: Every kvlens process of a host writes this one file; on a loaded host
     #: a writer can hold the lock for seconds. Waiting only delays the export
@@ -280,7 +281,7 @@ class StoreSpanExporter:
 
     def __init__(self, path: "str | Path", *, max_block_s: float | None = None,
                  retention: "float | str | None" = None):
-        from exporters.store.retention import Retention
+        from kvtrace.store.retention import Retention
 
         self.path = path if is_url(path) else Path(path)
         self.max_block_s = float(self.MAX_BLOCK_S if max_block_s is None else max_block_s)

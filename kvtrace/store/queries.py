@@ -1,13 +1,13 @@
 """Every read of the store (and the bench rows' write): parameterised queries
 as functions of their parameters, returning plain dicts / tuples. Nothing
-outside ``exporters.store`` writes SQL.
+outside ``kvtrace.store`` writes SQL.
 
-All functions take an open connection (:func:`exporters.store.connect` or
-:func:`exporters.store.reading`, SQLite or PostgreSQL), run on the caller's
+All functions take an open connection (:func:`kvtrace.store.connect` or
+:func:`kvtrace.store.reading`, SQLite or PostgreSQL), run on the caller's
 thread and may block up to the connection's timeout on a writer's lock.
 Times are wall-clock ns (``*_ns``) or seconds (``*_s``). The SQL is written
 once: ``{desc}`` and the like are the connection's dialect's
-(:mod:`exporters.store.dialect`).
+(:mod:`kvtrace.store.dialect`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from exporters.store.dialect import dialect_of
-from exporters.store.schema import PARAM, SPAN_COLUMNS, params, read_tx, write_tx
+from kvrecord.durations import parse_duration
+from kvtrace.store.dialect import dialect_of
+from kvtrace.store.schema import PARAM, SPAN_COLUMNS, params, read_tx, write_tx
 
-#: Columns of a trace summary (``slowest`` rows, :mod:`exporters.tracemodel`).
+#: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
 SUMMARY_COLUMNS = ("trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "end_ns", "ttft_s",
                    "prefill_finished_ns", "kv_ready_ns", "handoff_s", "n_spans", "handoff_err_s", "handoff_raw_s",
                    "clock_offset_s", "clock_lo_s", "clock_hi_s", "handoff_note", "p_engine", "d_engine",
@@ -37,23 +38,6 @@ WINDOW_COLUMNS = ("mode", "outcome", "start_ns", "ttft_s", "handoff_s", "ttft_so
 SAMPLE_TRACE_COLUMNS = ("trace_id", "mode", "prefill_finished_ns", "kv_ready_ns", "handoff_s", "clock_offset_s")
 SAMPLE_SPAN_COLUMNS = ("trace_id", "role", "name", "start_ns", "end_ns")
 _ORDER = {"handoff": "handoff_s", "ttft": "ttft_s", "start": "start_ns"}
-
-
-def parse_duration(text: str) -> float:
-    """'10m' / '2h' / '30s' / '7d' (or plain seconds) -> seconds > 0;
-    ValueError naming the text otherwise."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    t = text.strip().lower()
-    try:
-        if t[-1] in units:
-            secs = float(t[:-1]) * units[t[-1]]
-        else:
-            secs = float(t)
-    except (ValueError, IndexError):
-        raise ValueError(f"invalid duration {text!r}: use e.g. 30s, 10m, 2h, 1d") from None
-    if secs <= 0:
-        raise ValueError(f"invalid duration {text!r}: must be > 0")
-    return secs
 
 
 def parse_since(text: str | None) -> int | None:

@@ -10,7 +10,7 @@ part of the ``sqlite3`` surface the store uses (``execute``,
 placeholders into psycopg's ``%s`` / ``%(name)s`` once per SQL string
 (cached). Rows are :class:`Row`: tuples that also answer ``row["column"]``
 and ``dict(row)``, as ``sqlite3.Row`` does. The few spellings that differ
-are the :data:`~exporters.store.dialect.POSTGRES` dialect's fields.
+are the :data:`~kvtrace.store.dialect.POSTGRES` dialect's fields.
 
 Connections come from one ``psycopg_pool.ConnectionPool`` per URL per
 process (readers and writers share it; connections are in autocommit mode
@@ -20,11 +20,11 @@ there, and the pool checks a connection before handing it out, so a
 process survives a server restart. While the pool has no connection at all
 (first use, or after the server went away), :func:`connect` first opens
 one directly: libpq's own error (refused, unknown database, bad password)
-comes back at once as a :class:`~exporters.store.errors.StoreError` kind
+comes back at once as a :class:`~kvtrace.store.errors.StoreError` kind
 naming host:port, instead of a pool timeout later.
 
 psycopg errors become ``StoreError`` kinds in :func:`translate` (a
-connection failure is :class:`~exporters.store.errors.StoreUnavailable`,
+connection failure is :class:`~kvtrace.store.errors.StoreUnavailable`,
 which writers retry).
 """
 
@@ -38,8 +38,9 @@ import re
 import threading
 from typing import Any, Iterable, Sequence
 
-from exporters.store.dialect import POSTGRES, display, endpoint
-from exporters.store.errors import StoreAccessDenied, StoreError, StoreMissing, StoreUnavailable
+from kvrecord.location import display, endpoint
+from kvtrace.store.dialect import POSTGRES
+from kvtrace.store.errors import StoreAccessDenied, StoreError, StoreMissing, StoreUnavailable
 
 logger = logging.getLogger("kvlens")
 

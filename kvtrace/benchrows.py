@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from instrumented_connector.semconv import Mode
+from kvrecord.semconv import Mode
 
 #: Which variant ran: ``mode`` (push / pull) and the push ``dispatch`` (None for pull).
 VARIANT_KEYS = ("mode", "dispatch")

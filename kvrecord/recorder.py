@@ -43,10 +43,10 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.context import Context
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
-from instrumented_connector import ids
-from instrumented_connector import semconv as sc
-from instrumented_connector.logutil import log_once
-from instrumented_connector.procstats import name_native_thread, write_stats
+from kvrecord import ids
+from kvrecord import semconv as sc
+from kvrecord.logutil import log_once
+from kvrecord.procstats import name_native_thread, write_stats
 
 #: Default event-buffer capacity per process. An event with its small
 #: attribute dict is ~0.5-1 KiB, so this keeps the buffer under ~32 MiB.

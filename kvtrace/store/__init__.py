@@ -5,27 +5,27 @@ A store is named by a path (an SQLite file: one host) or a URL
 shares); :func:`location` turns what a user typed into one of the two, and
 everything else takes either. Same schema, same queries, same results.
 
-* :mod:`~exporters.store.dialect`: store names (:func:`location`,
+* :mod:`~kvtrace.store.dialect`: store names (:func:`location`,
   :func:`is_url`) and what the two backends spell differently.
-* :mod:`~exporters.store.schema`: tables, schema version and migrations,
+* :mod:`~kvtrace.store.schema`: tables, schema version and migrations,
   :func:`connect` / :func:`reading` (dispatching on the name).
-* :mod:`~exporters.store.pg`: the PostgreSQL backend (pooled psycopg 3
+* :mod:`~kvtrace.store.pg`: the PostgreSQL backend (pooled psycopg 3
   connections behind the ``sqlite3`` surface the queries use).
-* :mod:`~exporters.store.retention`: :func:`prune`, :class:`Retention`.
-* :mod:`~exporters.store.writer`: spans in (``StoreSpanExporter``: the SDK
+* :mod:`~kvtrace.store.retention`: :func:`prune`, :class:`Retention`.
+* :mod:`~kvtrace.store.writer`: spans in (``StoreSpanExporter``: the SDK
   exporter, either backend).
-* :mod:`~exporters.store.queries`: every read the resolver, ``kvlens traces``,
+* :mod:`~kvtrace.store.queries`: every read the resolver, ``kvlens traces``,
   the bench and the dashboard need, as functions of their parameters.
-* :mod:`~exporters.store.errors`: :class:`StoreError` and its kinds, printable as one line.
+* :mod:`~kvtrace.store.errors`: :class:`StoreError` and its kinds, printable as one line.
 
 Callers use this package's names (``from exporters import store``;
 ``with store.reading(path) as c: store.slowest(c, ...)``), never its SQL.
 What a trace *means* (its spans' critical-path marking, its JSON form) is
-:mod:`exporters.tracemodel`, one layer up.
+:mod:`kvtrace.tracemodel`, one layer up.
 """
 
-from exporters.store.dialect import display, is_url, location
-from exporters.store.errors import (
+from kvrecord.location import display, is_url, location
+from kvtrace.store.errors import (
     StoreAccessDenied,
     StoreCorrupt,
     StoreError,
@@ -35,7 +35,7 @@ from exporters.store.errors import (
     StoreVersionError,
     is_transient,
 )
-from exporters.store.queries import (
+from kvtrace.store.queries import (
     HANDOFF_COLUMNS,
     SAMPLE_SPAN_COLUMNS,
     SAMPLE_TRACE_COLUMNS,
@@ -49,7 +49,6 @@ from exporters.store.queries import (
     handoffs,
     halves,
     info,
-    parse_duration,
     parse_since,
     save_bench_rows,
     slowest,
@@ -57,7 +56,7 @@ from exporters.store.queries import (
     spans_for,
     window,
 )
-from exporters.store.schema import (
+from kvtrace.store.schema import (
     SCHEMA_VERSION,
     SPAN_COLUMNS,
     TRACE_COLUMNS,
@@ -65,8 +64,8 @@ from exporters.store.schema import (
     connect,
     reading,
 )
-from exporters.store.retention import Retention, prune
-from exporters.store.writer import StoreSpanExporter, bulk_insert, settle, write_spans
+from kvtrace.store.retention import Retention, prune
+from kvtrace.store.writer import StoreSpanExporter, bulk_insert, settle, write_spans
 
 __all__ = [
     "HANDOFF_COLUMNS",
@@ -96,7 +95,6 @@ __all__ = [
     "is_transient",
     "is_url",
     "location",
-    "parse_duration",
     "prune",
     "attributes_of",
     "handoff_sample",

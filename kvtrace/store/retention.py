@@ -25,8 +25,8 @@ import logging
 import time
 from typing import Any
 
-from exporters.store.queries import parse_duration
-from exporters.store.schema import PARAM, params, write_tx
+from kvrecord.durations import parse_duration
+from kvtrace.store.schema import PARAM, params, write_tx
 
 logger = logging.getLogger("kvlens")
 

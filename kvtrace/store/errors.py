@@ -4,16 +4,15 @@ print as one line (``kvlens traces``) or show as a message (the dashboard).
 Every one is a :class:`StoreError`; their ``str()`` names the file (or the
 PostgreSQL host:port and database, never a password) and says what to do.
 The backends' own exceptions (``sqlite3.Error``, ``psycopg.Error``) never
-leave :mod:`exporters.store` for reads made through
-:func:`exporters.store.reading`; a PostgreSQL store's connection errors come
+leave :mod:`kvtrace.store` for reads made through
+:func:`kvtrace.store.reading`; a PostgreSQL store's connection errors come
 out as these kinds for writers too.
 """
 
 from __future__ import annotations
 
-
-class StoreError(Exception):
-    """The store cannot be used: not a kvlens store, corrupt, locked, too new."""
+# the two a store's *name* can raise live with the naming, in the bottom layer
+from kvrecord.location import StoreError, StoreUrlError  # noqa: F401  (kinds of StoreError, re-exported)
 
 
 class StoreMissing(StoreError, FileNotFoundError):
@@ -24,11 +23,6 @@ class StoreMissing(StoreError, FileNotFoundError):
 class StoreCorrupt(StoreError):
     """The file exists but is not a readable kvlens store (0 bytes, garbage,
     another program's database, or damaged)."""
-
-
-class StoreUrlError(StoreError, ValueError):
-    """A malformed store URL (``postgresql://user@host:port/dbname`` expected).
-    Also a ``ValueError``, for argument checks that catch that."""
 
 
 class StoreUnavailable(StoreError):

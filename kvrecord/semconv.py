@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from typing import Final, NamedTuple
 
-from instrumented_connector.words import PHASE_WORDS as _PHASE_WORDS
+from kvrecord.words import PHASE_WORDS as _PHASE_WORDS
 
 
 class Phase(str, enum.Enum):
@@ -20,7 +20,7 @@ class Phase(str, enum.Enum):
     Listed in the order a request meets them (the display order of
     waterfalls and of the per-phase breakdown). Each docstring says exactly
     which interval the phase is; "derived" phases are not recorded by any
-    process: :mod:`exporters.tracemodel` builds them from two recorded
+    process: :mod:`kvtrace.tracemodel` builds them from two recorded
     timestamps (:data:`DERIVED_PHASES`), where no one process sees both ends.
     """
 
@@ -177,7 +177,7 @@ PUSH_OVERLAP_PHASES: Final = frozenset(
 
 #: Phases that only say one side waits for the other (P's writer for D's
 #: registration, or for its own finished blocks). When the handoff is split
-#: among overlapping phases (``exporters.tiling.tile``) they get only the
+#: among overlapping phases (``kvtrace.tiling.tile``) they get only the
 #: time no other phase names: what they wait for is the better name.
 WAITING_PHASES: Final = frozenset({Phase.MATCH})
 
@@ -220,7 +220,7 @@ class Derivation(NamedTuple):
 _XFER_S = "kvlens.nixl_xfer_s"  # ATTR_NIXL_XFER_S (defined with the attribute keys below)
 
 
-#: Phases no process records: :mod:`exporters.tracemodel` derives each from
+#: Phases no process records: :mod:`kvtrace.tracemodel` derives each from
 #: two recorded timestamps (``from`` -> ``to``, the first pair whose ends a
 #: trace both has), where no one process sees the whole interval. They are
 #: shown and counted like recorded phases (waterfall, breakdown), carry
@@ -262,7 +262,7 @@ PHASE_ORDER: Final = {p.value: i for i, p in enumerate(Phase)}
 """Display order of phases (waterfalls, tables)."""
 
 PHASE_WORDS: Final[dict[str, str]] = _PHASE_WORDS
-"""Every phase in a few words (:mod:`instrumented_connector.words`)."""
+"""Every phase in a few words (:mod:`kvrecord.words`)."""
 
 
 class Mode(str, enum.Enum):
@@ -310,7 +310,7 @@ def closed(value: object, enum_cls: type[enum.Enum]) -> str:
 
 #: Messages that cross between P and D, by (role, span name) -> (column,
 #: which end of the span). They bound the P/D clock offset
-#: (:mod:`exporters.clockbounds`; docs/phases.md "Clocks across hosts"):
+#: (:mod:`kvtrace.clockbounds`; docs/phases.md "Clocks across hosts"):
 #: ``d2p_*`` a message from D to P, ``p2d_*`` one from P to D; ``sent`` is
 #: taken before the message left, ``recv`` after it arrived. ``kv.ready`` and
 #: ``prefill.finished`` count only in the mode named.
@@ -394,7 +394,7 @@ ATTR_DECODE_URL: Final = "kvlens.decode.url"
 ATTR_DECODE_ENGINE_ID: Final = "kvlens.decode.engine_id"
 """Router root span: that D's engine id as the router knows it (``kvlens proxy --decode-engine-id``)."""
 ATTR_DERIVED: Final = "kvlens.derived"
-"""True on a phase :mod:`exporters.tracemodel` derived from two recorded
+"""True on a phase :mod:`kvtrace.tracemodel` derived from two recorded
 timestamps (:data:`DERIVED_PHASES`); never on a recorded span."""
 ATTR_ERROR: Final = "kvlens.error"
 """Short error text for failed outcomes (exception class and message)."""

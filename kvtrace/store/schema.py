@@ -8,7 +8,7 @@ Tables
             arrive from router, P and D in any order, with the timestamps of
             the messages that crossed between P and D; the writer's settle
             pass then writes ``handoff_s`` corrected for the two clocks
-            (:mod:`exporters.clockbounds`), or leaves it NULL with the reason.
+            (:mod:`kvtrace.clockbounds`), or leaves it NULL with the reason.
 ``bench_rows`` results of ``kvlens bench`` (one row per grid cell).
 ``meta``    ``schema_version`` (and room for more keys).
 
@@ -25,12 +25,12 @@ order): the DDL below is one template filled per backend.
 Backends and dialect
 --------------------
 A store is a path (SQLite) or a ``postgresql://`` URL
-(:mod:`exporters.store.dialect`: :func:`location`, :func:`is_url`);
+(:mod:`kvtrace.store.dialect`: :func:`location`, :func:`is_url`);
 :func:`connect` and :func:`reading` dispatch on the name. What the two spell
-differently is a :class:`~exporters.store.dialect.Dialect`, found from the
+differently is a :class:`~kvtrace.store.dialect.Dialect`, found from the
 connection (``dialect_of(conn)``); PostgreSQL connections are pooled psycopg
 connections behind an adapter with the ``sqlite3`` surface
-(:mod:`exporters.store.pg`).
+(:mod:`kvtrace.store.pg`).
 
 Versions
 --------
@@ -52,10 +52,11 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import quote
 
-from exporters.store import pg
-from exporters.store.ddl import _TRACES_V2_DDL, SCHEMA_TEMPLATE, V3_TRACE_COLUMNS
-from exporters.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of, display, is_url, location
-from exporters.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
+from kvtrace.store import pg
+from kvtrace.store.ddl import _TRACES_V2_DDL, SCHEMA_TEMPLATE, V3_TRACE_COLUMNS
+from kvrecord.location import display, is_url, location
+from kvtrace.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of
+from kvtrace.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
 
 # ------------------------------------------------------------------ dialect
 # SQLite's spelling, kept for callers that import these names; the queries
@@ -64,7 +65,7 @@ from exporters.store.errors import StoreCorrupt, StoreError, StoreMissing, Store
 PARAM = "?"
 LEAST, GREATEST = SQLITE.least, SQLITE.greatest
 
-#: An open store connection: ``sqlite3.Connection`` or :class:`exporters.store.pg.PgConnection`.
+#: An open store connection: ``sqlite3.Connection`` or :class:`kvtrace.store.pg.PgConnection`.
 Connection = Any
 
 
@@ -301,8 +302,8 @@ def connect(
     Raises :class:`StoreMissing` (reader, no file; PostgreSQL: no such
     database, or no kvlens tables yet), :class:`StoreCorrupt` (reader: not a
     kvlens store, 0 bytes, damaged), :class:`StoreVersionError` (written by
-    a newer kvlens), :class:`~exporters.store.errors.StoreUnavailable` /
-    :class:`~exporters.store.errors.StoreAccessDenied` (PostgreSQL server
+    a newer kvlens), :class:`~kvtrace.store.errors.StoreUnavailable` /
+    :class:`~kvtrace.store.errors.StoreAccessDenied` (PostgreSQL server
     down, refusing the user); a SQLite writer also lets ``sqlite3.Error``
     through (locked past ``timeout_s``: the span exporter retries on it).
     May block up to ``timeout_s`` on another writer's lock or the server.

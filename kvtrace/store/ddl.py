@@ -1,5 +1,5 @@
 """The store's DDL as templates, one text for both backends (filled by a
-:class:`~exporters.store.dialect.Dialect`: ``{int}``, ``{real}``,
+:class:`~kvtrace.store.dialect.Dialect`: ``{int}``, ``{real}``,
 ``{least}``, ``{desc}``, ``{without_rowid}``, ``{bench_seq}``). Indexes
 are declared in the order "slowest N" reads them (``{desc}``: NULLs last),
 so both backends walk one and stop after N.
@@ -8,7 +8,7 @@ so both backends walk one and stop after N.
 #: The ``traces`` table (version 2: clock crossings and the settled handoff,
 #: docs/phases.md "Clocks across hosts"). ``handoff_raw_s`` is the two-clock
 #: difference; ``handoff_s`` is written by the writer's settle pass
-#: (:mod:`exporters.clockbounds`): corrected for the P/D clock offset, with
+#: (:mod:`kvtrace.clockbounds`): corrected for the P/D clock offset, with
 #: ``handoff_err_s``, or NULL with ``handoff_note`` saying why it is unknown.
 #: ``xlo_ns`` / ``xhi_ns``: this request's own bounds on D's clock minus P's.
 #: A template: ``{int}``, ``{real}``, ``{least}`` are the dialect's (``@name@``: the table name).

@@ -27,7 +27,7 @@ from typing import Iterator, Mapping
 
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
-from instrumented_connector.semconv import ATTR_JOIN_REQUEST_ID
+from kvrecord.semconv import ATTR_JOIN_REQUEST_ID
 
 _SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$", re.IGNORECASE)  # as vLLM's get_base_request_id
 _HEX32_RE = re.compile(r"[0-9a-f]{32}")

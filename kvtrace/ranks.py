@@ -6,7 +6,7 @@ or READs (pull, D) and reports its own completion; D's request is ready only
 when every rank is (vLLM aggregates the ranks' ``finished_recving``). So:
 
 * the handoff ends at the **last** rank's ``kv.ready`` (the store folds
-  ``kv_ready_ns`` to the latest; :mod:`exporters.store.writer`);
+  ``kv_ready_ns`` to the latest; :mod:`kvtrace.store.writer`);
 * the **critical rank** of a transfer phase is the one that finished last,
   and the trace names it: the straggler rank and its lag behind the first
   rank done (:func:`stragglers`);
@@ -24,7 +24,7 @@ import math
 import os
 from typing import Any, Iterable, NamedTuple
 
-from instrumented_connector import semconv as sc
+from kvrecord import semconv as sc
 
 #: The per-rank phases whose last rank decides when the request moves on.
 COMPLETION_PHASES: frozenset[str] = frozenset({sc.Phase.WRITE_COMPLETE.value, sc.Phase.READ_COMPLETE.value,
