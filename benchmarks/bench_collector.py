@@ -65,14 +65,30 @@ def _tracers():
     return keep, out
 
 
-_PUSH = [("prefill", "prefill", 0, 30), ("prefill", "prefill.finished", 30, 30),
-         ("decode", "registration.stage", 2, 2), ("decode", "registration.send", 2, 3),
-         ("prefill", "registration.receive", 4, 4), ("prefill", "match", 4, 30),
-         ("prefill", "descriptor.prep", 30, 31), ("prefill", "write.post", 31, 32),
-         ("prefill", "write.complete", 32, 35), ("decode", "kv.ready", 36, 36), ("router", "request", 0, 60)]
-_PULL = [("prefill", "prefill", 0, 30), ("prefill", "prefill.finished", 30, 30), ("router", "relay", 31, 33),
-         ("decode", "alloc", 34, 34), ("decode", "descriptor.prep", 34, 35), ("decode", "read.post", 35, 36),
-         ("decode", "read.complete", 36, 40), ("decode", "kv.ready", 41, 41), ("router", "request", 0, 60)]
+_PUSH = [
+    ("prefill", "prefill", 0, 30),
+    ("prefill", "prefill.finished", 30, 30),
+    ("decode", "registration.stage", 2, 2),
+    ("decode", "registration.send", 2, 3),
+    ("prefill", "registration.receive", 4, 4),
+    ("prefill", "match", 4, 30),
+    ("prefill", "descriptor.prep", 30, 31),
+    ("prefill", "write.post", 31, 32),
+    ("prefill", "write.complete", 32, 35),
+    ("decode", "kv.ready", 36, 36),
+    ("router", "request", 0, 60),
+]
+_PULL = [
+    ("prefill", "prefill", 0, 30),
+    ("prefill", "prefill.finished", 30, 30),
+    ("router", "relay", 31, 33),
+    ("decode", "alloc", 34, 34),
+    ("decode", "descriptor.prep", 34, 35),
+    ("decode", "read.post", 35, 36),
+    ("decode", "read.complete", 36, 40),
+    ("decode", "kv.ready", 41, 41),
+    ("router", "request", 0, 60),
+]
 
 
 def _attrs(role: str, mode: str, name: str, tid: str, i: int) -> dict:
@@ -80,8 +96,13 @@ def _attrs(role: str, mode: str, name: str, tid: str, i: int) -> dict:
     if role == "router":
         a[sc.ATTR_REQUEST_ID] = tid
         if name == "request":
-            a.update({sc.ATTR_TTFT_S: 0.045 + i % 7 / 1000, sc.ATTR_STATUS_CODE: 200,
-                      sc.ATTR_DISPATCH: "overlapped" if mode == "push" else "sequential"})
+            a.update(
+                {
+                    sc.ATTR_TTFT_S: 0.045 + i % 7 / 1000,
+                    sc.ATTR_STATUS_CODE: 200,
+                    sc.ATTR_DISPATCH: "overlapped" if mode == "push" else "sequential",
+                }
+            )
         return a
     a[sc.ATTR_ENGINE_ID] = "p0" if role == "prefill" else "d0"
     a[sc.ATTR_REQUEST_ID] = f"cmpl-{tid}-0-{i % 65536:08x}"
@@ -114,11 +135,13 @@ def make_bodies(n_bodies: int, per_body: int) -> list[bytes]:
             mode = "push" if i % 2 == 0 else "pull"
             tid = secrets.token_hex(16)
             ctx = otel_trace.set_span_in_context(
-                NonRecordingSpan(SpanContext(int(tid, 16), root_span_id(int(tid, 16)), True, TraceFlags(1))))
+                NonRecordingSpan(SpanContext(int(tid, 16), root_span_id(int(tid, 16)), True, TraceFlags(1)))
+            )
             base = t0 + i * MS
-            for role, name, a, b in (_PUSH if mode == "push" else _PULL):
-                s = tracers[role].start_span(name, context=ctx, attributes=_attrs(role, mode, name, tid, i),
-                                             start_time=base + a * MS)
+            for role, name, a, b in _PUSH if mode == "push" else _PULL:
+                s = tracers[role].start_span(
+                    name, context=ctx, attributes=_attrs(role, mode, name, tid, i), start_time=base + a * MS
+                )
                 s.end(end_time=base + b * MS)
             i += 1
         bodies.append(encode_spans(keep.get_finished_spans()).SerializeToString())
@@ -141,7 +164,7 @@ def bench_decode(bodies: list[bytes]) -> tuple[float, float, list]:
 def bench_store(spans: list, path: Path) -> tuple[float, float]:
     conn = store.connect(path)
     try:
-        return _cpu_wall(lambda: [store.write_spans(conn, spans[i:i + 2000]) for i in range(0, len(spans), 2000)])
+        return _cpu_wall(lambda: [store.write_spans(conn, spans[i : i + 2000]) for i in range(0, len(spans), 2000)])
     finally:
         conn.close()
 
@@ -162,6 +185,7 @@ def bench_app(bodies: list[bytes], path: Path) -> tuple[float, float]:
     reg = CollectorRegistry()
     ing = collector_ingest(path, reg, max_queue_spans=10**7, handoff_deadline_s=1.0)
     with TestClient(create_app(ing, reg)) as client:
+
         def run():
             for b in bodies:
                 r = client.post("/v1/traces", content=b, headers=PB)
@@ -169,6 +193,7 @@ def bench_app(bodies: list[bytes], path: Path) -> tuple[float, float]:
                     raise SystemExit(f"collector answered {r.status_code}: {r.text[:200]}")
             while ing.queued_spans:
                 time.sleep(0.001)
+
         return _cpu_wall(run)
 
 
@@ -186,8 +211,22 @@ def bench_live(rounds: list[list[bytes]], path: Path) -> list[tuple[int, float, 
     """(spans, collector CPU s, wall s) per round against a real ``kvlens collect``."""
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", str(path),
-                             "--queue-spans", str(10**7)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvlens.cli",
+            "collect",
+            "--port",
+            "0",
+            "--store",
+            str(path),
+            "--queue-spans",
+            str(10**7),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         m = re.search(r"(http://\S+)/v1/traces", proc.stdout.readline())
         if not m:
@@ -213,8 +252,10 @@ def bench_live(rounds: list[list[bytes]], path: Path) -> list[tuple[int, float, 
 # ------------------------------------------------------------------ report
 def _line(label: str, spans: int, cpus: list[float], walls: list[float]) -> None:
     cpu, wall = statistics.median(cpus), statistics.median(walls)
-    print(f"  {label:<34} {spans / cpu:>10,.0f} spans/CPU-s  {cpu / spans * 1e6:>7.1f} us CPU/span"
-          f"  {spans / wall:>10,.0f} spans/s wall")
+    print(
+        f"  {label:<34} {spans / cpu:>10,.0f} spans/CPU-s  {cpu / spans * 1e6:>7.1f} us CPU/span"
+        f"  {spans / wall:>10,.0f} spans/s wall"
+    )
 
 
 def main() -> int:
@@ -239,8 +280,10 @@ def main() -> int:
             res[key][0].append(c), res[key][1].append(w)
         c, w = bench_app(bodies, tmp / f"app-{r}.db")
         res["app"][0].append(c), res["app"][1].append(w)
-    print(f"{n} spans per round ({args.bodies} bodies, {size / 1024:.0f} KiB, {size / (n / args.bodies):.0f} B/span);"
-          f" medians of {args.rounds} rounds; python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    print(
+        f"{n} spans per round ({args.bodies} bodies, {size / 1024:.0f} KiB, {size / (n / args.bodies):.0f} B/span);"
+        f" medians of {args.rounds} rounds; python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
+    )
     _line("1 decode (protobuf -> WireSpan)", n, *res["decode"])
     _line("2 store.write_spans (2000/batch)", n, *res["store"])
     _line("3 metrics on_end", n, *res["metrics"])

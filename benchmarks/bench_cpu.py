@@ -73,7 +73,7 @@ def _stat(path: str) -> tuple[str, float] | None:
             raw = f.read()
     except OSError:
         return None
-    comm = raw[raw.index("(") + 1:raw.rindex(")")]
+    comm = raw[raw.index("(") + 1 : raw.rindex(")")]
     fields = raw.rsplit(")", 1)[1].split()
     return comm, (int(fields[11]) + int(fields[12])) / TICK
 
@@ -166,6 +166,7 @@ async def _load(url: str, prompts: list[str], a) -> list:
 
     sem = asyncio.Semaphore(a.concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.request_timeout, connect=10)) as client:
+
         async def one(p: str):
             async with sem:
                 return await bench.one_request(client, url, None, p, a.output_len, new_trace_id())
@@ -178,8 +179,11 @@ def _stored(store_path: Path) -> dict[str, int]:
     try:
         c = sqlite3.connect(f"file:{store_path}?mode=ro", uri=True)
         try:
-            return dict(c.execute("SELECT role, COUNT(*) FROM spans WHERE role IN ('prefill', 'decode') "
-                                  "GROUP BY role").fetchall())
+            return dict(
+                c.execute(
+                    "SELECT role, COUNT(*) FROM spans WHERE role IN ('prefill', 'decode') GROUP BY role"
+                ).fetchall()
+            )
         finally:
             c.close()
     except sqlite3.Error:
@@ -193,8 +197,16 @@ def run_variant(mode: str, variant: str, a, model: Path, prompts: list[str], inl
     env = {STATS_DIR_ENV: str(stats_dir)}
     if variant != "stock":
         env["KVLENS_SPAN_BUILDER"] = variant
-    st = Stack(mode=mode, stock=(variant == "stock"), model=model, port=None, kvlens_home=home, quiet=True,
-               vllm_args=["--no-enable-prefix-caching"], env_extra=env)
+    st = Stack(
+        mode=mode,
+        stock=(variant == "stock"),
+        model=model,
+        port=None,
+        kvlens_home=home,
+        quiet=True,
+        vllm_args=["--no-enable-prefix-caching"],
+        env_extra=env,
+    )
     print(f"[{mode}/{variant}] starting the pair ...", file=sys.stderr, flush=True)
     try:
         st.start(timeout=a.start_timeout)
@@ -221,11 +233,21 @@ def run_variant(mode: str, variant: str, a, model: Path, prompts: list[str], inl
         if kind == "sidecar":
             total = s2.total.get(pid, s1.total[pid]) - s0.total[pid]
         events = ev1.get(pid, {}).get("recorded", 0) - ev0.get(pid, {}).get("recorded", 0)
-        kvlens = total if kind == "sidecar" else (s2.kvlens.get(pid, s1.kvlens[pid]) - s0.kvlens[pid]
-                                                 + events * inline_us / 1e6)
+        kvlens = (
+            total
+            if kind == "sidecar"
+            else (s2.kvlens.get(pid, s1.kvlens[pid]) - s0.kvlens[pid] + events * inline_us / 1e6)
+        )
         rows.append({"role": role, "kind": kind, "pid": pid, "cpu_s": total, "kvlens_s": kvlens, "events": events})
-    return {"mode": mode, "variant": variant, "ok": ok, "requests": len(res), "wall_s": wall, "rows": rows,
-            "check": check}
+    return {
+        "mode": mode,
+        "variant": variant,
+        "ok": ok,
+        "requests": len(res),
+        "wall_s": wall,
+        "rows": rows,
+        "check": check,
+    }
 
 
 def _check_nothing_lost(st: Stack, stats_dir: Path, wait_s: float) -> dict:
@@ -235,8 +257,12 @@ def _check_nothing_lost(st: Stack, stats_dir: Path, wait_s: float) -> dict:
         ev = recorder_stats(stats_dir)
         eng = [v for v in ev.values() if v["role"] in ("prefill", "decode") and not v["sidecar"]]
         recorded = sum(v.get("recorded", 0) for v in eng)
-        lost = sum(v.get(k, 0) for v in ev.values() if v["role"] in ("prefill", "decode")
-                   for k in ("dropped", "shutdown_dropped", "failed_dropped", "processor_lost"))
+        lost = sum(
+            v.get(k, 0)
+            for v in ev.values()
+            if v["role"] in ("prefill", "decode")
+            for k in ("dropped", "shutdown_dropped", "failed_dropped", "processor_lost")
+        )
         stored = sum(_stored(Path(st.store_path)).values())
         if stored + lost >= recorded or time.monotonic() > end:
             return {"recorded": recorded, "stored": stored, "lost_counted": lost}
@@ -244,17 +270,23 @@ def _check_nothing_lost(st: Stack, stats_dir: Path, wait_s: float) -> dict:
 
 
 def report(results: list[dict]) -> None:
-    print("\nper process, during the load (CPU seconds; kvlens = its threads + events x inline cost; "
-          "sidecar = the whole process)")
-    print(f"{'mode':5s} {'variant':8s} {'role':8s} {'process':12s} {'cpu_s':>8s} {'kvlens_s':>9s} {'share':>7s} "
-          f"{'cpu_ms/req':>10s} {'kvlens_ms/req':>13s} {'events':>7s}")
+    print(
+        "\nper process, during the load (CPU seconds; kvlens = its threads + events x inline cost; "
+        "sidecar = the whole process)"
+    )
+    print(
+        f"{'mode':5s} {'variant':8s} {'role':8s} {'process':12s} {'cpu_s':>8s} {'kvlens_s':>9s} {'share':>7s} "
+        f"{'cpu_ms/req':>10s} {'kvlens_ms/req':>13s} {'events':>7s}"
+    )
     for r in results:
         n = max(r["ok"], 1)
         for p in r["rows"]:
             share = p["kvlens_s"] / p["cpu_s"] if p["cpu_s"] else 0.0
-            print(f"{r['mode']:5s} {r['variant']:8s} {p['role']:8s} {p['kind']:12s} {p['cpu_s']:8.2f} "
-                  f"{p['kvlens_s']:9.4f} {share:7.2%} {p['cpu_s'] / n * 1e3:10.2f} {p['kvlens_s'] / n * 1e3:13.4f} "
-                  f"{p['events']:7d}")
+            print(
+                f"{r['mode']:5s} {r['variant']:8s} {p['role']:8s} {p['kind']:12s} {p['cpu_s']:8.2f} "
+                f"{p['kvlens_s']:9.4f} {share:7.2%} {p['cpu_s'] / n * 1e3:10.2f} {p['kvlens_s'] / n * 1e3:13.4f} "
+                f"{p['events']:7d}"
+            )
     print("\nengine processes (API server + EngineCore + workers of P and D), CPU per request")
     stock = {r["mode"]: r for r in results if r["variant"] == "stock"}
     for r in results:
@@ -263,9 +295,11 @@ def report(results: list[dict]) -> None:
         cpu = sum(p["cpu_s"] for p in eng) / n
         kv = sum(p["kvlens_s"] for p in eng) / n if r["variant"] != "stock" else 0.0
         side = sum(p["cpu_s"] for p in r["rows"] if p["kind"] == "sidecar") / n
-        line = (f"{r['mode']:5s} {r['variant']:8s} engine {cpu * 1e3:8.2f} ms/req  kvlens in engine "
-                f"{kv * 1e3:7.3f} ms/req ({kv / cpu if cpu else 0:.2%})  sidecar {side * 1e3:7.2f} ms/req  "
-                f"attributed {1 + (kv / (cpu - kv) if cpu > kv else 0):.4f}")
+        line = (
+            f"{r['mode']:5s} {r['variant']:8s} engine {cpu * 1e3:8.2f} ms/req  kvlens in engine "
+            f"{kv * 1e3:7.3f} ms/req ({kv / cpu if cpu else 0:.2%})  sidecar {side * 1e3:7.2f} ms/req  "
+            f"attributed {1 + (kv / (cpu - kv) if cpu > kv else 0):.4f}"
+        )
         s = stock.get(r["mode"])
         if s and r["variant"] != "stock":
             scpu = sum(p["cpu_s"] for p in s["rows"] if p["kind"] in ENGINE_KINDS) / max(s["ok"], 1)
@@ -273,7 +307,7 @@ def report(results: list[dict]) -> None:
         if r["variant"] != "stock":
             c = r["check"]
             verdict = "OK" if c["recorded"] == c["stored"] + c["lost_counted"] else "MISMATCH"
-            line += (f"  | recorded {c['recorded']} = stored {c['stored']} + lost {c['lost_counted']}: {verdict}")
+            line += f"  | recorded {c['recorded']} = stored {c['stored']} + lost {c['lost_counted']}: {verdict}"
         print(line)
 
 
@@ -313,8 +347,10 @@ def main() -> int:
                 results.append(run_variant(mode, v, a, model, prompts, inline_us))
     except KeyboardInterrupt:
         print("interrupted; the pair was stopped", file=sys.stderr)
-    print(f"\nload: {a.requests} requests x {a.input_len} prompt tokens, {a.output_len} output tokens, "
-          f"concurrency {a.concurrency}; inline cost {inline_us:.3f} us/event")
+    print(
+        f"\nload: {a.requests} requests x {a.input_len} prompt tokens, {a.output_len} output tokens, "
+        f"concurrency {a.concurrency}; inline cost {inline_us:.3f} us/event"
+    )
     report(results)
     if a.json:
         a.json.write_text(json.dumps({"inline_us": inline_us, "results": results}, indent=1))

@@ -34,14 +34,17 @@ def measure(stack: Stack, n: int) -> tuple[list[float], list[float]]:
     ttft, total = [], []
     with httpx.Client(timeout=180) as c:
         for i in range(n):
-            body = {"prompt": f"fleet bench {i} " + "token " * 200, "max_tokens": 8, "temperature": 0,
-                    "stream": True}
+            body = {"prompt": f"fleet bench {i} " + "token " * 200, "max_tokens": 8, "temperature": 0, "stream": True}
             t0 = time.perf_counter()
             first = None
             with c.stream("POST", stack.router_url + "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
-                    if first is None and line.startswith("data: {") and '"text":"' in line.replace(" ", "") \
-                            and '"text":""' not in line.replace(" ", ""):
+                    if (
+                        first is None
+                        and line.startswith("data: {")
+                        and '"text":"' in line.replace(" ", "")
+                        and '"text":""' not in line.replace(" ", "")
+                    ):
                         first = time.perf_counter()
             if first is not None:
                 ttft.append(first - t0)
@@ -64,19 +67,32 @@ def main() -> int:
     for separate in order:
         name = "separate homes" if separate else "one host"
         print(f"starting {args.mode} stack: {name} ...", flush=True)
-        with Stack(mode=args.mode, model=model, port=0, kvlens_home=home / name.replace(" ", "-"), quiet=True,
-                   separate_homes=separate) as st:
+        with Stack(
+            mode=args.mode,
+            model=model,
+            port=0,
+            kvlens_home=home / name.replace(" ", "-"),
+            quiet=True,
+            separate_homes=separate,
+        ) as st:
             t, tot = measure(st, args.requests)
         res[name][0].extend(t)
         res[name][1].extend(tot)
-        print(f"  {name}: TTFT p50 {statistics.median(t) * 1e3:.1f} ms, total p50 "
-              f"{statistics.median(tot) * 1e3:.1f} ms over {len(tot)} requests", flush=True)
+        print(
+            f"  {name}: TTFT p50 {statistics.median(t) * 1e3:.1f} ms, total p50 "
+            f"{statistics.median(tot) * 1e3:.1f} ms over {len(tot)} requests",
+            flush=True,
+        )
     a, b = res["one host"], res["separate homes"]
     print(f"\n{args.mode}, {args.requests} requests x {args.rounds} round(s) per topology:")
-    print(f"  TTFT p50: one host {statistics.median(a[0]) * 1e3:.1f} ms, separate homes "
-          f"{statistics.median(b[0]) * 1e3:.1f} ms, ratio {statistics.median(b[0]) / statistics.median(a[0]):.3f}")
-    print(f"  total p50: one host {statistics.median(a[1]) * 1e3:.1f} ms, separate homes "
-          f"{statistics.median(b[1]) * 1e3:.1f} ms, ratio {statistics.median(b[1]) / statistics.median(a[1]):.3f}")
+    print(
+        f"  TTFT p50: one host {statistics.median(a[0]) * 1e3:.1f} ms, separate homes "
+        f"{statistics.median(b[0]) * 1e3:.1f} ms, ratio {statistics.median(b[0]) / statistics.median(a[0]):.3f}"
+    )
+    print(
+        f"  total p50: one host {statistics.median(a[1]) * 1e3:.1f} ms, separate homes "
+        f"{statistics.median(b[1]) * 1e3:.1f} ms, ratio {statistics.median(b[1]) / statistics.median(a[1]):.3f}"
+    )
     return 0
 
 

@@ -98,10 +98,22 @@ def full_registry() -> tuple[CollectorRegistry, int]:
     return reg, n
 
 
-_ROLE = {"request": "router", "relay": "router", "prefill": "prefill", "prefill.finished": "prefill",
-         "registration.stage": "decode", "registration.send": "decode", "registration.receive": "prefill",
-         "match": "prefill", "write.post": "prefill", "write.complete": "prefill", "alloc": "decode",
-         "read.post": "decode", "read.complete": "decode", "kv.ready": "decode"}
+_ROLE = {
+    "request": "router",
+    "relay": "router",
+    "prefill": "prefill",
+    "prefill.finished": "prefill",
+    "registration.stage": "decode",
+    "registration.send": "decode",
+    "registration.receive": "prefill",
+    "match": "prefill",
+    "write.post": "prefill",
+    "write.complete": "prefill",
+    "alloc": "decode",
+    "read.post": "decode",
+    "read.complete": "decode",
+    "kv.ready": "decode",
+}
 
 
 def realistic_registry() -> tuple[CollectorRegistry, int]:
@@ -109,11 +121,14 @@ def realistic_registry() -> tuple[CollectorRegistry, int]:
     role(s), both modes, outcomes ok and failed (one instance's worth)."""
     reg = CollectorRegistry()
     fam = PhaseMetricsProcessor(reg, handoff_from="off").fam
-    for mode, phases in (("push", sc.PUSH_PHASES + (sc.Phase.HANDSHAKE, sc.Phase.PREFILL, sc.Phase.REQUEST)),
-                         ("pull", sc.PULL_PHASES + (sc.Phase.HANDSHAKE, sc.Phase.PREFILL, sc.Phase.RELAY,
-                                                    sc.Phase.REQUEST))):
+    for mode, phases in (
+        ("push", sc.PUSH_PHASES + (sc.Phase.HANDSHAKE, sc.Phase.PREFILL, sc.Phase.REQUEST)),
+        ("pull", sc.PULL_PHASES + (sc.Phase.HANDSHAKE, sc.Phase.PREFILL, sc.Phase.RELAY, sc.Phase.REQUEST)),
+    ):
         for ph in phases:
-            roles = ("prefill", "decode") if ph in (sc.Phase.HANDSHAKE, sc.Phase.DESCRIPTOR_PREP) else (_ROLE[ph.value],)
+            roles = (
+                ("prefill", "decode") if ph in (sc.Phase.HANDSHAKE, sc.Phase.DESCRIPTOR_PREP) else (_ROLE[ph.value],)
+            )
             for role in roles:
                 for outcome in ("ok", "failed"):
                     fam.child(fam.phase, (mode, role, ph.value, outcome)).observe(0.01, {"trace_id": "ab" * 16})
@@ -146,8 +161,10 @@ def main() -> None:
     print(f"python {sys.version.split()[0]}, {args.spans} spans")
     for ex in (True, False):
         print(f"on_end throughput (exemplars {'on' if ex else 'off'}): {bench_on_end(spans, ex):,.0f} spans/s")
-    for label, (reg, n) in (("realistic (both modes, ok+failed)", realistic_registry()),
-                            ("every closed-label combination incl. _OTHER", full_registry())):
+    for label, (reg, n) in (
+        ("realistic (both modes, ok+failed)", realistic_registry()),
+        ("every closed-label combination incl. _OTHER", full_registry()),
+    ):
         print(f"{label}: {n} samples")
         med, size = bench_scrape(reg, generate_latest)
         print(f"  generate_latest (text 0.0.4): {med * 1e3:.1f} ms, {size / 1024:.0f} KiB")

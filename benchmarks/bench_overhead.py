@@ -81,8 +81,7 @@ async def _interleaved(urls: dict[str, str], prompts: list[str], a) -> dict[str,
         for i, prompt in enumerate(prompts):
             got = {}
             for label in LABELS if i % 2 == 0 else LABELS[::-1]:
-                got[label] = await bench.one_request(client, urls[label], None, prompt, a.output_len,
-                                                     new_trace_id())
+                got[label] = await bench.one_request(client, urls[label], None, prompt, a.output_len, new_trace_id())
             if i < a.warmup:
                 continue
             for label in LABELS:
@@ -99,8 +98,15 @@ def _together(a, model: Path, home: Path, prompts: list[str]) -> int:
         urls = {}
         for label in LABELS if a.start_first == "stock" else LABELS[::-1]:
             print(f"starting the {label} {a.mode} pair ...", file=sys.stderr, flush=True)
-            st = Stack(mode=a.mode, stock=(label == "stock"), model=model, port=None, kvlens_home=home,
-                       quiet=True, vllm_args=["--no-enable-prefix-caching"])
+            st = Stack(
+                mode=a.mode,
+                stock=(label == "stock"),
+                model=model,
+                port=None,
+                kvlens_home=home,
+                quiet=True,
+                vllm_args=["--no-enable-prefix-caching"],
+            )
             stacks.append(st)
             # the second pair starts next to a live one, whose idle workers spin two cores: give it time
             urls[label] = st.start(timeout=900).router_url
@@ -113,11 +119,16 @@ def _together(a, model: Path, home: Path, prompts: list[str]) -> int:
             with signals_ignored():
                 st.stop()
     failed = {k: sum(not r.ok for r in v) for k, v in res.items()}
-    print(f"\nmode={a.mode} input={a.input_len} output={a.output_len} prompts={a.requests} (both pairs alive, "
-          f"{a.start_first} started first, alternating order) failed={failed}")
+    print(
+        f"\nmode={a.mode} input={a.input_len} output={a.output_len} prompts={a.requests} (both pairs alive, "
+        f"{a.start_first} started first, alternating order) failed={failed}"
+    )
     for m in METRICS:
-        both = [(getattr(s_, m), getattr(i_, m)) for s_, i_ in zip(res["stock"], res["instrumented"])
-                if s_.ok and i_.ok and getattr(s_, m) and getattr(i_, m)]
+        both = [
+            (getattr(s_, m), getattr(i_, m))
+            for s_, i_ in zip(res["stock"], res["instrumented"])
+            if s_.ok and i_.ok and getattr(s_, m) and getattr(i_, m)
+        ]
         if len(both) < 3:
             print(f"{m:9s} too few prompts answered by both pairs ({len(both)})")
             continue
@@ -125,8 +136,10 @@ def _together(a, model: Path, home: Path, prompts: list[str]) -> int:
         ms, mi = statistics.median(st_), statistics.median(in_)
         lo, hi = _bootstrap_ratio(st_, in_)
         per = statistics.median(y / x for x, y in both)
-        print(f"{m:9s} n={len(both)}  stock={ms * 1e3:8.2f}ms  instrumented={mi * 1e3:8.2f}ms  "
-              f"ratio={mi / ms:.3f} (95% CI {lo:.3f}-{hi:.3f})  median per-prompt ratio={per:.3f}")
+        print(
+            f"{m:9s} n={len(both)}  stock={ms * 1e3:8.2f}ms  instrumented={mi * 1e3:8.2f}ms  "
+            f"ratio={mi / ms:.3f} (95% CI {lo:.3f}-{hi:.3f})  median per-prompt ratio={per:.3f}"
+        )
     return 0
 
 
@@ -134,18 +147,28 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", default="push", choices=["push", "pull"])
     ap.add_argument("--rounds", type=int, default=4, help="start-ups of each pair (default 4)")
-    ap.add_argument("--requests", type=int, default=40,
-                    help="measured requests per pair per round (default 40); with --together: prompts, "
-                         "each sent to both pairs")
+    ap.add_argument(
+        "--requests",
+        type=int,
+        default=40,
+        help="measured requests per pair per round (default 40); with --together: prompts, each sent to both pairs",
+    )
     ap.add_argument("--warmup", type=int, default=4, help="unmeasured requests first (default 4)")
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--request-timeout", type=float, default=120.0)
-    ap.add_argument("--together", action="store_true",
-                    help="both pairs alive at once, each prompt to both in alternating order (see above)")
-    ap.add_argument("--start-first", choices=LABELS, default="stock",
-                    help="--together: which pair starts first (default stock; run it both ways)")
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="both pairs alive at once, each prompt to both in alternating order (see above)",
+    )
+    ap.add_argument(
+        "--start-first",
+        choices=LABELS,
+        default="stock",
+        help="--together: which pair starts first (default stock; run it both ways)",
+    )
     a = ap.parse_args()
     if a.rounds < 1 or a.requests < 3 or a.input_len < 1 or a.output_len < 2:
         ap.error("need --rounds >= 1, --requests >= 3, --input-len >= 1, --output-len >= 2")
@@ -165,8 +188,15 @@ def main() -> int:
         for rnd in range(a.rounds):
             order = LABELS if rnd % 2 == 0 else LABELS[::-1]
             for label in order:
-                stack = Stack(mode=a.mode, stock=(label == "stock"), model=model, port=None, kvlens_home=home,
-                              quiet=True, vllm_args=["--no-enable-prefix-caching"])
+                stack = Stack(
+                    mode=a.mode,
+                    stock=(label == "stock"),
+                    model=model,
+                    port=None,
+                    kvlens_home=home,
+                    quiet=True,
+                    vllm_args=["--no-enable-prefix-caching"],
+                )
                 try:
                     stack.start()
                     rs = asyncio.run(_closed_loop(stack.router_url, prompts, a))
@@ -175,8 +205,10 @@ def main() -> int:
                         stack.stop()
                 res[label].append(rs)
                 line = "  ".join(f"{m}={(_med(rs, m) or 0) * 1e3:.1f}ms" for m in METRICS)
-                print(f"round {rnd} {label:12s} {line} failed={sum(not r.ok for r in rs)} "
-                      f"({time.monotonic() - t0:.0f}s)", flush=True)
+                print(
+                    f"round {rnd} {label:12s} {line} failed={sum(not r.ok for r in rs)} ({time.monotonic() - t0:.0f}s)",
+                    flush=True,
+                )
     except KeyboardInterrupt:
         print("interrupted; the pair was stopped", file=sys.stderr)
         if not all(res.values()):
@@ -189,9 +221,11 @@ def main() -> int:
         if not pooled["stock"] or not pooled["instrumented"]:
             print(f"{m:9s} no successful requests")
             continue
-        print(f"{m:9s} stock={pooled['stock'] * 1e3:8.2f}ms  instrumented={pooled['instrumented'] * 1e3:8.2f}ms  "
-              f"ratio={pooled['instrumented'] / pooled['stock']:.3f}  per-round ratios "
-              f"{', '.join(f'{x:.2f}' for x in per_round)}")
+        print(
+            f"{m:9s} stock={pooled['stock'] * 1e3:8.2f}ms  instrumented={pooled['instrumented'] * 1e3:8.2f}ms  "
+            f"ratio={pooled['instrumented'] / pooled['stock']:.3f}  per-round ratios "
+            f"{', '.join(f'{x:.2f}' for x in per_round)}"
+        )
     return 0
 
 

@@ -68,8 +68,10 @@ def bench_inline_otel() -> list[float]:
     for _ in range(REPEATS):
         t0 = time.perf_counter_ns()
         for _ in range(BATCH):
-            s = tracer.start_span("write.post", attributes={sc.ATTR_BLOCKS: 12, sc.ATTR_REMOTE_RANK: 0,
-                                                             sc.ATTR_MODE: "push", sc.ATTR_ROLE: "prefill"})
+            s = tracer.start_span(
+                "write.post",
+                attributes={sc.ATTR_BLOCKS: 12, sc.ATTR_REMOTE_RANK: 0, sc.ATTR_MODE: "push", sc.ATTR_ROLE: "prefill"},
+            )
             s.end()
         out.append((time.perf_counter_ns() - t0) / BATCH)
         p.force_flush()
@@ -79,6 +81,7 @@ def bench_inline_otel() -> list[float]:
 
 def bench_drain() -> float:
     """Background cost: events -> OTel spans -> (null) exporter, per event."""
+
     def factory(id_generator):
         p = TracerProvider(id_generator=id_generator)
         p.add_span_processor(BatchSpanProcessor(_Null(), max_queue_size=100_000))
@@ -114,8 +117,7 @@ def bench_sidecar(n: int) -> tuple[float, float, int]:
     drains, pickles and writes) and the sidecar's CPU per event; also the
     spans the store holds afterwards (= n when nothing was lost)."""
     home = tempfile.mkdtemp(prefix="kvlens-bench-recorder-")
-    r = pipeline.get_recorder("prefill", "push", f"bench-{os.getpid()}", {"kvlens_home": home},
-                              span_builder="sidecar")
+    r = pipeline.get_recorder("prefill", "push", f"bench-{os.getpid()}", {"kvlens_home": home}, span_builder="sidecar")
     r.capacity = n + 1
     r._thread = object()  # no background thread: this thread drains, so its CPU clock is the cost
     r._setup_if_needed()  # starts the sidecar, waits until it is ready
@@ -155,8 +157,14 @@ def bench_inline_real(n: int) -> float:
     what the sidecar runs and what the engine paid before issue 13: CPU of
     the draining thread per event (its processors' threads come on top)."""
     home = tempfile.mkdtemp(prefix="kvlens-bench-inline-")
-    r = Recorder(role="prefill", mode="push", capacity=n + 1, pipeline_factory=pipeline.provider_factory(
-        role="prefill", mode="push", engine_id="bench-inline", config={"kvlens_home": home}))
+    r = Recorder(
+        role="prefill",
+        mode="push",
+        capacity=n + 1,
+        pipeline_factory=pipeline.provider_factory(
+            role="prefill", mode="push", engine_id="bench-inline", config={"kvlens_home": home}
+        ),
+    )
     r.flush()
     t = time.time_ns()
     for i in range(n):
@@ -180,8 +188,10 @@ if __name__ == "__main__":
     print(f"inline OTel span per event (median):                 {statistics.median(otel) / 1000:.3f} us")
     print(f"ratio inline OTel / Recorder.record: {statistics.median(otel) / statistics.median(rec):.1f}x")
     print(f"background, in-process span build, null exporter:    {bench_drain():.1f} us/event (wall)")
-    print(f"background, in-process span build, store + metrics:  {bench_inline_real(a.events):.1f} us/event "
-          "(CPU of the draining thread; span_builder=inline)")
+    print(
+        f"background, in-process span build, store + metrics:  {bench_inline_real(a.events):.1f} us/event "
+        "(CPU of the draining thread; span_builder=inline)"
+    )
     eng, side, stored = bench_sidecar(a.events)
     print(f"background, sidecar path, engine side (pop+pickle+write): {eng:.2f} us/event (CPU of the shipping thread)")
     print(f"sidecar process (spans, store, metrics; off the engine's GIL): {side:.1f} us/event (process CPU)")

@@ -39,16 +39,26 @@ from kvlens.signals import sigterm_as_interrupt  # noqa: E402
 from kvlens.bench.machine import MachineWatch  # noqa: E402
 from kvlens.up import Stack  # noqa: E402
 
+
 def run_cell(stack: Stack, prompts: list[str], a, seed_key: int) -> dict:
     target = Target(stack.mode, stack.dispatch if stack.mode == "push" else None, stack.router_url)
     watch = MachineWatch(stack).start()
-    results, _ = asyncio.run(run_cell_async(target, None, prompts, a.qps, a.output_len, bench.rng(a.seed, seed_key),
-                                            timeout_s=a.request_timeout))
+    results, _ = asyncio.run(
+        run_cell_async(
+            target, None, prompts, a.qps, a.output_len, bench.rng(a.seed, seed_key), timeout_s=a.request_timeout
+        )
+    )
     m = watch.stop()  # the CPU of the stack's processes and of the rest of the machine (kvlens.bench.machine)
     ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
-    return {"ok": len(ttfts), "sent": len(results), "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
-            "ttfts_s": ttfts,
-            "cpu_share": m["cpu_stack"], "outside_share": m["cpu_outside"], "placement": m["placement"]}
+    return {
+        "ok": len(ttfts),
+        "sent": len(results),
+        "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        "ttfts_s": ttfts,
+        "cpu_share": m["cpu_stack"],
+        "outside_share": m["cpu_outside"],
+        "placement": m["placement"],
+    }
 
 
 def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]]) -> list[dict]:
@@ -58,19 +68,31 @@ def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]
     rows = []
     stock = setting == "stock" if a.stock_vs_instrumented else a.stock
     progress = a.nixl_progress if a.stock_vs_instrumented else setting
-    with Stack(mode=a.mode, model=model, port=0, kvlens_home=home, quiet=True, nixl_progress=progress,
-               stock=stock) as st:
+    with Stack(
+        mode=a.mode, model=model, port=0, kvlens_home=home, quiet=True, nixl_progress=progress, stock=stock
+    ) as st:
         for n, (tokens, ps) in enumerate(prompts.items()):
             r = run_cell(st, ps, a, n)
-            rows.append({"setting": setting, "start": i, "input_len": tokens, "startup_s": st.startup_s, **r,
-                         "demoted": sum(len(d) for d in (st.progress.demoted if st.progress else {}).values())})
+            rows.append(
+                {
+                    "setting": setting,
+                    "start": i,
+                    "input_len": tokens,
+                    "startup_s": st.startup_s,
+                    **r,
+                    "demoted": sum(len(d) for d in (st.progress.demoted if st.progress else {}).values()),
+                }
+            )
             p50 = r["ttft_p50_s"]
-            print(f"start {i} {setting:5} {tokens:5} tok: TTFT p50 {p50 * 1e3 if p50 else float('nan'):8.0f} ms "
-                  f"({r['ok']}/{r['sent']} ok), CPU P {r['cpu_share'].get('prefill', 0):.0%} "
-                  f"D {r['cpu_share'].get('decode', 0):.0%} router {r['cpu_share'].get('router', 0):.0%} "
-                  f"outside {r['outside_share']:.0%}; started in {st.startup_s:.0f} s, "
-                  f"{rows[-1]['demoted']} progress threads demoted"
-                  f"{' (restored for serving)' if st.progress and st.progress.restored else ''}", flush=True)
+            print(
+                f"start {i} {setting:5} {tokens:5} tok: TTFT p50 {p50 * 1e3 if p50 else float('nan'):8.0f} ms "
+                f"({r['ok']}/{r['sent']} ok), CPU P {r['cpu_share'].get('prefill', 0):.0%} "
+                f"D {r['cpu_share'].get('decode', 0):.0%} router {r['cpu_share'].get('router', 0):.0%} "
+                f"outside {r['outside_share']:.0%}; started in {st.startup_s:.0f} s, "
+                f"{rows[-1]['demoted']} progress threads demoted"
+                f"{' (restored for serving)' if st.progress and st.progress.restored else ''}",
+                flush=True,
+            )
     return rows
 
 
@@ -83,9 +105,11 @@ def report(rows: list[dict]) -> None:
         if len(got) < 2 or min(got) <= 0:
             print(f"  {setting:5} {tokens:5} tok: not enough starts with a TTFT ({len(got)} of {len(v)})")
             continue
-        print(f"  {setting:5} {tokens:5} tok: spread {max(got) / min(got):5.2f}x over {len(got)} starts, "
-              f"median {statistics.median(got) * 1e3:7.0f} ms, min {min(got) * 1e3:7.0f}, max {max(got) * 1e3:7.0f}"
-              + (f" ({len(v) - len(got)} starts without a TTFT)" if len(got) < len(v) else ""))
+        print(
+            f"  {setting:5} {tokens:5} tok: spread {max(got) / min(got):5.2f}x over {len(got)} starts, "
+            f"median {statistics.median(got) * 1e3:7.0f} ms, min {min(got) * 1e3:7.0f}, max {max(got) * 1e3:7.0f}"
+            + (f" ({len(v) - len(got)} starts without a TTFT)" if len(got) < len(v) else "")
+        )
 
 
 def report_ratio(rows: list[dict], num: str = "instrumented", den: str = "stock") -> None:
@@ -103,21 +127,29 @@ def report_ratio(rows: list[dict], num: str = "instrumented", den: str = "stock"
             print(f"  {tokens:5} tok: not enough data")
             continue
         inside = ci[0] <= 1.0 <= ci[1]
-        print(f"  {tokens:5} tok: {p50[num] / p50[den]:.3f} [{ci[0]:.3f}-{ci[1]:.3f}] over "
-              f"{len(side[num])}+{len(side[den])} starts: "
-              + ("no resolvable difference" if inside else f"{num if ci[1] < 1 else den} lower"))
+        print(
+            f"  {tokens:5} tok: {p50[num] / p50[den]:.3f} [{ci[0]:.3f}-{ci[1]:.3f}] over "
+            f"{len(side[num])}+{len(side[den])} starts: "
+            + ("no resolvable difference" if inside else f"{num if ci[1] < 1 else den} lower")
+        )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--starts", type=int, default=5, help="fresh stack starts per setting (default 5)")
-    ap.add_argument("--settings", default="as-is,startup,idle",
-                    help="--nixl-progress values to compare (default as-is,startup,idle)")
+    ap.add_argument(
+        "--settings",
+        default="as-is,startup,idle",
+        help="--nixl-progress values to compare (default as-is,startup,idle)",
+    )
     ap.add_argument("--mode", choices=["push", "pull"], default="push")
     ap.add_argument("--stock", action="store_true", help="vLLM's own connectors instead of kvlens'")
-    ap.add_argument("--stock-vs-instrumented", action="store_true",
-                    help="compare vLLM's own connectors with kvlens' instead of --settings (both with "
-                         "--nixl-progress), and print the instrumented / stock TTFT ratio with its interval")
+    ap.add_argument(
+        "--stock-vs-instrumented",
+        action="store_true",
+        help="compare vLLM's own connectors with kvlens' instead of --settings (both with "
+        "--nixl-progress), and print the instrumented / stock TTFT ratio with its interval",
+    )
     ap.add_argument("--nixl-progress", default="auto", help="with --stock-vs-instrumented: both stacks' setting")
     ap.add_argument("--cells", default="2048,256", help="prompt lengths in tokens, one cell each (default 2048,256)")
     ap.add_argument("--qps", type=float, default=1.0)
@@ -128,15 +160,20 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
     settings = ["instrumented", "stock"] if a.stock_vs_instrumented else [s for s in a.settings.split(",") if s]
-    if a.starts < 1 or not settings or (not a.stock_vs_instrumented
-                                        and set(settings) - {"as-is", "startup", "idle", "auto"}):
+    if (
+        a.starts < 1
+        or not settings
+        or (not a.stock_vs_instrumented and set(settings) - {"as-is", "startup", "idle", "auto"})
+    ):
         ap.error("--starts >= 1; --settings: as-is, startup, idle and/or auto")
     from kvlens.model import ensure_model
 
     model = ensure_model(Path(tempfile.mkdtemp(prefix="kvlens-spread-model-")) / "model")
     maker = bench.PromptMaker(model)
-    prompts = {int(t): [maker.make(int(t), bench.rng(a.seed, int(t), j)) for j in range(a.requests)]
-               for t in a.cells.split(",")}
+    prompts = {
+        int(t): [maker.make(int(t), bench.rng(a.seed, int(t), j)) for j in range(a.requests)]
+        for t in a.cells.split(",")
+    }
     order = []  # ABBA: A B C, C B A, A B C, ...
     for i in range(a.starts):
         order += [(s, i) for s in (settings if i % 2 == 0 else settings[::-1])]

@@ -50,8 +50,7 @@ GOAL_MS = 200.0
 
 
 def _span(tid, i, parent, name, role, mode, rid, t0, t1, outcome, attrs):
-    return (tid, f"{i:016x}", parent, name, role, mode, rid, t0, t1, outcome,
-            json.dumps(attrs, separators=(",", ":")))
+    return (tid, f"{i:016x}", parent, name, role, mode, rid, t0, t1, outcome, json.dumps(attrs, separators=(",", ":")))
 
 
 def populate(path, n: int, seed: int = 1, span_h: float = 48.0) -> tuple[int, int]:
@@ -80,15 +79,23 @@ def populate(path, n: int, seed: int = 1, span_h: float = 48.0) -> tuple[int, in
         fail = rng.random() < 0.02
         outcome = ("failed" if mode == "pull" else "timeout") if fail else "ok"
         blocks = rng.choice([4, 8, 16, 32])
-        a = {sc.ATTR_MODE: mode, sc.ATTR_BLOCKS: blocks, sc.ATTR_BYTES: blocks * 131072,
-             sc.ATTR_DESCRIPTORS: blocks * 4, sc.ATTR_ENGINE_ID: "p0", sc.ATTR_REQUEST_ID: rid}
+        a = {
+            sc.ATTR_MODE: mode,
+            sc.ATTR_BLOCKS: blocks,
+            sc.ATTR_BYTES: blocks * 131072,
+            sc.ATTR_DESCRIPTORS: blocks * 4,
+            sc.ATTR_ENGINE_ID: "p0",
+            sc.ATTR_REQUEST_ID: rid,
+        }
         ph: list[tuple] = [(P.PREFILL, "prefill", t0 + MS, pf), (P.PREFILL_FINISHED, "prefill", pf, pf)]
         t = pf
         if mode == "push":
-            ph += [(P.REGISTRATION_STAGE, "decode", t0 + 2 * MS, t0 + 2 * MS),
-                   (P.REGISTRATION_SEND, "decode", t0 + 2 * MS, t0 + 3 * MS),
-                   (P.REGISTRATION_RECEIVE, "prefill", t0 + 4 * MS, t0 + 4 * MS),
-                   (P.MATCH, "prefill", t0 + 4 * MS, pf)]
+            ph += [
+                (P.REGISTRATION_STAGE, "decode", t0 + 2 * MS, t0 + 2 * MS),
+                (P.REGISTRATION_SEND, "decode", t0 + 2 * MS, t0 + 3 * MS),
+                (P.REGISTRATION_RECEIVE, "prefill", t0 + 4 * MS, t0 + 4 * MS),
+                (P.MATCH, "prefill", t0 + 4 * MS, pf),
+            ]
             for name in (P.DESCRIPTOR_PREP, P.WRITE_POST, P.WRITE_COMPLETE):
                 d = int(rng.uniform(0.2, 6) * MS)
                 ph.append((name, "prefill", t, t + d))
@@ -108,17 +115,58 @@ def populate(path, n: int, seed: int = 1, span_h: float = 48.0) -> tuple[int, in
             ph.append((P.KV_READY, "decode", kv, kv))
         ttft = (kv - t0) / 1e9 + 0.01 if kv else None
         end = (kv or t) + 40 * MS
-        spans.append(_span(tid, sid, None, P.REQUEST.value, "router", mode, tid, t0, end, outcome,
-                           {sc.ATTR_MODE: mode, sc.ATTR_TTFT_S: ttft, sc.ATTR_DISPATCH: "overlapped"}))
+        spans.append(
+            _span(
+                tid,
+                sid,
+                None,
+                P.REQUEST.value,
+                "router",
+                mode,
+                tid,
+                t0,
+                end,
+                outcome,
+                {sc.ATTR_MODE: mode, sc.ATTR_TTFT_S: ttft, sc.ATTR_DISPATCH: "overlapped"},
+            )
+        )
         sid += 1
         aj = json.dumps(a, separators=(",", ":"))  # one encoding per trace: generation, not the store, is timed
         for name, role, s0, s1 in ph:
-            spans.append((tid, f"{sid:016x}", root, name.value, role, mode, rid, s0, s1,
-                          outcome if name in (P.WRITE_COMPLETE, P.READ_COMPLETE) else "ok", aj))
+            spans.append(
+                (
+                    tid,
+                    f"{sid:016x}",
+                    root,
+                    name.value,
+                    role,
+                    mode,
+                    rid,
+                    s0,
+                    s1,
+                    outcome if name in (P.WRITE_COMPLETE, P.READ_COMPLETE) else "ok",
+                    aj,
+                )
+            )
             sid += 1
         n_spans += 1 + len(ph)
-        traces.append((tid, tid, mode, "overlapped" if mode == "push" else "sequential", outcome, t0, end, ttft,
-                       pf, kv, 1 + len(ph), (kv - pf) / 1e9 if kv else None, 0.001 if kv else None))
+        traces.append(
+            (
+                tid,
+                tid,
+                mode,
+                "overlapped" if mode == "push" else "sequential",
+                outcome,
+                t0,
+                end,
+                ttft,
+                pf,
+                kv,
+                1 + len(ph),
+                (kv - pf) / 1e9 if kv else None,
+                0.001 if kv else None,
+            )
+        )
         if len(spans) >= 50_000:
             flush()
     flush()
@@ -160,12 +208,24 @@ def _wire_spans(n_traces: int, seed: int, t_base: int) -> list:
         root = _Ctx(tid, rng.getrandbits(64))
 
         def span(name, role, s0, s1, extra=None):
-            a = {sc.ATTR_ROLE: role, sc.ATTR_MODE: mode, sc.ATTR_OUTCOME: "ok",
-                 sc.ATTR_REQUEST_ID: tid if role == "router" else rid,
-                 sc.ATTR_ENGINE_ID: {"prefill": "p0", "decode": "d0"}.get(role), **(extra or {})}
-            out.append(SimpleNamespace(context=_Ctx(tid, rng.getrandbits(64)), parent=root, name=name.value,
-                                       attributes={k: v for k, v in a.items() if v is not None},
-                                       start_time=s0, end_time=s1))
+            a = {
+                sc.ATTR_ROLE: role,
+                sc.ATTR_MODE: mode,
+                sc.ATTR_OUTCOME: "ok",
+                sc.ATTR_REQUEST_ID: tid if role == "router" else rid,
+                sc.ATTR_ENGINE_ID: {"prefill": "p0", "decode": "d0"}.get(role),
+                **(extra or {}),
+            }
+            out.append(
+                SimpleNamespace(
+                    context=_Ctx(tid, rng.getrandbits(64)),
+                    parent=root,
+                    name=name.value,
+                    attributes={k: v for k, v in a.items() if v is not None},
+                    start_time=s0,
+                    end_time=s1,
+                )
+            )
 
         span(P.PREFILL, "prefill", t0 + MS, pf, {sc.ATTR_TOKENS: 512})
         span(P.PREFILL_FINISHED, "prefill", pf, pf)
@@ -187,11 +247,23 @@ def _wire_spans(n_traces: int, seed: int, t_base: int) -> list:
                 t += d
         kv = t + int(rng.uniform(0.2, 1) * MS)
         span(P.KV_READY, "decode", kv, kv)
-        out.append(SimpleNamespace(context=root, parent=None, name=P.REQUEST.value,
-                                   attributes={sc.ATTR_ROLE: "router", sc.ATTR_MODE: mode, sc.ATTR_OUTCOME: "ok",
-                                               sc.ATTR_REQUEST_ID: f"{tid:032x}", sc.ATTR_TTFT_S: (kv - t0) / 1e9,
-                                               sc.ATTR_DISPATCH: "overlapped"},
-                                   start_time=t0, end_time=kv + 40 * MS))
+        out.append(
+            SimpleNamespace(
+                context=root,
+                parent=None,
+                name=P.REQUEST.value,
+                attributes={
+                    sc.ATTR_ROLE: "router",
+                    sc.ATTR_MODE: mode,
+                    sc.ATTR_OUTCOME: "ok",
+                    sc.ATTR_REQUEST_ID: f"{tid:032x}",
+                    sc.ATTR_TTFT_S: (kv - t0) / 1e9,
+                    sc.ATTR_DISPATCH: "overlapped",
+                },
+                start_time=t0,
+                end_time=kv + 40 * MS,
+            )
+        )
     return out
 
 
@@ -213,8 +285,10 @@ def ingest(name, writers: int, traces_per_writer: int) -> float:
     common start to the last writer's end)."""
     ctx = mp.get_context("spawn")  # no fork of a process holding pool threads
     barrier, results = ctx.Barrier(writers), ctx.Queue()
-    procs = [ctx.Process(target=_writer, args=(name, traces_per_writer, 100 + w + writers * 10, barrier, results))
-             for w in range(writers)]
+    procs = [
+        ctx.Process(target=_writer, args=(name, traces_per_writer, 100 + w + writers * 10, barrier, results))
+        for w in range(writers)
+    ]
     for p in procs:
         p.start()
     got = [results.get(timeout=1800) for _ in procs]
@@ -286,8 +360,11 @@ def run_backend(label: str, name, args) -> dict:
     out.update(populate_s=wr, traces=n_tr, spans=n_sp)
     size = store_bytes(name)
     out["mb_per_1m"] = (size - before) / 1e6 * 1e6 / max(n_tr, 1)  # what the populated traces added
-    print(f"populated {n_tr:,} traces / {n_sp:,} spans in {wr:.0f} s ({n_sp / wr:,.0f} spans/s, bulk); "
-          f"store {size / 1e6:,.0f} MB = {out['mb_per_1m']:,.0f} MB per million traces", flush=True)
+    print(
+        f"populated {n_tr:,} traces / {n_sp:,} spans in {wr:.0f} s ({n_sp / wr:,.0f} spans/s, bulk); "
+        f"store {size / 1e6:,.0f} MB = {out['mb_per_1m']:,.0f} MB per million traces",
+        flush=True,
+    )
     rows, plans = reads(name, args.repeat)
     out["reads"] = rows
     print(f"\n{'read':48s} {'median ms':>10s} {'rows':>8s}")
@@ -303,8 +380,11 @@ def run_backend(label: str, name, args) -> dict:
     deleted = store.prune(conn, cutoff, batch=1000)
     out["prune_s"], out["pruned"] = time.perf_counter() - t, deleted
     conn.close()
-    print(f"\nretention: deleted {deleted:,} traces (the older day) in {out['prune_s']:.1f} s "
-          f"({deleted / max(out['prune_s'], 1e-9):,.0f} traces/s, batches of 1000)", flush=True)
+    print(
+        f"\nretention: deleted {deleted:,} traces (the older day) in {out['prune_s']:.1f} s "
+        f"({deleted / max(out['prune_s'], 1e-9):,.0f} traces/s, batches of 1000)",
+        flush=True,
+    )
     return out
 
 
@@ -320,8 +400,14 @@ def summary(results: list[dict]) -> None:
     line("ingest spans/s, 4 writers", "{:,.0f}", lambda r: r["ingest_4w"])
     line("traces in the store", "{:,}", lambda r: r["traces"])
     line("bulk load (s)", "{:,.0f}", lambda r: r["populate_s"])
-    for case in ("slowest 50 (no filter)", "slowest 50 mode=push", "slowest 50 mode=pull outcome=failed",
-                 "slowest 50 mode=push since 1h", "spans_for(one trace)", "dashboard trace_detail (waterfall)"):
+    for case in (
+        "slowest 50 (no filter)",
+        "slowest 50 mode=push",
+        "slowest 50 mode=pull outcome=failed",
+        "slowest 50 mode=push since 1h",
+        "spans_for(one trace)",
+        "dashboard trace_detail (waterfall)",
+    ):
         line(f"{case} ms", "{:.1f}", lambda r, c=case: next(ms for n, ms, _ in r["reads"] if n == c))
     line("worst slowest-50 ms", "{:.1f}", lambda r: max(ms for n, ms, _ in r["reads"] if n.startswith("slowest")))
     line("MB per million traces", "{:,.0f}", lambda r: r["mb_per_1m"])
@@ -333,8 +419,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="both")
     ap.add_argument("--traces", type=int, default=1_000_000, help="traces in the store for the reads")
-    ap.add_argument("--ingest-traces", type=int, default=8000,
-                    help="traces (x ~11 spans) written through write_spans per ingest run, split over the writers")
+    ap.add_argument(
+        "--ingest-traces",
+        type=int,
+        default=8000,
+        help="traces (x ~11 spans) written through write_spans per ingest run, split over the writers",
+    )
     ap.add_argument("--pg-url", default=None, help="an empty PostgreSQL database (default: a throw-away server)")
     ap.add_argument("--repeat", type=int, default=15)
     args = ap.parse_args(argv)

@@ -31,9 +31,15 @@ def figures(path: str, since: str | None = None) -> dict[str, dict[str, float | 
         since_ns = store.parse_since(since)
         named = tracemodel.breakdown(conn, by_dispatch=True, since_ns=since_ns)
         recorded = tracemodel.breakdown(conn, by_dispatch=True, derived=False, since_ns=since_ns)
-    return {k: {"requests": b.requests, "recorded": recorded[k].median_unattributed_share,
-                "named": b.median_unattributed_share, "dominant": tracemodel.dominant_words(b)}
-            for k, b in sorted(named.items())}
+    return {
+        k: {
+            "requests": b.requests,
+            "recorded": recorded[k].median_unattributed_share,
+            "named": b.median_unattributed_share,
+            "dominant": tracemodel.dominant_words(b),
+        }
+        for k, b in sorted(named.items())
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +63,10 @@ def main(argv: list[str] | None = None) -> int:
             rec, nam = f["recorded"], f["named"]
             mark = "" if nam is None or nam <= GOAL else "  (above goal)"
             ok &= nam is None or nam <= GOAL or "/" in key
-            print(f"  {key:<16} {f['requests']:>5} requests  recorded only {_pct(rec):>7}  "
-                  f"with derived {_pct(nam):>7}{mark}")
+            print(
+                f"  {key:<16} {f['requests']:>5} requests  recorded only {_pct(rec):>7}  "
+                f"with derived {_pct(nam):>7}{mark}"
+            )
         for key, f in figs.items():
             if "/" not in key:
                 print(f"  {f['dominant']}")

@@ -30,16 +30,18 @@ def handoff_hist_chart(h: pd.DataFrame, mode: str, x_max: float | None) -> alt.C
     x_scale = alt.Scale(domain=[0, x_max * 1e3]) if x_max else alt.Undefined
     return (
         alt.Chart(d, title="handoff distribution (click a bar: its traces)")
-        .mark_bar(color=MODE_COLORS.get(mode, MODE_COLORS["pull"]), cursor="pointer", stroke="white",
-                  strokeWidth=0.5)
+        .mark_bar(color=MODE_COLORS.get(mode, MODE_COLORS["pull"]), cursor="pointer", stroke="white", strokeWidth=0.5)
         .encode(
             x=alt.X("lo_ms:Q", title="handoff (ms)", scale=x_scale),
             x2="hi_ms:Q",
             y=alt.Y("count:Q", title="requests"),
             y2=alt.datum(0),
             href="link:N",
-            tooltip=[alt.Tooltip("lo_ms:Q", title="from ms", format=".2f"),
-                     alt.Tooltip("hi_ms:Q", title="to ms", format=".2f"), alt.Tooltip("count:Q")],
+            tooltip=[
+                alt.Tooltip("lo_ms:Q", title="from ms", format=".2f"),
+                alt.Tooltip("hi_ms:Q", title="to ms", format=".2f"),
+                alt.Tooltip("count:Q"),
+            ],
         )
         .properties(height=230)
     )
@@ -56,56 +58,82 @@ def phase_chart(ph: pd.DataFrame, mode: str, path: str, x_max: float | None, tit
         .encode(
             y=alt.Y("bar:N", title=None, axis=None),
             x=alt.X("sum(ms):Q", title="ms per request (mean)", stack="zero", scale=x_scale),
-            color=alt.Color("phase:N", scale=phase_color_scale(),
-                            legend=alt.Legend(title=None, orient="bottom", columns=2, labelLimit=0,
-                                              values=present)),  # whole phase names in a half-width column
+            color=alt.Color(
+                "phase:N",
+                scale=phase_color_scale(),
+                legend=alt.Legend(title=None, orient="bottom", columns=2, labelLimit=0, values=present),
+            ),  # whole phase names in a half-width column
             order=alt.Order("rank:Q"),
-            tooltip=["phase:N", "role:N", alt.Tooltip("ms:Q", title="ms / request", format=".3f"),
-                     alt.Tooltip("requests:Q", title="over requests")],
+            tooltip=[
+                "phase:N",
+                "role:N",
+                alt.Tooltip("ms:Q", title="ms / request", format=".3f"),
+                alt.Tooltip("requests:Q", title="over requests"),
+            ],
         )
         # fit-x: the width follows the column, the height is the plot's own (legend below it)
         .properties(height=40, autosize=alt.AutoSizeParams(type="fit-x", contains="padding"))
     )
 
 
-def waterfall_chart(spans: pd.DataFrame, critical_ms: tuple[float, float] | None,
-                    handoff: str | None = None, per_rank: bool = False) -> alt.LayerChart:
+def waterfall_chart(
+    spans: pd.DataFrame, critical_ms: tuple[float, float] | None, handoff: str | None = None, per_rank: bool = False
+) -> alt.LayerChart:
     """One trace's spans (``data.trace_detail``) as lanes per role · phase, bars and
     ◆ points, critical-path spans outlined and the critical window (ms) shaded;
     ``handoff``: the handoff as the page shows it (default: the window's width in ms);
     ``per_rank``: one lane per TP rank (``rank_lane``) instead of the ranks together."""
     if per_rank and "rank_lane" in spans:  # a role's ranks together, each rank's phases in time order
         spans = spans.assign(lane=spans["rank_lane"], _r=spans["rank"].fillna(-1)).sort_values(
-            ["role_rank", "_r", "start_ms", "phase_rank"], kind="stable")
+            ["role_rank", "_r", "start_ms", "phase_rank"], kind="stable"
+        )
     lanes = list(dict.fromkeys(spans["lane"]))
     attr_cols = [c for c in spans.columns if c.startswith("attr_")]
-    tooltip = ([alt.Tooltip("phase:N"), alt.Tooltip("role:N"),
-                alt.Tooltip("start_ms:Q", title="start (ms)", format=".3f"),
-                alt.Tooltip("duration_ms:Q", title="duration (ms)", format=".3f"),
-                alt.Tooltip("critical:N", title="on critical path"), alt.Tooltip("outcome:N")]
-               + ([alt.Tooltip("rank:Q", title="TP rank")] if "rank" in spans and spans["rank"].notna().any() else [])
-               + [alt.Tooltip(f"{c}:N", title=c[5:]) for c in attr_cols])
+    tooltip = (
+        [
+            alt.Tooltip("phase:N"),
+            alt.Tooltip("role:N"),
+            alt.Tooltip("start_ms:Q", title="start (ms)", format=".3f"),
+            alt.Tooltip("duration_ms:Q", title="duration (ms)", format=".3f"),
+            alt.Tooltip("critical:N", title="on critical path"),
+            alt.Tooltip("outcome:N"),
+        ]
+        + ([alt.Tooltip("rank:Q", title="TP rank")] if "rank" in spans and spans["rank"].notna().any() else [])
+        + [alt.Tooltip(f"{c}:N", title=c[5:]) for c in attr_cols]
+    )
     y = alt.Y("lane:N", sort=lanes, title=None, axis=alt.Axis(labelLimit=260))
     color = alt.Color("phase:N", scale=phase_color_scale(), legend=alt.Legend(title="phase"))
     layers = []
     if critical_ms is not None:
-        band = pd.DataFrame([{"from_ms": critical_ms[0], "to_ms": critical_ms[1],
-                              "label": f"critical path (handoff {handoff or f'{critical_ms[1] - critical_ms[0]:,.1f} ms'})"}])
+        band = pd.DataFrame(
+            [
+                {
+                    "from_ms": critical_ms[0],
+                    "to_ms": critical_ms[1],
+                    "label": f"critical path (handoff {handoff or f'{critical_ms[1] - critical_ms[0]:,.1f} ms'})",
+                }
+            ]
+        )
         layers.append(
-            alt.Chart(band).mark_rect(color="#e45756", opacity=0.12)
+            alt.Chart(band)
+            .mark_rect(color="#e45756", opacity=0.12)
             .encode(x="from_ms:Q", x2="to_ms:Q", tooltip=["label:N"])
         )
         layers.append(
-            alt.Chart(band).mark_text(align="left", dx=3, dy=-6, color="#b22222", fontWeight="bold", baseline="bottom")
+            alt.Chart(band)
+            .mark_text(align="left", dx=3, dy=-6, color="#b22222", fontWeight="bold", baseline="bottom")
             .encode(x="from_ms:Q", y=alt.value(0), text="label:N")
         )
     bars = spans[~spans["point"]]
     points = spans[spans["point"]]
     layers.append(
-        alt.Chart(bars).mark_bar(height=14, cornerRadius=2)
+        alt.Chart(bars)
+        .mark_bar(height=14, cornerRadius=2)
         .encode(
             x=alt.X("start_ms:Q", title="ms since the request reached the router"),
-            x2="end_ms:Q", y=y, color=color,
+            x2="end_ms:Q",
+            y=y,
+            color=color,
             opacity=alt.condition("datum.critical", alt.value(1.0), alt.value(0.45)),
             stroke=alt.condition("datum.critical", alt.value("#b22222"), alt.value(None)),
             strokeWidth=alt.condition("datum.critical", alt.value(2), alt.value(0)),
@@ -113,9 +141,12 @@ def waterfall_chart(spans: pd.DataFrame, critical_ms: tuple[float, float] | None
         )
     )
     layers.append(
-        alt.Chart(points).mark_point(shape="diamond", size=160, filled=True)
+        alt.Chart(points)
+        .mark_point(shape="diamond", size=160, filled=True)
         .encode(
-            x="start_ms:Q", y=y, color=color,
+            x="start_ms:Q",
+            y=y,
+            color=color,
             stroke=alt.condition("datum.critical", alt.value("#b22222"), alt.value("#333333")),
             strokeWidth=alt.value(1.5),
             tooltip=tooltip,
@@ -126,8 +157,12 @@ def waterfall_chart(spans: pd.DataFrame, critical_ms: tuple[float, float] | None
 
 def bench_chart(df: pd.DataFrame) -> alt.Chart:
     """Handoff p50 / p99 (ms) against QPS, one line per mode and dispatch, one column per input length."""
-    long = df.melt(id_vars=["mode", "dispatch", "input_len", "qps"],
-                   value_vars=["handoff_p50_s", "handoff_p99_s"], var_name="stat", value_name="s").dropna(subset=["s"])
+    long = df.melt(
+        id_vars=["mode", "dispatch", "input_len", "qps"],
+        value_vars=["handoff_p50_s", "handoff_p99_s"],
+        var_name="stat",
+        value_name="s",
+    ).dropna(subset=["s"])
     long["ms"] = long["s"] * 1e3
     long["dispatch"] = long["dispatch"].fillna("n/a")
     long["stat"] = long["stat"].str.replace("handoff_", "").str.replace("_s", "")

@@ -69,10 +69,32 @@ StoreError = store.StoreError
 # One fixed colour per Phase value (plus "unattributed"), so a phase has the
 # same colour on every chart and in every trace.
 _PALETTE = (
-    "#4c78a8", "#9ecae9", "#f58518", "#ffbf79", "#54a24b", "#88d27a", "#b79a20",
-    "#f2cf5b", "#439894", "#83bcb6", "#e45756", "#ff9d98", "#79706e", "#bab0ac",
-    "#d67195", "#fcbfd2", "#b279a2", "#d6a5c9", "#9e765f", "#d8b5a5",
-    "#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#17becf", "#bcbd22",
+    "#4c78a8",
+    "#9ecae9",
+    "#f58518",
+    "#ffbf79",
+    "#54a24b",
+    "#88d27a",
+    "#b79a20",
+    "#f2cf5b",
+    "#439894",
+    "#83bcb6",
+    "#e45756",
+    "#ff9d98",
+    "#79706e",
+    "#bab0ac",
+    "#d67195",
+    "#fcbfd2",
+    "#b279a2",
+    "#d6a5c9",
+    "#9e765f",
+    "#d8b5a5",
+    "#1f77b4",
+    "#2ca02c",
+    "#9467bd",
+    "#8c564b",
+    "#17becf",
+    "#bcbd22",
 )
 
 
@@ -264,20 +286,44 @@ def breakdown_words(phases: pd.DataFrame) -> dict[str, str]:
         for mode, d in crit.groupby("mode"):
             n = pd.to_numeric(d["requests"], errors="coerce").max()
             n = int(n) if pd.notna(n) and n >= 1 else 1  # a mean per request: any count scales it alike
-            named = {str(ph): int(sec * n * 1e9) for ph, sec in d.groupby("phase")["seconds"].sum().items()
-                     if ph != UNATTRIBUTED}
+            named = {
+                str(ph): int(sec * n * 1e9)
+                for ph, sec in d.groupby("phase")["seconds"].sum().items()
+                if ph != UNATTRIBUTED
+            }
             total = int(d["seconds"].sum() * n * 1e9)
-            groups[str(mode)] = tracemodel.Breakdown(str(mode), requests=n, handoff_ns=total, phases=named,
-                                                     handoff_known=UNATTRIBUTED in set(d["phase"]))
+            groups[str(mode)] = tracemodel.Breakdown(
+                str(mode), requests=n, handoff_ns=total, phases=named, handoff_known=UNATTRIBUTED in set(d["phase"])
+            )
     return {m: tracemodel.dominant_words(groups.get(m), m) for m in MODES}
 
 
-_SLOW_COLS = ["trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "ttft_s", "handoff_s", "n_spans",
-              "handoff_err_s", "handoff_note", "p_engine", "d_engine"]
+_SLOW_COLS = [
+    "trace_id",
+    "request_id",
+    "mode",
+    "dispatch",
+    "outcome",
+    "start_ns",
+    "ttft_s",
+    "handoff_s",
+    "n_spans",
+    "handoff_err_s",
+    "handoff_note",
+    "p_engine",
+    "d_engine",
+]
 
 
-def slowest(path: str | Path, n: int = 50, *, order: str = "handoff", p_engine: str | None = None,
-            d_engine: str | None = None, **filters: Any) -> pd.DataFrame:
+def slowest(
+    path: str | Path,
+    n: int = 50,
+    *,
+    order: str = "handoff",
+    p_engine: str | None = None,
+    d_engine: str | None = None,
+    **filters: Any,
+) -> pd.DataFrame:
     """The store's ``slowest`` as a DataFrame (columns ``_SLOW_COLS``), on the
     engines given (None: any); ``filters``: the fields of :class:`kvtrace.store.TraceFilter`."""
     with store.reading(path) as c:
@@ -287,7 +333,7 @@ def slowest(path: str | Path, n: int = 50, *, order: str = "handoff", p_engine: 
 
 def _attr_col(key: str) -> str:
     """Attribute key -> a DataFrame/altair-safe column name (no dots)."""
-    k = key[len("kvlens."):] if key.startswith("kvlens.") else key
+    k = key[len("kvlens.") :] if key.startswith("kvlens.") else key
     return "attr_" + k.replace(".", "_")
 
 
@@ -313,7 +359,8 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
         row = {
             "phase": s.name,
             "role": s.role or "?",
-            "rank": r, "lane": f"{s.role or '?'} · {s.name}",
+            "rank": r,
+            "lane": f"{s.role or '?'} · {s.name}",
             "rank_lane": f"{s.role or '?'}{f' r{r}' if r is not None else ''} · {s.name}",
             "start_ms": (s.start_ns - t0) / 1e6,
             "end_ms": (s.end_ns - t0) / 1e6,
@@ -361,17 +408,29 @@ def bench_tpot(df: pd.DataFrame, run_id: str | None) -> dict[str, tuple[float | 
     missing): the trace store has no per-request TPOT, its bench rows do."""
     out = {}
     for mode in MODES:
-        v = pd.to_numeric(df.loc[df["mode"] == mode, "tpot_mean_s"], errors="coerce").dropna() if len(df) \
+        v = (
+            pd.to_numeric(df.loc[df["mode"] == mode, "tpot_mean_s"], errors="coerce").dropna()
+            if len(df)
             else pd.Series(dtype=float)
+        )
         if len(v):
-            out[mode] = (float(v.mean()), f"Mean TPOT over the {len(v)} {mode} cells of bench run {run_id} "
-                                          "(kvlens bench), not over this time range.")
+            out[mode] = (
+                float(v.mean()),
+                f"Mean TPOT over the {len(v)} {mode} cells of bench run {run_id} "
+                "(kvlens bench), not over this time range.",
+            )
         elif run_id:
-            out[mode] = (None, f"Bench run {run_id} has no {mode} TPOT (unknown when tokens arrive together); "
-                               "the trace store records no per-request TPOT.")
+            out[mode] = (
+                None,
+                f"Bench run {run_id} has no {mode} TPOT (unknown when tokens arrive together); "
+                "the trace store records no per-request TPOT.",
+            )
         else:
-            out[mode] = (None, "The trace store records no per-request TPOT and holds no bench run; run "
-                               "`kvlens bench`, or give --prometheus to read vLLM's TPOT from D.")
+            out[mode] = (
+                None,
+                "The trace store records no per-request TPOT and holds no bench run; run "
+                "`kvlens bench`, or give --prometheus to read vLLM's TPOT from D.",
+            )
     return out
 
 
@@ -382,13 +441,20 @@ def live_compare(stats: Mapping[str, ModeStats]) -> pd.DataFrame:
         s = stats.get(mode)
         if s is None:
             continue
-        rows.append({
-            "mode": mode, "requests": s.requests, "req/s": s.req_per_s,
-            "ttft_mean_s": s.ttft.get("mean"), "ttft_p50_s": s.ttft.get("p50"), "ttft_p99_s": s.ttft.get("p99"),
-            "tpot_mean_s": s.tpot_mean,
-            "handoff_p50_s": s.handoff.get("p50"), "handoff_p90_s": s.handoff.get("p90"),
-            "handoff_p99_s": s.handoff.get("p99"),
-        })
+        rows.append(
+            {
+                "mode": mode,
+                "requests": s.requests,
+                "req/s": s.req_per_s,
+                "ttft_mean_s": s.ttft.get("mean"),
+                "ttft_p50_s": s.ttft.get("p50"),
+                "ttft_p99_s": s.ttft.get("p99"),
+                "tpot_mean_s": s.tpot_mean,
+                "handoff_p50_s": s.handoff.get("p50"),
+                "handoff_p90_s": s.handoff.get("p90"),
+                "handoff_p99_s": s.handoff.get("p99"),
+            }
+        )
     df = pd.DataFrame(rows)
     if len(df) == 2:
         num = df.columns.drop("mode")

@@ -73,12 +73,33 @@ def load_prometheus(url: str, range_key: str, _bucket: int):
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def load_slowest(path: str, n: int, mode: str | None, outcome: str | None, range_key: str, now_s: int,
-                 min_h: float | None, max_h: float | None, order: str, p_engine: str | None = None,
-                 d_engine: str | None = None) -> pd.DataFrame:
+def load_slowest(
+    path: str,
+    n: int,
+    mode: str | None,
+    outcome: str | None,
+    range_key: str,
+    now_s: int,
+    min_h: float | None,
+    max_h: float | None,
+    order: str,
+    p_engine: str | None = None,
+    d_engine: str | None = None,
+) -> pd.DataFrame:
     since, until = D.since_until(range_key, now_s)
-    return D.slowest(path, n, mode=mode, outcome=outcome, since_ns=since, until_ns=until,
-                     min_handoff_s=min_h, max_handoff_s=max_h, order=order, p_engine=p_engine, d_engine=d_engine)
+    return D.slowest(
+        path,
+        n,
+        mode=mode,
+        outcome=outcome,
+        since_ns=since,
+        until_ns=until,
+        min_handoff_s=min_h,
+        max_handoff_s=max_h,
+        order=order,
+        p_engine=p_engine,
+        d_engine=d_engine,
+    )
 
 
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)

@@ -29,9 +29,23 @@ PAIR_LIMIT = 200_000
 #: What a pair's side shows when its engine id was never recorded.
 UNKNOWN_ENGINE = "?"
 
-PAIR_TABLE_COLUMNS = ["mode", "pair", "p_engine", "d_engine", "requests", "handoffs", "handoff_p50_s",
-                      "handoff_p90_s", "err_p50_s", "ttft_p50_s", "vs_best", "clock_lo_s", "clock_hi_s",
-                      "clock_offset_s", "link"]
+PAIR_TABLE_COLUMNS = [
+    "mode",
+    "pair",
+    "p_engine",
+    "d_engine",
+    "requests",
+    "handoffs",
+    "handoff_p50_s",
+    "handoff_p90_s",
+    "err_p50_s",
+    "ttft_p50_s",
+    "vs_best",
+    "clock_lo_s",
+    "clock_hi_s",
+    "clock_offset_s",
+    "link",
+]
 
 _MODE_RANK = {m.value: i for i, m in enumerate(sc.Mode)}
 
@@ -82,16 +96,24 @@ def pair_stats(df: pd.DataFrame) -> pd.DataFrame:
         known = g.dropna(subset=["handoff_s"])
         win = g.dropna(subset=["clock_lo_s", "clock_hi_s"]).sort_values("start_ns", ascending=False).head(1)
         w = win.iloc[0] if len(win) else None
-        out.append({
-            "mode": mode, "pair": pair_label(p or None, d or None), "p_engine": p or None, "d_engine": d or None,
-            "requests": len(g), "handoffs": len(known),
-            "handoff_p50_s": _q(known["handoff_s"], 0.5), "handoff_p90_s": _q(known["handoff_s"], 0.9),
-            "err_p50_s": _q(known["handoff_err_s"], 0.5), "ttft_p50_s": _q(g["ttft_s"], 0.5),
-            "clock_lo_s": None if w is None else float(w["clock_lo_s"]),
-            "clock_hi_s": None if w is None else float(w["clock_hi_s"]),
-            "clock_offset_s": None if w is None or pd.isna(w["clock_offset_s"]) else float(w["clock_offset_s"]),
-            "link": pair_link(mode, p or None, d or None),
-        })
+        out.append(
+            {
+                "mode": mode,
+                "pair": pair_label(p or None, d or None),
+                "p_engine": p or None,
+                "d_engine": d or None,
+                "requests": len(g),
+                "handoffs": len(known),
+                "handoff_p50_s": _q(known["handoff_s"], 0.5),
+                "handoff_p90_s": _q(known["handoff_s"], 0.9),
+                "err_p50_s": _q(known["handoff_err_s"], 0.5),
+                "ttft_p50_s": _q(g["ttft_s"], 0.5),
+                "clock_lo_s": None if w is None else float(w["clock_lo_s"]),
+                "clock_hi_s": None if w is None else float(w["clock_hi_s"]),
+                "clock_offset_s": None if w is None or pd.isna(w["clock_offset_s"]) else float(w["clock_offset_s"]),
+                "link": pair_link(mode, p or None, d or None),
+            }
+        )
     res = pd.DataFrame(out)
     best = res.groupby("mode")["handoff_p50_s"].transform("min")
     res["vs_best"] = (res["handoff_p50_s"] / best.where(best > 0)).astype(float)
@@ -100,8 +122,7 @@ def pair_stats(df: pd.DataFrame) -> pd.DataFrame:
     return res[PAIR_TABLE_COLUMNS].reset_index(drop=True)
 
 
-def pair_table(path: str | Path, since_ns: int | None, until_ns: int | None,
-               limit: int = PAIR_LIMIT) -> pd.DataFrame:
+def pair_table(path: str | Path, since_ns: int | None, until_ns: int | None, limit: int = PAIR_LIMIT) -> pd.DataFrame:
     """:func:`pair_stats` over the traces that started in [since_ns, until_ns]."""
     return pair_stats(pair_frame(path, since_ns, until_ns, limit))
 

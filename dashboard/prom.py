@@ -66,8 +66,10 @@ def _one(res: Sequence[tuple[dict, float]]) -> float | None:
 def _dropped(q: Query, w: str) -> tuple[float | None, dict[str, float]]:
     """Spans kvlens lost over ``w`` in every process: (total, by reason).
     ``kvlens_telemetry_dropped_total`` is labelled by role and reason, not mode."""
-    by = {labels.get("reason", sc.OTHER): v
-          for labels, v in q(f"sum by (reason) (increase(kvlens_telemetry_dropped_total[{w}]))")}
+    by = {
+        labels.get("reason", sc.OTHER): v
+        for labels, v in q(f"sum by (reason) (increase(kvlens_telemetry_dropped_total[{w}]))")
+    }
     return (sum(by.values()) if by else None), {k: v for k, v in by.items() if v > 0}
 
 
@@ -81,15 +83,18 @@ def _tpot(q: Query, w: str, stats: dict[str, D.ModeStats]) -> None:
     have no mode label); otherwise a reason in ``tpot_note``."""
     v = None
     for m in TPOT_METRICS:
-        v = _one(q(f"sum(rate({selector(m + '_sum', job=DECODE_JOB)}[{w}])) / "
-                   f"sum(rate({selector(m + '_count', job=DECODE_JOB)}[{w}]))"))
+        v = _one(
+            q(
+                f"sum(rate({selector(m + '_sum', job=DECODE_JOB)}[{w}])) / "
+                f"sum(rate({selector(m + '_count', job=DECODE_JOB)}[{w}]))"
+            )
+        )
         if v is not None:
             break
     ran = [m for m, s in stats.items() if (s.requests or 0) > 0]
     for mode, s in stats.items():
         if v is None:
-            s.tpot_note = (f"Prometheus has no vLLM TPOT ({TPOT_METRICS[0]}) from job {DECODE_JOB} "
-                           f"over {w}.")
+            s.tpot_note = f"Prometheus has no vLLM TPOT ({TPOT_METRICS[0]}) from job {DECODE_JOB} over {w}."
         elif ran == [mode]:
             s.tpot_mean, s.tpot_note = v, f"vLLM's mean TPOT on D ({DECODE_JOB}) over {w}."
         elif mode in ran:
@@ -108,9 +113,12 @@ def _mode_stats(q: Query, mode: str, w: str, dropped: tuple[float | None, dict[s
     tb = selector("kvlens_ttft_seconds_bucket", mode=mode)
     for name, qq in (("p50", 0.5), ("p99", 0.99)):
         st.ttft[name] = _one(q(f"histogram_quantile({qq}, sum by (le) (rate({tb}[{w}])))"))
-    st.ttft["mean"] = _one(q(
-        f"sum(rate({selector('kvlens_ttft_seconds_sum', mode=mode)}[{w}])) / "
-        f"sum(rate({selector('kvlens_ttft_seconds_count', mode=mode)}[{w}]))"))
+    st.ttft["mean"] = _one(
+        q(
+            f"sum(rate({selector('kvlens_ttft_seconds_sum', mode=mode)}[{w}])) / "
+            f"sum(rate({selector('kvlens_ttft_seconds_count', mode=mode)}[{w}]))"
+        )
+    )
     req = selector("kvlens_requests_total", mode=mode)
     st.req_per_s = _one(q(f"sum(rate({req}[{w}]))"))
     st.outcomes = {o: 0.0 for o in D.OUTCOMES}
@@ -146,7 +154,8 @@ def _mode_hist(q: Query, mode: str, w: str) -> list[tuple]:
     """Handoff histogram of one mode from the cumulative ``le`` buckets' increase over ``w``."""
     hb = selector("kvlens_handoff_seconds_bucket", mode=mode)
     cum = sorted(
-        (float(labels["le"]), v) for labels, v in q(f"sum by (le) (increase({hb}[{w}]))")
+        (float(labels["le"]), v)
+        for labels, v in q(f"sum by (le) (increase({hb}[{w}]))")
         if labels.get("le") not in (None, "+Inf")
     )
     rows = []
@@ -169,6 +178,7 @@ def prom_overview(
     phases: list[tuple] = []
     hist: list[tuple] = []
     with promapi.client(timeout_s) as c:
+
         def q(expr: str) -> list[tuple[dict[str, str], float]]:
             return prom_query(url, expr, client=c)
 

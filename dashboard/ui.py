@@ -146,7 +146,7 @@ def bound_decimals(err_ms: float | None) -> int | None:
     if _missing(err_ms) or err_ms <= 0:
         return None
     e = math.floor(math.log10(err_ms))
-    return -e + (1 if round(err_ms / 10.0 ** e, 9) < 2 else 0)
+    return -e + (1 if round(err_ms / 10.0**e, 9) < 2 else 0)
 
 
 def _fixed(x: float, d: int) -> str:

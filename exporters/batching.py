@@ -65,6 +65,7 @@ class LossCounter:
 def call_within(fn: Callable[[], Any], timeout_s: float, name: str = "kvlens-bounded") -> None:
     """Run ``fn()`` on a daemon thread and wait for it at most ``timeout_s``
     (it carries on alone past that). Errors are logged once."""
+
     def run() -> None:
         name_native_thread(name)
         try:
@@ -88,9 +89,17 @@ class CountingBatchSpanProcessor(SpanProcessor):
     is slow; the exporter bounds its own calls (the store's ``max_block_s``,
     OTLP's ``timeout``)."""
 
-    def __init__(self, exporter, *, losses: LossCounter, max_queue_size: int = 4096,
-                 schedule_delay_s: float = 0.2, max_export_batch_size: int = 512,
-                 loss_reason: str | None = None, name: str = "spans") -> None:
+    def __init__(
+        self,
+        exporter,
+        *,
+        losses: LossCounter,
+        max_queue_size: int = 4096,
+        schedule_delay_s: float = 0.2,
+        max_export_batch_size: int = 512,
+        loss_reason: str | None = None,
+        name: str = "spans",
+    ) -> None:
         if max_queue_size <= 0 or max_export_batch_size <= 0 or schedule_delay_s <= 0:
             raise ValueError("max_queue_size, max_export_batch_size and schedule_delay_s must be > 0")
         self.exporter = exporter
@@ -210,8 +219,13 @@ class CountingBatchSpanProcessor(SpanProcessor):
             try:
                 ok = self.exporter.export(batch) == SpanExportResult.SUCCESS
             except Exception as e:
-                log_once(f"export-{self.name}:{type(e).__name__}", "%s exporter raised (%s); batch counted as lost",
-                         self.name, e, exc_info=True)
+                log_once(
+                    f"export-{self.name}:{type(e).__name__}",
+                    "%s exporter raised (%s); batch counted as lost",
+                    self.name,
+                    e,
+                    exc_info=True,
+                )
             with self._cv:
                 n, self._inflight = self._inflight, 0
             if not ok:

@@ -96,8 +96,9 @@ class HandoffResolver:
     ``fam``: the metric families (:class:`exporters.metrics` ``_Families``:
     ``child()``, ``handoff``, ``unresolved``) the results go to."""
 
-    def __init__(self, fam: Any, store_path: str | Path, *, deadline_s: float, max_pending: int,
-                 poll_s: float, exemplars: bool) -> None:
+    def __init__(
+        self, fam: Any, store_path: str | Path, *, deadline_s: float, max_pending: int, poll_s: float, exemplars: bool
+    ) -> None:
         self.fam = fam
         self.path = store.location(store_path)  # a file or a postgresql:// URL
         self.deadline_s = deadline_s
@@ -176,8 +177,9 @@ class HandoffResolver:
         try:
             return store.handoffs(self._connection(), trace_ids), True
         except FileNotFoundError:
-            log_once("handoff-store", "trace store %s not found yet; handoff metrics wait for it",
-                     store.display(self.path))
+            log_once(
+                "handoff-store", "trace store %s not found yet; handoff metrics wait for it", store.display(self.path)
+            )
         except Exception as e:
             log_once("handoff-read:" + type(e).__name__, "trace store read failed (%s); retrying", e)
             self._close_conn()

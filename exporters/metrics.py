@@ -88,8 +88,9 @@ from kvrecord.recorder import DropReason
 
 #: Where the handoff trigger runs (see :mod:`exporters.handoff`): router | decode | off.
 #: Per-rank transfer phases observed by rank (``kvlens_rank_phase_duration_seconds``).
-_RANK_PHASES = frozenset(p.value for p in (sc.Phase.WRITE_POST, sc.Phase.WRITE_COMPLETE, sc.Phase.READ_POST,
-                                           sc.Phase.READ_COMPLETE))
+_RANK_PHASES = frozenset(
+    p.value for p in (sc.Phase.WRITE_POST, sc.Phase.WRITE_COMPLETE, sc.Phase.READ_POST, sc.Phase.READ_COMPLETE)
+)
 #: The rank label's closed set: 0..MAX_RANK_LABEL-1 (TP sizes up to 64), else ``_OTHER``.
 MAX_RANK_LABEL = 64
 
@@ -208,12 +209,19 @@ class PhaseMetricsProcessor(SpanProcessor):
         if exemplars is None:
             exemplars = not os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.exemplars = bool(exemplars)
-        self._trigger = {"router": (sc.Phase.REQUEST.value,), "decode": (sc.Phase.KV_READY.value,),
-                         "any": (sc.Phase.REQUEST.value, sc.Phase.KV_READY.value), "off": ()}[handoff_from]
+        self._trigger = {
+            "router": (sc.Phase.REQUEST.value,),
+            "decode": (sc.Phase.KV_READY.value,),
+            "any": (sc.Phase.REQUEST.value, sc.Phase.KV_READY.value),
+            "off": (),
+        }[handoff_from]
         self.handoff = HandoffResolver(
-            self.fam, store_path if store_path is not None else config.store_path(),
-            deadline_s=float(handoff_deadline_s), max_pending=int(handoff_max_pending),
-            poll_s=float(handoff_poll_s), exemplars=self.exemplars,
+            self.fam,
+            store_path if store_path is not None else config.store_path(),
+            deadline_s=float(handoff_deadline_s),
+            max_pending=int(handoff_max_pending),
+            poll_s=float(handoff_poll_s),
+            exemplars=self.exemplars,
         )
         self._dropped_source = dropped_source or _no_drops
         #: bandwidth above this (Gb/s, env KVLENS_LINK_GBPS) is counted implausible, not observed

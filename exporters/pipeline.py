@@ -76,8 +76,11 @@ def span_builder(config: Mapping[str, Any] | None = None, override: str | None =
     """``sidecar`` or ``inline``: ``override``, else ``$KVLENS_SPAN_BUILDER``,
     else the ``kvlens_span_builder`` option, else ``sidecar``. ValueError
     naming the source for anything else."""
-    for source, v in (("span_builder", override), (SPAN_BUILDER_ENV, os.environ.get(SPAN_BUILDER_ENV)),
-                      (SPAN_BUILDER_KEY, (config or {}).get(SPAN_BUILDER_KEY))):
+    for source, v in (
+        ("span_builder", override),
+        (SPAN_BUILDER_ENV, os.environ.get(SPAN_BUILDER_ENV)),
+        (SPAN_BUILDER_KEY, (config or {}).get(SPAN_BUILDER_KEY)),
+    ):
         if v is not None and str(v).strip():
             v = str(v).strip().lower()
             if v not in SPAN_BUILDERS:
@@ -86,8 +89,13 @@ def span_builder(config: Mapping[str, Any] | None = None, override: str | None =
     return "sidecar"
 
 
-def get_recorder(role: str, mode: str, engine_id: str | None = None,
-                 config: Mapping[str, Any] | None = None, span_builder: str | None = None) -> Recorder:
+def get_recorder(
+    role: str,
+    mode: str,
+    engine_id: str | None = None,
+    config: Mapping[str, Any] | None = None,
+    span_builder: str | None = None,
+) -> Recorder:
     """The process-wide recorder for (role, mode, engine).
 
     ``config``: the kvlens keys of ``kv_connector_extra_config`` (validated;
@@ -113,13 +121,16 @@ def _make_recorder(role: str, mode: str, engine_id: str | None, raw: dict, build
     builder = span_builder(raw, builder)
     raw.pop(SPAN_BUILDER_KEY, None)
     cfg = validate_config(raw)
-    kw = dict(role=role, mode=mode, engine_id=engine_id,
-              capacity=int(cfg.get("kvlens_buffer_events", DEFAULT_CAPACITY)),
-              pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine_id, config=cfg))
+    kw = dict(
+        role=role,
+        mode=mode,
+        engine_id=engine_id,
+        capacity=int(cfg.get("kvlens_buffer_events", DEFAULT_CAPACITY)),
+        pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine_id, config=cfg),
+    )
     if builder == "sidecar" and role in SIDECAR_ROLES:
         cfg = {k: v for k, v in cfg.items() if k != SPAN_BUILDER_KEY}
-        return ShippingRecorder(sidecar_spec={"role": role, "mode": mode, "engine_id": engine_id, "config": cfg},
-                                **kw)
+        return ShippingRecorder(sidecar_spec={"role": role, "mode": mode, "engine_id": engine_id, "config": cfg}, **kw)
     return Recorder(**kw)
 
 
@@ -169,8 +180,9 @@ def dropped_counts() -> dict[tuple[str, str], int]:
 
 
 # ------------------------------------------------------------------ provider
-def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Mapping[str, Any],
-                     store_max_block_s: float | None = None) -> Callable[[PinnedIdGenerator], BoundedTracerProvider]:
+def provider_factory(
+    *, role: str, mode: str, engine_id: str | None, config: Mapping[str, Any], store_max_block_s: float | None = None
+) -> Callable[[PinnedIdGenerator], BoundedTracerProvider]:
     """The recorder's pipeline factory: ``build(id_generator)`` makes the
     TracerProvider (run once, on the recorder thread). ``config`` is checked
     here, so a bad option raises in the caller, not later.
@@ -186,11 +198,19 @@ def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Map
         _ledgers.append((os.getpid(), role, losses))
         provider = BoundedTracerProvider(resource=Resource.create(attrs), id_generator=id_generator, losses=losses)
         if enabled(cfg, "kvlens_store"):
-            exporter = store.StoreSpanExporter(store_path(cfg), max_block_s=store_max_block_s,
-                                                retention=retention_s(cfg))
-            provider.add_span_processor(CountingBatchSpanProcessor(
-                exporter, losses=losses, max_queue_size=MAX_QUEUE, schedule_delay_s=0.2,
-                max_export_batch_size=512, name="store"))
+            exporter = store.StoreSpanExporter(
+                store_path(cfg), max_block_s=store_max_block_s, retention=retention_s(cfg)
+            )
+            provider.add_span_processor(
+                CountingBatchSpanProcessor(
+                    exporter,
+                    losses=losses,
+                    max_queue_size=MAX_QUEUE,
+                    schedule_delay_s=0.2,
+                    max_export_batch_size=512,
+                    name="store",
+                )
+            )
         _add_otlp(provider, cfg, losses)
         if enabled(cfg, "kvlens_metrics"):
             provider.add_span_processor(
@@ -202,8 +222,10 @@ def provider_factory(*, role: str, mode: str, engine_id: str | None, config: Map
 
 
 def _add_otlp(provider: BoundedTracerProvider, cfg: Mapping[str, Any], losses: LossCounter) -> None:
-    endpoint = cfg.get("otlp_endpoint") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    endpoint = (
+        cfg.get("otlp_endpoint")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     )
     if not endpoint:
         return
@@ -215,9 +237,16 @@ def _add_otlp(provider: BoundedTracerProvider, cfg: Mapping[str, Any], losses: L
         url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
         # 0.5 s batches (the SDK's default is 5 s): a collector's handoff
         # resolver waits for the last end of a request, so export promptly.
-        provider.add_span_processor(CountingBatchSpanProcessor(
-            OTLPSpanExporter(endpoint=url, timeout=OTLP_TIMEOUT_S), losses=losses, max_queue_size=MAX_QUEUE,
-            schedule_delay_s=0.5, max_export_batch_size=512, loss_reason=DropReason.EXPORT_FAILED.value,
-            name="otlp"))
+        provider.add_span_processor(
+            CountingBatchSpanProcessor(
+                OTLPSpanExporter(endpoint=url, timeout=OTLP_TIMEOUT_S),
+                losses=losses,
+                max_queue_size=MAX_QUEUE,
+                schedule_delay_s=0.5,
+                max_export_batch_size=512,
+                loss_reason=DropReason.EXPORT_FAILED.value,
+                name="otlp",
+            )
+        )
     except Exception:
         log_once("otlp", "OTLP exporter unavailable; spans go to the store only", exc_info=True)

@@ -36,8 +36,12 @@ def client(timeout_s: float = DEFAULT_TIMEOUT_S) -> httpx.Client:
 
 
 def get(
-    url: str, path: str, params: Mapping[str, Any] | None = None, *,
-    client: httpx.Client | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    url: str,
+    path: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    client: httpx.Client | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> Any:
     """GET ``url + path`` and return the response's ``data`` member."""
     base = url.rstrip("/")
@@ -77,8 +81,12 @@ def ready(url: str, *, client: httpx.Client | None = None, timeout_s: float = 1.
 
 
 def query(
-    url: str, promql: str, *, time_s: float | None = None,
-    client: httpx.Client | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    url: str,
+    promql: str,
+    *,
+    time_s: float | None = None,
+    client: httpx.Client | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Sample]:
     """Instant query: the ``data.result`` list. A scalar or string result comes
     back as one item with empty labels, so callers see one shape."""
@@ -107,8 +115,13 @@ def values(result: list[Sample]) -> list[tuple[dict[str, str], float]]:
 
 
 def query_exemplars(
-    url: str, promql: str, start_s: float, end_s: float, *,
-    client: httpx.Client | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    url: str,
+    promql: str,
+    start_s: float,
+    end_s: float,
+    *,
+    client: httpx.Client | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[dict[str, Any]]:
     """Exemplars of the series selected by ``promql`` in [start_s, end_s] (Unix seconds)."""
     params = {"query": promql, "start": start_s, "end": end_s}
@@ -116,7 +129,7 @@ def query_exemplars(
 
 
 def targets_health(
-    url: str, *, client: httpx.Client | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+    url: str, *, client: httpx.Client | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[dict[str, Any]]:
     """Active scrape targets, each with ``labels``, ``health`` and ``lastError``."""
     data = get(url, "/api/v1/targets", {"state": "active"}, client=client, timeout_s=timeout_s) or {}

@@ -142,11 +142,7 @@ class PrometheusServer:
         cfg: dict[str, Any] = {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
             "scrape_configs": [
-                {
-                    "job_name": job,
-                    "metrics_path": "/metrics",
-                    "static_configs": [{"targets": tl}],
-                }
+                {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": tl}]}
                 for job, tl in self.targets.items()
             ],
         }

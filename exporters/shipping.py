@@ -101,8 +101,14 @@ class ShippingRecorder(Recorder):
     sidecar cannot run. ``sidecar_argv``: the command (tests start a
     stand-in); default ``python -m exporters.sidecar``."""
 
-    def __init__(self, *, sidecar_spec: Mapping[str, Any], sidecar_argv: list[str] | None = None,
-                 ready_timeout_s: float = READY_TIMEOUT_S, **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        sidecar_spec: Mapping[str, Any],
+        sidecar_argv: list[str] | None = None,
+        ready_timeout_s: float = READY_TIMEOUT_S,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self._spec = json.dumps(dict(sidecar_spec), default=str)
         self._argv = list(sidecar_argv) if sidecar_argv else [sys.executable, "-m", "exporters.sidecar"]
@@ -123,8 +129,9 @@ class ShippingRecorder(Recorder):
         self._idle = False  # the shipping thread sleeps until record wakes it
 
     # ------------------------------------------------------------ hot path
-    def record(self, phase, request_id: str, start_ns: int, end_ns: int, outcome: str = "ok",
-               attrs: dict | None = None) -> None:
+    def record(
+        self, phase, request_id: str, start_ns: int, end_ns: int, outcome: str = "ok", attrs: dict | None = None
+    ) -> None:
         """:meth:`Recorder.record`, plus waking the idle shipping thread (a flag
         read per event, an ``Event.set`` per batch): idle, it sleeps instead of
         polling (a timed wait costs ~40 µs of CPU)."""
@@ -159,16 +166,25 @@ class ShippingRecorder(Recorder):
         if str(REPO_ROOT) not in path:
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *path])
         try:
-            proc = subprocess.Popen([*self._argv, self._spec, str(os.getpid())], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, env=env, close_fds=True, bufsize=0)  # unbuffered: select sees every line
+            proc = subprocess.Popen(
+                [*self._argv, self._spec, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                close_fds=True,
+                bufsize=0,
+            )  # unbuffered: select sees every line
         except Exception as e:
             log_once("sidecar-start", "kvlens sidecar could not start (%s); building spans in this process", e)
             return False
         if not self._await_ready(proc):
             stop_process(proc)
             if not self._stop.is_set():
-                log_once("sidecar-start", "kvlens sidecar did not come up (exit code %s); building spans in this "
-                         "process", proc.returncode)
+                log_once(
+                    "sidecar-start",
+                    "kvlens sidecar did not come up (exit code %s); building spans in this process",
+                    proc.returncode,
+                )
             return False
         fd = proc.stdin.fileno()
         os.set_blocking(fd, False)
@@ -284,8 +300,14 @@ class ShippingRecorder(Recorder):
         mark_process_dead(proc.pid)
         if self._stop.is_set():
             return  # closing anyway: what is left is counted at close
-        log_once("sidecar-gone", "kvlens sidecar (pid %s) exited with code %s; %d events in flight lost (counted "
-                 "export_failed); building spans in this process from now on", proc.pid, proc.returncode, lost)
+        log_once(
+            "sidecar-gone",
+            "kvlens sidecar (pid %s) exited with code %s; %d events in flight lost (counted "
+            "export_failed); building spans in this process from now on",
+            proc.pid,
+            proc.returncode,
+            lost,
+        )
         self._inline = True
         super()._build()
 
@@ -353,8 +375,11 @@ class ShippingRecorder(Recorder):
         try:
             proc.wait(max(deadline - time.monotonic(), 0.05))
         except subprocess.TimeoutExpired:
-            log_once("sidecar-slow-exit", "kvlens sidecar (pid %s) still exporting at close; it exits on its own "
-                     "within its close bound", proc.pid)
+            log_once(
+                "sidecar-slow-exit",
+                "kvlens sidecar (pid %s) still exporting at close; it exits on its own within its close bound",
+                proc.pid,
+            )
         self._maybe_write_stats(force=True)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -395,6 +420,8 @@ class ShippingRecorder(Recorder):
             pass
 
     def _maybe_write_stats(self, force: bool = False) -> None:
-        write_stats(self, {"shipped": self.shipped, "sidecar_pid": self.sidecar_pid,
-                           "span_builder": self.mode_in_use}, force=force)
-
+        write_stats(
+            self,
+            {"shipped": self.shipped, "sidecar_pid": self.sidecar_pid, "span_builder": self.mode_in_use},
+            force=force,
+        )

@@ -83,8 +83,8 @@ def _frames(buf: bytearray):
         (n,) = FRAME.unpack_from(buf)
         if len(buf) < FRAME.size + n:
             return
-        payload = bytes(buf[FRAME.size:FRAME.size + n])
-        del buf[:FRAME.size + n]
+        payload = bytes(buf[FRAME.size : FRAME.size + n])
+        del buf[: FRAME.size + n]
         yield pickle.loads(payload)
 
 
@@ -96,8 +96,9 @@ class Sidecar:
         self.parent = parent
         self.fd_in = fd_in
         self.out = out
-        self.rec = pipeline.get_recorder(spec["role"], spec["mode"], spec.get("engine_id"),
-                                         spec.get("config") or {}, span_builder="inline")
+        self.rec = pipeline.get_recorder(
+            spec["role"], spec["mode"], spec.get("engine_id"), spec.get("config") or {}, span_builder="inline"
+        )
         self.rec.stats_extra = {"sidecar": True}  # its counters are not the engine's (benchmarks/bench_cpu.py)
         self.frames = 0
         self.events = 0
@@ -148,8 +149,9 @@ class Sidecar:
                 try:
                     self.handle(frame)
                 except Exception as e:
-                    log_once("sidecar-frame:" + type(e).__name__, "kvlens sidecar skipped a bad frame (%s)", e,
-                             exc_info=True)
+                    log_once(
+                        "sidecar-frame:" + type(e).__name__, "kvlens sidecar skipped a bad frame (%s)", e, exc_info=True
+                    )
 
     def close(self) -> None:
         self.rec.close(CLOSE_S)
@@ -173,8 +175,10 @@ def main(argv: list[str]) -> int:
     try:
         side.rec.start()
         if not side.rec._ready.wait(SETUP_S) or side.rec._pipeline_failed:
-            print(f"kvlens sidecar: the telemetry pipeline failed or did not come up within {SETUP_S:.0f}s",
-                  file=sys.stderr)
+            print(
+                f"kvlens sidecar: the telemetry pipeline failed or did not come up within {SETUP_S:.0f}s",
+                file=sys.stderr,
+            )
             return 1
         out.write(b"ready\n")
         out.flush()

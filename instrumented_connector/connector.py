@@ -16,11 +16,7 @@ Load with stock vLLM::
 from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
-    NixlBaseConnector,
-    NixlPullConnector,
-    NixlPushConnector,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlPullConnector, NixlPushConnector
 
 from exporters.pipeline import get_recorder
 from instrumented_connector import hooks, scheduler, worker
@@ -33,10 +29,7 @@ from instrumented_connector.scheduler import (
     InstrumentedNixlPullConnectorScheduler,
     InstrumentedNixlPushConnectorScheduler,
 )
-from instrumented_connector.worker import (
-    InstrumentedNixlPullConnectorWorker,
-    InstrumentedNixlPushConnectorWorker,
-)
+from instrumented_connector.worker import InstrumentedNixlPullConnectorWorker, InstrumentedNixlPushConnectorWorker
 
 __all__ = [
     "DISABLED",
@@ -107,8 +100,14 @@ class InstrumentedNixlPushConnector(NixlPushConnector):
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         if vllm_config.parallel_config.decode_context_parallel_size > 1:
             raise ValueError("NixlPushConnector does not support decode_context_parallel_size > 1.")
-        _attach(self, vllm_config, role, sc.Mode.PUSH.value,
-                InstrumentedNixlPushConnectorScheduler, InstrumentedNixlPushConnectorWorker)
+        _attach(
+            self,
+            vllm_config,
+            role,
+            sc.Mode.PUSH.value,
+            InstrumentedNixlPushConnectorScheduler,
+            InstrumentedNixlPushConnectorWorker,
+        )
 
 
 class InstrumentedNixlPullConnector(NixlPullConnector):
@@ -116,8 +115,14 @@ class InstrumentedNixlPullConnector(NixlPullConnector):
 
     def __init__(self, vllm_config, role, kv_cache_config):
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        _attach(self, vllm_config, role, sc.Mode.PULL.value,
-                InstrumentedNixlPullConnectorScheduler, InstrumentedNixlPullConnectorWorker)
+        _attach(
+            self,
+            vllm_config,
+            role,
+            sc.Mode.PULL.value,
+            InstrumentedNixlPullConnectorScheduler,
+            InstrumentedNixlPullConnectorWorker,
+        )
 
 
 InstrumentedNixlConnector = InstrumentedNixlPullConnector

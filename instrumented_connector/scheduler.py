@@ -12,10 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
-    NixlPullConnectorScheduler,
-    NixlPushConnectorScheduler,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorScheduler, NixlPushConnectorScheduler
 
 from instrumented_connector import hooks
 from kvrecord import semconv as sc
@@ -78,8 +75,14 @@ class _SchedulerHooks:
             if sched:
                 t = now()
                 for rid, (t0, recomputed) in sched.items():
-                    self._kvl.record(P.DECODE_FIRST_STEP, rid, t0, max(t, t0), "ok",
-                                     {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size})
+                    self._kvl.record(
+                        P.DECODE_FIRST_STEP,
+                        rid,
+                        t0,
+                        max(t, t0),
+                        "ok",
+                        {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size},
+                    )
                 sched.clear()
             for rid in connector_output.finished_recving or ():
                 self._kvl_loaded.put(rid, None)
@@ -126,16 +129,25 @@ class _SchedulerHooks:
             # Pull joins D to P by the request id P returned (any router);
             # push by D's own id, which P's matching already requires.
             join = params.get("remote_request_id") if phase is P.ALLOC else None
-            attrs = {sc.ATTR_REMOTE_ENGINE_ID: params.get("remote_engine_id"), sc.ATTR_TOKENS: request.num_prompt_tokens,
-                     sc.ATTR_JOIN_REQUEST_ID: join}
+            attrs = {
+                sc.ATTR_REMOTE_ENGINE_ID: params.get("remote_engine_id"),
+                sc.ATTR_TOKENS: request.num_prompt_tokens,
+                sc.ATTR_JOIN_REQUEST_ID: join,
+            }
             try:
                 attrs[sc.ATTR_BLOCKS] = nblocks(blocks.get_block_ids())
             except Exception:
                 pass
             arrival = getattr(request, "arrival_time", None)
             if arrival:
-                self._kvl.record(P.DECODE_QUEUE, rid, min(int(arrival * 1e9), t), t, "ok",
-                                 {sc.ATTR_TOKENS: request.num_prompt_tokens, sc.ATTR_JOIN_REQUEST_ID: join})
+                self._kvl.record(
+                    P.DECODE_QUEUE,
+                    rid,
+                    min(int(arrival * 1e9), t),
+                    t,
+                    "ok",
+                    {sc.ATTR_TOKENS: request.num_prompt_tokens, sc.ATTR_JOIN_REQUEST_ID: join},
+                )
             self._kvl.record(phase, rid, t, t, "ok", attrs)
         except Exception:
             fail("update_state_after_alloc")
@@ -144,8 +156,9 @@ class _SchedulerHooks:
 class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorScheduler):
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         """D: registration.stage point (and decode.queue up to it) once destination blocks are staged."""
-        return self._kvl_alloc(P.REGISTRATION_STAGE, super().update_state_after_alloc,
-                               request, blocks, num_external_tokens)
+        return self._kvl_alloc(
+            P.REGISTRATION_STAGE, super().update_state_after_alloc, request, blocks, num_external_tokens
+        )
 
     def build_connector_meta(self, scheduler_output):
         """D: kv.ready with outcome timeout for registrations the watchdog drops."""
@@ -178,9 +191,11 @@ class InstrumentedNixlPullConnectorScheduler(_SchedulerHooks, NixlPullConnectorS
 
 #: Phases this vLLM cannot record: their hook points are missing (pruned at import).
 DISABLED: set[sc.Phase] = hooks.prune(
-    InstrumentedNixlPushConnectorScheduler, NixlPushConnectorScheduler,
+    InstrumentedNixlPushConnectorScheduler,
+    NixlPushConnectorScheduler,
     hooks.SCHEDULER_HOOKS["NixlPushConnectorScheduler"],
 ) | hooks.prune(
-    InstrumentedNixlPullConnectorScheduler, NixlPullConnectorScheduler,
+    InstrumentedNixlPullConnectorScheduler,
+    NixlPullConnectorScheduler,
     hooks.SCHEDULER_HOOKS["NixlPullConnectorScheduler"],
 )

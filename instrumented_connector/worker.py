@@ -15,10 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
-    NixlPullConnectorWorker,
-    NixlPushConnectorWorker,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker, NixlPushConnectorWorker
 
 from instrumented_connector import hooks
 from kvrecord import semconv as sc
@@ -156,20 +153,32 @@ class _WorkerHooks:
             else:
                 tls.failed = True
 
-    def _kvl_request_posted(self, phase_post: P, rid: str, t0: int, blocks: int, engine: str | None,
-                            join: str | None = None) -> None:
+    def _kvl_request_posted(
+        self, phase_post: P, rid: str, t0: int, blocks: int, engine: str | None, join: str | None = None
+    ) -> None:
         """Record descriptor.prep and the post phase after a request's posts.
         ``join``: P's request id where D's trace derives from it (pull)."""
         tls = self._kvl_tls
         first, last = tls.first, tls.last or now()
         if first is None:
             return
-        attrs = {sc.ATTR_BLOCKS: blocks, sc.ATTR_REMOTE_ENGINE_ID: engine, sc.ATTR_REMOTE_RANK: tls.rank,
-                 sc.ATTR_REMOTE_RANKS: list(tls.ranks) or None, sc.ATTR_JOIN_REQUEST_ID: join}
+        attrs = {
+            sc.ATTR_BLOCKS: blocks,
+            sc.ATTR_REMOTE_ENGINE_ID: engine,
+            sc.ATTR_REMOTE_RANK: tls.rank,
+            sc.ATTR_REMOTE_RANKS: list(tls.ranks) or None,
+            sc.ATTR_JOIN_REQUEST_ID: join,
+        }
         hs = self._kvl_hs_t0.pop(rid, None)
         if hs is not None:
-            self._kvl.record(P.HANDSHAKE, rid, hs, max(t0, hs), "ok",
-                             {sc.ATTR_REMOTE_ENGINE_ID: engine, sc.ATTR_JOIN_REQUEST_ID: join})
+            self._kvl.record(
+                P.HANDSHAKE,
+                rid,
+                hs,
+                max(t0, hs),
+                "ok",
+                {sc.ATTR_REMOTE_ENGINE_ID: engine, sc.ATTR_JOIN_REQUEST_ID: join},
+            )
         self._kvl.record(P.DESCRIPTOR_PREP, rid, t0, first, "ok", attrs)
         outcome = "ok" if tls.posted and not tls.failed else "failed"
         self._kvl.record(phase_post, rid, first, last, outcome, attrs)
@@ -270,8 +279,9 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
             arrived = t if t_enq is None else min(t_enq, t)  # the blocks reached P's worker
             if res is not None:
                 t_reg = self._kvl_reg_seen.pop(base_request_id(request_id), arrived)
-                self._kvl.record(P.MATCH, request_id, min(t_reg, arrived), arrived, "ok",
-                                 {sc.ATTR_MATCH_FIRST: "registration"})
+                self._kvl.record(
+                    P.MATCH, request_id, min(t_reg, arrived), arrived, "ok", {sc.ATTR_MATCH_FIRST: "registration"}
+                )
             else:
                 self._kvl_fin_seen.put(base_request_id(request_id), arrived)
         except Exception:
@@ -364,7 +374,7 @@ class InstrumentedNixlPullConnectorWorker(_WorkerHooks, NixlPullConnectorWorker)
 
 #: Phases this vLLM cannot record: their hook points are missing (pruned at import).
 DISABLED: set[sc.Phase] = hooks.prune(
-    InstrumentedNixlPushConnectorWorker, NixlPushConnectorWorker, hooks.WORKER_HOOKS["NixlPushConnectorWorker"],
+    InstrumentedNixlPushConnectorWorker, NixlPushConnectorWorker, hooks.WORKER_HOOKS["NixlPushConnectorWorker"]
 ) | hooks.prune(
-    InstrumentedNixlPullConnectorWorker, NixlPullConnectorWorker, hooks.WORKER_HOOKS["NixlPullConnectorWorker"],
+    InstrumentedNixlPullConnectorWorker, NixlPullConnectorWorker, hooks.WORKER_HOOKS["NixlPullConnectorWorker"]
 )

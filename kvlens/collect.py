@@ -48,23 +48,47 @@ and every dropped span.
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--host", default=DEFAULT_HOST,
-                   help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 for other hosts)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT,
-                   help=f"port (default {DEFAULT_PORT}, OTLP/HTTP's; 0 picks a free one and prints it)")
-    p.add_argument("--store", default=None,
-                   help="trace store to write: a file, or postgresql://user@host:port/dbname "
-                        "(default: $KVLENS_HOME/traces.db)")
-    p.add_argument("--retention", default=None, metavar="DURATION",
-                   help="keep traces this long (e.g. 7d, 12h); older ones are deleted in small batches "
-                        "as spans are written (default: keep all)")
-    p.add_argument("--max-body-mb", type=float, default=16.0,
-                   help="largest request body accepted, MiB, after decompression (default 16)")
-    p.add_argument("--queue-spans", type=int, default=100_000,
-                   help="spans waiting for the store before requests get 429 (default 100000)")
-    p.add_argument("--busy-status", type=int, choices=(429, 503), default=429,
-                   help="answer when the queue is full (default 429; 503 for exporters that retry only 5xx, "
-                        "e.g. older opentelemetry-python OTLP/HTTP exporters)")
+    p.add_argument(
+        "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 for other hosts)"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port (default {DEFAULT_PORT}, OTLP/HTTP's; 0 picks a free one and prints it)",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        help="trace store to write: a file, or postgresql://user@host:port/dbname (default: $KVLENS_HOME/traces.db)",
+    )
+    p.add_argument(
+        "--retention",
+        default=None,
+        metavar="DURATION",
+        help="keep traces this long (e.g. 7d, 12h); older ones are deleted in small batches "
+        "as spans are written (default: keep all)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        help="largest request body accepted, MiB, after decompression (default 16)",
+    )
+    p.add_argument(
+        "--queue-spans",
+        type=int,
+        default=100_000,
+        help="spans waiting for the store before requests get 429 (default 100000)",
+    )
+    p.add_argument(
+        "--busy-status",
+        type=int,
+        choices=(429, 503),
+        default=429,
+        help="answer when the queue is full (default 429; 503 for exporters that retry only 5xx, "
+        "e.g. older opentelemetry-python OTLP/HTTP exporters)",
+    )
 
 
 def _store_problem(path: Any) -> str | None:
@@ -147,8 +171,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = _listen(args.host, args.port)
     except OSError as e:
-        print(f"kvlens collect: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr,
-              flush=True)
+        print(
+            f"kvlens collect: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr, flush=True
+        )
         return 1
     return _serve(args, store, sock)
 
@@ -165,16 +190,24 @@ def _serve(args: argparse.Namespace, store: Any, sock: socket.socket) -> int:
     registry = CollectorRegistry()
     from kvtrace.store import display
 
-    ingest = collector_ingest(store, registry, max_queue_spans=args.queue_spans,
-                              retention=getattr(args, "retention", None))
-    app = create_app(ingest, registry, max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-                     close_timeout_s=CLOSE_TIMEOUT_S, busy_status=args.busy_status)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=5))
+    ingest = collector_ingest(
+        store, registry, max_queue_spans=args.queue_spans, retention=getattr(args, "retention", None)
+    )
+    app = create_app(
+        ingest,
+        registry,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        close_timeout_s=CLOSE_TIMEOUT_S,
+        busy_status=args.busy_status,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+    )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {display(store)}",
-          flush=True)
+    print(
+        f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {display(store)}", flush=True
+    )
     try:
         with sigterm_as_interrupt():
             try:

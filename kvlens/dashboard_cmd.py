@@ -54,14 +54,24 @@ STOP_GRACE_S = 10.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", default=None,
-                   help="trace store: a file, or postgresql://user@host:port/dbname (default: $KVLENS_HOME/traces.db)")
-    p.add_argument("--prometheus", default=None, metavar="URL",
-                   help="Prometheus base URL (e.g. http://127.0.0.1:9090); live figures come from it")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="trace store: a file, or postgresql://user@host:port/dbname (default: $KVLENS_HOME/traces.db)",
+    )
+    p.add_argument(
+        "--prometheus",
+        default=None,
+        metavar="URL",
+        help="Prometheus base URL (e.g. http://127.0.0.1:9090); live figures come from it",
+    )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
-    p.add_argument("--show-error-details", action="store_true",
-                   help="show exceptions with their traceback in the page (default: a short message only)")
+    p.add_argument(
+        "--show-error-details",
+        action="store_true",
+        help="show exceptions with their traceback in the page (default: a short message only)",
+    )
 
 
 def app_path() -> Path:
@@ -126,18 +136,32 @@ def _check_store(store: Any) -> str | None:
 def command(args: argparse.Namespace, store: Any) -> list[str]:
     """The streamlit command line for ``args``."""
     cmd = [
-        sys.executable, "-m", "streamlit", "run", str(app_path()),
-        "--server.port", str(args.port),
-        "--server.address", args.host,
-        "--server.headless", "true",
-        "--browser.gatherUsageStats", "false",
-        "--server.enableCORS", "true",
-        "--server.enableXsrfProtection", "true",
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(app_path()),
+        "--server.port",
+        str(args.port),
+        "--server.address",
+        args.host,
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.enableCORS",
+        "true",
+        "--server.enableXsrfProtection",
+        "true",
         # getattr: callers that build the Namespace themselves (kvlens demo) may leave the flag out
-        "--client.showErrorDetails", "full" if getattr(args, "show_error_details", False) else "none",
+        "--client.showErrorDetails",
+        "full" if getattr(args, "show_error_details", False) else "none",
         # a viewer's toolbar: no Deploy button, no rerun / clear-cache developer entries
-        "--client.toolbarMode", "viewer",
-        "--", "--store", str(_split_password(store)[0]),
+        "--client.toolbarMode",
+        "viewer",
+        "--",
+        "--store",
+        str(_split_password(store)[0]),
     ]
     if args.prometheus:
         cmd += ["--prometheus", args.prometheus]
@@ -162,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"kvlens dashboard: {problem}", file=sys.stderr)
         return 2
-    proc = subprocess.Popen(command(args, store), stdin=subprocess.DEVNULL, start_new_session=True,
-                            cwd=str(workdir()), env=child_env(store))
+    proc = subprocess.Popen(
+        command(args, store), stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(workdir()), env=child_env(store)
+    )
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
     print(f"kvlens dashboard: http://{shown}:{args.port}  (store {display(store)}; Ctrl-C to stop)", flush=True)
 

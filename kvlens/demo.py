@@ -41,11 +41,19 @@ DEMO_REPEAT = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    bench.add_grid_arguments(p, qps=DEMO_QPS, input_len=DEMO_INPUT_LEN, output_len=DEMO_OUTPUT_LEN,
-                             num_prompts=DEMO_NUM_PROMPTS, repeat=DEMO_REPEAT)
-    p.epilog = (f"Time budget: about 7 minutes on a 2-core host. {DEMO_REPEAT} rounds of {DEMO_NUM_PROMPTS} requests "
-                "per cell, push and pull in ABBA order over 3 stack starts; each push/pull ratio comes with its 95% "
-                "interval, and an interval that contains 1 reads 'no resolvable difference'.")
+    bench.add_grid_arguments(
+        p,
+        qps=DEMO_QPS,
+        input_len=DEMO_INPUT_LEN,
+        output_len=DEMO_OUTPUT_LEN,
+        num_prompts=DEMO_NUM_PROMPTS,
+        repeat=DEMO_REPEAT,
+    )
+    p.epilog = (
+        f"Time budget: about 7 minutes on a 2-core host. {DEMO_REPEAT} rounds of {DEMO_NUM_PROMPTS} requests "
+        "per cell, push and pull in ABBA order over 3 stack starts; each push/pull ratio comes with its 95% "
+        "interval, and an interval that contains 1 reads 'no resolvable difference'."
+    )
     p.add_argument("--no-dashboard", action="store_true", help="exit after the report instead of serving the dashboard")
     p.add_argument("--dashboard-port", type=int, default=8501, help="dashboard port (default 8501)")
 
@@ -53,8 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _traces(store: Path, since_s: float) -> None:
     for mode in ("push", "pull"):
         print(f"\n== slowest {mode} requests of this demo (kvlens traces --slowest 3 --mode {mode}) ==", flush=True)
-        ns = argparse.Namespace(store=str(store), slowest=3, mode=mode, outcome=None, since=f"{max(1, int(since_s))}s",
-                                trace=None, json=False, width=60)
+        ns = argparse.Namespace(
+            store=str(store),
+            slowest=3,
+            mode=mode,
+            outcome=None,
+            since=f"{max(1, int(since_s))}s",
+            trace=None,
+            json=False,
+            width=60,
+        )
         traces.run(ns)
 
 
@@ -67,10 +83,16 @@ def _dashboard(store: Path, port: int) -> int:
 def _check(args: argparse.Namespace) -> bench.BenchOptions:
     """The demo's options; BenchError before anything is generated or started."""
     opts = bench.options_from_args(args)
-    bench.validate_grid(modes=list(bench.MODES), dispatches=list(bench.DISPATCHES), qps=opts.qps,
-                        input_lens=opts.input_lens, output_len=opts.output_len, num_prompts=opts.num_prompts,
-                        max_model_len=bench.model_max_len(opts.model) or bench.DEFAULT_MAX_MODEL_LEN,
-                        repeat=opts.repeat)
+    bench.validate_grid(
+        modes=list(bench.MODES),
+        dispatches=list(bench.DISPATCHES),
+        qps=opts.qps,
+        input_lens=opts.input_lens,
+        output_len=opts.output_len,
+        num_prompts=opts.num_prompts,
+        max_model_len=bench.model_max_len(opts.model) or bench.DEFAULT_MAX_MODEL_LEN,
+        repeat=opts.repeat,
+    )
     if not 0 < args.dashboard_port < 65536:
         raise bench.BenchError(f"invalid --dashboard-port {args.dashboard_port}")
     return opts

@@ -42,9 +42,11 @@ _WORDS = (
 
 
 def _is_ready(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and (
-        path / "tokenizer_config.json"
-    ).is_file()
+    return (
+        (path / "config.json").is_file()
+        and (path / "tokenizer.json").is_file()
+        and (path / "tokenizer_config.json").is_file()
+    )
 
 
 def _corpus(rng: random.Random, n_lines: int = 4000) -> list[str]:

@@ -47,31 +47,51 @@ def since_arg(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", default=None,
-                   help="trace store: a SQLite file or a postgresql://user@host:port/db URL "
-                        "(default $KVLENS_HOME/traces.db)")
-    p.add_argument("--slowest", type=int_in(1, MAX_SLOWEST), default=10, metavar="N",
-                   help=f"how many traces (default 10, at most {MAX_SLOWEST})")
+    p.add_argument(
+        "--store",
+        default=None,
+        help="trace store: a SQLite file or a postgresql://user@host:port/db URL (default $KVLENS_HOME/traces.db)",
+    )
+    p.add_argument(
+        "--slowest",
+        type=int_in(1, MAX_SLOWEST),
+        default=10,
+        metavar="N",
+        help=f"how many traces (default 10, at most {MAX_SLOWEST})",
+    )
     p.add_argument("--mode", choices=[m.value for m in sc.Mode], help="only push or pull")
     p.add_argument("--outcome", choices=[o.value for o in sc.Outcome], help="only this outcome")
-    p.add_argument("--since", metavar="DUR", type=since_arg,
-                   help="only requests started in the last DUR (30s, 10m, 2h, 1d)")
+    p.add_argument(
+        "--since", metavar="DUR", type=since_arg, help="only requests started in the last DUR (30s, 10m, 2h, 1d)"
+    )
     p.add_argument("--p-engine", metavar="ENGINE", help="only requests prefilled by this P engine id (e.g. p1)")
     p.add_argument("--d-engine", metavar="ENGINE", help="only requests decoded by this D engine id (e.g. d0)")
-    p.add_argument("--half", choices=["prefill", "decode"],
-                   help="only half traces: requests whose other side never joined (docs/phases.md, "
-                        "'Trace correlation')")
+    p.add_argument(
+        "--half",
+        choices=["prefill", "decode"],
+        help="only half traces: requests whose other side never joined (docs/phases.md, 'Trace correlation')",
+    )
     p.add_argument("--trace", metavar="ID", help="one trace by id (32 hex)")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
-    p.add_argument("--width", type=int_in(MIN_WIDTH, MAX_WIDTH), default=60,
-                   help=f"waterfall width in characters ({MIN_WIDTH}..{MAX_WIDTH}, default 60)")
-    p.add_argument("--breakdown", action="store_true",
-                   help="instead of waterfalls: per mode (and push dispatch), what the handoff is made of, "
-                        "the unattributed share at the median, and the unnamed gaps "
-                        f"(newest {tracemodel.BREAKDOWN_SAMPLE} completed traces matching the filters)")
-    p.add_argument("--perfetto", metavar="FILE",
-                   help="write the traces asked for (--trace ID, or --slowest N with the filters) as Chrome "
-                        "trace-event JSON for ui.perfetto.dev / chrome://tracing; - for stdout")
+    p.add_argument(
+        "--width",
+        type=int_in(MIN_WIDTH, MAX_WIDTH),
+        default=60,
+        help=f"waterfall width in characters ({MIN_WIDTH}..{MAX_WIDTH}, default 60)",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="instead of waterfalls: per mode (and push dispatch), what the handoff is made of, "
+        "the unattributed share at the median, and the unnamed gaps "
+        f"(newest {tracemodel.BREAKDOWN_SAMPLE} completed traces matching the filters)",
+    )
+    p.add_argument(
+        "--perfetto",
+        metavar="FILE",
+        help="write the traces asked for (--trace ID, or --slowest N with the filters) as Chrome "
+        "trace-event JSON for ui.perfetto.dev / chrome://tracing; - for stdout",
+    )
 
 
 def _fmt_s(v) -> str:
@@ -99,9 +119,14 @@ def _fmt_ttft(trace: Trace) -> str:
 
 def _filters(args: argparse.Namespace) -> dict:
     """The store filters the command line asks for (``store.TraceFilter`` fields)."""
-    return {"mode": args.mode, "outcome": args.outcome, "since_ns": store.parse_since(args.since),
-            "p_engine": getattr(args, "p_engine", None), "d_engine": getattr(args, "d_engine", None),
-            "half": getattr(args, "half", None)}
+    return {
+        "mode": args.mode,
+        "outcome": args.outcome,
+        "since_ns": store.parse_since(args.since),
+        "p_engine": getattr(args, "p_engine", None),
+        "d_engine": getattr(args, "d_engine", None),
+        "half": getattr(args, "half", None),
+    }
 
 
 def waterfall(trace: Trace, width: int = 60) -> str:
@@ -115,8 +140,10 @@ def waterfall(trace: Trace, width: int = 60) -> str:
     ]
     if trace.half:
         other = "D" if trace.half == sc.Role.PREFILL.value else "P"
-        lines.append(f"  half a trace: no span of {other}'s joined it (a router that gave {other} another request "
-                     "id and no kv_transfer_params link; docs/phases.md, 'Trace correlation')")
+        lines.append(
+            f"  half a trace: no span of {other}'s joined it (a router that gave {other} another request "
+            "id and no kv_transfer_params link; docs/phases.md, 'Trace correlation')"
+        )
     if trace.clock_offset_s:
         lines.append(f"  D's clock {trace.clock_offset_s * 1000:+.2f}ms off P's: D's spans shown on P's clock")
     spans = trace.spans
@@ -152,12 +179,16 @@ def waterfall(trace: Trace, width: int = 60) -> str:
     lines.append(f"  {'':<30} 0{'':>{width - 10}}{_fmt_s(span_ns / 1e9):>9}")
     for x in ranks.stragglers(spans):
         side = _LANE_OF.get(x.role, x.role)
-        lines.append(f"  straggler: {side} rank {x.rank} finished {x.phase} last, {_fmt_s(x.lag_s)} after rank "
-                     f"{x.first_rank} ({x.ranks} ranks; the request waits for the last)")
+        lines.append(
+            f"  straggler: {side} rank {x.rank} finished {x.phase} last, {_fmt_s(x.lag_s)} after rank "
+            f"{x.first_rank} ({x.ranks} ranks; the request waits for the last)"
+        )
     use = kvuse.trace_kv_use(spans)
     if use and use["recomputed"]:
-        lines.append(f"  KV recomputed: D computed {use['recomputed_tokens']} prompt tokens itself at its first step "
-                     "(more than the last partial block): the KV that moved was not used")
+        lines.append(
+            f"  KV recomputed: D computed {use['recomputed_tokens']} prompt tokens itself at its first step "
+            "(more than the last partial block): the KV that moved was not used"
+        )
     return "\n".join(lines)
 
 
@@ -177,8 +208,10 @@ def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> st
             continue  # the mode's only dispatch: the same figures again
         med = b.median_unattributed_share
         lines.append(tracemodel.dominant_words(b))
-        lines.append(f"  {b.requests} requests, mean handoff {_fmt_s(b.handoff_ns / b.requests / 1e9)}, "
-                     f"unattributed at the median {'-' if med is None else f'{med * 100:.1f} %'}")
+        lines.append(
+            f"  {b.requests} requests, mean handoff {_fmt_s(b.handoff_ns / b.requests / 1e9)}, "
+            f"unattributed at the median {'-' if med is None else f'{med * 100:.1f} %'}"
+        )
         for name, share in b.shares():
             ns = b.unattributed_ns if name == tracemodel.UNATTRIBUTED else b.phases[name]
             lines.append(f"    {name:<22}{share * 100:6.1f} %  {_fmt_s(ns / b.requests / 1e9):>9}/request")
@@ -200,8 +233,11 @@ def _summary_lines(path: str, args: argparse.Namespace) -> list[str]:
     """The closing "what dominates" line per mode under the waterfalls."""
     with store.reading(path) as conn:
         groups = tracemodel.breakdown(conn, **_filters(args))
-    return [tracemodel.dominant_words(groups.get(m), m) for m in (m.value for m in sc.Mode)
-            if not args.mode or args.mode == m]
+    return [
+        tracemodel.dominant_words(groups.get(m), m)
+        for m in (m.value for m in sc.Mode)
+        if not args.mode or args.mode == m
+    ]
 
 
 def _load(path: str, args: argparse.Namespace) -> list[Trace]:
@@ -249,7 +285,9 @@ def run(args: argparse.Namespace) -> int:
     except argparse.ArgumentTypeError as e:
         print(f"kvlens traces: {e}", file=sys.stderr)
         return 2
-    if not store.is_url(path) and Path(path).is_dir():  # the store's reader lets sqlite's "disk I/O error" through for these
+    if (
+        not store.is_url(path) and Path(path).is_dir()
+    ):  # the store's reader lets sqlite's "disk I/O error" through for these
         print(f"kvlens traces: {path} is a directory, not a trace store file", file=sys.stderr)
         return 1
     try:
@@ -282,8 +320,10 @@ def run(args: argparse.Namespace) -> int:
         print()
     print("legend: # on the critical path (prefill.finished -> kv.ready), = off it (overlap), | point event")
     if summary:
-        print(f"\nwhat the handoff is made of (newest {tracemodel.BREAKDOWN_SAMPLE} completed traces; "
-              "details: --breakdown):")
+        print(
+            f"\nwhat the handoff is made of (newest {tracemodel.BREAKDOWN_SAMPLE} completed traces; "
+            "details: --breakdown):"
+        )
         for line in summary:
             print("  " + line)
     return 0

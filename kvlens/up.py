@@ -37,8 +37,15 @@ from kvlens.stack.spinners import MODES as SPIN_MODES
 from kvlens.stack.tp import MAX_TP, STARTUP_S_PER_EXTRA_PROCESS, parse_tp, tp_note
 
 __all__ = [
-    "MAX_MODEL_LEN", "Stack", "StackError", "add_arguments", "free_port", "kv_transfer_config",
-    "parse_cpu_list", "port_in_use", "run",
+    "MAX_MODEL_LEN",
+    "Stack",
+    "StackError",
+    "add_arguments",
+    "free_port",
+    "kv_transfer_config",
+    "parse_cpu_list",
+    "port_in_use",
+    "run",
 ]
 
 
@@ -50,58 +57,128 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="overlapped",
         help="push only: send D its request at once (overlapped) or after P answers (sequential)",
     )
-    p.add_argument("--model", type=Path, default=None, help="model dir (default: generated tiny model in $KVLENS_HOME/model)")
-    p.add_argument("--port", type=port_arg(allow_zero=True), default=8000, help="router port (default 8000; 0: a free one)")
-    p.add_argument("--prefill-port", type=port_arg(allow_zero=True), default=None,
-                   help="the first P's HTTP port (default: a free one; the other P always get free ones)")
-    p.add_argument("--decode-port", type=port_arg(allow_zero=True), default=None,
-                   help="the first D's HTTP port (default: a free one; the other D always get free ones)")
-    p.add_argument("--prefill-instances", type=int_in(1, MAX_INSTANCES, "a number of instances"), default=1,
-                   metavar="N", help=f"how many P to start, engine ids p0..p(N-1) (default 1, at most {MAX_INSTANCES})")
-    p.add_argument("--decode-instances", type=int_in(1, MAX_INSTANCES, "a number of instances"), default=1,
-                   metavar="M", help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES})")
+    p.add_argument(
+        "--model", type=Path, default=None, help="model dir (default: generated tiny model in $KVLENS_HOME/model)"
+    )
+    p.add_argument(
+        "--port", type=port_arg(allow_zero=True), default=8000, help="router port (default 8000; 0: a free one)"
+    )
+    p.add_argument(
+        "--prefill-port",
+        type=port_arg(allow_zero=True),
+        default=None,
+        help="the first P's HTTP port (default: a free one; the other P always get free ones)",
+    )
+    p.add_argument(
+        "--decode-port",
+        type=port_arg(allow_zero=True),
+        default=None,
+        help="the first D's HTTP port (default: a free one; the other D always get free ones)",
+    )
+    p.add_argument(
+        "--prefill-instances",
+        type=int_in(1, MAX_INSTANCES, "a number of instances"),
+        default=1,
+        metavar="N",
+        help=f"how many P to start, engine ids p0..p(N-1) (default 1, at most {MAX_INSTANCES})",
+    )
+    p.add_argument(
+        "--decode-instances",
+        type=int_in(1, MAX_INSTANCES, "a number of instances"),
+        default=1,
+        metavar="M",
+        help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES})",
+    )
     _add_tp_arguments(p)
-    p.add_argument("--router", type=_ROUTERS, default=("kvlens",), metavar="|".join(ROUTERS),
-                   help="which router(s) to start in front of P and D: kvlens (default), vllm-router (vLLM's own, "
-                        "pull only, pip package vllm-router), or both: kvlens,vllm-router")
-    p.add_argument("--vllm-router-port", type=port_arg(), default=None,
-                   help="vllm-router's port next to kvlens' router (default: a free one; alone it takes --port)")
-    p.add_argument("--host", default=DEFAULT_HOST,
-                   help="bind address for all three servers (default loopback; any other address opens P, D, the "
-                        "router and P's NIXL side channel to everyone who can reach the host unless --api-key or "
-                        "VLLM_API_KEY is set, and even then for the side channel)")
+    p.add_argument(
+        "--router",
+        type=_ROUTERS,
+        default=("kvlens",),
+        metavar="|".join(ROUTERS),
+        help="which router(s) to start in front of P and D: kvlens (default), vllm-router (vLLM's own, "
+        "pull only, pip package vllm-router), or both: kvlens,vllm-router",
+    )
+    p.add_argument(
+        "--vllm-router-port",
+        type=port_arg(),
+        default=None,
+        help="vllm-router's port next to kvlens' router (default: a free one; alone it takes --port)",
+    )
+    p.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="bind address for all three servers (default loopback; any other address opens P, D, the "
+        "router and P's NIXL side channel to everyone who can reach the host unless --api-key or "
+        "VLLM_API_KEY is set, and even then for the side channel)",
+    )
     _add_engine_arguments(p)
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
-    p.add_argument("--timeout", type=positive(float), default=None,
-                   help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g} for one P and one D, plus "
-                        f"{STARTUP_S_PER_EXTRA_PROCESS:g} per further engine process: every instance, and every TP "
-                        "rank, is one)")
-    p.add_argument("--prometheus", action="store_true",
-                   help="also start a Prometheus server (Debian package prometheus) scraping router, P and D, "
-                        "with the kvlens recording rules and exemplar storage; data under the log dir")
+    p.add_argument(
+        "--timeout",
+        type=positive(float),
+        default=None,
+        help=f"seconds to wait for readiness (default {DEFAULT_TIMEOUT_S:g} for one P and one D, plus "
+        f"{STARTUP_S_PER_EXTRA_PROCESS:g} per further engine process: every instance, and every TP "
+        "rank, is one)",
+    )
+    p.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="also start a Prometheus server (Debian package prometheus) scraping router, P and D, "
+        "with the kvlens recording rules and exemplar storage; data under the log dir",
+    )
     p.add_argument("--prometheus-port", type=port_arg(), default=9090, help="Prometheus port (default 9090)")
-    p.add_argument("--kv-lease", type=positive(int), default=DEFAULT_KV_LEASE_S, metavar="S",
-                   help=f"vLLM kv_lease_duration: how long P keeps a request's KV for D (default {DEFAULT_KV_LEASE_S}; vLLM's own default is 30)")
-    p.add_argument("--push-registration-timeout", type=positive(int), default=DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, metavar="S",
-                   help=f"vLLM push_registration_timeout on D (default {DEFAULT_PUSH_REGISTRATION_TIMEOUT_S}; vLLM's own default is 480)")
-    p.add_argument("--separate-homes", action="store_true",
-                   help="run P, D and the router as if on three hosts: each with its own KVLENS_HOME "
-                        "(<home>/hosts/<role>, its own trace store) and every span sent over OTLP/HTTP to one "
-                        "collector, where traces join and the handoff is corrected for the P/D clock offset; "
-                        "vLLM's own request spans go there too (--otlp-traces-endpoint)")
-    p.add_argument("--collector", choices=["process", "router"], default="process",
-                   help="with --separate-homes: a `kvlens collect` process (default) or the router hosting "
-                        "the receiver (`kvlens proxy --collect`)")
-    p.add_argument("--collector-port", type=port_arg(), default=None,
-                   help="with --separate-homes and --collector process: its port (default: a free one)")
-    p.add_argument("--collector-store", default=None, metavar="STORE",
-                   help="with --separate-homes and --collector process: the collector's trace store, a path or "
-                        "a postgresql://user@host:port/db URL shared by the fleet (default: the SQLite file in "
-                        "the collector's home)")
-    p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="API key P, D (vLLM's --api-key, handed over as VLLM_API_KEY) and the router require "
-                        "on /v1/*; the stack's own health checks and warm-up send it (default: "
-                        "$KVLENS_API_KEY, else $VLLM_API_KEY, else none; the environment keeps it out of `ps`)")
+    p.add_argument(
+        "--kv-lease",
+        type=positive(int),
+        default=DEFAULT_KV_LEASE_S,
+        metavar="S",
+        help=f"vLLM kv_lease_duration: how long P keeps a request's KV for D (default {DEFAULT_KV_LEASE_S}; vLLM's own default is 30)",
+    )
+    p.add_argument(
+        "--push-registration-timeout",
+        type=positive(int),
+        default=DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
+        metavar="S",
+        help=f"vLLM push_registration_timeout on D (default {DEFAULT_PUSH_REGISTRATION_TIMEOUT_S}; vLLM's own default is 480)",
+    )
+    p.add_argument(
+        "--separate-homes",
+        action="store_true",
+        help="run P, D and the router as if on three hosts: each with its own KVLENS_HOME "
+        "(<home>/hosts/<role>, its own trace store) and every span sent over OTLP/HTTP to one "
+        "collector, where traces join and the handoff is corrected for the P/D clock offset; "
+        "vLLM's own request spans go there too (--otlp-traces-endpoint)",
+    )
+    p.add_argument(
+        "--collector",
+        choices=["process", "router"],
+        default="process",
+        help="with --separate-homes: a `kvlens collect` process (default) or the router hosting "
+        "the receiver (`kvlens proxy --collect`)",
+    )
+    p.add_argument(
+        "--collector-port",
+        type=port_arg(),
+        default=None,
+        help="with --separate-homes and --collector process: its port (default: a free one)",
+    )
+    p.add_argument(
+        "--collector-store",
+        default=None,
+        metavar="STORE",
+        help="with --separate-homes and --collector process: the collector's trace store, a path or "
+        "a postgresql://user@host:port/db URL shared by the fleet (default: the SQLite file in "
+        "the collector's home)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="API key P, D (vLLM's --api-key, handed over as VLLM_API_KEY) and the router require "
+        "on /v1/*; the stack's own health checks and warm-up send it (default: "
+        "$KVLENS_API_KEY, else $VLLM_API_KEY, else none; the environment keeps it out of `ps`)",
+    )
 
 
 _ROUTERS = from_parser(parse_routers, StackError)  #: argparse ``type=`` of ``--router``
@@ -111,27 +188,50 @@ _TP_SIZES = from_parser(parse_tp, ValueError)  #: argparse ``type=`` of ``--pref
 def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """What kvlens up sets in the engines it starts besides their sizes."""
     p.add_argument("--stock", action="store_true", help="use vLLM's own NIXL connectors (no kvlens telemetry)")
-    p.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default=None,
-                   help="D's vLLM kv_load_failure_policy: fail the request when its KV does not arrive (vLLM's "
-                        "default) or recompute the prompt on D (kvlens then marks and counts the request: "
-                        "kvlens_kv_recomputed_total)")
-    p.add_argument("--nixl-progress", choices=SPIN_MODES, default="auto",
-                   help="NIXL's UCX progress thread in every vLLM worker polls with timeout 0 and takes a whole CPU "
-                        "when it runs. idle: SCHED_IDLE once its server is up (it runs only when its CPU has "
-                        "nothing else to do); startup: idle only until every server is up, then as vLLM runs it; "
-                        "as-is: never touched; auto (default): idle when the engine processes (one per TP rank) "
-                        "outnumber the CPUs, else startup. Stock and instrumented stacks alike")
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=["fail", "recompute"],
+        default=None,
+        help="D's vLLM kv_load_failure_policy: fail the request when its KV does not arrive (vLLM's "
+        "default) or recompute the prompt on D (kvlens then marks and counts the request: "
+        "kvlens_kv_recomputed_total)",
+    )
+    p.add_argument(
+        "--nixl-progress",
+        choices=SPIN_MODES,
+        default="auto",
+        help="NIXL's UCX progress thread in every vLLM worker polls with timeout 0 and takes a whole CPU "
+        "when it runs. idle: SCHED_IDLE once its server is up (it runs only when its CPU has "
+        "nothing else to do); startup: idle only until every server is up, then as vLLM runs it; "
+        "as-is: never touched; auto (default): idle when the engine processes (one per TP rank) "
+        "outnumber the CPUs, else startup. Stock and instrumented stacks alike",
+    )
 
 
 def _add_tp_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int_in(1, MAX_TP, "a tensor-parallel size"), default=1, metavar="N",
-                   help="tensor-parallel size of every P and D (vLLM's --tensor-parallel-size; each rank gets its "
-                        f"own CPU list, docs/tensor-parallel.md; default 1, at most {MAX_TP})")
-    p.add_argument("--prefill-tp", type=_TP_SIZES, default=None, metavar="N[,N...]",
-                   help="P's tensor-parallel size, overriding --tp: one for all P, or one per P in engine-id order")
-    p.add_argument("--decode-tp", type=_TP_SIZES, default=None, metavar="N[,N...]",
-                   help="D's tensor-parallel size, overriding --tp: one for all D, or one per D (--decode-tp 2,1: "
-                        "d0 at TP 2, d1 at TP 1)")
+    p.add_argument(
+        "--tp",
+        type=int_in(1, MAX_TP, "a tensor-parallel size"),
+        default=1,
+        metavar="N",
+        help="tensor-parallel size of every P and D (vLLM's --tensor-parallel-size; each rank gets its "
+        f"own CPU list, docs/tensor-parallel.md; default 1, at most {MAX_TP})",
+    )
+    p.add_argument(
+        "--prefill-tp",
+        type=_TP_SIZES,
+        default=None,
+        metavar="N[,N...]",
+        help="P's tensor-parallel size, overriding --tp: one for all P, or one per P in engine-id order",
+    )
+    p.add_argument(
+        "--decode-tp",
+        type=_TP_SIZES,
+        default=None,
+        metavar="N[,N...]",
+        help="D's tensor-parallel size, overriding --tp: one for all D, or one per D (--decode-tp 2,1: "
+        "d0 at TP 2, d1 at TP 1)",
+    )
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -139,8 +239,9 @@ def check_args(args: argparse.Namespace) -> None:
     vllm-router cannot do (push; an API key it could only take on its
     command line)."""
     routers = tuple(getattr(args, "router", ("kvlens",)))
-    check_routers(routers, args.mode, getattr(args, "api_key", None) or env_api_key(), args.separate_homes,
-                  args.collector)
+    check_routers(
+        routers, args.mode, getattr(args, "api_key", None) or env_api_key(), args.separate_homes, args.collector
+    )
     if getattr(args, "vllm_router_port", None) and "vllm-router" not in routers:
         raise StackError("--vllm-router-port needs --router vllm-router or kvlens,vllm-router")
 
@@ -150,9 +251,12 @@ def _warn_if_open(host: str, api_key: str | None = None) -> None:
     (``--api-key``, or VLLM_API_KEY / KVLENS_API_KEY in the environment)."""
     if is_loopback(host) or api_key or env_api_key():
         return
-    print(f"kvlens up: warning: --host {host} without an API key (--api-key or VLLM_API_KEY): P, D, the router "
-          "and P's NIXL side channel accept requests from anyone who can reach this host",
-          file=sys.stderr, flush=True)
+    print(
+        f"kvlens up: warning: --host {host} without an API key (--api-key or VLLM_API_KEY): P, D, the router "
+        "and P's NIXL side channel accept requests from anyone who can reach this host",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _stack(args: argparse.Namespace) -> Stack:
@@ -209,9 +313,12 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
         + f"  model:                {stack.model}\n"
         f"  logs:                 {stack.log_dir}\n"
         + ("  API key:              required on /v1/* by P, D and the router\n" if stack.api_key else "")
-        + (f"  collector (OTLP):     {stack.collector_url}/v1/traces ({stack.collector})\n"
-           f"  joined trace store:   {stack.store_path}\n" if stack.separate_homes else
-           f"  trace store:          {stack.store_path}\n")
+        + (
+            f"  collector (OTLP):     {stack.collector_url}/v1/traces ({stack.collector})\n"
+            f"  joined trace store:   {stack.store_path}\n"
+            if stack.separate_homes
+            else f"  trace store:          {stack.store_path}\n"
+        )
         + "Ctrl-C to stop.",
         flush=True,
     )

@@ -116,8 +116,10 @@ def _unknown_key_error(key: str) -> ValueError | None:
     if not near and not k.startswith(_OUR_PREFIXES):
         return None  # someone else's key (vLLM's, another connector's)
     near = near or difflib.get_close_matches(k, KNOWN_KEYS, n=1, cutoff=0.0)
-    return ValueError(f"unknown kvlens option {key!r} in kv_connector_extra_config: did you mean {near[0]!r}? "
-                      f"(known: {', '.join(sorted(KNOWN_KEYS))})")
+    return ValueError(
+        f"unknown kvlens option {key!r} in kv_connector_extra_config: did you mean {near[0]!r}? "
+        f"(known: {', '.join(sorted(KNOWN_KEYS))})"
+    )
 
 
 def _positive_int(key: str, v: Any) -> int:
@@ -155,14 +157,12 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if "kvlens_store" in out:
         v = out["kvlens_store"]
         if is_url(v):
-
             try:
                 check_url(v)
             except ValueError as e:
                 raise ValueError(f"kvlens_store: {e}") from None
         elif str(v).strip().lower() not in _ON + _OFF:
-            raise ValueError(f"kvlens_store must be 'on', 'off' or a postgresql://user@host:port/dbname URL, "
-                             f"got {v!r}")
+            raise ValueError(f"kvlens_store must be 'on', 'off' or a postgresql://user@host:port/dbname URL, got {v!r}")
     if "kvlens_retention" in out:
         retention_s(out)
     if "kvlens_span_builder" in out and str(out["kvlens_span_builder"]).strip().lower() not in ("sidecar", "inline"):

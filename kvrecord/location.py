@@ -102,8 +102,10 @@ def location(name: str | os.PathLike) -> str | Path:
         return check_url(name)
     if isinstance(name, str) and "://" in name:
         scheme = name.split("://", 1)[0]
-        raise StoreUrlError(f"unknown store URL scheme {scheme!r} in {redact(name)!r}: a store is a file path "
-                         "or postgresql://user@host:port/dbname")
+        raise StoreUrlError(
+            f"unknown store URL scheme {scheme!r} in {redact(name)!r}: a store is a file path "
+            "or postgresql://user@host:port/dbname"
+        )
     return Path(name).expanduser().resolve()
 
 

@@ -42,10 +42,19 @@ def write_stats(rec: Any, extra: Mapping[str, Any] | None = None, force: bool = 
     if not force and now < getattr(rec, "_stats_next", 0.0):
         return
     rec._stats_next = now + 1.0
-    out = {"pid": os.getpid(), "role": rec.role, "mode": rec.mode, "engine_id": rec.engine_id,
-           "recorded": rec.recorded, "exported": rec.exported, "dropped": rec.dropped,
-           "shutdown_dropped": rec.shutdown_dropped, "failed_dropped": rec.failed_dropped,
-           **getattr(rec, "stats_extra", {}), **(extra or {})}
+    out = {
+        "pid": os.getpid(),
+        "role": rec.role,
+        "mode": rec.mode,
+        "engine_id": rec.engine_id,
+        "recorded": rec.recorded,
+        "exported": rec.exported,
+        "dropped": rec.dropped,
+        "shutdown_dropped": rec.shutdown_dropped,
+        "failed_dropped": rec.failed_dropped,
+        **getattr(rec, "stats_extra", {}),
+        **(extra or {}),
+    }
     losses = getattr(rec, "losses", None)
     if losses is not None:
         out["processor_lost"] = sum(losses.counts().values())

@@ -220,8 +220,9 @@ class Recorder:
             self.losses = getattr(self._provider, "losses", None)  # its processors' LossCounter, if it has one
             if self._provider is not None:
                 if getattr(self._provider, "id_generator", None) is not self.ids:
-                    log_once("id-generator", "provider not built with the recorder's id generator; "
-                             "root spans get random ids")
+                    log_once(
+                        "id-generator", "provider not built with the recorder's id generator; root spans get random ids"
+                    )
                 self._tracer = self._provider.get_tracer("kvlens")
         except Exception:
             log_once("pipeline", "telemetry pipeline setup failed; spans are dropped and counted", exc_info=True)
@@ -242,8 +243,11 @@ class Recorder:
     def unreported_drops(self) -> dict[str, int]:
         """Losses this recorder counted, by :class:`DropReason` value, that
         this process reports itself (:func:`exporters.pipeline.dropped_counts`)."""
-        d = {DropReason.BUFFER_FULL.value: self.dropped, DropReason.SHUTDOWN.value: self.shutdown_dropped,
-             DropReason.EXPORT_FAILED.value: self.failed_dropped}
+        d = {
+            DropReason.BUFFER_FULL.value: self.dropped,
+            DropReason.SHUTDOWN.value: self.shutdown_dropped,
+            DropReason.EXPORT_FAILED.value: self.failed_dropped,
+        }
         return {k: v for k, v in d.items() if v}
 
     def drain(self) -> int:
@@ -290,9 +294,7 @@ class Recorder:
         name = phase.value if isinstance(phase, sc.Phase) else str(phase)
         a = self._attributes(rid, outcome, attrs)
         tid = ids.trace_id_for(self._joins.key(rid, a))
-        ctx = otel_trace.set_span_in_context(
-            NonRecordingSpan(SpanContext(tid, ids.root_span_id(tid), True, _SAMPLED))
-        )
+        ctx = otel_trace.set_span_in_context(NonRecordingSpan(SpanContext(tid, ids.root_span_id(tid), True, _SAMPLED)))
         self._end(tracer.start_span(name, context=ctx, attributes=a, start_time=t0), a, t0, t1)
 
     def _emit_root(self, ev: Event) -> None:

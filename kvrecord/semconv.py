@@ -149,9 +149,17 @@ class Phase(str, enum.Enum):
 
 
 PUSH_PHASES: Final = (
-    Phase.PREFILL_FINISHED, Phase.DECODE_QUEUE, Phase.REGISTRATION_STAGE, Phase.REGISTRATION_SEND,
-    Phase.REGISTRATION_RECEIVE, Phase.WRITER_WAKE, Phase.MATCH, Phase.DESCRIPTOR_PREP, Phase.WRITE_POST,
-    Phase.WRITE_COMPLETE, Phase.KV_READY,
+    Phase.PREFILL_FINISHED,
+    Phase.DECODE_QUEUE,
+    Phase.REGISTRATION_STAGE,
+    Phase.REGISTRATION_SEND,
+    Phase.REGISTRATION_RECEIVE,
+    Phase.WRITER_WAKE,
+    Phase.MATCH,
+    Phase.DESCRIPTOR_PREP,
+    Phase.WRITE_POST,
+    Phase.WRITE_COMPLETE,
+    Phase.KV_READY,
 )
 """Recorded phases every completed push request must have (``handshake`` only
 on first contact; ``writer.wake`` only where P's finished blocks went through
@@ -171,8 +179,13 @@ PULL_PHASES: Final = (
 #: Phases that, in push mode, run while P is still computing: shown as
 #: overlap, not as handoff cost (docs/phases.md, "Critical path").
 PUSH_OVERLAP_PHASES: Final = frozenset(
-    {Phase.DECODE_QUEUE, Phase.REGISTRATION_STAGE, Phase.REGISTRATION_DISPATCH, Phase.REGISTRATION_SEND,
-     Phase.REGISTRATION_RECEIVE}
+    {
+        Phase.DECODE_QUEUE,
+        Phase.REGISTRATION_STAGE,
+        Phase.REGISTRATION_DISPATCH,
+        Phase.REGISTRATION_SEND,
+        Phase.REGISTRATION_RECEIVE,
+    }
 )
 
 #: Phases that only say one side waits for the other (P's writer for D's
@@ -182,8 +195,16 @@ PUSH_OVERLAP_PHASES: Final = frozenset(
 WAITING_PHASES: Final = frozenset({Phase.MATCH})
 
 #: Point phases: recorded as zero-length spans (start == end).
-POINT_PHASES: Final = frozenset({Phase.PREFILL_FINISHED, Phase.REGISTRATION_STAGE, Phase.REGISTRATION_RECEIVE,
-                                 Phase.ALLOC, Phase.KV_READY, Phase.KV_RELEASED})
+POINT_PHASES: Final = frozenset(
+    {
+        Phase.PREFILL_FINISHED,
+        Phase.REGISTRATION_STAGE,
+        Phase.REGISTRATION_RECEIVE,
+        Phase.ALLOC,
+        Phase.KV_READY,
+        Phase.KV_RELEASED,
+    }
+)
 
 
 class Boundary(NamedTuple):
@@ -217,6 +238,7 @@ class Derivation(NamedTuple):
     latest: bool = False
     split: "Split | None" = None
 
+
 _XFER_S = "kvlens.nixl_xfer_s"  # ATTR_NIXL_XFER_S (defined with the attribute keys below)
 
 
@@ -230,22 +252,35 @@ _XFER_S = "kvlens.nixl_xfer_s"  # ATTR_NIXL_XFER_S (defined with the attribute k
 #: D's ends are on P's clock by then (the store's clock offset); the
 #: router's clock is taken as P's (docs/phases.md, "Clocks across hosts").
 DERIVED_PHASES: Final[dict[Phase, Derivation]] = {
-    Phase.PREFILL_RESPOND: Derivation("prefill", (
-        (Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("router", Phase.RELAY, "start")),)),
-    Phase.DECODE_INTAKE: Derivation("decode", (
-        (Boundary("router", Phase.RELAY, "end"), Boundary("decode", Phase.DECODE_QUEUE, "start")),)),
-    Phase.ROUTER_HOP: Derivation("router", (
-        (Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("decode", Phase.DECODE_QUEUE, "start")),),
-        unless=Phase.RELAY),
-    Phase.REGISTRATION_DISPATCH: Derivation("decode", (
-        (Boundary("decode", Phase.REGISTRATION_STAGE, "end"), Boundary("decode", Phase.REGISTRATION_SEND, "start")),)),
-    Phase.PREFILL_DISPATCH: Derivation("prefill", (
-        (Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("prefill", Phase.WRITER_WAKE, "start")),)),
-    Phase.DECODE_DISPATCH: Derivation("decode", (
-        (Boundary("decode", Phase.ALLOC, "end"), Boundary("decode", Phase.HANDSHAKE, "start")),
-        (Boundary("decode", Phase.ALLOC, "end"), Boundary("decode", Phase.DESCRIPTOR_PREP, "start")))),
-    Phase.WRITE_NOTIFY: Derivation("decode", (
-        (Boundary("prefill", Phase.WRITE_COMPLETE, "end"), Boundary("decode", Phase.KV_READY, "end")),)),
+    Phase.PREFILL_RESPOND: Derivation(
+        "prefill", ((Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("router", Phase.RELAY, "start")),)
+    ),
+    Phase.DECODE_INTAKE: Derivation(
+        "decode", ((Boundary("router", Phase.RELAY, "end"), Boundary("decode", Phase.DECODE_QUEUE, "start")),)
+    ),
+    Phase.ROUTER_HOP: Derivation(
+        "router",
+        ((Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("decode", Phase.DECODE_QUEUE, "start")),),
+        unless=Phase.RELAY,
+    ),
+    Phase.REGISTRATION_DISPATCH: Derivation(
+        "decode",
+        ((Boundary("decode", Phase.REGISTRATION_STAGE, "end"), Boundary("decode", Phase.REGISTRATION_SEND, "start")),),
+    ),
+    Phase.PREFILL_DISPATCH: Derivation(
+        "prefill",
+        ((Boundary("prefill", Phase.PREFILL_FINISHED, "end"), Boundary("prefill", Phase.WRITER_WAKE, "start")),),
+    ),
+    Phase.DECODE_DISPATCH: Derivation(
+        "decode",
+        (
+            (Boundary("decode", Phase.ALLOC, "end"), Boundary("decode", Phase.HANDSHAKE, "start")),
+            (Boundary("decode", Phase.ALLOC, "end"), Boundary("decode", Phase.DESCRIPTOR_PREP, "start")),
+        ),
+    ),
+    Phase.WRITE_NOTIFY: Derivation(
+        "decode", ((Boundary("prefill", Phase.WRITE_COMPLETE, "end"), Boundary("decode", Phase.KV_READY, "end")),)
+    ),
     # per completion span (so per rank): NIXL's own transfer time, and the rest
     Phase.WRITE_WIRE: Derivation("prefill", (), split=Split(Phase.WRITE_COMPLETE, _XFER_S, True)),
     Phase.WRITE_NOTICED: Derivation("prefill", (), split=Split(Phase.WRITE_COMPLETE, _XFER_S, False)),
@@ -253,9 +288,14 @@ DERIVED_PHASES: Final[dict[Phase, Derivation]] = {
     Phase.READ_NOTICED: Derivation("decode", (), split=Split(Phase.READ_COMPLETE, _XFER_S, False)),
     # P's release: pull, D's read-done notification; push, its WRITE seen
     # done; either mode, the lease reaped (an ``expired`` point on P)
-    Phase.KV_HOLD: Derivation("prefill", tuple((Boundary("decode", Phase.KV_READY, "end"), Boundary("prefill", p, "end"))
-                                               for p in (Phase.KV_RELEASED, Phase.WRITE_COMPLETE, Phase.READ_COMPLETE)),
-                              latest=True),
+    Phase.KV_HOLD: Derivation(
+        "prefill",
+        tuple(
+            (Boundary("decode", Phase.KV_READY, "end"), Boundary("prefill", p, "end"))
+            for p in (Phase.KV_RELEASED, Phase.WRITE_COMPLETE, Phase.READ_COMPLETE)
+        ),
+        latest=True,
+    ),
 }
 
 PHASE_ORDER: Final = {p.value: i for i, p in enumerate(Phase)}

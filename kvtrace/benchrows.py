@@ -110,7 +110,9 @@ def pull_by_cell(rows: Sequence[Mapping[str, Any]]) -> dict[tuple, Mapping[str, 
     return pull
 
 
-def push_over_pull(rows: Sequence[Mapping[str, Any]], metrics: Sequence[str] = RATIO_METRICS) -> list[dict[str, float | None]]:
+def push_over_pull(
+    rows: Sequence[Mapping[str, Any]], metrics: Sequence[str] = RATIO_METRICS
+) -> list[dict[str, float | None]]:
     """The push/pull ratios of each row, in the rows' order: ``{metric: ratio}``
     for every metric in ``metrics``. Each push dispatch is compared with the
     (first) pull row of its cell."""

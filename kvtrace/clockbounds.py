@@ -52,8 +52,9 @@ class Settled(NamedTuple):
     note: str | None
 
 
-def own_bounds(raw_ns: int, d2p_sent: int | None, d2p_recv: int | None,
-               p2d_sent: int | None, p2d_recv: int | None) -> tuple[int | None, int]:
+def own_bounds(
+    raw_ns: int, d2p_sent: int | None, d2p_recv: int | None, p2d_sent: int | None, p2d_recv: int | None
+) -> tuple[int | None, int]:
     """A request's own interval (ns): ``lo`` from its D->P crossing (None if
     a side is missing), ``hi`` from its P->D crossing, never above ``raw``
     (``prefill.finished`` -> ``kv.ready`` is itself a P->D crossing)."""
@@ -64,8 +65,9 @@ def own_bounds(raw_ns: int, d2p_sent: int | None, d2p_recv: int | None,
     return lo, hi
 
 
-def settle(raw_ns: int, own: tuple[int | None, int | None],
-           window: tuple[int | None, int | None] | None = None) -> Settled:
+def settle(
+    raw_ns: int, own: tuple[int | None, int | None], window: tuple[int | None, int | None] | None = None
+) -> Settled:
     """The handoff of one request whose raw (two-clock) handoff is ``raw_ns``.
 
     ``own``: the request's own (lo, hi) in ns; ``window``: the pair's

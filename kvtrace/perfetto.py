@@ -56,12 +56,22 @@ ROLES = {_R: (0, "router"), _PRE: (1, "P"), _D: (2, "D"), None: (3, "other")}
 #: Processes per trace (pid stride).
 _STRIDE = len(ROLES)
 
-_SCHEDULER = frozenset(p.value for p in (_P.PREFILL, _P.PREFILL_FINISHED, _P.DECODE_QUEUE, _P.REGISTRATION_STAGE,
-                                         _P.ALLOC, getattr(_P, "DECODE_FIRST_STEP", _P.ALLOC)))
+_SCHEDULER = frozenset(
+    p.value
+    for p in (
+        _P.PREFILL,
+        _P.PREFILL_FINISHED,
+        _P.DECODE_QUEUE,
+        _P.REGISTRATION_STAGE,
+        _P.ALLOC,
+        getattr(_P, "DECODE_FIRST_STEP", _P.ALLOC),
+    )
+)
 #: Per role, the phases its NIXL writer thread records (README, "What is measured").
 _WRITER = {
-    _PRE: frozenset(p.value for p in (_P.REGISTRATION_RECEIVE, _P.MATCH, _P.HANDSHAKE, _P.DESCRIPTOR_PREP,
-                                      _P.WRITE_POST)),
+    _PRE: frozenset(
+        p.value for p in (_P.REGISTRATION_RECEIVE, _P.MATCH, _P.HANDSHAKE, _P.DESCRIPTOR_PREP, _P.WRITE_POST)
+    ),
     _D: frozenset({_P.REGISTRATION_SEND.value}),
 }
 #: Thread families in display order (tid = position + 1, lanes after them).
@@ -81,19 +91,27 @@ class Message:
 
 #: The messages drawn as flow arrows (docs/phases.md, "Clocks across hosts").
 MESSAGES: tuple[Message, ...] = (
-    Message("PUSH_REG (D's registration)", "push", (_D, _P.REGISTRATION_SEND.value, "end"),
-            (_PRE, _P.REGISTRATION_RECEIVE.value, "start")),
-    Message("WRITE done notification", "push", (_PRE, _P.WRITE_COMPLETE.value, "end"),
-            (_D, _P.KV_READY.value, "start")),
-    Message("P's answer to the router", "pull", (_PRE, _P.PREFILL_FINISHED.value, "end"),
-            (_R, _P.RELAY.value, "start")),
+    Message(
+        "PUSH_REG (D's registration)",
+        "push",
+        (_D, _P.REGISTRATION_SEND.value, "end"),
+        (_PRE, _P.REGISTRATION_RECEIVE.value, "start"),
+    ),
+    Message(
+        "WRITE done notification", "push", (_PRE, _P.WRITE_COMPLETE.value, "end"), (_D, _P.KV_READY.value, "start")
+    ),
+    Message(
+        "P's answer to the router", "pull", (_PRE, _P.PREFILL_FINISHED.value, "end"), (_R, _P.RELAY.value, "start")
+    ),
     Message("the router's request to D", "pull", (_R, _P.RELAY.value, "end"), (_D, _P.ALLOC.value, "start")),
-    Message("READ done notification", "pull", (_D, _P.READ_COMPLETE.value, "end"),
-            (_PRE, _P.KV_RELEASED.value, "start")),
+    Message(
+        "READ done notification", "pull", (_D, _P.READ_COMPLETE.value, "end"), (_PRE, _P.KV_RELEASED.value, "start")
+    ),
 )
 #: Used when no router relay is in the trace: P's answer reaches D directly.
-DIRECT_ANSWER = Message("P's answer to D", "pull", (_PRE, _P.PREFILL_FINISHED.value, "end"),
-                        (_D, _P.ALLOC.value, "start"))
+DIRECT_ANSWER = Message(
+    "P's answer to D", "pull", (_PRE, _P.PREFILL_FINISHED.value, "end"), (_D, _P.ALLOC.value, "start")
+)
 
 #: Attribute keys whose string values could hold request text; dropped from
 #: ``args`` (kvlens records none; vLLM's own spans might).
@@ -195,14 +213,25 @@ def _fmt_ms(s: float | None) -> str:
 def trace_metadata(trace: Trace, skipped: Sequence[str] = ()) -> dict[str, Any]:
     """What the file says about one trace as a whole (``otherData``, and the
     handoff window's args)."""
-    return {"trace_id": trace.trace_id, "request_id": trace.request_id, "mode": trace.mode,
-            "dispatch": trace.dispatch, "outcome": trace.outcome, "handoff_s": trace.handoff_s,
-            "handoff_err_s": trace.handoff_err_s, "handoff_raw_s": trace.handoff_raw_s,
-            "handoff_note": trace.handoff_note, "clock_offset_s": trace.clock_offset_s,
-            "clock_interval_s": None if trace.clock_lo_s is None else [trace.clock_lo_s, trace.clock_hi_s],
-            "ttft_s": trace.ttft_s, "ttft_source": getattr(trace, "ttft_source", None),
-            "ttft_err_s": getattr(trace, "ttft_err_s", None), "p_engine": trace.p_engine, "d_engine": trace.d_engine,
-            "arrows_left_out": list(skipped)}
+    return {
+        "trace_id": trace.trace_id,
+        "request_id": trace.request_id,
+        "mode": trace.mode,
+        "dispatch": trace.dispatch,
+        "outcome": trace.outcome,
+        "handoff_s": trace.handoff_s,
+        "handoff_err_s": trace.handoff_err_s,
+        "handoff_raw_s": trace.handoff_raw_s,
+        "handoff_note": trace.handoff_note,
+        "clock_offset_s": trace.clock_offset_s,
+        "clock_interval_s": None if trace.clock_lo_s is None else [trace.clock_lo_s, trace.clock_hi_s],
+        "ttft_s": trace.ttft_s,
+        "ttft_source": getattr(trace, "ttft_source", None),
+        "ttft_err_s": getattr(trace, "ttft_err_s", None),
+        "p_engine": trace.p_engine,
+        "d_engine": trace.d_engine,
+        "arrows_left_out": list(skipped),
+    }
 
 
 class _Builder:
@@ -234,12 +263,19 @@ def _add_spans(b: _Builder, index: int, trace: Trace) -> dict[tuple[str | None, 
     for s in sorted(trace.spans, key=lambda x: (x.start_ns, -(x.end_ns - x.start_ns))):
         p = b.proc(index, s.role, trace)
         point = s.point or s.end_ns <= s.start_ns
-        thread = p.place(_thread_name(_family(s), s.attributes.get(RANK_ATTR)), s.start_ns,
-                         s.start_ns if point else s.end_ns)
+        thread = p.place(
+            _thread_name(_family(s), s.attributes.get(RANK_ATTR)), s.start_ns, s.start_ns if point else s.end_ns
+        )
         tid = p.tid(thread)
         derived = bool(s.attributes.get(sc.ATTR_DERIVED))
-        ev: dict[str, Any] = {"name": s.name, "cat": CAT_DERIVED if derived else CAT_SPAN, "pid": p.pid,
-                              "tid": tid, "ts": _us(s.start_ns, b.origin), "args": _args(s, trace)}
+        ev: dict[str, Any] = {
+            "name": s.name,
+            "cat": CAT_DERIVED if derived else CAT_SPAN,
+            "pid": p.pid,
+            "tid": tid,
+            "ts": _us(s.start_ns, b.origin),
+            "args": _args(s, trace),
+        }
         if point:
             ev.update(ph="i", s="t")
             b.add(s.start_ns, 1, ev)
@@ -257,11 +293,26 @@ def _add_window(b: _Builder, index: int, trace: Trace, skipped: list[str]) -> No
     meta = trace_metadata(trace, skipped)
     if trace.window:
         pf, kv = trace.window
-        label = ("handoff " + _fmt_ms(trace.handoff_s) + (f" ± {_fmt_ms(trace.handoff_err_s)}"
-                                                          if trace.handoff_err_s is not None else ""))
-        b.add(pf, 3, {"name": label, "cat": CAT_WINDOW, "ph": "X", "pid": p.pid, "tid": tid,
-                      "ts": _us(pf, b.origin), "dur": _us(max(kv, pf), b.origin) - _us(pf, b.origin), "args": meta},
-              max(kv - pf, 0))
+        label = (
+            "handoff "
+            + _fmt_ms(trace.handoff_s)
+            + (f" ± {_fmt_ms(trace.handoff_err_s)}" if trace.handoff_err_s is not None else "")
+        )
+        b.add(
+            pf,
+            3,
+            {
+                "name": label,
+                "cat": CAT_WINDOW,
+                "ph": "X",
+                "pid": p.pid,
+                "tid": tid,
+                "ts": _us(pf, b.origin),
+                "dur": _us(max(kv, pf), b.origin) - _us(pf, b.origin),
+                "args": meta,
+            },
+            max(kv - pf, 0),
+        )
     b.meta.append(meta)
 
 
@@ -306,12 +357,12 @@ def _metadata_events(b: _Builder) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for p in sorted(b.procs.values(), key=lambda x: x.pid):
         out.append({"name": "process_name", "ph": "M", "pid": p.pid, "tid": 0, "args": {"name": p.name}})
-        out.append({"name": "process_sort_index", "ph": "M", "pid": p.pid, "tid": 0,
-                    "args": {"sort_index": p.sort_index}})
+        out.append(
+            {"name": "process_sort_index", "ph": "M", "pid": p.pid, "tid": 0, "args": {"sort_index": p.sort_index}}
+        )
         for thread, tid in sorted(p.tids.items(), key=lambda kv: kv[1]):
             out.append({"name": "thread_name", "ph": "M", "pid": p.pid, "tid": tid, "args": {"name": thread}})
-            out.append({"name": "thread_sort_index", "ph": "M", "pid": p.pid, "tid": tid,
-                        "args": {"sort_index": tid}})
+            out.append({"name": "thread_sort_index", "ph": "M", "pid": p.pid, "tid": tid, "args": {"sort_index": tid}})
     return out
 
 
@@ -331,7 +382,13 @@ def document(traces: Sequence[Trace]) -> dict[str, Any]:
     """The JSON object to write: ``traceEvents`` plus ``otherData`` (the
     origin in wall-clock ns and each trace's handoff, bound and clock offset)."""
     events, meta = convert(traces)
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"generator": "kvlens traces --perfetto", "origin_unix_ns": origin_ns(traces),
-                          "clock": "D's spans moved onto P's clock by each trace's clock_offset_s",
-                          "traces": meta}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "generator": "kvlens traces --perfetto",
+            "origin_unix_ns": origin_ns(traces),
+            "clock": "D's spans moved onto P's clock by each trace's clock_offset_s",
+            "traces": meta,
+        },
+    }

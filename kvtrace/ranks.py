@@ -27,8 +27,9 @@ from typing import Any, Iterable, NamedTuple
 from kvrecord import semconv as sc
 
 #: The per-rank phases whose last rank decides when the request moves on.
-COMPLETION_PHASES: frozenset[str] = frozenset({sc.Phase.WRITE_COMPLETE.value, sc.Phase.READ_COMPLETE.value,
-                                               sc.Phase.KV_READY.value})
+COMPLETION_PHASES: frozenset[str] = frozenset(
+    {sc.Phase.WRITE_COMPLETE.value, sc.Phase.READ_COMPLETE.value, sc.Phase.KV_READY.value}
+)
 
 
 def rank_of(span: Any) -> int | None:
@@ -63,8 +64,14 @@ class Straggler(NamedTuple):
     lag_s: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"role": self.role, "phase": self.phase, "ranks": self.ranks, "rank": self.rank,
-                "first_rank": self.first_rank, "lag_s": self.lag_s}
+        return {
+            "role": self.role,
+            "phase": self.phase,
+            "ranks": self.ranks,
+            "rank": self.rank,
+            "first_rank": self.first_rank,
+            "lag_s": self.lag_s,
+        }
 
 
 def stragglers(spans: Iterable[Any]) -> list[Straggler]:
@@ -76,8 +83,9 @@ def stragglers(spans: Iterable[Any]) -> list[Straggler]:
             continue
         last = max(by_rank, key=lambda r: (by_rank[r].end_ns, r))
         first = min(by_rank, key=lambda r: (by_rank[r].end_ns, r))
-        out.append(Straggler(role, name, len(by_rank), last, first,
-                             (by_rank[last].end_ns - by_rank[first].end_ns) / 1e9))
+        out.append(
+            Straggler(role, name, len(by_rank), last, first, (by_rank[last].end_ns - by_rank[first].end_ns) / 1e9)
+        )
     return sorted(out, key=lambda s: sc.PHASE_ORDER.get(s.phase, 99))
 
 
@@ -97,8 +105,12 @@ def transfer_totals(spans: Iterable[Any]) -> TransferTotals | None:
     """Bytes and descriptors summed over the ranks that moved the request's
     KV, transfer time the slowest rank's; None without a completion span."""
     # a lease reaped (``expired``: a point, no transfer) is no rank's transfer
-    done = [s for s in spans if s.name in (sc.Phase.WRITE_COMPLETE.value, sc.Phase.READ_COMPLETE.value)
-            and getattr(s, "outcome", None) != sc.Outcome.EXPIRED.value]
+    done = [
+        s
+        for s in spans
+        if s.name in (sc.Phase.WRITE_COMPLETE.value, sc.Phase.READ_COMPLETE.value)
+        and getattr(s, "outcome", None) != sc.Outcome.EXPIRED.value
+    ]
     if not done:
         return None
     per_rank: dict[int | None, Any] = {}
@@ -160,8 +172,7 @@ def bandwidth(tot: TransferTotals, ceiling: float | None = None) -> dict[str, An
     note = implausible_note(ceiling) if flag else None
     if g is None:
         note = "no NIXL transfer time or bytes (telemetry unavailable)"
-    return {**tot._asdict(), "gbps": None if flag else g, "gbps_flag": flag, "gbps_note": note,
-            "link_gbps": ceiling}
+    return {**tot._asdict(), "gbps": None if flag else g, "gbps_flag": flag, "gbps_note": note, "link_gbps": ceiling}
 
 
 def transfer_json(spans: Iterable[Any]) -> dict[str, Any] | None:

@@ -29,8 +29,7 @@ from kvrecord import semconv as sc
 
 #: Phases that are never a part of the handoff (the root contains it; P's
 #: prefill precedes it; P's hold of the blocks follows it).
-NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value,
-                                                sc.Phase.KV_HOLD.value})
+NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value, sc.Phase.KV_HOLD.value})
 _POINTS = frozenset(p.value for p in sc.POINT_PHASES)
 #: kvlens' own phases; any other span in a trace (vLLM's ``llm_request``,
 #: joined by ``traceparent``) is context, never handoff cost.
@@ -146,8 +145,11 @@ def _latest(recorded: Sequence[Any], name: str, how: sc.Derivation) -> Derived |
     tos: list[tuple[int, Any]] = []
     for a, b in how.pairs:
         f = _boundary_times(recorded, a.role, a.phase.value, a.end)
-        t = [(s.end_ns if b.end == "end" else s.start_ns, s) for s in recorded
-             if s.role == b.role and s.name == b.phase.value]
+        t = [
+            (s.end_ns if b.end == "end" else s.start_ns, s)
+            for s in recorded
+            if s.role == b.role and s.name == b.phase.value
+        ]
         if f and t:
             froms += f
             tos += t
@@ -180,9 +182,12 @@ def release_json(spans: Sequence[Any], kv_ready_ns: int | None) -> dict[str, Any
     if rel is None or kv_ready_ns is None:
         return None
     hold = [s for s in spans if s.name == sc.Phase.KV_HOLD.value]
-    return {"by": rel.name, "outcome": getattr(rel, "outcome", None),
-            "after_kv_ready_s": (rel.end_ns - kv_ready_ns) / 1e9,
-            "hold_s": (hold[0].end_ns - hold[0].start_ns) / 1e9 if hold else None}
+    return {
+        "by": rel.name,
+        "outcome": getattr(rel, "outcome", None),
+        "after_kv_ready_s": (rel.end_ns - kv_ready_ns) / 1e9,
+        "hold_s": (hold[0].end_ns - hold[0].start_ns) / 1e9 if hold else None,
+    }
 
 
 class Tiling(NamedTuple):
@@ -236,8 +241,10 @@ def tile(spans: Iterable[Any], window: tuple[int, int] | None) -> Tiling | None:
         return Tiling(0, {}, ())
     spans = list(spans)
     ivs = []  # (clipped start, clipped end, role, name, start)
-    marks: list[tuple[int, str]] = [(pf, _label(sc.Role.PREFILL.value, sc.Phase.PREFILL_FINISHED.value, None)),
-                                    (kv, _label(sc.Role.DECODE.value, sc.Phase.KV_READY.value, None))]
+    marks: list[tuple[int, str]] = [
+        (pf, _label(sc.Role.PREFILL.value, sc.Phase.PREFILL_FINISHED.value, None)),
+        (kv, _label(sc.Role.DECODE.value, sc.Phase.KV_READY.value, None)),
+    ]
     for s in spans:
         if s.name in NOT_HANDOFF_PHASES or s.name not in _PHASES:
             continue

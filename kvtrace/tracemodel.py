@@ -124,9 +124,16 @@ class Span:
 
     def to_json(self) -> dict[str, Any]:
         """The span object of ``kvlens traces --json``."""
-        return {"name": self.name, "role": self.role, "start_ns": self.start_ns, "end_ns": self.end_ns,
-                "span_id": self.span_id, "parent_id": self.parent_id, "outcome": self.outcome,
-                "attributes": self.attributes}
+        return {
+            "name": self.name,
+            "role": self.role,
+            "start_ns": self.start_ns,
+            "end_ns": self.end_ns,
+            "span_id": self.span_id,
+            "parent_id": self.parent_id,
+            "outcome": self.outcome,
+            "attributes": self.attributes,
+        }
 
 
 @dataclass(frozen=True)
@@ -176,16 +183,35 @@ class Trace:
         for s in spans:
             d = off if s.get("role") == sc.Role.DECODE.value else 0
             t0, t1 = s["start_ns"] - d, s["end_ns"] - d
-            marked.append(Span(name=s["name"], role=s.get("role"), start_ns=t0, end_ns=t1,
-                               span_id=s.get("span_id"), parent_id=s.get("parent_id"), outcome=s.get("outcome"),
-                               attributes=s.get("attributes") or {}, point=is_point(s["name"], t0, t1),
-                               critical=on_critical_path(s["name"], t0, t1, pf, kv)))
+            marked.append(
+                Span(
+                    name=s["name"],
+                    role=s.get("role"),
+                    start_ns=t0,
+                    end_ns=t1,
+                    span_id=s.get("span_id"),
+                    parent_id=s.get("parent_id"),
+                    outcome=s.get("outcome"),
+                    attributes=s.get("attributes") or {},
+                    point=is_point(s["name"], t0, t1),
+                    critical=on_critical_path(s["name"], t0, t1, pf, kv),
+                )
+            )
         for d in derived_spans(marked):
             attrs: dict[str, Any] = {sc.ATTR_DERIVED: True}
             if d.rank is not None:  # cut from one rank's span: drawn in that rank's lane
                 attrs[sc.ATTR_RANK] = d.rank
-            marked.append(Span(name=d.name, role=d.role, start_ns=d.start_ns, end_ns=d.end_ns, outcome=d.outcome,
-                               attributes=attrs, critical=on_critical_path(d.name, d.start_ns, d.end_ns, pf, kv)))
+            marked.append(
+                Span(
+                    name=d.name,
+                    role=d.role,
+                    start_ns=d.start_ns,
+                    end_ns=d.end_ns,
+                    outcome=d.outcome,
+                    attributes=attrs,
+                    critical=on_critical_path(d.name, d.start_ns, d.end_ns, pf, kv),
+                )
+            )
         marked.sort(key=lambda x: x.start_ns)  # stable: recorded order kept among equal starts
         fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in ("n_spans", "kv_ready_ns")}
         return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, **fields)
@@ -242,16 +268,31 @@ class Trace:
         here) lies in ``clock_interval_s``; ``handoff_raw_s`` is the
         uncorrected two-clock difference."""
         interval = None if self.clock_lo_s is None else [self.clock_lo_s, self.clock_hi_s]
-        return {"trace_id": self.trace_id, "request_id": self.request_id, "mode": self.mode,
-                "dispatch": self.dispatch, "outcome": self.outcome, "ttft_s": self.ttft_s,
-                "handoff_s": self.handoff_s, "handoff_err_s": self.handoff_err_s,
-                "handoff_raw_s": self.handoff_raw_s, "handoff_note": self.handoff_note,
-                "clock_offset_s": self.clock_offset_s, "clock_interval_s": interval,
-                "p_engine": self.p_engine, "d_engine": self.d_engine, "start_ns": self.start_ns,
-                "ttft_source": self.ttft_source, "ttft_err_s": self.ttft_err_s, "half": self.half,
-                "ranks": self.ranks_json(), "transfer": ranks.transfer_json(self.spans),
-                "release": release_json(self.spans, self.kv_ready_ns), "kv_use": kvuse.trace_kv_use(self.spans),
-                "spans": [s.to_json() for s in self.spans]}
+        return {
+            "trace_id": self.trace_id,
+            "request_id": self.request_id,
+            "mode": self.mode,
+            "dispatch": self.dispatch,
+            "outcome": self.outcome,
+            "ttft_s": self.ttft_s,
+            "handoff_s": self.handoff_s,
+            "handoff_err_s": self.handoff_err_s,
+            "handoff_raw_s": self.handoff_raw_s,
+            "handoff_note": self.handoff_note,
+            "clock_offset_s": self.clock_offset_s,
+            "clock_interval_s": interval,
+            "p_engine": self.p_engine,
+            "d_engine": self.d_engine,
+            "start_ns": self.start_ns,
+            "ttft_source": self.ttft_source,
+            "ttft_err_s": self.ttft_err_s,
+            "half": self.half,
+            "ranks": self.ranks_json(),
+            "transfer": ranks.transfer_json(self.spans),
+            "release": release_json(self.spans, self.kv_ready_ns),
+            "kv_use": kvuse.trace_kv_use(self.spans),
+            "spans": [s.to_json() for s in self.spans],
+        }
 
     def ranks_json(self) -> dict[str, Any] | None:
         """Tensor-parallel ranks of the trace (:mod:`kvtrace.ranks`): ranks
@@ -307,8 +348,11 @@ class _Row(NamedTuple):
     attributes: Mapping[str, Any] = {}
 
 
-def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]],
-                  attrs: Mapping[tuple, Mapping[str, Any]] | None = None) -> HandoffCosts:
+def handoff_costs(
+    traces: Iterable[Sequence[Any]],
+    spans: Iterable[Sequence[Any]],
+    attrs: Mapping[tuple, Mapping[str, Any]] | None = None,
+) -> HandoffCosts:
     """Split each trace's handoff among its phases by the rule above (derived
     phases included), summed per (mode, role, phase), and add the tilings up
     per mode. ``traces`` / ``spans``: rows in ``store.SAMPLE_TRACE_COLUMNS`` /
@@ -364,8 +408,9 @@ def handoff_costs(traces: Iterable[Sequence[Any]], spans: Iterable[Sequence[Any]
 BREAKDOWN_SAMPLE = 5_000
 
 
-def breakdown(conn, *, limit: int = BREAKDOWN_SAMPLE, by_dispatch: bool = False, derived: bool = True,
-              **filters: Any) -> dict[str, Breakdown]:
+def breakdown(
+    conn, *, limit: int = BREAKDOWN_SAMPLE, by_dispatch: bool = False, derived: bool = True, **filters: Any
+) -> dict[str, Breakdown]:
     """The newest ``limit`` completed traces matching ``filters``
     (``store.TraceFilter`` fields) tiled and added up per mode (and per
     ``mode/dispatch`` as well with ``by_dispatch``; ``derived=False``:
@@ -385,7 +430,8 @@ def breakdown(conn, *, limit: int = BREAKDOWN_SAMPLE, by_dispatch: bool = False,
 def sample_costs(conn, *, since_ns: int | None, until_ns: int | None, limit: int) -> HandoffCosts:
     """:func:`handoff_costs` over the newest ``limit`` completed traces that
     started in [since_ns, until_ns] (the dashboard's per-phase breakdown)."""
-    traces, spans = store.handoff_sample(conn, since_ns=since_ns, until_ns=until_ns, limit=limit,
-                                         exclude_phases=NOT_HANDOFF_PHASES)
+    traces, spans = store.handoff_sample(
+        conn, since_ns=since_ns, until_ns=until_ns, limit=limit, exclude_phases=NOT_HANDOFF_PHASES
+    )
     split = {how.split.phase.value for how in sc.DERIVED_PHASES.values() if how.split is not None}
     return handoff_costs(traces, spans, store.attributes_of(conn, [t[0] for t in traces], split))

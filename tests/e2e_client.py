@@ -10,8 +10,16 @@ import httpx
 from kvrecord import ids
 
 
-def send_completions(url: str, n: int, *, tag: str, kvlens_id: bool = True, base_tokens: int = 30,
-                     step_tokens: int = 20, timeout: float = 180) -> list[str]:
+def send_completions(
+    url: str,
+    n: int,
+    *,
+    tag: str,
+    kvlens_id: bool = True,
+    base_tokens: int = 30,
+    step_tokens: int = 20,
+    timeout: float = 180,
+) -> list[str]:
     """``n`` completions through the router at ``url`` (prompt ``i`` grows by
     ``step_tokens``), each with a fresh 32-hex ``X-Request-Id`` unless
     ``kvlens_id`` is False; the trace id of each, as a client finds it
@@ -20,8 +28,11 @@ def send_completions(url: str, n: int, *, tag: str, kvlens_id: bool = True, base
     with httpx.Client(timeout=timeout) as c:
         for i in range(n):
             sent = uuid.uuid4().hex
-            body = {"prompt": f"{tag} request {i} " + "tokens " * (base_tokens + step_tokens * i), "max_tokens": 4,
-                    "temperature": 0}
+            body = {
+                "prompt": f"{tag} request {i} " + "tokens " * (base_tokens + step_tokens * i),
+                "max_tokens": 4,
+                "temperature": 0,
+            }
             r = c.post(url + "/v1/completions", json=body, headers={"X-Request-Id": sent} if kvlens_id else {})
             assert r.status_code == 200, r.text
             out.append(ids.trace_of_response(r.json().get("id"), sent))

@@ -64,8 +64,9 @@ class _LateRouter(_DecodeClock):
         self.inner.record_root(trace_id, parent, start_ns, end_ns + self.late_ns, outcome, attrs)
 
 
-def make_pair_store(home: Path, pairs: list[Pair], n_per_mode: int = 10, seed: int = 5,
-                    span_s: float = 300.0) -> tuple[Path, dict[Pair, dict[str, list[str]]]]:
+def make_pair_store(
+    home: Path, pairs: list[Pair], n_per_mode: int = 10, seed: int = 5, span_s: float = 300.0
+) -> tuple[Path, dict[Pair, dict[str, list[str]]]]:
     """``n_per_mode`` push and pull requests per pair over the last ``span_s``
     seconds into ``home/traces.db``; (its path, the trace ids by pair and mode)."""
     cfg = {"kvlens_home": str(home), "kvlens_metrics": "off"}
@@ -75,8 +76,12 @@ def make_pair_store(home: Path, pairs: list[Pair], n_per_mode: int = 10, seed: i
         recs = {}
         for mode in ("push", "pull"):
             for role, eng in (("router", None), ("prefill", pair.p), ("decode", pair.d)):
-                r = Recorder(role=role, mode=mode, engine_id=eng,
-                             pipeline_factory=provider_factory(role=role, mode=mode, engine_id=eng, config=cfg))
+                r = Recorder(
+                    role=role,
+                    mode=mode,
+                    engine_id=eng,
+                    pipeline_factory=provider_factory(role=role, mode=mode, engine_id=eng, config=cfg),
+                )
                 slow_ns = int(pair.slow_ms * 1e6) if mode in pair.slow_modes else 0
                 if role == "decode":
                     r = _DecodeClock(r, int(pair.skew_ms * 1e6), slow_ns)

@@ -43,8 +43,10 @@ PG_USER = "postgres"
 
 def pg_bindir() -> Path | None:
     """The newest ``/usr/lib/postgresql/<version>/bin`` that has initdb, or None."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"),
-                   key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0)
+    found = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin/initdb"),
+        key=lambda p: int(Path(p).parent.parent.name) if Path(p).parent.parent.name.isdigit() else 0,
+    )
     return Path(found[-1]).parent if found else None
 
 
@@ -98,8 +100,9 @@ class PgServer:
             cmd = ["runuser", "-u", self.user, "--", *cmd]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
         if check and r.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}"
-                               f"\n{self._log_tail()}")
+            raise RuntimeError(
+                f"{' '.join(argv)} failed ({r.returncode}): {r.stderr.strip() or r.stdout.strip()}\n{self._log_tail()}"
+            )
         return r
 
     def _log_tail(self) -> str:
@@ -116,14 +119,26 @@ class PgServer:
         if os.geteuid() == 0:
             shutil.chown(self.dir, self.user, self.user)
         os.chmod(self.dir, 0o700)
-        self._as_pg(str(self.bin / "initdb"), "-D", str(self.data), "-U", self.user, "--auth=trust",
-                    "--no-sync", "-E", "UTF8", "--locale=C")
+        self._as_pg(
+            str(self.bin / "initdb"),
+            "-D",
+            str(self.data),
+            "-U",
+            self.user,
+            "--auth=trust",
+            "--no-sync",
+            "-E",
+            "UTF8",
+            "--locale=C",
+        )
         with open(self.data / "postgresql.conf", "a") as f:
-            f.write("\n# kvlens tests: throw-away cluster\n"
-                    + ("" if self.durable else "fsync = off\nfull_page_writes = off\n")
-                    + "synchronous_commit = off\n"
-                    f"listen_addresses = '{self.host}'\nunix_socket_directories = '{self.dir}'\n"
-                    f"max_connections = 200\nshared_buffers = {self.shared_buffers}\n")
+            f.write(
+                "\n# kvlens tests: throw-away cluster\n"
+                + ("" if self.durable else "fsync = off\nfull_page_writes = off\n")
+                + "synchronous_commit = off\n"
+                f"listen_addresses = '{self.host}'\nunix_socket_directories = '{self.dir}'\n"
+                f"max_connections = 200\nshared_buffers = {self.shared_buffers}\n"
+            )
         return self
 
     def start(self) -> "PgServer":
@@ -136,8 +151,15 @@ class PgServer:
         server behind."""
         cmd = [str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port)]
         if os.geteuid() == 0:
-            cmd = ["setpriv", f"--reuid={self.user}", f"--regid={self.user}", "--init-groups",
-                   "--pdeathsig=SIGINT", "--", *cmd]
+            cmd = [
+                "setpriv",
+                f"--reuid={self.user}",
+                f"--regid={self.user}",
+                "--init-groups",
+                "--pdeathsig=SIGINT",
+                "--",
+                *cmd,
+            ]
         else:
             cmd = ["setpriv", "--pdeathsig=SIGINT", "--", *cmd]
         log = open(self.log, "ab")
@@ -148,8 +170,7 @@ class PgServer:
         self._pid = self._proc.pid
         deadline = time.monotonic() + 60
         while True:
-            r = self._as_pg(str(self.bin / "pg_isready"), "-h", self.host, "-p", str(self.port), "-t", "2",
-                            check=False)
+            r = self._as_pg(str(self.bin / "pg_isready"), "-h", self.host, "-p", str(self.port), "-t", "2", check=False)
             if r.returncode == 0:
                 return self
             if self._proc.poll() is not None or time.monotonic() > deadline:
@@ -202,6 +223,7 @@ class PgServer:
 
 
 if __name__ == "__main__":  # manual use: a server for a shell session (Ctrl-C or SIGTERM stops and removes it)
+
     def _stop(*_):
         raise KeyboardInterrupt
 

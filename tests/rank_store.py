@@ -29,24 +29,40 @@ def _cfg(home: Path) -> dict:
 
 def _recorder(role: str, engine: str, home: Path) -> Recorder:
     """A scheduler's recorder of its own (spans built in this process)."""
-    return Recorder(role=role, mode="pull", engine_id=engine,
-                    pipeline_factory=pipeline.provider_factory(role=role, mode="pull", engine_id=engine,
-                                                               config=_cfg(home)))
+    return Recorder(
+        role=role,
+        mode="pull",
+        engine_id=engine,
+        pipeline_factory=pipeline.provider_factory(role=role, mode="pull", engine_id=engine, config=_cfg(home)),
+    )
 
 
 def _rank_worker(home: str, role: str, rank: int, size: int, p_rid: str, d_rid: str, t0: int, lag_ms: int) -> None:
     """One TP rank's worker process (spawned): its own recorder and sidecar."""
-    rec = pipeline.get_recorder(role, "pull", "d0" if role == "decode" else "p0", _cfg(Path(home)),
-                                span_builder="sidecar").start()
+    rec = pipeline.get_recorder(
+        role, "pull", "d0" if role == "decode" else "p0", _cfg(Path(home)), span_builder="sidecar"
+    ).start()
     r = RankedRecorder(rec, rank, size)
     if role == "decode":
         t = t0 + 50 * MS
         r.record(P.DESCRIPTOR_PREP, d_rid, t, t + MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_rid})
-        r.record(P.READ_POST, d_rid, t + MS, t + 2 * MS, "ok",
-                 {sc.ATTR_REMOTE_RANKS: [rank], sc.ATTR_BYTES: 1000, sc.ATTR_JOIN_REQUEST_ID: p_rid})
+        r.record(
+            P.READ_POST,
+            d_rid,
+            t + MS,
+            t + 2 * MS,
+            "ok",
+            {sc.ATTR_REMOTE_RANKS: [rank], sc.ATTR_BYTES: 1000, sc.ATTR_JOIN_REQUEST_ID: p_rid},
+        )
         done = t + (5 + lag_ms) * MS
-        r.record(P.READ_COMPLETE, d_rid, t + 2 * MS, done, "ok",
-                 {sc.ATTR_BYTES: 4096 * (rank + 1), sc.ATTR_DESCRIPTORS: 8, sc.ATTR_NIXL_XFER_S: (3 + lag_ms) / 1e3})
+        r.record(
+            P.READ_COMPLETE,
+            d_rid,
+            t + 2 * MS,
+            done,
+            "ok",
+            {sc.ATTR_BYTES: 4096 * (rank + 1), sc.ATTR_DESCRIPTORS: 8, sc.ATTR_NIXL_XFER_S: (3 + lag_ms) / 1e3},
+        )
         r.record(P.KV_READY, d_rid, done + MS, done + MS)
     else:
         r.record(P.KV_RELEASED, p_rid, t0 + (58 + lag_ms) * MS, t0 + (58 + lag_ms) * MS)
@@ -74,8 +90,11 @@ def make_rank_store(tmp_path: Path) -> tracemodel.Trace:
         r.flush()
         r.close()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank_worker, args=(str(tmp_path), role, rank, 2, p_rid, d_rid, t0, 4 * rank))
-             for role in ("decode", "prefill") for rank in (0, 1)]
+    procs = [
+        ctx.Process(target=_rank_worker, args=(str(tmp_path), role, rank, 2, p_rid, d_rid, t0, 4 * rank))
+        for role in ("decode", "prefill")
+        for rank in (0, 1)
+    ]
     for p in procs:
         p.start()
     for p in procs:

@@ -14,5 +14,14 @@ def offline_stack(tmp_path, **kw):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
-    return Stack(**{"mode": "push", "model": model, "kvlens_home": tmp_path / "home", "log_dir": tmp_path / "run",
-                    "port": 0, "quiet": True, **kw})
+    return Stack(
+        **{
+            "mode": "push",
+            "model": model,
+            "kvlens_home": tmp_path / "home",
+            "log_dir": tmp_path / "run",
+            "port": 0,
+            "quiet": True,
+            **kw,
+        }
+    )

@@ -58,6 +58,12 @@ class Backend:
 
     def columns(self, table: str) -> list[str]:
         if self.is_pg:
-            return [r[0] for r in self.raw("SELECT column_name FROM information_schema.columns "
-                                           "WHERE table_schema = current_schema() AND table_name = ?", (table,))]
+            return [
+                r[0]
+                for r in self.raw(
+                    "SELECT column_name FROM information_schema.columns "
+                    "WHERE table_schema = current_schema() AND table_name = ?",
+                    (table,),
+                )
+            ]
         return [r[1] for r in self.raw(f"PRAGMA table_info({table})")]

@@ -21,14 +21,16 @@ MS = 1_000_000
 def _recorder(role: str, mode: str, home: Path) -> Recorder:
     engine = {"router": None, "prefill": "p0", "decode": "d0"}[role]
     return Recorder(
-        role=role, mode=mode, engine_id=engine,
-        pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine,
-                                          config={"kvlens_home": str(home), "kvlens_metrics": "off"}),
+        role=role,
+        mode=mode,
+        engine_id=engine,
+        pipeline_factory=provider_factory(
+            role=role, mode=mode, engine_id=engine, config={"kvlens_home": str(home), "kvlens_metrics": "off"}
+        ),
     )
 
 
-def make_store(home: Path, n_per_mode: int = 30, seed: int = 7, span_s: float = 600.0,
-               bench: bool = True) -> Path:
+def make_store(home: Path, n_per_mode: int = 30, seed: int = 7, span_s: float = 600.0, bench: bool = True) -> Path:
     """Write ``n_per_mode`` push and pull requests spread over the last
     ``span_s`` seconds into ``home/traces.db``; return its path. Roughly 1 in
     10 pull requests fails its READ, 1 in 15 push requests times out."""
@@ -41,8 +43,9 @@ def make_store(home: Path, n_per_mode: int = 30, seed: int = 7, span_s: float = 
     return path
 
 
-def record_requests(recs, rng: random.Random, base_ns: int, n_per_mode: int, span_s: float, *,
-                    seeded_ids: bool = False) -> dict[str, list[str]]:
+def record_requests(
+    recs, rng: random.Random, base_ns: int, n_per_mode: int, span_s: float, *, seeded_ids: bool = False
+) -> dict[str, list[str]]:
     """Record ``n_per_mode`` push and pull requests from ``base_ns`` over
     ``span_s`` seconds through ``recs`` ((role, mode) -> Recorder), then
     flush and close them; the trace ids by mode. ``seeded_ids``: trace and
@@ -75,14 +78,19 @@ def _rid(tid: str, rng: random.Random | None = None) -> str:
     return f"cmpl-{tid}-0-{rng.getrandbits(32):08x}" if rng else f"cmpl-{tid}-0-{secrets.token_hex(4)}"
 
 
-def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: bool, i: int,
-             id_rng: random.Random | None = None) -> None:
+def _request(
+    recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: bool, i: int, id_rng: random.Random | None = None
+) -> None:
     P = sc.Phase
     router, pre, dec = recs[("router", mode)], recs[("prefill", mode)], recs[("decode", mode)]
     p_rid, d_rid = _rid(tid, id_rng), _rid(tid, id_rng)
     blocks = rng.choice([4, 8, 16, 32])
-    kv_attrs = {sc.ATTR_BLOCKS: blocks, sc.ATTR_BYTES: blocks * 131072, sc.ATTR_DESCRIPTORS: blocks * 4,
-                sc.ATTR_REMOTE_RANK: 0}
+    kv_attrs = {
+        sc.ATTR_BLOCKS: blocks,
+        sc.ATTR_BYTES: blocks * 131072,
+        sc.ATTR_DESCRIPTORS: blocks * 4,
+        sc.ATTR_REMOTE_RANK: 0,
+    }
     prefill_s = rng.uniform(0.020, 0.060) * (1 + i % 5 / 4)
     pf = t0 + 1 * MS + int(prefill_s * 1e9)
     pre.record(P.PREFILL, p_rid, t0 + 1 * MS, pf, "ok", {sc.ATTR_TOKENS: rng.choice([128, 512, 1024])})
@@ -104,7 +112,9 @@ def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: b
         t = enq + int(rng.uniform(0.1, 2.0) * MS)
         pre.record(P.WRITER_WAKE, p_rid, enq, t, "ok")
         if first:
-            pre.record(P.HANDSHAKE, p_rid, t, t + 12 * MS, "ok", {sc.ATTR_REMOTE_ENGINE_ID: "d0", sc.ATTR_DEFERRED: True})
+            pre.record(
+                P.HANDSHAKE, p_rid, t, t + 12 * MS, "ok", {sc.ATTR_REMOTE_ENGINE_ID: "d0", sc.ATTR_DEFERRED: True}
+            )
             t += 12 * MS
         dp = int(rng.uniform(0.2, 0.5) * MS)
         pre.record(P.DESCRIPTOR_PREP, p_rid, t, t + dp, "ok", kv_attrs)
@@ -138,9 +148,18 @@ def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: b
         t += rp
         rc = int(rng.uniform(1.5, 5.0) * MS * (1 + blocks / 16))
         outcome = "failed" if i % 10 == 3 else "ok"
-        dec.record(P.READ_COMPLETE, d_rid, t, t + rc, outcome,
-                   {**kv_attrs, sc.ATTR_NIXL_XFER_S: rc / 1e9, **({sc.ATTR_ERROR: "NIXL_ERR_REMOTE_DISCONNECT"}
-                                                                if outcome != "ok" else {})})
+        dec.record(
+            P.READ_COMPLETE,
+            d_rid,
+            t,
+            t + rc,
+            outcome,
+            {
+                **kv_attrs,
+                sc.ATTR_NIXL_XFER_S: rc / 1e9,
+                **({sc.ATTR_ERROR: "NIXL_ERR_REMOTE_DISCONNECT"} if outcome != "ok" else {}),
+            },
+        )
         t += rc
         kv = t + int(rng.uniform(0.2, 0.6) * MS)
         pre.record(P.KV_RELEASED, p_rid, t + int(0.1 * MS), t + int(0.1 * MS), "ok")
@@ -149,9 +168,11 @@ def _request(recs, mode: str, tid: str, t0: int, rng: random.Random, *, first: b
         dec.record(P.KV_READY, d_rid, kv, kv, "ok", {sc.ATTR_BLOCKS: blocks})
         ttft = (kv + int(rng.uniform(8, 15) * MS) - t0) / 1e9
     end = (t0 + int(ttft * 1e9) + 40 * MS) if ttft else kv + 5 * MS
-    attrs = {sc.ATTR_TTFT_S: ttft,
-             sc.ATTR_DISPATCH: "overlapped" if mode == "push" else "sequential",
-             sc.ATTR_STATUS_CODE: 200 if outcome == "ok" else 502}
+    attrs = {
+        sc.ATTR_TTFT_S: ttft,
+        sc.ATTR_DISPATCH: "overlapped" if mode == "push" else "sequential",
+        sc.ATTR_STATUS_CODE: 200 if outcome == "ok" else 502,
+    }
     router.record_root(tid, None, t0, end, outcome, attrs)
 
 
@@ -161,12 +182,23 @@ def bench_grid(rng: random.Random) -> list[dict]:
         for input_len in (128, 1024):
             for qps in (1.0, 2.0, 4.0):
                 f = (0.8 if mode == "push" else 1.0) * (1 + input_len / 1024) * (1 + qps / 8)
-                rows.append({
-                    "mode": mode, "dispatch": "overlapped" if mode == "push" else "sequential",
-                    "qps": qps, "input_len": input_len, "output_len": 16, "num_prompts": 20,
-                    "completed": 20, "failed": 0,
-                    "ttft_mean_s": 0.08 * f, "ttft_p50_s": 0.075 * f, "ttft_p99_s": 0.15 * f,
-                    "tpot_mean_s": 0.012 * (1 + qps / 10), "handoff_p50_s": 0.004 * f,
-                    "handoff_p99_s": 0.009 * f, "req_per_s": qps * 0.98,
-                })
+                rows.append(
+                    {
+                        "mode": mode,
+                        "dispatch": "overlapped" if mode == "push" else "sequential",
+                        "qps": qps,
+                        "input_len": input_len,
+                        "output_len": 16,
+                        "num_prompts": 20,
+                        "completed": 20,
+                        "failed": 0,
+                        "ttft_mean_s": 0.08 * f,
+                        "ttft_p50_s": 0.075 * f,
+                        "ttft_p99_s": 0.15 * f,
+                        "tpot_mean_s": 0.012 * (1 + qps / 10),
+                        "handoff_p50_s": 0.004 * f,
+                        "handoff_p99_s": 0.009 * f,
+                        "req_per_s": qps * 0.98,
+                    }
+                )
     return rows

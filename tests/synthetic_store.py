@@ -20,15 +20,20 @@ from store_fixture import record_requests, save_bench
 ENGINES = {"router": None, "prefill": "p0", "decode": "d0"}
 
 
-def build(store_name: Any, cfg: dict, base_ns: int, *, n_per_mode: int = 12, seed: int = 11,
-          span_s: float = 600.0) -> dict[str, list[str]]:
+def build(
+    store_name: Any, cfg: dict, base_ns: int, *, n_per_mode: int = 12, seed: int = 11, span_s: float = 600.0
+) -> dict[str, list[str]]:
     """Record ``n_per_mode`` push and pull requests starting at ``base_ns``
     over ``span_s`` seconds into the store ``cfg`` writes (``store_name``
     names it, for the bench rows); return the trace ids by mode."""
     rng = random.Random(seed)
-    recs = {(r, m): Recorder(role=r, mode=m, engine_id=e,
-                             pipeline_factory=provider_factory(role=r, mode=m, engine_id=e, config=cfg))
-            for r, e in ENGINES.items() for m in ("push", "pull")}
+    recs = {
+        (r, m): Recorder(
+            role=r, mode=m, engine_id=e, pipeline_factory=provider_factory(role=r, mode=m, engine_id=e, config=cfg)
+        )
+        for r, e in ENGINES.items()
+        for m in ("push", "pull")
+    }
     ids = record_requests(recs, rng, base_ns, n_per_mode, span_s, seeded_ids=True)
     # Settle every trace once more with all of them stored: the writer settles
     # each batch against the pair's window as it stands then, so a trace

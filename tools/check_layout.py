@@ -150,14 +150,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def upward_imports(graph: dict[str, set[str]], order: list[str]) -> list[str]:
     """Imports of a module from a folder above its own in ``order`` (bottom first)."""
     rank = {pkg: i for i, pkg in enumerate(order)}
-    return [f"{m} -> {t}" for m, ts in graph.items() for t in sorted(ts)
-            if rank[t.split(".")[0]] > rank[m.split(".")[0]]]
+    return [
+        f"{m} -> {t}" for m, ts in graph.items() for t in sorted(ts) if rank[t.split(".")[0]] > rank[m.split(".")[0]]
+    ]
 
 
 def plugin_imports(graph: dict[str, set[str]]) -> list[str]:
     """Imports of the vLLM plug-in from outside it."""
-    return [f"{m} -> {t}" for m, ts in graph.items() for t in sorted(ts)
-            if t.split(".")[0] == PLUGIN and m.split(".")[0] != PLUGIN]
+    return [
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        for t in sorted(ts)
+        if t.split(".")[0] == PLUGIN and m.split(".")[0] != PLUGIN
+    ]
 
 
 def sql_outside_store(mods: dict[str, Path]) -> list[str]:
@@ -177,16 +182,24 @@ def id_parsing_outside_ids(mods: dict[str, Path]) -> list[str]:
         if m == "kvrecord.ids":
             continue
         for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("compile", "match", "search", "fullmatch"):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in (
+                "compile",
+                "match",
+                "search",
+                "fullmatch",
+            ):
                 for a in node.args[:1]:
-                    if isinstance(a, ast.Constant) and isinstance(a.value, str) and any(p in a.value for p in _ID_PATTERNS):
+                    if (
+                        isinstance(a, ast.Constant)
+                        and isinstance(a.value, str)
+                        and any(p in a.value for p in _ID_PATTERNS)
+                    ):
                         out.append(f"{_rel(f)}:{node.lineno}")
     return out
 
 
 def big_files(mods: dict[str, Path]) -> list[str]:
-    return [f"{_rel(f)}: {n} lines" for f in mods.values()
-            if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES]
+    return [f"{_rel(f)}: {n} lines" for f in mods.values() if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES]
 
 
 def long_functions(mods: dict[str, Path]) -> list[str]:

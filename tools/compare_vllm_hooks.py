@@ -18,8 +18,11 @@ from pathlib import Path
 
 NIXL = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/"
 #: dataclass fields the hooks read besides the hook points (file, class, field)
-FIELDS = (("tp_mapping.py", "ReadSpec", "remote_rank"), ("metadata.py", "RemoteMeta", "request_id"),
-          ("metadata.py", "ReqMeta", "remote"))
+FIELDS = (
+    ("tp_mapping.py", "ReadSpec", "remote_rank"),
+    ("metadata.py", "RemoteMeta", "request_id"),
+    ("metadata.py", "ReqMeta", "remote"),
+)
 
 
 def _classes(sources: dict[str, str]) -> dict[str, ast.ClassDef]:
@@ -57,7 +60,7 @@ def _fields(classes: dict[str, ast.ClassDef], cls: str) -> set[str]:
 
 def _wheel_sources(path: str) -> dict[str, str]:
     with zipfile.ZipFile(path) as z:
-        return {n[len(NIXL):]: z.read(n).decode() for n in z.namelist() if n.startswith(NIXL) and n.endswith(".py")}
+        return {n[len(NIXL) :]: z.read(n).decode() for n in z.namelist() if n.startswith(NIXL) and n.endswith(".py")}
 
 
 def _installed_sources() -> dict[str, str]:

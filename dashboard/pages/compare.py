@@ -55,12 +55,15 @@ def bench_grid(cfg: ui.Config) -> bool:
         st.info("The selected run has no rows.")
         return True
     show = ms_text(bench_display(df))
-    st.dataframe(ui.table_view(show, ms_formats(show)), hide_index=True, width="stretch",
-                 column_config=ms_columns(show))
-    st.caption("Times in ms. Ratio columns: push ÷ pull for the same input length, output length and QPS "
-               "(< 1: push is faster), on the push rows. 95% CI: the bootstrap interval of the p50 ratio over "
-               "the cell's requests and rounds; a side is lower only where the interval excludes 1, otherwise "
-               "the verdict is \"no resolvable difference\". -: no figure (see each column's ?).")
+    st.dataframe(
+        ui.table_view(show, ms_formats(show)), hide_index=True, width="stretch", column_config=ms_columns(show)
+    )
+    st.caption(
+        "Times in ms. Ratio columns: push ÷ pull for the same input length, output length and QPS "
+        "(< 1: push is faster), on the push rows. 95% CI: the bootstrap interval of the p50 ratio over "
+        "the cell's requests and rounds; a side is lower only where the interval excludes 1, otherwise "
+        'the verdict is "no resolvable difference". -: no figure (see each column\'s ?).'
+    )
     with st.expander("All columns of this run"):
         st.dataframe(ui.table_view(df), hide_index=True, width="stretch")
     st.altair_chart(charts.bench_chart(df))
@@ -91,19 +94,37 @@ def live_window(cfg: ui.Config) -> None:
     modes = ms_text(show.iloc[:2])  # ms to the digits they carry; the push÷pull row stays a ratio
     if len(show) == 3:  # the ratio row: two decimals, whatever the column
         show = ui.table_view(modes, fmts).pipe(
-            lambda t: pd.concat([t, ui.table_view(show.iloc[2:], {c: ".2f" for c in show.columns[1:]})]))
+            lambda t: pd.concat([t, ui.table_view(show.iloc[2:], {c: ".2f" for c in show.columns[1:]})])
+        )
     else:
         show = ui.table_view(modes, fmts)
-    st.dataframe(show, hide_index=True, width="stretch",
-                 column_config={"TPOT mean (ms)": st.column_config.TextColumn(
-                     "TPOT mean (ms)", help="-: the trace store records no per-request TPOT (see the grid above)")})
+    st.dataframe(
+        show,
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "TPOT mean (ms)": st.column_config.TextColumn(
+                "TPOT mean (ms)", help="-: the trace store records no per-request TPOT (see the grid above)"
+            )
+        },
+    )
     st.caption("Last row: push ÷ pull (< 1: push is lower). -: no figure in this window.")
 
 
 def bench_display(df: pd.DataFrame) -> pd.DataFrame:
     """The grid table: mode, input length, QPS, TTFT, TPOT, handoff (ms), then push÷pull ratios."""
-    keep = ["mode", "dispatch", "input_len", "qps", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s",
-            "handoff_p50_s", "handoff_p99_s"]
+    keep = [
+        "mode",
+        "dispatch",
+        "input_len",
+        "qps",
+        "ttft_mean_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_mean_s",
+        "handoff_p50_s",
+        "handoff_p99_s",
+    ]
     out = df[keep].copy()
     for c in keep[4:]:
         out[c] = out[c] * 1e3
@@ -163,19 +184,27 @@ def ms_columns(df: pd.DataFrame) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
     for c in df.columns:
         if "÷" in c:
-            cfg[c] = st.column_config.TextColumn(c, help="push ÷ pull of the same cell, on the push row; "
-                                                 "-: on pull rows, or a side has no figure")
+            cfg[c] = st.column_config.TextColumn(
+                c, help="push ÷ pull of the same cell, on the push row; -: on pull rows, or a side has no figure"
+            )
         elif c.startswith("TPOT"):
             cfg[c] = st.column_config.TextColumn(c, help="-: unknown (every token of the cell arrived together)")
         elif c.endswith("95% CI"):
-            cfg[c] = st.column_config.TextColumn(c, help="95% bootstrap interval of the push ÷ pull p50 ratio, over "
-                                                 "the cell's rounds and requests; -: pull rows, or not enough data")
+            cfg[c] = st.column_config.TextColumn(
+                c,
+                help="95% bootstrap interval of the push ÷ pull p50 ratio, over "
+                "the cell's rounds and requests; -: pull rows, or not enough data",
+            )
         elif c.endswith("verdict"):
-            cfg[c] = st.column_config.TextColumn(c, help="push/pull lower: the interval excludes 1; no resolvable "
-                                                 "difference: it contains 1; not enough data: under 2 requests a side")
+            cfg[c] = st.column_config.TextColumn(
+                c,
+                help="push/pull lower: the interval excludes 1; no resolvable "
+                "difference: it contains 1; not enough data: under 2 requests a side",
+            )
         elif c == "rounds":
-            cfg[c] = st.column_config.TextColumn(c, help="rounds pooled (kvlens bench --repeat); -: a run saved "
-                                                 "before intervals were recorded")
+            cfg[c] = st.column_config.TextColumn(
+                c, help="rounds pooled (kvlens bench --repeat); -: a run saved before intervals were recorded"
+            )
     return cfg
 
 

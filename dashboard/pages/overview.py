@@ -65,8 +65,10 @@ def from_store(cfg: ui.Config, range_key: str) -> tuple | None:
         return None
     if not len(df):
         if info["traces"]:
-            st.info(f"No traces in the last {range_key} (the newest started {ui.fmt_ts(info['last_ns'])}). "
-                    "Pick a wider time range.")
+            st.info(
+                f"No traces in the last {range_key} (the newest started {ui.fmt_ts(info['last_ns'])}). "
+                "Pick a wider time range."
+            )
         return None
     if len(df) >= D.WINDOW_LIMIT:
         st.caption(f"Figures over the newest {D.WINDOW_LIMIT:,} requests of the range.")
@@ -92,8 +94,10 @@ def body(cfg: ui.Config, range_key: str) -> None:
     if got is None:
         return
     stats, phases, hist, source = got
-    st.caption(f"Source: {source}. Updated {datetime.now().strftime('%H:%M:%S')}. "
-               "Handoff = prefill.finished (P) → kv.ready (D).")
+    st.caption(
+        f"Source: {source}. Updated {datetime.now().strftime('%H:%M:%S')}. "
+        "Handoff = prefill.finished (P) → kv.ready (D)."
+    )
     crit = phases[phases["path"] == D.CRITICAL] if len(phases) else phases
     tot = crit.groupby("mode")["seconds"].sum() if len(crit) else pd.Series(dtype=float)
     ph_max = float(tot.max()) if len(tot) else None  # one x scale: push and pull bars compare
@@ -116,15 +120,21 @@ def row_units(stats: dict[str, D.ModeStats]) -> dict[str, tuple[str, float]]:
     """One time unit per row of cards, chosen from push's and pull's figures
     together, so that the two columns read across (``handoff``, ``ttft``)."""
     ms = [s for s in stats.values() if s.requests]
-    return {"handoff": ui.time_unit([v for s in ms for v in s.handoff.values()]),
-            "ttft": ui.time_unit([v for s in ms for v in (s.ttft.get("p50"), s.ttft.get("p99"), s.tpot_mean)])}
+    return {
+        "handoff": ui.time_unit([v for s in ms for v in s.handoff.values()]),
+        "ttft": ui.time_unit([v for s in ms for v in (s.ttft.get("p50"), s.ttft.get("p99"), s.tpot_mean)]),
+    }
 
 
-HANDOFF_HELP = ("Handoff = prefill.finished (P) → kv.ready (D), {src}. "
-                "Percentiles of the requests whose handoff is known; the links below list their traces.")
-DROPPED_HELP = ("Spans kvlens lost in this range, all processes, by reason: buffer_full (recorder buffer), "
-                "queue_full (export queue), store (trace store locked or unwritable), export_failed (OTLP), "
-                "shutdown (still queued at exit). Increase of kvlens_telemetry_dropped_total.")
+HANDOFF_HELP = (
+    "Handoff = prefill.finished (P) → kv.ready (D), {src}. "
+    "Percentiles of the requests whose handoff is known; the links below list their traces."
+)
+DROPPED_HELP = (
+    "Spans kvlens lost in this range, all processes, by reason: buffer_full (recorder buffer), "
+    "queue_full (export queue), store (trace store locked or unwritable), export_failed (OTLP), "
+    "shutdown (still queued at exit). Increase of kvlens_telemetry_dropped_total."
+)
 
 
 #: Where a mode's TTFT cards come from (``ModeStats.ttft_source``), in words.
@@ -136,9 +146,9 @@ TTFT_SOURCE_WORDS = {
 TTFT_HELP = {
     "router": "Time to first token as the client sees it (kvlens' router: request in → first token out).",
     "engines": "Time to first token the engines prove without kvlens' router: P's arrival → D's first token, "
-               "corrected for the P/D clock offset; it leaves out the router's own time.",
+    "corrected for the P/D clock offset; it leaves out the router's own time.",
     "engines+router": "Client-seen TTFT where kvlens' router measured it, else the engines' own "
-                      "(P's arrival → D's first token).",
+    "(P's arrival → D's first token).",
 }
 
 
@@ -165,9 +175,16 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tu
     bad = {k: v for k, v in s.outcomes.items() if k != sc.Outcome.OK.value}
     b.metric("ok", ui.fmt_n(s.outcomes.get(sc.Outcome.OK.value)), help="Requests that completed.")
     b.caption(" · ".join(f"{k} {ui.fmt_n(v)}" for k, v in bad.items()))
-    c.metric("lost spans", ui.fmt_n(s.dropped),
-             help=DROPPED_HELP + ("" if s.dropped is not None else " Shown with --prometheus only: the trace "
-                                  "store cannot count what never reached it."))
+    c.metric(
+        "lost spans",
+        ui.fmt_n(s.dropped),
+        help=DROPPED_HELP
+        + (
+            ""
+            if s.dropped is not None
+            else " Shown with --prometheus only: the trace store cannot count what never reached it."
+        ),
+    )
     if s.dropped_by_reason:
         c.caption(" · ".join(f"{k} {ui.fmt_n(v)}" for k, v in sorted(s.dropped_by_reason.items())))
     missing = [n for n, v in (("TPOT", s.tpot_mean), ("lost spans", s.dropped)) if v is None]
@@ -178,16 +195,22 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tu
     for lc, (name, v) in zip(links, s.handoff.items()):
         if v is not None:
             # a short label: "≥ p50 traces" is cut in a column at 1280 px
-            lc.page_link(TRACES_PAGE, label=f"≥ {name}", icon=":material/search:",
-                         help=f"The traces with a handoff ≥ the {name} ({ui.fmt_ms(v)} ms).",
-                         query_params={"mode": mode, "min_handoff": f"{v:.6g}"})
+            lc.page_link(
+                TRACES_PAGE,
+                label=f"≥ {name}",
+                icon=":material/search:",
+                help=f"The traces with a handoff ≥ the {name} ({ui.fmt_ms(v)} ms).",
+                query_params={"mode": mode, "min_handoff": f"{v:.6g}"},
+            )
 
 
-PAIR_HELP = ("One row per (mode, P engine, D engine), slowest handoff p50 first within a mode, over this "
-             "range's traces in the trace store. ±: the median clock bound of the pair's handoffs (it decides "
-             "the digits shown). × fastest: this pair's handoff p50 over the fastest pair's of the same mode. "
-             "D − P clock: the window the store bounds D's clock minus P's to, for the pair's newest trace "
-             "(each pair has its own; a window without 0 means D's spans were moved onto P's clock).")
+PAIR_HELP = (
+    "One row per (mode, P engine, D engine), slowest handoff p50 first within a mode, over this "
+    "range's traces in the trace store. ±: the median clock bound of the pair's handoffs (it decides "
+    "the digits shown). × fastest: this pair's handoff p50 over the fastest pair's of the same mode. "
+    "D − P clock: the window the store bounds D's clock minus P's to, for the pair's newest trace "
+    "(each pair has its own; a window without 0 means D's spans were moved onto P's clock)."
+)
 
 
 def pair_view(cfg: ui.Config, range_key: str) -> None:
@@ -207,29 +230,37 @@ def pair_view(cfg: ui.Config, range_key: str) -> None:
     if not len(df):
         return
     st.subheader("Handoff per (P, D) pair", help=PAIR_HELP)
-    show = pd.DataFrame({
-        "mode": df["mode"], "pair": df["pair"], "requests": df["requests"],
-        "handoff p50 (ms)": [ui.fmt_ms(h, e) for h, e in zip(df["handoff_p50_s"], df["err_p50_s"])],
-        "handoff p90 (ms)": [ui.fmt_ms(h, e) for h, e in zip(df["handoff_p90_s"], df["err_p50_s"])],
-        "± (ms)": [ui.fmt_err_ms(e) for e in df["err_p50_s"]],
-        "× fastest": df["vs_best"],
-        "TTFT p50 (ms)": [ui.fmt_ms(t) for t in df["ttft_p50_s"]],
-        "D − P clock (ms)": [pairs.clock_window_text(lo, hi) for lo, hi in zip(df["clock_lo_s"], df["clock_hi_s"])],
-        "traces": df["link"],
-    })
+    show = pd.DataFrame(
+        {
+            "mode": df["mode"],
+            "pair": df["pair"],
+            "requests": df["requests"],
+            "handoff p50 (ms)": [ui.fmt_ms(h, e) for h, e in zip(df["handoff_p50_s"], df["err_p50_s"])],
+            "handoff p90 (ms)": [ui.fmt_ms(h, e) for h, e in zip(df["handoff_p90_s"], df["err_p50_s"])],
+            "± (ms)": [ui.fmt_err_ms(e) for e in df["err_p50_s"]],
+            "× fastest": df["vs_best"],
+            "TTFT p50 (ms)": [ui.fmt_ms(t) for t in df["ttft_p50_s"]],
+            "D − P clock (ms)": [pairs.clock_window_text(lo, hi) for lo, hi in zip(df["clock_lo_s"], df["clock_hi_s"])],
+            "traces": df["link"],
+        }
+    )
     text = st.column_config.TextColumn
     for line in standouts(df):
         st.markdown(line)
-    st.dataframe(ui.table_view(show, {"× fastest": "{:.3g}×"}), hide_index=True, width="stretch",
-                 height=min(38 + 35 * len(show), 360),
-                 column_config={
-                     "handoff p50 (ms)": text("handoff p50 (ms)", help="-: no known handoff for this pair"),
-                     "± (ms)": text("± (ms)", help="median clock bound of the pair's handoffs; -: none known"),
-                     "× fastest": text("× fastest", help="handoff p50 ÷ the fastest pair's of this mode"),
-                     "TTFT p50 (ms)": text("TTFT p50 (ms)", help="-: no request of the pair has a TTFT"),
-                     "D − P clock (ms)": text("D − P clock (ms)", help="-: no clock window for this pair yet"),
-                     "traces": st.column_config.LinkColumn("traces", display_text="open"),
-                 })
+    st.dataframe(
+        ui.table_view(show, {"× fastest": "{:.3g}×"}),
+        hide_index=True,
+        width="stretch",
+        height=min(38 + 35 * len(show), 360),
+        column_config={
+            "handoff p50 (ms)": text("handoff p50 (ms)", help="-: no known handoff for this pair"),
+            "± (ms)": text("± (ms)", help="median clock bound of the pair's handoffs; -: none known"),
+            "× fastest": text("× fastest", help="handoff p50 ÷ the fastest pair's of this mode"),
+            "TTFT p50 (ms)": text("TTFT p50 (ms)", help="-: no request of the pair has a TTFT"),
+            "D − P clock (ms)": text("D − P clock (ms)", help="-: no clock window for this pair yet"),
+            "traces": st.column_config.LinkColumn("traces", display_text="open"),
+        },
+    )
 
 
 #: A pair whose handoff p50 is this many times its mode's fastest pair's is named above the table.
@@ -242,19 +273,29 @@ def standouts(df: pd.DataFrame) -> list[str]:
     for r in df.itertuples():
         others = df[(df["mode"] == r.mode) & (df["pair"] != r.pair)]
         if len(others) and pd.notna(r.vs_best) and r.vs_best >= STANDOUT:
-            out.append(f":material/warning: **{r.mode} {r.pair}**: handoff p50 {ui.fmt_ms(r.handoff_p50_s, r.err_p50_s)}"
-                       f" ms, {r.vs_best:.3g}× the fastest {r.mode} pair's.")
+            out.append(
+                f":material/warning: **{r.mode} {r.pair}**: handoff p50 {ui.fmt_ms(r.handoff_p50_s, r.err_p50_s)}"
+                f" ms, {r.vs_best:.3g}× the fastest {r.mode} pair's."
+            )
     return out
 
 
-WORDS_HELP = ("Shares of the summed handoff time (prefill.finished → kv.ready) of this range's completed requests; "
-              "each stretch of a handoff counts once, for the phase that started last over it. Unattributed: "
-              "no phase names it (median per request in brackets). The same line as `kvlens traces`; "
-              "the unnamed gaps are listed by `kvlens traces --breakdown`.")
+WORDS_HELP = (
+    "Shares of the summed handoff time (prefill.finished → kv.ready) of this range's completed requests; "
+    "each stretch of a handoff counts once, for the phase that started last over it. Unattributed: "
+    "no phase names it (median per request in brackets). The same line as `kvlens traces`; "
+    "the unnamed gaps are listed by `kvlens traces --breakdown`."
+)
 
 
-def mode_charts(mode: str, phases: pd.DataFrame, hist: pd.DataFrame, ph_max: float | None,
-                h_max: float | None, words: str | None = None) -> None:
+def mode_charts(
+    mode: str,
+    phases: pd.DataFrame,
+    hist: pd.DataFrame,
+    ph_max: float | None,
+    h_max: float | None,
+    words: str | None = None,
+) -> None:
     """One mode's handoff histogram, what dominates its handoff in words, and
     its per-phase bars (critical path, then overlap)."""
     if hist is not None and len(hist[hist["mode"] == mode]):
@@ -266,11 +307,17 @@ def mode_charts(mode: str, phases: pd.DataFrame, hist: pd.DataFrame, ph_max: flo
     if words:
         st.markdown(f"**Where the handoff goes.** {words}", help=WORDS_HELP)
     if (mine["path"] == D.CRITICAL).any():
-        st.altair_chart(charts.phase_chart(phases, mode, D.CRITICAL, ph_max,
-                                           "critical path by phase (prefill.finished → kv.ready)"), width="stretch")
+        st.altair_chart(
+            charts.phase_chart(
+                phases, mode, D.CRITICAL, ph_max, "critical path by phase (prefill.finished → kv.ready)"
+            ),
+            width="stretch",
+        )
     if (mine["path"] == D.OVERLAP).any():
-        st.altair_chart(charts.phase_chart(phases, mode, D.OVERLAP, None,
-                                           "overlapped with prefill (off the critical path)"), width="stretch")
+        st.altair_chart(
+            charts.phase_chart(phases, mode, D.OVERLAP, None, "overlapped with prefill (off the critical path)"),
+            width="stretch",
+        )
     else:
         st.caption("Nothing overlaps prefill: every phase starts after prefill.finished.")
 

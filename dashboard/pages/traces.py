@@ -25,13 +25,31 @@ from kvrecord import semconv as sc
 ROLE_WORD = {sc.Role.PREFILL.value: "P", sc.Role.DECODE.value: "D"}
 
 #: Query param -> the widget key it pre-sets.
-QUERY_KEYS = {"mode": "tr_mode", "outcome": "tr_outcome", "range": "tr_range", "min_handoff": "tr_min",
-              "max_handoff": "tr_max", "n": "tr_n", "order": "tr_order", "trace": "tr_trace",
-              "p_engine": "tr_p", "d_engine": "tr_d"}
+QUERY_KEYS = {
+    "mode": "tr_mode",
+    "outcome": "tr_outcome",
+    "range": "tr_range",
+    "min_handoff": "tr_min",
+    "max_handoff": "tr_max",
+    "n": "tr_n",
+    "order": "tr_order",
+    "trace": "tr_trace",
+    "p_engine": "tr_p",
+    "d_engine": "tr_d",
+}
 #: Filter defaults (kept in session state, not in the widgets' value=, so that
 #: query params can pre-set any of them without Streamlit's double-default warning).
-DEFAULTS = {"tr_mode": "any", "tr_outcome": "any", "tr_range": "all", "tr_min": None, "tr_max": None,
-            "tr_n": 50, "tr_order": "handoff", "tr_p": "any", "tr_d": "any"}
+DEFAULTS = {
+    "tr_mode": "any",
+    "tr_outcome": "any",
+    "tr_range": "all",
+    "tr_min": None,
+    "tr_max": None,
+    "tr_n": 50,
+    "tr_order": "handoff",
+    "tr_p": "any",
+    "tr_d": "any",
+}
 
 
 def main() -> None:
@@ -46,9 +64,22 @@ def main() -> None:
     if not ok:
         return
     f = filters(pairs)
-    ok, df = ui.guarded(cfg, lambda: L.load_slowest(
-        cfg.store, f["n"], _any(f["mode"]), _any(f["outcome"]), f["range"], L.now_bucket(f["range"]),
-        f["min_h"], f["max_h"], f["order"], _any(f["p"]), _any(f["d"])))
+    ok, df = ui.guarded(
+        cfg,
+        lambda: L.load_slowest(
+            cfg.store,
+            f["n"],
+            _any(f["mode"]),
+            _any(f["outcome"]),
+            f["range"],
+            L.now_bucket(f["range"]),
+            f["min_h"],
+            f["max_h"],
+            f["order"],
+            _any(f["p"]),
+            _any(f["d"]),
+        ),
+    )
     if not ok:
         return
     if not len(df):
@@ -115,16 +146,26 @@ def filters(pairs: list[tuple[str | None, str | None]]) -> dict[str, Any]:
         "mode": f[0].selectbox("Mode", ["any", *D.MODES], key="tr_mode"),
         "outcome": f[1].selectbox("Outcome", ["any", *D.OUTCOMES], key="tr_outcome"),
         "range": f[2].selectbox("Started in the last", list(D.TIME_RANGES), key="tr_range"),
-        "min_h": f[3].number_input("Min handoff (s)", min_value=0.0, value=None, step=0.001, format="%.4f",
-                                   key="tr_min"),
-        "max_h": f[4].number_input("Max handoff (s)", min_value=0.0, value=None, step=0.001, format="%.4f",
-                                   key="tr_max"),
+        "min_h": f[3].number_input(
+            "Min handoff (s)", min_value=0.0, value=None, step=0.001, format="%.4f", key="tr_min"
+        ),
+        "max_h": f[4].number_input(
+            "Max handoff (s)", min_value=0.0, value=None, step=0.001, format="%.4f", key="tr_max"
+        ),
         "n": int(f[5].number_input("Show N", min_value=1, max_value=500, step=10, key="tr_n")),
         "order": g[0].radio("Order by", ["handoff", "ttft"], horizontal=True, key="tr_order"),
-        "p": g[1].selectbox("P engine", engine_options(pairs, 0, "tr_p"), key="tr_p",
-                            help="Only the traces this prefill instance served (engine id)."),
-        "d": g[2].selectbox("D engine", engine_options(pairs, 1, "tr_d"), key="tr_d",
-                            help="Only the traces this decode instance served (engine id)."),
+        "p": g[1].selectbox(
+            "P engine",
+            engine_options(pairs, 0, "tr_p"),
+            key="tr_p",
+            help="Only the traces this prefill instance served (engine id).",
+        ),
+        "d": g[2].selectbox(
+            "D engine",
+            engine_options(pairs, 1, "tr_d"),
+            key="tr_d",
+            help="Only the traces this decode instance served (engine id).",
+        ),
     }
 
 
@@ -134,22 +175,45 @@ def slowest_table(df: pd.DataFrame) -> None:
     show = df.assign(
         started_utc=pd.to_datetime(df["start_ns"], unit="ns").dt.strftime("%Y-%m-%d %H:%M:%S"),
         handoff_ms=[ui.fmt_ms(h, e) for h, e in zip(df["handoff_s"], df["handoff_err_s"])],
-        err_ms=[ui.fmt_err_ms(e) for e in df["handoff_err_s"]], ttft_ms=[ui.fmt_ms(t) for t in df["ttft_s"]],
+        err_ms=[ui.fmt_err_ms(e) for e in df["handoff_err_s"]],
+        ttft_ms=[ui.fmt_ms(t) for t in df["ttft_s"]],
         pair=[pair_label(p, d) for p, d in zip(df["p_engine"], df["d_engine"])],
-    )[["trace_id", "mode", "dispatch", "outcome", "handoff_ms", "err_ms", "ttft_ms", "pair", "n_spans",
-       "started_utc", "request_id", "handoff_note"]]
+    )[
+        [
+            "trace_id",
+            "mode",
+            "dispatch",
+            "outcome",
+            "handoff_ms",
+            "err_ms",
+            "ttft_ms",
+            "pair",
+            "n_spans",
+            "started_utc",
+            "request_id",
+            "handoff_note",
+        ]
+    ]
     text = st.column_config.TextColumn
-    st.dataframe(ui.table_view(show, {"n_spans": ",.0f"}),
-                 hide_index=True, width="stretch", height=min(38 + 35 * len(show), 320),
-                 column_config={"handoff_ms": text("handoff (ms)", help="to the digits its ± supports; -: no kv.ready "
-                                                   "(the request failed first) or P/D clocks not bounded; see note"),
-                                "err_ms": text("± (ms)", help="bound from the P/D clock offset interval; "
-                                               "-: no handoff or no bound"),
-                                "ttft_ms": text("TTFT (ms)", help="-: no first token (the request failed)"),
-                                "pair": text("P → D", help="the engines that served it (?: not recorded)"),
-                                "n_spans": text("spans"),
-                                "request_id": text("request_id", help="-: the router saw no request id"),
-                                "handoff_note": text("note", help="why a handoff is unknown; -: nothing to note")})
+    st.dataframe(
+        ui.table_view(show, {"n_spans": ",.0f"}),
+        hide_index=True,
+        width="stretch",
+        height=min(38 + 35 * len(show), 320),
+        column_config={
+            "handoff_ms": text(
+                "handoff (ms)",
+                help="to the digits its ± supports; -: no kv.ready "
+                "(the request failed first) or P/D clocks not bounded; see note",
+            ),
+            "err_ms": text("± (ms)", help="bound from the P/D clock offset interval; -: no handoff or no bound"),
+            "ttft_ms": text("TTFT (ms)", help="-: no first token (the request failed)"),
+            "pair": text("P → D", help="the engines that served it (?: not recorded)"),
+            "n_spans": text("spans"),
+            "request_id": text("request_id", help="-: the router saw no request id"),
+            "handoff_note": text("note", help="why a handoff is unknown; -: nothing to note"),
+        },
+    )
 
 
 def pick_trace(df: pd.DataFrame) -> str:
@@ -169,8 +233,11 @@ def pick_trace(df: pd.DataFrame) -> str:
         if tid not in info:
             return f"{tid[:12]}…  (from the link; not in the list above)"
         r = info[tid]
-        h = ui.fmt_handoff(r.handoff_s, r.handoff_err_s, r.handoff_note) if pd.notna(r.handoff_s) or r.handoff_note \
+        h = (
+            ui.fmt_handoff(r.handoff_s, r.handoff_err_s, r.handoff_note)
+            if pd.notna(r.handoff_s) or r.handoff_note
             else "no handoff"
+        )
         return f"{tid[:12]}…  {r.mode}  {r.outcome}  handoff {h}"
 
     return st.selectbox("Trace", ids, format_func=label, key="tr_trace")
@@ -178,14 +245,26 @@ def pick_trace(df: pd.DataFrame) -> str:
 
 def sync_url(f: dict[str, Any], tid: str) -> None:
     """Keep the URL in step with the filters, so the view can be shared."""
-    st.query_params.from_dict({k: v for k, v in {
-        "page": "traces", "mode": None if f["mode"] == "any" else f["mode"],
-        "outcome": None if f["outcome"] == "any" else f["outcome"], "range": f["range"],
-        "min_handoff": None if f["min_h"] is None else f"{f['min_h']:.6g}",
-        "max_handoff": None if f["max_h"] is None else f"{f['max_h']:.6g}", "p_engine": _any(f["p"]),
-        "d_engine": _any(f["d"]), "trace": tid}.items() if v is not None})
-    st.session_state["_tr_applied"] = tuple(sorted(
-        (k, v) for k, v in st.query_params.to_dict().items() if k in QUERY_KEYS))
+    st.query_params.from_dict(
+        {
+            k: v
+            for k, v in {
+                "page": "traces",
+                "mode": None if f["mode"] == "any" else f["mode"],
+                "outcome": None if f["outcome"] == "any" else f["outcome"],
+                "range": f["range"],
+                "min_handoff": None if f["min_h"] is None else f"{f['min_h']:.6g}",
+                "max_handoff": None if f["max_h"] is None else f"{f['max_h']:.6g}",
+                "p_engine": _any(f["p"]),
+                "d_engine": _any(f["d"]),
+                "trace": tid,
+            }.items()
+            if v is not None
+        }
+    )
+    st.session_state["_tr_applied"] = tuple(
+        sorted((k, v) for k, v in st.query_params.to_dict().items() if k in QUERY_KEYS)
+    )
 
 
 def trace_view(cfg: ui.Config, tid: str) -> None:
@@ -198,28 +277,44 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
         st.info("This trace has no spans in the store.")
         return
     trace_cards(rec)
-    st.caption(f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
-               f"P → D `{pair_label(rec.get('p_engine'), rec.get('d_engine'))}` · {ui.clock_caption(rec)} "
-               "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases.")
+    st.caption(
+        f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
+        f"P → D `{pair_label(rec.get('p_engine'), rec.get('d_engine'))}` · {ui.clock_caption(rec)} "
+        "Red outline: on the critical path (prefill.finished → kv.ready); ◆ point phases."
+    )
     use = rec.get("kv_use") or {}
     if use.get("recomputed"):
-        st.warning(f"D computed {use['recomputed_tokens']:,} prompt tokens itself at its first step, more than the "
-                   "last partial block: the KV that moved was not used (counted in kvlens_kv_recomputed_total).")
+        st.warning(
+            f"D computed {use['recomputed_tokens']:,} prompt tokens itself at its first step, more than the "
+            "last partial block: the KV that moved was not used (counted in kvlens_kv_recomputed_total)."
+        )
     per_rank = rank_controls(rec)
-    st.altair_chart(charts.waterfall_chart(
-        spans, rec["critical_ms"], ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]),
-        per_rank=per_rank), width="stretch")
+    st.altair_chart(
+        charts.waterfall_chart(
+            spans,
+            rec["critical_ms"],
+            ui.fmt_handoff(rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]),
+            per_rank=per_rank,
+        ),
+        width="stretch",
+    )
     st.dataframe(
         ui.table_view(span_rows(spans, rec["handoff_err_s"])),
-        hide_index=True, width="stretch",
-        column_config={"start_ms": st.column_config.TextColumn(
-                           "start (ms)", help="from the trace's start; D's spans to the digits the handoff's ± supports, "
-                           "the others to 0.1 ms"),
-                       "duration_ms": st.column_config.TextColumn("duration (ms)", help="on one clock: 3 significant "
-                                                                  "digits, whole ms at least"),
-                       "outcome": st.column_config.TextColumn("outcome", help="-: a point phase has no outcome"),
-                       "rank": st.column_config.TextColumn("rank", help="the TP rank whose worker recorded it; "
-                                                           "-: a scheduler-side phase")},
+        hide_index=True,
+        width="stretch",
+        column_config={
+            "start_ms": st.column_config.TextColumn(
+                "start (ms)",
+                help="from the trace's start; D's spans to the digits the handoff's ± supports, the others to 0.1 ms",
+            ),
+            "duration_ms": st.column_config.TextColumn(
+                "duration (ms)", help="on one clock: 3 significant digits, whole ms at least"
+            ),
+            "outcome": st.column_config.TextColumn("outcome", help="-: a point phase has no outcome"),
+            "rank": st.column_config.TextColumn(
+                "rank", help="the TP rank whose worker recorded it; -: a scheduler-side phase"
+            ),
+        },
     )
 
 
@@ -235,12 +330,15 @@ def rank_controls(rec: dict[str, Any]) -> bool:
     sides = ", ".join(f"{ROLE_WORD.get(role, role)} {n} ranks" for role, n in sorted(tp.items()))
     lines = [f"Tensor parallel: {sides}."]
     for x in info.get("stragglers") or ():
-        lines.append(f"Straggler: {ROLE_WORD.get(x['role'], x['role'])} rank {x['rank']} finished `{x['phase']}` "
-                     f"last, {ui.fmt_ms(x['lag_s'])} ms after rank {x['first_rank']} ({x['ranks']} ranks; "
-                     "the request waits for the last).")
+        lines.append(
+            f"Straggler: {ROLE_WORD.get(x['role'], x['role'])} rank {x['rank']} finished `{x['phase']}` "
+            f"last, {ui.fmt_ms(x['lag_s'])} ms after rank {x['first_rank']} ({x['ranks']} ranks; "
+            "the request waits for the last)."
+        )
     st.caption("  \n".join(lines))
-    return st.toggle("One lane per TP rank", value=True, key="tr_rank_lanes",
-                     help="off: each phase's ranks share one lane")
+    return st.toggle(
+        "One lane per TP rank", value=True, key="tr_rank_lanes", help="off: each phase's ranks share one lane"
+    )
 
 
 def span_rows(spans: pd.DataFrame, err_s: float | None) -> pd.DataFrame:
@@ -251,8 +349,10 @@ def span_rows(spans: pd.DataFrame, err_s: float | None) -> pd.DataFrame:
     out = spans[[c for c in cols if c != "rank" or spans["rank"].notna().any()]].copy()
     if "rank" in out:
         out["rank"] = [None if pd.isna(r) else int(r) for r in out["rank"]]
-    out["start_ms"] = [ui.fmt_ms(v / 1e3, err_s) if role == sc.Role.DECODE.value else f"{v:,.1f}"
-                       for v, role in zip(spans["start_ms"], spans["role"])]
+    out["start_ms"] = [
+        ui.fmt_ms(v / 1e3, err_s) if role == sc.Role.DECODE.value else f"{v:,.1f}"
+        for v, role in zip(spans["start_ms"], spans["role"])
+    ]
     out["duration_ms"] = [ui.fmt_ms(v / 1e3) for v in spans["duration_ms"]]
     return out
 
@@ -262,16 +362,23 @@ def trace_cards(rec: dict[str, Any]) -> None:
     every card is whole at 1280 px; the handoff's exact figure and its ± below it."""
     dec = rec["decomposition"]
     h, err, note = rec["handoff_s"], rec["handoff_err_s"], rec["handoff_note"]
-    times = {"handoff": h, "TTFT": rec["ttft_s"], "prefill": dec["queue_prefill_s"],
-             "first decode": dec["first_decode_s"]}
+    times = {
+        "handoff": h,
+        "TTFT": rec["ttft_s"],
+        "prefill": dec["queue_prefill_s"],
+        "first decode": dec["first_decode_s"],
+    }
     unit, k = ui.time_unit(times.values())
     m = st.columns(6)
     m[0].metric("mode", rec["mode"] or ui.MISSING)
     m[1].metric("outcome", rec["outcome"] or ui.MISSING)
-    helps = {"handoff": note or "prefill.finished (P) → kv.ready (D), on P's clock; the exact figure and its "
-                                "clock bound below", "TTFT": "time to first token as the client saw it (router)",
-             "prefill": "queue + prefill: router arrival → prefill.finished (P)",
-             "first decode": "kv.ready → first token (D)"}
+    helps = {
+        "handoff": note
+        or "prefill.finished (P) → kv.ready (D), on P's clock; the exact figure and its clock bound below",
+        "TTFT": "time to first token as the client saw it (router)",
+        "prefill": "queue + prefill: router arrival → prefill.finished (P)",
+        "first decode": "kv.ready → first token (D)",
+    }
     for col, (name, v) in zip(m[2:], times.items()):
         col.metric(f"{name} ({unit})", ui.fmt_short(v, k), help=helps[name])
     if h is not None:

@@ -92,8 +92,7 @@ def receiver(ingest: Ingest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, bu
         try:
             kind = otlp.content_kind(request.headers.get("content-type"))
             body = await _read_capped(request, cap)
-            spans = await run_in_threadpool(
-                otlp.decode, body, kind, request.headers.get("content-encoding"), cap)
+            spans = await run_in_threadpool(otlp.decode, body, kind, request.headers.get("content-encoding"), cap)
         except otlp.OTLPError as e:
             ingest.reject(e.reason)
             return _status_body(e.status, e.message, kind)
@@ -102,8 +101,11 @@ def receiver(ingest: Ingest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, bu
         if not ingest.offer(spans):
             if ingest.closed:
                 return _status_body(503, "the kvlens collector is shutting down; retry later", kind)
-            return _status_body(busy_status, f"the write queue is full ({ingest.queued_spans} spans waiting for the "
-                                     "trace store); retry later", kind)
+            return _status_body(
+                busy_status,
+                f"the write queue is full ({ingest.queued_spans} spans waiting for the trace store); retry later",
+                kind,
+            )
         if kind == otlp.PROTOBUF:
             return Response(_OK_PROTOBUF, media_type=otlp.PROTOBUF)
         return Response(b"{}", media_type=otlp.JSON)
@@ -111,8 +113,14 @@ def receiver(ingest: Ingest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, bu
     return receive_traces
 
 
-def mount_receiver(app: Starlette, ingest: Ingest, registry: CollectorRegistry | None = None, *,
-                   max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, busy_status: int = 429) -> None:
+def mount_receiver(
+    app: Starlette,
+    ingest: Ingest,
+    registry: CollectorRegistry | None = None,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    busy_status: int = 429,
+) -> None:
     """Add ``POST /v1/traces`` to an existing Starlette/FastAPI ``app``, ahead
     of its other routes (a catch-all route cannot shadow it).
 
@@ -121,8 +129,9 @@ def mount_receiver(app: Starlette, ingest: Ingest, registry: CollectorRegistry |
     forwarded into it, so they show there (a metric name both already hold
     raises ``ValueError``). The caller closes ``ingest`` on shutdown
     (``ingest.close(10)`` in its lifespan)."""
-    route = Route(TRACES_PATH, receiver(ingest, max_body_bytes=max_body_bytes, busy_status=busy_status),
-                  methods=["POST"])
+    route = Route(
+        TRACES_PATH, receiver(ingest, max_body_bytes=max_body_bytes, busy_status=busy_status), methods=["POST"]
+    )
     app.router.routes.insert(0, route)
     if registry is not None and registry is not ingest.registry:
         registry.register(_Forward(ingest.registry))
@@ -151,8 +160,14 @@ class _ASGI:
         await self.app(scope, receive, send)
 
 
-def create_app(ingest: Ingest, registry: CollectorRegistry, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               close_timeout_s: float = 10.0, busy_status: int = 429) -> Starlette:
+def create_app(
+    ingest: Ingest,
+    registry: CollectorRegistry,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    close_timeout_s: float = 10.0,
+    busy_status: int = 429,
+) -> Starlette:
     """The collector app: ``POST /v1/traces``, ``GET /metrics`` (``registry``
     in the exposition the scraper asks for: OpenMetrics carries exemplars),
     ``GET /healthz`` (also ``/health``). Its lifespan shutdown flushes and closes ``ingest``
@@ -161,8 +176,12 @@ def create_app(ingest: Ingest, registry: CollectorRegistry, *, max_body_bytes: i
 
     async def healthz(request: Request) -> Response:
         ok = ingest.alive()
-        doc = {"status": "ok" if ok else "unavailable", "queue_spans": ingest.queued_spans,
-               "max_queue_spans": ingest.max_queue_spans, "store": store.display(ingest.store_path)}
+        doc = {
+            "status": "ok" if ok else "unavailable",
+            "queue_spans": ingest.queued_spans,
+            "max_queue_spans": ingest.max_queue_spans,
+            "store": store.display(ingest.store_path),
+        }
         return Response(json.dumps(doc), status_code=200 if ok else 503, media_type="application/json")
 
     @contextlib.asynccontextmanager
@@ -173,8 +192,7 @@ def create_app(ingest: Ingest, registry: CollectorRegistry, *, max_body_bytes: i
             await run_in_threadpool(ingest.close, close_timeout_s)
 
     routes = [
-        Route(TRACES_PATH, receiver(ingest, max_body_bytes=max_body_bytes, busy_status=busy_status),
-              methods=["POST"]),
+        Route(TRACES_PATH, receiver(ingest, max_body_bytes=max_body_bytes, busy_status=busy_status), methods=["POST"]),
         Route("/metrics", _ASGI(make_asgi_app(registry)), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/health", healthz, methods=["GET"]),  # vLLM's and the router's name (kvlens up waits on it)

@@ -54,17 +54,27 @@ REJECT_REASONS = ("too_large", "content_type", "decode", "invalid_span", "queue_
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.received = Counter("kvlens_collector_spans_received",
-                                "Spans the collector accepted onto its write queue.", registry=r)
-        self.written = Counter("kvlens_collector_spans_written",
-                               "Spans the collector wrote to the trace store.", registry=r)
-        self.dropped = Counter("kvlens_collector_spans_dropped",
-                               "Accepted spans that never reached the store (store_error, shutdown).",
-                               ("reason",), registry=r)
-        self.rejected = Counter("kvlens_collector_requests_rejected",
-                                "OTLP export requests the collector refused, by reason.", ("reason",), registry=r)
-        self.queue = Gauge("kvlens_collector_queue_spans",
-                           "Spans queued for the store or being written now.", registry=r)
+        self.received = Counter(
+            "kvlens_collector_spans_received", "Spans the collector accepted onto its write queue.", registry=r
+        )
+        self.written = Counter(
+            "kvlens_collector_spans_written", "Spans the collector wrote to the trace store.", registry=r
+        )
+        self.dropped = Counter(
+            "kvlens_collector_spans_dropped",
+            "Accepted spans that never reached the store (store_error, shutdown).",
+            ("reason",),
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvlens_collector_requests_rejected",
+            "OTLP export requests the collector refused, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self.queue = Gauge(
+            "kvlens_collector_queue_spans", "Spans queued for the store or being written now.", registry=r
+        )
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
         for reason in REJECT_REASONS:
@@ -96,11 +106,18 @@ class Ingest:
     #: is retried every 0.25 s at most.
     MAX_BACKOFF_S = 1.0
 
-    def __init__(self, store_path: str | Path, *, max_queue_spans: int = 100_000,
-                 on_written: Callable[[Sequence], None] | None = None,
-                 on_close: Callable[[], None] | None = None,
-                 registry: CollectorRegistry | None = None, batch_spans: int = 2000,
-                 busy_retry_s: float = 30.0, retention: "float | str | None" = None) -> None:
+    def __init__(
+        self,
+        store_path: str | Path,
+        *,
+        max_queue_spans: int = 100_000,
+        on_written: Callable[[Sequence], None] | None = None,
+        on_close: Callable[[], None] | None = None,
+        registry: CollectorRegistry | None = None,
+        batch_spans: int = 2000,
+        busy_retry_s: float = 30.0,
+        retention: "float | str | None" = None,
+    ) -> None:
         if int(max_queue_spans) <= 0 or int(batch_spans) <= 0:
             raise ValueError("max_queue_spans and batch_spans must be > 0")
         if busy_retry_s < 0:
@@ -208,8 +225,12 @@ class Ingest:
                 self._write(batch)
             except Exception as e:  # never let the writer die
                 self._finish(batch, "store_error")
-                log_once("collector-writer:" + type(e).__name__, "collector writer failed (%s); batch dropped",
-                         e, exc_info=True)
+                log_once(
+                    "collector-writer:" + type(e).__name__,
+                    "collector writer failed (%s); batch dropped",
+                    e,
+                    exc_info=True,
+                )
 
     def _write(self, batch: list) -> None:
         deadline = time.monotonic() + self.busy_retry_s
@@ -231,9 +252,13 @@ class Ingest:
                 sqlite_busy = type(e).__module__ == "sqlite3"
                 if not sqlite_busy and not isinstance(e, store.StoreError):
                     self._reset_connection()  # a lost PostgreSQL connection: the next attempt opens another
-                log_once("collector-retry:" + type(e).__name__, "trace store %s not writable now (%s); "
-                         "retrying for up to %.0f s while spans queue", store.display(self.store_path), e,
-                         self.busy_retry_s)
+                log_once(
+                    "collector-retry:" + type(e).__name__,
+                    "trace store %s not writable now (%s); retrying for up to %.0f s while spans queue",
+                    store.display(self.store_path),
+                    e,
+                    self.busy_retry_s,
+                )
                 time.sleep(max(0.0, min(delay, deadline - now, self._stop_at - now)))
                 delay = min(delay * 2, 0.25 if sqlite_busy else self.MAX_BACKOFF_S)
         self._finish(batch, None)
@@ -243,15 +268,24 @@ class Ingest:
             try:
                 self._on_written(batch)
             except Exception as e:
-                log_once("collector-on-written:" + type(e).__name__,
-                         "collector span hook failed (%s); metrics for some spans skipped", e, exc_info=True)
+                log_once(
+                    "collector-on-written:" + type(e).__name__,
+                    "collector span hook failed (%s); metrics for some spans skipped",
+                    e,
+                    exc_info=True,
+                )
 
     def _failed(self, batch: list, err: Exception) -> None:
         reason = "shutdown" if self._closed else "store_error"
         self._finish(batch, reason)
-        log_once("collector-store:" + type(err).__name__, "trace store %s not writable (%s); %d spans dropped "
-                 "(kvlens_collector_spans_dropped_total counts every drop)", store.display(self.store_path), err,
-                 len(batch))
+        log_once(
+            "collector-store:" + type(err).__name__,
+            "trace store %s not writable (%s); %d spans dropped "
+            "(kvlens_collector_spans_dropped_total counts every drop)",
+            store.display(self.store_path),
+            err,
+            len(batch),
+        )
         self._reset_connection()
 
     def _finish(self, batch: list, drop_reason: str | None) -> None:
@@ -310,8 +344,15 @@ def check_store(store_path: str | Path) -> None:
     store.connect(store_path).close()
 
 
-def collector_ingest(store_path: str | Path, registry: CollectorRegistry, *, max_queue_spans: int = 100_000,
-                     exemplars: bool = True, handoff_deadline_s: float = 10.0, **kw) -> Ingest:
+def collector_ingest(
+    store_path: str | Path,
+    registry: CollectorRegistry,
+    *,
+    max_queue_spans: int = 100_000,
+    exemplars: bool = True,
+    handoff_deadline_s: float = 10.0,
+    **kw,
+) -> Ingest:
     """An :class:`Ingest` whose written spans feed a
     :class:`~exporters.metrics.PhaseMetricsProcessor` on ``registry`` (phase
     histograms; the handoff histogram, resolved from the store when a
@@ -321,12 +362,23 @@ def collector_ingest(store_path: str | Path, registry: CollectorRegistry, *, max
     unresolved. ``kw``: further :class:`Ingest` options."""
     from exporters.metrics import PhaseMetricsProcessor
 
-    proc = PhaseMetricsProcessor(registry=registry, store_path=store_path, handoff_from="any",
-                                 exemplars=exemplars, handoff_deadline_s=handoff_deadline_s)
+    proc = PhaseMetricsProcessor(
+        registry=registry,
+        store_path=store_path,
+        handoff_from="any",
+        exemplars=exemplars,
+        handoff_deadline_s=handoff_deadline_s,
+    )
 
     def on_written(spans: Sequence) -> None:
         for s in spans:
             proc.on_end(s)
 
-    return Ingest(store_path, max_queue_spans=max_queue_spans, on_written=on_written,
-                  on_close=proc.shutdown, registry=registry, **kw)
+    return Ingest(
+        store_path,
+        max_queue_spans=max_queue_spans,
+        on_written=on_written,
+        on_close=proc.shutdown,
+        registry=registry,
+        **kw,
+    )

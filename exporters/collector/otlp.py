@@ -81,8 +81,16 @@ class WireSpan:
 
     __slots__ = ("name", "start_time", "end_time", "attributes", "context", "parent", "resource")
 
-    def __init__(self, name: str, start_time: int, end_time: int, attributes: dict,
-                 context: SpanRef, parent: SpanRef | None, resource: dict):
+    def __init__(
+        self,
+        name: str,
+        start_time: int,
+        end_time: int,
+        attributes: dict,
+        context: SpanRef,
+        parent: SpanRef | None,
+        resource: dict,
+    ):
         self.name = name
         self.start_time = start_time
         self.end_time = end_time
@@ -132,8 +140,9 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int = DEFAULT_MAX_B
     return bytes(out)
 
 
-def decode(body: bytes, content_type: str | None, encoding: str | None = None,
-           max_bytes: int = DEFAULT_MAX_BYTES) -> list[WireSpan]:
+def decode(
+    body: bytes, content_type: str | None, encoding: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES
+) -> list[WireSpan]:
     """The spans of one OTLP/HTTP ``/v1/traces`` request body.
 
     ``content_type`` / ``encoding``: the request's ``Content-Type`` and
@@ -208,8 +217,9 @@ def _convert_ids(obj: Any, where: str) -> None:
                 try:
                     obj[k] = base64.b64encode(bytes.fromhex(v)).decode("ascii")
                 except ValueError:
-                    raise OTLPError(400, f"{where}: {k} {v[:40]!r} is not hex (OTLP JSON ids are hex strings)",
-                                    "invalid_span") from None
+                    raise OTLPError(
+                        400, f"{where}: {k} {v[:40]!r} is not hex (OTLP JSON ids are hex strings)", "invalid_span"
+                    ) from None
 
 
 def _where(index: int, name: Any, r: int, s: int, i: int) -> str:
@@ -238,8 +248,17 @@ def spans_of(req: ExportTraceServiceRequest) -> list[WireSpan]:
                     attrs["service.name"] = service
                 trace_id = int.from_bytes(tid, "big")
                 parent = SpanRef(trace_id, int.from_bytes(pid, "big")) if pid and any(pid) else None
-                append(WireSpan(sp.name, sp.start_time_unix_nano, sp.end_time_unix_nano, attrs,
-                                SpanRef(trace_id, int.from_bytes(sid, "big")), parent, resource))
+                append(
+                    WireSpan(
+                        sp.name,
+                        sp.start_time_unix_nano,
+                        sp.end_time_unix_nano,
+                        attrs,
+                        SpanRef(trace_id, int.from_bytes(sid, "big")),
+                        parent,
+                        resource,
+                    )
+                )
                 index += 1
     return out
 

@@ -21,47 +21,87 @@ from kvlens.stack.commands import env_api_key
 from kvlens.up import StackError
 
 
-def add_grid_arguments(p: argparse.ArgumentParser, *, qps: str, input_len: str, output_len: int, num_prompts: int,
-                       repeat: int = 1) -> None:
+def add_grid_arguments(
+    p: argparse.ArgumentParser, *, qps: str, input_len: str, output_len: int, num_prompts: int, repeat: int = 1
+) -> None:
     """The grid flags, with the caller's defaults (``bench`` and ``demo`` differ)."""
     p.add_argument("--qps", default=qps, help=f"comma list of request rates (Poisson), default {qps}")
-    p.add_argument("--input-len", default=input_len, help=f"comma list of prompt lengths in tokens, default {input_len}")
-    p.add_argument("--output-len", type=int, default=output_len, help=f"tokens per answer (ignore_eos), default {output_len}")
-    p.add_argument("--num-prompts", type=int, default=num_prompts,
-                   help=f"requests per cell and round, default {num_prompts}")
-    p.add_argument("--repeat", type=int, default=repeat, metavar="K",
-                   help=f"run the grid K times, push and pull alternating ABBA across the rounds; each push/pull "
-                        f"ratio gets a 95%% interval over rounds and requests (default {repeat})")
-    p.add_argument("--fresh-stacks", action="store_true",
-                   help="with --repeat on started stacks: start fresh stacks for every round (default: a mode's "
-                        "stack serves the two rounds in a row that ABBA gives it)")
+    p.add_argument(
+        "--input-len", default=input_len, help=f"comma list of prompt lengths in tokens, default {input_len}"
+    )
+    p.add_argument(
+        "--output-len", type=int, default=output_len, help=f"tokens per answer (ignore_eos), default {output_len}"
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=num_prompts, help=f"requests per cell and round, default {num_prompts}"
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=repeat,
+        metavar="K",
+        help=f"run the grid K times, push and pull alternating ABBA across the rounds; each push/pull "
+        f"ratio gets a 95%% interval over rounds and requests (default {repeat})",
+    )
+    p.add_argument(
+        "--fresh-stacks",
+        action="store_true",
+        help="with --repeat on started stacks: start fresh stacks for every round (default: a mode's "
+        "stack serves the two rounds in a row that ABBA gives it)",
+    )
     p.add_argument("--seed", type=int, default=0, help="prompt and arrival seed (default 0)")
-    p.add_argument("--prefix-caching", choices=["off", "on"], default="off",
-                   help="vLLM prefix caching on started stacks (default off: every request transfers all its KV)")
-    p.add_argument("--model", type=Path, default=None,
-                   help="model dir (default: generated tiny model in $KVLENS_HOME/model; with --proxy: the served one)")
-    p.add_argument("--store", default=None, help="trace store: a file, or postgresql://user@host:port/db (default $KVLENS_HOME/traces.db)")
+    p.add_argument(
+        "--prefix-caching",
+        choices=["off", "on"],
+        default="off",
+        help="vLLM prefix caching on started stacks (default off: every request transfers all its KV)",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="model dir (default: generated tiny model in $KVLENS_HOME/model; with --proxy: the served one)",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        help="trace store: a file, or postgresql://user@host:port/db (default $KVLENS_HOME/traces.db)",
+    )
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write rows as JSON lines here")
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per router before the grid (default 2)")
     p.add_argument("--trace-wait", type=float, default=30.0, help="seconds to wait for a cell's traces (default 30)")
-    p.add_argument("--request-timeout", type=float, default=120.0,
-                   help="seconds before a request counts as failed (default 120)")
+    p.add_argument(
+        "--request-timeout", type=float, default=120.0, help="seconds before a request counts as failed (default 120)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="API key the routers (and started stacks) require, sent as a bearer token "
-                        "(default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="API key the routers (and started stacks) require, sent as a bearer token "
+        "(default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--modes", default=None,
-                   help="comma list of push, pull (default push,pull; with --proxy: the router's mode)")
-    p.add_argument("--dispatch", default="overlapped",
-                   help="push dispatch(es), comma list of overlapped, sequential (default overlapped)")
-    p.add_argument("--proxy", default=None, metavar="URL",
-                   help="bench this running router instead of starting stacks (one mode)")
-    p.add_argument("--decode-url", default=None, metavar="URL",
-                   help="with --proxy: D's base URL, to cross-check the client's TPOT against D's own "
-                        "vllm:request_time_per_output_token_seconds on its /metrics (started stacks: always)")
+    p.add_argument(
+        "--modes", default=None, help="comma list of push, pull (default push,pull; with --proxy: the router's mode)"
+    )
+    p.add_argument(
+        "--dispatch",
+        default="overlapped",
+        help="push dispatch(es), comma list of overlapped, sequential (default overlapped)",
+    )
+    p.add_argument(
+        "--proxy", default=None, metavar="URL", help="bench this running router instead of starting stacks (one mode)"
+    )
+    p.add_argument(
+        "--decode-url",
+        default=None,
+        metavar="URL",
+        help="with --proxy: D's base URL, to cross-check the client's TPOT against D's own "
+        "vllm:request_time_per_output_token_seconds on its /metrics (started stacks: always)",
+    )
     add_grid_arguments(p, qps="1,2,4", input_len="256,1024,2048", output_len=32, num_prompts=32)
 
 
@@ -125,8 +165,15 @@ def _parse(args: argparse.Namespace) -> tuple[BenchOptions, list[str] | None, li
     # the stacks kvlens starts serve --max-model-len 4096; a --proxy router
     # reports its own max_model_len (checked in bench_routers)
     max_len = None if args.proxy else (grid.model_max_len(opts.model) or grid.DEFAULT_MAX_MODEL_LEN)
-    grid.validate_grid(modes=modes or ["push"], dispatches=dispatches, qps=opts.qps, input_lens=opts.input_lens,
-                  output_len=opts.output_len, num_prompts=opts.num_prompts, max_model_len=max_len)
+    grid.validate_grid(
+        modes=modes or ["push"],
+        dispatches=dispatches,
+        qps=opts.qps,
+        input_lens=opts.input_lens,
+        output_len=opts.output_len,
+        num_prompts=opts.num_prompts,
+        max_model_len=max_len,
+    )
     if opts.decode_url and not args.proxy:
         raise BenchError("--decode-url goes with --proxy (started stacks cross-check their own D)")
     if opts.fresh_stacks and args.proxy:

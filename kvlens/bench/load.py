@@ -95,8 +95,9 @@ async def _read_stream(resp, res: RequestResult, t0: float) -> int:
     return n_text
 
 
-async def one_request(client, url: str, model: str | None, prompt: str, output_len: int, rid: str,
-                      api_key: str | None = None) -> RequestResult:
+async def one_request(
+    client, url: str, model: str | None, prompt: str, output_len: int, rid: str, api_key: str | None = None
+) -> RequestResult:
     """One streaming completion through the router (``client``: an
     ``httpx.AsyncClient``; ``api_key`` sent as a bearer token); never
     raises (except on cancellation)."""
@@ -106,8 +107,10 @@ async def one_request(client, url: str, model: str | None, prompt: str, output_l
     t0 = res.send_s = time.perf_counter()
     try:
         async with client.stream(
-            "POST", url.rstrip("/") + "/v1/completions", json=_body(prompt, output_len, model),
-            headers={"X-Request-Id": rid, **auth_headers(api_key)}
+            "POST",
+            url.rstrip("/") + "/v1/completions",
+            json=_body(prompt, output_len, model),
+            headers={"X-Request-Id": rid, **auth_headers(api_key)},
         ) as resp:
             res.status = resp.status_code
             res.kvlens_router = resp.headers.get("x-request-id") == rid
@@ -127,8 +130,9 @@ async def one_request(client, url: str, model: str | None, prompt: str, output_l
     return res
 
 
-async def _send_all(client, target: Target, model: str | None, prompts: Sequence[str], gaps: Sequence[float],
-                    output_len: int, pbar) -> list[RequestResult]:
+async def _send_all(
+    client, target: Target, model: str | None, prompts: Sequence[str], gaps: Sequence[float], output_len: int, pbar
+) -> list[RequestResult]:
     """Send prompt i at the sum of gaps[:i+1] seconds; cancel all on any exception."""
     loop = asyncio.get_running_loop()
     tasks: list[asyncio.Future] = []
@@ -178,7 +182,9 @@ async def run_cell_async(
 
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     gaps = [0.0] + [float(g) for g in rng.exponential(1.0 / qps, size=max(0, len(prompts) - 1))]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False) as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False
+    ) as client:
         results = await _send_all(client, target, model, prompts, gaps, output_len, pbar)
     t_first = min(r.send_s for r in results)
     t_last = max(r.send_s + (r.latency_s or 0.0) for r in results)

@@ -75,7 +75,8 @@ def placement(stack: Any) -> str | None:
     missing = {n: m for n, m in (progress.missing if progress else {}).items() if m}
     if missing:
         return "not as asked: no NIXL progress thread found in " + ", ".join(
-            f"{n} worker {p}" for n, ps in missing.items() for p in ps)
+            f"{n} worker {p}" for n, ps in missing.items() for p in ps
+        )
     return "as asked"
 
 
@@ -99,8 +100,12 @@ class MachineWatch:
         stack = {k: round(max(0.0, now.get(k, 0.0) - v) / wall, 3) for k, v in self.stack0.items()}
         outside = max(0.0, busy - bench - sum(stack.values()))
         known = self.stack is not None
-        return {"cpu_busy": round(busy, 3), "cpu_bench": round(bench, 3), "cpu_stack": stack if known else None,
-                "cpu_outside": round(outside, 3) if known else None,
-                "cpu_not_bench": None if known else round(max(0.0, busy - bench), 3),
-                "machine_busy": bool(known and outside > BUSY_OUTSIDE_CPUS),
-                "placement": placement(self.stack)}
+        return {
+            "cpu_busy": round(busy, 3),
+            "cpu_bench": round(bench, 3),
+            "cpu_stack": stack if known else None,
+            "cpu_outside": round(outside, 3) if known else None,
+            "cpu_not_bench": None if known else round(max(0.0, busy - bench), 3),
+            "machine_busy": bool(known and outside > BUSY_OUTSIDE_CPUS),
+            "placement": placement(self.stack),
+        }

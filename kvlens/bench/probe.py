@@ -69,7 +69,9 @@ def probe_router(url: str, api_key: str | None = None) -> RouterInfo:
     except httpx.HTTPError as e:
         raise BenchError(f"router at {url} is unreachable ({type(e).__name__}: {e})") from None
     if status != 200:
-        raise BenchError(f"router at {url} is not healthy: HTTP {status} {json.dumps(health) if health else ''}".strip())
+        raise BenchError(
+            f"router at {url} is not healthy: HTTP {status} {json.dumps(health) if health else ''}".strip()
+        )
     health = health if isinstance(health, dict) else {}
     model, root, mml = _served_model(url, api_key)
     mode = health.get("mode") if health.get("mode") in MODES else None

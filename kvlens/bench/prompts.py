@@ -37,7 +37,9 @@ class PromptMaker:
         # tokens the server adds itself (BOS...), as vLLM subtracts them
         probe = "hello"
         self.num_special = max(
-            0, len(self.tok.encode(probe, add_special_tokens=True).ids) - len(self.tok.encode(probe, add_special_tokens=False).ids)
+            0,
+            len(self.tok.encode(probe, add_special_tokens=True).ids)
+            - len(self.tok.encode(probe, add_special_tokens=False).ids),
         )
 
     def make(self, n_tokens: int, rng) -> str:

@@ -29,8 +29,7 @@ def sort_rows(rows: Iterable[dict]) -> list[dict]:
     """Display order: by input length, QPS, then push variants before pull."""
     order = {"overlapped": 0, "sequential": 1, None: 2}
     return sorted(
-        rows,
-        key=lambda r: (r["input_len"], r["qps"], 0 if r["mode"] == "push" else 1, order.get(r.get("dispatch"), 3)),
+        rows, key=lambda r: (r["input_len"], r["qps"], 0 if r["mode"] == "push" else 1, order.get(r.get("dispatch"), 3))
     )
 
 
@@ -71,8 +70,10 @@ TABLE_COLUMNS = (
     ("TTFT p50 ms", lambda r: _ms(r.get("ttft_p50_s"))),
     ("TTFT p99 ms", lambda r: _ms(r.get("ttft_p99_s"))),
     # "untimed": no request's tokens arrived apart (cross-checks say why), not a missing figure
-    ("TPOT mean ms", lambda r: "untimed" if r.get("tpot_mean_s") is None and r.get("tpot_untimed") else
-     _ms(r.get("tpot_mean_s"))),
+    (
+        "TPOT mean ms",
+        lambda r: "untimed" if r.get("tpot_mean_s") is None and r.get("tpot_untimed") else _ms(r.get("tpot_mean_s")),
+    ),
     ("handoff p50 ms", lambda r: _ms(r.get("handoff_p50_s"))),
     ("handoff p99 ms", lambda r: _ms(r.get("handoff_p99_s"))),
     ("req/s", lambda r: "-" if r.get("req_per_s") is None else f"{r['req_per_s']:.2f}"),
@@ -90,6 +91,8 @@ def _outside(row: dict) -> str:
     if row.get("cpu_outside") is not None:
         return f"{row['cpu_outside']:.2f}{' !' if row.get('machine_busy') else ''}"
     return "?" if "cpu_busy" in row else "-"
+
+
 #: Added where rows pool several rounds: how many, and each round's p50 (the spread between rounds).
 ROUND_COLUMNS = (
     ("rounds", lambda r: str(r.get("rounds") or "-")),
@@ -135,8 +138,9 @@ def _compare(name: str, row: dict, pull: dict, metric: str) -> str:
     if v is None:
         return f"{name} {fig}: push/pull {r:.2f}, no interval recorded, so no verdict"
     if v == B.NOT_ENOUGH_DATA:
-        return (f"{name} {fig}: not enough data for an interval "
-                f"(it needs {MIN_REQUESTS} requests with the figure a side)")
+        return (
+            f"{name} {fig}: not enough data for an interval (it needs {MIN_REQUESTS} requests with the figure a side)"
+        )
     lo, hi = (row[k] for k in B.interval_keys(metric))
     ci = f"push/pull {r:.2f}, 95% CI {lo:.2f}-{hi:.2f}"
     if v == B.NO_DIFFERENCE:
@@ -179,15 +183,20 @@ def machine_caveats(rows: Sequence[dict]) -> list[str]:
     if busy:
         worst = max(r.get("cpu_outside") or 0.0 for r in busy)
         cells = ", ".join(sorted({f"{r['mode']} in={r['input_len']} qps={r['qps']:g}" for r in busy}))
-        out.append(f"The machine was busy during {len(busy)} of {len(rows)} rows ({cells}): up to {worst:.2f} CPU "
-                   "went to work outside the stack and the bench; their figures and verdicts may not hold.")
+        out.append(
+            f"The machine was busy during {len(busy)} of {len(rows)} rows ({cells}): up to {worst:.2f} CPU "
+            "went to work outside the stack and the bench; their figures and verdicts may not hold."
+        )
     off = sorted({r["placement"] for r in rows if (r.get("placement") or "as asked").startswith("not as asked")})
     if off:
-        out.append("Placement not as asked during some cells (" + "; ".join(off) + "): their figures may not "
-                   "compare with the others.")
+        out.append(
+            "Placement not as asked during some cells (" + "; ".join(off) + "): their figures may not "
+            "compare with the others."
+        )
     if rows and all(r.get("cpu_stack", 0) is None and "cpu_busy" in r for r in rows):
-        out.append("The stack's processes are not known (--proxy): each row's machine load includes the stack "
-                   "(cpu_not_bench).")
+        out.append(
+            "The stack's processes are not known (--proxy): each row's machine load includes the stack (cpu_not_bench)."
+        )
     return out
 
 
@@ -201,15 +210,21 @@ def _round_caveats(rows: Sequence[dict], fresh_stacks: bool, started_stacks: boo
     if not rounds:
         return []
     if rounds == {1}:
-        return ["One round: each interval covers the variation between requests of one stack start only; on a "
-                "small shared host separate starts of the same stack have differed by far more. For a verdict "
-                "that holds across starts: --repeat 3 --fresh-stacks."]
+        return [
+            "One round: each interval covers the variation between requests of one stack start only; on a "
+            "small shared host separate starts of the same stack have differed by far more. For a verdict "
+            "that holds across starts: --repeat 3 --fresh-stacks."
+        ]
     if not started_stacks:
-        return [f"{max(rounds)} rounds on routers that stayed up: the intervals cover variation over time, "
-                "not between stack starts."]
+        return [
+            f"{max(rounds)} rounds on routers that stayed up: the intervals cover variation over time, "
+            "not between stack starts."
+        ]
     if not fresh_stacks:
-        return [f"{max(rounds)} rounds; a mode's stack served two rounds in a row (ABBA), so the intervals cover "
-                "fewer stack starts than rounds (--fresh-stacks: one start per round)."]
+        return [
+            f"{max(rounds)} rounds; a mode's stack served two rounds in a row (ABBA), so the intervals cover "
+            "fewer stack starts than rounds (--fresh-stacks: one start per round)."
+        ]
     return []
 
 
@@ -226,8 +241,10 @@ def describe(rows: Sequence[dict]) -> list[str]:
         return ["No push/pull pair ran on the same cell, so there is nothing to compare."]
     for r in compared:
         p = pull[cell_key(r)]
-        out.append(f"input {r['input_len']} tokens, {r['qps']:g} QPS, {variant(r)} vs pull: "
-                   + "; ".join(_compare(name, r, p, metric) for name, metric in COMPARED))
+        out.append(
+            f"input {r['input_len']} tokens, {r['qps']:g} QPS, {variant(r)} vs pull: "
+            + "; ".join(_compare(name, r, p, metric) for name, metric in COMPARED)
+        )
     return out + _tally(compared)
 
 
@@ -266,10 +283,12 @@ class CrossCheck:
     def _ttft_lines(self) -> list[str]:
         eng = []
         if self.n_engines:
-            eng = [f"client TTFT vs the engines' TTFT (traces.ttft_s with ttft_source=engines: P's arrival -> "
-                   f"D's first token; no kvlens router measured it), {self.n_engines} requests: median "
-                   f"client-minus-engines {self.engines_diff_p50_s * 1000:+.2f} ms (the router, the client's "
-                   "hops and detokenizing; not an error)"]
+            eng = [
+                f"client TTFT vs the engines' TTFT (traces.ttft_s with ttft_source=engines: P's arrival -> "
+                f"D's first token; no kvlens router measured it), {self.n_engines} requests: median "
+                f"client-minus-engines {self.engines_diff_p50_s * 1000:+.2f} ms (the router, the client's "
+                "hops and detokenizing; not an error)"
+            ]
         if not self.n_compared:
             return eng or ["client TTFT vs router span TTFT: no request had both figures (traces missing?)"]
         return self._router_ttft_lines() + eng
@@ -306,11 +325,15 @@ class CrossCheck:
                 line += f"; client TPOT {f['tpot_note']}"
             out.append(line)
         if both and self.tpot_rel_diff_p50 > TPOT_CROSSCHECK_WARN:
-            out.append(f"WARNING: client and D TPOT differ by more than {TPOT_CROSSCHECK_WARN:.0%} at the median "
-                       "(router hop, client event loop under load)")
+            out.append(
+                f"WARNING: client and D TPOT differ by more than {TPOT_CROSSCHECK_WARN:.0%} at the median "
+                "(router hop, client event loop under load)"
+            )
         if self.tpot_untimed:
-            out.append(f"WARNING: {self.tpot_untimed} completed requests could not be timed for TPOT "
-                       "(all their tokens reached the client in one read); their TPOT is not reported")
+            out.append(
+                f"WARNING: {self.tpot_untimed} completed requests could not be timed for TPOT "
+                "(all their tokens reached the client in one read); their TPOT is not reported"
+            )
         return out
 
     def _failed_lines(self) -> list[str]:
@@ -351,8 +374,9 @@ def cross_check(cells: Sequence[Cell]) -> CrossCheck:
             if t is not None:
                 in_store += 1
             if not r.ok:
-                failed.append((c.target.label, r.trace, r.error or f"HTTP {r.status}",
-                               (t or {}).get("outcome") or "not in store"))
+                failed.append(
+                    (c.target.label, r.trace, r.error or f"HTTP {r.status}", (t or {}).get("outcome") or "not in store")
+                )
                 continue
             completed += 1
             if t is not None and t.get("outcome") == "ok":
@@ -367,9 +391,17 @@ def cross_check(cells: Sequence[Cell]) -> CrossCheck:
                 diffs.append(rel_diff(r.ttft_s, rt))
                 signed.append(r.ttft_s - rt)
     return CrossCheck(
-        n_compared=len(diffs), ttft_rel_diff_p50=percentile(diffs, 50), ttft_diff_p50_s=percentile(signed, 50),
-        completed=completed, ok_traces_in_store=ok_in_store, sent=sent, traces_in_store=in_store,
-        handoff_missing=missing, failed=failed, tpot=tpot, n_engines=len(engines),
+        n_compared=len(diffs),
+        ttft_rel_diff_p50=percentile(diffs, 50),
+        ttft_diff_p50_s=percentile(signed, 50),
+        completed=completed,
+        ok_traces_in_store=ok_in_store,
+        sent=sent,
+        traces_in_store=in_store,
+        handoff_missing=missing,
+        failed=failed,
+        tpot=tpot,
+        n_engines=len(engines),
         engines_diff_p50_s=percentile(engines, 50),
     )
 
@@ -380,8 +412,11 @@ def print_report(run, out=None) -> CrossCheck:
     out = out or sys.stdout
     rows = add_ratios(run.rows)
     print("\n" + format_table(rows), file=out)
-    print("(times in ms; push/pull < 1: push is faster on that cell; [lo-hi]: its 95% confidence interval, "
-          "[?]: not enough data for one; a side is lower only where the interval excludes 1)", file=out)
+    print(
+        "(times in ms; push/pull < 1: push is faster on that cell; [lo-hi]: its 95% confidence interval, "
+        "[?]: not enough data for one; a side is lower only where the interval excludes 1)",
+        file=out,
+    )
     if run.repeat > 1 and run.interrupted:
         done = max((c.round for c in run.cells), default=0)
         print(f"(interrupted in round {done} of {run.repeat}: rows pool the rounds that ran)", file=out)

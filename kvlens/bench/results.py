@@ -138,8 +138,15 @@ def pool_cells(cells: Sequence[Cell]) -> Cell:
     for c in cells:
         traces.update(c.traces)
     grown = [c.decode_tpot for c in cells]
-    pooled = Cell(first.target, first.qps, first.input_len, [r for c in cells for r in c.results], traces,
-                  sum(c.duration_s for c in cells), round=first.round)
+    pooled = Cell(
+        first.target,
+        first.qps,
+        first.input_len,
+        [r for c in cells for r in c.results],
+        traces,
+        sum(c.duration_s for c in cells),
+        round=first.round,
+    )
     if all(g is not None for g in grown):
         pooled.decode_tpot = (sum(g[0] for g in grown), sum(g[1] for g in grown))
     else:
@@ -160,8 +167,9 @@ def _trace_figures(cell: Cell) -> dict:
         if t and t.get("ttft_s") is not None:
             by_src.setdefault(t.get("ttft_source") or "router", []).append(t["ttft_s"])
     router_ttfts = by_src.get("router", [])
-    diffs = [rel_diff(r.ttft_s, t.get("ttft_s")) for r, t in zip(ok, tr_ok)
-             if t and t.get("ttft_source") in (None, "router")]
+    diffs = [
+        rel_diff(r.ttft_s, t.get("ttft_s")) for r, t in zip(ok, tr_ok) if t and t.get("ttft_source") in (None, "router")
+    ]
     outcomes: dict[str, int] = {}
     for r in cell.results:
         if not r.ok:
@@ -194,8 +202,10 @@ def tpot_figures(cell: Cell) -> dict:
     if not ok:
         note = "no completed request"
     elif untimed and not timed:
-        note = (f"unknown: all {untimed} completed requests' tokens reached the client in one read "
-                "(client or router starved of CPU?), so no time per output token was measured")
+        note = (
+            f"unknown: all {untimed} completed requests' tokens reached the client in one read "
+            "(client or router starved of CPU?), so no time per output token was measured"
+        )
     elif untimed:
         note = f"from {len(timed)} requests; {untimed} not timed (their tokens reached the client in one read)"
     elif not timed:
@@ -209,8 +219,9 @@ def tpot_figures(cell: Cell) -> dict:
         "tpot_note": note,
         "tpot_decode_mean_s": d_mean,
         "tpot_decode_n": d_n,
-        "tpot_decode_note": None if d_mean is not None else (
-            cell.decode_tpot_note or "D's TPOT histogram did not grow during the cell"),
+        "tpot_decode_note": None
+        if d_mean is not None
+        else (cell.decode_tpot_note or "D's TPOT histogram did not grow during the cell"),
         "tpot_client_vs_decode_rel_diff": rel_diff(client, d_mean),
     }
 
@@ -286,8 +297,10 @@ def wait_for_traces(store_path: "Path | str", results: Sequence[RequestResult], 
         if got is not None:
             found = got
         complete = all(i in found for i in ids) and all(
-            found[i].get("handoff_s") is not None and found[i].get("ttft_s") is not None
-            and (i not in routed or found[i].get("ttft_source") == "router") for i in need_handoff
+            found[i].get("handoff_s") is not None
+            and found[i].get("ttft_s") is not None
+            and (i not in routed or found[i].get("ttft_source") == "router")
+            for i in need_handoff
         )
         if complete or time.monotonic() >= deadline:
             return found

@@ -117,9 +117,15 @@ def pooled_machine(group: Sequence[Cell]) -> dict:
     outside = [m["cpu_outside"] for m in ms if m.get("cpu_outside") is not None]
     stacks = [m["cpu_stack"] for m in ms if m.get("cpu_stack")]
     mean_stack = {k: round(sum(s.get(k, 0.0) for s in stacks) / len(stacks), 3) for k in stacks[0]} if stacks else None
-    return {"cpu_busy": max(m["cpu_busy"] for m in ms), "cpu_outside": max(outside) if outside else None,
-            "cpu_stack": mean_stack, "cpu_bench": max(m.get("cpu_bench") or 0.0 for m in ms),
-            "machine_busy": any(m.get("machine_busy") for m in ms),
-            "round_cpu_stack": [m.get("cpu_stack") for m in ms], "round_placement": [m.get("placement") for m in ms],
-            "placement": next((m["placement"] for m in ms if (m.get("placement") or "as asked") != "as asked"),
-                              ms[0].get("placement"))}
+    return {
+        "cpu_busy": max(m["cpu_busy"] for m in ms),
+        "cpu_outside": max(outside) if outside else None,
+        "cpu_stack": mean_stack,
+        "cpu_bench": max(m.get("cpu_bench") or 0.0 for m in ms),
+        "machine_busy": any(m.get("machine_busy") for m in ms),
+        "round_cpu_stack": [m.get("cpu_stack") for m in ms],
+        "round_placement": [m.get("placement") for m in ms],
+        "placement": next(
+            (m["placement"] for m in ms if (m.get("placement") or "as asked") != "as asked"), ms[0].get("placement")
+        ),
+    }

@@ -28,14 +28,7 @@ from typing import Any, Callable, Sequence
 from kvtrace import store
 from kvtrace.benchrows import add_ratios
 from kvrecord import config
-from kvlens.bench.grid import (
-    DEFAULT_MAX_MODEL_LEN,
-    BenchError,
-    BenchOptions,
-    model_max_len,
-    plan_groups,
-    validate_grid,
-)
+from kvlens.bench.grid import DEFAULT_MAX_MODEL_LEN, BenchError, BenchOptions, model_max_len, plan_groups, validate_grid
 from kvlens.bench.load import run_cell_async, warm_up
 from kvlens.bench.machine import MachineWatch
 from kvlens.bench.probe import RouterInfo, decode_tpot, probe_router, served_name
@@ -122,8 +115,9 @@ def new_run(opts: BenchOptions) -> BenchRun:
     return BenchRun(new_run_id(), store_path, jp, repeat=opts.repeat, fresh_stacks=opts.fresh_stacks, opts=opts)
 
 
-def _warm_up(targets: Sequence[Target], opts: BenchOptions, maker: PromptMaker, model_name: str | None,
-             target_index0: int) -> None:
+def _warm_up(
+    targets: Sequence[Target], opts: BenchOptions, maker: PromptMaker, model_name: str | None, target_index0: int
+) -> None:
     for ti, t in enumerate(targets):
         if opts.warmup > 0:
             r = rng(opts.seed, 9999, target_index0 + ti)
@@ -145,23 +139,39 @@ def _decode_growth(cell: Cell, before: tuple[float, float] | None, note: str | N
     cell.decode_tpot_note = note
 
 
-def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: list[str], r, opts: BenchOptions,
-              model_name: str | None, prefix_caching: str, round_: int = 1) -> None:
+def _run_cell(
+    run: BenchRun,
+    t: Target,
+    qps: float,
+    input_len: int,
+    prompts: list[str],
+    r,
+    opts: BenchOptions,
+    model_name: str | None,
+    prefix_caching: str,
+    round_: int = 1,
+) -> None:
     """Load one target on one cell, join its traces, write its row (one round:
     at once; several: :meth:`BenchRun.finish` writes the pooled rows)."""
     from tqdm import tqdm  # here for start-up cost: `kvlens --help` imports this module
 
     tag = f" r{round_}" if run.repeat > 1 else ""
     bar = tqdm(
-        total=len(prompts), desc=f"{t.label:<17} in={input_len:<5} qps={qps:<4g}{tag}", unit="req",
-        file=sys.stderr, disable=not opts.progress, leave=True, dynamic_ncols=True,
+        total=len(prompts),
+        desc=f"{t.label:<17} in={input_len:<5} qps={qps:<4g}{tag}",
+        unit="req",
+        file=sys.stderr,
+        disable=not opts.progress,
+        leave=True,
+        dynamic_ncols=True,
     )
     before, note = decode_tpot(t.decode_url)
     watch = MachineWatch(t.stack).start()
     try:
         results, dur = asyncio.run(
-            run_cell_async(t, model_name, prompts, float(qps), opts.output_len, r,
-                           timeout_s=opts.request_timeout_s, pbar=bar)
+            run_cell_async(
+                t, model_name, prompts, float(qps), opts.output_len, r, timeout_s=opts.request_timeout_s, pbar=bar
+            )
         )
     finally:
         bar.close()
@@ -177,9 +187,17 @@ def _run_cell(run: BenchRun, t: Target, qps: float, input_len: int, prompts: lis
         run.sink().write(cell.row)
 
 
-def _bench_targets(run: BenchRun, targets: Sequence[tuple[int, Target]], opts: BenchOptions, maker: PromptMaker,
-                   model_name: str | None, prefix_caching: str, target_index0: int = 0, round_: int = 1,
-                   warm: bool = True) -> None:
+def _bench_targets(
+    run: BenchRun,
+    targets: Sequence[tuple[int, Target]],
+    opts: BenchOptions,
+    maker: PromptMaker,
+    model_name: str | None,
+    prefix_caching: str,
+    target_index0: int = 0,
+    round_: int = 1,
+    warm: bool = True,
+) -> None:
     """Warm each target up (``warm``), then run every cell on every target
     (targets interleaved per cell in the order given, so drift hits them
     alike). ``targets``: (index, target); the index and the round seed the
@@ -197,11 +215,19 @@ def _bench_targets(run: BenchRun, targets: Sequence[tuple[int, Target]], opts: B
                 _run_cell(run, t, qps, input_len, prompts, r, opts, model_name, prefix_caching, round_)
 
 
-def _prepare(opts: BenchOptions, modes: Sequence[str], dispatches: Sequence[str],
-             model_dir: Path | None, max_len: int | None) -> PromptMaker:
-    validate_grid(modes=modes, dispatches=dispatches, qps=list(opts.qps), input_lens=list(opts.input_lens),
-                  output_len=opts.output_len, num_prompts=opts.num_prompts, max_model_len=max_len,
-                  repeat=opts.repeat)
+def _prepare(
+    opts: BenchOptions, modes: Sequence[str], dispatches: Sequence[str], model_dir: Path | None, max_len: int | None
+) -> PromptMaker:
+    validate_grid(
+        modes=modes,
+        dispatches=dispatches,
+        qps=list(opts.qps),
+        input_lens=list(opts.input_lens),
+        output_len=opts.output_len,
+        num_prompts=opts.num_prompts,
+        max_model_len=max_len,
+        repeat=opts.repeat,
+    )
     if model_dir is None or not Path(model_dir).is_dir():
         raise BenchError(f"model directory not found: {model_dir} (pass --model DIR)")
     return PromptMaker(model_dir)
@@ -241,8 +267,13 @@ def bench_routers(routers: Sequence[str | Target], opts: BenchOptions, run: Benc
     return run
 
 
-def bench_stacks(modes: Sequence[str], dispatches: Sequence[str], opts: BenchOptions,
-                 run: BenchRun | None = None, stack_factory: Callable[..., Any] | None = None) -> BenchRun:
+def bench_stacks(
+    modes: Sequence[str],
+    dispatches: Sequence[str],
+    opts: BenchOptions,
+    run: BenchRun | None = None,
+    stack_factory: Callable[..., Any] | None = None,
+) -> BenchRun:
     """Start one stack per mode (pull first), bench it, stop it (also on
     Ctrl-C / SIGTERM, which propagate as KeyboardInterrupt with the finished
     cells kept in ``run``). ``stack_factory``: ``kvlens.up.Stack`` or a stand-in."""
@@ -251,9 +282,11 @@ def bench_stacks(modes: Sequence[str], dispatches: Sequence[str], opts: BenchOpt
     maker = _prepare(opts, modes, dispatches, model_dir, max_len)
     run = run or new_run(opts)
     if store.is_url(run.store) or run.store.name != config.STORE_FILE:
-        raise BenchError("stacks started by kvlens bench write to <home>/traces.db; --store must name such a "
-                         f"file, got {store.display(run.store)} (bench routers you started yourself with --url "
-                         "may write a PostgreSQL store)")
+        raise BenchError(
+            "stacks started by kvlens bench write to <home>/traces.db; --store must name such a "
+            f"file, got {store.display(run.store)} (bench routers you started yourself with --url "
+            "may write a PostgreSQL store)"
+        )
     run.sink()
     run.started_stacks = True
     groups = plan_groups(modes, dispatches)
@@ -263,25 +296,43 @@ def bench_stacks(modes: Sequence[str], dispatches: Sequence[str], opts: BenchOpt
             if start:
                 _stop(stack)
                 stack = None  # a failed start must not be stopped twice
-                stack, targets, model_name = _start(stack_factory or Stack, groups[gi], model_dir, run.store.parent,
-                                                    opts)
+                stack, targets, model_name = _start(
+                    stack_factory or Stack, groups[gi], model_dir, run.store.parent, opts
+                )
             items = list(enumerate(targets)) if r % 2 else list(reversed(list(enumerate(targets))))
-            _bench_targets(run, items, opts, maker, model_name, "on" if opts.prefix_caching else "off",
-                           target_index0=10 * gi, round_=r, warm=start)
+            _bench_targets(
+                run,
+                items,
+                opts,
+                maker,
+                model_name,
+                "on" if opts.prefix_caching else "off",
+                target_index0=10 * gi,
+                round_=r,
+                warm=start,
+            )
     finally:
         _stop(stack)
     run.finish()
     return run
 
 
-def _start(factory: Callable[..., Any], group: tuple[str, list[str | None]], model_dir: Path, home: Path,
-           opts: BenchOptions) -> tuple[Any, list[Target], str | None]:
+def _start(
+    factory: Callable[..., Any], group: tuple[str, list[str | None]], model_dir: Path, home: Path, opts: BenchOptions
+) -> tuple[Any, list[Target], str | None]:
     """Start one stack for a (mode, dispatches) group: (stack, its targets, the served model name).
     A stack that fails to start stops itself (``Stack.start``)."""
     mode, ds = group
     vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
-    stack = factory(mode=mode, dispatch=ds[0] or "overlapped", model=model_dir, port=None,
-                    kvlens_home=home, vllm_args=vllm_args, api_key=opts.api_key)
+    stack = factory(
+        mode=mode,
+        dispatch=ds[0] or "overlapped",
+        model=model_dir,
+        port=None,
+        kvlens_home=home,
+        vllm_args=vllm_args,
+        api_key=opts.api_key,
+    )
     try:
         stack.start()
         key = getattr(stack, "api_key", None) or opts.api_key
@@ -298,4 +349,3 @@ def _stop(stack: Any) -> None:
     if stack is not None:
         with signals_ignored():  # a second Ctrl-C while stopping must not leave orphans
             stack.stop()
-

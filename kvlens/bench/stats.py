@@ -69,9 +69,14 @@ def _resampled_percentile(rounds: list, q: float, resamples: int, gen) -> "Any":
     return np.nanpercentile(vals.reshape(resamples, -1), q, axis=1)
 
 
-def bootstrap_ratio(num_rounds: Sequence[Iterable[float | None]], den_rounds: Sequence[Iterable[float | None]],
-                    q: float = 50.0, level: float = 0.95, resamples: int = RESAMPLES,
-                    seed: int = 0) -> tuple[float, float] | None:
+def bootstrap_ratio(
+    num_rounds: Sequence[Iterable[float | None]],
+    den_rounds: Sequence[Iterable[float | None]],
+    q: float = 50.0,
+    level: float = 0.95,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float] | None:
     """A ``level`` percentile-bootstrap confidence interval for
     percentile_q(num) / percentile_q(den), each side given as its rounds
     (lists of per-request figures; None entries ignored).

@@ -42,7 +42,17 @@ from kvlens.proxy.bodies import P_KV_PARAMS, overlapped_d_params, prefill_body
 from kvlens.proxy.cli import add_arguments, run
 from kvlens.proxy.config import Decode, Prefill, ProxyConfig
 
-__all__ = ["P_KV_PARAMS", "Decode", "Prefill", "ProxyConfig", "add_arguments", "create_app", "overlapped_d_params", "prefill_body", "run"]
+__all__ = [
+    "P_KV_PARAMS",
+    "Decode",
+    "Prefill",
+    "ProxyConfig",
+    "add_arguments",
+    "create_app",
+    "overlapped_d_params",
+    "prefill_body",
+    "run",
+]
 
 
 def __getattr__(name: str):

@@ -89,8 +89,7 @@ class Router:
         cfg = self.cfg
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.read_timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=cfg.max_connections,
-                                max_keepalive_connections=cfg.max_connections),
+            limits=httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections),
             trust_env=False,
         )
         self.tel = RouterTelemetry(cfg)
@@ -118,15 +117,20 @@ class Router:
         (logged once: vLLM then answers the body without ``model`` itself)."""
         if self._model is None:
             try:
-                r = await self.client.get(self.cfg.decode_url + "/v1/models", timeout=10,
-                                          headers=self._auth_headers(request))
+                r = await self.client.get(
+                    self.cfg.decode_url + "/v1/models", timeout=10, headers=self._auth_headers(request)
+                )
                 r.raise_for_status()
                 self._model = r.json()["data"][0]["id"]
             except Exception as e:
                 if not self._model_warned:
                     self._model_warned = True
-                    logger.warning("kvlens proxy: could not ask decode for its model name (%s: %s); "
-                                   "bodies without `model` are sent as they are", type(e).__name__, e)
+                    logger.warning(
+                        "kvlens proxy: could not ask decode for its model name (%s: %s); "
+                        "bodies without `model` are sent as they are",
+                        type(e).__name__,
+                        e,
+                    )
                 return None
         return self._model
 
@@ -134,6 +138,7 @@ class Router:
         """200 when every P and every D answers its ``/health`` with 200, else
         503. Each instance is named by engine id, never by URL (``/health``
         needs no key: clients must not learn the instances' addresses)."""
+
         async def one(url: str) -> str:
             try:
                 r = await self.client.get(url + "/health", timeout=5, headers=self._auth_headers(None))
@@ -144,17 +149,24 @@ class Router:
         cfg = self.cfg
         ps, ds = cfg.prefills, cfg.decodes
         got = await asyncio.gather(*(one(x.url) for x in [*ps, *ds]))
-        p_got, d_got = got[:len(ps)], got[len(ps):]
+        p_got, d_got = got[: len(ps)], got[len(ps) :]
 
         def side(states: list[str]) -> str:  # "ok", or the first problem
             return next((s for s in states if s != "ok"), "ok")
 
         ok = all(s == "ok" for s in got)
         return JSONResponse(
-            {"status": "ok" if ok else "unhealthy", "prefill": side(p_got), "decode": side(d_got),
-             "instances": {"prefill": {p.engine_id: s for p, s in zip(ps, p_got)},
-                           "decode": {d.engine_id: s for d, s in zip(ds, d_got)}},
-             "mode": cfg.mode, "dispatch": cfg.effective_dispatch},
+            {
+                "status": "ok" if ok else "unhealthy",
+                "prefill": side(p_got),
+                "decode": side(d_got),
+                "instances": {
+                    "prefill": {p.engine_id: s for p, s in zip(ps, p_got)},
+                    "decode": {d.engine_id: s for d, s in zip(ds, d_got)},
+                },
+                "mode": cfg.mode,
+                "dispatch": cfg.effective_dispatch,
+            },
             status_code=200 if ok else 503,
         )
 
@@ -162,8 +174,9 @@ class Router:
         if not authorized(request.headers, self.cfg.api_key):
             return UNAUTHORIZED.response(None)
         try:
-            r = await self.client.get(self.cfg.decode_url + "/v1/models", timeout=10,
-                                      headers=self._auth_headers(request))
+            r = await self.client.get(
+                self.cfg.decode_url + "/v1/models", timeout=10, headers=self._auth_headers(request)
+            )
         except httpx.HTTPError as e:
             return from_http_error("decode", self.cfg.decode_url, e).response("")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
@@ -198,8 +211,17 @@ class Router:
             return UNAUTHORIZED.response(None)  # no trace id, no span: nothing spent
         t0 = time.time_ns()
         tid, parent, client_ids = self.ids.claim(request.headers)
-        ex = Exchange(self.cfg, self.client, self.tel, endpoint, tid, parent, t0,
-                      client_attrs=client_ids, on_finish=lambda: self.ids.release(tid))
+        ex = Exchange(
+            self.cfg,
+            self.client,
+            self.tel,
+            endpoint,
+            tid,
+            parent,
+            t0,
+            client_attrs=client_ids,
+            on_finish=lambda: self.ids.release(tid),
+        )
         try:
             await self._intake(ex, request)
             return await unless_client_gone(request, self._answer(ex, request))

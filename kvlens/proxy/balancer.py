@@ -29,6 +29,7 @@ from typing import Sequence
 from kvrecord import semconv as sc
 from kvlens.proxy.config import Decode, Prefill, ProxyConfig
 
+
 @dataclass(frozen=True)
 class Route:
     """The P and D one request goes to."""

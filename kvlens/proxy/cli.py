@@ -39,49 +39,112 @@ def base_url(text: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", action="append", required=True, type=base_url, metavar="URL",
-                   help="a P's base URL, e.g. http://127.0.0.1:8100; repeat for several P (round robin)")
-    p.add_argument("--decode", action="append", required=True, type=base_url, metavar="URL",
-                   help="a D's base URL; repeat for several D (round robin, independent of P's)")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        type=base_url,
+        metavar="URL",
+        help="a P's base URL, e.g. http://127.0.0.1:8100; repeat for several P (round robin)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        type=base_url,
+        metavar="URL",
+        help="a D's base URL; repeat for several D (round robin, independent of P's)",
+    )
     p.add_argument("--mode", choices=["push", "pull"], required=True)
-    p.add_argument("--dispatch", choices=["overlapped", "sequential"], default="overlapped",
-                   help="push: send D's request at once (overlapped) or after P answers")
+    p.add_argument(
+        "--dispatch",
+        choices=["overlapped", "sequential"],
+        default="overlapped",
+        help="push: send D's request at once (overlapped) or after P answers",
+    )
     p.add_argument("--port", type=port_arg(), default=8000)
-    p.add_argument("--host", default="127.0.0.1",
-                   help="bind address (default loopback; any other needs --api-key, or it is open to all)")
-    p.add_argument("--prefill-engine-id", action="append", default=None, metavar="ID",
-                   help="P's kv_transfer_config.engine_id, once per --prefill in the same order "
-                        "(default p0, p1, ... as `kvlens up` names them)")
-    p.add_argument("--prefill-side-host", action="append", default=None, metavar="HOST",
-                   help="P's NIXL side-channel host (overlapped push): once for all P, or once per --prefill "
-                        "(default 127.0.0.1)")
-    p.add_argument("--prefill-side-port", action="append", type=port_arg(), default=None, metavar="PORT",
-                   help="P's VLLM_NIXL_SIDE_CHANNEL_PORT, once per --prefill in the same order "
-                        "(required for overlapped push)")
-    p.add_argument("--prefill-tp-size", action="append", type=positive(int), default=None, metavar="N",
-                   help="P's tensor-parallel size: once for all P, or once per --prefill (default 1)")
-    p.add_argument("--decode-engine-id", action="append", default=None, metavar="ID",
-                   help="D's engine id, once per --decode in the same order (default d0, d1, ...; names D "
-                        "on root spans and in /health)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="bind address (default loopback; any other needs --api-key, or it is open to all)",
+    )
+    p.add_argument(
+        "--prefill-engine-id",
+        action="append",
+        default=None,
+        metavar="ID",
+        help="P's kv_transfer_config.engine_id, once per --prefill in the same order "
+        "(default p0, p1, ... as `kvlens up` names them)",
+    )
+    p.add_argument(
+        "--prefill-side-host",
+        action="append",
+        default=None,
+        metavar="HOST",
+        help="P's NIXL side-channel host (overlapped push): once for all P, or once per --prefill (default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--prefill-side-port",
+        action="append",
+        type=port_arg(),
+        default=None,
+        metavar="PORT",
+        help="P's VLLM_NIXL_SIDE_CHANNEL_PORT, once per --prefill in the same order (required for overlapped push)",
+    )
+    p.add_argument(
+        "--prefill-tp-size",
+        action="append",
+        type=positive(int),
+        default=None,
+        metavar="N",
+        help="P's tensor-parallel size: once for all P, or once per --prefill (default 1)",
+    )
+    p.add_argument(
+        "--decode-engine-id",
+        action="append",
+        default=None,
+        metavar="ID",
+        help="D's engine id, once per --decode in the same order (default d0, d1, ...; names D "
+        "on root spans and in /health)",
+    )
     p.add_argument("--timeout", type=positive(float), default=600.0, help="read timeout towards P and D, seconds")
-    p.add_argument("--max-body-mb", type=positive(float), default=DEFAULT_MAX_BODY_BYTES / MIB, metavar="MB",
-                   help=f"largest request body accepted, MiB (default {DEFAULT_MAX_BODY_BYTES // MIB}); "
-                        "larger ones get 413 without being read")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and send it to P and D "
-                        f"(default: ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else none; "
-                        "a flag shows in ps, the variables do not)")
+    p.add_argument(
+        "--max-body-mb",
+        type=positive(float),
+        default=DEFAULT_MAX_BODY_BYTES / MIB,
+        metavar="MB",
+        help=f"largest request body accepted, MiB (default {DEFAULT_MAX_BODY_BYTES // MIB}); "
+        "larger ones get 413 without being read",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* and send it to P and D "
+        f"(default: ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else none; "
+        "a flag shows in ps, the variables do not)",
+    )
     p.add_argument("--no-telemetry", action="store_true", help="serve without recording spans")
-    p.add_argument("--collect", action="store_true",
-                   help="also receive OTLP/HTTP spans at POST /v1/traces (as `kvlens collect` does) into the "
-                        "router's trace store, so P and D on other hosts can send theirs here (their "
-                        "otlp_endpoint: http://ROUTER/v1/traces) and the router's handoff metric sees both ends")
-    p.add_argument("--store", default=None, metavar="URL",
-                   help="write spans to this PostgreSQL store (postgresql://user@host:port/dbname) instead of "
-                        "$KVLENS_HOME/traces.db: the router's own and, with --collect, those P and D send")
-    p.add_argument("--retention", default=None, metavar="DURATION",
-                   help="keep traces this long (e.g. 7d); older ones are deleted in small batches as spans "
-                        "are written (default: keep all)")
+    p.add_argument(
+        "--collect",
+        action="store_true",
+        help="also receive OTLP/HTTP spans at POST /v1/traces (as `kvlens collect` does) into the "
+        "router's trace store, so P and D on other hosts can send theirs here (their "
+        "otlp_endpoint: http://ROUTER/v1/traces) and the router's handoff metric sees both ends",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="write spans to this PostgreSQL store (postgresql://user@host:port/dbname) instead of "
+        "$KVLENS_HOME/traces.db: the router's own and, with --collect, those P and D send",
+    )
+    p.add_argument(
+        "--retention",
+        default=None,
+        metavar="DURATION",
+        help="keep traces this long (e.g. 7d); older ones are deleted in small batches as spans "
+        "are written (default: keep all)",
+    )
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -115,10 +178,10 @@ def instances(args: argparse.Namespace) -> tuple[list[Prefill], list[Decode]]:
     hosts = _per_instance(args.prefill_side_host, n, "--prefill-side-host", of, lambda i: "127.0.0.1", True)
     ports = _per_instance(args.prefill_side_port, n, "--prefill-side-port", of, lambda i: None)
     tps = _per_instance(args.prefill_tp_size, n, "--prefill-tp-size", of, lambda i: 1, True)
-    ids_d = _per_instance(getattr(args, "decode_engine_id", None), len(urls_d), "--decode-engine-id", "--decode",
-                          lambda i: f"d{i}")
-    return ([Prefill(*x) for x in zip(urls_p, ids_p, hosts, ports, tps)],
-            [Decode(u, e) for u, e in zip(urls_d, ids_d)])
+    ids_d = _per_instance(
+        getattr(args, "decode_engine_id", None), len(urls_d), "--decode-engine-id", "--decode", lambda i: f"d{i}"
+    )
+    return ([Prefill(*x) for x in zip(urls_p, ids_p, hosts, ports, tps)], [Decode(u, e) for u, e in zip(urls_d, ids_d)])
 
 
 def config(args: argparse.Namespace) -> ProxyConfig:
@@ -143,8 +206,9 @@ def check(cfg: ProxyConfig) -> None:
     """What the flags can only be checked for together (ValueError):
     overlapped push needs every P's side-channel port."""
     if cfg.overlapped_push and any(p.side_port is None for p in cfg.prefills):
-        raise ValueError("overlapped push needs --prefill-side-port (P's VLLM_NIXL_SIDE_CHANNEL_PORT), "
-                         "once per --prefill")
+        raise ValueError(
+            "overlapped push needs --prefill-side-port (P's VLLM_NIXL_SIDE_CHANNEL_PORT), once per --prefill"
+        )
 
 
 def warn_if_open(host: str, key: str | None) -> bool:
@@ -152,8 +216,12 @@ def warn_if_open(host: str, key: str | None) -> bool:
     True when it warned."""
     if key or is_loopback(host):
         return False
-    logger.warning("kvlens proxy: listening on %s without an API key: anyone who can reach this host can "
-                   "send requests through the router (pass --api-key or set %s)", host, API_KEY_ENV[0])
+    logger.warning(
+        "kvlens proxy: listening on %s without an API key: anyone who can reach this host can "
+        "send requests through the router (pass --api-key or set %s)",
+        host,
+        API_KEY_ENV[0],
+    )
     return True
 
 
@@ -174,9 +242,14 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     warn_if_open(args.host, cfg.api_key)
     app = create_app(cfg)
-    logger.info("kvlens proxy %s/%s on %s:%d -> P %s, D %s (round robin)", cfg.mode, cfg.dispatch, args.host,
-                args.port, ", ".join(f"{p.engine_id}={p.url}" for p in cfg.prefills),
-                ", ".join(f"{d.engine_id}={d.url}" for d in cfg.decodes))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                access_log=False, timeout_graceful_shutdown=5)
+    logger.info(
+        "kvlens proxy %s/%s on %s:%d -> P %s, D %s (round robin)",
+        cfg.mode,
+        cfg.dispatch,
+        args.host,
+        args.port,
+        ", ".join(f"{p.engine_id}={p.url}" for p in cfg.prefills),
+        ", ".join(f"{d.engine_id}={d.url}" for d in cfg.decodes),
+    )
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     return 0

@@ -90,11 +90,14 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         self.prefill_url = self.prefill_url.rstrip("/")
         self.decode_url = self.decode_url.rstrip("/")
-        self.more_prefills = [Prefill(p.url.rstrip("/"), p.engine_id, p.side_host, p.side_port, p.tp_size)
-                              for p in self.more_prefills]
+        self.more_prefills = [
+            Prefill(p.url.rstrip("/"), p.engine_id, p.side_host, p.side_port, p.tp_size) for p in self.more_prefills
+        ]
         self.more_decodes = [Decode(d.url.rstrip("/"), d.engine_id) for d in self.more_decodes]
-        for side, ids in (("prefill", [p.engine_id for p in self.prefills]),
-                          ("decode", [d.engine_id for d in self.decodes])):
+        for side, ids in (
+            ("prefill", [p.engine_id for p in self.prefills]),
+            ("decode", [d.engine_id for d in self.decodes]),
+        ):
             if len(set(ids)) != len(ids):  # D would be told the wrong P; traces would name the wrong one
                 raise ValueError(f"{side} engine ids must be distinct, got {', '.join(ids)}")
         if self.mode not in ("push", "pull"):
@@ -113,8 +116,10 @@ class ProxyConfig:
             from kvrecord.location import check_url, is_url
 
             if not is_url(self.store):
-                raise ValueError(f"store must be a postgresql://user@host:port/dbname URL (a file store is "
-                                 f"<kvlens_home>/traces.db), got {self.store!r}")
+                raise ValueError(
+                    f"store must be a postgresql://user@host:port/dbname URL (a file store is "
+                    f"<kvlens_home>/traces.db), got {self.store!r}"
+                )
             self.store = check_url(self.store)
         if self.retention is not None:
             kvconfig.retention_s({"kvlens_retention": self.retention})
@@ -125,17 +130,30 @@ class ProxyConfig:
         if not prefills or not decodes:
             raise ValueError("need at least one prefill and one decode instance")
         p0, d0 = prefills[0], decodes[0]
-        return cls(prefill_url=p0.url, decode_url=d0.url, prefill_engine_id=p0.engine_id,
-                   prefill_side_host=p0.side_host, prefill_side_port=p0.side_port, prefill_tp_size=p0.tp_size,
-                   decode_engine_id=d0.engine_id, more_prefills=list(prefills[1:]),
-                   more_decodes=list(decodes[1:]), **kw)
+        return cls(
+            prefill_url=p0.url,
+            decode_url=d0.url,
+            prefill_engine_id=p0.engine_id,
+            prefill_side_host=p0.side_host,
+            prefill_side_port=p0.side_port,
+            prefill_tp_size=p0.tp_size,
+            decode_engine_id=d0.engine_id,
+            more_prefills=list(prefills[1:]),
+            more_decodes=list(decodes[1:]),
+            **kw,
+        )
 
     @property
     def prefills(self) -> list[Prefill]:
         """Every P, the first from the ``prefill_*`` fields (read now: a
         change to them after construction counts)."""
-        first = Prefill(self.prefill_url, self.prefill_engine_id, self.prefill_side_host, self.prefill_side_port,
-                        self.prefill_tp_size)
+        first = Prefill(
+            self.prefill_url,
+            self.prefill_engine_id,
+            self.prefill_side_host,
+            self.prefill_side_port,
+            self.prefill_tp_size,
+        )
         return [first, *self.more_prefills]
 
     @property

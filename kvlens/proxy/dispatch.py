@@ -36,8 +36,11 @@ async def _prefill_then_decode(ex: Exchange) -> httpx.Response:
     kv = p_json.get("kv_transfer_params")
     if not isinstance(kv, dict):
         ex.tel.relay(ex.trace_id, t_p, time.time_ns(), "failed")
-        raise unexpected("prefill", "no kv_transfer_params object (is it started with a NIXL kv_producer "
-                         "kv-transfer-config?)", repr(p_json))
+        raise unexpected(
+            "prefill",
+            "no kv_transfer_params object (is it started with a NIXL kv_producer kv-transfer-config?)",
+            repr(p_json),
+        )
     d_body = decode_body(ex.body, kv)
     ex.tel.relay(ex.trace_id, t_p, time.time_ns())
     return await ex.open_decode(d_body)

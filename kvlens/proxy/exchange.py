@@ -75,9 +75,18 @@ class Exchange:
             return
         self.finished = True
         try:
-            self.tel.request(self.trace_id, self.parent, self.t0_ns, time.time_ns(), outcome, ttft_s,
-                             self.cfg.effective_dispatch, status, error=error,
-                             attrs={**(self.route.attrs() if self.route else {}), **self.client_attrs})
+            self.tel.request(
+                self.trace_id,
+                self.parent,
+                self.t0_ns,
+                time.time_ns(),
+                outcome,
+                ttft_s,
+                self.cfg.effective_dispatch,
+                status,
+                error=error,
+                attrs={**(self.route.attrs() if self.route else {}), **self.client_attrs},
+            )
         finally:
             if self.on_finish is not None:
                 self.on_finish()
@@ -101,8 +110,9 @@ class Exchange:
         p_body = prefill_body(self.body)
 
         def build(ext: dict) -> httpx.Request:
-            return self.client.build_request("POST", url + self.endpoint, json=p_body, headers=self.headers,
-                                             extensions=ext)
+            return self.client.build_request(
+                "POST", url + self.endpoint, json=p_body, headers=self.headers, extensions=ext
+            )
 
         try:
             r = await send_once_more(self.client, build)
@@ -124,8 +134,9 @@ class Exchange:
         url = self.route.decode.url
 
         def build(ext: dict) -> httpx.Request:
-            return self.client.build_request("POST", url + self.endpoint, json=d_body, headers=self.headers,
-                                             extensions=ext)
+            return self.client.build_request(
+                "POST", url + self.endpoint, json=d_body, headers=self.headers, extensions=ext
+            )
 
         try:
             resp = await send_once_more(self.client, build, stream=True)

@@ -25,8 +25,9 @@ class Refused(Exception):
     """A request refused before any upstream call: ``status`` (4xx), a
     message, the OpenAI error ``type`` and the offending ``param``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
@@ -49,8 +50,9 @@ def authorized(headers: Mapping[str, str], api_key: str | None) -> bool:
     return hmac.compare_digest(got, f"Bearer {api_key}".encode())
 
 
-UNAUTHORIZED = Refused(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                       kind="authentication_error")
+UNAUTHORIZED = Refused(
+    401, "missing or invalid API key (send Authorization: Bearer <key>)", kind="authentication_error"
+)
 
 
 # --------------------------------------------------------------------- body

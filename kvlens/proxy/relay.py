@@ -49,8 +49,7 @@ async def whole(ex: Exchange, d_resp: httpx.Response) -> Response:
         ex.finish(u.status, u.outcome, None, u.message)
         return u.response(ex.trace_id)
     ex.finish(200, "ok", ex.elapsed_s())
-    return Response(content, status_code=200, media_type="application/json",
-                    headers={"X-Request-Id": ex.trace_id})
+    return Response(content, status_code=200, media_type="application/json", headers={"X-Request-Id": ex.trace_id})
 
 
 class _Relayed(StreamingResponse):
@@ -62,9 +61,12 @@ class _Relayed(StreamingResponse):
 
     def __init__(self, ex: Exchange, d_resp: httpx.Response) -> None:
         self._ex, self._d = ex, d_resp
-        super().__init__(_relay(ex, d_resp), status_code=200,
-                         media_type=d_resp.headers.get("content-type", "text/event-stream"),
-                         headers={"X-Request-Id": ex.trace_id})
+        super().__init__(
+            _relay(ex, d_resp),
+            status_code=200,
+            media_type=d_resp.headers.get("content-type", "text/event-stream"),
+            headers={"X-Request-Id": ex.trace_id},
+        )
 
     async def __call__(self, scope, receive, send) -> None:
         try:

@@ -61,8 +61,9 @@ def safe_to_retry(exc: BaseException, new_connection: bool, answered: bool = Fal
     return isinstance(exc, STALE_CONNECTION_ERRORS) and not new_connection
 
 
-async def send_once_more(client: httpx.AsyncClient, build: Callable[[dict], httpx.Request],
-                         stream: bool = False) -> httpx.Response:
+async def send_once_more(
+    client: httpx.AsyncClient, build: Callable[[dict], httpx.Request], stream: bool = False
+) -> httpx.Response:
     """``client.send(build(extensions))``, sent a second time (on a fresh
     request object) when the first failed in a way :func:`safe_to_retry`
     allows. Raises the httpx error otherwise. Event loop only."""

@@ -26,14 +26,23 @@ class RouterTelemetry:
         if not cfg.telemetry:
             return
         try:
-            self.rec = get_recorder(role="router", mode=cfg.mode, engine_id=None,
-                                    config=cfg.pipeline_config())
+            self.rec = get_recorder(role="router", mode=cfg.mode, engine_id=None, config=cfg.pipeline_config())
         except Exception as e:  # broken config / store: serve without spans
             logger.warning("kvlens proxy: telemetry disabled (%s: %s)", type(e).__name__, e)
 
-    def request(self, tid: str, parent: int | None, t0: int, t1: int, outcome: str,
-                ttft_s: float | None, dispatch: str, status: int, error: str | None = None,
-                attrs: dict | None = None) -> None:
+    def request(
+        self,
+        tid: str,
+        parent: int | None,
+        t0: int,
+        t1: int,
+        outcome: str,
+        ttft_s: float | None,
+        dispatch: str,
+        status: int,
+        error: str | None = None,
+        attrs: dict | None = None,
+    ) -> None:
         """The root span of trace ``tid``; times in wall-clock ns, TTFT in s.
         ``error``: why it failed, in words; ``attrs``: more attributes
         (the client's own ids, :mod:`kvlens.proxy.isolation`)."""

@@ -121,8 +121,15 @@ def base_env(kvlens_home: Path) -> dict[str, str]:
     return env
 
 
-def server_env(env: dict[str, str], is_p: bool, host: str, side_port: int, prom_dir: Path,
-               extra: Mapping[str, str] | None, cpus: str | None = None) -> dict[str, str]:
+def server_env(
+    env: dict[str, str],
+    is_p: bool,
+    host: str,
+    side_port: int,
+    prom_dir: Path,
+    extra: Mapping[str, str] | None,
+    cpus: str | None = None,
+) -> dict[str, str]:
     """A vLLM server's environment: its CPU (``cpus``, from
     :func:`kvlens.stack.pinning.cpu_binding`; default P on 0, D on 1 when
     there are two), its NIXL side channel, its Prometheus multiprocess dir,
@@ -168,15 +175,30 @@ def collector_argv(host: str, port: int, store: Path | str) -> list[str]:
     return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--store", str(store)]
 
 
-def router_argv(prefills: Sequence[tuple], decodes: Sequence[tuple[str, str]], mode: str,
-                dispatch: str, host: str, port: int) -> list[str]:
+def router_argv(
+    prefills: Sequence[tuple], decodes: Sequence[tuple[str, str]], mode: str, dispatch: str, host: str, port: int
+) -> list[str]:
     """Command line of one ``kvlens proxy`` in front of ``prefills`` ((URL,
     engine id, side-channel port[, TP size]) each, on ``host``) and
     ``decodes`` ((URL, engine id) each); the per-P flags pair with
     ``--prefill`` by position. ``--prefill-tp-size`` goes to every P once any
     P runs more than one rank: overlapped push tells D each P's TP size."""
-    argv = [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", mode, "--dispatch", dispatch,
-            "--host", host, "--port", str(port), "--prefill-side-host", host]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvlens.cli",
+        "proxy",
+        "--mode",
+        mode,
+        "--dispatch",
+        dispatch,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--prefill-side-host",
+        host,
+    ]
     any_tp = any(len(p) > 3 and p[3] > 1 for p in prefills)
     for url, engine_id, side_port, *tp in prefills:
         argv += ["--prefill", url, "--prefill-engine-id", engine_id, "--prefill-side-port", str(side_port)]
@@ -202,12 +224,14 @@ def find_vllm_router() -> str:
     found = shutil.which("vllm-router")
     if found:
         return found
-    raise StackError(f"--router vllm-router needs vLLM's router: pip install '{VLLM_ROUTER_PACKAGE}' "
-                     "(make setup installs it)")
+    raise StackError(
+        f"--router vllm-router needs vLLM's router: pip install '{VLLM_ROUTER_PACKAGE}' (make setup installs it)"
+    )
 
 
-def vllm_router_argv(program: str, prefill_urls: Sequence[str], decode_urls: Sequence[str], host: str, port: int,
-                     metrics_port: int) -> list[str]:
+def vllm_router_argv(
+    program: str, prefill_urls: Sequence[str], decode_urls: Sequence[str], host: str, port: int, metrics_port: int
+) -> list[str]:
     """Command line of vLLM's own router in front of P and D: disaggregated
     (P then D, NIXL pull: it hands D the ``kv_transfer_params`` P returns),
     round robin over each list. ``metrics_port``: its Prometheus exporter,
@@ -218,5 +242,15 @@ def vllm_router_argv(program: str, prefill_urls: Sequence[str], decode_urls: Seq
         argv += ["--prefill", url]
     for url in decode_urls:
         argv += ["--decode", url]
-    return argv + ["--policy", "round_robin", "--host", host, "--port", str(port),
-                   "--prometheus-host", host, "--prometheus-port", str(metrics_port)]
+    return argv + [
+        "--policy",
+        "round_robin",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(metrics_port),
+    ]

@@ -49,9 +49,7 @@ class StackExtras:
         if self.prometheus_server is not None:
             return self.prometheus_server
         server = PrometheusServer(
-            stack_manifest.scrape_targets(self),
-            port=port,
-            data_dir=Path(self.log_dir) / "prometheus",
+            stack_manifest.scrape_targets(self), port=port, data_dir=Path(self.log_dir) / "prometheus"
         )
         server.start(timeout=timeout)
         self.prometheus_server = server

@@ -43,8 +43,13 @@ VLLM_ROUTER_PORT = "vllm-router port"
 VLLM_ROUTER_METRICS_PORT = "vllm-router metrics port"
 
 
-def more_ports(n_prefill: int, n_decode: int, routers: tuple[str, ...], vllm_router_port: int | None = None,
-               vllm_router_metrics_port: int | None = None) -> dict[str, int | None]:
+def more_ports(
+    n_prefill: int,
+    n_decode: int,
+    routers: tuple[str, ...],
+    vllm_router_port: int | None = None,
+    vllm_router_metrics_port: int | None = None,
+) -> dict[str, int | None]:
     """The ports a stack needs beyond the first P's and D's and kvlens'
     router's, by name (None: pick a free one): every later instance's HTTP
     and side-channel ports, and vLLM's router's (its own port only next to
@@ -74,23 +79,28 @@ def parse_routers(spec: str | Iterable[str]) -> tuple[str, ...]:
     got = {x.strip() for x in items if x.strip()}
     bad = sorted(got - set(ROUTERS))
     if bad or not got:
-        raise StackError(f"router must be one or both of {', '.join(ROUTERS)} (comma-separated), got "
-                         f"{','.join(items) if not isinstance(spec, str) else spec!r}")
+        raise StackError(
+            f"router must be one or both of {', '.join(ROUTERS)} (comma-separated), got "
+            f"{','.join(items) if not isinstance(spec, str) else spec!r}"
+        )
     return tuple(r for r in ROUTERS if r in got)
 
 
-def check_routers(routers: tuple[str, ...], mode: str, api_key: str | None, separate: bool,
-                  collector: str) -> None:
+def check_routers(routers: tuple[str, ...], mode: str, api_key: str | None, separate: bool, collector: str) -> None:
     """What vLLM's router cannot do, refused before anything starts (StackError)."""
     if "vllm-router" not in routers:
         return
     if mode != "pull":
-        raise StackError("--router vllm-router needs --mode pull: vLLM's router sends P first, then D with P's "
-                         "kv_transfer_params (NIXL pull); it cannot tell D about P in advance as a push needs")
+        raise StackError(
+            "--router vllm-router needs --mode pull: vLLM's router sends P first, then D with P's "
+            "kv_transfer_params (NIXL pull); it cannot tell D about P in advance as a push needs"
+        )
     if api_key:
-        raise StackError("--router vllm-router with an API key: vllm-router takes the workers' key only on its "
-                         "command line (--api-key), where every user of the host can read it (ps); kvlens keeps "
-                         "keys off command lines. Unset --api-key / KVLENS_API_KEY / VLLM_API_KEY")
+        raise StackError(
+            "--router vllm-router with an API key: vllm-router takes the workers' key only on its "
+            "command line (--api-key), where every user of the host can read it (ps); kvlens keeps "
+            "keys off command lines. Unset --api-key / KVLENS_API_KEY / VLLM_API_KEY"
+        )
     if "kvlens" not in routers and separate and collector == "router":
         raise StackError("--collector router needs kvlens' router (--router kvlens or kvlens,vllm-router)")
 
@@ -124,5 +134,12 @@ class Instance:
 
     def record(self) -> dict:
         """What ``stack.json`` keeps of it."""
-        return {"name": self.name, "engine_id": self.engine_id, "url": self.url, "port": self.port,
-                "side_channel_port": self.side_port, "pid": self.pid, "tp_size": self.tp}
+        return {
+            "name": self.name,
+            "engine_id": self.engine_id,
+            "url": self.url,
+            "port": self.port,
+            "side_channel_port": self.side_port,
+            "pid": self.pid,
+            "tp_size": self.tp,
+        }

@@ -45,23 +45,25 @@ from kvlens.stack.commands import (
 )
 from kvlens.stack.errors import StackError
 from kvlens.stack.extras import StackExtras
-from kvlens.stack.instances import (
-    Instance,
-    check_count,
-    check_routers,
-    child_name,
-    parse_routers,
-    port_names,
-)
+from kvlens.stack.instances import Instance, check_count, check_routers, child_name, parse_routers, port_names
 from kvlens.stack.ports import DEFAULT_HOST
 from kvlens.stack.preflight import preflight
 from kvlens.stack.spinners import ProgressThreads, check_mode, resolve_mode
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
-from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, start_waves, startup_timeout_s, tp_args, tp_note
+from kvlens.stack.tp import (
+    check_tp,
+    check_vllm_args,
+    engine_processes,
+    start_waves,
+    startup_timeout_s,
+    tp_args,
+    tp_note,
+)
 from kvlens.stack.warmup import warm_up
 
 logger = logging.getLogger("kvlens.up")
+
 
 @dataclass
 class Stack(StackExtras):
@@ -173,9 +175,16 @@ class Stack(StackExtras):
 
     @property
     def topology(self) -> Topology:
-        return Topology(Path(self.kvlens_home), self.host, int(self.port or 0), self.separate_homes,
-                        self.collector, self.collector_port, self.collector_store,
-                        kvlens_router="kvlens" in self.routers)
+        return Topology(
+            Path(self.kvlens_home),
+            self.host,
+            int(self.port or 0),
+            self.separate_homes,
+            self.collector,
+            self.collector_port,
+            self.collector_store,
+            kvlens_router="kvlens" in self.routers,
+        )
 
     def _instance(self, role: str, index: int) -> Instance:
         if index == 0:
@@ -213,18 +222,41 @@ class Stack(StackExtras):
         home = topo.home_for(role)
         tps = {"prefill": self.prefill_tp, "decode": self.decode_tp}
         cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances, tps=tps)
-        env = server_env(base_env(home), role == "prefill", self.host, inst.side_port, prom,
-                         self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}), cpus)
-        ktc = kv_transfer_config(self.mode, role, inst.engine_id, self.stock, home, self.kv_lease_s,
-                                 self.push_registration_timeout_s, topo.traces_url, self.kv_load_failure_policy)
-        argv = vllm_argv(Path(self.model), self.host, inst.port, ktc,
-                         [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)])
+        env = server_env(
+            base_env(home),
+            role == "prefill",
+            self.host,
+            inst.side_port,
+            prom,
+            self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}),
+            cpus,
+        )
+        ktc = kv_transfer_config(
+            self.mode,
+            role,
+            inst.engine_id,
+            self.stock,
+            home,
+            self.kv_lease_s,
+            self.push_registration_timeout_s,
+            topo.traces_url,
+            self.kv_load_failure_policy,
+        )
+        argv = vllm_argv(
+            Path(self.model), self.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
+        )
         return Child(inst.name, argv, env, Path(self.log_dir) / f"{inst.name}.log", inst.url, cwd=str(REPO_ROOT))
 
     def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
         topo = self.topology
-        argv = router_argv([(p.url, p.engine_id, p.side_port, p.tp) for p in self.prefills],
-                           [(d.url, d.engine_id) for d in self.decodes], self.mode, dispatch, self.host, port)
+        argv = router_argv(
+            [(p.url, p.engine_id, p.side_port, p.tp) for p in self.prefills],
+            [(d.url, d.engine_id) for d in self.decodes],
+            self.mode,
+            dispatch,
+            self.host,
+            port,
+        )
         # only the main router hosts the receiver (``--collect``); extra routers export to it
         hosts_receiver = name == "router"
         if hosts_receiver:
@@ -234,26 +266,45 @@ class Stack(StackExtras):
         if topo.separate and topo.collector == "router" and not hosts_receiver:
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": str(topo.collector_url), "KVLENS_HANDOFF_FROM": "off"}
         env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
-        return Child(name, argv, env, Path(self.log_dir) / f"{name}.log", f"http://{self.host}:{port}",
-                     cwd=str(REPO_ROOT))
+        return Child(
+            name, argv, env, Path(self.log_dir) / f"{name}.log", f"http://{self.host}:{port}", cwd=str(REPO_ROOT)
+        )
 
     def _vllm_router(self) -> Child:
         """vLLM's own router in front of every P and D (pull only; a StackError
         when it is not installed). Its environment: the router role's."""
         port = int(self.vllm_router_port or 0)
-        argv = vllm_router_argv(find_vllm_router(), [p.url for p in self.prefills], [d.url for d in self.decodes],
-                                self.host, port, int(self.vllm_router_metrics_port or 0))
+        argv = vllm_router_argv(
+            find_vllm_router(),
+            [p.url for p in self.prefills],
+            [d.url for d in self.decodes],
+            self.host,
+            port,
+            int(self.vllm_router_metrics_port or 0),
+        )
         env = base_env(self.topology.home_for("router"))
         env.update(self._env("router"))
-        return Child("vllm-router", argv, env, Path(self.log_dir) / "vllm-router.log",
-                     f"http://{self.host}:{port}", cwd=str(REPO_ROOT))
+        return Child(
+            "vllm-router",
+            argv,
+            env,
+            Path(self.log_dir) / "vllm-router.log",
+            f"http://{self.host}:{port}",
+            cwd=str(REPO_ROOT),
+        )
 
     def _collector(self) -> Child:
         topo = self.topology
         env = base_env(topo.home_for("collector"))
         env.update(self._env("collector", topo.collector_env()))
-        return Child("collector", collector_argv(self.host, int(self.collector_port), topo.store_path), env,
-                     Path(self.log_dir) / "collector.log", str(topo.collector_url), cwd=str(REPO_ROOT))
+        return Child(
+            "collector",
+            collector_argv(self.host, int(self.collector_port), topo.store_path),
+            env,
+            Path(self.log_dir) / "collector.log",
+            str(topo.collector_url),
+            cwd=str(REPO_ROOT),
+        )
 
     def _spawn(self, c: Child) -> Child:
         """Start ``c``, keep it, and record it in ``stack.json`` at once."""
@@ -284,9 +335,11 @@ class Stack(StackExtras):
                 wait_healthy([self._spawn(self._collector())], t0 + timeout, self._say, auth)
             servers = [self._server(i.role, i.index) for i in [*self.prefills, *self.decodes]]
             self.prefill_url, self.decode_url = self.prefills[0].url, self.decodes[0].url
-            self._say(f"starting {self.mode} {self.prefill_instances}P x {self.decode_instances}D"
-                      f"{tp_note(self.prefill_tp, self.decode_tp)} ({'stock' if self.stock else 'instrumented'} "
-                      f"connector) model={self.model} logs={self.log_dir}")
+            self._say(
+                f"starting {self.mode} {self.prefill_instances}P x {self.decode_instances}D"
+                f"{tp_note(self.prefill_tp, self.decode_tp)} ({'stock' if self.stock else 'instrumented'} "
+                f"connector) model={self.model} logs={self.log_dir}"
+            )
             self._start_servers(servers, t0 + timeout, auth)
             self._start_routers(t0 + timeout)
             if self.warmup:
@@ -307,8 +360,9 @@ class Stack(StackExtras):
         pinned core and starved a still-starting one for 10+ min: pinning's docstring)
         and demote a ready server's NIXL progress threads (:mod:`~kvlens.stack.spinners`)."""
         processes = engine_processes(self.prefill_tp, self.decode_tp)  # type: ignore[arg-type]
-        self.progress = ProgressThreads(resolve_mode(self.nixl_progress, processes, len(pinning.available_cpus())),
-                                        self._say)
+        self.progress = ProgressThreads(
+            resolve_mode(self.nixl_progress, processes, len(pinning.available_cpus())), self._say
+        )
         by_name = {c.name: c for c in servers}
 
         def each_poll(c: Child) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+
 def cmdline(pid: int) -> list[str] | None:
     """A live process's command line (``/proc``); None when it is gone, a
     zombie or unreadable (not Linux)."""
@@ -83,9 +84,11 @@ class Leftover:
             who, stop = f"run by kvlens pid {self.supervisor}", str(self.supervisor)
         else:
             who, stop = "its kvlens is gone: left behind", " ".join(f"-{g}" for g in self.pgids)
-        return (f"a previous stack is still running ({who}): {', '.join(self.names)}, pids "
-                f"{', '.join(map(str, self.pids))}, ports {', '.join(map(str, self.ports)) or '?'}, "
-                f"recorded in {self.manifest}; stop it with: kill -TERM {stop}")
+        return (
+            f"a previous stack is still running ({who}): {', '.join(self.names)}, pids "
+            f"{', '.join(map(str, self.pids))}, ports {', '.join(map(str, self.ports)) or '?'}, "
+            f"recorded in {self.manifest}; stop it with: kill -TERM {stop}"
+        )
 
 
 def _alive(member: Mapping) -> bool:
@@ -102,7 +105,8 @@ def _leftover(path: Path, m: Mapping, me: int) -> Leftover | None:
     if me and sup.get("pid") == me:
         return None  # one of this process's own stacks
     records = m.get("processes") or [
-        {"name": n, "pgid": p, "members": [{"pid": p}]} for n, p in (m.get("pids") or {}).items()]
+        {"name": n, "pgid": p, "members": [{"pid": p}]} for n, p in (m.get("pids") or {}).items()
+    ]
     names, pgids, pids = [], [], []
     for rec in records:
         live = [x["pid"] for x in rec.get("members", []) if _alive(x)]

@@ -155,11 +155,15 @@ def repin(c: Child, say: Callable[[str], None]) -> None:
         say(f"warning: could not pin {c.name}'s worker threads to CPU {where}: {e}")
         return
     if workers < len(lists):
-        say(f"warning: {workers} of {c.name}'s {len(lists)} vLLM worker process(es) found and re-pinned; "
-            "the others keep vLLM's CPU pinning")
+        say(
+            f"warning: {workers} of {c.name}'s {len(lists)} vLLM worker process(es) found and re-pinned; "
+            "the others keep vLLM's CPU pinning"
+        )
     elif moved:
-        say(f"{c.name}: {moved} worker threads moved back to CPU {where} (one list per rank; vLLM's CPU NIXL "
-            "worker pins every worker's main thread to one shared core)")
+        say(
+            f"{c.name}: {moved} worker threads moved back to CPU {where} (one list per rank; vLLM's CPU NIXL "
+            "worker pins every worker's main thread to one shared core)"
+        )
 
 
 def quiet(_line: str) -> None:
@@ -176,8 +180,14 @@ def available_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def cpu_binding(role: str, index: int, n_prefill: int, n_decode: int, cpus: list[int] | None = None,
-                tps: Mapping[str, Sequence[int]] | None = None) -> str:
+def cpu_binding(
+    role: str,
+    index: int,
+    n_prefill: int,
+    n_decode: int,
+    cpus: list[int] | None = None,
+    tps: Mapping[str, Sequence[int]] | None = None,
+) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` of the ``index``-th instance of ``role``
     (prefill/decode) in a stack of ``n_prefill`` P and ``n_decode`` D, on
     ``cpus`` (default :func:`available_cpus`): one CPU id per rank, the
@@ -221,7 +231,7 @@ def cpu_binding(role: str, index: int, n_prefill: int, n_decode: int, cpus: list
     ranks_p, ranks_d = sum(role_tps["prefill"]), sum(role_tps["decode"])
     if len(cpus) >= ranks_p + ranks_d and len(cpus) >= 2:
         first = sum(role_tps[role][:index]) + (0 if is_p else ranks_p)
-        return "|".join(str(c) for c in cpus[first:first + tp])
+        return "|".join(str(c) for c in cpus[first : first + tp])
     if len(cpus) < 2:
         return "|".join([str(cpus[0])] * tp)
     n_p_cpus = min(len(cpus) - 1, max(1, len(cpus) * ranks_p // (ranks_p + ranks_d)))

@@ -41,9 +41,16 @@ def preflight(stack) -> None:
     if stack.prometheus:
         named["prometheus port"] = stack.prometheus_port
         if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
-            raise StackError("--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)")
-    more = more_ports(stack.prefill_instances, stack.decode_instances, stack.routers, stack.vllm_router_port,
-                      stack.vllm_router_metrics_port)
+            raise StackError(
+                "--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)"
+            )
+    more = more_ports(
+        stack.prefill_instances,
+        stack.decode_instances,
+        stack.routers,
+        stack.vllm_router_port,
+        stack.vllm_router_metrics_port,
+    )
     named.update(more)
     auto = (*AUTO_PORTS, *more)
     if stack.separate_homes and stack.collector == "process":
@@ -57,7 +64,8 @@ def preflight(stack) -> None:
     except StackError as e:  # a busy port: say what holds it when we know
         raise StackError(busy_hint(str(e), left)) from None
     stack.port, stack.prefill_port, stack.decode_port, stack.prefill_side_port, stack.decode_side_port = (
-        got[k] for k in AUTO_PORTS)
+        got[k] for k in AUTO_PORTS
+    )
     stack.collector_port = got.get("collector port")
     stack.more_ports = {k: got[k] for k in more}
     if "vllm-router" in stack.routers:  # alone, it takes the router port

@@ -105,8 +105,9 @@ def worker_pids(server_pid: int) -> list[int]:
     return out
 
 
-def demote_spinners(pids: Iterable[int], rounds: int = 3,
-                    sample_s: float = SAMPLE_S) -> tuple[dict[int, int], list[int]]:
+def demote_spinners(
+    pids: Iterable[int], rounds: int = 3, sample_s: float = SAMPLE_S
+) -> tuple[dict[int, int], list[int]]:
     """Give each process's spinning non-main thread ``SCHED_IDLE``.
 
     Samples up to ``rounds`` times (a spinner that shares its CPU with
@@ -180,11 +181,15 @@ class ProgressThreads:
             return
         self.demoted[c.name], self.missing[c.name] = found, missing
         if found:
-            self.say(f"{c.name}: NIXL's UCX progress thread of {len(found)} worker(s) set to SCHED_IDLE "
-                     "(it polls with timeout 0 and would take a CPU from the engines)")
+            self.say(
+                f"{c.name}: NIXL's UCX progress thread of {len(found)} worker(s) set to SCHED_IDLE "
+                "(it polls with timeout 0 and would take a CPU from the engines)"
+            )
         for pid in missing:
-            self.say(f"warning: {c.name}: no spinning NIXL progress thread found in worker pid {pid}; it keeps "
-                     "the scheduling vLLM gave it")
+            self.say(
+                f"warning: {c.name}: no spinning NIXL progress thread found in worker pid {pid}; it keeps "
+                "the scheduling vLLM gave it"
+            )
 
     def restore(self) -> None:
         """``startup`` mode, once every server is up: the demoted threads back
@@ -202,6 +207,9 @@ class ProgressThreads:
             self.say("NIXL progress threads back to the normal scheduling class for serving (--nixl-progress startup)")
 
     def to_json(self) -> dict[str, Any]:
-        return {"mode": self.mode, "restored_for_serving": self.restored,
-                "demoted": {n: {str(p): t for p, t in d.items()} for n, d in self.demoted.items()},
-                "not_found": {n: m for n, m in self.missing.items() if m}}
+        return {
+            "mode": self.mode,
+            "restored_for_serving": self.restored,
+            "demoted": {n: {str(p): t for p, t in d.items()} for n, d in self.demoted.items()},
+            "not_found": {n: m for n, m in self.missing.items() if m},
+        }

@@ -146,15 +146,16 @@ _BOOT = f"import os; exec(os.environ.pop({_GUARD_ENV!r}))  # kvlens guard"
 GUARD_GRACE_S = 15.0
 
 
-def guarded(argv: list[str], env: dict[str, str],
-            grace_s: float = GUARD_GRACE_S) -> tuple[list[str], dict[str, str]]:
+def guarded(argv: list[str], env: dict[str, str], grace_s: float = GUARD_GRACE_S) -> tuple[list[str], dict[str, str]]:
     """(command line, environment) running ``argv`` with ``env`` under the
     guard (module docstring); the same unchanged on systems without
     ``prctl`` (not Linux)."""
     if not sys.platform.startswith("linux"):
         return list(argv), env
-    return ([sys.executable, "-I", "-S", "-c", _BOOT, str(os.getpid()), str(grace_s), *argv],
-            {**env, _GUARD_ENV: _GUARD})
+    return (
+        [sys.executable, "-I", "-S", "-c", _BOOT, str(os.getpid()), str(grace_s), *argv],
+        {**env, _GUARD_ENV: _GUARD},
+    )
 
 
 @dataclass
@@ -181,8 +182,12 @@ class Child:
         """Spawn under its guard in a new session, stdout+stderr appended to
         ``log``. FileNotFoundError when ``argv[0]`` is not found."""
         exe = self.argv[0]  # checked here: under the guard a missing one would only show as exit code 127
-        if shutil.which(os.path.join(self.cwd or ".", exe) if os.sep in exe else exe,
-                        path=self.env.get("PATH", os.defpath)) is None:
+        if (
+            shutil.which(
+                os.path.join(self.cwd or ".", exe) if os.sep in exe else exe, path=self.env.get("PATH", os.defpath)
+            )
+            is None
+        ):
             raise FileNotFoundError(f"{self.name}: command not found: {exe}")
         self.log.parent.mkdir(parents=True, exist_ok=True)
         argv, env = guarded(self.argv, self.env)
@@ -265,9 +270,13 @@ def stop_children(children: list[Child], grace_s: float = 15.0) -> None:
     _kill_stragglers(stragglers)
 
 
-def wait_healthy(children: list[Child], deadline: float, say: Callable[[str], None],
-                 headers: Mapping[str, str] | None = None,
-                 each_poll: Callable[[Child], None] | None = None) -> None:
+def wait_healthy(
+    children: list[Child],
+    deadline: float,
+    say: Callable[[str], None],
+    headers: Mapping[str, str] | None = None,
+    each_poll: Callable[[Child], None] | None = None,
+) -> None:
     """Poll each child's ``/health`` (sending ``headers``, e.g. the stack's
     API key) until all answer 200. ``each_poll``: called for every child,
     ready or not, once per poll round (the stack re-pins vLLM's workers
@@ -300,8 +309,10 @@ def wait_healthy(children: list[Child], deadline: float, say: Callable[[str], No
             now = time.monotonic()
             if now > deadline:
                 names = ", ".join(f"{c.name} (log {c.log})" for c in pending)
-                raise StackError(f"timed out waiting for {names} to answer /health; "
-                                 f"last lines of {pending[0].log}:\n{tail(pending[0].log)}")
+                raise StackError(
+                    f"timed out waiting for {names} to answer /health; "
+                    f"last lines of {pending[0].log}:\n{tail(pending[0].log)}"
+                )
             if now - last_note >= NOTE_EVERY_S:
                 last_note = now
                 say("waiting for " + ", ".join(f"{c.name} ({now - c.started_at:.0f}s)" for c in pending))

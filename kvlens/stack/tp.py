@@ -40,8 +40,10 @@ def check_tp(what: str, value: int | Sequence[int], n: int) -> tuple[int, ...]:
     if len(sizes) == 1:
         return tuple(sizes) * n
     if len(sizes) != n:
-        raise StackError(f"{what} gives {len(sizes)} sizes for {n} instance(s): give one for all, or one per "
-                         f"instance in engine-id order")
+        raise StackError(
+            f"{what} gives {len(sizes)} sizes for {n} instance(s): give one for all, or one per "
+            f"instance in engine-id order"
+        )
     return tuple(sizes)
 
 
@@ -61,9 +63,11 @@ def check_vllm_args(vllm_args: Sequence[str]) -> None:
     """StackError when ``vllm_args`` set the TP size themselves."""
     for a in vllm_args:
         if a in _TP_FLAGS or any(a.startswith(f + "=") for f in _TP_FLAGS):
-            raise StackError("set the tensor-parallel size with --tp / --prefill-tp / --decode-tp (Stack "
-                             "prefill_tp / decode_tp), not in the vLLM arguments: each rank needs its own CPU "
-                             "list in VLLM_CPU_OMP_THREADS_BIND, which the stack builds from it")
+            raise StackError(
+                "set the tensor-parallel size with --tp / --prefill-tp / --decode-tp (Stack "
+                "prefill_tp / decode_tp), not in the vLLM arguments: each rank needs its own CPU "
+                "list in VLLM_CPU_OMP_THREADS_BIND, which the stack builds from it"
+            )
 
 
 def tp_args(tp: int) -> list[str]:

@@ -11,8 +11,15 @@ from kvrecord.ids import new_trace_id
 from kvlens.stack.errors import StackError
 
 
-def warm_up(router_url: str, headers: Mapping[str, str], say: Callable[[str], None], dead_child: Callable,
-            tries: int = 3, timeout_s: float = 90.0, rounds: int = 1) -> None:
+def warm_up(
+    router_url: str,
+    headers: Mapping[str, str],
+    say: Callable[[str], None],
+    dead_child: Callable,
+    tries: int = 3,
+    timeout_s: float = 90.0,
+    rounds: int = 1,
+) -> None:
     """``rounds`` tiny requests through the router at ``router_url`` (one per
     (P, D) pair: kvlens' router cycles over the pairs, so every pair's
     first-contact handshake happens here), each tried up to ``tries`` times. ``dead_child()``: a child

@@ -56,14 +56,7 @@ from kvtrace.store.queries import (
     spans_for,
     window,
 )
-from kvtrace.store.schema import (
-    SCHEMA_VERSION,
-    SPAN_COLUMNS,
-    TRACE_COLUMNS,
-    checkpoint,
-    connect,
-    reading,
-)
+from kvtrace.store.schema import SCHEMA_VERSION, SPAN_COLUMNS, TRACE_COLUMNS, checkpoint, connect, reading
 from kvtrace.store.retention import Retention, prune
 from kvtrace.store.writer import StoreSpanExporter, bulk_insert, settle, write_spans
 

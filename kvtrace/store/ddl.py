@@ -51,12 +51,19 @@ CREATE TABLE IF NOT EXISTS @name@ (
 #: clock). The settle pass writes ``ttft_s`` from them (corrected like the
 #: handoff, ``ttft_err_s`` its bound) with ``ttft_source = 'engines'`` when
 #: no router root span gave the client-seen one (``ttft_source = 'router'``).
-V3_TRACE_COLUMNS = (("ttft_source", "TEXT"), ("ttft_err_s", "{real}"), ("p_arrival_ns", "{int}"),
-                    ("d_first_ns", "{int}"))
+V3_TRACE_COLUMNS = (
+    ("ttft_source", "TEXT"),
+    ("ttft_err_s", "{real}"),
+    ("p_arrival_ns", "{int}"),
+    ("d_first_ns", "{int}"),
+)
 #: Version 2's traces table (what the version 1 -> 2 migration builds).
 _TRACES_V2_DDL = _TRACES_DDL
-_TRACES_DDL = _TRACES_V2_DDL[: _TRACES_V2_DDL.rindex(")")].rstrip() + "".join(
-    f",\n    {c:<19} {t}" for c, t in V3_TRACE_COLUMNS) + "\n)"
+_TRACES_DDL = (
+    _TRACES_V2_DDL[: _TRACES_V2_DDL.rindex(")")].rstrip()
+    + "".join(f",\n    {c:<19} {t}" for c, t in V3_TRACE_COLUMNS)
+    + "\n)"
+)
 
 
 #: The schema as a template (``{int}``, ``{real}``, ``{desc}``, ...: :meth:`Dialect.sql`).
@@ -101,5 +108,3 @@ CREATE TABLE IF NOT EXISTS bench_rows (
 );
 CREATE INDEX IF NOT EXISTS bench_rows_run ON bench_rows (run_id);
 """.replace("@traces@", _TRACES_DDL.replace("@name@", "traces"))
-
-

@@ -61,27 +61,38 @@ class Dialect:
 
 @functools.lru_cache(maxsize=512)
 def _fill(d: Dialect, template: str) -> str:
-    return template.format(least=d.least, greatest=d.greatest, desc=d.desc, int=d.int_type, real=d.real_type,
-                           without_rowid=d.without_rowid, bench_seq=d.bench_seq, insert_order=d.insert_order)
+    return template.format(
+        least=d.least,
+        greatest=d.greatest,
+        desc=d.desc,
+        int=d.int_type,
+        real=d.real_type,
+        without_rowid=d.without_rowid,
+        bench_seq=d.bench_seq,
+        insert_order=d.insert_order,
+    )
 
 
 SQLITE = Dialect(
     name="sqlite",
-    least="MIN", greatest="MAX",
+    least="MIN",
+    greatest="MAX",
     begin_write="BEGIN IMMEDIATE",
     begin_read="BEGIN",
     insert_order="rowid",
     explain="EXPLAIN QUERY PLAN ",
     tables="SELECT name FROM sqlite_master WHERE type = 'table'",
     desc="DESC",
-    int_type="INTEGER", real_type="REAL",
+    int_type="INTEGER",
+    real_type="REAL",
     without_rowid=" WITHOUT ROWID",
     bench_seq="",
 )
 
 POSTGRES = Dialect(
     name="postgresql",
-    least="LEAST", greatest="GREATEST",
+    least="LEAST",
+    greatest="GREATEST",
     begin_write="BEGIN",
     begin_read="BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY",
     insert_order="seq",
@@ -89,7 +100,8 @@ POSTGRES = Dialect(
     tables="SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()",
     desc="DESC NULLS LAST",
     # PostgreSQL's REAL is a 4-byte float: seconds need DOUBLE PRECISION.
-    int_type="BIGINT", real_type="DOUBLE PRECISION",
+    int_type="BIGINT",
+    real_type="DOUBLE PRECISION",
     without_rowid="",
     bench_seq="seq BIGINT GENERATED ALWAYS AS IDENTITY,\n    ",
 )

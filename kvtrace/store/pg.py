@@ -49,8 +49,14 @@ logger = logging.getLogger("kvlens")
 POOL_MAX = 8
 #: TCP keepalives, so a writer blocked on a server that vanished without a
 #: reset (host down, cable pulled) gets an error in ~10 s, not hours.
-_CONNECT_KW = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2,
-               "keepalives_count": 3, "application_name": "kvlens"}
+_CONNECT_KW = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "application_name": "kvlens",
+}
 
 # ------------------------------------------------------------ placeholders
 _TOKENS = re.compile(r"('(?:[^']|'')*')|(\?)|(?<![:\w]):([A-Za-z_]\w*)|(%)")
@@ -123,21 +129,32 @@ def translate(e: BaseException, url: str) -> StoreError:
     except ImportError:  # pragma: no cover
         PoolTimeout = ()  # type: ignore[assignment]
     if isinstance(e, PoolTimeout):
-        return StoreUnavailable(f"trace store {display(url)}: no free connection within the timeout "
-                                f"({POOL_MAX} in use, or the server at {where} is not reachable)")
+        return StoreUnavailable(
+            f"trace store {display(url)}: no free connection within the timeout "
+            f"({POOL_MAX} in use, or the server at {where} is not reachable)"
+        )
     if state == "3D000" or ("database" in low and "does not exist" in low):
-        return StoreMissing(f"trace store {display(url)}: database {db!r} does not exist on the PostgreSQL "
-                            f"server at {where}: create it (createdb -h {host} -p {port} {db}) or fix the URL")
-    if state in ("28P01", "28000") or "password authentication failed" in low or "pg_hba.conf" in low \
-            or ("role" in low and "does not exist" in low) or "no password supplied" in low:
-        return StoreAccessDenied(f"trace store {display(url)}: the PostgreSQL server at {where} refused "
-                                 f"user {user!r} ({msg})")
+        return StoreMissing(
+            f"trace store {display(url)}: database {db!r} does not exist on the PostgreSQL "
+            f"server at {where}: create it (createdb -h {host} -p {port} {db}) or fix the URL"
+        )
+    if (
+        state in ("28P01", "28000")
+        or "password authentication failed" in low
+        or "pg_hba.conf" in low
+        or ("role" in low and "does not exist" in low)
+        or "no password supplied" in low
+    ):
+        return StoreAccessDenied(
+            f"trace store {display(url)}: the PostgreSQL server at {where} refused user {user!r} ({msg})"
+        )
     if state == "42501":
-        return StoreAccessDenied(f"trace store {display(url)}: user {user!r} lacks a privilege the store "
-                                 f"needs ({msg})")
+        return StoreAccessDenied(f"trace store {display(url)}: user {user!r} lacks a privilege the store needs ({msg})")
     if state.startswith(("08", "57P")) or state == "53300" or _connection_failure(low):
-        return StoreUnavailable(f"trace store {display(url)}: the PostgreSQL server at {where} is not reachable "
-                                f"({msg}); is it running, and is the URL right?")
+        return StoreUnavailable(
+            f"trace store {display(url)}: the PostgreSQL server at {where} is not reachable "
+            f"({msg}); is it running, and is the URL right?"
+        )
     return StoreError(f"trace store {display(url)}: {msg}")
 
 
@@ -153,13 +170,28 @@ def _reason(e: BaseException) -> str:
 
 
 def _connection_failure(low: str) -> bool:
-    return any(s in low for s in (
-        "connection refused", "could not connect", "connection failed", "timeout expired", "no route to host",
-        "could not translate host name", "name or service not known", "server closed the connection",
-        "connection is closed", "the connection is lost", "terminating connection", "consuming input failed",
-        "connection not open", "the database system is", "sending query failed", "connection timed out",
-        "network is unreachable",
-    ))
+    return any(
+        s in low
+        for s in (
+            "connection refused",
+            "could not connect",
+            "connection failed",
+            "timeout expired",
+            "no route to host",
+            "could not translate host name",
+            "name or service not known",
+            "server closed the connection",
+            "connection is closed",
+            "the connection is lost",
+            "terminating connection",
+            "consuming input failed",
+            "connection not open",
+            "the database system is",
+            "sending query failed",
+            "connection timed out",
+            "network is unreachable",
+        )
+    )
 
 
 # ------------------------------------------------------------------- pools
@@ -186,10 +218,19 @@ def _pool(url: str):
             # The pool's own reconnect warnings would repeat every attempt while
             # a server is down; the store's callers log that once themselves.
             logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
-            p = ConnectionPool(url, min_size=0, max_size=POOL_MAX, open=True, name="kvlens-store",
-                               kwargs={"autocommit": True, "row_factory": row_factory, **_CONNECT_KW},
-                               check=ConnectionPool.check_connection, reset=_reset, max_idle=300.0,
-                               reconnect_timeout=30.0, num_workers=1)
+            p = ConnectionPool(
+                url,
+                min_size=0,
+                max_size=POOL_MAX,
+                open=True,
+                name="kvlens-store",
+                kwargs={"autocommit": True, "row_factory": row_factory, **_CONNECT_KW},
+                check=ConnectionPool.check_connection,
+                reset=_reset,
+                max_idle=300.0,
+                reconnect_timeout=30.0,
+                num_workers=1,
+            )
             _pools[key] = p
         return p
 
@@ -302,8 +343,9 @@ class PgConnection:
             for r in rows:
                 cp.write_row(r)
 
-    def copy_upsert(self, table: str, columns: Sequence[str], order: str, conflict: str,
-                    rows: Iterable[Sequence]) -> None:
+    def copy_upsert(
+        self, table: str, columns: Sequence[str], order: str, conflict: str, rows: Iterable[Sequence]
+    ) -> None:
         """``INSERT ... ON CONFLICT`` of many rows in three round trips instead
         of one statement per row: ``COPY`` into a session temp table (emptied
         at commit), then one ``INSERT ... SELECT ... ORDER BY order conflict``
@@ -356,8 +398,9 @@ def connect(url: str, *, readonly: bool, timeout_s: float) -> PgConnection:
     try:
         import psycopg  # noqa: F401
     except ImportError as e:  # pragma: no cover - a dependency since 0.x
-        raise StoreError(f"trace store {display(url)} needs the psycopg driver: pip install 'psycopg[binary,pool]'"
-                         ) from e
+        raise StoreError(
+            f"trace store {display(url)} needs the psycopg driver: pip install 'psycopg[binary,pool]'"
+        ) from e
     pool = _pool(url)
     if pool.get_stats().get("pool_size", 0) == 0:
         _probe(url, timeout_s)

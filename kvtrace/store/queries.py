@@ -23,15 +23,45 @@ from kvtrace.store.dialect import dialect_of
 from kvtrace.store.schema import PARAM, SPAN_COLUMNS, params, read_tx, write_tx
 
 #: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
-SUMMARY_COLUMNS = ("trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "end_ns", "ttft_s",
-                   "prefill_finished_ns", "kv_ready_ns", "handoff_s", "n_spans", "handoff_err_s", "handoff_raw_s",
-                   "clock_offset_s", "clock_lo_s", "clock_hi_s", "handoff_note", "p_engine", "d_engine",
-                   "ttft_source", "ttft_err_s")
+SUMMARY_COLUMNS = (
+    "trace_id",
+    "request_id",
+    "mode",
+    "dispatch",
+    "outcome",
+    "start_ns",
+    "end_ns",
+    "ttft_s",
+    "prefill_finished_ns",
+    "kv_ready_ns",
+    "handoff_s",
+    "n_spans",
+    "handoff_err_s",
+    "handoff_raw_s",
+    "clock_offset_s",
+    "clock_lo_s",
+    "clock_hi_s",
+    "handoff_note",
+    "p_engine",
+    "d_engine",
+    "ttft_source",
+    "ttft_err_s",
+)
 #: Columns of :func:`handoffs` rows (the resolver's view of a settled trace).
 #: ``complete``: the request's own crossings both ways have arrived, so a
 #: later span cannot change its settled figure any more.
-HANDOFF_COLUMNS = ("handoff_s", "handoff_err_s", "handoff_raw_s", "clock_offset_s", "clock_lo_s", "clock_hi_s",
-                   "handoff_note", "p_engine", "d_engine", "complete")
+HANDOFF_COLUMNS = (
+    "handoff_s",
+    "handoff_err_s",
+    "handoff_raw_s",
+    "clock_offset_s",
+    "clock_lo_s",
+    "clock_hi_s",
+    "handoff_note",
+    "p_engine",
+    "d_engine",
+    "complete",
+)
 #: Tuple order of :func:`window` rows.
 WINDOW_COLUMNS = ("mode", "outcome", "start_ns", "ttft_s", "handoff_s", "ttft_source")
 #: Tuple orders of :func:`handoff_sample` rows.
@@ -69,10 +99,16 @@ class TraceFilter:
     def where(self) -> tuple[str, list[Any]]:
         """The one WHERE builder over ``traces``: (clause, params)."""
         clauses, args = ["1=1"], []
-        for cond, value in (("mode = ", self.mode), ("outcome = ", self.outcome), ("start_ns >= ", self.since_ns),
-                            ("start_ns <= ", self.until_ns), ("handoff_s >= ", self.min_handoff_s),
-                            ("handoff_s < ", self.max_handoff_s), ("p_engine = ", self.p_engine),
-                            ("d_engine = ", self.d_engine)):
+        for cond, value in (
+            ("mode = ", self.mode),
+            ("outcome = ", self.outcome),
+            ("start_ns >= ", self.since_ns),
+            ("start_ns <= ", self.until_ns),
+            ("handoff_s >= ", self.min_handoff_s),
+            ("handoff_s < ", self.max_handoff_s),
+            ("p_engine = ", self.p_engine),
+            ("d_engine = ", self.d_engine),
+        ):
             if value is not None and value != "":  # "" (an unset form field) filters nothing either
                 clauses.append(cond + PARAM)
                 args.append(value)
@@ -90,8 +126,10 @@ class TraceFilter:
 
 #: A half trace: the side present has its engine, the other none (the trace
 #: row folds ``p_engine`` from P's spans and ``d_engine`` from D's).
-HALF_TRACE_SQL = {"prefill": "p_engine IS NOT NULL AND d_engine IS NULL",
-                  "decode": "d_engine IS NOT NULL AND p_engine IS NULL"}
+HALF_TRACE_SQL = {
+    "prefill": "p_engine IS NOT NULL AND d_engine IS NULL",
+    "decode": "d_engine IS NOT NULL AND p_engine IS NULL",
+}
 
 
 def _where(**filters: Any) -> tuple[str, list[Any]]:
@@ -103,8 +141,10 @@ def _slowest_sql(conn: Any, n: int, order: str, **filters: Any) -> tuple[str, li
     if col is None:
         raise ValueError(f"unknown order {order!r}")
     where, args = _where(**filters)
-    sql = (f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM traces WHERE {where} "
-           f"ORDER BY {col} {dialect_of(conn).desc} LIMIT {PARAM}")  # NULLs last, as the indexes
+    sql = (
+        f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM traces WHERE {where} "
+        f"ORDER BY {col} {dialect_of(conn).desc} LIMIT {PARAM}"
+    )  # NULLs last, as the indexes
     return sql, [*args, int(n)]
 
 
@@ -134,8 +174,10 @@ def spans_for(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, l
     out: dict[str, list[dict[str, Any]]] = {t: [] for t in trace_ids}
     if not trace_ids:
         return out
-    q = (f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE trace_id IN ({params(len(trace_ids))}) "
-         "ORDER BY start_ns, end_ns")
+    q = (
+        f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE trace_id IN ({params(len(trace_ids))}) "
+        "ORDER BY start_ns, end_ns"
+    )
     for r in conn.execute(q, list(trace_ids)):
         d = dict(r)
         d["attributes"] = json.loads(d["attributes"] or "{}")
@@ -153,8 +195,7 @@ def window(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int | No
     """Traces that started in [since_ns, until_ns], newest first, at most
     ``limit``: tuples in :data:`WINDOW_COLUMNS` order."""
     where, args = _where(since_ns=since_ns, until_ns=until_ns)
-    sql = (f"SELECT {', '.join(WINDOW_COLUMNS)} FROM traces WHERE {where} "
-           f"ORDER BY start_ns DESC LIMIT {PARAM}")
+    sql = f"SELECT {', '.join(WINDOW_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
     return _tuples(conn, sql, [*args, int(limit)])
 
 
@@ -183,13 +224,18 @@ def handoff_sample(
         ids = [t[0] for t in traces]
         for i in range(0, len(ids), 500):
             chunk = ids[i : i + 500]
-            spans += _tuples(conn, f"SELECT {', '.join(SAMPLE_SPAN_COLUMNS)} FROM spans "
-                                   f"WHERE trace_id IN ({params(len(chunk))}){not_skipped}", [*chunk, *skip])
+            spans += _tuples(
+                conn,
+                f"SELECT {', '.join(SAMPLE_SPAN_COLUMNS)} FROM spans "
+                f"WHERE trace_id IN ({params(len(chunk))}){not_skipped}",
+                [*chunk, *skip],
+            )
     return traces, spans
 
 
-def attributes_of(conn: sqlite3.Connection, trace_ids: Sequence[str],
-                  names: Iterable[str]) -> dict[tuple[str, str | None, str, int, int], dict[str, Any]]:
+def attributes_of(
+    conn: sqlite3.Connection, trace_ids: Sequence[str], names: Iterable[str]
+) -> dict[tuple[str, str | None, str, int, int], dict[str, Any]]:
     """The decoded attributes of the spans named ``names`` in the given
     traces, keyed (trace_id, role, name, start_ns, end_ns): the few figures
     a sample's tiling needs beyond :data:`SAMPLE_SPAN_COLUMNS` (NIXL's
@@ -198,9 +244,11 @@ def attributes_of(conn: sqlite3.Connection, trace_ids: Sequence[str],
     out: dict[tuple[str, str | None, str, int, int], dict[str, Any]] = {}
     ids = list(trace_ids)
     for i in range(0, len(ids), 500):
-        chunk = ids[i:i + 500]
-        sql = (f"SELECT trace_id, role, name, start_ns, end_ns, attributes FROM spans "
-               f"WHERE trace_id IN ({params(len(chunk))}) AND name IN ({params(len(names))})")
+        chunk = ids[i : i + 500]
+        sql = (
+            f"SELECT trace_id, role, name, start_ns, end_ns, attributes FROM spans "
+            f"WHERE trace_id IN ({params(len(chunk))}) AND name IN ({params(len(names))})"
+        )
         for tid, role, name, t0, t1, attrs in _tuples(conn, sql, [*chunk, *names]):
             out[(tid, role, name, t0, t1)] = json.loads(attrs or "{}")
     return out
@@ -219,13 +267,16 @@ def handoffs(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, di
     out: dict[str, dict[str, Any]] = {}
     ids = list(trace_ids)
     cols = ", ".join(HANDOFF_COLUMNS[:-1])
-    done = ("(d2p_sent_ns IS NOT NULL AND d2p_recv_ns IS NOT NULL "
-            "AND p2d_sent_ns IS NOT NULL AND p2d_recv_ns IS NOT NULL)")
+    done = (
+        "(d2p_sent_ns IS NOT NULL AND d2p_recv_ns IS NOT NULL AND p2d_sent_ns IS NOT NULL AND p2d_recv_ns IS NOT NULL)"
+    )
     for i in range(0, len(ids), 500):
         chunk = ids[i : i + 500]
         where, args = _where(trace_ids=chunk)
-        sql = (f"SELECT trace_id, {cols}, {done} AS complete FROM traces WHERE {where} "
-               "AND (handoff_s IS NOT NULL OR handoff_note IS NOT NULL)")
+        sql = (
+            f"SELECT trace_id, {cols}, {done} AS complete FROM traces WHERE {where} "
+            "AND (handoff_s IS NOT NULL OR handoff_note IS NOT NULL)"
+        )
         for r in conn.execute(sql, args):
             d = dict(r)
             d["complete"] = bool(d["complete"])
@@ -256,8 +307,17 @@ def save_bench_rows(conn: sqlite3.Connection, run_id: str, rows: Sequence[dict[s
             "INSERT INTO bench_rows (run_id, created_ns, mode, dispatch, qps, input_len, output_len, "
             f'num_prompts, "row") VALUES ({params(9)})',
             [
-                (run_id, now, r["mode"], r.get("dispatch"), float(r["qps"]), int(r["input_len"]),
-                 r.get("output_len"), r.get("num_prompts"), json.dumps(r))
+                (
+                    run_id,
+                    now,
+                    r["mode"],
+                    r.get("dispatch"),
+                    float(r["qps"]),
+                    int(r["input_len"]),
+                    r.get("output_len"),
+                    r.get("num_prompts"),
+                    json.dumps(r),
+                )
                 for r in rows
             ],
         )
@@ -288,8 +348,18 @@ def bench_runs(conn: sqlite3.Connection) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------- per (P, D) pair
 #: Tuple order of :func:`pair_rows` rows.
-PAIR_COLUMNS = ("mode", "p_engine", "d_engine", "start_ns", "handoff_s", "handoff_err_s", "ttft_s",
-                "clock_lo_s", "clock_hi_s", "clock_offset_s")
+PAIR_COLUMNS = (
+    "mode",
+    "p_engine",
+    "d_engine",
+    "start_ns",
+    "handoff_s",
+    "handoff_err_s",
+    "ttft_s",
+    "clock_lo_s",
+    "clock_hi_s",
+    "clock_offset_s",
+)
 
 
 def pair_rows(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int | None, limit: int) -> list[tuple]:
@@ -298,8 +368,7 @@ def pair_rows(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int |
     ``limit``: tuples in :data:`PAIR_COLUMNS` order (the per-pair figures are
     percentiles, which SQLite cannot compute, so the caller aggregates)."""
     where, args = _where(since_ns=since_ns, until_ns=until_ns)
-    sql = (f"SELECT {', '.join(PAIR_COLUMNS)} FROM traces WHERE {where} "
-           f"ORDER BY start_ns DESC LIMIT {PARAM}")
+    sql = f"SELECT {', '.join(PAIR_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
     return _tuples(conn, sql, [*args, int(limit)])
 
 

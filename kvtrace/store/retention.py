@@ -36,8 +36,9 @@ DEFAULT_BATCH = 1000
 _OLDEST = f"SELECT trace_id FROM traces WHERE start_ns < {PARAM} ORDER BY start_ns LIMIT {PARAM}"
 
 
-def prune(conn: Any, older_than_ns: int, *, batch: int = DEFAULT_BATCH, max_s: float | None = None,
-          pause_s: float = 0.0) -> int:
+def prune(
+    conn: Any, older_than_ns: int, *, batch: int = DEFAULT_BATCH, max_s: float | None = None, pause_s: float = 0.0
+) -> int:
     """Delete traces that started before ``older_than_ns`` and their spans,
     ``batch`` traces per transaction, oldest first; stop when none is left or
     after ``max_s`` seconds (None: no limit). ``pause_s``: sleep between
@@ -68,8 +69,9 @@ class Retention:
     every_s = 60.0
     budget_s = 1.0
 
-    def __init__(self, keep_s: float, *, every_s: float | None = None, budget_s: float | None = None,
-                 batch: int = DEFAULT_BATCH) -> None:
+    def __init__(
+        self, keep_s: float, *, every_s: float | None = None, budget_s: float | None = None, batch: int = DEFAULT_BATCH
+    ) -> None:
         if not keep_s > 0:
             raise ValueError(f"retention must be > 0 s, got {keep_s!r}")
         self.keep_s = float(keep_s)

@@ -42,7 +42,6 @@ it upgraded once by a writer connection; one that finds a newer store gets
 :class:`StoreVersionError`.
 """
 
-
 from __future__ import annotations
 
 import contextlib
@@ -80,10 +79,18 @@ SCHEMA_VERSION = 3
 #: Stores written before the ``meta`` table existed have version 1's tables.
 LEGACY_VERSION = 1
 
-_V1_INDEXES = ("traces_mode_handoff", "traces_mode_outcome_handoff", "traces_outcome_handoff", "traces_handoff",
-               "traces_mode_ttft", "traces_ttft", "traces_start")
-_V1_TRACE_COLUMNS = ("trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, "
-                     "prefill_finished_ns, kv_ready_ns, n_spans")
+_V1_INDEXES = (
+    "traces_mode_handoff",
+    "traces_mode_outcome_handoff",
+    "traces_outcome_handoff",
+    "traces_handoff",
+    "traces_mode_ttft",
+    "traces_ttft",
+    "traces_start",
+)
+_V1_TRACE_COLUMNS = (
+    "trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s, prefill_finished_ns, kv_ready_ns, n_spans"
+)
 #: ``MIGRATIONS[v]``: statements that take a version-``v`` store to ``v + 1``
 #: (run by a writer's :func:`connect`, before SCHEMA, in one transaction),
 #: templates filled with the store's dialect. PostgreSQL stores start at 2.
@@ -104,18 +111,43 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V3_TRACE_COLUMNS),
 }
 
+
 def schema_for(d: Dialect) -> str:
     """The schema script of one backend."""
     return d.sql(SCHEMA_TEMPLATE)
 
 
 #: Column order of a ``spans`` row (writer, ``bulk_insert``, ``spans_for``).
-SPAN_COLUMNS = ("trace_id", "span_id", "parent_id", "name", "role", "mode", "request_id",
-                "start_ns", "end_ns", "outcome", "attributes")
+SPAN_COLUMNS = (
+    "trace_id",
+    "span_id",
+    "parent_id",
+    "name",
+    "role",
+    "mode",
+    "request_id",
+    "start_ns",
+    "end_ns",
+    "outcome",
+    "attributes",
+)
 #: Column order of a written ``traces`` row (``bulk_insert``: synthetic rows
 #: carry their settled handoff as they are; the rest is generated or NULL).
-TRACE_COLUMNS = ("trace_id", "request_id", "mode", "dispatch", "outcome", "start_ns", "end_ns",
-                 "ttft_s", "prefill_finished_ns", "kv_ready_ns", "n_spans", "handoff_s", "handoff_err_s")
+TRACE_COLUMNS = (
+    "trace_id",
+    "request_id",
+    "mode",
+    "dispatch",
+    "outcome",
+    "start_ns",
+    "end_ns",
+    "ttft_s",
+    "prefill_finished_ns",
+    "kv_ready_ns",
+    "n_spans",
+    "handoff_s",
+    "handoff_err_s",
+)
 
 _GET_VERSION = "SELECT value FROM meta WHERE key = 'schema_version'"
 _SET_VERSION = (
@@ -226,8 +258,10 @@ def _check_readable(conn: Connection, name: Any) -> int | None:
         conn.close()
         if found is None:
             if is_url(name):
-                raise StoreMissing(f"trace store {display(name)} has no kvlens tables yet: a writer "
-                                   "(kvlens collect --store URL, or a connector with this kvlens_store) creates them")
+                raise StoreMissing(
+                    f"trace store {display(name)} has no kvlens tables yet: a writer "
+                    "(kvlens collect --store URL, or a connector with this kvlens_store) creates them"
+                )
             raise StoreCorrupt(f"{name} is empty or not a kvlens trace store (no kvlens tables)")
         raise StoreVersionError(display(name), found, SCHEMA_VERSION)
     return found
@@ -241,8 +275,10 @@ def _upgrade_for_reader(name: Any, found: int, timeout_s: float) -> None:
     try:
         connect(name, timeout_s=timeout_s).close()
     except (sqlite3.Error, OSError, StoreError) as e:
-        raise StoreError(f"{display(name)} has schema version {found}, older than this kvlens' "
-                         f"{SCHEMA_VERSION}, and could not be upgraded ({e})") from e
+        raise StoreError(
+            f"{display(name)} has schema version {found}, older than this kvlens' "
+            f"{SCHEMA_VERSION}, and could not be upgraded ({e})"
+        ) from e
 
 
 def _open_readonly(path: Path, timeout_s: float) -> sqlite3.Connection:

@@ -67,17 +67,16 @@ ON CONFLICT (trace_id) DO UPDATE SET
     ttft_err_s = CASE WHEN excluded.ttft_s IS NOT NULL THEN NULL ELSE traces.ttft_err_s END,
     ttft_source = COALESCE(excluded.ttft_source, traces.ttft_source),
     {", ".join(f"{c} = COALESCE(traces.{c}, excluded.{c})" for c in _FOLD_FIRST)},
-    {", ".join(f"{c} = COALESCE({{least}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})"
-               for c in _FOLD_MIN)},
-    {", ".join(f"{c} = COALESCE({{greatest}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})"
-               for c in _FOLD_MAX)},
+    {", ".join(f"{c} = COALESCE({{least}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})" for c in _FOLD_MIN)},
+    {", ".join(f"{c} = COALESCE({{greatest}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})" for c in _FOLD_MAX)},
     n_spans = traces.n_spans + excluded.n_spans
 """
 
 
 # A span written twice (an SDK retry) replaces the first copy.
-_SPAN_CONFLICT = ("ON CONFLICT (trace_id, span_id) DO UPDATE SET "
-                  + ", ".join(f"{c} = excluded.{c}" for c in SPAN_COLUMNS[2:]))
+_SPAN_CONFLICT = "ON CONFLICT (trace_id, span_id) DO UPDATE SET " + ", ".join(
+    f"{c} = excluded.{c}" for c in SPAN_COLUMNS[2:]
+)
 _INSERT_SPAN = f"INSERT INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({params(len(SPAN_COLUMNS))}) {_SPAN_CONFLICT}"
 _INSERT_TRACE = f"INSERT INTO traces ({', '.join(TRACE_COLUMNS)}) VALUES ({params(len(TRACE_COLUMNS))})"
 
@@ -123,7 +122,10 @@ def _span_rows(span) -> tuple[tuple, dict]:
         "n_spans": 1,
         "p_engine": g(sc.ATTR_ENGINE_ID) if role == _PREFILL else None,
         "d_engine": g(sc.ATTR_ENGINE_ID) if role == _DECODE else None,
-        "d2p_sent_ns": None, "d2p_recv_ns": None, "p2d_sent_ns": None, "p2d_recv_ns": None,
+        "d2p_sent_ns": None,
+        "d2p_recv_ns": None,
+        "p2d_sent_ns": None,
+        "p2d_recv_ns": None,
     }
     if up["ttft_s"] is not None:
         up["ttft_source"] = _TTFT_ROUTER
@@ -192,15 +194,34 @@ def _fold(a: dict, b: dict) -> dict:
     return out
 
 
-_SETTLE_COLUMNS = ("trace_id", "p_engine", "d_engine", "start_ns", "ttft_source", "p_arrival_ns", "d_first_ns",
-                   "prefill_finished_ns", "kv_ready_ns", "d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
-_PAIR_WINDOW = (f"SELECT MAX(xlo_ns), MIN(xhi_ns) FROM traces WHERE p_engine = {PARAM} AND d_engine = {PARAM} "
-                f"AND start_ns >= {PARAM} AND start_ns <= {PARAM}")
-_SET_SETTLED = (f"UPDATE traces SET handoff_s = {PARAM}, handoff_err_s = {PARAM}, clock_offset_s = {PARAM}, "
-                f"clock_lo_s = {PARAM}, clock_hi_s = {PARAM}, handoff_note = {PARAM} WHERE trace_id = {PARAM}")
+_SETTLE_COLUMNS = (
+    "trace_id",
+    "p_engine",
+    "d_engine",
+    "start_ns",
+    "ttft_source",
+    "p_arrival_ns",
+    "d_first_ns",
+    "prefill_finished_ns",
+    "kv_ready_ns",
+    "d2p_sent_ns",
+    "d2p_recv_ns",
+    "p2d_sent_ns",
+    "p2d_recv_ns",
+)
+_PAIR_WINDOW = (
+    f"SELECT MAX(xlo_ns), MIN(xhi_ns) FROM traces WHERE p_engine = {PARAM} AND d_engine = {PARAM} "
+    f"AND start_ns >= {PARAM} AND start_ns <= {PARAM}"
+)
+_SET_SETTLED = (
+    f"UPDATE traces SET handoff_s = {PARAM}, handoff_err_s = {PARAM}, clock_offset_s = {PARAM}, "
+    f"clock_lo_s = {PARAM}, clock_hi_s = {PARAM}, handoff_note = {PARAM} WHERE trace_id = {PARAM}"
+)
 #: The engines' TTFT, never over a router's (client-seen) one.
-_SET_ENGINE_TTFT = (f"UPDATE traces SET ttft_s = {PARAM}, ttft_err_s = {PARAM}, ttft_source = {PARAM} "
-                    f"WHERE trace_id = {PARAM} AND (ttft_source IS NULL OR ttft_source = '{_TTFT_ENGINES}')")
+_SET_ENGINE_TTFT = (
+    f"UPDATE traces SET ttft_s = {PARAM}, ttft_err_s = {PARAM}, ttft_source = {PARAM} "
+    f"WHERE trace_id = {PARAM} AND (ttft_source IS NULL OR ttft_source = '{_TTFT_ENGINES}')"
+)
 
 
 def settle(conn: sqlite3.Connection, trace_ids: Iterable[str]) -> int:
@@ -214,7 +235,9 @@ def settle(conn: sqlite3.Connection, trace_ids: Iterable[str]) -> int:
         chunk = ids[i : i + 500]
         rows += conn.execute(
             f"SELECT {', '.join(_SETTLE_COLUMNS)} FROM traces WHERE trace_id IN ({params(len(chunk))}) "
-            "AND prefill_finished_ns IS NOT NULL AND kv_ready_ns IS NOT NULL", chunk).fetchall()
+            "AND prefill_finished_ns IS NOT NULL AND kv_ready_ns IS NOT NULL",
+            chunk,
+        ).fetchall()
     if not rows:
         return 0
     spans: dict[tuple[str, str], list[int]] = {}
@@ -279,8 +302,7 @@ class StoreSpanExporter:
     #: ``kvlens_telemetry_dropped_total`` reason for a batch this exporter drops.
     loss_reason = "store"
 
-    def __init__(self, path: "str | Path", *, max_block_s: float | None = None,
-                 retention: "float | str | None" = None):
+    def __init__(self, path: "str | Path", *, max_block_s: float | None = None, retention: "float | str | None" = None):
         from kvtrace.store.retention import Retention
 
         self.path = path if is_url(path) else Path(path)
@@ -338,9 +360,13 @@ class StoreSpanExporter:
         self.lost += len(spans)
         if not self._warned:
             self._warned = True
-            logger.warning("kvlens: trace store %s not writable within %.3g s (%s); spans dropped and counted "
-                           "(kvlens_telemetry_dropped_total{reason=\"store\"})", display(self.path),
-                           self.max_block_s, why)
+            logger.warning(
+                "kvlens: trace store %s not writable within %.3g s (%s); spans dropped and counted "
+                '(kvlens_telemetry_dropped_total{reason="store"})',
+                display(self.path),
+                self.max_block_s,
+                why,
+            )
         return SpanExportResult.FAILURE
 
     def _close_conn(self) -> None:
@@ -362,4 +388,3 @@ class StoreSpanExporter:
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True
-

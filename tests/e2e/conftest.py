@@ -49,8 +49,7 @@ class StackManager:
         )
         try:
             # several instances / TP ranks start slower: the stack's own default grows with them
-            stack.start(timeout=max(float(os.environ.get("KVLENS_TEST_STACK_TIMEOUT", "420")),
-                                    stack.default_timeout_s))
+            stack.start(timeout=max(float(os.environ.get("KVLENS_TEST_STACK_TIMEOUT", "420")), stack.default_timeout_s))
         except StackError as e:
             self.failed[key] = str(e)
             pytest.fail(f"could not start {key} stack: {e}")
@@ -93,8 +92,9 @@ def fleet_stack_kw(mode: str, collector_store: str | None = None) -> dict:
         "separate_homes": True,
         "collector": "process" if mode == "push" else "router",
         **({"collector_store": collector_store} if collector_store else {}),
-        "role_env": {"decode": {"PYTHONPATH": str(_CLOCKSHIFT_DIR),
-                                "KVLENS_TEST_CLOCK_SHIFT_S": str(FLEET_CLOCK_SHIFT_S[mode])}},
+        "role_env": {
+            "decode": {"PYTHONPATH": str(_CLOCKSHIFT_DIR), "KVLENS_TEST_CLOCK_SHIFT_S": str(FLEET_CLOCK_SHIFT_S[mode])}
+        },
     }
 
 
@@ -140,9 +140,7 @@ def fault_push_stack(stack_factory):
     """Instrumented push pair with short registration timeout and KV lease.
     Its tests may kill D, so nothing else shares it."""
     return stack_factory.get(
-        "push",
-        push_registration_timeout_s=FAULT_REGISTRATION_TIMEOUT_S,
-        kv_lease_s=FAULT_KV_LEASE_S,
+        "push", push_registration_timeout_s=FAULT_REGISTRATION_TIMEOUT_S, kv_lease_s=FAULT_KV_LEASE_S
     )
 
 
@@ -156,14 +154,14 @@ def fleet_pg_url(pg_server) -> str:
 
 @pytest.fixture
 def fleet_push_stack(stack_factory, fleet_pg_url):
-    """"Three hosts" push: separate homes, ``kvlens collect`` writing a real
+    """ "Three hosts" push: separate homes, ``kvlens collect`` writing a real
     PostgreSQL database (the store a fleet shares), D's clock +0.25 s."""
     return stack_factory.get("push", **fleet_stack_kw("push", fleet_pg_url))
 
 
 @pytest.fixture
 def fleet_pull_stack(stack_factory):
-    """"Three hosts" pull: separate homes, receiver in the router, D's clock -0.25 s."""
+    """ "Three hosts" pull: separate homes, receiver in the router, D's clock -0.25 s."""
     return stack_factory.get("pull", **fleet_stack_kw("pull"))
 
 
@@ -171,9 +169,11 @@ def fleet_pull_stack(stack_factory):
 def xpyd_stacks(stack_factory):
     """2 P + 2 D instances (real vLLM) per mode: push behind kvlens' router
     (overlapped); pull behind kvlens' router and vLLM's ``vllm-router``."""
+
     def get(mode: str):
         routers = "kvlens,vllm-router" if mode == "pull" else "kvlens"
         return stack_factory.get(mode, prefill_instances=2, decode_instances=2, routers=routers)
+
     return get
 
 
@@ -206,8 +206,17 @@ def tp_stack(request, stack_factory):
 # fleet pull, instrumented pull,
 # then the tests that drive stacks themselves (bench grid: pull, reusing the
 # pull pair, then push; demo; SIGTERM).
-_STACK_ORDER = ("stock_push_stack", "push_stack", "fleet_push_stack", "stock_pull_stack", "fault_push_stack",
-                "fleet_pull_stack", "pull_stack", "xpyd_stacks", "tp_stack")
+_STACK_ORDER = (
+    "stock_push_stack",
+    "push_stack",
+    "fleet_push_stack",
+    "stock_pull_stack",
+    "fault_push_stack",
+    "fleet_pull_stack",
+    "pull_stack",
+    "xpyd_stacks",
+    "tp_stack",
+)
 
 
 def _stack_group(item) -> int:

@@ -42,9 +42,16 @@ def grid_run(stack_factory, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     pull = stack_factory.get("pull", **PULL_STACK_KW)  # the pull_stack fixture's pair
     opts = bench.BenchOptions(
-        qps=QPS, input_lens=INPUT_LENS, output_len=OUTPUT_LEN, num_prompts=NUM_PROMPTS,
+        qps=QPS,
+        input_lens=INPUT_LENS,
+        output_len=OUTPUT_LEN,
+        num_prompts=NUM_PROMPTS,
         seed=int.from_bytes(new_trace_id()[:8].encode(), "big") % 10_000,  # fresh prompts: shared stacks cache prefixes
-        warmup=1, trace_wait_s=60.0, store=_store_path(pull), json_path=out / "rows.jsonl", progress=False,
+        warmup=1,
+        trace_wait_s=60.0,
+        store=_store_path(pull),
+        json_path=out / "rows.jsonl",
+        progress=False,
     )
     run = bench.new_run(opts)
     bench.bench_routers([pull.router_url], opts, run=run)
@@ -62,8 +69,15 @@ def test_every_row_present_and_sane(grid_run):
         assert set(bench.ROW_KEYS) <= set(r)
         assert r["completed"] + r["failed"] == r["num_prompts"] == NUM_PROMPTS, r
         assert r["completed"] > 0 and r["output_len"] == OUTPUT_LEN
-        for k in ("ttft_mean_s", "ttft_p50_s", "ttft_p99_s", "handoff_p50_s", "handoff_p99_s",
-                  "req_per_s", "e2e_p50_s"):
+        for k in (
+            "ttft_mean_s",
+            "ttft_p50_s",
+            "ttft_p99_s",
+            "handoff_p50_s",
+            "handoff_p99_s",
+            "req_per_s",
+            "e2e_p50_s",
+        ):
             assert r[k] is not None and r[k] > 0, (k, r)
         # TPOT: a number only from requests whose tokens arrived apart; the
         # row counts the rest (a starved host can deliver all tokens at once)
@@ -135,9 +149,30 @@ def test_cli_bench_on_running_router(stack_factory, tmp_path, capsys):
 
     push = stack_factory.get("push")
     jp = tmp_path / "one.jsonl"
-    rc = main(["bench", "--proxy", push.router_url, "--qps", "4", "--input-len", "128", "--output-len", "3",
-               "--num-prompts", "3", "--warmup", "0", "--store", str(_store_path(push)), "--json", str(jp),
-               "--seed", "4242", "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "--proxy",
+            push.router_url,
+            "--qps",
+            "4",
+            "--input-len",
+            "128",
+            "--output-len",
+            "3",
+            "--num-prompts",
+            "3",
+            "--warmup",
+            "0",
+            "--store",
+            str(_store_path(push)),
+            "--json",
+            str(jp),
+            "--seed",
+            "4242",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     (row,) = [json.loads(x) for x in jp.read_text().splitlines()]
@@ -153,8 +188,25 @@ def test_demo_no_dashboard(stack_factory, kvlens_home, capsys):
     from kvlens.cli import main
 
     stack_factory.stop()
-    rc = main(["demo", "--no-dashboard", "--qps", "4", "--input-len", "128", "--output-len", "3",
-               "--num-prompts", "2", "--warmup", "1", "--no-progress", "--seed", "77"])
+    rc = main(
+        [
+            "demo",
+            "--no-dashboard",
+            "--qps",
+            "4",
+            "--input-len",
+            "128",
+            "--output-len",
+            "3",
+            "--num-prompts",
+            "2",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--seed",
+            "77",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "What this measured:" in out and "Overall, push (overlapped)" in out
@@ -165,7 +217,11 @@ def test_demo_no_dashboard(stack_factory, kvlens_home, capsys):
         rows = store.bench_rows(conn)
     finally:
         conn.close()
-    assert {(r["mode"], r["dispatch"]) for r in rows} == {("pull", None), ("push", "overlapped"), ("push", "sequential")}
+    assert {(r["mode"], r["dispatch"]) for r in rows} == {
+        ("pull", None),
+        ("push", "overlapped"),
+        ("push", "sequential"),
+    }
     # stacks the demo started itself: every row says what P, D and the router used and where they ran
     for r in rows:
         assert {"prefill", "decode", "router"} <= set(r["cpu_stack"]), r["cpu_stack"]

@@ -27,8 +27,16 @@ from pair_store import Pair, make_pair_store  # noqa: E402
 from store_fixture import make_store  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 OUT = REPO / "test-output"
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} not installed")
@@ -76,7 +84,10 @@ class Dashboard:
         self._logf = open(log, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvlens.cli", "dashboard", "--store", str(store), "--port", str(self.port)],
-            cwd=REPO, stdout=self._logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=REPO,
+            stdout=self._logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         self.kids: set[int] = set()
 
@@ -117,7 +128,8 @@ def save(page, tmp_path: Path, name: str) -> Path:
 
 def wait_charts(page, n: int, timeout_ms: int = 45_000) -> None:
     page.wait_for_function(
-        f"document.querySelectorAll('.vega-embed svg, .vega-embed canvas').length >= {n}", timeout=timeout_ms)
+        f"document.querySelectorAll('.vega-embed svg, .vega-embed canvas').length >= {n}", timeout=timeout_ms
+    )
 
 
 #: Every card of the page: its label, value and box top, and whether any of its parts is cut (scrolls
@@ -141,9 +153,11 @@ VALUE_UNIT = re.compile(r"\d\s*(ms|s|µs|min)$")
 #: A table figure: digits, thousands separators, decimals.
 FIGURE = re.compile(r"[+-]?[\d,]+(\.\d+)?")
 #: The pages, each with its title, its URL and how many charts it draws.
-PAGES = {"overview": ("Overview: push vs pull, live", "/", 4),
-         "traces": ("Traces: slowest requests", "/?page=traces&mode=push", 1),
-         "compare": ("Benchmark grid", "/compare", 1)}
+PAGES = {
+    "overview": ("Overview: push vs pull, live", "/", 4),
+    "traces": ("Traces: slowest requests", "/?page=traces&mode=push", 1),
+    "compare": ("Benchmark grid", "/compare", 1),
+}
 
 
 def bad_text(t: str) -> bool:
@@ -167,8 +181,9 @@ def mixed_units(cards: list[dict]) -> list[str]:
             continue
         rows.setdefault(round(c["top"] / 8), set()).add(u)
         names.setdefault(LABEL_UNIT.sub("", c["label"]).strip(), set()).add(u)
-    return [f"row at {k * 8}px: {sorted(v)}" for k, v in rows.items() if len(v) > 1] + \
-        [f"{k!r}: {sorted(v)}" for k, v in names.items() if len(v) > 1]
+    return [f"row at {k * 8}px: {sorted(v)}" for k, v in rows.items() if len(v) > 1] + [
+        f"{k!r}: {sorted(v)}" for k, v in names.items() if len(v) > 1
+    ]
 
 
 def check_cards(page, where: str) -> int:
@@ -188,7 +203,9 @@ def check_tables(page, where: str, digits: bool = True) -> None:
     assert cells, f"no table cells read on {where}"
     bad = [c for c in cells if not c.strip() or bad_text(c)]
     assert not bad, f"empty (None) or cut cells on {where}: {bad[:10]}"
-    long = [c for c in cells if digits and FIGURE.fullmatch(c.strip()) and len(re.sub(r"\D", "", c.lstrip("+-0.,"))) >= 7]
+    long = [
+        c for c in cells if digits and FIGURE.fullmatch(c.strip()) and len(re.sub(r"\D", "", c.lstrip("+-0.,"))) >= 7
+    ]
     assert not long, f"figures with more digits than they carry on {where}: {long[:10]}"
 
 
@@ -228,8 +245,9 @@ def xpyd_store(home: Path) -> Path:
     to milliseconds, figures with many digits) and a D whose clock runs 5 ms
     ahead of P's (a clock window without 0)."""
     store = make_store(home, n_per_mode=40)
-    make_pair_store(home, [Pair("p1", "d0", slow_ms=11_000.0, slow_modes=("push",)),
-                           Pair("p0", "d1", skew_ms=5.0)], n_per_mode=8)
+    make_pair_store(
+        home, [Pair("p1", "d0", slow_ms=11_000.0, slow_modes=("push",)), Pair("p0", "d1", skew_ms=5.0)], n_per_mode=8
+    )
     return store
 
 
@@ -271,10 +289,15 @@ def test_the_checks_catch_cut_cards_and_mixed_units():
     card = {"label": "TTFT p50 (s)", "value": "0.55", "top": 100.0, "text": "", "cut": False}
     assert mixed_units([card, {**card, "label": "TTFT p50 (ms)", "value": "362", "top": 101.0}])
     assert mixed_units([card, {**card, "label": "TTFT p50", "value": "362 ms", "top": 400.0}])
-    assert mixed_units([{**card, "label": "handoff", "value": "9.25 s"},
-                        {**card, "label": "TTFT", "value": "12.3 ms"}])
-    assert not mixed_units([card, {**card, "label": "TTFT p99 (s)", "value": "12.6"},
-                            {**card, "label": "req/s", "value": "1.5"}, {**card, "label": "mode", "value": "push"}])
+    assert mixed_units([{**card, "label": "handoff", "value": "9.25 s"}, {**card, "label": "TTFT", "value": "12.3 ms"}])
+    assert not mixed_units(
+        [
+            card,
+            {**card, "label": "TTFT p99 (s)", "value": "12.6"},
+            {**card, "label": "req/s", "value": "1.5"},
+            {**card, "label": "mode", "value": "push"},
+        ]
+    )
     assert bad_text("9.25 s…") and not bad_text("9,247")
 
 
@@ -321,8 +344,14 @@ def test_traces_page_lanes_per_rank_in_chromium(tmp_path, browser):
         assert "Straggler: D rank 1 finished read.complete last, 4.00 ms after rank 0" in body, body[-3000:]
         check_cards(page, "traces (TP ranks) at 1280px")
         lanes = page.evaluate(LANES_JS)
-        for want in ("decode r0 · read.complete", "decode r1 · read.complete", "decode r1 · kv.ready",
-                     "prefill r0 · kv.released", "prefill r1 · kv.released", "prefill · prefill"):
+        for want in (
+            "decode r0 · read.complete",
+            "decode r1 · read.complete",
+            "decode r1 · kv.ready",
+            "prefill r0 · kv.released",
+            "prefill r1 · kv.released",
+            "prefill · prefill",
+        ):
             assert want in lanes, (want, lanes)
         assert lanes.index("decode r0 · kv.ready") < lanes.index("decode r1 · descriptor.prep"), lanes  # by rank
         save(page, tmp_path, "dashboard-traces-ranks-1280.png")

@@ -39,9 +39,13 @@ SLACK_S = 90.0
 
 def _cfg(stack) -> proxy.ProxyConfig:
     return proxy.ProxyConfig(
-        prefill_url=stack.prefill_url, decode_url=stack.decode_url, mode="push",
-        prefill_engine_id="p0", prefill_side_host=stack.host,
-        prefill_side_port=stack.prefill_side_port, kvlens_home=str(stack.kvlens_home),
+        prefill_url=stack.prefill_url,
+        decode_url=stack.decode_url,
+        mode="push",
+        prefill_engine_id="p0",
+        prefill_side_host=stack.host,
+        prefill_side_port=stack.prefill_side_port,
+        kvlens_home=str(stack.kvlens_home),
     )
 
 
@@ -88,8 +92,7 @@ async def _post_d(stack, tid: str) -> int | str:
     """D's half of an overlapped push; waits for P's KV (the test cancels it)."""
     try:
         async with httpx.AsyncClient(timeout=None) as c:
-            r = await c.post(stack.decode_url + ENDPOINT, json=_d_body(stack, tid),
-                             headers={"X-Request-Id": tid})
+            r = await c.post(stack.decode_url + ENDPOINT, json=_d_body(stack, tid), headers={"X-Request-Id": tid})
             return r.status_code
     except httpx.HTTPError as e:
         return type(e).__name__
@@ -119,9 +122,12 @@ def test_registration_that_never_matches_ends_timeout(fault_push_stack):
         try:
             sent = await _wait_span(stack.store_path, tid, _is_reg_send, SLACK_S, "registration.send on D")
             ready = await _wait_span(
-                stack.store_path, tid,
+                stack.store_path,
+                tid,
                 lambda s: s["name"] == sc.Phase.KV_READY.value,
-                FAULT_REGISTRATION_TIMEOUT_S + SLACK_S, "kv.ready after the watchdog")
+                FAULT_REGISTRATION_TIMEOUT_S + SLACK_S,
+                "kv.ready after the watchdog",
+            )
         finally:
             # vLLM 0.32 leaves D's request waiting after its watchdog; the
             # client (here: us) going away is what aborts it.
@@ -181,14 +187,18 @@ def test_decode_killed_before_the_write_fails_on_p_and_p_keeps_serving(fault_pus
     assert d_result != 200, "D answered although it was killed"
 
     with httpx.Client(timeout=180) as c:
-        r = c.post(stack.prefill_url + ENDPOINT, json=proxy.prefill_body(_body(tid)),
-                   headers={"X-Request-Id": tid})
+        r = c.post(stack.prefill_url + ENDPOINT, json=proxy.prefill_body(_body(tid)), headers={"X-Request-Id": tid})
         assert r.status_code == 200, r.text
 
-    done = asyncio.run(_wait_span(
-        stack.store_path, tid,
-        lambda s: s["name"] == sc.Phase.WRITE_COMPLETE.value and s["role"] == "prefill",
-        FAULT_KV_LEASE_S + SLACK_S, "write.complete on P"))
+    done = asyncio.run(
+        _wait_span(
+            stack.store_path,
+            tid,
+            lambda s: s["name"] == sc.Phase.WRITE_COMPLETE.value and s["role"] == "prefill",
+            FAULT_KV_LEASE_S + SLACK_S,
+            "write.complete on P",
+        )
+    )
     assert done["outcome"] in (sc.Outcome.FAILED.value, sc.Outcome.EXPIRED.value), done
     spans = _spans(stack.store_path, tid)
     names = {s["name"] for s in spans}
@@ -202,8 +212,7 @@ def test_decode_killed_before_the_write_fails_on_p_and_p_keeps_serving(fault_pus
         assert time.monotonic() < deadline, row
         time.sleep(0.5)
     # the trace carries the worst outcome of its spans (failed > timeout > expired)
-    worst = max((s["outcome"] for s in _spans(stack.store_path, tid)),
-                key=("ok", "expired", "timeout", "failed").index)
+    worst = max((s["outcome"] for s in _spans(stack.store_path, tid)), key=("ok", "expired", "timeout", "failed").index)
     assert row["outcome"] == worst != "ok", row
 
     # P is unharmed: health, and a plain completion on P alone

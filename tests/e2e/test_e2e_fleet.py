@@ -56,8 +56,12 @@ def _settled(db, ids, timeout=90.0):
             rows = {r["trace_id"]: r for r in store.slowest(conn, 10_000, trace_ids=ids)}
             settled = store.handoffs(conn, ids)
             spans = store.spans_for(conn, ids)
-        joined = all(t in settled and settled[t]["complete"]
-                     and {"router", "prefill", "decode"} <= {sp["role"] for sp in spans[t]} for t in ids)
+        joined = all(
+            t in settled
+            and settled[t]["complete"]
+            and {"router", "prefill", "decode"} <= {sp["role"] for sp in spans[t]}
+            for t in ids
+        )
         if joined or time.monotonic() > deadline:
             return rows, settled, spans
         time.sleep(0.5)
@@ -99,8 +103,12 @@ def _check_fleet(stack, mode: str) -> None:
         assert sorted(own) == sorted(ids) and all(own[t][end] is None for t in ids), role
 
     # `kvlens traces --json` on the collector's store shows the corrected figure
-    out = subprocess.run([sys.executable, "-m", "kvlens.cli", "traces", "--store", str(stack.store_path),
-                          "--json", "--slowest", "1000"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlens.cli", "traces", "--store", str(stack.store_path), "--json", "--slowest", "1000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     by_id = {d["trace_id"]: d for d in map(json.loads, out.stdout.splitlines()) if d["trace_id"] in ids}
     assert sorted(by_id) == sorted(ids)

@@ -43,8 +43,12 @@ def _recomputed_count(decode_url: str) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(decode_url + "/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "kvlens_kv_recomputed_total" and s.labels.get("mode") == "pull")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "kvlens_kv_recomputed_total" and s.labels.get("mode") == "pull"
+    )
 
 
 def _wait_first_step(db, tid: str, timeout: float = 60.0) -> tracemodel.Trace | None:
@@ -80,8 +84,9 @@ def test_a_load_that_fails_under_recompute_is_marked_counted_and_shown(pull_stac
     assert use is not None and use["recomputed"], (use, [s.name for s in tr.spans])
     assert use["recomputed_tokens"] > 100, use  # the whole prompt (~150 tokens), not its last partial block
     ok = _wait_first_step(st.store_path, normal_tid)
-    assert ok is not None and ok.to_json()["kv_use"] is not None and not ok.to_json()["kv_use"]["recomputed"], \
+    assert ok is not None and ok.to_json()["kv_use"] is not None and not ok.to_json()["kv_use"]["recomputed"], (
         ok and ok.to_json()["kv_use"]
+    )
     deadline = time.time() + 30
     while _recomputed_count(st.decode_url) < before + 1 and time.time() < deadline:
         time.sleep(0.5)

@@ -51,8 +51,11 @@ def _prom(stack):
 def _send(url: str, n: int) -> None:
     with httpx.Client(timeout=180) as c:
         for i in range(n):
-            r = c.post(url + "/v1/completions", headers={"X-Request-Id": uuid.uuid4().hex},
-                       json={"prompt": f"prometheus {i} " + "word " * 60, "max_tokens": 4, "temperature": 0})
+            r = c.post(
+                url + "/v1/completions",
+                headers={"X-Request-Id": uuid.uuid4().hex},
+                json={"prompt": f"prometheus {i} " + "word " * 60, "max_tokens": 4, "temperature": 0},
+            )
             assert r.status_code == 200, r.text
 
 
@@ -68,10 +71,14 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     assert _value(prom, q_req) == r0 + N
 
     # every phase of the mode has a series, scraped from vLLM's own /metrics
-    got = {r["metric"]["phase"] for r in prom.query(
-        f'count by (phase) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})')}
+    got = {
+        r["metric"]["phase"]
+        for r in prom.query(f'count by (phase) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})')
+    }
     assert {p.value for p in phases} <= got, got
-    jobs = {r["metric"]["job"] for r in prom.query(f'count by (job) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})')}
+    jobs = {
+        r["metric"]["job"] for r in prom.query(f'count by (job) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})')
+    }
     assert {"vllm-prefill", "vllm-decode", "kvlens-router"} <= jobs
 
     # the recording rules evaluate (interval 2 s; rate windows need 2 samples)
@@ -84,9 +91,12 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     q_ours = f'sum(kvlens_phase_duration_seconds_count{{mode="{mode}",phase="{complete_phase}"}})'
     q_vllm = f'sum(vllm:nixl_xfer_time_seconds_count{{job="{owner_job}"}})'
     assert _wait(lambda: _value(prom, q_vllm) is not None and _value(prom, q_ours) == _value(prom, q_vllm)), (
-        _value(prom, q_ours), _value(prom, q_vllm))
-    ours_sum = _value(prom, f'sum(kvlens_phase_duration_seconds_sum{{mode="{mode}",'
-                            f'phase=~"{post_phase}|{complete_phase}"}})')
+        _value(prom, q_ours),
+        _value(prom, q_vllm),
+    )
+    ours_sum = _value(
+        prom, f'sum(kvlens_phase_duration_seconds_sum{{mode="{mode}",phase=~"{post_phase}|{complete_phase}"}})'
+    )
     vllm_sum = _value(prom, f'sum(vllm:nixl_xfer_time_seconds_sum{{job="{owner_job}"}})')
     assert ours_sum >= vllm_sum * 0.99, (ours_sum, vllm_sum)
 

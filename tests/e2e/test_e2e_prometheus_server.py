@@ -72,9 +72,13 @@ class Feed:
             self._span("read.post", tid, t + 200, t + 300, D)
             self._span("kv.released", tid, t + h, t + h, P)
         self._span("kv.ready", tid, t + h, t + h, D)
-        self._span("request", tid, t - 1000, t + h + 1000,
-                   {sc.ATTR_MODE: mode, sc.ATTR_ROLE: "router", sc.ATTR_TTFT_S: ttft_s,
-                    sc.ATTR_DISPATCH: "overlapped"})
+        self._span(
+            "request",
+            tid,
+            t - 1000,
+            t + h + 1000,
+            {sc.ATTR_MODE: mode, sc.ATTR_ROLE: "router", sc.ATTR_TTFT_S: ttft_s, sc.ATTR_DISPATCH: "overlapped"},
+        )
         self.trace_ids.append(tid)
         return tid
 
@@ -132,9 +136,17 @@ def test_dashboard_uses_known_series_and_datasource_input():
 
 
 KNOWN_FAMILIES = {
-    "kvlens_phase_duration_seconds", "kvlens_handoff_seconds", "kvlens_handoff_unresolved", "kvlens_ttft_seconds",
-    "kvlens_requests", "kvlens_transfer_bytes", "kvlens_transfer_descriptors", "kvlens_push_registrations_waiting",
-    "kvlens_push_prefills_waiting", "kvlens_telemetry_dropped", "kvlens_clock_offset_seconds",
+    "kvlens_phase_duration_seconds",
+    "kvlens_handoff_seconds",
+    "kvlens_handoff_unresolved",
+    "kvlens_ttft_seconds",
+    "kvlens_requests",
+    "kvlens_transfer_bytes",
+    "kvlens_transfer_descriptors",
+    "kvlens_push_registrations_waiting",
+    "kvlens_push_prefills_waiting",
+    "kvlens_telemetry_dropped",
+    "kvlens_clock_offset_seconds",
     "kvlens_clock_offset_width_seconds",
 }
 
@@ -217,8 +229,9 @@ def test_validation_errors():
 
 
 def test_missing_binary_says_how_to_install(tmp_path):
-    p = PrometheusServer({"vllm-prefill": ["127.0.0.1:8000"]}, port=0, data_dir=tmp_path,
-                         binary=tmp_path / "no-prometheus")
+    p = PrometheusServer(
+        {"vllm-prefill": ["127.0.0.1:8000"]}, port=0, data_dir=tmp_path, binary=tmp_path / "no-prometheus"
+    )
     with pytest.raises(PrometheusError, match="apt-get install prometheus"):
         p.start()
 
@@ -228,8 +241,12 @@ def test_busy_port_is_reported(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        p = PrometheusServer({"vllm-prefill": ["127.0.0.1:8000"]}, port=port, data_dir=tmp_path,
-                             binary=PROMETHEUS if PROMETHEUS.exists() else "/bin/true")
+        p = PrometheusServer(
+            {"vllm-prefill": ["127.0.0.1:8000"]},
+            port=port,
+            data_dir=tmp_path,
+            binary=PROMETHEUS if PROMETHEUS.exists() else "/bin/true",
+        )
         with pytest.raises(PrometheusError, match="busy"):
             p.start()
         assert p.proc is None
@@ -237,8 +254,11 @@ def test_busy_port_is_reported(tmp_path):
 
 def test_config_has_the_three_jobs_and_rules(tmp_path):
     p = PrometheusServer(
-        {"kvlens-router": ["127.0.0.1:8000"], "vllm-prefill": ["10.0.0.1:8100", "10.0.0.2:8100"],
-         "vllm-decode": ["10.0.0.3:8200"]},
+        {
+            "kvlens-router": ["127.0.0.1:8000"],
+            "vllm-prefill": ["10.0.0.1:8100", "10.0.0.2:8100"],
+            "vllm-decode": ["10.0.0.3:8200"],
+        },
         data_dir=tmp_path,
     )
     path = p.write_config()
@@ -255,8 +275,9 @@ def test_config_has_the_three_jobs_and_rules(tmp_path):
 def test_recording_rules_pass_promtool():
     import subprocess
 
-    out = subprocess.run(["/usr/bin/promtool", "check", "rules", str(rules_path())],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["/usr/bin/promtool", "check", "rules", str(rules_path())], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -41,8 +41,7 @@ def _router_pid(stack) -> int:
 
 
 def _body(i: int, stream: bool = False) -> dict:
-    return {"prompt": f"soak {i % 7} " + "word " * (8 + i % 24), "max_tokens": 3, "temperature": 0,
-            "stream": stream}
+    return {"prompt": f"soak {i % 7} " + "word " * (8 + i % 24), "max_tokens": 3, "temperature": 0, "stream": stream}
 
 
 def _text(resp: httpx.Response, stream: bool) -> str:
@@ -59,8 +58,10 @@ def _text(resp: httpx.Response, stream: bool) -> str:
 
 
 def _shared_id_case(stack) -> None:
-    prompts = [{"prompt": f"isolation {i}: " + "alpha beta " * (6 + 5 * i), "max_tokens": 6, "temperature": 0}
-               for i in range(4)]
+    prompts = [
+        {"prompt": f"isolation {i}: " + "alpha beta " * (6 + 5 * i), "max_tokens": 6, "temperature": 0}
+        for i in range(4)
+    ]
     alone = []
     with httpx.Client(timeout=180) as c:
         for body in prompts:
@@ -72,9 +73,12 @@ def _shared_id_case(stack) -> None:
 
     async def together():
         async with httpx.AsyncClient(timeout=180) as c:
-            return await asyncio.gather(*[
-                c.post(stack.router_url + "/v1/completions", json=b, headers={"X-Request-Id": shared})
-                for b in prompts])
+            return await asyncio.gather(
+                *[
+                    c.post(stack.router_url + "/v1/completions", json=b, headers={"X-Request-Id": shared})
+                    for b in prompts
+                ]
+            )
 
     rs = asyncio.run(together())
     assert [r.status_code for r in rs] == [200] * len(prompts), [r.text for r in rs]
@@ -85,8 +89,9 @@ def _shared_id_case(stack) -> None:
     while True:
         with store.reading(stack.store_path) as conn:
             rows = {r["trace_id"]: r for r in store.slowest(conn, 100, trace_ids=used)}
-        if (len(rows) == len(used) and all(r["kv_ready_ns"] and r["ttft_source"] == "router" for r in rows.values())) \
-                or time.monotonic() > deadline:
+        if (
+            len(rows) == len(used) and all(r["kv_ready_ns"] and r["ttft_source"] == "router" for r in rows.values())
+        ) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert sorted(rows) == sorted(used)
@@ -107,12 +112,14 @@ async def _soak(url: str, n: int, seed: int) -> dict:
     sem = asyncio.Semaphore(IN_FLIGHT)
     limits = httpx.Limits(max_connections=IN_FLIGHT * 2)
     async with httpx.AsyncClient(timeout=180, limits=limits) as c:
+
         async def one(i, tid, stream, leave):
             async with sem:
                 try:
                     r = await asyncio.wait_for(
                         c.post(url + "/v1/completions", json=_body(i, stream), headers={"X-Request-Id": tid}),
-                        0.02 if leave else 300)
+                        0.02 if leave else 300,
+                    )
                 except asyncio.TimeoutError:
                     out[tid] = "left"
                     return
@@ -148,8 +155,10 @@ def _soak_case(stack, mode: str) -> None:
         time.sleep(1)
     # every answered request: exactly one trace, both ends and the router's root span
     assert len(whole) == len(answered), f"{len(answered) - len(whole)} answered requests lack a whole trace"
-    line = (f"soak {mode}: {len(answered)} answered, {len(left)} clients left, {len(whole)} whole traces; "
-            f"router RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB ({rss1 / rss0:.3f}x)")
+    line = (
+        f"soak {mode}: {len(answered)} answered, {len(left)} clients left, {len(whole)} whole traces; "
+        f"router RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB ({rss1 / rss0:.3f}x)"
+    )
     print("\n" + line)
     out = Path(__file__).resolve().parents[2] / "test-output"
     out.mkdir(exist_ok=True)

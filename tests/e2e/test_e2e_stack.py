@@ -24,8 +24,13 @@ PROMPT = "Hello world, the cache is fast and the river is blue. Once upon a time
 # ------------------------------------------------------------ e2e helpers
 def _complete(url: str, stream: bool, chat: bool = False, max_tokens: int = 6, **extra) -> tuple[int, str]:
     if chat:
-        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
-                "temperature": 0, "stream": stream, **extra}
+        body = {
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": stream,
+            **extra,
+        }
         path = "/v1/chat/completions"
     else:
         body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": stream, **extra}
@@ -54,8 +59,7 @@ def _complete(url: str, stream: bool, chat: bool = False, max_tokens: int = 6, *
 def _local(url: str, max_tokens: int = 6) -> str:
     """Greedy output computed on one instance alone (no KV handoff)."""
     with httpx.Client(timeout=180, trust_env=False) as c:
-        r = c.post(url + "/v1/completions",
-                   json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
+        r = c.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0})
         r.raise_for_status()
         return r.json()["choices"][0]["text"]
 
@@ -98,8 +102,11 @@ def test_worker_threads_stay_on_their_own_cpu(push_stack):
     of seconds otherwise, README: 'CPU pinning')."""
     from kvlens.up import parse_cpu_list
 
-    want = {c.name: parse_cpu_list(c.env["VLLM_CPU_OMP_THREADS_BIND"])
-            for c in push_stack.children if c.name in ("prefill", "decode")}
+    want = {
+        c.name: parse_cpu_list(c.env["VLLM_CPU_OMP_THREADS_BIND"])
+        for c in push_stack.children
+        if c.name in ("prefill", "decode")
+    }
     assert want["prefill"] == {0} and want["decode"] == {1}, want
     for name, cpus in want.items():
         sets = _worker_cpus(push_stack, name)
@@ -143,8 +150,7 @@ def test_push_sequential_completions(push_stack, stream):
 def test_push_upstream_error_is_json_and_fast(push_stack):
     t0 = time.monotonic()
     with httpx.Client(timeout=60, trust_env=False) as c:
-        r = c.post(push_stack.router_url + "/v1/completions",
-                   json={"prompt": "hi", "max_tokens": 4, "temperature": -1})
+        r = c.post(push_stack.router_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": -1})
     assert time.monotonic() - t0 < 30
     assert r.status_code == 400
     err = r.json()["error"]
@@ -192,9 +198,25 @@ def test_signal_leaves_no_children(stack_factory, tiny_model, tmp_path, sig):
 
     stack_factory.stop()  # one pair at a time
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvlens.cli", "up", "--mode", "push", "--stock",
-         "--model", str(tiny_model), "--port", "0", "--log-dir", str(tmp_path / "logs")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kvlens.cli",
+            "up",
+            "--mode",
+            "push",
+            "--stock",
+            "--model",
+            str(tiny_model),
+            "--port",
+            "0",
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     seen: dict[int, psutil.Process] = {}
     try:

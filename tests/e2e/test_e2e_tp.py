@@ -29,8 +29,11 @@ from kvrecord import semconv as sc
 # stack took 371 s to start here and a TP 1 D beside it never started; with
 # them idle the P TP 2, D TP 2 + TP 1 stack starts in about 2 minutes
 # (docs/tensor-parallel.md). The timeout leaves room for a loaded machine.
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800),
-              pytest.mark.skipif(os.environ.get("KVLENS_TEST_TP") == "0", reason="KVLENS_TEST_TP=0")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.timeout(1800),
+    pytest.mark.skipif(os.environ.get("KVLENS_TEST_TP") == "0", reason="KVLENS_TEST_TP=0"),
+]
 
 #: requests through the router
 N = 6
@@ -48,8 +51,9 @@ def _settled(tr: tracemodel.Trace, d_ranks: int) -> bool:
     """Joined, with its handoff, and every rank's spans in (they arrive per
     process; a one-rank engine's spans carry no rank)."""
     seen = ranks.tp_sizes(tr.spans)
-    return (tr.handoff_s is not None and tr.half is None and seen.get("prefill") == 2
-            and seen.get("decode", 1) == d_ranks)
+    return (
+        tr.handoff_s is not None and tr.half is None and seen.get("prefill") == 2 and seen.get("decode", 1) == d_ranks
+    )
 
 
 def _wait(db, trace_ids, d_tp: dict[str, int], *, timeout=120.0) -> dict[str, tracemodel.Trace]:
@@ -82,8 +86,12 @@ def _check_stragglers(tid: str, tr: tracemodel.Trace, mode: str, d_ranks: int) -
         return
     # pull TP 2 -> 1: no second D rank to wait for; its one rank read both P ranks' KV
     assert ("decode", READ_COMPLETE) not in late, (tid, late)
-    remote = {r for s in tr.spans if s.role == "decode" and s.name == sc.Phase.READ_POST.value
-              for r in (s.attributes or {}).get(sc.ATTR_REMOTE_RANKS) or ()}
+    remote = {
+        r
+        for s in tr.spans
+        if s.role == "decode" and s.name == sc.Phase.READ_POST.value
+        for r in (s.attributes or {}).get(sc.ATTR_REMOTE_RANKS) or ()
+    }
     assert remote == {0, 1}, (tid, remote)
 
 

@@ -23,8 +23,12 @@ def _send(url: str, n: int, *, max_tokens: int = 6, stream: bool = False, timeou
     with httpx.Client(timeout=timeout) as c:
         for i in range(n):
             tid = uuid.uuid4().hex
-            body = {"prompt": f"kvlens request {i} " + "tokens " * (40 + 30 * i), "max_tokens": max_tokens,
-                    "temperature": 0, "stream": stream}
+            body = {
+                "prompt": f"kvlens request {i} " + "tokens " * (40 + 30 * i),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": stream,
+            }
             r = c.post(url + "/v1/completions", json=body, headers={"X-Request-Id": tid})
             assert r.status_code == 200, r.text
             ids.append(tid)
@@ -42,7 +46,9 @@ def _wait_traces(db, ids, phases, timeout=60.0):
         finally:
             conn.close()
         done = all(
-            t in rows and rows[t]["handoff_s"] is not None and rows[t]["ttft_source"] == "router"
+            t in rows
+            and rows[t]["handoff_s"] is not None
+            and rows[t]["ttft_source"] == "router"
             and {p.value for p in phases} <= {s["name"] for s in spans[t]}
             for t in ids
         )
@@ -152,8 +158,13 @@ def _check_wire_and_release(trs: dict, mode: str) -> None:
         assert done, tid
         for c in done:
             assert c.attributes[sc.ATTR_NIXL_XFER_S] > 0, c  # vLLM asks NIXL for its telemetry
-            parts = [s for s in tr.spans if s.name in (f"{kind}.wire", f"{kind}.noticed")
-                     and ranks.rank_of(s) == ranks.rank_of(c) and c.start_ns <= s.start_ns < c.end_ns]
+            parts = [
+                s
+                for s in tr.spans
+                if s.name in (f"{kind}.wire", f"{kind}.noticed")
+                and ranks.rank_of(s) == ranks.rank_of(c)
+                and c.start_ns <= s.start_ns < c.end_ns
+            ]
             wire = [s for s in parts if s.name == f"{kind}.wire"]
             assert len(wire) == 1 and wire[0].start_ns == c.start_ns, (tid, parts)
             assert sum(s.end_ns - s.start_ns for s in parts) == c.end_ns - c.start_ns
@@ -233,8 +244,23 @@ def test_traces_cli_json_matches_the_store(pull_stack, capsys):
     from kvlens.cli import main
 
     # outcome ok: the store also holds a pull request whose KV failed to load (test_e2e_kv_use), with no READ
-    assert main(["traces", "--store", str(pull_stack.store_path), "--mode", "pull", "--outcome", "ok", "--slowest", "2",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "traces",
+                "--store",
+                str(pull_stack.store_path),
+                "--mode",
+                "pull",
+                "--outcome",
+                "ok",
+                "--slowest",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     import json
 
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -319,10 +345,15 @@ def test_malformed_kv_transfer_params_leave_serving_intact(push_stack):
     """Garbage kv_transfer_params sent straight to P: vLLM answers as it
     does without kvlens (whatever its status), and the stack keeps serving."""
     with httpx.Client(timeout=180) as c:
-        for params in ({"do_remote_decode": True, "remote_block_ids": "not-a-list", "remote_engine_id": 7},
-                       {"do_remote_decode": "maybe"}, ["not", "a", "dict"]):
-            r = c.post(push_stack.prefill_url + "/v1/completions",
-                       json={"prompt": "malformed", "max_tokens": 1, "kv_transfer_params": params})
+        for params in (
+            {"do_remote_decode": True, "remote_block_ids": "not-a-list", "remote_engine_id": 7},
+            {"do_remote_decode": "maybe"},
+            ["not", "a", "dict"],
+        ):
+            r = c.post(
+                push_stack.prefill_url + "/v1/completions",
+                json={"prompt": "malformed", "max_tokens": 1, "kv_transfer_params": params},
+            )
             assert r.status_code < 500, r.text
     assert _send(push_stack.router_url, 1)
     assert push_stack.dead_child() is None

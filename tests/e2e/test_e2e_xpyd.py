@@ -45,8 +45,18 @@ def _proxy(stack, prefills, decodes, dispatch: str):
     """A ``kvlens proxy`` over a subset of the stack's instances, writing the
     stack's store; stopped by its process group whatever happens."""
     port = _free_port()
-    argv = [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", stack.mode, "--dispatch", dispatch,
-            "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvlens.cli",
+        "proxy",
+        "--mode",
+        stack.mode,
+        "--dispatch",
+        dispatch,
+        "--port",
+        str(port),
+    ]
     for p in prefills:
         argv += ["--prefill", p.url, "--prefill-engine-id", p.engine_id, "--prefill-side-port", str(p.side_port)]
     for d in decodes:
@@ -88,8 +98,14 @@ def _wait(db, trace_ids, source: str, *, timeout=90.0) -> dict[str, tracemodel.T
     while True:
         with store.reading(db) as conn:
             got = tracemodel.find(conn, trace_ids)
-        done = all(t in got and got[t].handoff_s is not None and got[t].ttft_s is not None
-                   and got[t].ttft_source == source and got[t].half is None for t in trace_ids)
+        done = all(
+            t in got
+            and got[t].handoff_s is not None
+            and got[t].ttft_s is not None
+            and got[t].ttft_source == source
+            and got[t].half is None
+            for t in trace_ids
+        )
         if done or time.time() > deadline:
             return got
         time.sleep(0.5)
@@ -113,8 +129,11 @@ def _pair_windows(db, pairs, trace_ids):
     """Each (P, D) pair's settled clock interval comes from its own traces
     (this test's: the session's other stacks share the store and engine ids)."""
     with store.reading(db) as conn:
-        rows = [r for r in store.slowest(conn, 10_000, order="start", trace_ids=trace_ids)
-                if (r["p_engine"], r["d_engine"]) in pairs]
+        rows = [
+            r
+            for r in store.slowest(conn, 10_000, order="start", trace_ids=trace_ids)
+            if (r["p_engine"], r["d_engine"]) in pairs
+        ]
     for pair in pairs:
         mine = [r for r in rows if (r["p_engine"], r["d_engine"]) == pair]
         assert mine and all(r["clock_lo_s"] is not None and r["clock_lo_s"] <= r["clock_hi_s"] for r in mine), pair
@@ -141,8 +160,9 @@ def test_xpyd_behind_kvlens_router(mode, xpyd_stacks):
             ids_ = _send(url, N, kvlens_id=True)
         mine_ids += ids_
         got = _wait(db, ids_, "router")
-        pairs |= _check(got, ids_, mode, pes=[x.engine_id for x in ps], des=[x.engine_id for x in ds],
-                        ttft_source="router")
+        pairs |= _check(
+            got, ids_, mode, pes=[x.engine_id for x in ps], des=[x.engine_id for x in ds], ttft_source="router"
+        )
         assert all(got[t].spans and any(s.name == "relay" for s in got[t].spans) or mode == "push" for t in ids_)
     assert pairs == {(p, d) for p in ("p0", "p1") for d in ("d0", "d1")}
     _pair_windows(db, pairs, mine_ids)
@@ -179,6 +199,7 @@ def test_pull_behind_vllm_router(xpyd_stacks):
         shares.append(tr.tiling().unattributed_share)
     assert statistics.median(shares) <= 0.10, shares
     with store.reading(stack.store_path) as conn:
-        halves = tracemodel.slowest(conn, 100, order="start", half="decode") + \
-            tracemodel.slowest(conn, 100, order="start", half="prefill")
+        halves = tracemodel.slowest(conn, 100, order="start", half="decode") + tracemodel.slowest(
+            conn, 100, order="start", half="prefill"
+        )
     assert not [t for t in halves if t.trace_id in sent]

@@ -37,9 +37,14 @@ def test_the_layer_order_is_the_architecture_tables():
 def _tree(root: Path, files: dict[str, str]) -> Path:
     (root / "docs").mkdir(parents=True)
     (root / "docs" / "architecture.md").write_text(
-        "| folder | job |\n|---|---|\n| `low/` | bottom |\n| `instrumented_connector/` | plug-in |\n| `high/` | top |\n")
-    for name, text in {"low/__init__.py": "", "high/__init__.py": "", "instrumented_connector/__init__.py": "",
-                       **files}.items():
+        "| folder | job |\n|---|---|\n| `low/` | bottom |\n| `instrumented_connector/` | plug-in |\n| `high/` | top |\n"
+    )
+    for name, text in {
+        "low/__init__.py": "",
+        "high/__init__.py": "",
+        "instrumented_connector/__init__.py": "",
+        **files,
+    }.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     return root
@@ -48,17 +53,22 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 def test_the_checker_fails_each_planted_violation(tmp_path):
     clean = layout.report(_tree(tmp_path / "clean", {"low/a.py": "X = 1\n", "high/b.py": "from low import a\n"}))
     assert all(v == [] for v in clean.values()), clean
-    bad = layout.report(_tree(tmp_path / "bad", {
-        # upward, hidden inside a function
-        "low/a.py": "def f():\n    from high import b\n    return b\n",
-        # the dashboard/CLI layer reaching into the plug-in
-        "high/b.py": "import instrumented_connector.hooks\n",
-        "instrumented_connector/hooks.py": "X = 1\n",
-        # SQL outside the store
-        "high/c.py": "Q = 'SELECT trace_id FROM traces WHERE 1'\n",
-        "high/d.py": "import re\nR = re.compile('[0-9a-f]{32}')\n",
-        "high/e.py": "\n" * 401,
-    }))
+    bad = layout.report(
+        _tree(
+            tmp_path / "bad",
+            {
+                # upward, hidden inside a function
+                "low/a.py": "def f():\n    from high import b\n    return b\n",
+                # the dashboard/CLI layer reaching into the plug-in
+                "high/b.py": "import instrumented_connector.hooks\n",
+                "instrumented_connector/hooks.py": "X = 1\n",
+                # SQL outside the store
+                "high/c.py": "Q = 'SELECT trace_id FROM traces WHERE 1'\n",
+                "high/d.py": "import re\nR = re.compile('[0-9a-f]{32}')\n",
+                "high/e.py": "\n" * 401,
+            },
+        )
+    )
     found = {k.split(" (")[0].split(":")[0]: v for k, v in bad.items()}
     assert found["upward imports"] == ["low.a -> high.b"]
     assert found["imports of the vLLM plug-in"] == ["high.b -> instrumented_connector.hooks"]

@@ -32,8 +32,12 @@ def test_round_robin_cycles_over_every_pair():
     assert [r.prefill.engine_id for r in picks] == ["p0", "p1", "p2", "p0", "p1", "p2"]
     assert [r.decode.engine_id for r in picks] == ["d0", "d1", "d0", "d1", "d0", "d1"]
     assert len({(r.prefill.engine_id, r.decode.engine_id) for r in picks}) == 6 == b.pairs
-    assert picks[0].attrs() == {"kvlens.prefill.url": "http://p0", "kvlens.prefill.engine_id": "p0",
-                                "kvlens.decode.url": "http://d0", "kvlens.decode.engine_id": "d0"}
+    assert picks[0].attrs() == {
+        "kvlens.prefill.url": "http://p0",
+        "kvlens.prefill.engine_id": "p0",
+        "kvlens.decode.url": "http://d0",
+        "kvlens.decode.engine_id": "d0",
+    }
     # N and M with a common divisor: two counters stepped together would only
     # ever meet P0-D0 and P1-D1; the cycle meets all four, each P and D twice
     b = Balancer(_prefills(2), _decodes(2))
@@ -95,9 +99,13 @@ def _ids(fake: Fake) -> list[str]:
 @pytest.mark.parametrize("mode,dispatch", [("pull", "sequential"), ("push", "overlapped")])
 def test_router_balances_and_names_p_and_d(tmp_path, recorder, fakes, mode, dispatch):  # noqa: F811
     p0, p1, d0, d1 = fakes
-    cfg = ProxyConfig.of([Prefill(p0.url, "p0", "127.0.0.1", 5600), Prefill(p1.url, "p1", "127.0.0.1", 5601)],
-                         [Decode(d0.url, "d0"), Decode(d1.url, "d1")], mode=mode, dispatch=dispatch,
-                         kvlens_home=str(tmp_path))
+    cfg = ProxyConfig.of(
+        [Prefill(p0.url, "p0", "127.0.0.1", 5600), Prefill(p1.url, "p1", "127.0.0.1", 5601)],
+        [Decode(d0.url, "d0"), Decode(d1.url, "d1")],
+        mode=mode,
+        dispatch=dispatch,
+        kvlens_home=str(tmp_path),
+    )
     with router(cfg) as url:
         rs = [_post(url, {"prompt": f"q{i}", "max_tokens": 3}) for i in range(4)]
     assert [r.status_code for r in rs] == [200] * 4
@@ -120,8 +128,9 @@ def test_router_balances_and_names_p_and_d(tmp_path, recorder, fakes, mode, disp
 def test_a_dead_p_does_not_stop_the_others(tmp_path, recorder, fakes):  # noqa: F811
     p0, _, d0, _ = fakes
     dead = _closed_port_url()
-    cfg = ProxyConfig.of([Prefill(p0.url, "p0"), Prefill(dead, "p1")], [Decode(d0.url)], mode="pull",
-                         kvlens_home=str(tmp_path))
+    cfg = ProxyConfig.of(
+        [Prefill(p0.url, "p0"), Prefill(dead, "p1")], [Decode(d0.url)], mode="pull", kvlens_home=str(tmp_path)
+    )
     with router(cfg) as url:
         rs = [_post(url, {"prompt": f"q{i}", "max_tokens": 3}) for i in range(4)]
         health = httpx.get(url + "/health", timeout=20, trust_env=False)
@@ -138,8 +147,12 @@ def test_a_dead_p_does_not_stop_the_others(tmp_path, recorder, fakes):  # noqa: 
 
 def test_health_of_every_upstream_ok(tmp_path, recorder, fakes):  # noqa: F811
     p0, p1, d0, d1 = fakes
-    cfg = ProxyConfig.of([Prefill(p0.url, "p0"), Prefill(p1.url, "p1")], [Decode(d0.url), Decode(d1.url, "d1")],
-                         mode="pull", kvlens_home=str(tmp_path))
+    cfg = ProxyConfig.of(
+        [Prefill(p0.url, "p0"), Prefill(p1.url, "p1")],
+        [Decode(d0.url), Decode(d1.url, "d1")],
+        mode="pull",
+        kvlens_home=str(tmp_path),
+    )
     with router(cfg) as url:
         h = httpx.get(url + "/health", timeout=20, trust_env=False)
     assert h.status_code == 200 and h.json()["instances"]["decode"] == {"d0": "ok", "d1": "ok"}
@@ -156,39 +169,87 @@ def _args(*argv: str):
 def test_repeated_flags_pair_by_position():
     from kvlens.proxy.cli import check, config
 
-    args = _args("--mode", "push", "--prefill", "http://h:1/", "--prefill", "https://h2:2", "--decode", "http://d:3",
-                 "--prefill-side-port", "5600", "--prefill-side-port", "5601", "--prefill-tp-size", "2")
+    args = _args(
+        "--mode",
+        "push",
+        "--prefill",
+        "http://h:1/",
+        "--prefill",
+        "https://h2:2",
+        "--decode",
+        "http://d:3",
+        "--prefill-side-port",
+        "5600",
+        "--prefill-side-port",
+        "5601",
+        "--prefill-tp-size",
+        "2",
+    )
     cfg = config(args)
     check(cfg)
     assert [(p.url, p.engine_id, p.side_port, p.tp_size, p.side_host) for p in cfg.prefills] == [
-        ("http://h:1", "p0", 5600, 2, "127.0.0.1"), ("https://h2:2", "p1", 5601, 2, "127.0.0.1")]
+        ("http://h:1", "p0", 5600, 2, "127.0.0.1"),
+        ("https://h2:2", "p1", 5601, 2, "127.0.0.1"),
+    ]
     assert cfg.decodes == [Decode("http://d:3", "d0")]
-    named = config(_args("--mode", "pull", "--prefill", "http://a:1", "--prefill", "http://b:1", "--decode",
-                         "http://d:1", "--prefill-engine-id", "pa", "--prefill-engine-id", "pb"))
+    named = config(
+        _args(
+            "--mode",
+            "pull",
+            "--prefill",
+            "http://a:1",
+            "--prefill",
+            "http://b:1",
+            "--decode",
+            "http://d:1",
+            "--prefill-engine-id",
+            "pa",
+            "--prefill-engine-id",
+            "pb",
+        )
+    )
     assert [p.engine_id for p in named.prefills] == ["pa", "pb"]
 
 
-@pytest.mark.parametrize("extra,words", [
-    (["--prefill-engine-id", "p0"], "--prefill-engine-id given 1 times for 2 --prefill"),
-    (["--prefill-side-port", "5600"], "--prefill-side-port given 1 times for 2 --prefill"),
-    (["--prefill-side-host", "a", "--prefill-side-host", "b", "--prefill-side-host", "c"],
-     "--prefill-side-host given 3 times for 2 --prefill (give it 1 or 2 times"),
-    (["--decode-engine-id", "d0", "--decode-engine-id", "d1"], "--decode-engine-id given 2 times for 1 --decode"),
-    (["--prefill-engine-id", "x", "--prefill-engine-id", "x"], "prefill engine ids must be distinct"),
-    ([], "overlapped push needs --prefill-side-port"),
-])
+@pytest.mark.parametrize(
+    "extra,words",
+    [
+        (["--prefill-engine-id", "p0"], "--prefill-engine-id given 1 times for 2 --prefill"),
+        (["--prefill-side-port", "5600"], "--prefill-side-port given 1 times for 2 --prefill"),
+        (
+            ["--prefill-side-host", "a", "--prefill-side-host", "b", "--prefill-side-host", "c"],
+            "--prefill-side-host given 3 times for 2 --prefill (give it 1 or 2 times",
+        ),
+        (["--decode-engine-id", "d0", "--decode-engine-id", "d1"], "--decode-engine-id given 2 times for 1 --decode"),
+        (["--prefill-engine-id", "x", "--prefill-engine-id", "x"], "prefill engine ids must be distinct"),
+        ([], "overlapped push needs --prefill-side-port"),
+    ],
+)
 def test_mismatched_flags_are_refused_before_serving(capsys, extra, words):
     from kvlens.cli import main
 
-    rc = main(["proxy", "--mode", "push", "--prefill", "http://a:1", "--prefill", "http://b:1",
-               "--decode", "http://d:1", *extra])
+    rc = main(
+        [
+            "proxy",
+            "--mode",
+            "push",
+            "--prefill",
+            "http://a:1",
+            "--prefill",
+            "http://b:1",
+            "--decode",
+            "http://d:1",
+            *extra,
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert err.startswith("kvlens proxy: error:") and words in err
 
 
-@pytest.mark.parametrize("bad", ["127.0.0.1:8100", "ftp://h:1", "http://", "http://h:99999", "http://h:x",
-                                 "http://h:1?q=1"])
+@pytest.mark.parametrize(
+    "bad", ["127.0.0.1:8100", "ftp://h:1", "http://", "http://h:99999", "http://h:x", "http://h:1?q=1"]
+)
 def test_bad_urls_are_usage_errors(capsys, bad):
     from kvlens.cli import main
 

@@ -16,8 +16,15 @@ from kvlens.bench import BenchError, Cell, RequestResult, Target
 
 # ------------------------------------------------------------ validation
 def _grid(**kw):
-    base = dict(modes=["push", "pull"], dispatches=["overlapped"], qps=[1.0, 2.0], input_lens=[256, 1024],
-                output_len=32, num_prompts=8, max_model_len=4096)
+    base = dict(
+        modes=["push", "pull"],
+        dispatches=["overlapped"],
+        qps=[1.0, 2.0],
+        input_lens=[256, 1024],
+        output_len=32,
+        num_prompts=8,
+        max_model_len=4096,
+    )
     base.update(kw)
     return base
 
@@ -81,9 +88,23 @@ def test_percentile_edges():
 
 
 def _row(mode, dispatch, il, q, ttft, handoff, **kw):
-    r = dict(mode=mode, dispatch=dispatch, input_len=il, output_len=16, qps=q, num_prompts=8, completed=8,
-             failed=0, ttft_mean_s=ttft, ttft_p50_s=ttft, ttft_p99_s=ttft * 2, tpot_mean_s=0.01,
-             handoff_p50_s=handoff, handoff_p99_s=handoff and handoff * 2, req_per_s=q)
+    r = dict(
+        mode=mode,
+        dispatch=dispatch,
+        input_len=il,
+        output_len=16,
+        qps=q,
+        num_prompts=8,
+        completed=8,
+        failed=0,
+        ttft_mean_s=ttft,
+        ttft_p50_s=ttft,
+        ttft_p99_s=ttft * 2,
+        tpot_mean_s=0.01,
+        handoff_p50_s=handoff,
+        handoff_p99_s=handoff and handoff * 2,
+        req_per_s=q,
+    )
     r.update(kw)
     return r
 
@@ -104,16 +125,23 @@ def test_ratios_each_push_dispatch_vs_pull():
 
 
 def _ci(lo_t, hi_t, lo_h=None, hi_h=None):
-    return dict(rounds=1, ttft_p50_push_over_pull_lo=lo_t, ttft_p50_push_over_pull_hi=hi_t,
-                handoff_p50_push_over_pull_lo=lo_h, handoff_p50_push_over_pull_hi=hi_h)
+    return dict(
+        rounds=1,
+        ttft_p50_push_over_pull_lo=lo_t,
+        ttft_p50_push_over_pull_hi=hi_t,
+        handoff_p50_push_over_pull_lo=lo_h,
+        handoff_p50_push_over_pull_hi=hi_h,
+    )
 
 
 def test_table_and_findings():
-    rows = bench.add_ratios([
-        _row("pull", None, 256, 1.0, 0.100, 0.020, **_ci(None, None)),
-        _row("push", "overlapped", 256, 1.0, 0.080, 0.005, **_ci(0.7, 0.9, 0.2, 0.3)),
-        _row("push", "sequential", 256, 1.0, 0.101, None, **_ci(0.9, 1.1)),
-    ])
+    rows = bench.add_ratios(
+        [
+            _row("pull", None, 256, 1.0, 0.100, 0.020, **_ci(None, None)),
+            _row("push", "overlapped", 256, 1.0, 0.080, 0.005, **_ci(0.7, 0.9, 0.2, 0.3)),
+            _row("push", "sequential", 256, 1.0, 0.101, None, **_ci(0.9, 1.1)),
+        ]
+    )
     t = bench.format_table(rows).splitlines()
     assert t[0].split()[:4] == ["mode", "dispatch", "input", "QPS"]
     assert "TTFT p50 push/pull [95% CI]" in t[0] and "handoff p50 push/pull [95% CI]" in t[0]
@@ -123,29 +151,43 @@ def test_table_and_findings():
     assert "80.0" in body[0] and "0.80 [0.70-0.90]" in body[0] and "0.25 [0.20-0.30]" in body[0]
     assert body[1].rstrip().endswith("-")  # handoff ratio missing -> "-"
     words = bench.describe(rows)
-    assert any("push (overlapped) vs pull" in w and "push 20% lower (push/pull 0.80, 95% CI 0.70-0.90)" in w
-               and "push 75% lower" in w for w in words)
-    assert any("push (sequential)" in w and "no resolvable difference (push/pull 1.01, 95% CI 0.90-1.10)" in w
-               for w in words)
-    assert any(w.startswith("Overall, push (overlapped) vs pull on TTFT p50 over 1 cells: push lower in 1 ")
-               for w in words)
-    assert any(w.startswith("Overall, push (sequential) vs pull on TTFT p50 over 1 cells: "
-                            "no resolvable difference in 1 ") for w in words)
+    assert any(
+        "push (overlapped) vs pull" in w
+        and "push 20% lower (push/pull 0.80, 95% CI 0.70-0.90)" in w
+        and "push 75% lower" in w
+        for w in words
+    )
+    assert any(
+        "push (sequential)" in w and "no resolvable difference (push/pull 1.01, 95% CI 0.90-1.10)" in w for w in words
+    )
+    assert any(
+        w.startswith("Overall, push (overlapped) vs pull on TTFT p50 over 1 cells: push lower in 1 ") for w in words
+    )
+    assert any(
+        w.startswith("Overall, push (sequential) vs pull on TTFT p50 over 1 cells: no resolvable difference in 1 ")
+        for w in words
+    )
     assert not any("lower in" in w for w in words if "(sequential)" in w)  # never a winner inside the interval
     assert bench.format_table([]) == "(no rows)"
     assert "nothing to compare" in bench.describe([_row("pull", None, 256, 1.0, 0.1, 0.01)])[0]
 
 
 def test_pull_wins_wording():
-    rows = bench.add_ratios([_row("pull", None, 256, 2.0, 0.100, 0.010, **_ci(None, None)),
-                             _row("push", "overlapped", 256, 2.0, 0.125, 0.02, **_ci(1.1, 1.4, 1.5, 2.5))])
+    rows = bench.add_ratios(
+        [
+            _row("pull", None, 256, 2.0, 0.100, 0.010, **_ci(None, None)),
+            _row("push", "overlapped", 256, 2.0, 0.125, 0.02, **_ci(1.1, 1.4, 1.5, 2.5)),
+        ]
+    )
     (cell, *_rest) = bench.describe(rows)
     assert "pull 20% lower" in cell and "pull 50% lower" in cell
 
 
 def test_rows_without_intervals_get_no_verdict():
     """Rows saved before intervals existed: the ratio, but no winner."""
-    rows = bench.add_ratios([_row("pull", None, 256, 2.0, 0.100, 0.010), _row("push", "overlapped", 256, 2.0, 0.05, 0.02)])
+    rows = bench.add_ratios(
+        [_row("pull", None, 256, 2.0, 0.100, 0.010), _row("push", "overlapped", 256, 2.0, 0.05, 0.02)]
+    )
     (cell, *_rest) = bench.describe(rows)
     assert "push/pull 0.50, no interval recorded, so no verdict" in cell and "lower" not in cell
     body = bench.format_table(rows).splitlines()[2]
@@ -154,9 +196,18 @@ def test_rows_without_intervals_get_no_verdict():
 
 # ------------------------------------------------------ rows, cross-checks
 def _res(rid, ok=True, ttft=0.05, lat=0.2, last=0.15, n=16, error=None):
-    return RequestResult(request_id=rid, ok=ok, status=200 if ok else 502, error=error, send_s=0.0,
-                         ttft_s=ttft if ok else None, latency_s=lat, last_token_s=last if ok else None,
-                         output_tokens=n if ok else None, prompt_tokens=256)
+    return RequestResult(
+        request_id=rid,
+        ok=ok,
+        status=200 if ok else 502,
+        error=error,
+        send_s=0.0,
+        ttft_s=ttft if ok else None,
+        latency_s=lat,
+        last_token_s=last if ok else None,
+        output_tokens=n if ok else None,
+        prompt_tokens=256,
+    )
 
 
 def test_summarize_cell_and_cross_check():
@@ -186,8 +237,14 @@ def test_summarize_cell_and_cross_check():
 
 
 def test_cross_check_warns_and_counts_missing():
-    cell = Cell(Target("pull", None, "http://x"), 1.0, 256, [_res("d" * 32, ttft=0.060)],
-                {"d" * 32: dict(trace_id="d" * 32, outcome="ok", ttft_s=0.050, handoff_s=None)}, 1.0)
+    cell = Cell(
+        Target("pull", None, "http://x"),
+        1.0,
+        256,
+        [_res("d" * 32, ttft=0.060)],
+        {"d" * 32: dict(trace_id="d" * 32, outcome="ok", ttft_s=0.050, handoff_s=None)},
+        1.0,
+    )
     cc = bench.cross_check([cell])
     assert cc.ttft_warn and cc.handoff_missing == 1
     assert any(line.startswith("WARNING: client and router TTFT") for line in cc.lines())
@@ -200,7 +257,9 @@ def test_request_ids_are_trace_ids():
 
 def test_plan_groups_runs_pull_first():
     assert bench.plan_groups(["push", "pull"], ["overlapped", "sequential"]) == [
-        ("pull", [None]), ("push", ["overlapped", "sequential"])]
+        ("pull", [None]),
+        ("push", ["overlapped", "sequential"]),
+    ]
     assert bench.plan_groups(["push"], ["sequential"]) == [("push", ["sequential"])]
 
 
@@ -250,8 +309,9 @@ def test_cli_bad_input_exits_2_before_load(argv, words, capsys, tmp_path, monkey
 
 
 def test_cli_proxy_mode_conflict(monkeypatch, capsys):
-    monkeypatch.setattr("kvlens.bench.cli.probe_router",
-                        lambda url, api_key=None: bench.RouterInfo(url, "pull", None, "m", None, 4096))
+    monkeypatch.setattr(
+        "kvlens.bench.cli.probe_router", lambda url, api_key=None: bench.RouterInfo(url, "pull", None, "m", None, 4096)
+    )
     assert _cli("--proxy", "http://127.0.0.1:1", "--modes", "push") == 2
     assert "serves pull, but --modes says push" in capsys.readouterr().err
 
@@ -275,8 +335,17 @@ class FakeRouter:
     #: what its ``/metrics`` (standing in for D's) reports per completed request
     D_TPOT_S = 0.004
 
-    def __init__(self, store_path, mode="push", dispatch="overlapped", fail_every=0, on_request=None,
-                 one_chunk=False, token_gap_s=0.002, api_key=None):
+    def __init__(
+        self,
+        store_path,
+        mode="push",
+        dispatch="overlapped",
+        fail_every=0,
+        on_request=None,
+        one_chunk=False,
+        token_gap_s=0.002,
+        api_key=None,
+    ):
         import threading
 
         import uvicorn
@@ -307,7 +376,8 @@ class FakeRouter:
                 f"# HELP {name} x\n# TYPE {name} histogram\n"
                 f'{name}_bucket{{engine="0",model_name="fake",le="+Inf"}} {self.tpot_count}\n'
                 f'{name}_count{{engine="0",model_name="fake"}} {self.tpot_count}\n'
-                f'{name}_sum{{engine="0",model_name="fake"}} {self.tpot_sum}\n')
+                f'{name}_sum{{engine="0",model_name="fake"}} {self.tpot_sum}\n'
+            )
 
         @app.get("/health")
         async def health():
@@ -334,8 +404,11 @@ class FakeRouter:
                 await asyncio.sleep(30)
             if fail_every and self.n % fail_every == 0:
                 with conn:
-                    conn.execute("INSERT INTO traces (trace_id, request_id, mode, outcome, start_ns, end_ns) "
-                                 "VALUES (?,?,?,?,?,?)", (tid, tid, mode, "timeout", t0, time.time_ns()))
+                    conn.execute(
+                        "INSERT INTO traces (trace_id, request_id, mode, outcome, start_ns, end_ns) "
+                        "VALUES (?,?,?,?,?,?)",
+                        (tid, tid, mode, "timeout", t0, time.time_ns()),
+                    )
                 return JSONResponse({"error": {"message": "decode timed out"}}, status_code=504)
 
             async def gen():
@@ -343,7 +416,9 @@ class FakeRouter:
                 ttft = (time.time_ns() - t0) / 1e9
                 usage = {"completion_tokens": body["max_tokens"], "prompt_tokens": 7}
                 events = [b'data: {"choices":[{"text":"x"}]}\n\n'] * body["max_tokens"] + [
-                    ("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode(), b"data: [DONE]\n\n"]
+                    ("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode(),
+                    b"data: [DONE]\n\n",
+                ]
                 if one_chunk:  # a starved router: the whole answer in one write
                     yield b"".join(events)
                 else:
@@ -358,8 +433,21 @@ class FakeRouter:
                         "INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s,"
                         " prefill_finished_ns, kv_ready_ns, handoff_s, handoff_err_s)"
                         " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                        (tid, tid, mode, dispatch, "ok", t0, time.time_ns(), ttft, pf, pf + self.HANDOFF_NS,
-                         self.HANDOFF_NS / 1e9, 0.0005))
+                        (
+                            tid,
+                            tid,
+                            mode,
+                            dispatch,
+                            "ok",
+                            t0,
+                            time.time_ns(),
+                            ttft,
+                            pf,
+                            pf + self.HANDOFF_NS,
+                            self.HANDOFF_NS / 1e9,
+                            0.0005,
+                        ),
+                    )
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
@@ -394,8 +482,10 @@ def tiny_tokenizer_dir(tmp_path):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["push pull prefill decode handoff 0123456789"] * 20,
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.train_from_iterator(
+        ["push pull prefill decode handoff 0123456789"] * 20,
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]),
+    )
     d = tmp_path / "model"
     d.mkdir()
     tok.save(str(d / "tokenizer.json"))
@@ -404,8 +494,19 @@ def tiny_tokenizer_dir(tmp_path):
 
 
 def _opts(tmp_path, model, **kw):
-    base = dict(qps=[50.0], input_lens=[16, 32], output_len=3, num_prompts=6, seed=1, warmup=1, trace_wait_s=3.0,
-                store=tmp_path / "h" / "traces.db", json_path=tmp_path / "rows.jsonl", progress=False, model=model)
+    base = dict(
+        qps=[50.0],
+        input_lens=[16, 32],
+        output_len=3,
+        num_prompts=6,
+        seed=1,
+        warmup=1,
+        trace_wait_s=3.0,
+        store=tmp_path / "h" / "traces.db",
+        json_path=tmp_path / "rows.jsonl",
+        progress=False,
+        model=model,
+    )
     base.update(kw)
     return bench.BenchOptions(**base)
 
@@ -424,8 +525,11 @@ def test_generator_joins_router_traces(tmp_path, tiny_tokenizer_dir):
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["e2e_p99_s"]
     pulls = [r for r in run.rows if r["mode"] == "pull"]
     assert sum(r["failed"] for r in pulls) >= 2 and all(set(r["failed_outcomes"]) <= {"timeout"} for r in pulls)
-    assert all(r["dispatch"] == "sequential" and r["ttft_p50_push_over_pull"] is not None
-               for r in run.rows if r["mode"] == "push")
+    assert all(
+        r["dispatch"] == "sequential" and r["ttft_p50_push_over_pull"] is not None
+        for r in run.rows
+        if r["mode"] == "push"
+    )
     cc = bench.cross_check(run.cells)
     assert cc.completed == cc.ok_traces_in_store and cc.n_compared == cc.completed
     assert {f[3] for f in cc.failed} == {"timeout"} and all("HTTP 504" in f[2] for f in cc.failed)
@@ -460,6 +564,7 @@ def test_ctrl_c_stops_the_stack_and_keeps_finished_rows(tmp_path, tiny_tokenizer
         return False
 
     with FakeRouter(opts.store, "pull", on_request=interrupt) as fake:
+
         class FakeStack:
             def __init__(self, **kw):
                 self.kw, self.router_url = kw, fake.url
@@ -537,17 +642,20 @@ def test_row_counts_untimed_and_reports_unknown_with_the_reason():
 
 
 def test_decode_tpot_histogram_parsing():
-    text = ("# TYPE vllm:request_time_per_output_token_seconds histogram\n"
-            'vllm:request_time_per_output_token_seconds_bucket{engine="0",le="+Inf"} 3.0\n'
-            'vllm:request_time_per_output_token_seconds_count{engine="0"} 3.0\n'
-            'vllm:request_time_per_output_token_seconds_sum{engine="0"} 0.03\n'
-            'vllm:request_time_per_output_token_seconds_count{engine="1"} 1.0\n'
-            'vllm:request_time_per_output_token_seconds_sum{engine="1"} 0.02\n'
-            "# TYPE vllm:time_per_output_token_seconds histogram\n"
-            "vllm:time_per_output_token_seconds_count 99.0\nvllm:time_per_output_token_seconds_sum 9.0\n")
+    text = (
+        "# TYPE vllm:request_time_per_output_token_seconds histogram\n"
+        'vllm:request_time_per_output_token_seconds_bucket{engine="0",le="+Inf"} 3.0\n'
+        'vllm:request_time_per_output_token_seconds_count{engine="0"} 3.0\n'
+        'vllm:request_time_per_output_token_seconds_sum{engine="0"} 0.03\n'
+        'vllm:request_time_per_output_token_seconds_count{engine="1"} 1.0\n'
+        'vllm:request_time_per_output_token_seconds_sum{engine="1"} 0.02\n'
+        "# TYPE vllm:time_per_output_token_seconds histogram\n"
+        "vllm:time_per_output_token_seconds_count 99.0\nvllm:time_per_output_token_seconds_sum 9.0\n"
+    )
     assert bench.parse_tpot(text) == pytest.approx((0.05, 4.0))  # summed over engines, newest name first
-    assert bench.parse_tpot("vllm:time_per_output_token_seconds_count 2\nvllm:time_per_output_token_seconds_sum 1\n") \
-        == pytest.approx((1.0, 2.0))  # the older name
+    assert bench.parse_tpot(
+        "vllm:time_per_output_token_seconds_count 2\nvllm:time_per_output_token_seconds_sum 1\n"
+    ) == pytest.approx((1.0, 2.0))  # the older name
     assert bench.parse_tpot("other_metric 1\n") is None
     assert bench.decode_tpot(None) == (None, "D's URL is not known (kvlens bench --decode-url URL): not cross-checked")
     got, why = bench.decode_tpot("http://127.0.0.1:9")

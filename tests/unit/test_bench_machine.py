@@ -16,8 +16,10 @@ from kvlens.bench.report import format_table, machine_caveats
 from kvlens.stack import pinning
 
 SPIN = "import time\nt = time.time()\nwhile time.time() - t < 30: pass\n"
-WORKER = ("import ctypes, time\nctypes.CDLL(None).prctl(15, b'VLLM::Worker', 0, 0, 0)\n"
-          "print('up', flush=True)\ntime.sleep(60)\n")
+WORKER = (
+    "import ctypes, time\nctypes.CDLL(None).prctl(15, b'VLLM::Worker', 0, 0, 0)\n"
+    "print('up', flush=True)\ntime.sleep(60)\n"
+)
 
 
 @pytest.fixture
@@ -55,20 +57,31 @@ def test_a_worker_off_its_cpu_list_is_named(procs):
     assert pinning.off_placement(os.getpid(), [{0}]) is None
     off = pinning.off_placement(os.getpid(), [{1}])
     assert off and f"worker {w.pid}" in off and "on CPUs [0], asked [1]" in off
-    server = SimpleNamespace(name="decode", proc=SimpleNamespace(pid=os.getpid()),
-                             env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    server = SimpleNamespace(
+        name="decode", proc=SimpleNamespace(pid=os.getpid()), env={"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    )
     assert machine.placement(SimpleNamespace(children=[server])).startswith("not as asked: decode: worker")
 
 
 def test_busy_cells_and_placement_are_said_in_the_report():
     row = {"mode": "push", "dispatch": "overlapped", "input_len": 256, "qps": 1.0, "completed": 8, "failed": 0}
-    rows = [{**row, "cpu_busy": 1.9, "cpu_outside": 0.8, "machine_busy": True, "placement": "as asked"},
-            {**row, "mode": "pull", "dispatch": None, "cpu_busy": 1.1, "cpu_outside": 0.05, "machine_busy": False,
-             "placement": "not as asked: decode: worker 7 thread 9 on CPUs [0], asked [1]"}]
+    rows = [
+        {**row, "cpu_busy": 1.9, "cpu_outside": 0.8, "machine_busy": True, "placement": "as asked"},
+        {
+            **row,
+            "mode": "pull",
+            "dispatch": None,
+            "cpu_busy": 1.1,
+            "cpu_outside": 0.05,
+            "machine_busy": False,
+            "placement": "not as asked: decode: worker 7 thread 9 on CPUs [0], asked [1]",
+        },
+    ]
     lines = machine_caveats(rows)
     assert any("busy during 1 of 2 rows (push in=256 qps=1)" in x and "0.80 CPU" in x for x in lines), lines
     assert any("Placement not as asked" in x and "worker 7" in x for x in lines), lines
     table = format_table(rows)
     assert "CPU outside" in table and "0.80 !" in table and "0.05" in table
     assert machine_caveats([{**row, "cpu_busy": 1.0, "cpu_stack": None, "cpu_outside": None}])[-1].startswith(
-        "The stack's processes are not known")
+        "The stack's processes are not known"
+    )

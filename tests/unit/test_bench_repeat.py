@@ -73,8 +73,12 @@ def test_bootstrap_is_reproducible():
 # ------------------------------------------------------------- ABBA order
 def test_abba_alternates_rounds():
     assert abba(["pull", "push"], 1) == [(1, ["pull", "push"])]
-    assert abba(["pull", "push"], 4) == [(1, ["pull", "push"]), (2, ["push", "pull"]),
-                                         (3, ["pull", "push"]), (4, ["push", "pull"])]
+    assert abba(["pull", "push"], 4) == [
+        (1, ["pull", "push"]),
+        (2, ["push", "pull"]),
+        (3, ["pull", "push"]),
+        (4, ["push", "pull"]),
+    ]
     order = [m for _, ms in abba(["pull", "push"], 4) for m in ms]
     # every mode sits as often early as late in a round: drift lands on both alike
     assert sum(i % 2 for i, m in enumerate(order) if m == "push") == 2
@@ -84,8 +88,14 @@ def test_stack_plan_starts():
     # one round: each mode once on its own stack (today's run)
     assert stack_plan(2, 1, fresh=False) == [(1, 0, True), (1, 1, True)]
     # ABBA keeps the stack that ends one round and starts the next
-    assert stack_plan(2, 3, fresh=False) == [(1, 0, True), (1, 1, True), (2, 1, False), (2, 0, True),
-                                             (3, 0, False), (3, 1, True)]
+    assert stack_plan(2, 3, fresh=False) == [
+        (1, 0, True),
+        (1, 1, True),
+        (2, 1, False),
+        (2, 0, True),
+        (3, 0, False),
+        (3, 1, True),
+    ]
     assert all(start for _, _, start in stack_plan(2, 3, fresh=True))
     assert stack_plan(1, 2, fresh=False) == [(1, 0, True), (2, 0, False)]
 
@@ -95,8 +105,9 @@ def _cells(mode, dispatch, rounds_ttft, handoff=0.004):
     out = []
     for r, ttfts in enumerate(rounds_ttft, start=1):
         res = [_res(f"{mode[:2]}{r:02d}{i:028x}", ttft=t) for i, t in enumerate(ttfts)]
-        traces = {x.request_id: dict(trace_id=x.request_id, outcome="ok", ttft_s=x.ttft_s, handoff_s=handoff)
-                  for x in res}
+        traces = {
+            x.request_id: dict(trace_id=x.request_id, outcome="ok", ttft_s=x.ttft_s, handoff_s=handoff) for x in res
+        }
         out.append(Cell(Target(mode, dispatch, "http://x"), 1.0, 256, res, traces, 1.0, round=r))
     return out
 
@@ -137,12 +148,21 @@ def test_repeat_runs_abba_and_writes_pooled_rows(tmp_path, tiny_tokenizer_dir): 
     with FakeRouter(opts.store, "pull") as pull, FakeRouter(opts.store, "push", "sequential") as push:
         run = bench.bench_routers([push.url, pull.url], opts)
     assert [(c.round, c.target.mode) for c in run.cells] == [
-        (1, "pull"), (1, "push"), (2, "push"), (2, "pull"), (3, "pull"), (3, "push")]
+        (1, "pull"),
+        (1, "push"),
+        (2, "push"),
+        (2, "pull"),
+        (3, "pull"),
+        (3, "push"),
+    ]
     rows = run.rows
     assert [(r["mode"], r["rounds"], r["completed"]) for r in rows] == [("pull", 3, 9), ("push", 3, 9)]
     p = rows[1]
     assert p["ttft_p50_push_over_pull_lo"] is not None and p["ttft_p50_verdict"] in (
-        B.PUSH_LOWER, B.PULL_LOWER, B.NO_DIFFERENCE)
+        B.PUSH_LOWER,
+        B.PULL_LOWER,
+        B.NO_DIFFERENCE,
+    )
     assert p["handoff_p50_verdict"] == B.NO_DIFFERENCE  # the fake's handoff is one constant
     conn = store.connect(opts.store, readonly=True)
     saved = store.bench_rows(conn, run.run_id)
@@ -155,8 +175,7 @@ def test_repeat_runs_abba_and_writes_pooled_rows(tmp_path, tiny_tokenizer_dir): 
 
 @pytest.mark.parametrize("fresh, starts", [(False, ["pull", "push", "pull"]), (True, ["pull", "push", "push", "pull"])])
 def test_repeat_on_started_stacks(tmp_path, tiny_tokenizer_dir, fresh, starts):  # noqa: F811
-    opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[16], num_prompts=2, warmup=0, repeat=2,
-                 fresh_stacks=fresh)
+    opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[16], num_prompts=2, warmup=0, repeat=2, fresh_stacks=fresh)
     opts.store.parent.mkdir()
     events = []
     with FakeRouter(opts.store, "pull") as pull, FakeRouter(opts.store, "push") as push:
@@ -201,17 +220,31 @@ def test_compare_page_reads_intervals():
 
     def row(mode, dispatch, ttft, **kw):
         base = {k: None for k in B.ROW_KEYS}
-        base.update(mode=mode, dispatch=dispatch, input_len=256, output_len=16, qps=1.0, ttft_p50_s=ttft,
-                    handoff_p50_s=0.01, rounds=2)
+        base.update(
+            mode=mode,
+            dispatch=dispatch,
+            input_len=256,
+            output_len=16,
+            qps=1.0,
+            ttft_p50_s=ttft,
+            handoff_p50_s=0.01,
+            rounds=2,
+        )
         base.update(kw)
         return base
 
-    df = with_ratios(pd.DataFrame([
-        row("pull", None, 0.1),
-        row("push", "overlapped", 0.2, ttft_p50_push_over_pull_lo=1.5, ttft_p50_push_over_pull_hi=2.5),
-        row("push", "sequential", 0.1, ttft_p50_push_over_pull_lo=0.8, ttft_p50_push_over_pull_hi=1.3),
-        row("push", "overlapped", 0.1, qps=2.0, rounds=float("nan")),  # saved before intervals; no pull either
-    ], columns=list(B.ROW_KEYS)).astype({"rounds": float}))
+    df = with_ratios(
+        pd.DataFrame(
+            [
+                row("pull", None, 0.1),
+                row("push", "overlapped", 0.2, ttft_p50_push_over_pull_lo=1.5, ttft_p50_push_over_pull_hi=2.5),
+                row("push", "sequential", 0.1, ttft_p50_push_over_pull_lo=0.8, ttft_p50_push_over_pull_hi=1.3),
+                row("push", "overlapped", 0.1, qps=2.0, rounds=float("nan")),  # saved before intervals; no pull either
+            ],
+            columns=list(B.ROW_KEYS),
+        ).astype({"rounds": float})
+    )
+
     def col(name, frame=None):  # "-" on the page
         return [None if pd.isna(v) else v for v in (bench_display(df) if frame is None else frame)[name]]
 

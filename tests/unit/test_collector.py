@@ -49,6 +49,7 @@ P = sc.Phase
 # ----------------------------------------------------------------- spans
 def _factory(exporter, role: str, engine: str | None):
     """The provider pipeline.py builds (same resource), exporting to memory."""
+
     def build(id_generator):
         attrs = {"service.name": f"kvlens-{role}", "kvlens.role": role}
         if engine:
@@ -56,6 +57,7 @@ def _factory(exporter, role: str, engine: str | None):
         tp = TracerProvider(resource=Resource.create(attrs), id_generator=id_generator)
         tp.add_span_processor(SimpleSpanProcessor(exporter))
         return tp
+
     return build
 
 
@@ -81,12 +83,27 @@ def _request(recs, mode: str, tid: str, t0: int) -> None:
         dec.record(P.ALLOC, d_rid, pf + 3 * MS, pf + 3 * MS, "ok", {sc.ATTR_BLOCKS: 8})
         dec.record(P.DESCRIPTOR_PREP, d_rid, pf + 3 * MS, pf + 4 * MS, "ok", kv)
         dec.record(P.READ_POST, d_rid, pf + 4 * MS, pf + 5 * MS, "ok", kv)
-        dec.record(P.READ_COMPLETE, d_rid, pf + 5 * MS, pf + 8 * MS, "failed",
-                   {**kv, sc.ATTR_NIXL_XFER_S: 0.003, sc.ATTR_ERROR: "NIXL_ERR_REMOTE_DISCONNECT"})
+        dec.record(
+            P.READ_COMPLETE,
+            d_rid,
+            pf + 5 * MS,
+            pf + 8 * MS,
+            "failed",
+            {**kv, sc.ATTR_NIXL_XFER_S: 0.003, sc.ATTR_ERROR: "NIXL_ERR_REMOTE_DISCONNECT"},
+        )
     dec.record(P.KV_READY, d_rid, pf + 9 * MS, pf + 9 * MS, "ok", {sc.ATTR_BLOCKS: 8})
-    router.record_root(tid, None, t0, pf + 40 * MS, "ok",
-                       {sc.ATTR_TTFT_S: 0.045, sc.ATTR_DISPATCH: "overlapped" if mode == "push" else "sequential",
-                        sc.ATTR_STATUS_CODE: 200})
+    router.record_root(
+        tid,
+        None,
+        t0,
+        pf + 40 * MS,
+        "ok",
+        {
+            sc.ATTR_TTFT_S: 0.045,
+            sc.ATTR_DISPATCH: "overlapped" if mode == "push" else "sequential",
+            sc.ATTR_STATUS_CODE: 200,
+        },
+    )
 
 
 def record_spans(n_per_mode: int = 2) -> list:
@@ -94,8 +111,11 @@ def record_spans(n_per_mode: int = 2) -> list:
     by real Recorders with the resource each kvlens process has."""
     exporter = InMemorySpanExporter()
     engines = {"router": None, "prefill": "p0", "decode": "d0"}
-    recs = {(r, m): Recorder(role=r, mode=m, engine_id=e, pipeline_factory=_factory(exporter, r, e))
-            for r, e in engines.items() for m in ("push", "pull")}
+    recs = {
+        (r, m): Recorder(role=r, mode=m, engine_id=e, pipeline_factory=_factory(exporter, r, e))
+        for r, e in engines.items()
+        for m in ("push", "pull")
+    }
     t0 = time.time_ns() - 10**9
     for i in range(n_per_mode):
         for mode in ("push", "pull"):
@@ -165,8 +185,16 @@ def test_otlp_json_decodes_like_protobuf(sdk_spans, proto_names):
     from_js = otlp.decode(json_body(sdk_spans, proto_names=proto_names), "application/json; charset=utf-8")
 
     def shape(w):
-        return (w.name, w.start_time, w.end_time, w.context.trace_id, w.context.span_id,
-                w.parent.span_id if w.parent else None, w.attributes, w.resource)
+        return (
+            w.name,
+            w.start_time,
+            w.end_time,
+            w.context.trace_id,
+            w.context.span_id,
+            w.parent.span_id if w.parent else None,
+            w.attributes,
+            w.resource,
+        )
 
     assert [shape(w) for w in from_js] == [shape(w) for w in from_pb]
 
@@ -179,24 +207,53 @@ def test_anyvalue_types_and_span_ids_are_checked():
     req = ExportTraceServiceRequest()
     rs = req.resource_spans.add()
     rs.resource.attributes.append(_kv("service.name", string_value="vllm-decode"))
-    sp = rs.scope_spans.add().spans.add(name="llm_request", trace_id=b"\x01" * 16, span_id=b"\x02" * 8,
-                                        parent_span_id=b"\x00" * 8, start_time_unix_nano=5, end_time_unix_nano=9)
+    sp = rs.scope_spans.add().spans.add(
+        name="llm_request",
+        trace_id=b"\x01" * 16,
+        span_id=b"\x02" * 8,
+        parent_span_id=b"\x00" * 8,
+        start_time_unix_nano=5,
+        end_time_unix_nano=9,
+    )
     arr = common_pb2.ArrayValue(values=[common_pb2.AnyValue(int_value=1), common_pb2.AnyValue(string_value="b")])
-    kvl = common_pb2.KeyValueList(values=[_kv("n", double_value=1.5),
-                                          _kv("xs", array_value=common_pb2.ArrayValue(
-                                              values=[common_pb2.AnyValue(bool_value=True)]))])
-    sp.attributes.extend([_kv("s", string_value="x"), _kv("i", int_value=-7), _kv("d", double_value=0.25),
-                          _kv("b", bool_value=False), _kv("a", array_value=arr), _kv("k", kvlist_value=kvl),
-                          _kv("raw", bytes_value=b"\xca\xfe"), common_pb2.KeyValue(key="empty")])
+    kvl = common_pb2.KeyValueList(
+        values=[
+            _kv("n", double_value=1.5),
+            _kv("xs", array_value=common_pb2.ArrayValue(values=[common_pb2.AnyValue(bool_value=True)])),
+        ]
+    )
+    sp.attributes.extend(
+        [
+            _kv("s", string_value="x"),
+            _kv("i", int_value=-7),
+            _kv("d", double_value=0.25),
+            _kv("b", bool_value=False),
+            _kv("a", array_value=arr),
+            _kv("k", kvlist_value=kvl),
+            _kv("raw", bytes_value=b"\xca\xfe"),
+            common_pb2.KeyValue(key="empty"),
+        ]
+    )
     (w,) = otlp.decode(req.SerializeToString(), "application/x-protobuf")
-    assert w.attributes == {"s": "x", "i": -7, "d": 0.25, "b": False, "a": (1, "b"),
-                            "k": {"n": 1.5, "xs": [True]}, "raw": "cafe", "service.name": "vllm-decode"}
+    assert w.attributes == {
+        "s": "x",
+        "i": -7,
+        "d": 0.25,
+        "b": False,
+        "a": (1, "b"),
+        "k": {"n": 1.5, "xs": [True]},
+        "raw": "cafe",
+        "service.name": "vllm-decode",
+    }
     assert w.parent is None  # an all-zero parent id is "no parent"
     json.dumps(w.attributes)  # what the store does with them
 
-    for field, value, words in [("trace_id", b"", "missing trace id"), ("span_id", b"\x00" * 8, "all zeros"),
-                                ("span_id", b"\x01" * 4, "span id has 4 bytes"),
-                                ("parent_span_id", b"\x01" * 3, "parent span id has 3 bytes")]:
+    for field, value, words in [
+        ("trace_id", b"", "missing trace id"),
+        ("span_id", b"\x00" * 8, "all zeros"),
+        ("span_id", b"\x01" * 4, "span id has 4 bytes"),
+        ("parent_span_id", b"\x01" * 3, "parent span id has 3 bytes"),
+    ]:
         bad = ExportTraceServiceRequest()
         bad.CopyFrom(req)
         setattr(bad.resource_spans[0].scope_spans[0].spans[0], field, value)
@@ -234,8 +291,12 @@ def test_metrics_processor_reads_wire_spans_like_sdk_spans(sdk_spans, tmp_path):
         for s in spans:
             proc.on_end(s)
         proc.shutdown()
-        return sorted((s.name, tuple(sorted(s.labels.items())), s.value) for mf in reg.collect()
-                      for s in mf.samples if not s.name.endswith("_created"))
+        return sorted(
+            (s.name, tuple(sorted(s.labels.items())), s.value)
+            for mf in reg.collect()
+            for s in mf.samples
+            if not s.name.endswith("_created")
+        )
 
     wire = otlp.decode(pb_body(sdk_spans), "application/x-protobuf")
     got = samples(wire)
@@ -287,8 +348,9 @@ def test_bad_requests_are_refused_and_the_collector_keeps_serving(collector):
     assert r.status_code == 415 and "text/plain" in r.json()["message"]
     r = client.post("/v1/traces", content=b"\0" * (256 * 1024 + 1), headers=PB)
     assert r.status_code == 413
-    r = client.post("/v1/traces", content=gzip.compress(b"\0" * (2 * 1024 * 1024)),
-                    headers={**PB, "content-encoding": "gzip"})  # small on the wire, large inside
+    r = client.post(
+        "/v1/traces", content=gzip.compress(b"\0" * (2 * 1024 * 1024)), headers={**PB, "content-encoding": "gzip"}
+    )  # small on the wire, large inside
     assert r.status_code == 413
     r = client.post("/v1/traces", content=iter([b"\0" * 100_000] * 3), headers=PB)  # chunked: no Content-Length
     assert r.status_code == 413
@@ -305,8 +367,9 @@ def test_bad_requests_are_refused_and_the_collector_keeps_serving(collector):
     r = client.post("/v1/traces", content=b"[1, 2", headers=JS)
     assert r.status_code == 400 and "invalid OTLP JSON" in r.json()["message"]
     good()
-    r = client.post("/v1/traces", content=gzip.compress(pb_body(accepted[:5])),
-                    headers={**PB, "content-encoding": "gzip"})
+    r = client.post(
+        "/v1/traces", content=gzip.compress(pb_body(accepted[:5])), headers={**PB, "content-encoding": "gzip"}
+    )
     assert r.status_code == 200
     assert drained(ing)
     got = stored(db, trace_ids(accepted))
@@ -327,14 +390,22 @@ def test_collector_metrics_carry_phases_handoff_and_exemplars(collector):
     def settled(mode):
         requests = val("kvlens_requests_total", {"mode": mode, "outcome": "ok"}) or 0
         handoffs = val("kvlens_handoff_seconds_count", {"mode": mode}) or 0
-        unresolved = sum(s.value for mf in reg.collect() if mf.name == "kvlens_handoff_unresolved"
-                         for s in mf.samples if s.name.endswith("_total") and s.labels["mode"] == mode)
+        unresolved = sum(
+            s.value
+            for mf in reg.collect()
+            if mf.name == "kvlens_handoff_unresolved"
+            for s in mf.samples
+            if s.name.endswith("_total") and s.labels["mode"] == mode
+        )
         return requests == 2 and handoffs + unresolved == requests
 
     assert wait_for(lambda: settled("push") and settled("pull"))
     text = client.get("/metrics", headers={"accept": "application/openmetrics-text; version=1.0.0"}).text
-    assert re.search(r'kvlens_phase_duration_seconds_bucket\{.*phase="write.complete".*\} \d+(\.0)? # '
-                     r'\{trace_id="[0-9a-f]{32}"\}', text)
+    assert re.search(
+        r'kvlens_phase_duration_seconds_bucket\{.*phase="write.complete".*\} \d+(\.0)? # '
+        r'\{trace_id="[0-9a-f]{32}"\}',
+        text,
+    )
     assert "kvlens_collector_spans_written_total" in text
 
 
@@ -450,9 +521,13 @@ def test_kvlens_collect_receives_the_sdk_exporter_and_flushes_on_sigterm(tmp_pat
 
     db = backend.store if backend.is_pg else tmp_path / "collected.db"
     env = {**os.environ, "KVLENS_HOME": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", str(db),
-                             "--retention", "30d"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", str(db), "--retention", "30d"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = proc.stdout.readline()
         m = re.search(r"receiving OTLP/HTTP on (http://127\.0\.0\.1:\d+/v1/traces), writing (.+)$", line.strip())
@@ -484,8 +559,15 @@ def test_the_router_hosts_the_receiver_with_collect(tmp_path, sdk_spans):
     from kvlens.proxy.app import create_app as router_app
     from kvlens.proxy.config import ProxyConfig
 
-    cfg = ProxyConfig(prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
-                      kvlens_home=str(tmp_path), collect=True, telemetry=False, retention="7d")
+    cfg = ProxyConfig(
+        prefill_url="http://127.0.0.1:9",
+        decode_url="http://127.0.0.1:9",
+        mode="pull",
+        kvlens_home=str(tmp_path),
+        collect=True,
+        telemetry=False,
+        retention="7d",
+    )
     with TestClient(router_app(cfg)) as c:
         r = c.post("/v1/traces", content=pb_body(sdk_spans), headers={"Content-Type": "application/x-protobuf"})
         assert r.status_code == 200, r.text
@@ -502,8 +584,16 @@ def test_the_router_receiver_writes_a_postgresql_store(tmp_path, sdk_spans, pg_u
     from kvlens.proxy.app import _receiver_ingest
     from kvlens.proxy.config import ProxyConfig
 
-    cfg = ProxyConfig(prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
-                      kvlens_home=str(tmp_path), collect=True, telemetry=False, store=pg_url, retention="7d")
+    cfg = ProxyConfig(
+        prefill_url="http://127.0.0.1:9",
+        decode_url="http://127.0.0.1:9",
+        mode="pull",
+        kvlens_home=str(tmp_path),
+        collect=True,
+        telemetry=False,
+        store=pg_url,
+        retention="7d",
+    )
     ing = _receiver_ingest(cfg)
     assert ing.store_path == pg_url and ing.retention.keep_s == 7 * 86400
     assert ing.offer(sdk_spans)
@@ -522,5 +612,8 @@ def test_router_store_option_takes_only_a_postgresql_url(tmp_path):
     with pytest.raises(ValueError, match="invalid duration"):
         ProxyConfig(**kw, retention="a week")
     cfg = ProxyConfig(**kw, kvlens_home=str(tmp_path), store="postgresql://u@h/db", retention="7d")
-    assert cfg.pipeline_config() == {"kvlens_home": str(tmp_path), "kvlens_store": "postgresql://u@h/db",
-                                     "kvlens_retention": "7d"}
+    assert cfg.pipeline_config() == {
+        "kvlens_home": str(tmp_path),
+        "kvlens_store": "postgresql://u@h/db",
+        "kvlens_retention": "7d",
+    }

@@ -143,12 +143,18 @@ def test_breakdown_words_from_the_store_and_from_prometheus(store_path):
     assert "(decode.queue)" in D.breakdown_words(ph)["pull"]  # the fixture's pull is mostly D's queue
     import pandas as pd
 
-    prom_like = pd.DataFrame([("push", "prefill", "write.complete", D.CRITICAL, 0.006, float("nan")),
-                              ("push", "prefill", "match", D.CRITICAL, 0.002, float("nan"))],
-                             columns=["mode", "role", "phase", "path", "seconds", "requests"])
+    prom_like = pd.DataFrame(
+        [
+            ("push", "prefill", "write.complete", D.CRITICAL, 0.006, float("nan")),
+            ("push", "prefill", "match", D.CRITICAL, 0.002, float("nan")),
+        ],
+        columns=["mode", "role", "phase", "path", "seconds", "requests"],
+    )
     w = D.breakdown_words(prom_like)
-    assert w["push"] == ("push: 75 % of the handoff is the WRITE posted -> seen done (write.complete), then 25 % "
-                         "P waiting for the other side (match) (mean phase durations; their overlap unknown)")
+    assert w["push"] == (
+        "push: 75 % of the handoff is the WRITE posted -> seen done (write.complete), then 25 % "
+        "P waiting for the other side (match) (mean phase durations; their overlap unknown)"
+    )
     assert w["pull"] == "pull: no completed handoff to break down"
 
 
@@ -221,17 +227,24 @@ class _FakeProm(BaseHTTPRequestHandler):
         elif q.startswith("sum(rate(kvlens_requests_total"):
             res = [{"metric": {}, "value": [0, "1.5"]}]
         elif "by (outcome)" in q:
-            res = [{"metric": {"outcome": "ok"}, "value": [0, "88"]},
-                   {"metric": {"outcome": "timeout"}, "value": [0, "2"]}]
+            res = [
+                {"metric": {"outcome": "ok"}, "value": [0, "88"]},
+                {"metric": {"outcome": "timeout"}, "value": [0, "2"]},
+            ]
         elif "kvlens_telemetry_dropped_total" in q:
             res = [{"metric": {}, "value": [0, "5"]}]
         elif "kvlens_phase_duration_seconds" in q:
-            phases = ([("decode", "registration.send", 0.001), ("prefill", "write.complete", 0.003)] if fast
-                      else [("decode", "read.complete", 0.006)])
+            phases = (
+                [("decode", "registration.send", 0.001), ("prefill", "write.complete", 0.003)]
+                if fast
+                else [("decode", "read.complete", 0.006)]
+            )
             res = [{"metric": {"role": r, "phase": p}, "value": [0, str(v)]} for r, p, v in phases]
         elif "kvlens_handoff_seconds_bucket" in q and "increase" in q:
-            res = [{"metric": {"le": le}, "value": [0, v]}
-                   for le, v in (("0.005", "40"), ("0.01", "80"), ("0.05", "90"), ("+Inf", "90"))]
+            res = [
+                {"metric": {"le": le}, "value": [0, v]}
+                for le, v in (("0.005", "40"), ("0.01", "80"), ("0.05", "90"), ("+Inf", "90"))
+            ]
         body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": res}}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -475,10 +488,15 @@ def test_dashboard_cmd_arguments(tmp_path, monkeypatch):
     cmd = dashboard_cmd.command(args, tmp_path / "t.db")
     assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("dashboard/app.py")
     i = cmd.index("--")
-    assert cmd[i + 1:] == ["--store", str(tmp_path / "t.db"), "--prometheus", "http://x:9090"]
-    for flag, val in (("--server.port", "9999"), ("--server.address", "127.0.0.1"),
-                      ("--server.headless", "true"), ("--browser.gatherUsageStats", "false"),
-                      ("--client.showErrorDetails", "none"), ("--client.toolbarMode", "viewer")):
+    assert cmd[i + 1 :] == ["--store", str(tmp_path / "t.db"), "--prometheus", "http://x:9090"]
+    for flag, val in (
+        ("--server.port", "9999"),
+        ("--server.address", "127.0.0.1"),
+        ("--server.headless", "true"),
+        ("--browser.gatherUsageStats", "false"),
+        ("--client.showErrorDetails", "none"),
+        ("--client.toolbarMode", "viewer"),
+    ):
         assert cmd[cmd.index(flag) + 1] == val
     # a bare `streamlit run dashboard/app.py` from the repository root gets the same viewer toolbar
     import tomllib
@@ -505,16 +523,26 @@ def test_card_and_table_formats():
 
     from dashboard import ui
 
-    assert [ui.fmt_short(v, 1e3) for v in (0.006, 0.0131, 0.3546, 1.2345, None)] == \
-        ["6.00", "13.1", "355", "1,234", "-"]
+    assert [ui.fmt_short(v, 1e3) for v in (0.006, 0.0131, 0.3546, 1.2345, None)] == [
+        "6.00",
+        "13.1",
+        "355",
+        "1,234",
+        "-",
+    ]
     assert ui.time_unit([0.3, None]) == ("ms", 1e3) and ui.time_unit([12.0]) == ("s", 1.0)
     assert [ui.fmt_rate(v) for v in (1.5, 0.0111, 0.00833, 2345.0, None)] == ["1.5", "0.011", "0.0083", "2,345", "-"]
     assert ui.fmt_n(68.0) == "68" and ui.fmt_n(None) == "-"
-    df = pd.DataFrame({"x": [1.23456, None, float("nan")], "n": [68.0, 2.0, None], "s": ["a", None, "b"],
-                       "r": [0.8, None, 1.1]})
+    df = pd.DataFrame(
+        {"x": [1.23456, None, float("nan")], "n": [68.0, 2.0, None], "s": ["a", None, "b"], "r": [0.8, None, 1.1]}
+    )
     out = ui.table_view(df, {"x": ".3f", "r": "{:.2f}×"})
-    assert out.to_dict("list") == {"x": ["1.235", "-", "-"], "n": ["68", "2", "-"], "s": ["a", "-", "b"],
-                                   "r": ["0.80×", "-", "1.10×"]}
+    assert out.to_dict("list") == {
+        "x": ["1.235", "-", "-"],
+        "n": ["68", "2", "-"],
+        "s": ["a", "-", "b"],
+        "r": ["0.80×", "-", "1.10×"],
+    }
 
 
 def test_tpot_from_prometheus_goes_to_the_one_mode_that_ran():

@@ -52,8 +52,9 @@ def test_pair_table_one_row_per_mode_and_pair(pair_store):
     assert PR.engine_pairs(path) == [("p0", "d0"), ("p0", "d1"), ("p1", "d0")]
     t = PR.pair_table(path, None, None)
     assert list(t.columns) == PR.PAIR_TABLE_COLUMNS
-    assert sorted(zip(t["mode"], t["pair"])) == sorted((m, f"{p.p} → {p.d}") for m in D.MODES
-                                                       for p in (FAST, SLOW, SKEWED))
+    assert sorted(zip(t["mode"], t["pair"])) == sorted(
+        (m, f"{p.p} → {p.d}") for m in D.MODES for p in (FAST, SLOW, SKEWED)
+    )
     assert (t["requests"] == 10).all()
     # every failed request is counted, but only known handoffs make the percentiles
     known = D.window_traces(path, None, None)["handoff_s"].notna().sum()
@@ -88,8 +89,9 @@ def test_pair_table_of_an_empty_range(pair_store):
 
 
 def test_pair_without_engines_is_labelled():
-    rows = pd.DataFrame([("push", None, "d0", 1, 0.01, 0.001, 0.05, -0.001, 0.002, 0.0)],
-                        columns=list(PR.queries.PAIR_COLUMNS))
+    rows = pd.DataFrame(
+        [("push", None, "d0", 1, 0.01, 0.001, 0.05, -0.001, 0.002, 0.0)], columns=list(PR.queries.PAIR_COLUMNS)
+    )
     t = PR.pair_stats(rows)
     assert list(t["pair"]) == ["? → d0"] and t["p_engine"].isna().all()
     assert "p_engine" not in t["link"][0] and "d_engine=d0" in t["link"][0]
@@ -144,8 +146,7 @@ def test_digits_follow_the_clock_bound():
     assert ui.fmt_ms(9.246954, 0.00015) == "9,246.95" and ui.fmt_err_ms(0.00015) == "0.15"
     assert ui.fmt_ms(9.246954, 0.04) == "9,250" and ui.fmt_err_ms(0.04) == "40"
     # no bound: 3 significant digits, whole ms at least
-    assert [ui.fmt_ms(v) for v in (12.301303, 0.0123456, 0.00012, 0.0, None)] == \
-        ["12,301", "12.3", "0.120", "0", "-"]
+    assert [ui.fmt_ms(v) for v in (12.301303, 0.0123456, 0.00012, 0.0, None)] == ["12,301", "12.3", "0.120", "0", "-"]
     assert ui.fmt_handoff(9.246954, 0.0004) == "9,247.0 ± 0.4 ms"
     assert ui.fmt_handoff(None, None, "unknown: ...") == "unknown"
 
@@ -153,15 +154,30 @@ def test_digits_follow_the_clock_bound():
 def test_one_unit_per_row_across_push_and_pull():
     from dashboard.pages.overview import row_units
 
-    push = D.ModeStats("push", requests=5.0, handoff={"p50": 0.02, "p90": 0.03, "p99": 0.04},
-                       ttft={"p50": 0.55, "p99": 12.6}, tpot_mean=0.012)
-    pull = D.ModeStats("pull", requests=5.0, handoff={"p50": 0.01, "p90": 0.02, "p99": 0.03},
-                       ttft={"p50": 0.362, "p99": 1.745}, tpot_mean=0.011)
+    push = D.ModeStats(
+        "push",
+        requests=5.0,
+        handoff={"p50": 0.02, "p90": 0.03, "p99": 0.04},
+        ttft={"p50": 0.55, "p99": 12.6},
+        tpot_mean=0.012,
+    )
+    pull = D.ModeStats(
+        "pull",
+        requests=5.0,
+        handoff={"p50": 0.01, "p90": 0.02, "p99": 0.03},
+        ttft={"p50": 0.362, "p99": 1.745},
+        tpot_mean=0.011,
+    )
     units = row_units({"push": push, "pull": pull})
     assert units == {"handoff": ("ms", 1e3), "ttft": ("s", 1.0)}
     # what the cards then show: both columns in seconds, three significant digits
-    assert [ui.fmt_short(v, 1.0) for v in (0.55, 12.6, 0.362, 1.745, 0.012)] == \
-        ["0.550", "12.6", "0.362", "1.75", "0.012"]
+    assert [ui.fmt_short(v, 1.0) for v in (0.55, 12.6, 0.362, 1.745, 0.012)] == [
+        "0.550",
+        "12.6",
+        "0.362",
+        "1.75",
+        "0.012",
+    ]
     # a mode without requests does not choose the unit
     idle = D.ModeStats("pull", requests=0.0, ttft={"p50": 20.0})
     assert row_units({"push": push, "pull": idle})["ttft"] == ("s", 1.0)

@@ -85,9 +85,14 @@ def start_supervisor(tmp_path: Path, how: str) -> tuple[subprocess.Popen, list[i
     """The supervisor process and [guard, server, grandchild] pids."""
     # SIGHUP at its default in the supervisor whatever the test run inherited
     # (a `nohup make test` ignores it, and an ignored SIGHUP stays ignored by design)
-    sup = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path), how, SERVER], cwd=REPO,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    sup = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISOR, str(tmp_path), how, SERVER],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
+    )
     pids = tmp_path / "pids"
     wait_until(lambda: pids.exists() or sup.poll() is not None, "the server never started")
     assert sup.poll() is None, sup.stdout.read()
@@ -114,8 +119,10 @@ def test_sigkilled_supervisor_leaves_no_child_or_grandchild(tmp_path, how):
             assert not any(gone(p) for p in tree), "a thread's end stopped the server"
         sup.kill()  # SIGKILL: no finally, no handler runs in the supervisor
         sup.wait(10)
-        wait_until(lambda: all(gone(p) for p in tree),
-                   f"left behind: {[p for p in tree if not gone(p)]} (guard, server, grandchild)")
+        wait_until(
+            lambda: all(gone(p) for p in tree),
+            f"left behind: {[p for p in tree if not gone(p)]} (guard, server, grandchild)",
+        )
     finally:
         _kill(sup, tree)
 
@@ -190,22 +197,39 @@ def test_streamlit_config_at_the_repo_root_is_safe():
 
 
 def _streamlit_config(cwd: Path, *flags: str) -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "streamlit", "config", "show", *flags], cwd=cwd,
-                         capture_output=True, text=True, timeout=60, env={**os.environ, "HOME": str(cwd)})
+    out = subprocess.run(
+        [sys.executable, "-m", "streamlit", "config", "show", *flags],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "HOME": str(cwd)},
+    )
     assert out.returncode == 0, out.stderr
     keys = ("address", "headless", "showErrorDetails", "gatherUsageStats")
-    return {k: v.strip() for line in out.stdout.splitlines() if " = " in line
-            for k, v in [line.split(" = ", 1)] if k in keys}
+    return {
+        k: v.strip()
+        for line in out.stdout.splitlines()
+        if " = " in line
+        for k, v in [line.split(" = ", 1)]
+        if k in keys
+    }
 
 
 def test_streamlit_reads_the_file_from_the_repo_root_and_flags_win(tmp_path):
     got = _streamlit_config(REPO)
-    assert got == {"address": '"127.0.0.1"', "headless": "true", "showErrorDetails": '"none"',
-                   "gatherUsageStats": "false"}
+    assert got == {
+        "address": '"127.0.0.1"',
+        "headless": "true",
+        "showErrorDetails": '"none"',
+        "gatherUsageStats": "false",
+    }
     assert "address" not in _streamlit_config(tmp_path)  # elsewhere: Streamlit's defaults (every interface)
-    assert _streamlit_config(REPO, "--server.address", "0.0.0.0",
-                             "--client.showErrorDetails", "full") == {**got, "address": '"0.0.0.0"',
-                                                                       "showErrorDetails": '"full"'}
+    assert _streamlit_config(REPO, "--server.address", "0.0.0.0", "--client.showErrorDetails", "full") == {
+        **got,
+        "address": '"0.0.0.0"',
+        "showErrorDetails": '"full"',
+    }
 
 
 def test_kvlens_dashboard_does_not_depend_on_the_callers_directory(tmp_path, monkeypatch):
@@ -221,7 +245,12 @@ def test_kvlens_dashboard_does_not_depend_on_the_callers_directory(tmp_path, mon
     p = argparse.ArgumentParser()
     dashboard_cmd.add_arguments(p)
     cmd = dashboard_cmd.command(p.parse_args(["--host", "0.0.0.0"]), tmp_path / "t.db")
-    for flag, val in (("--server.address", "0.0.0.0"), ("--client.showErrorDetails", "none"),
-                      ("--server.headless", "true"), ("--browser.gatherUsageStats", "false"),
-                      ("--server.enableCORS", "true"), ("--server.enableXsrfProtection", "true")):
+    for flag, val in (
+        ("--server.address", "0.0.0.0"),
+        ("--client.showErrorDetails", "none"),
+        ("--server.headless", "true"),
+        ("--browser.gatherUsageStats", "false"),
+        ("--server.enableCORS", "true"),
+        ("--server.enableXsrfProtection", "true"),
+    ):
         assert cmd[cmd.index(flag) + 1] == val

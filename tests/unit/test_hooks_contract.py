@@ -44,8 +44,10 @@ def test_hook_signatures(key, params):
 
 
 def test_per_rank_post_is_called_with_read_spec_keyword():
-    for cls, meth, inner in ((nixl.NixlPushConnectorWorker, "_xfer_blocks_for_req", "self._xfer_blocks("),
-                             (nixl.NixlPullConnectorWorker, "_read_blocks_for_req", "self._read_blocks(")):
+    for cls, meth, inner in (
+        (nixl.NixlPushConnectorWorker, "_xfer_blocks_for_req", "self._xfer_blocks("),
+        (nixl.NixlPullConnectorWorker, "_read_blocks_for_req", "self._read_blocks("),
+    ):
         src = inspect.getsource(getattr(cls, meth))
         assert inner in src and "read_spec=spec" in src
 
@@ -91,8 +93,9 @@ class _ExplodingRecorder:
 
 
 def _request(params):
-    return types.SimpleNamespace(kv_transfer_params=params, request_id="cmpl-x-0-12345678",
-                                 num_prompt_tokens=7, arrival_time=1.0)
+    return types.SimpleNamespace(
+        kv_transfer_params=params, request_id="cmpl-x-0-12345678", num_prompt_tokens=7, arrival_time=1.0
+    )
 
 
 def test_failing_telemetry_leaves_vllm_result_untouched(caplog):
@@ -155,8 +158,9 @@ def test_alloc_hook_records_only_staged_remote_prefills():
 
     class T(scheduler._SchedulerHooks, Host):
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
-            return self._kvl_alloc(sc.Phase.ALLOC, super().update_state_after_alloc,
-                                   request, blocks, num_external_tokens)
+            return self._kvl_alloc(
+                sc.Phase.ALLOC, super().update_state_after_alloc, request, blocks, num_external_tokens
+            )
 
     rec = _ListRecorder()
     t = T()
@@ -167,7 +171,8 @@ def test_alloc_hook_records_only_staged_remote_prefills():
     assert t.update_state_after_alloc(staged, blocks, 0) == "vllm"  # nothing external: no phase
     assert t.update_state_after_alloc(_request({}), blocks, 16) == "vllm"
     assert [(p, attrs[sc.ATTR_BLOCKS], attrs[sc.ATTR_REMOTE_ENGINE_ID]) for p, _, _, attrs in rec.points] == [
-        (sc.Phase.ALLOC, 3, "p0")]
+        (sc.Phase.ALLOC, 3, "p0")
+    ]
     # decode.queue: D's arrival (Request.arrival_time, 1.0 s here) -> the alloc point, same instant
     (q, _, q0, q1, _, _), (a, _, a0, _, _, _) = rec.spans
     assert (q, a) == (sc.Phase.DECODE_QUEUE, sc.Phase.ALLOC)
@@ -208,13 +213,24 @@ def test_writer_wake_and_match_split_on_p():
     t._finished_blocks_inbox, t._reg_send_inbox, t._push_writer_wake = queue.Queue(), queue.Queue(), threading.Event()
     p_rid, d_rid = "cmpl-" + "ab" * 16 + "-0-11111111", "cmpl-" + "ab" * 16 + "-0-22222222"
     t._pending_d_registrations = {d_rid: {"request_id": d_rid}}
-    t._kvl_enq, t._kvl_enq_lock, t._kvl_reg_seen, t._kvl_fin_seen = (hooks.Pending(), threading.Lock(),
-                                                                    hooks.Pending(), hooks.Pending())
+    t._kvl_enq, t._kvl_enq_lock, t._kvl_reg_seen, t._kvl_fin_seen = (
+        hooks.Pending(),
+        threading.Lock(),
+        hooks.Pending(),
+        hooks.Pending(),
+    )
     t._kvl = rec = _ListRecorder()
     t._kvl_reg_seen.put(worker.base_request_id(d_rid), 5)  # D's registration decoded long before
-    meta = types.SimpleNamespace(reqs_to_recv={}, push_registrations={}, push_finished_blocks={p_rid: ([1, 2],)},
-                                 reqs_in_batch=set(), reqs_not_processed=set(), reqs_to_send={},
-                                 scheduler_clock=None, heartbeat_by_engine={})
+    meta = types.SimpleNamespace(
+        reqs_to_recv={},
+        push_registrations={},
+        push_finished_blocks={p_rid: ([1, 2],)},
+        reqs_in_batch=set(),
+        reqs_not_processed=set(),
+        reqs_to_send={},
+        scheduler_clock=None,
+        heartbeat_by_engine={},
+    )
     t.start_load_kv(meta)
     rid, _ = t._finished_blocks_inbox.get_nowait()  # what the writer loop does
     assert t._push_writer_wake.is_set()

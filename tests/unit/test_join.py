@@ -33,9 +33,14 @@ P = sc.Phase
 
 
 def _rec(role: str, home: Path, engine: str, mode: str = "pull") -> Recorder:
-    return Recorder(role=role, mode=mode, engine_id=engine,
-                    pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine,
-                                                      config={"kvlens_home": str(home), "kvlens_metrics": "off"}))
+    return Recorder(
+        role=role,
+        mode=mode,
+        engine_id=engine,
+        pipeline_factory=provider_factory(
+            role=role, mode=mode, engine_id=engine, config={"kvlens_home": str(home), "kvlens_metrics": "off"}
+        ),
+    )
 
 
 def _vllm_rid(base: str) -> str:
@@ -43,8 +48,9 @@ def _vllm_rid(base: str) -> str:
     return f"cmpl-{base}-0-{secrets.token_hex(4)}"
 
 
-def _pull(pre: Recorder, dec: Recorder, p_rid: str, d_rid: str, t0: int, *, join: str | None,
-          first_token: bool = True) -> int:
+def _pull(
+    pre: Recorder, dec: Recorder, p_rid: str, d_rid: str, t0: int, *, join: str | None, first_token: bool = True
+) -> int:
     """One pull request as the hooks record it (no kvlens router); returns kv.ready ns."""
     pf = t0 + 40 * MS
     pre.record(P.PREFILL, p_rid, t0, pf, "ok", {sc.ATTR_TOKENS: 256})
@@ -134,8 +140,14 @@ def test_traces_cli_shows_half_traces_engines_and_ttft_source(tmp_path, capsys):
     pre, dec = _rec("prefill", tmp_path, "p1"), _rec("decode", tmp_path, "d0")
     p_rid = _vllm_rid(secrets.token_hex(16))
     _pull(pre, dec, p_rid, _vllm_rid(secrets.token_hex(16)), time.time_ns(), join=p_rid)
-    _pull(pre, dec, _vllm_rid(secrets.token_hex(16)), _vllm_rid(secrets.token_hex(16)),
-          time.time_ns() + 100 * MS, join=None)
+    _pull(
+        pre,
+        dec,
+        _vllm_rid(secrets.token_hex(16)),
+        _vllm_rid(secrets.token_hex(16)),
+        time.time_ns() + 100 * MS,
+        join=None,
+    )
     _close(pre, dec)
     db = str(tmp_path / "traces.db")
     assert cli.main(["traces", "--store", db, "--half", "decode"]) == 0
@@ -198,8 +210,10 @@ def test_schema_2_store_is_upgraded_with_the_ttft_columns(tmp_path):
         "CREATE TABLE spans (trace_id TEXT NOT NULL, span_id TEXT NOT NULL, parent_id TEXT, name TEXT NOT NULL, "
         "role TEXT, mode TEXT, request_id TEXT, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, outcome TEXT, "
         "attributes TEXT, PRIMARY KEY (trace_id, span_id)) WITHOUT ROWID;"
-        + SQLITE.sql(_TRACES_V2_DDL.replace("@name@", "traces")) + ";"
-        "INSERT INTO traces (trace_id, mode, ttft_s) VALUES ('ab', 'pull', 0.5);")
+        + SQLITE.sql(_TRACES_V2_DDL.replace("@name@", "traces"))
+        + ";"
+        "INSERT INTO traces (trace_id, mode, ttft_s) VALUES ('ab', 'pull', 0.5);"
+    )
     raw.commit()
     raw.close()
     conn = store.connect(db)
@@ -229,8 +243,10 @@ def test_bench_cross_check_keeps_engine_ttfts_apart():
 
     tgt = Target(mode="pull", url="http://127.0.0.1:1", dispatch=None)
     res = [RequestResult(request_id=f"{i:032x}", ok=True, ttft_s=0.100) for i in (1, 2)]
-    traces = {f"{1:032x}": {"ttft_s": 0.090, "ttft_source": "engines", "handoff_s": 0.01, "outcome": "ok"},
-              f"{2:032x}": {"ttft_s": 0.099, "ttft_source": "router", "handoff_s": 0.01, "outcome": "ok"}}
+    traces = {
+        f"{1:032x}": {"ttft_s": 0.090, "ttft_source": "engines", "handoff_s": 0.01, "outcome": "ok"},
+        f"{2:032x}": {"ttft_s": 0.099, "ttft_source": "router", "handoff_s": 0.01, "outcome": "ok"},
+    }
     cc = cross_check([Cell(tgt, 1.0, 128, res, traces, 2.0)])
     assert cc.n_compared == 1 and cc.n_engines == 1
     assert cc.engines_diff_p50_s == pytest.approx(0.010)

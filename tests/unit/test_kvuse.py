@@ -17,8 +17,18 @@ def _first_step(tokens, block_size=16):
     return tracemodel.Span(name="decode.first_step", role="decode", start_ns=10, end_ns=20, attributes=attrs)
 
 
-@pytest.mark.parametrize("tokens,block,want", [(1, 16, False), (15, 16, False), (16, 16, False), (17, 16, True),
-                                               (150, 16, True), (40, 64, False), (0, 16, False)])
+@pytest.mark.parametrize(
+    "tokens,block,want",
+    [
+        (1, 16, False),
+        (15, 16, False),
+        (16, 16, False),
+        (17, 16, True),
+        (150, 16, True),
+        (40, 64, False),
+        (0, 16, False),
+    ],
+)
 def test_more_than_the_last_partial_block_is_a_recompute(tokens, block, want):
     assert kvuse.is_recomputed(_first_step(tokens, block).attributes) is want
 
@@ -43,8 +53,10 @@ def test_trace_kv_use_and_the_waterfall_line():
 def test_scheduler_reads_the_prompt_minus_the_tokens_in_place():
     from instrumented_connector.scheduler import _recomputed
 
-    new = [SimpleNamespace(req_id="r1", prompt_token_ids=list(range(150)), num_computed_tokens=144),
-           SimpleNamespace(req_id="r2", prompt_token_ids=list(range(150)), num_computed_tokens=0)]
+    new = [
+        SimpleNamespace(req_id="r1", prompt_token_ids=list(range(150)), num_computed_tokens=144),
+        SimpleNamespace(req_id="r2", prompt_token_ids=list(range(150)), num_computed_tokens=0),
+    ]
     out = SimpleNamespace(scheduled_new_reqs=new)
     assert _recomputed(out, "r1", 6) == 6 and _recomputed(out, "r2", 150) == 150
     assert _recomputed(out, "r3", 9) == 9  # not a new request: what this step scheduled
@@ -61,7 +73,11 @@ def test_the_counter_counts_recomputes_only():
     tp.add_span_processor(PhaseMetricsProcessor(registry=reg, store_path="/nonexistent/traces.db", handoff_from="off"))
     tracer = tp.get_tracer("t")
     for tokens in (1, 150, 200):
-        attrs = {sc.ATTR_MODE: "pull", sc.ATTR_ROLE: "decode", sc.ATTR_KV_RECOMPUTED_TOKENS: tokens,
-                 sc.ATTR_BLOCK_SIZE: 16}
+        attrs = {
+            sc.ATTR_MODE: "pull",
+            sc.ATTR_ROLE: "decode",
+            sc.ATTR_KV_RECOMPUTED_TOKENS: tokens,
+            sc.ATTR_BLOCK_SIZE: 16,
+        }
         tracer.start_span("decode.first_step", attributes=attrs, start_time=0).end(end_time=1_000_000)
     assert reg.get_sample_value("kvlens_kv_recomputed_total", {"mode": "pull"}) == 2

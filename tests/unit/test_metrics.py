@@ -51,9 +51,7 @@ def A(mode="push", role="prefill", **kw):
 
 def emit(tracer, name, trace_hex=TID, dur_s=0.001, end_ns=None, attrs=None):
     end = end_ns or time.time_ns()
-    ctx = otel_trace.set_span_in_context(
-        NonRecordingSpan(SpanContext(int(trace_hex, 16), 0x1234, True, TraceFlags(1)))
-    )
+    ctx = otel_trace.set_span_in_context(NonRecordingSpan(SpanContext(int(trace_hex, 16), 0x1234, True, TraceFlags(1))))
     a = {sc.ATTR_OUTCOME: "ok"}
     a.update(attrs or {})
     s = tracer.start_span(name, context=ctx, attributes=a, start_time=end - int(dur_s * 1e9))
@@ -66,11 +64,13 @@ MS = 1_000_000
 def crossings(tr, mode, pf, kv_true, trace_hex=TID, d_shift=0):
     """The messages of one request that cross between P and D (they bound the
     clocks, docs/phases.md): times are true times, D's read ``d_shift`` ahead."""
+
     def d(name, t0, t1):
         emit(tr, name, trace_hex, end_ns=t1 + d_shift, dur_s=(t1 - t0) / 1e9, attrs=A(mode, "decode"))
 
     def p(name, t0, t1):
         emit(tr, name, trace_hex, end_ns=t1, dur_s=(t1 - t0) / 1e9, attrs=A(mode, "prefill"))
+
     if mode == "push":
         d("registration.send", pf - 3 * MS, pf - 2 * MS - MS // 2)
         p("registration.receive", pf - 2 * MS, pf - 2 * MS)
@@ -99,33 +99,41 @@ def test_phase_histogram_labels_and_value(env):
     assert val(reg, "kvlens_phase_duration_seconds_count", **lab) == 2
     assert val(reg, "kvlens_phase_duration_seconds_sum", **lab) == pytest.approx(0.203)
     assert val(reg, "kvlens_phase_duration_seconds_bucket", le="0.005", **lab) == 1
-    assert val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="read.post",
-               outcome="ok") == 1
+    assert (
+        val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="read.post", outcome="ok")
+        == 1
+    )
 
 
 def test_unknown_label_values_map_to_other(env):
     reg, tr, _, _ = env
     emit(tr, "mystery.phase", attrs={sc.ATTR_MODE: "sideways", sc.ATTR_ROLE: "janitor", sc.ATTR_OUTCOME: "meh"})
     emit(tr, "match", attrs={sc.ATTR_MODE: ["not", "hashable"]})  # no role at all
-    assert val(reg, "kvlens_phase_duration_seconds_count", mode="_OTHER", role="_OTHER", phase="_OTHER",
-               outcome="_OTHER") == 1
-    assert val(reg, "kvlens_phase_duration_seconds_count", mode="_OTHER", role="_OTHER", phase="match",
-               outcome="ok") == 1
+    assert (
+        val(reg, "kvlens_phase_duration_seconds_count", mode="_OTHER", role="_OTHER", phase="_OTHER", outcome="_OTHER")
+        == 1
+    )
+    assert (
+        val(reg, "kvlens_phase_duration_seconds_count", mode="_OTHER", role="_OTHER", phase="match", outcome="ok") == 1
+    )
 
 
 def test_enum_members_as_attribute_values_are_accepted(env):
     reg, tr, _, _ = env
     emit(tr, sc.Phase.ALLOC.value, attrs={sc.ATTR_MODE: sc.Mode.PULL, sc.ATTR_ROLE: sc.Role.DECODE})
-    assert val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="alloc",
-               outcome="ok") == 1
+    assert val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="alloc", outcome="ok") == 1
 
 
 # ---------------------------------------------------------- router metrics
 def test_request_span_gives_ttft_and_request_counter(env):
     reg, tr, _, _ = env
     emit(tr, "request", attrs=A("push", "router", **{sc.ATTR_TTFT_S: 0.12, sc.ATTR_DISPATCH: "overlapped"}))
-    emit(tr, "request", "1" * 32, attrs=A("push", "router", **{sc.ATTR_OUTCOME: "failed",
-                                                               sc.ATTR_DISPATCH: "overlapped"}))
+    emit(
+        tr,
+        "request",
+        "1" * 32,
+        attrs=A("push", "router", **{sc.ATTR_OUTCOME: "failed", sc.ATTR_DISPATCH: "overlapped"}),
+    )
     emit(tr, "request", "2" * 32, attrs=A("pull", "router", **{sc.ATTR_TTFT_S: 0.3, sc.ATTR_DISPATCH: "x"}))
     assert val(reg, "kvlens_ttft_seconds_count", mode="push", dispatch="overlapped") == 1
     assert val(reg, "kvlens_ttft_seconds_sum", mode="push", dispatch="overlapped") == pytest.approx(0.12)
@@ -208,8 +216,9 @@ def test_handoff_waits_for_late_spans_and_gives_up_when_missing(env):
 
 
 def test_handoff_queue_is_bounded(tmp_path, reg):
-    proc = PhaseMetricsProcessor(reg, store_path=tmp_path / "none.db", handoff_max_pending=3,
-                                 handoff_deadline_s=0.1, handoff_poll_s=0.02)
+    proc = PhaseMetricsProcessor(
+        reg, store_path=tmp_path / "none.db", handoff_max_pending=3, handoff_deadline_s=0.1, handoff_poll_s=0.02
+    )
     provider = TracerProvider()
     provider.add_span_processor(proc)
     tr = provider.get_tracer("t")
@@ -236,8 +245,11 @@ def test_handoff_count_reconciles_with_store_through_recorders(tmp_path, reg):
         p.add_span_processor(proc)
         return p
 
-    recs = {(role, mode): Recorder(role=role, mode=mode, pipeline_factory=factory)
-            for role in ("router", "prefill", "decode") for mode in ("push", "pull")}
+    recs = {
+        (role, mode): Recorder(role=role, mode=mode, pipeline_factory=factory)
+        for role in ("router", "prefill", "decode")
+        for mode in ("push", "pull")
+    }
     expected = {"push": 0, "pull": 0}
     for i in range(40):
         mode = "push" if i % 2 else "pull"
@@ -257,13 +269,17 @@ def test_handoff_count_reconciles_with_store_through_recorders(tmp_path, reg):
     assert proc.force_flush(60_000)  # the requests without kv.ready wait out the deadline
     conn = connect(db, readonly=True)
     for mode in ("push", "pull"):
-        n_store = conn.execute("SELECT count(*) FROM traces WHERE mode = ? AND handoff_s IS NOT NULL",
-                               (mode,)).fetchone()[0]
+        n_store = conn.execute(
+            "SELECT count(*) FROM traces WHERE mode = ? AND handoff_s IS NOT NULL", (mode,)
+        ).fetchone()[0]
         assert n_store == expected[mode]
         assert val(reg, "kvlens_handoff_seconds_count", mode=mode) == n_store
-        assert (val(reg, "kvlens_handoff_seconds_count", mode=mode)
-                + val(reg, "kvlens_handoff_unresolved_total", mode=mode, reason="missing")
-                == val(reg, "kvlens_requests_total", mode=mode, outcome="ok") == 20)
+        assert (
+            val(reg, "kvlens_handoff_seconds_count", mode=mode)
+            + val(reg, "kvlens_handoff_unresolved_total", mode=mode, reason="missing")
+            == val(reg, "kvlens_requests_total", mode=mode, outcome="ok")
+            == 20
+        )
     conn.close()
     for r in recs.values():
         r._provider = None  # shared processor: shut down once below
@@ -333,16 +349,32 @@ def test_ten_thousand_request_ids_add_no_series(reg):
     provider.add_span_processor(PhaseMetricsProcessor(reg, handoff_from="off"))
     tr = provider.get_tracer("t")
     for i in range(10):
-        emit(tr, "write.complete", f"{i + 1:032x}",
-             attrs=A(**{sc.ATTR_REQUEST_ID: f"cmpl-{i}", sc.ATTR_BYTES: 4096, sc.ATTR_DESCRIPTORS: 2}))
+        emit(
+            tr,
+            "write.complete",
+            f"{i + 1:032x}",
+            attrs=A(**{sc.ATTR_REQUEST_ID: f"cmpl-{i}", sc.ATTR_BYTES: 4096, sc.ATTR_DESCRIPTORS: 2}),
+        )
     before = series_count(reg)
     for i in range(10_000):
-        emit(tr, "write.complete", f"{i + 100:032x}",
-             attrs=A(**{sc.ATTR_REQUEST_ID: f"cmpl-{i}-0-deadbeef", sc.ATTR_BYTES: 4096 + i,
-                        sc.ATTR_DESCRIPTORS: 2}))
+        emit(
+            tr,
+            "write.complete",
+            f"{i + 100:032x}",
+            attrs=A(**{sc.ATTR_REQUEST_ID: f"cmpl-{i}-0-deadbeef", sc.ATTR_BYTES: 4096 + i, sc.ATTR_DESCRIPTORS: 2}),
+        )
     assert series_count(reg) == before
-    assert val(reg, "kvlens_phase_duration_seconds_count", mode="push", role="prefill", phase="write.complete",
-               outcome="ok") == 10_010
+    assert (
+        val(
+            reg,
+            "kvlens_phase_duration_seconds_count",
+            mode="push",
+            role="prefill",
+            phase="write.complete",
+            outcome="ok",
+        )
+        == 10_010
+    )
     assert sum(len(c) for c in m._families_for(reg).children.values()) < 20
 
 
@@ -373,8 +405,10 @@ def test_failing_dropped_source_leaves_metrics_working(env):
     try:
         proc._next_drop_check = 0
         emit(tr, "alloc", attrs=A("pull", "decode"))
-        assert val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="alloc",
-                   outcome="ok") == 1
+        assert (
+            val(reg, "kvlens_phase_duration_seconds_count", mode="pull", role="decode", phase="alloc", outcome="ok")
+            == 1
+        )
     finally:
         m.set_dropped_source(None)
 
@@ -397,8 +431,13 @@ def test_dropped_counter_tracks_recorder_drops(reg):
 
 def test_dropped_counter_by_role_and_reason(reg):
     proc = PhaseMetricsProcessor(reg, handoff_from="off")
-    drops = {("decode", "store"): 4, ("decode", "queue_full"): 1, ("router", "shutdown"): 2,
-             ("decode", "bogus-reason"): 3, ("bogus-role", "export_failed"): 5}
+    drops = {
+        ("decode", "store"): 4,
+        ("decode", "queue_full"): 1,
+        ("router", "shutdown"): 2,
+        ("decode", "bogus-reason"): 3,
+        ("bogus-role", "export_failed"): 5,
+    }
     m.set_dropped_source(lambda: dict(drops))
     try:
         proc.sync_dropped()
@@ -425,8 +464,9 @@ def test_metrics_shutdown_publishes_the_last_losses(reg):
 
 
 def test_pipeline_dropped_source_reads_recorders(reg, tmp_path):
-    r = pipeline.get_recorder("decode", "pull", "dropper-test", {"kvlens_store": "off", "kvlens_metrics": "off",
-                                                                 "kvlens_buffer_events": 1})
+    r = pipeline.get_recorder(
+        "decode", "pull", "dropper-test", {"kvlens_store": "off", "kvlens_metrics": "off", "kvlens_buffer_events": 1}
+    )
     try:
         key = ("decode", "buffer_full")
         before = pipeline.dropped_counts().get(key, 0)
@@ -443,12 +483,12 @@ def test_pipeline_dropped_source_reads_recorders(reg, tmp_path):
 
 
 def test_pipeline_gives_its_metrics_processor_the_recorders_drop_counts(tmp_path):
-    build = pipeline.provider_factory(role="decode", mode="pull", engine_id="d0",
-                                      config={"kvlens_home": str(tmp_path), "kvlens_store": "off"})
+    build = pipeline.provider_factory(
+        role="decode", mode="pull", engine_id="d0", config={"kvlens_home": str(tmp_path), "kvlens_store": "off"}
+    )
     provider = build(PinnedIdGenerator())
     try:
-        (proc,) = [p for p in provider._active_span_processor._span_processors
-                   if isinstance(p, PhaseMetricsProcessor)]
+        (proc,) = [p for p in provider._active_span_processor._span_processors if isinstance(p, PhaseMetricsProcessor)]
         assert proc._dropped_source is pipeline.dropped_counts
         assert proc.handoff.path == tmp_path.resolve() / "traces.db"
     finally:
@@ -525,10 +565,10 @@ def test_multiprocess_mode_like_vllm(tmp_path):
         r = CollectorRegistry(); multiprocess.MultiProcessCollector(r)
         print(generate_latest(r).decode())
     """)
-    out = subprocess.run([sys.executable, "-c", server], env=env, check=True, timeout=60,
-                         capture_output=True, text=True).stdout
-    assert ('kvlens_phase_duration_seconds_count{mode="push",outcome="ok",phase="write.post",role="prefill"} 2.0'
-            in out)
+    out = subprocess.run(
+        [sys.executable, "-c", server], env=env, check=True, timeout=60, capture_output=True, text=True
+    ).stdout
+    assert 'kvlens_phase_duration_seconds_count{mode="push",outcome="ok",phase="write.post",role="prefill"} 2.0' in out
     assert "kvlens_push_prefills_waiting 2.0" in out  # livesum; dead workers kept: not marked dead
     assert "trace_id" not in out
 

@@ -19,9 +19,13 @@ from kvlens.cli import main
 
 MS = 1_000_000
 _POINTS = {p.value for p in sc.POINT_PHASES}
-_REQUIRED = {"X": {"name", "ph", "ts", "dur", "pid", "tid"}, "i": {"name", "ph", "ts", "pid", "tid", "s"},
-             "M": {"name", "ph", "pid", "args"}, "s": {"name", "cat", "ph", "id", "ts", "pid", "tid"},
-             "f": {"name", "cat", "ph", "id", "ts", "pid", "tid"}}
+_REQUIRED = {
+    "X": {"name", "ph", "ts", "dur", "pid", "tid"},
+    "i": {"name", "ph", "ts", "pid", "tid", "s"},
+    "M": {"name", "ph", "pid", "args"},
+    "s": {"name", "cat", "ph", "id", "ts", "pid", "tid"},
+    "f": {"name", "cat", "ph", "id", "ts", "pid", "tid"},
+}
 
 
 def _num(v) -> bool:
@@ -126,8 +130,10 @@ def test_one_trace_is_valid_and_has_its_arrows(synthetic, mode):
     tr = _by_mode(synthetic[1], mode)
     doc = perfetto.document([tr])
     found = check_format(doc)
-    want = {"push": {"PUSH_REG (D's registration)", "WRITE done notification"},
-            "pull": {"P's answer to the router", "the router's request to D", "READ done notification"}}[mode]
+    want = {
+        "push": {"PUSH_REG (D's registration)", "WRITE done notification"},
+        "pull": {"P's answer to the router", "the router's request to D", "READ done notification"},
+    }[mode]
     assert _flow_names(found) == want
     assert sorted(found["procs"].values()) == sorted(f"{r} · {tr.trace_id[:8]}" for r in ("router", "P p0", "D d0"))
     # every span of the trace model is there once, points as instants, derived ones marked
@@ -195,8 +201,12 @@ def test_d_spans_are_on_ps_clock(synthetic):
     with store.reading(path) as conn:
         rows = store.slowest(conn, 1, trace_ids=[tr.trace_id])
         spans = store.spans_for(conn, [tr.trace_id])[tr.trace_id]
-    shifted = [dict(s, start_ns=s["start_ns"] + int(off * 1e9), end_ns=s["end_ns"] + int(off * 1e9))
-               if s.get("role") == "decode" else s for s in spans]
+    shifted = [
+        dict(s, start_ns=s["start_ns"] + int(off * 1e9), end_ns=s["end_ns"] + int(off * 1e9))
+        if s.get("role") == "decode"
+        else s
+        for s in spans
+    ]
     summary = dict(rows[0], clock_offset_s=off, kv_ready_ns=rows[0]["kv_ready_ns"] + int(off * 1e9))
     moved = Trace.from_rows(summary, shifted)
     a, b = perfetto.document([tr]), perfetto.document([moved])
@@ -209,16 +219,19 @@ def test_d_spans_are_on_ps_clock(synthetic):
 
 
 def _span(name, role, t0, t1, **attrs):
-    return Span(name=name, role=role, start_ns=t0, end_ns=t1, attributes=attrs,
-                point=name in _POINTS)
+    return Span(name=name, role=role, start_ns=t0, end_ns=t1, attributes=attrs, point=name in _POINTS)
 
 
 def test_arrow_back_in_time_is_left_out_and_said():
     """kv.ready before P saw its WRITE done (within a clock bound): no arrow
     the viewer would drop, and the trace's metadata names it."""
     b = 10**18
-    spans = (_span("registration.send", "decode", b, b + MS), _span("registration.receive", "prefill", b + 2 * MS, b + 2 * MS),
-             _span("write.complete", "prefill", b + 5 * MS, b + 9 * MS), _span("kv.ready", "decode", b + 8 * MS, b + 8 * MS))
+    spans = (
+        _span("registration.send", "decode", b, b + MS),
+        _span("registration.receive", "prefill", b + 2 * MS, b + 2 * MS),
+        _span("write.complete", "prefill", b + 5 * MS, b + 9 * MS),
+        _span("kv.ready", "decode", b + 8 * MS, b + 8 * MS),
+    )
     tr = Trace(trace_id="ab" * 16, mode="push", spans=spans, p_engine="p0", d_engine="d0")
     doc = perfetto.document([tr])
     found = check_format(doc)
@@ -228,11 +241,13 @@ def test_arrow_back_in_time_is_left_out_and_said():
 
 def test_rank_overlap_and_text_attributes():
     b = 10**18
-    spans = (_span("read.post", "decode", b, b + 2 * MS, **{perfetto.RANK_ATTR: 0}),
-             _span("read.post", "decode", b, b + 3 * MS, **{perfetto.RANK_ATTR: 1}),
-             _span("read.complete", "decode", b + 1 * MS, b + 5 * MS),
-             _span("descriptor.prep", "decode", b + 2 * MS, b + 6 * MS),  # overlaps read.complete, unnested
-             _span("llm_request", None, b, b + 9 * MS, **{"gen_ai.prompt": "secret words", "gen_ai.usage.prompt_tokens": 7}))
+    spans = (
+        _span("read.post", "decode", b, b + 2 * MS, **{perfetto.RANK_ATTR: 0}),
+        _span("read.post", "decode", b, b + 3 * MS, **{perfetto.RANK_ATTR: 1}),
+        _span("read.complete", "decode", b + 1 * MS, b + 5 * MS),
+        _span("descriptor.prep", "decode", b + 2 * MS, b + 6 * MS),  # overlaps read.complete, unnested
+        _span("llm_request", None, b, b + 9 * MS, **{"gen_ai.prompt": "secret words", "gen_ai.usage.prompt_tokens": 7}),
+    )
     tr = Trace(trace_id="cd" * 16, mode="pull", spans=spans, d_engine="d0")
     doc = perfetto.document([tr])
     found = check_format(doc)
@@ -246,9 +261,12 @@ def test_rank_overlap_and_text_attributes():
 
 def test_pull_without_router_goes_straight_to_d():
     b = 10**18
-    spans = (_span("prefill.finished", "prefill", b, b), _span("alloc", "decode", b + 3 * MS, b + 3 * MS),
-             _span("read.complete", "decode", b + 4 * MS, b + 6 * MS),
-             _span("kv.released", "prefill", b + 7 * MS, b + 7 * MS))
+    spans = (
+        _span("prefill.finished", "prefill", b, b),
+        _span("alloc", "decode", b + 3 * MS, b + 3 * MS),
+        _span("read.complete", "decode", b + 4 * MS, b + 6 * MS),
+        _span("kv.released", "prefill", b + 7 * MS, b + 7 * MS),
+    )
     found = check_format(perfetto.document([Trace(trace_id="ef" * 16, mode="pull", spans=spans)]))
     assert _flow_names(found) == {"P's answer to D", "READ done notification"}
 

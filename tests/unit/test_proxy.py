@@ -27,19 +27,21 @@ from kvlens.sse import FirstTextWatcher
 
 TID = "ab" * 16
 P_KV = {  # what a real P answers: D must get exactly this in pull mode
-    "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
-    "remote_block_ids": [3, 1, 4], "remote_host": "127.0.0.1", "remote_port": 5601,
-    "remote_request_id": f"cmpl-{TID}-0-1234abcd", "tp_size": 1,
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "p0",
+    "remote_block_ids": [3, 1, 4],
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "remote_request_id": f"cmpl-{TID}-0-1234abcd",
+    "tp_size": 1,
 }
 
 
 # ------------------------------------------------------------- unit: ids
 def test_trace_id_from_traceparent_wins():
     tid, parent = ids.incoming_trace(
-        {
-            "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
-            "x-request-id": "f" * 32,
-        }
+        {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "x-request-id": "f" * 32}
     )
     assert tid == "0af7651916cd43dd8448eb211c80319c"
     assert parent == 0xB7AD6B7169203331
@@ -54,8 +56,14 @@ def test_trace_id_from_hex_request_id_then_fresh():
 
 
 def test_prefill_body_and_overlapped_params():
-    body = {"prompt": "x", "max_tokens": 50, "stream": True, "min_tokens": 3,
-            "stream_options": {"include_usage": True}, "max_completion_tokens": 9}
+    body = {
+        "prompt": "x",
+        "max_tokens": 50,
+        "stream": True,
+        "min_tokens": 3,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 9,
+    }
     p = proxy.prefill_body(body)
     assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["stream"] is False
     assert "min_tokens" not in p and "stream_options" not in p
@@ -100,8 +108,11 @@ class Fake:
 
             def do_GET(self) -> None:
                 fake.gets.append({"path": self.path, "headers": dict(self.headers)})
-                if self.path == "/v1/models" and fake.api_key and (
-                        self.headers.get("Authorization") != f"Bearer {fake.api_key}"):
+                if (
+                    self.path == "/v1/models"
+                    and fake.api_key
+                    and (self.headers.get("Authorization") != f"Bearer {fake.api_key}")
+                ):
                     send_json(self, 401, {"error": "Unauthorized"})
                 elif self.path == "/v1/models":
                     send_json(self, 200, {"data": [{"id": "fake-model"}]})
@@ -110,8 +121,9 @@ class Fake:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.requests.append({"path": self.path, "headers": dict(self.headers), "body": body,
-                                      "t": time.monotonic()})
+                fake.requests.append(
+                    {"path": self.path, "headers": dict(self.headers), "body": body, "t": time.monotonic()}
+                )
                 fake.got_request.set()
                 fake.answer(self, body)
 
@@ -238,15 +250,21 @@ def pair(p_answer, d_answer=d_answers) -> Iterator[tuple[Fake, Fake]]:
 
 
 def _cfg(p: Fake, d: Fake, mode: str, dispatch: str, tmp_path) -> proxy.ProxyConfig:
-    return proxy.ProxyConfig(p.url, d.url, mode=mode, dispatch=dispatch, prefill_side_port=5600,
-                             kvlens_home=str(tmp_path))
+    return proxy.ProxyConfig(
+        p.url, d.url, mode=mode, dispatch=dispatch, prefill_side_port=5600, kvlens_home=str(tmp_path)
+    )
 
 
 # ------------------------------------------------------------ router app
 def test_pull_hands_p_params_to_d_verbatim(tmp_path, recorder):
     with pair(p_ok) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
-        r = httpx.post(url + "/v1/completions", headers={"X-Request-Id": TID}, timeout=20, trust_env=False,
-                       json={"prompt": "hi", "max_tokens": 7, "stream": True})
+        r = httpx.post(
+            url + "/v1/completions",
+            headers={"X-Request-Id": TID},
+            timeout=20,
+            trust_env=False,
+            json={"prompt": "hi", "max_tokens": 7, "stream": True},
+        )
     assert r.status_code == 200 and r.headers["x-request-id"] == TID
     assert "hello" in r.text and "[DONE]" in r.text
     (p_req,), (d_req,) = p.requests, d.requests
@@ -274,8 +292,13 @@ def test_overlapped_push_sends_d_at_once(tmp_path, recorder, stream):
 
     traceparent = f"00-{TID}-b7ad6b7169203331-01"
     with pair(p_after_d) as (p, d), router(cfg := _cfg(p, d, "push", "overlapped", tmp_path)) as url:
-        r = httpx.post(url + "/v1/completions", headers={"traceparent": traceparent}, timeout=20,
-                       trust_env=False, json={"prompt": "hi", "max_tokens": 7, "stream": stream})
+        r = httpx.post(
+            url + "/v1/completions",
+            headers={"traceparent": traceparent},
+            timeout=20,
+            trust_env=False,
+            json={"prompt": "hi", "max_tokens": 7, "stream": stream},
+        )
     assert r.status_code == 200 and r.headers["x-request-id"] == TID
     assert "hello" in r.text
     assert d_first.is_set(), "D got its request only after P answered"
@@ -291,8 +314,13 @@ def test_overlapped_push_sends_d_at_once(tmp_path, recorder, stream):
 def test_prefill_failure_is_a_json_error(tmp_path, recorder, mode, dispatch):
     with pair(p_fails, d_waits_for_push) as (p, d), router(_cfg(p, d, mode, dispatch, tmp_path)) as url:
         t0 = time.monotonic()
-        r = httpx.post(url + "/v1/completions", headers={"X-Request-Id": TID}, timeout=20, trust_env=False,
-                       json={"prompt": "hi", "max_tokens": 7})
+        r = httpx.post(
+            url + "/v1/completions",
+            headers={"X-Request-Id": TID},
+            timeout=20,
+            trust_env=False,
+            json={"prompt": "hi", "max_tokens": 7},
+        )
         took = time.monotonic() - t0
         if mode == "push":  # D had its request at once and is hung up on, not left waiting
             assert d.hung_up.wait(5)
@@ -308,8 +336,9 @@ def test_prefill_failure_is_a_json_error(tmp_path, recorder, mode, dispatch):
 
 def test_bad_body_is_400_with_request_id(tmp_path, recorder):
     with pair(p_ok) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
-        r = httpx.post(url + "/v1/completions", content=b"[1, 2]", headers={"X-Request-Id": TID},
-                       timeout=20, trust_env=False)
+        r = httpx.post(
+            url + "/v1/completions", content=b"[1, 2]", headers={"X-Request-Id": TID}, timeout=20, trust_env=False
+        )
     assert r.status_code == 400 and r.headers["x-request-id"] == TID
     assert r.json()["error"]["type"] == "invalid_request_error"
     assert not p.requests and not d.requests
@@ -335,8 +364,13 @@ def test_overlapped_prefill_failure_mid_stream_ends_with_sse_error(tmp_path, rec
         p_fails(h, body)
 
     with pair(p_fails_later, d_headers_then_wait) as (p, d), router(_cfg(p, d, "push", "overlapped", tmp_path)) as url:
-        r = httpx.post(url + "/v1/completions", headers={"X-Request-Id": TID}, timeout=20, trust_env=False,
-                       json={"prompt": "hi", "max_tokens": 7, "stream": True})
+        r = httpx.post(
+            url + "/v1/completions",
+            headers={"X-Request-Id": TID},
+            timeout=20,
+            trust_env=False,
+            json={"prompt": "hi", "max_tokens": 7, "stream": True},
+        )
         assert hung_up.wait(5)
     assert r.status_code == 200 and r.headers["x-request-id"] == TID
     ev = json.loads(r.text.strip().removeprefix("data: "))
@@ -347,16 +381,23 @@ def test_overlapped_prefill_failure_mid_stream_ends_with_sse_error(tmp_path, rec
 
 
 # ------------------------------------------------- issue 12: isolation
-def _post(url: str, body: dict, headers: dict | None = None, path: str = "/v1/completions",
-          timeout: float = 20) -> httpx.Response:
+def _post(
+    url: str, body: dict, headers: dict | None = None, path: str = "/v1/completions", timeout: float = 20
+) -> httpx.Response:
     return httpx.post(url + path, json=body, headers=headers or {}, timeout=timeout, trust_env=False)
 
 
 def p_echo_id(h: BaseHTTPRequestHandler, body: dict) -> None:
     """P whose kv_transfer_params name the request id it was sent (as vLLM's do)."""
     rid = h.headers["X-Request-Id"]
-    send_json(h, 200, {"choices": [{"index": 0, "text": "A"}],
-                       "kv_transfer_params": {**P_KV, "remote_request_id": f"cmpl-{rid}-0-1234abcd"}})
+    send_json(
+        h,
+        200,
+        {
+            "choices": [{"index": 0, "text": "A"}],
+            "kv_transfer_params": {**P_KV, "remote_request_id": f"cmpl-{rid}-0-1234abcd"},
+        },
+    )
 
 
 def d_echo(h: BaseHTTPRequestHandler, body: dict) -> None:
@@ -364,8 +405,9 @@ def d_echo(h: BaseHTTPRequestHandler, body: dict) -> None:
     send_json(h, 200, {"choices": [{"index": 0, "text": f"echo {body['prompt']}"}]})
 
 
-@pytest.mark.parametrize("mode,dispatch,how", [("pull", "sequential", "x-request-id"),
-                                               ("push", "overlapped", "traceparent")])
+@pytest.mark.parametrize(
+    "mode,dispatch,how", [("pull", "sequential", "x-request-id"), ("push", "overlapped", "traceparent")]
+)
 def test_concurrent_requests_with_one_client_id_get_distinct_ids(tmp_path, recorder, mode, dispatch, how):
     """Two requests in flight at once with the same client id: P and D see
     two different request ids (never one shared vLLM request id / KV), each
@@ -448,14 +490,15 @@ def test_body_over_the_limit_is_413_before_any_upstream_call(tmp_path, recorder)
 
     def chunked():
         for i in range(0, len(big), 500):
-            yield big[i:i + 500]
+            yield big[i : i + 500]
 
     with pair(p_ok) as (p, d):
         cfg = _cfg(p, d, "pull", "sequential", tmp_path)
         cfg.max_body_bytes = 2000
         with router(cfg) as url:
-            declared = httpx.post(url + "/v1/completions", content=big, headers={"X-Request-Id": TID},
-                                  timeout=20, trust_env=False)
+            declared = httpx.post(
+                url + "/v1/completions", content=big, headers={"X-Request-Id": TID}, timeout=20, trust_env=False
+            )
             streamed = httpx.post(url + "/v1/completions", content=chunked(), timeout=20, trust_env=False)
             ok = _post(url, {"prompt": "x" * 100, "max_tokens": 3})
     for r in (declared, streamed):
@@ -467,21 +510,24 @@ def test_body_over_the_limit_is_413_before_any_upstream_call(tmp_path, recorder)
     assert [r[5]["http.response.status_code"] for r in recorder.roots] == [413, 413, 200]
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"prompt": "hi", "max_tokens": -5}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": "abc"}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"prompt": "hi", "stream": "yes"}, "stream"),
-    ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
-    ({"prompt": "hi", "max_tokens": 3, "min_tokens": 9}, "min_tokens"),
-    ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"max_tokens": 3}, "prompt"),
-    ({"prompt": 5}, "prompt"),
-    ({"prompt": {"text": "hi"}}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"prompt": "hi", "max_tokens": -5}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "abc"}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "hi", "max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"prompt": "hi", "stream": "yes"}, "stream"),
+        ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "hi", "max_tokens": 3, "min_tokens": 9}, "min_tokens"),
+        ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_tokens": 3}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": {"text": "hi"}}, "prompt"),
+    ],
+)
 def test_bad_fields_are_400_naming_the_field_without_a_prefill(tmp_path, recorder, body, field):
     with pair(p_ok) as (p, d), router(_cfg(p, d, "push", "overlapped", tmp_path)) as url:
         r = _post(url, body, {"X-Request-Id": TID})
@@ -501,9 +547,14 @@ def test_chat_needs_a_list_of_messages(tmp_path, recorder, body):
 
 def test_valid_edge_values_pass(tmp_path, recorder):
     with pair(p_ok) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
-        rs = [_post(url, {"prompt": [1, 2, 3], "max_tokens": None, "stream": None, "min_tokens": 0}),
-              _post(url, {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4},
-                    path="/v1/chat/completions")]
+        rs = [
+            _post(url, {"prompt": [1, 2, 3], "max_tokens": None, "stream": None, "min_tokens": 0}),
+            _post(
+                url,
+                {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4},
+                path="/v1/chat/completions",
+            ),
+        ]
     assert [r.status_code for r in rs] == [200, 200] and len(p.requests) == 2
 
 
@@ -512,6 +563,7 @@ def _hangs_up_noted(noted: threading.Event):
     def answer(h, body):
         if wait_for_hang_up(h):
             noted.set()
+
     return answer
 
 
@@ -523,16 +575,22 @@ def _root_when_recorded(recorder: FakeRecorder, n: int = 1) -> tuple:
     return recorder.roots[n - 1]
 
 
-@pytest.mark.parametrize("mode,dispatch,waiting", [("pull", "sequential", "P"), ("pull", "sequential", "D"),
-                                                   ("push", "overlapped", "both")])
+@pytest.mark.parametrize(
+    "mode,dispatch,waiting", [("pull", "sequential", "P"), ("pull", "sequential", "D"), ("push", "overlapped", "both")]
+)
 def test_non_streaming_client_disconnect_cancels_p_and_d(tmp_path, recorder, mode, dispatch, waiting):
     p_gone, d_gone = threading.Event(), threading.Event()
     p_answer = _hangs_up_noted(p_gone) if waiting in ("P", "both") else p_ok
     d_answer = _hangs_up_noted(d_gone) if waiting in ("D", "both") else d_answers
     with pair(p_answer, d_answer) as (p, d), router(_cfg(p, d, mode, dispatch, tmp_path)) as url:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3},
-                       headers={"X-Request-Id": TID}, timeout=httpx.Timeout(20, read=0.5), trust_env=False)
+            httpx.post(
+                url + "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 3},
+                headers={"X-Request-Id": TID},
+                timeout=httpx.Timeout(20, read=0.5),
+                trust_env=False,
+            )
         if waiting in ("P", "both"):
             assert p_gone.wait(10), "the router kept P's call open after the client left"
         if waiting in ("D", "both"):
@@ -555,8 +613,14 @@ def test_streaming_client_disconnect_cancels_d(tmp_path, recorder):
             d_gone.set()
 
     with pair(p_ok, d_one_event_then_wait) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
-        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True},
-                          headers={"X-Request-Id": TID}, timeout=20, trust_env=False) as r:
+        with httpx.stream(
+            "POST",
+            url + "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 3, "stream": True},
+            headers={"X-Request-Id": TID},
+            timeout=20,
+            trust_env=False,
+        ) as r:
             assert b"hello" in next(r.iter_raw())
         assert d_gone.wait(10)
         root = _root_when_recorded(recorder)
@@ -596,8 +660,11 @@ class KeepAliveFake(Fake):
         self.server.RequestHandlerClass = Handler
 
 
-@pytest.mark.parametrize("served,expect,cut", [(1, 200, False), (0, 502, False), (1, 502, True)],
-                         ids=["pooled-retried", "fresh-not-retried", "answer-cut-not-retried"])
+@pytest.mark.parametrize(
+    "served,expect,cut",
+    [(1, 200, False), (0, 502, False), (1, 502, True)],
+    ids=["pooled-retried", "fresh-not-retried", "answer-cut-not-retried"],
+)
 def test_retry_only_on_a_stale_pooled_connection(tmp_path, recorder, served, expect, cut):
     p, d = KeepAliveFake(served, cut), Fake(d_answers)
     try:
@@ -653,11 +720,15 @@ def test_router_key_is_required_and_sent_upstream(tmp_path, recorder):
         cfg.api_key = "sk-1"
         with router(cfg) as url:
             body = {"prompt": "hi", "max_tokens": 3}
-            refused = [_post(url, body), _post(url, body, {"Authorization": "Bearer nope"}),
-                       httpx.get(url + "/v1/models", timeout=20, trust_env=False)]
+            refused = [
+                _post(url, body),
+                _post(url, body, {"Authorization": "Bearer nope"}),
+                httpx.get(url + "/v1/models", timeout=20, trust_env=False),
+            ]
             ok = _post(url, body, {"Authorization": "Bearer sk-1"})
-            models = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer sk-1"}, timeout=20,
-                               trust_env=False)
+            models = httpx.get(
+                url + "/v1/models", headers={"Authorization": "Bearer sk-1"}, timeout=20, trust_env=False
+            )
             health = httpx.get(url + "/health", timeout=20, trust_env=False)
     assert [r.status_code for r in refused] == [401, 401, 401]
     assert refused[0].json()["error"]["type"] == "authentication_error"
@@ -744,28 +815,75 @@ def _answers(data: bytes, ctype: str = "application/json"):
     return lambda h, body: send_raw(h, 200, data, ctype)
 
 
-@pytest.mark.parametrize("mode,dispatch,p_answer,d_answer,stream,side,words", [
-    ("pull", "sequential", _answers(b"<html>oops</html>", "text/html"), d_answers, False, "prefill",
-     "a body that is not JSON"),
-    ("pull", "sequential", _answers(b"[1, 2]"), d_answers, True, "prefill", "JSON that is not an object (list)"),
-    ("push", "overlapped", _answers(b"[1, 2]"), d_waits_for_push, False, "prefill", "JSON that is not an object"),
-    ("push", "sequential", _answers(b'{"id": "x", "choices": []}'), d_answers, False, "prefill",
-     "no kv_transfer_params"),
-    ("pull", "sequential", p_ok, _answers(b"not json at all", "text/plain"), False, "decode",
-     "a body that is not JSON"),
-    ("pull", "sequential", p_ok, _answers(b'{"id": "x"}'), False, "decode", "JSON without a `choices` list"),
-    ("pull", "sequential", p_ok, _answers(b'"a string"'), False, "decode", "JSON that is not an object (str)"),
-    ("pull", "sequential", p_ok, _answers(b'{"choices": [{"text": "x"}]}'), True, "decode",
-     "a 'application/json' body to a streaming request"),
-], ids=["p-html", "p-array", "p-array-overlapped", "p-no-kv-params", "d-text", "d-no-choices", "d-string",
-        "d-json-to-stream"])
-def test_unexpected_upstream_reply_is_a_json_error_with_id_and_span(tmp_path, recorder, caplog, mode, dispatch,
-                                                                    p_answer, d_answer, stream, side, words):
-    with caplog.at_level("WARNING", logger="kvlens.proxy"), pair(p_answer, d_answer) as (p, d), \
-            router(_cfg(p, d, mode, dispatch, tmp_path)) as url:
+@pytest.mark.parametrize(
+    "mode,dispatch,p_answer,d_answer,stream,side,words",
+    [
+        (
+            "pull",
+            "sequential",
+            _answers(b"<html>oops</html>", "text/html"),
+            d_answers,
+            False,
+            "prefill",
+            "a body that is not JSON",
+        ),
+        ("pull", "sequential", _answers(b"[1, 2]"), d_answers, True, "prefill", "JSON that is not an object (list)"),
+        ("push", "overlapped", _answers(b"[1, 2]"), d_waits_for_push, False, "prefill", "JSON that is not an object"),
+        (
+            "push",
+            "sequential",
+            _answers(b'{"id": "x", "choices": []}'),
+            d_answers,
+            False,
+            "prefill",
+            "no kv_transfer_params",
+        ),
+        (
+            "pull",
+            "sequential",
+            p_ok,
+            _answers(b"not json at all", "text/plain"),
+            False,
+            "decode",
+            "a body that is not JSON",
+        ),
+        ("pull", "sequential", p_ok, _answers(b'{"id": "x"}'), False, "decode", "JSON without a `choices` list"),
+        ("pull", "sequential", p_ok, _answers(b'"a string"'), False, "decode", "JSON that is not an object (str)"),
+        (
+            "pull",
+            "sequential",
+            p_ok,
+            _answers(b'{"choices": [{"text": "x"}]}'),
+            True,
+            "decode",
+            "a 'application/json' body to a streaming request",
+        ),
+    ],
+    ids=[
+        "p-html",
+        "p-array",
+        "p-array-overlapped",
+        "p-no-kv-params",
+        "d-text",
+        "d-no-choices",
+        "d-string",
+        "d-json-to-stream",
+    ],
+)
+def test_unexpected_upstream_reply_is_a_json_error_with_id_and_span(
+    tmp_path, recorder, caplog, mode, dispatch, p_answer, d_answer, stream, side, words
+):
+    with (
+        caplog.at_level("WARNING", logger="kvlens.proxy"),
+        pair(p_answer, d_answer) as (p, d),
+        router(_cfg(p, d, mode, dispatch, tmp_path)) as url,
+    ):
         with httpx.Client(timeout=20, trust_env=False) as client:
-            r = client.post(url + "/v1/completions", headers={"X-Request-Id": TID},
-                            json={"prompt": "hi", "max_tokens": 3, "stream": stream})
+            r = client.post(
+                url + "/v1/completions",
+                headers={"X-Request-Id": TID},
+                json={"prompt": "hi", "max_tokens": 3, "stream": stream},
+            )
             again = client.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": stream})
     assert r.status_code == 502 and r.headers["x-request-id"] == TID
     assert r.headers["content-type"].startswith("application/json")

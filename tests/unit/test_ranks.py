@@ -19,6 +19,7 @@ from kvtrace import ranks, tracemodel
 from kvrecord import semconv as sc
 from rank_store import make_rank_store
 
+
 @pytest.fixture(scope="module")
 def ranked(tmp_path_factory) -> tuple[Path, tracemodel.Trace]:
     """(home, trace): :func:`rank_store.make_rank_store`'s one request."""
@@ -74,7 +75,9 @@ def test_traces_page_draws_a_lane_per_rank_and_names_the_straggler(ranked, monke
         """The waterfall's lanes, from the Arrow data Streamlit sends the browser."""
         import pyarrow as pa
 
-        (wf,) = [e for e in at.main if getattr(e, "type", "") == "vega_lite_chart" and "layer" in json.loads(e.proto.spec)]
+        (wf,) = [
+            e for e in at.main if getattr(e, "type", "") == "vega_lite_chart" and "layer" in json.loads(e.proto.spec)
+        ]
         out = set()
         for ds in wf.proto.datasets:
             table = pa.ipc.open_stream(ds.data.data).read_all()
@@ -83,8 +86,13 @@ def test_traces_page_draws_a_lane_per_rank_and_names_the_straggler(ranked, monke
         return out
 
     got = lanes()
-    assert {"decode r0 · read.complete", "decode r1 · read.complete", "prefill r0 · kv.released",
-            "prefill r1 · kv.released", "prefill · prefill"} <= got, got
+    assert {
+        "decode r0 · read.complete",
+        "decode r1 · read.complete",
+        "prefill r0 · kv.released",
+        "prefill r1 · kv.released",
+        "prefill · prefill",
+    } <= got, got
     table = at.dataframe[1].value
     assert sorted(set(table.loc[table["phase"] == "read.complete", "rank"])) == ["0", "1"]
     at.toggle(key="tr_rank_lanes").set_value(False).run()

@@ -182,8 +182,11 @@ def test_unreachable_otlp_endpoint_never_raises(tmp_path):
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
     cfg = {"kvlens_home": str(tmp_path), "otlp_endpoint": f"http://127.0.0.1:{port}", "kvlens_metrics": "off"}
-    r = Recorder(role="decode", mode="pull",
-                 pipeline_factory=pipeline.provider_factory(role="decode", mode="pull", engine_id="d0", config=cfg))
+    r = Recorder(
+        role="decode",
+        mode="pull",
+        pipeline_factory=pipeline.provider_factory(role="decode", mode="pull", engine_id="d0", config=cfg),
+    )
     r.record(sc.Phase.KV_READY, f"cmpl-{TID}-0-abcdef12", 1, 2)
     r.close()
     conn = store.connect(tmp_path / "traces.db", readonly=True)
@@ -195,8 +198,13 @@ def test_recorder_losses_reach_dropped_counts_by_reason():
         raise RuntimeError("exporter setup exploded")
 
     # the in-process path (its pipeline factory is what breaks here); the sidecar path: tests/unit/test_sidecar.py
-    r = pipeline.get_recorder("decode", "push", "loss-reasons", {"kvlens_store": "off", "kvlens_metrics": "off",
-                                                                  "kvlens_buffer_events": 2}, span_builder="inline")
+    r = pipeline.get_recorder(
+        "decode",
+        "push",
+        "loss-reasons",
+        {"kvlens_store": "off", "kvlens_metrics": "off", "kvlens_buffer_events": 2},
+        span_builder="inline",
+    )
     try:
         r._factory = broken
         before = pipeline.dropped_counts()

@@ -38,11 +38,14 @@ def _cfg(home: Path) -> dict:
 
 def _shipping(home: Path, engine_id: str = "p-test", cfg: dict | None = None, **kw) -> ShippingRecorder:
     cfg = cfg or _cfg(home)
-    return ShippingRecorder(role="prefill", mode="push", engine_id=engine_id,
-                            pipeline_factory=pipeline.provider_factory(role="prefill", mode="push",
-                                                                       engine_id=engine_id, config=cfg),
-                            sidecar_spec={"role": "prefill", "mode": "push", "engine_id": engine_id,
-                                          "config": cfg}, **kw)
+    return ShippingRecorder(
+        role="prefill",
+        mode="push",
+        engine_id=engine_id,
+        pipeline_factory=pipeline.provider_factory(role="prefill", mode="push", engine_id=engine_id, config=cfg),
+        sidecar_spec={"role": "prefill", "mode": "push", "engine_id": engine_id, "config": cfg},
+        **kw,
+    )
 
 
 def _record_workload(r: Recorder) -> int:
@@ -53,10 +56,22 @@ def _record_workload(r: Recorder) -> int:
         rid = f"cmpl-{tid}-0-{i:08x}"
         t = T0 + i * 1_000_000
         r.record(sc.Phase.PREFILL_FINISHED, rid, t, t + 500, "ok", {sc.ATTR_BLOCKS: 12 + i})
-        r.record(sc.Phase.WRITE_POST, rid, t + 600, t + 900, "ok",
-                 {sc.ATTR_BLOCKS: 3, sc.ATTR_REMOTE_RANK: 0, sc.ATTR_BYTES: None})
-        r.record(sc.Phase.WRITE_COMPLETE, rid, t + 900, t + 2_000, "error" if i % 3 == 0 else "ok",
-                 {sc.ATTR_BYTES: 4096 * (i + 1), sc.ATTR_DESCRIPTORS: 4})
+        r.record(
+            sc.Phase.WRITE_POST,
+            rid,
+            t + 600,
+            t + 900,
+            "ok",
+            {sc.ATTR_BLOCKS: 3, sc.ATTR_REMOTE_RANK: 0, sc.ATTR_BYTES: None},
+        )
+        r.record(
+            sc.Phase.WRITE_COMPLETE,
+            rid,
+            t + 900,
+            t + 2_000,
+            "error" if i % 3 == 0 else "ok",
+            {sc.ATTR_BYTES: 4096 * (i + 1), sc.ATTR_DESCRIPTORS: 4},
+        )
         r.record(sc.Phase.KV_READY, rid, t + 2_500, t + 2_400, "weird-outcome")  # clamped; outcome _OTHER
         r.record(sc.Phase.MATCH, rid, t + 100, t + 100)
         r.record_root(tid, 0x1234 if i % 2 else None, t - 1_000, t + 3_000, "ok", {sc.ATTR_TTFT_S: 0.01 * i})
@@ -75,8 +90,9 @@ def _rows(home: Path) -> tuple[dict, list]:
     key = lambda s: (s["name"], s["start_ns"], s["request_id"])  # noqa: E731
     out = {}
     for tid, ss in spans.items():
-        out[tid] = sorted(({k: v for k, v in s.items() if not (k == "span_id" and s["name"] != "request")}
-                           for s in ss), key=key)
+        out[tid] = sorted(
+            ({k: v for k, v in s.items() if not (k == "span_id" and s["name"] != "request")} for s in ss), key=key
+        )
     return out, slow
 
 
@@ -100,9 +116,12 @@ def _wait_gone(pid: int, within_s: float = 30.0) -> bool:
 # ------------------------------------------------------------ same rows
 def test_sidecar_rows_equal_inline_rows(tmp_path):
     a, b = tmp_path / "inline", tmp_path / "sidecar"
-    inline = Recorder(role="prefill", mode="push", engine_id="p-test",
-                      pipeline_factory=pipeline.provider_factory(role="prefill", mode="push", engine_id="p-test",
-                                                                 config=_cfg(a)))
+    inline = Recorder(
+        role="prefill",
+        mode="push",
+        engine_id="p-test",
+        pipeline_factory=pipeline.provider_factory(role="prefill", mode="push", engine_id="p-test", config=_cfg(a)),
+    )
     n = _record_workload(inline)
     inline.close()
     side = _shipping(b).start()
@@ -124,8 +143,11 @@ def test_get_recorder_picks_the_builder_by_role_option_and_env(tmp_path, monkeyp
     monkeypatch.delenv(pipeline.SPAN_BUILDER_ENV, raising=False)
     made = []
     try:
-        for role, builder, want in (("prefill", None, ShippingRecorder), ("decode", "inline", Recorder),
-                                    ("router", "sidecar", Recorder)):
+        for role, builder, want in (
+            ("prefill", None, ShippingRecorder),
+            ("decode", "inline", Recorder),
+            ("router", "sidecar", Recorder),
+        ):
             r = pipeline.get_recorder(role, "pull", f"pick-{role}", _cfg(tmp_path), span_builder=builder)
             made.append(r)
             assert type(r) is want
@@ -250,8 +272,11 @@ def test_dead_sidecar_is_counted_and_spans_are_built_in_process(tmp_path):
     assert r.failed_dropped == 0 and r.dropped == 0
 
 
-@pytest.mark.parametrize("argv", [[sys.executable, "-c", "import sys; sys.exit(3)"],
-                                  ["/nonexistent/kvlens-sidecar"]], ids=["exits", "missing"])
+@pytest.mark.parametrize(
+    "argv",
+    [[sys.executable, "-c", "import sys; sys.exit(3)"], ["/nonexistent/kvlens-sidecar"]],
+    ids=["exits", "missing"],
+)
 def test_sidecar_that_cannot_start_falls_back_to_inline(tmp_path, argv):
     r = _shipping(tmp_path, "p-fallback", sidecar_argv=argv).start()
     n = _record_workload(r)

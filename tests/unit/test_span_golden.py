@@ -55,38 +55,111 @@ def _events() -> list[tuple[str, str, str, list]]:
     p_pull, d_pull = f"cmpl-{PULL_TRACE}-0-0000cccc", f"cmpl-{PULL_TRACE}-0-0000dddd"
     t = T0
     return [
-        ("router", "push", None, [
-            ("record_root", (PUSH_TRACE, None, t, t + 900 * MS, "ok",
-                             {sc.ATTR_DISPATCH: "overlapped", "kvlens.ttft_s": 0.31})),
-            ("record", (P.RELAY, PUSH_TRACE, t + 300 * MS, t + 900 * MS, "ok", {"kvlens.relay.chunks": 17})),
-        ]),
-        ("prefill", "push", "p0", [
-            ("record", (P.PREFILL, p_push, t + 10 * MS, t + 200 * MS, "ok", {"kvlens.num_tokens": 2048})),
-            ("record", (P.PREFILL_FINISHED, p_push, t + 200 * MS, t + 200 * MS, "ok", None)),
-            ("record", (P.MATCH, p_push, t + 201 * MS, t + 202 * MS, "ok",
-                        {sc.ATTR_JOIN_REQUEST_ID: d_push, sc.ATTR_REMOTE_RANKS: [0, 1]})),
-            ("record", (P.WRITE_COMPLETE, p_push, t + 203 * MS, t + 240 * MS, "ok",
-                        {sc.ATTR_BYTES: 1 << 20, sc.ATTR_DESCRIPTORS: 64, sc.ATTR_NIXL_XFER_S: 0.031,
-                         "kvlens.rank": 1, "kvlens.tp_size": 2})),
-        ]),
-        ("decode", "push", "d0", [
-            ("record", (P.REGISTRATION_SEND, d_push, t + 20 * MS, t + 25 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_push})),
-            ("record", (P.KV_READY, d_push, t + 245 * MS, t + 245 * MS, "ok", None)),
-            ("record", (P.DECODE_FIRST_STEP, d_push, t + 250 * MS, t + 290 * MS, "ok",
-                        {"kvlens.kv.recomputed_tokens": 0, "kvlens.block_size": 16, "kvlens.flag": True})),
-        ]),
-        ("prefill", "pull", "p1", [
-            ("record", (P.PREFILL, p_pull, t + 1000 * MS, t + 1150 * MS, "ok", None)),
-            ("record", (P.PREFILL_FINISHED, p_pull, t + 1150 * MS, t + 1150 * MS, "ok", None)),
-            ("record", (P.KV_RELEASED, p_pull, t + 1400 * MS, t + 1400 * MS, "ok", None)),
-        ]),
-        ("decode", "pull", "d1", [
-            ("record", (P.DECODE_QUEUE, d_pull, t + 1160 * MS, t + 1170 * MS, "ok",
-                        {sc.ATTR_JOIN_REQUEST_ID: p_pull})),
-            ("record", (P.READ_COMPLETE, d_pull, t + 1175 * MS, t + 1390 * MS, "failed",
-                        {sc.ATTR_BYTES: 12345, "kvlens.error": "handshake_setup_failed", "kvlens.ratio": 0.5})),
-            ("record", (P.KV_READY, d_pull, t + 1395 * MS, t + 1395 * MS, "ok", None)),
-        ]),
+        (
+            "router",
+            "push",
+            None,
+            [
+                (
+                    "record_root",
+                    (PUSH_TRACE, None, t, t + 900 * MS, "ok", {sc.ATTR_DISPATCH: "overlapped", "kvlens.ttft_s": 0.31}),
+                ),
+                ("record", (P.RELAY, PUSH_TRACE, t + 300 * MS, t + 900 * MS, "ok", {"kvlens.relay.chunks": 17})),
+            ],
+        ),
+        (
+            "prefill",
+            "push",
+            "p0",
+            [
+                ("record", (P.PREFILL, p_push, t + 10 * MS, t + 200 * MS, "ok", {"kvlens.num_tokens": 2048})),
+                ("record", (P.PREFILL_FINISHED, p_push, t + 200 * MS, t + 200 * MS, "ok", None)),
+                (
+                    "record",
+                    (
+                        P.MATCH,
+                        p_push,
+                        t + 201 * MS,
+                        t + 202 * MS,
+                        "ok",
+                        {sc.ATTR_JOIN_REQUEST_ID: d_push, sc.ATTR_REMOTE_RANKS: [0, 1]},
+                    ),
+                ),
+                (
+                    "record",
+                    (
+                        P.WRITE_COMPLETE,
+                        p_push,
+                        t + 203 * MS,
+                        t + 240 * MS,
+                        "ok",
+                        {
+                            sc.ATTR_BYTES: 1 << 20,
+                            sc.ATTR_DESCRIPTORS: 64,
+                            sc.ATTR_NIXL_XFER_S: 0.031,
+                            "kvlens.rank": 1,
+                            "kvlens.tp_size": 2,
+                        },
+                    ),
+                ),
+            ],
+        ),
+        (
+            "decode",
+            "push",
+            "d0",
+            [
+                (
+                    "record",
+                    (P.REGISTRATION_SEND, d_push, t + 20 * MS, t + 25 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_push}),
+                ),
+                ("record", (P.KV_READY, d_push, t + 245 * MS, t + 245 * MS, "ok", None)),
+                (
+                    "record",
+                    (
+                        P.DECODE_FIRST_STEP,
+                        d_push,
+                        t + 250 * MS,
+                        t + 290 * MS,
+                        "ok",
+                        {"kvlens.kv.recomputed_tokens": 0, "kvlens.block_size": 16, "kvlens.flag": True},
+                    ),
+                ),
+            ],
+        ),
+        (
+            "prefill",
+            "pull",
+            "p1",
+            [
+                ("record", (P.PREFILL, p_pull, t + 1000 * MS, t + 1150 * MS, "ok", None)),
+                ("record", (P.PREFILL_FINISHED, p_pull, t + 1150 * MS, t + 1150 * MS, "ok", None)),
+                ("record", (P.KV_RELEASED, p_pull, t + 1400 * MS, t + 1400 * MS, "ok", None)),
+            ],
+        ),
+        (
+            "decode",
+            "pull",
+            "d1",
+            [
+                (
+                    "record",
+                    (P.DECODE_QUEUE, d_pull, t + 1160 * MS, t + 1170 * MS, "ok", {sc.ATTR_JOIN_REQUEST_ID: p_pull}),
+                ),
+                (
+                    "record",
+                    (
+                        P.READ_COMPLETE,
+                        d_pull,
+                        t + 1175 * MS,
+                        t + 1390 * MS,
+                        "failed",
+                        {sc.ATTR_BYTES: 12345, "kvlens.error": "handshake_setup_failed", "kvlens.ratio": 0.5},
+                    ),
+                ),
+                ("record", (P.KV_READY, d_pull, t + 1395 * MS, t + 1395 * MS, "ok", None)),
+            ],
+        ),
     ]
 
 
@@ -124,12 +197,16 @@ def _inline(home: Path, finished: list | None = None) -> None:
 def _sidecar(home: Path) -> None:
     def make(role, mode, engine):
         if role == "router":  # the router always builds inline
-            return Recorder(role=role, mode=mode, engine_id=engine,
-                            pipeline_factory=pipeline.provider_factory(role=role, mode=mode, engine_id=engine,
-                                                                       config=_cfg(home)))
+            return Recorder(
+                role=role,
+                mode=mode,
+                engine_id=engine,
+                pipeline_factory=pipeline.provider_factory(role=role, mode=mode, engine_id=engine, config=_cfg(home)),
+            )
         # an engine id of this test's own: get_recorder keeps one recorder per (pid, role, mode, engine)
-        rec = pipeline.get_recorder(role, mode, f"{engine}{_SUFFIX}{home.parent.name}", _cfg(home),
-                                    span_builder="sidecar")
+        rec = pipeline.get_recorder(
+            role, mode, f"{engine}{_SUFFIX}{home.parent.name}", _cfg(home), span_builder="sidecar"
+        )
         assert type(rec).__name__ == "ShippingRecorder", type(rec)
         return rec
 
@@ -198,6 +275,11 @@ def test_the_store_holds_the_same_spans_by_every_road(road, tmp_path, golden):
     assert golden is not None and road in golden, f"{GOLDEN} lacks {road}: run with KVLENS_WRITE_GOLDEN=1 once"
     golden = golden[road]
     if got != golden:
-        diff = difflib.unified_diff(json.dumps(golden, indent=1, sort_keys=True).splitlines(),
-                                    json.dumps(got, indent=1, sort_keys=True).splitlines(), "golden", road, lineterm="")
+        diff = difflib.unified_diff(
+            json.dumps(golden, indent=1, sort_keys=True).splitlines(),
+            json.dumps(got, indent=1, sort_keys=True).splitlines(),
+            "golden",
+            road,
+            lineterm="",
+        )
         pytest.fail("the store differs from the golden spans:\n" + "\n".join(list(diff)[:80]))

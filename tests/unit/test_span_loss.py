@@ -60,9 +60,13 @@ def test_store_lock_held_past_the_exporter_wait_is_counted_as_store(tmp_path):
     store.connect(db).close()  # the schema exists; the holder only takes the lock
     holder = sqlite3.connect(str(db), isolation_level=None)
     holder.execute("BEGIN IMMEDIATE")  # the write lock, as a long writer or a backup holds it
-    build = pipeline.provider_factory(role="prefill", mode="push", engine_id="p-locked",
-                                      config={"kvlens_home": str(tmp_path), "kvlens_metrics": "off"},
-                                      store_max_block_s=0.3)
+    build = pipeline.provider_factory(
+        role="prefill",
+        mode="push",
+        engine_id="p-locked",
+        config={"kvlens_home": str(tmp_path), "kvlens_metrics": "off"},
+        store_max_block_s=0.3,
+    )
     factory, built = _capturing(build)
     r = Recorder(role="prefill", mode="push", pipeline_factory=factory).start()
     n = 3000
@@ -148,10 +152,15 @@ class _SilentServer:
 def test_close_is_bounded_with_an_otlp_endpoint_that_never_answers(tmp_path):
     srv = _SilentServer()
     try:
-        cfg = {"kvlens_home": str(tmp_path), "kvlens_store": "off", "kvlens_metrics": "off",
-               "otlp_endpoint": f"http://127.0.0.1:{srv.port}"}
-        factory, built = _capturing(pipeline.provider_factory(role="decode", mode="pull", engine_id="d-silent",
-                                                              config=cfg))
+        cfg = {
+            "kvlens_home": str(tmp_path),
+            "kvlens_store": "off",
+            "kvlens_metrics": "off",
+            "otlp_endpoint": f"http://127.0.0.1:{srv.port}",
+        }
+        factory, built = _capturing(
+            pipeline.provider_factory(role="decode", mode="pull", engine_id="d-silent", config=cfg)
+        )
         r = Recorder(role="decode", mode="pull", pipeline_factory=factory).start()
         n = 2000
         for i in range(n):
@@ -166,8 +175,7 @@ def test_close_is_bounded_with_an_otlp_endpoint_that_never_answers(tmp_path):
         # nothing reached the endpoint: every span is counted, as failed exports or left at shutdown
         assert sum(losses.values()) == n, losses
         assert losses.get(DropReason.SHUTDOWN.value, 0) > 0, losses
-        assert set(losses) <= {DropReason.SHUTDOWN.value, DropReason.EXPORT_FAILED.value,
-                               DropReason.QUEUE_FULL.value}
+        assert set(losses) <= {DropReason.SHUTDOWN.value, DropReason.EXPORT_FAILED.value, DropReason.QUEUE_FULL.value}
         assert pipeline.dropped_counts().get(("decode", "shutdown"), 0) >= losses[DropReason.SHUTDOWN.value]
     finally:
         srv.close()
@@ -197,8 +205,9 @@ class _Gate:
 
 def test_full_export_queue_is_counted_as_queue_full():
     gate, losses = _Gate(), LossCounter()
-    p = CountingBatchSpanProcessor(gate, losses=losses, max_queue_size=10, max_export_batch_size=4,
-                                   schedule_delay_s=0.05, name="test")
+    p = CountingBatchSpanProcessor(
+        gate, losses=losses, max_queue_size=10, max_export_batch_size=4, schedule_delay_s=0.05, name="test"
+    )
     spans = _spans(31)
     p.on_end(spans[0])
     assert gate.entered.wait(5)  # the first span is in the exporter's hands
@@ -245,8 +254,7 @@ def test_failed_and_raising_exports_are_counted_under_the_exporters_reason():
 def test_flush_and_shutdown_are_bounded_and_count_what_is_left():
     gate, losses = _Gate(), LossCounter()
     provider = BoundedTracerProvider(losses=losses)
-    p = CountingBatchSpanProcessor(gate, losses=losses, max_export_batch_size=2, schedule_delay_s=0.05,
-                                   name="test")
+    p = CountingBatchSpanProcessor(gate, losses=losses, max_export_batch_size=2, schedule_delay_s=0.05, name="test")
     provider.add_span_processor(p)
     tr = provider.get_tracer("t")
     for _ in range(5):

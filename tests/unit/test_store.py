@@ -26,7 +26,11 @@ def _record_request(home, tid=TID, mode="push", handoff_ns=5_000_000, t0=None):
     t0 = t0 or time.time_ns()
     cfg = home.config() if isinstance(home, Backend) else {"kvlens_home": str(home), "kvlens_metrics": "off"}
     recs = {
-        role: Recorder(role=role, mode=mode, pipeline_factory=pipeline.provider_factory(role=role, mode=mode, engine_id=None, config=cfg))
+        role: Recorder(
+            role=role,
+            mode=mode,
+            pipeline_factory=pipeline.provider_factory(role=role, mode=mode, engine_id=None, config=cfg),
+        )
         for role in ("router", "prefill", "decode")
     }
     rid_p, rid_d = f"cmpl-{tid}-0-11111111", f"cmpl-{tid}-0-22222222"
@@ -38,8 +42,9 @@ def _record_request(home, tid=TID, mode="push", handoff_ns=5_000_000, t0=None):
     recs["prefill"].record(sc.Phase.PREFILL, rid_p, t0, pf)
     recs["prefill"].record(sc.Phase.PREFILL_FINISHED, rid_p, pf, pf)
     recs["prefill"].record(sc.Phase.WRITE_POST, rid_p, pf + 1000, pf + 2000, "failed" if mode == "pull" else "ok")
-    recs["router"].record_root(tid, None, t0 - 1000, pf + handoff_ns + 10_000_000, "ok",
-                               {sc.ATTR_TTFT_S: 0.03, sc.ATTR_DISPATCH: "overlapped"})
+    recs["router"].record_root(
+        tid, None, t0 - 1000, pf + handoff_ns + 10_000_000, "ok", {sc.ATTR_TTFT_S: 0.03, sc.ATTR_DISPATCH: "overlapped"}
+    )
     for r in recs.values():
         r.close()
     return pf
@@ -58,8 +63,15 @@ def test_spans_fold_into_one_trace_with_handoff(backend):
     assert row["clock_offset_s"] == 0 and row["clock_lo_s"] <= 0 <= row["clock_hi_s"]
     assert row["handoff_err_s"] == pytest.approx(max(-row["clock_lo_s"], row["clock_hi_s"]))
     spans = store.spans_for(conn, [TID])[TID]
-    assert {s["name"] for s in spans} == {"request", "prefill", "prefill.finished", "write.post", "kv.ready",
-                                          "registration.send", "registration.receive"}
+    assert {s["name"] for s in spans} == {
+        "request",
+        "prefill",
+        "prefill.finished",
+        "write.post",
+        "kv.ready",
+        "registration.send",
+        "registration.receive",
+    }
     rec = tracemodel.trace_record(row, spans)
     json.dumps(rec)
     assert set(rec) >= {"trace_id", "request_id", "mode", "outcome", "ttft_s", "handoff_s", "spans"}
@@ -115,7 +127,9 @@ def test_a_newer_store_is_refused_naming_both_versions(backend):
     newer = store.SCHEMA_VERSION + 1
     backend.set_version(newer)
     for readonly in (True, False):
-        with pytest.raises(store.StoreVersionError, match=f"schema version {newer}.*up to version {store.SCHEMA_VERSION}"):
+        with pytest.raises(
+            store.StoreVersionError, match=f"schema version {newer}.*up to version {store.SCHEMA_VERSION}"
+        ):
             store.connect(p, readonly=readonly)
     assert issubclass(store.StoreVersionError, store.StoreError)
 
@@ -152,8 +166,11 @@ def test_a_version_1_store_is_migrated_and_its_handoffs_marked_unknown(tmp_path)
     raw.execute("CREATE INDEX traces_handoff ON traces (handoff_s DESC)")
     raw.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
     raw.execute("INSERT INTO meta VALUES ('schema_version', '1')")
-    raw.execute("INSERT INTO traces (trace_id, mode, start_ns, prefill_finished_ns, kv_ready_ns, n_spans) "
-                "VALUES (?, 'push', 1, 1000, 5001000, 3)", (TID,))
+    raw.execute(
+        "INSERT INTO traces (trace_id, mode, start_ns, prefill_finished_ns, kv_ready_ns, n_spans) "
+        "VALUES (?, 'push', 1, 1000, 5001000, 3)",
+        (TID,),
+    )
     raw.commit()
     raw.close()
     with store.reading(p) as c:  # a reader upgrades it once, then reads
@@ -234,11 +251,17 @@ def test_unwritable_store_drops_spans_without_raising(tmp_path, caplog):
     ro.mkdir()
     (ro / "traces.db").mkdir()  # a directory where the file should be: unwritable for anyone, root included
     exp = store.StoreSpanExporter(ro / "traces.db")
-    r = Recorder(role="prefill", mode="push", pipeline_factory=pipeline.provider_factory(
-        role="prefill", mode="push", engine_id=None, config={"kvlens_home": str(ro), "kvlens_metrics": "off"}))
+    r = Recorder(
+        role="prefill",
+        mode="push",
+        pipeline_factory=pipeline.provider_factory(
+            role="prefill", mode="push", engine_id=None, config={"kvlens_home": str(ro), "kvlens_metrics": "off"}
+        ),
+    )
     r.record(sc.Phase.MATCH, "x", 1, 2)
     r.close()  # export fails inside the SDK thread; nothing raises here
     from opentelemetry.sdk.trace.export import SpanExportResult
+
     assert exp.export([]) == SpanExportResult.FAILURE
 
 
@@ -253,7 +276,17 @@ def test_parse_since():
 
 def test_bench_rows_roundtrip(backend):
     conn = store.connect(backend.store)
-    rows = [{"mode": "push", "dispatch": "overlapped", "qps": 1.0, "input_len": 256, "output_len": 8, "num_prompts": 4, "completed": 4}]
+    rows = [
+        {
+            "mode": "push",
+            "dispatch": "overlapped",
+            "qps": 1.0,
+            "input_len": 256,
+            "output_len": 8,
+            "num_prompts": 4,
+            "completed": 4,
+        }
+    ]
     store.save_bench_rows(conn, "run1", rows)
     store.save_bench_rows(conn, "run2", rows + [dict(rows[0], mode="pull")])
     assert len(store.bench_rows(conn)) == 2 and store.bench_rows(conn, "run1")[0]["completed"] == 4
@@ -290,19 +323,44 @@ def test_collector_store_needs_a_separate_collector_process(tmp_path):
 # vLLM's own keys that share kv_connector_extra_config with kvlens' (the stack's,
 # NIXL push/pull's, and other connectors' of the supported vLLM): never mistaken for typos.
 _VLLM_KEYS = (
-    "kv_lease_duration", "push_registration_timeout", "backends", "bidirectional_kv_xfer",
-    "decoder_kv_blocks_ttl", "enforce_handshake_compat", "engine_ttl", "kv_recompute_threshold", "num_threads",
-    "backend", "num_workers", "handshake_port", "notify_port", "transfer_timeout", "enable_telemetry",
-    "read_mode", "use_layerwise", "store_threshold", "memory_limit", "max_tracker_size", "http_port",
+    "kv_lease_duration",
+    "push_registration_timeout",
+    "backends",
+    "bidirectional_kv_xfer",
+    "decoder_kv_blocks_ttl",
+    "enforce_handshake_compat",
+    "engine_ttl",
+    "kv_recompute_threshold",
+    "num_threads",
+    "backend",
+    "num_workers",
+    "handshake_port",
+    "notify_port",
+    "transfer_timeout",
+    "enable_telemetry",
+    "read_mode",
+    "use_layerwise",
+    "store_threshold",
+    "memory_limit",
+    "max_tracker_size",
+    "http_port",
 )
 
 
-@pytest.mark.parametrize("typo, meant", [
-    ("otlp_endpiont", "otlp_endpoint"), ("otel_endpoint", "otlp_endpoint"), ("OTLP_ENDPOINT", "otlp_endpoint"),
-    ("kvlens_buffer_event", "kvlens_buffer_events"), ("kvlen_home", "kvlens_home"),
-    ("kv_lens_home", "kvlens_home"), ("kvlens_metric", "kvlens_metrics"), ("kvlens_bogus", None),
-    ("otlp_headers", None),
-])
+@pytest.mark.parametrize(
+    "typo, meant",
+    [
+        ("otlp_endpiont", "otlp_endpoint"),
+        ("otel_endpoint", "otlp_endpoint"),
+        ("OTLP_ENDPOINT", "otlp_endpoint"),
+        ("kvlens_buffer_event", "kvlens_buffer_events"),
+        ("kvlen_home", "kvlens_home"),
+        ("kv_lens_home", "kvlens_home"),
+        ("kvlens_metric", "kvlens_metrics"),
+        ("kvlens_bogus", None),
+        ("otlp_headers", None),
+    ],
+)
 def test_misspelled_option_names_the_key_and_the_closest_known_one(typo, meant):
     with pytest.raises(ValueError) as e:
         pipeline.validate_config({typo: "http://x:4318", "kv_lease_duration": 7})
@@ -336,9 +394,12 @@ def test_buffer_events_must_be_a_positive_integer(bad):
 @pytest.mark.parametrize("good, n", [(1, 1), (4096, 4096), ("4096", 4096), (" 64 ", 64), (512.0, 512)])
 def test_buffer_events_accepts_integers(good, n):
     assert pipeline.validate_config({"kvlens_buffer_events": good}) == {"kvlens_buffer_events": good}
-    r = pipeline.get_recorder("router", "push", f"buf-{n}-{good!r}", {"kvlens_buffer_events": good,
-                                                                        "kvlens_store": "off",
-                                                                        "kvlens_metrics": "off"})
+    r = pipeline.get_recorder(
+        "router",
+        "push",
+        f"buf-{n}-{good!r}",
+        {"kvlens_buffer_events": good, "kvlens_store": "off", "kvlens_metrics": "off"},
+    )
     try:
         assert r.capacity == n
     finally:
@@ -358,7 +419,10 @@ def test_connector_start_fails_on_a_misspelled_option():
 
     from instrumented_connector import connector
 
-    vcfg = SimpleNamespace(kv_transfer_config=SimpleNamespace(
-        kv_role="kv_producer", kv_connector_extra_config={"otlp_endpiont": "http://c:4318"}))
+    vcfg = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_role="kv_producer", kv_connector_extra_config={"otlp_endpiont": "http://c:4318"}
+        )
+    )
     with pytest.raises(ValueError, match="did you mean 'otlp_endpoint'"):
         connector._make_recorder(vcfg, "push", "typo-engine")

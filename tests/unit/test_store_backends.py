@@ -68,13 +68,13 @@ def test_the_same_spans_give_the_same_answers_on_both_backends(both):
                 "failed": sorted(r["trace_id"] for r in store.slowest(c, 50, outcome="failed")),
                 "handoffs": store.handoffs(c, tids),
                 "window": store.window(c, since_ns=None, until_ns=None, limit=1000),
-                "sample": store.handoff_sample(c, since_ns=None, until_ns=None, limit=1000,
-                                               exclude_phases=("request",)),
+                "sample": store.handoff_sample(
+                    c, since_ns=None, until_ns=None, limit=1000, exclude_phases=("request",)
+                ),
                 "spans": {t: _spans_without_ids(s) for t, s in store.spans_for(c, tids[:6]).items()},
                 "bench": [store.bench_rows(c), [r["rows"] for r in store.bench_runs(c)]],
             }
-        out[b.name]["sample"] = (out[b.name]["sample"][0],
-                                 sorted(out[b.name]["sample"][1]))
+        out[b.name]["sample"] = (out[b.name]["sample"][0], sorted(out[b.name]["sample"][1]))
     assert out["sqlite"]["info"]["traces"] == 24 and len(out["sqlite"]["slowest"]) == 24
     assert out["sqlite"]["failed"]  # the fixture has failed pulls
     for key in out["sqlite"]:
@@ -101,8 +101,9 @@ def _resolved(b: Backend, ids: dict[str, list[str]]) -> dict:
     finally:
         proc.shutdown()
     g = reg.get_sample_value
-    out = {m: (g("kvlens_handoff_seconds_count", {"mode": m}), g("kvlens_handoff_seconds_sum", {"mode": m}))
-           for m in ids}
+    out = {
+        m: (g("kvlens_handoff_seconds_count", {"mode": m}), g("kvlens_handoff_seconds_sum", {"mode": m})) for m in ids
+    }
     for fam in reg.collect():  # the derived phases the resolver observed, by (mode, role, phase)
         for smp in fam.samples:
             if smp.name == "kvlens_phase_duration_seconds_count":
@@ -157,17 +158,25 @@ def test_the_dashboard_data_layer_is_the_same_on_both_backends(both):
     for b in (lite, pgb):
         name = str(b.store)
         head, spans = D.trace_detail(name, ids["push"][2])
-        got[b.name] = (D.store_info(name), D.slowest(name, 10), D.phase_breakdown(name, None, None), head,
-                       spans.drop(columns=[c for c in ("span_id", "parent_id") if c in spans]))
+        got[b.name] = (
+            D.store_info(name),
+            D.slowest(name, 10),
+            D.phase_breakdown(name, None, None),
+            head,
+            spans.drop(columns=[c for c in ("span_id", "parent_id") if c in spans]),
+        )
     (i1, s1, p1, h1, sp1), (i2, s2, p2, h2, sp2) = got["sqlite"], got["postgresql"]
     assert i1["traces"] == 24 and len(s1) == 10 and len(p1) and h1 is not None and len(sp1)
     assert i2 == i1 and _norm(h2) == _norm(h1)
     pd.testing.assert_frame_equal(s2.reset_index(drop=True), s1.reset_index(drop=True), check_exact=False)
     pd.testing.assert_frame_equal(p2.reset_index(drop=True), p1.reset_index(drop=True), check_exact=False)
     key = [c for c in ("start_ns", "name", "role") if c in sp1]
-    pd.testing.assert_frame_equal(sp2.sort_values(key).reset_index(drop=True)[sorted(sp2.columns)],
-                                  sp1.sort_values(key).reset_index(drop=True)[sorted(sp1.columns)],
-                                  check_exact=False, check_dtype=False)
+    pd.testing.assert_frame_equal(
+        sp2.sort_values(key).reset_index(drop=True)[sorted(sp2.columns)],
+        sp1.sort_values(key).reset_index(drop=True)[sorted(sp1.columns)],
+        check_exact=False,
+        check_dtype=False,
+    )
 
 
 # --------------------------------------------------------------- retention
@@ -178,8 +187,9 @@ def _synthetic(conn, starts: list[int]) -> list[str]:
         tid = format(i + 1, "032x")
         ids.append(tid)
         for j in range(3):
-            spans.append((tid, format(j + 1, "016x"), None, f"s{j}", "prefill", "push", tid, t + j, t + j + 5,
-                          "ok", "{}"))
+            spans.append(
+                (tid, format(j + 1, "016x"), None, f"s{j}", "prefill", "push", tid, t + j, t + j + 5, "ok", "{}")
+            )
         traces.append((tid, tid, "push", "overlapped", "ok", t, t + 10, 0.01, t + 1, t + 2, 3, 0.001, 0.0001))
     store.bulk_insert(conn, spans, traces)
     return ids
@@ -241,8 +251,12 @@ def test_a_malformed_store_url_is_refused_with_a_clear_message(tmp_path, capsys)
     assert not store.is_url("/tmp/x.db") and not store.is_url(tmp_path)
     assert store.location("postgresql://u:pw@h:5433/db") == "postgresql://u:pw@h:5433/db"
     assert store.display("postgresql://u:secret@h:5433/db") == "postgresql://u:***@h:5433/db"
-    for bad, why in [("postgresql://u@h:99999/db", "bad port"), ("postgresql://u@h:5432/", "no database"),
-                     ("postgresql:///db", "no host"), ("mysql://u@h/db", "unknown store URL scheme")]:
+    for bad, why in [
+        ("postgresql://u@h:99999/db", "bad port"),
+        ("postgresql://u@h:5432/", "no database"),
+        ("postgresql:///db", "no host"),
+        ("mysql://u@h/db", "unknown store URL scheme"),
+    ]:
         with pytest.raises(ValueError, match=why):
             store.location(bad)
     assert store_path({"kvlens_store": "postgresql://u@h/db"}) == "postgresql://u@h/db"
@@ -278,8 +292,11 @@ def test_a_server_that_is_down_at_start_is_one_line_and_a_non_zero_exit(capsys):
     with pytest.raises(store.StoreUnavailable):
         with store.reading(url) as c:
             store.info(c)
-    for argv, rc in ((["collect", "--store", url, "--port", "0"], 2), (["traces", "--store", url], 1),
-                     (["dashboard", "--store", url, "--port", "8599"], 2)):
+    for argv, rc in (
+        (["collect", "--store", url, "--port", "0"], 2),
+        (["traces", "--store", url], 1),
+        (["dashboard", "--store", url, "--port", "8599"], 2),
+    ):
         assert main(argv) == rc, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and f"127.0.0.1:{port} is not reachable" in err[0], err
@@ -337,8 +354,9 @@ def test_the_collector_rides_out_a_server_restart(pg_server, pg_url):
         pg_server.stop()
         assert patient.offer(second)
         assert not patient.offer(third)  # over the bound: refused (the HTTP layer answers 429)
-        assert patient.registry.get_sample_value("kvlens_collector_requests_rejected_total",
-                                                 {"reason": "queue_full"}) == 1
+        assert (
+            patient.registry.get_sample_value("kvlens_collector_requests_rejected_total", {"reason": "queue_full"}) == 1
+        )
         assert impatient.offer(third)
         assert _wait(lambda: impatient.counts()["dropped"] == len(third))
         assert patient.counts()["written"] == len(first) and patient.counts()["dropped"] == 0
@@ -347,8 +365,9 @@ def test_the_collector_rides_out_a_server_restart(pg_server, pg_url):
         assert _wait(lambda: patient.counts()["written"] == len(first) + len(second))
         c = patient.counts()
         assert c["received"] == c["written"] + c["dropped"] + c["queued"] and c["dropped"] == 0
-        assert impatient.registry.get_sample_value("kvlens_collector_spans_dropped_total",
-                                                   {"reason": "store_error"}) == len(third)
+        assert impatient.registry.get_sample_value(
+            "kvlens_collector_spans_dropped_total", {"reason": "store_error"}
+        ) == len(third)
         with store.reading(pg_url) as conn:
             got = store.spans_for(conn, trace_ids(first + second + third))
         assert sum(len(v) for v in got.values()) == len(first) + len(second)

@@ -14,12 +14,29 @@ from kvlens import traces
 from kvlens.cli import main
 
 
-@pytest.mark.parametrize("flag,value", [
-    ("--since", "inf"), ("--since", "nan"), ("--since", "-5"), ("--since", "0"), ("--since", "1e400"),
-    ("--since", "-infm"), ("--since", "40000d"), ("--since", "m"), ("--since", "ten minutes"),
-    ("--slowest", "99999999999999999999"), ("--slowest", "0"), ("--slowest", "-3"), ("--slowest", "2.5"),
-    ("--width", "0"), ("--width", "3"), ("--width", "19"), ("--width", "100000"), ("--width", "wide"),
-])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--since", "inf"),
+        ("--since", "nan"),
+        ("--since", "-5"),
+        ("--since", "0"),
+        ("--since", "1e400"),
+        ("--since", "-infm"),
+        ("--since", "40000d"),
+        ("--since", "m"),
+        ("--since", "ten minutes"),
+        ("--slowest", "99999999999999999999"),
+        ("--slowest", "0"),
+        ("--slowest", "-3"),
+        ("--slowest", "2.5"),
+        ("--width", "0"),
+        ("--width", "3"),
+        ("--width", "19"),
+        ("--width", "100000"),
+        ("--width", "wide"),
+    ],
+)
 def test_bad_values_are_usage_errors(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit) as exit_:
         main(["traces", "--store", str(tmp_path / "none.db"), f"{flag}={value}"])
@@ -29,8 +46,17 @@ def test_bad_values_are_usage_errors(tmp_path, capsys, flag, value):
     assert err.strip().splitlines()[-1].startswith(f"kvlens traces: error: argument {flag}:")
 
 
-@pytest.mark.parametrize("flag,value", [("--since", "10m"), ("--since", "36500d"), ("--since", "0.5"),
-                                        ("--slowest", "10000"), ("--width", "20"), ("--width", "1000")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--since", "10m"),
+        ("--since", "36500d"),
+        ("--since", "0.5"),
+        ("--slowest", "10000"),
+        ("--width", "20"),
+        ("--width", "1000"),
+    ],
+)
 def test_limits_themselves_are_accepted(tmp_path, capsys, flag, value):
     assert main(["traces", "--store", str(tmp_path / "none.db"), f"{flag}={value}"]) == 1  # store missing
     assert "trace store not found" in capsys.readouterr().err
@@ -53,8 +79,16 @@ def test_store_that_is_a_directory_is_one_line(tmp_path, capsys):
 
 def test_run_checks_values_given_without_argparse(tmp_path, capsys):
     """``kvlens demo`` builds the namespace itself."""
-    ns = argparse.Namespace(store=str(tmp_path / "none.db"), slowest=3, mode=None, outcome=None,
-                            since="inf", trace=None, json=False, width=60)
+    ns = argparse.Namespace(
+        store=str(tmp_path / "none.db"),
+        slowest=3,
+        mode=None,
+        outcome=None,
+        since="inf",
+        trace=None,
+        json=False,
+        width=60,
+    )
     assert traces.run(ns) == 2
     assert "invalid duration" in capsys.readouterr().err
 
@@ -68,8 +102,13 @@ def test_waterfall_at_its_narrowest_and_widest(tmp_path):
         trs = tracemodel.slowest(conn, 4)
     assert trs
     for tr in trs:
-        for asked, drawn in ((0, traces.MIN_WIDTH), (3, traces.MIN_WIDTH), (traces.MIN_WIDTH, traces.MIN_WIDTH),
-                             (traces.MAX_WIDTH, traces.MAX_WIDTH), (10**9, traces.MAX_WIDTH)):
+        for asked, drawn in (
+            (0, traces.MIN_WIDTH),
+            (3, traces.MIN_WIDTH),
+            (traces.MIN_WIDTH, traces.MIN_WIDTH),
+            (traces.MAX_WIDTH, traces.MAX_WIDTH),
+            (10**9, traces.MAX_WIDTH),
+        ):
             text = traces.waterfall(tr, asked)
             bars = [line for line in text.splitlines() if "[" in line]
             assert bars and all(line.index("]") - line.index("[") - 1 == drawn for line in bars)
@@ -97,8 +136,15 @@ def test_breakdown_says_what_dominates_per_mode_and_dispatch(small_store, capsys
         assert f"{b.requests} requests" in out
     assert "push/overlapped:" not in out  # each mode's only dispatch: not repeated
     seq = dataclasses.replace(groups["push/overlapped"], key="push/sequential")
-    two = dict(groups, **{"push/sequential": seq, "push": tracemodel.summarize(
-        [("push", tracemodel.Tiling(10, {}, ()))] * (2 * groups["push"].requests))["push"]})
+    two = dict(
+        groups,
+        **{
+            "push/sequential": seq,
+            "push": tracemodel.summarize([("push", tracemodel.Tiling(10, {}, ()))] * (2 * groups["push"].requests))[
+                "push"
+            ],
+        },
+    )
     assert "push/overlapped:" in traces.breakdown_text(two) and "push/sequential:" in traces.breakdown_text(two)
     assert "unattributed at the median" in out and "decode.queue" in out and "write.notify" in out
     assert out.index("push:") < out.index("pull:")

@@ -94,8 +94,13 @@ def test_stop_children_stops_the_whole_process_group(tmp_path):
     from kvlens.stack.supervise import Child, stop_children
 
     pidfile = tmp_path / "grandchild.pid"
-    c = Child("tree", ["sh", "-c", f"sleep 300 & echo $! > {pidfile}; wait"], dict(os.environ),
-              tmp_path / "tree.log", "http://127.0.0.1:1")
+    c = Child(
+        "tree",
+        ["sh", "-c", f"sleep 300 & echo $! > {pidfile}; wait"],
+        dict(os.environ),
+        tmp_path / "tree.log",
+        "http://127.0.0.1:1",
+    )
     c.start()
     deadline = time.monotonic() + 10
     while not (pidfile.exists() and pidfile.read_text().strip()):
@@ -114,12 +119,24 @@ def test_stop_children_stops_the_whole_process_group(tmp_path):
 
 
 # ------------------------------------------------ issue 12: flag checks
-@pytest.mark.parametrize("flag,value", [
-    ("--port", "70000"), ("--port", "-1"), ("--port", "http"), ("--prefill-port", "65536"),
-    ("--decode-port", "-80"), ("--prometheus-port", "0"), ("--timeout", "-5"), ("--timeout", "0"),
-    ("--timeout", "inf"), ("--timeout", "nan"), ("--kv-lease", "0"), ("--kv-lease", "1.5"),
-    ("--push-registration-timeout", "-1"),
-])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--port", "70000"),
+        ("--port", "-1"),
+        ("--port", "http"),
+        ("--prefill-port", "65536"),
+        ("--decode-port", "-80"),
+        ("--prometheus-port", "0"),
+        ("--timeout", "-5"),
+        ("--timeout", "0"),
+        ("--timeout", "inf"),
+        ("--timeout", "nan"),
+        ("--kv-lease", "0"),
+        ("--kv-lease", "1.5"),
+        ("--push-registration-timeout", "-1"),
+    ],
+)
 def test_up_bad_numbers_are_usage_errors(capsys, flag, value):
     from kvlens.cli import main
 
@@ -166,8 +183,17 @@ def _stack(tmp_path, **kw):
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
-    base = dict(mode="push", model=model, kvlens_home=tmp_path / "home", log_dir=tmp_path / "run", port=18000,
-                prefill_port=18001, decode_port=18002, prefill_side_port=18003, decode_side_port=18004)
+    base = dict(
+        mode="push",
+        model=model,
+        kvlens_home=tmp_path / "home",
+        log_dir=tmp_path / "run",
+        port=18000,
+        prefill_port=18001,
+        decode_port=18002,
+        prefill_side_port=18003,
+        decode_side_port=18004,
+    )
     base.update(kw)
     return Stack(**base)
 
@@ -202,8 +228,9 @@ def test_up_api_key_flag(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     p = argparse.ArgumentParser()
     up.add_arguments(p)
-    args = p.parse_args(["--mode", "pull", "--api-key", "sk-flag", "--model", str(tmp_path), "--log-dir",
-                         str(tmp_path / "run")])
+    args = p.parse_args(
+        ["--mode", "pull", "--api-key", "sk-flag", "--model", str(tmp_path), "--log-dir", str(tmp_path / "run")]
+    )
     assert up._stack(args).api_key == "sk-flag"
     assert up._stack(p.parse_args(["--mode", "pull", "--log-dir", str(tmp_path / "run")])).api_key is None
 
@@ -282,11 +309,17 @@ def _record(runs: Path, tag: str, proc: subprocess.Popen, ports: dict, superviso
     d = runs / tag
     d.mkdir(parents=True)
     sup = supervisor if supervisor is not None else _dead_pid()
-    (d / "stack.json").write_text(json.dumps({
-        "mode": "push", "ports": ports, "pids": {"prefill": proc.pid},
-        "processes": [group_record("prefill", proc.pid)],
-        "supervisor": {"pid": sup, "cmdline": cmdline(sup) or ["kvlens", "up"]},
-    }))
+    (d / "stack.json").write_text(
+        json.dumps(
+            {
+                "mode": "push",
+                "ports": ports,
+                "pids": {"prefill": proc.pid},
+                "processes": [group_record("prefill", proc.pid)],
+                "supervisor": {"pid": sup, "cmdline": cmdline(sup) or ["kvlens", "up"]},
+            }
+        )
+    )
     return d / "stack.json"
 
 
@@ -304,8 +337,13 @@ def test_leftovers_are_named_not_killed(tmp_path):
         assert rec["members"][0]["cmdline"][-1] == "import time; time.sleep(120)"
         path = _record(runs, "push-old", proc, {"router": 8000, "prefill": 8001})
         (lo,) = find_leftovers(runs)
-        assert (lo.manifest, lo.names, lo.pgids, lo.pids, lo.ports) == (path, ["prefill"], [proc.pid], [proc.pid],
-                                                                         [8000, 8001])
+        assert (lo.manifest, lo.names, lo.pgids, lo.pids, lo.ports) == (
+            path,
+            ["prefill"],
+            [proc.pid],
+            [proc.pid],
+            [8000, 8001],
+        )
         line = lo.line()
         assert "its kvlens is gone" in line and f"kill -TERM -{proc.pid}" in line and str(path) in line
         assert proc.poll() is None  # named, never stopped
@@ -364,8 +402,13 @@ def test_manifest_records_groups_and_never_the_key(tmp_path):
     from kvlens.stack.supervise import Child
 
     s = _stack(tmp_path, api_key="sk-secret")
-    c = Child("prefill", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ),
-              tmp_path / "p.log", "http://127.0.0.1:1")
+    c = Child(
+        "prefill",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        dict(os.environ),
+        tmp_path / "p.log",
+        "http://127.0.0.1:1",
+    )
     c.start()
     try:
         Path(s.log_dir).mkdir(parents=True, exist_ok=True)

@@ -25,9 +25,18 @@ def _no_key(monkeypatch):
 
 
 # ------------------------------------------------------------- the flags
-@pytest.mark.parametrize("flag,value", [("--prefill-instances", "0"), ("--prefill-instances", "9"),
-                                        ("--decode-instances", "-1"), ("--decode-instances", "two"),
-                                        ("--router", "nginx"), ("--router", ","), ("--vllm-router-port", "0")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--prefill-instances", "0"),
+        ("--prefill-instances", "9"),
+        ("--decode-instances", "-1"),
+        ("--decode-instances", "two"),
+        ("--router", "nginx"),
+        ("--router", ","),
+        ("--vllm-router-port", "0"),
+    ],
+)
 def test_bad_instance_and_router_flags_are_usage_errors(capsys, flag, value):
     from kvlens.cli import main
 
@@ -37,14 +46,19 @@ def test_bad_instance_and_router_flags_are_usage_errors(capsys, flag, value):
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"kvlens up: error: argument {flag}:")
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--mode", "push", "--router", "vllm-router"], "needs --mode pull: vLLM's router sends P first"),
-    (["--mode", "push", "--router", "kvlens,vllm-router"], "needs --mode pull"),
-    (["--mode", "pull", "--router", "vllm-router", "--api-key", "sk"], "keeps keys off command lines"),
-    (["--mode", "pull", "--router", "vllm-router", "--separate-homes", "--collector", "router"],
-     "--collector router needs kvlens' router"),
-    (["--mode", "pull", "--vllm-router-port", "9999"], "--vllm-router-port needs --router vllm-router"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--mode", "push", "--router", "vllm-router"], "needs --mode pull: vLLM's router sends P first"),
+        (["--mode", "push", "--router", "kvlens,vllm-router"], "needs --mode pull"),
+        (["--mode", "pull", "--router", "vllm-router", "--api-key", "sk"], "keeps keys off command lines"),
+        (
+            ["--mode", "pull", "--router", "vllm-router", "--separate-homes", "--collector", "router"],
+            "--collector router needs kvlens' router",
+        ),
+        (["--mode", "pull", "--vllm-router-port", "9999"], "--vllm-router-port needs --router vllm-router"),
+    ],
+)
 def test_what_vllm_router_cannot_do_is_refused_before_anything_starts(tmp_path, capsys, argv, words):
     from kvlens.cli import main
 
@@ -62,8 +76,20 @@ def test_up_flags_reach_the_stack(tmp_path):
 
     p = argparse.ArgumentParser()
     up.add_arguments(p)
-    args = p.parse_args(["--mode", "pull", "--prefill-instances", "2", "--decode-instances", "3", "--router",
-                         "vllm-router, kvlens", "--log-dir", str(tmp_path / "run")])
+    args = p.parse_args(
+        [
+            "--mode",
+            "pull",
+            "--prefill-instances",
+            "2",
+            "--decode-instances",
+            "3",
+            "--router",
+            "vllm-router, kvlens",
+            "--log-dir",
+            str(tmp_path / "run"),
+        ]
+    )
     s = up._stack(args)
     assert (s.prefill_instances, s.decode_instances, s.routers) == (2, 3, ("kvlens", "vllm-router"))
     with pytest.raises(StackError, match="--decode-instances must be 1..8"):
@@ -107,10 +133,11 @@ def test_the_router_built_for_n_x_m_parses(tmp_path):
     s = _stack(tmp_path, prefill_instances=3, decode_instances=2)
     s.preflight()
     argv = s._router("overlapped", s.port).argv
-    cfg = config(build_parser().parse_args(argv[argv.index("proxy"):]))
+    cfg = config(build_parser().parse_args(argv[argv.index("proxy") :]))
     check(cfg)  # overlapped push: every P's side channel known
     assert [(p.url, p.engine_id, p.side_port) for p in cfg.prefills] == [
-        (p.url, p.engine_id, p.side_port) for p in s.prefills]
+        (p.url, p.engine_id, p.side_port) for p in s.prefills
+    ]
     assert [(d.url, d.engine_id) for d in cfg.decodes] == [(d.url, d.engine_id) for d in s.decodes]
 
 
@@ -137,8 +164,10 @@ def test_cpu_binding_rule():
     from kvlens.stack.pinning import cpu_binding
 
     def plan(n_p, n_d, cpus):
-        return ([cpu_binding("prefill", i, n_p, n_d, cpus) for i in range(n_p)],
-                [cpu_binding("decode", j, n_p, n_d, cpus) for j in range(n_d)])
+        return (
+            [cpu_binding("prefill", i, n_p, n_d, cpus) for i in range(n_p)],
+            [cpu_binding("decode", j, n_p, n_d, cpus) for j in range(n_d)],
+        )
 
     assert plan(1, 1, [0, 1]) == (["0"], ["1"])  # as a pair always ran
     assert plan(2, 3, [0, 1]) == (["0", "0"], ["1", "1", "1"])  # 2 cores: P on one, D on the other
@@ -157,12 +186,23 @@ def test_manifest_lists_every_instance_and_leftovers_still_read_it(tmp_path):
     from kvlens.stack.leftovers import find_leftovers
     from kvlens.stack.supervise import Child, stop_children
 
-    s = _stack(tmp_path, mode="pull", prefill_instances=2, decode_instances=2, routers="kvlens,vllm-router",
-               log_dir=tmp_path / "home" / "runs" / "pull-2x2")
+    s = _stack(
+        tmp_path,
+        mode="pull",
+        prefill_instances=2,
+        decode_instances=2,
+        routers="kvlens,vllm-router",
+        log_dir=tmp_path / "home" / "runs" / "pull-2x2",
+    )
     s.preflight()
     Path(s.log_dir).mkdir(parents=True)
-    c = Child("prefill-p1", [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ),
-              tmp_path / "p1.log", s.prefills[1].url)
+    c = Child(
+        "prefill-p1",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        dict(os.environ),
+        tmp_path / "p1.log",
+        s.prefills[1].url,
+    )
     c.start()
     try:
         s.children.append(c)

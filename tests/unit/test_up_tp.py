@@ -33,8 +33,18 @@ def _flag(argv: list[str], name: str) -> list[str]:
 
 
 # ------------------------------------------------------------- the flags
-@pytest.mark.parametrize("flag,value", [("--tp", "0"), ("--tp", "9"), ("--tp", "two"), ("--prefill-tp", "2,x"),
-                                        ("--decode-tp", "9"), ("--decode-tp", "0,1"), ("--prefill-tp", "")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--tp", "0"),
+        ("--tp", "9"),
+        ("--tp", "two"),
+        ("--prefill-tp", "2,x"),
+        ("--decode-tp", "9"),
+        ("--decode-tp", "0,1"),
+        ("--prefill-tp", ""),
+    ],
+)
 def test_bad_tp_flags_are_usage_errors(capsys, flag, value):
     from kvlens.cli import main
 
@@ -47,8 +57,21 @@ def test_bad_tp_flags_are_usage_errors(capsys, flag, value):
 def test_a_size_per_instance_must_match_the_instances(tmp_path, capsys):
     from kvlens.cli import main
 
-    rc = main(["up", "--mode", "pull", "--decode-instances", "2", "--decode-tp", "2,1,1",
-               "--log-dir", str(tmp_path / "run"), "--model", str(tmp_path / "none")])
+    rc = main(
+        [
+            "up",
+            "--mode",
+            "pull",
+            "--decode-instances",
+            "2",
+            "--decode-tp",
+            "2,1,1",
+            "--log-dir",
+            str(tmp_path / "run"),
+            "--model",
+            str(tmp_path / "none"),
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     assert "kvlens up: error: --decode-tp gives 3 sizes for 2 instance(s)" in err
@@ -91,8 +114,10 @@ def test_cpu_binding_gives_every_rank_a_cpu_list():
 
     def plan(p_tp, d_tp, cpus):
         tps = {"prefill": p_tp, "decode": d_tp}
-        return ([cpu_binding("prefill", i, len(p_tp), len(d_tp), cpus, tps) for i in range(len(p_tp))],
-                [cpu_binding("decode", j, len(p_tp), len(d_tp), cpus, tps) for j in range(len(d_tp))])
+        return (
+            [cpu_binding("prefill", i, len(p_tp), len(d_tp), cpus, tps) for i in range(len(p_tp))],
+            [cpu_binding("decode", j, len(p_tp), len(d_tp), cpus, tps) for j in range(len(d_tp))],
+        )
 
     # 2 cores: rank i on CPU i for P and D alike; a TP 1 D keeps D's CPU
     assert plan([2], [2], [0, 1]) == (["0|1"], ["0|1"])
@@ -123,15 +148,20 @@ def test_rank_cpu_lists():
     assert parse_cpu_list("0|1") is None  # the one-rank parser still refuses a multi-rank value
 
 
-_WORKER = ("import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); "
-           "print('up', flush=True); time.sleep(60)")
-_SERVER = ("import subprocess, sys; ps = [subprocess.Popen([sys.executable, '-c', sys.argv[1], t], "
-           "stdout=subprocess.PIPE, text=True) for t in sys.argv[2:]]; [p.stdout.readline() for p in ps]; "
-           "print('up', flush=True); [p.wait() for p in ps]")
+_WORKER = (
+    "import setproctitle, sys, time; setproctitle.setproctitle(sys.argv[1]); print('up', flush=True); time.sleep(60)"
+)
+_SERVER = (
+    "import subprocess, sys; ps = [subprocess.Popen([sys.executable, '-c', sys.argv[1], t], "
+    "stdout=subprocess.PIPE, text=True) for t in sys.argv[2:]]; [p.stdout.readline() for p in ps]; "
+    "print('up', flush=True); [p.wait() for p in ps]"
+)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs two CPUs to move threads between")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to move threads between",
+)
 def test_repin_moves_each_rank_to_its_own_list():
     """A process with two children titled as vLLM titles TP workers
     (``VLLM::Worker_TP0`` / ``_TP1``, via setproctitle as vLLM does): each
@@ -141,8 +171,12 @@ def test_repin_moves_each_rank_to_its_own_list():
     from kvlens.stack.pinning import repin_worker_threads
 
     a, b = sorted(os.sched_getaffinity(0))[:2]
-    srv = subprocess.Popen([sys.executable, "-c", _SERVER, _WORKER, "VLLM::Worker_TP0", "VLLM::Worker_TP1",
-                            "VLLM::EngineCore"], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    srv = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, _WORKER, "VLLM::Worker_TP0", "VLLM::Worker_TP1", "VLLM::EngineCore"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         assert srv.stdout.readline().strip() == "up"
         kids = {p.cmdline()[0]: p.pid for p in psutil.Process(srv.pid).children()}
@@ -175,15 +209,14 @@ def test_tp_servers_commands_environments_and_router(tmp_path):
         c = s._server(inst.role, inst.index)
         bind = c.env["VLLM_CPU_OMP_THREADS_BIND"]
         assert len(bind.split("|")) == inst.tp, (inst.name, bind)
-        assert bind == cpu_binding(inst.role, inst.index, 1, 2, available_cpus(),
-                                   {"prefill": (2,), "decode": (2, 1)})
+        assert bind == cpu_binding(inst.role, inst.index, 1, 2, available_cpus(), {"prefill": (2,), "decode": (2, 1)})
         want = [str(inst.tp)] if inst.tp > 1 else []
         assert _flag(c.argv, "--tensor-parallel-size") == want, (inst.name, c.argv)
     if available_cpus() == [0, 1]:  # this 2-core host: what ran in docs/tensor-parallel.md
         assert [s._server(i.role, i.index).env["VLLM_CPU_OMP_THREADS_BIND"] for i in insts] == ["0|1", "0|1", "1"]
     r = s._router("overlapped", s.port).argv
     assert _flag(r, "--prefill-tp-size") == ["2"]
-    cfg = config(build_parser().parse_args(r[r.index("proxy"):]))
+    cfg = config(build_parser().parse_args(r[r.index("proxy") :]))
     check(cfg)
     assert [p.tp_size for p in cfg.prefills] == [2]
 
@@ -196,7 +229,7 @@ def test_per_p_tp_sizes_reach_the_router(tmp_path):
     s.preflight()
     r = s._router("overlapped", s.port).argv
     assert _flag(r, "--prefill-tp-size") == ["1", "2"]
-    cfg = config(build_parser().parse_args(r[r.index("proxy"):]))
+    cfg = config(build_parser().parse_args(r[r.index("proxy") :]))
     assert [(p.engine_id, p.tp_size) for p in cfg.prefills] == [("p0", 1), ("p1", 2)]
 
 
@@ -215,8 +248,10 @@ def test_startup_deadline_grows_with_engine_processes(tmp_path):
 
     pair = _stack(tmp_path).default_timeout_s
     assert pair == DEFAULT_TIMEOUT_S
-    assert _stack(tmp_path, prefill_instances=2, decode_instances=2).default_timeout_s == \
-        DEFAULT_TIMEOUT_S + 2 * STARTUP_S_PER_EXTRA_PROCESS
+    assert (
+        _stack(tmp_path, prefill_instances=2, decode_instances=2).default_timeout_s
+        == DEFAULT_TIMEOUT_S + 2 * STARTUP_S_PER_EXTRA_PROCESS
+    )
     tp = _stack(tmp_path, prefill_tp=2, decode_instances=2, decode_tp=(2, 1)).default_timeout_s
     assert tp == DEFAULT_TIMEOUT_S + 3 * STARTUP_S_PER_EXTRA_PROCESS  # 5 ranks
 

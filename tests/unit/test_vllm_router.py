@@ -31,10 +31,21 @@ def _stack(tmp_path, p_fakes, d_fake, **kw):
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
     ports = [int(f.url.rsplit(":", 1)[1]) for f in p_fakes]
-    s = Stack(mode="pull", model=model, kvlens_home=tmp_path / "home", log_dir=tmp_path / "run",
-              routers="vllm-router", port=free_port(), prefill_port=ports[0], decode_port=int(d_fake.url.rsplit(":", 1)[1]),
-              prefill_instances=len(p_fakes), prefill_side_port=free_port(), decode_side_port=free_port(), quiet=True,
-              **kw)
+    s = Stack(
+        mode="pull",
+        model=model,
+        kvlens_home=tmp_path / "home",
+        log_dir=tmp_path / "run",
+        routers="vllm-router",
+        port=free_port(),
+        prefill_port=ports[0],
+        decode_port=int(d_fake.url.rsplit(":", 1)[1]),
+        prefill_instances=len(p_fakes),
+        prefill_side_port=free_port(),
+        decode_side_port=free_port(),
+        quiet=True,
+        **kw,
+    )
     s.vllm_router_port, s.vllm_router_metrics_port = s.port, free_port()
     for i, port in enumerate(ports[1:], 1):  # the later P: where the fakes listen
         s.more_ports[f"p{i} port"], s.more_ports[f"p{i} side-channel port"] = port, free_port()
@@ -71,9 +82,16 @@ def test_vllm_router_built_by_kvlens_routes_p_then_d(tmp_path):
         c.start()
         wait_healthy([c], time.monotonic() + 120, lambda m: None)
         tp = f"00-{'ab' * 16}-b7ad6b7169203331-01"
-        rs = [httpx.post(c.url + "/v1/completions", json={"prompt": f"q{i}", "max_tokens": 3},
-                         headers={"traceparent": tp, "X-Request-Id": "client-id"}, timeout=30, trust_env=False)
-              for i in range(2)]
+        rs = [
+            httpx.post(
+                c.url + "/v1/completions",
+                json={"prompt": f"q{i}", "max_tokens": 3},
+                headers={"traceparent": tp, "X-Request-Id": "client-id"},
+                timeout=30,
+                trust_env=False,
+            )
+            for i in range(2)
+        ]
     finally:
         if c is not None and c.proc is not None:
             stop_children([c], grace_s=10)
@@ -109,4 +127,3 @@ def test_vllm_router_env_and_refusals(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.executable", str(tmp_path / "python"))
     with pytest.raises(StackError, match="pip install 'vllm-router>=0.1.17'"):
         find_vllm_router()
-

@@ -36,9 +36,14 @@ P = sc.Phase
 
 
 def _rec(role: str, home: Path, engine: str, mode: str) -> Recorder:
-    return Recorder(role=role, mode=mode, engine_id=engine,
-                    pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine,
-                                                      config={"kvlens_home": str(home), "kvlens_metrics": "off"}))
+    return Recorder(
+        role=role,
+        mode=mode,
+        engine_id=engine,
+        pipeline_factory=provider_factory(
+            role=role, mode=mode, engine_id=engine, config={"kvlens_home": str(home), "kvlens_metrics": "off"}
+        ),
+    )
 
 
 def _close(*recs: Recorder) -> None:
@@ -75,11 +80,14 @@ def _push(pre, dec, p_rid, d_rid, t0, *, xfer_ms=2.0, nbytes=4 << 20, kv_at=50, 
     for r in range(ranks_):
         w = RankedRecorder(pre, r, ranks_) if ranks_ > 1 else pre
         w.record(P.WRITE_POST, p_rid, at(43), at(44), "ok", {sc.ATTR_BLOCKS: 8})
-        w.record(P.WRITE_COMPLETE, p_rid, at(44), at(49 + r), "ok",
-                 _xfer(nbytes, None if xfer_ms is None else xfer_ms + r))
+        w.record(
+            P.WRITE_COMPLETE, p_rid, at(44), at(49 + r), "ok", _xfer(nbytes, None if xfer_ms is None else xfer_ms + r)
+        )
     dec.record(P.KV_READY, d_rid, at(kv_at), at(kv_at), "ok")
     if expire_at is not None:
-        pre.record(P.WRITE_COMPLETE, p_rid, at(expire_at), at(expire_at), "expired", {sc.ATTR_ERROR: "KV lease expired"})
+        pre.record(
+            P.WRITE_COMPLETE, p_rid, at(expire_at), at(expire_at), "expired", {sc.ATTR_ERROR: "KV lease expired"}
+        )
 
 
 def _pull(pre, dec, p_rid, d_rid, t0, *, released_at=57.0):
@@ -222,8 +230,12 @@ def test_pull_split_and_hold_after_kv_ready(tmp_path):
     assert not hold.critical and hold.attributes[sc.ATTR_DERIVED]
     til = _check_tiling(tr)
     assert not any(name == "kv.hold" for _, name in til.phases)  # after the window: never handoff cost
-    assert tr.to_json()["release"] == {"by": "kv.released", "outcome": "ok",
-                                       "after_kv_ready_s": pytest.approx(0.001), "hold_s": pytest.approx(0.001)}
+    assert tr.to_json()["release"] == {
+        "by": "kv.released",
+        "outcome": "ok",
+        "after_kv_ready_s": pytest.approx(0.001),
+        "hold_s": pytest.approx(0.001),
+    }
     assert "kv.hold" in waterfall(tr)
     # released before kv.ready: no hold
     _, p2, d2 = _rids()
@@ -235,8 +247,7 @@ def test_expired_push_lease_is_a_long_hold(tmp_path):
     """The WRITE succeeded, yet P kept the blocks until its lease ran out:
     kv.hold from D's kv.ready to the expiry, outcome expired."""
     _, p_rid, d_rid = _rids()
-    (tr,) = _store(tmp_path, "push",
-                   lambda pre, dec: _push(pre, dec, p_rid, d_rid, time.time_ns(), expire_at=6050))
+    (tr,) = _store(tmp_path, "push", lambda pre, dec: _push(pre, dec, p_rid, d_rid, time.time_ns(), expire_at=6050))
     (hold,) = _named(tr, "kv.hold")
     assert hold.outcome == "expired" and hold.duration_s == pytest.approx(6.0)
     (kv,) = _named(tr, "kv.ready")
@@ -262,8 +273,9 @@ def test_resolver_observes_the_split_and_counts_long_holds(tmp_path, monkeypatch
     _pull(pre, dec, p3, d3, t0 + 200 * MS)
     _close(pre, dec)
     reg = CollectorRegistry()
-    res = HandoffResolver(_families_for(reg), tmp_path / "traces.db", deadline_s=5.0, max_pending=10, poll_s=0.01,
-                          exemplars=False)
+    res = HandoffResolver(
+        _families_for(reg), tmp_path / "traces.db", deadline_s=5.0, max_pending=10, poll_s=0.01, exemplars=False
+    )
     for t in trs:
         res.submit(t.trace_id, "push")
     res.submit(pull_tid, "pull")
@@ -271,8 +283,9 @@ def test_resolver_observes_the_split_and_counts_long_holds(tmp_path, monkeypatch
     res.close()
 
     def count(mode, role, phase, outcome="ok"):
-        return reg.get_sample_value("kvlens_phase_duration_seconds_count",
-                                    {"mode": mode, "role": role, "phase": phase, "outcome": outcome})
+        return reg.get_sample_value(
+            "kvlens_phase_duration_seconds_count", {"mode": mode, "role": role, "phase": phase, "outcome": outcome}
+        )
 
     assert count("push", "prefill", "write.wire") == 2 and count("push", "prefill", "write.noticed") == 2
     assert count("pull", "decode", "read.wire") == 1 and count("pull", "decode", "read.noticed") == 1
@@ -280,8 +293,9 @@ def test_resolver_observes_the_split_and_counts_long_holds(tmp_path, monkeypatch
     assert count("pull", "prefill", "kv.hold") == 1
     assert reg.get_sample_value("kvlens_kv_hold_long_total", {"mode": "push"}) == 1
     assert reg.get_sample_value("kvlens_kv_hold_long_total", {"mode": "pull"}) is None
-    wire_sum = reg.get_sample_value("kvlens_phase_duration_seconds_sum",
-                                    {"mode": "pull", "role": "decode", "phase": "read.wire", "outcome": "ok"})
+    wire_sum = reg.get_sample_value(
+        "kvlens_phase_duration_seconds_sum", {"mode": "pull", "role": "decode", "phase": "read.wire", "outcome": "ok"}
+    )
     assert wire_sum == pytest.approx(0.003)
 
 
@@ -297,12 +311,22 @@ def test_span_processor_observes_bandwidth_or_counts_it_implausible(tmp_path, mo
     provider.add_span_processor(proc)
     tracer = provider.get_tracer("t")
     t = time.time_ns()
-    for role, mode, name, nbytes, xfer_s in (("decode", "pull", "read.complete", 2 << 20, 0.003),  # 5.6 Gb/s
-                                             ("prefill", "push", "write.complete", 4 << 20, 0.002),  # 16.8: above
-                                             ("prefill", "push", "write.complete", 4 << 20, 0.0)):  # no telemetry
-        s = tracer.start_span(name, start_time=t, attributes={
-            sc.ATTR_MODE: mode, sc.ATTR_ROLE: role, sc.ATTR_OUTCOME: "ok", sc.ATTR_BYTES: nbytes,
-            sc.ATTR_NIXL_XFER_S: xfer_s})
+    for role, mode, name, nbytes, xfer_s in (
+        ("decode", "pull", "read.complete", 2 << 20, 0.003),  # 5.6 Gb/s
+        ("prefill", "push", "write.complete", 4 << 20, 0.002),  # 16.8: above
+        ("prefill", "push", "write.complete", 4 << 20, 0.0),
+    ):  # no telemetry
+        s = tracer.start_span(
+            name,
+            start_time=t,
+            attributes={
+                sc.ATTR_MODE: mode,
+                sc.ATTR_ROLE: role,
+                sc.ATTR_OUTCOME: "ok",
+                sc.ATTR_BYTES: nbytes,
+                sc.ATTR_NIXL_XFER_S: xfer_s,
+            },
+        )
         s.end(end_time=t + 5 * MS)
     provider.shutdown()
     pull = {"mode": "pull", "role": "decode"}
