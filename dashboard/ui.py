@@ -18,8 +18,8 @@ import streamlit as st
 
 from dashboard import data as D
 from dashboard import loaders as L
-from kvtrace.store import display, location
-from kvrecord.config import store_path
+from kvrecord.config import default_store
+from kvtrace.store import StoreLocation
 
 
 #: Session-state flag: the entry (``app.py``) ran in this session, so its navigation is on.
@@ -41,21 +41,22 @@ def run_page(main: Callable[[], None], name: str) -> None:
 
 @dataclass(frozen=True)
 class Config:
-    """Where the pages read from: the trace store file and Prometheus' base URL (None: not set)."""
+    """Where the pages read from: the trace store (``str()`` of it hides a
+    URL's password) and Prometheus' base URL (None: not set)."""
 
-    store: str
+    store: StoreLocation
     prometheus: str | None
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """Script arguments (after ``--`` on the streamlit command line; default ``sys.argv[1:]``).
-    No ``--store``: ``$KVLENS_HOME/traces.db`` (:func:`kvrecord.config.store_path`)."""
+    No ``--store``: ``$KVLENS_HOME/traces.db`` (:func:`kvrecord.config.default_store`)."""
     p = argparse.ArgumentParser(prog="kvlens-dashboard", add_help=False, allow_abbrev=False)
     p.add_argument("--store", default=None)
     p.add_argument("--prometheus", default=None)
     args, _ = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-    store = location(args.store) if args.store else store_path()
-    return Config(store=str(store), prometheus=(args.prometheus or None))
+    store = StoreLocation.parse(args.store) if args.store else default_store()
+    return Config(store=store, prometheus=(args.prometheus or None))
 
 
 def guarded(cfg: Config, fn: Callable[[], Any]) -> tuple[bool, Any]:
@@ -65,7 +66,7 @@ def guarded(cfg: Config, fn: Callable[[], Any]) -> tuple[bool, Any]:
         return True, fn()
     except D.StoreMissing:
         st.warning(
-            f"No trace store at `{display(cfg.store)}` yet. It appears once an instrumented P/D pair "
+            f"No trace store at `{cfg.store}` yet. It appears once an instrumented P/D pair "
             "(`kvlens up`, `kvlens demo`) has served a request; pick another file or database with "
             "`kvlens dashboard --store PATH|URL`."
         )
@@ -81,7 +82,7 @@ def store_banner(cfg: Config) -> dict[str, Any] | None:
     if not ok:
         return None
     if not info["traces"] and not info["bench_runs"]:
-        st.info(f"The trace store `{display(cfg.store)}` is empty: no request has been traced yet.")
+        st.info(f"The trace store `{cfg.store}` is empty: no request has been traced yet.")
     return info
 
 

@@ -97,10 +97,17 @@ class HandoffResolver:
     ``child()``, ``handoff``, ``unresolved``) the results go to."""
 
     def __init__(
-        self, fam: Any, store_path: str | Path, *, deadline_s: float, max_pending: int, poll_s: float, exemplars: bool
+        self,
+        fam: Any,
+        store_path: "store.StoreLocation | str | Path",
+        *,
+        deadline_s: float,
+        max_pending: int,
+        poll_s: float,
+        exemplars: bool,
     ) -> None:
         self.fam = fam
-        self.path = store.location(store_path)  # a file or a postgresql:// URL
+        self.location = store.StoreLocation.parse(store_path)  # a file or a postgresql:// URL
         self.deadline_s = deadline_s
         self.max_pending = max_pending
         self.poll_s = poll_s
@@ -169,7 +176,7 @@ class HandoffResolver:
 
     def _connection(self):
         if self._conn is None:
-            self._conn = store.connect(self.path, readonly=True, timeout_s=1.0)
+            self._conn = store.connect(self.location, readonly=True, timeout_s=1.0)
         return self._conn
 
     def _lookup(self, trace_ids: list[str]) -> tuple[dict[str, dict], bool]:
@@ -177,9 +184,7 @@ class HandoffResolver:
         try:
             return store.handoffs(self._connection(), trace_ids), True
         except FileNotFoundError:
-            log_once(
-                "handoff-store", "trace store %s not found yet; handoff metrics wait for it", store.display(self.path)
-            )
+            log_once("handoff-store", "trace store %s not found yet; handoff metrics wait for it", self.location)
         except Exception as e:
             log_once("handoff-read:" + type(e).__name__, "trace store read failed (%s); retrying", e)
             self._close_conn()

@@ -83,6 +83,7 @@ from exporters.families import _Families, _families_for  # noqa: F401  (re-expor
 from exporters.handoff import HandoffResolver
 from kvrecord import config
 from kvrecord import semconv as sc
+from kvrecord.location import StoreLocation
 from kvrecord.logutil import log_once
 from kvrecord.recorder import DropReason
 
@@ -174,7 +175,7 @@ class PhaseMetricsProcessor(SpanProcessor):
     vLLM's multiprocess ``/metrics`` and :func:`metrics_app` serve).
 
     ``store_path``: trace store for the handoff lookup (default
-    :func:`config.store_path`). ``handoff_from``: ``"router"`` (default;
+    :func:`config.default_store`; a path or URL is parsed once, here). ``handoff_from``: ``"router"`` (default;
     env ``KVLENS_HANDOFF_FROM``: the root span triggers the lookup),
     ``"decode"`` (D's ``kv.ready``: behind another router), ``"any"``
     (either, each trace counted once: where every span meets, the collector)
@@ -189,7 +190,7 @@ class PhaseMetricsProcessor(SpanProcessor):
         self,
         registry: CollectorRegistry | None = None,
         *,
-        store_path: str | Path | None = None,
+        store_path: "StoreLocation | str | Path | None" = None,
         handoff_from: str | None = None,
         handoff_deadline_s: float = 10.0,
         handoff_max_pending: int = 10000,
@@ -217,7 +218,7 @@ class PhaseMetricsProcessor(SpanProcessor):
         }[handoff_from]
         self.handoff = HandoffResolver(
             self.fam,
-            store_path if store_path is not None else config.store_path(),
+            store_path if store_path is not None else config.default_store(),
             deadline_s=float(handoff_deadline_s),
             max_pending=int(handoff_max_pending),
             poll_s=float(handoff_poll_s),

@@ -34,14 +34,18 @@ The provider is an :class:`exporters.batching.BoundedTracerProvider`, so the
 recorder's close at exit (flush and shutdown of every processor) is bounded
 (:data:`kvrecord.recorder.CLOSE_TIMEOUT_S`).
 
-Configuration is validated up front (:func:`config.validate_config`) so a typo
-fails at start-up with a clear message; everything after that is forgiving.
+Configuration is a checked :class:`kvrecord.config.Options`, built once where
+the options enter (the connector, the router, the sidecar), so a typo fails
+at start-up with a clear message; everything after that is forgiving. The
+functions here also take the ``kv_connector_extra_config``-style dict
+(tests, benchmarks) and build the options from it once, on entry.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 from opentelemetry.sdk.resources import Resource
@@ -50,7 +54,7 @@ from kvtrace import store
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from exporters.metrics import PhaseMetricsProcessor
 from exporters.shipping import ShippingRecorder
-from kvrecord.config import enabled, retention_s, store_path, validate_config
+from kvrecord.config import SPAN_BUILDERS, Options, default_store
 from kvrecord.ids import PinnedIdGenerator
 from kvrecord.logutil import log_once
 from kvrecord.recorder import DEFAULT_CAPACITY, DropReason, Recorder
@@ -67,19 +71,27 @@ _recorders_lock = threading.Lock()
 
 SPAN_BUILDER_ENV = "KVLENS_SPAN_BUILDER"
 SPAN_BUILDER_KEY = "kvlens_span_builder"
-SPAN_BUILDERS = ("sidecar", "inline")
 #: Roles whose recorder ships to a sidecar (vLLM's processes; the router is kvlens' own).
 SIDECAR_ROLES = frozenset({"prefill", "decode"})
 
 
-def span_builder(config: Mapping[str, Any] | None = None, override: str | None = None) -> str:
+Config = Options | Mapping[str, Any]
+
+
+def options_of(config: Config | None) -> Options:
+    """``config`` as :class:`Options`: as it is, or built (and checked) from a dict."""
+    return config if isinstance(config, Options) else Options.from_config(config)
+
+
+def span_builder(config: Config | None = None, override: str | None = None) -> str:
     """``sidecar`` or ``inline``: ``override``, else ``$KVLENS_SPAN_BUILDER``,
     else the ``kvlens_span_builder`` option, else ``sidecar``. ValueError
     naming the source for anything else."""
+    option = config.span_builder if isinstance(config, Options) else (config or {}).get(SPAN_BUILDER_KEY)
     for source, v in (
         ("span_builder", override),
         (SPAN_BUILDER_ENV, os.environ.get(SPAN_BUILDER_ENV)),
-        (SPAN_BUILDER_KEY, (config or {}).get(SPAN_BUILDER_KEY)),
+        (SPAN_BUILDER_KEY, option),
     ):
         if v is not None and str(v).strip():
             v = str(v).strip().lower()
@@ -90,17 +102,13 @@ def span_builder(config: Mapping[str, Any] | None = None, override: str | None =
 
 
 def get_recorder(
-    role: str,
-    mode: str,
-    engine_id: str | None = None,
-    config: Mapping[str, Any] | None = None,
-    span_builder: str | None = None,
+    role: str, mode: str, engine_id: str | None = None, config: Config | None = None, span_builder: str | None = None
 ) -> Recorder:
     """The process-wide recorder for (role, mode, engine).
 
-    ``config``: the kvlens keys of ``kv_connector_extra_config`` (validated;
-    a bad option raises ValueError here). Used when the recorder is first
-    made. ``span_builder``: see the module docstring (roles ``prefill`` and
+    ``config``: the process's :class:`Options` (or the kvlens keys of
+    ``kv_connector_extra_config``, checked here: a bad option raises
+    ValueError). Used when the recorder is first made. ``span_builder``: see the module docstring (roles ``prefill`` and
     ``decode`` only; other roles build inline). Any thread. Fork-safe: a
     child process gets a fresh recorder (the parent's thread does not
     survive fork)."""
@@ -111,25 +119,23 @@ def get_recorder(
     with _recorders_lock:
         r = _recorders.get(key)
         if r is None:
-            r = _make_recorder(role, mode, engine_id, dict(config or {}), span_builder)
+            r = _make_recorder(role, mode, engine_id, options_of(config), span_builder)
             _recorders[key] = r
     return r
 
 
-def _make_recorder(role: str, mode: str, engine_id: str | None, raw: dict, builder: str | None) -> Recorder:
-    # read here until config.validate_config knows the key (then it returns it too)
-    builder = span_builder(raw, builder)
-    raw.pop(SPAN_BUILDER_KEY, None)
-    cfg = validate_config(raw)
+def _make_recorder(role: str, mode: str, engine_id: str | None, opts: Options, builder: str | None) -> Recorder:
+    builder = span_builder(opts, builder)
     kw = dict(
         role=role,
         mode=mode,
         engine_id=engine_id,
-        capacity=int(cfg.get("kvlens_buffer_events", DEFAULT_CAPACITY)),
-        pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine_id, config=cfg),
+        capacity=opts.buffer_events or DEFAULT_CAPACITY,
+        pipeline_factory=provider_factory(role=role, mode=mode, engine_id=engine_id, config=opts),
     )
     if builder == "sidecar" and role in SIDECAR_ROLES:
-        cfg = {k: v for k, v in cfg.items() if k != SPAN_BUILDER_KEY}
+        # the sidecar builds inline: the span builder stays here
+        cfg = replace(opts, span_builder=None).to_config()
         return ShippingRecorder(sidecar_spec={"role": role, "mode": mode, "engine_id": engine_id, "config": cfg}, **kw)
     return Recorder(**kw)
 
@@ -181,26 +187,25 @@ def dropped_counts() -> dict[tuple[str, str], int]:
 
 # ------------------------------------------------------------------ provider
 def provider_factory(
-    *, role: str, mode: str, engine_id: str | None, config: Mapping[str, Any], store_max_block_s: float | None = None
+    *, role: str, mode: str, engine_id: str | None, config: Config, store_max_block_s: float | None = None
 ) -> Callable[[PinnedIdGenerator], BoundedTracerProvider]:
     """The recorder's pipeline factory: ``build(id_generator)`` makes the
-    TracerProvider (run once, on the recorder thread). ``config`` is checked
-    here, so a bad option raises in the caller, not later.
+    TracerProvider (run once, on the recorder thread). ``config``: the
+    :class:`Options` (a dict is checked here, so a bad option raises in the
+    caller, not later).
     ``store_max_block_s``: the most one store batch may wait for the write
     lock (default :attr:`kvtrace.store.StoreSpanExporter.MAX_BLOCK_S`)."""
-    cfg = validate_config(config)
+    opts = options_of(config)
 
     def build(id_generator: PinnedIdGenerator) -> BoundedTracerProvider:
-        attrs = {"service.name": cfg.get("kvlens_service_name") or f"kvlens-{role}", "kvlens.role": role}
+        attrs = {"service.name": opts.service_name or f"kvlens-{role}", "kvlens.role": role}
         if engine_id:
             attrs["service.instance.id"] = engine_id
         losses = LossCounter()
         _ledgers.append((os.getpid(), role, losses))
         provider = BoundedTracerProvider(resource=Resource.create(attrs), id_generator=id_generator, losses=losses)
-        if enabled(cfg, "kvlens_store"):
-            exporter = store.StoreSpanExporter(
-                store_path(cfg), max_block_s=store_max_block_s, retention=retention_s(cfg)
-            )
+        if opts.store is not None:
+            exporter = store.StoreSpanExporter(opts.store, max_block_s=store_max_block_s, retention=opts.retention_s)
             provider.add_span_processor(
                 CountingBatchSpanProcessor(
                     exporter,
@@ -211,19 +216,19 @@ def provider_factory(
                     name="store",
                 )
             )
-        _add_otlp(provider, cfg, losses)
-        if enabled(cfg, "kvlens_metrics"):
-            provider.add_span_processor(
-                PhaseMetricsProcessor(store_path=store_path(cfg), dropped_source=dropped_counts)
-            )
+        _add_otlp(provider, opts, losses)
+        if opts.metrics:
+            # the handoff is read from the home's file even when this process writes no store
+            handoff_store = opts.store or default_store(opts.home)
+            provider.add_span_processor(PhaseMetricsProcessor(store_path=handoff_store, dropped_source=dropped_counts))
         return provider
 
     return build
 
 
-def _add_otlp(provider: BoundedTracerProvider, cfg: Mapping[str, Any], losses: LossCounter) -> None:
+def _add_otlp(provider: BoundedTracerProvider, opts: Options, losses: LossCounter) -> None:
     endpoint = (
-        cfg.get("otlp_endpoint")
+        opts.otlp_endpoint
         or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     )

@@ -43,6 +43,7 @@ import time
 
 from exporters import pipeline
 from exporters.shipping import FRAME
+from kvrecord.config import Options
 from kvrecord.logutil import log_once
 from kvrecord.procstats import mark_process_dead, name_native_thread, write_stats
 from kvrecord.recorder import ROOT_TAG
@@ -96,8 +97,10 @@ class Sidecar:
         self.parent = parent
         self.fd_in = fd_in
         self.out = out
+        # the options crossed the process boundary as a dict: checked once more, here
+        options = Options.from_config(spec.get("config") or {})
         self.rec = pipeline.get_recorder(
-            spec["role"], spec["mode"], spec.get("engine_id"), spec.get("config") or {}, span_builder="inline"
+            spec["role"], spec["mode"], spec.get("engine_id"), options, span_builder="inline"
         )
         self.rec.stats_extra = {"sidecar": True}  # its counters are not the engine's (benchmarks/bench_cpu.py)
         self.frames = 0

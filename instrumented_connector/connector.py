@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector,
 from exporters.pipeline import get_recorder
 from instrumented_connector import hooks, scheduler, worker
 from kvrecord import semconv as sc
-from kvrecord.config import validate_config
+from kvrecord.config import Options
 from instrumented_connector.hooks import NullRecorder
 from kvrecord.logutil import log_once
 from kvrecord.recorder import Recorder
@@ -54,10 +54,9 @@ def _role(vllm_config) -> str:
 def _make_recorder(vllm_config, mode: str, engine_id: str) -> Recorder | NullRecorder:
     """The process's started recorder. A bad kvlens option raises (strict at
     start); any other setup failure disables telemetry with one warning."""
-    cfg = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    validate_config(cfg)
+    options = Options.from_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     try:
-        return get_recorder(_role(vllm_config), mode, engine_id, cfg).start()
+        return get_recorder(_role(vllm_config), mode, engine_id, options).start()
     except Exception:
         log_once("recorder-init", "telemetry disabled: recorder setup failed", exc_info=True)
         return NullRecorder()

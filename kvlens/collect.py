@@ -16,9 +16,9 @@ import argparse
 import socket
 import sqlite3
 import sys
-from typing import Any
 
-from kvrecord.config import store_path
+from kvrecord.config import default_store
+from kvrecord.location import StoreLocation
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 4318
@@ -91,15 +91,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _store_problem(path: Any) -> str | None:
+def _store_problem(path: StoreLocation) -> str | None:
     """One line saying why ``path`` (a file or a PostgreSQL URL) cannot be
     written as a trace store, or None."""
     from kvtrace import store
     from exporters.collector.ingest import check_store
     from kvtrace.store.schema import translate
 
-    if not store.is_url(path) and path.is_dir():
-        return f"--store {path} is a directory; give the store file (e.g. {path / 'traces.db'})"
+    if not path.is_postgres and path.path.is_dir():
+        return f"--store {path} is a directory; give the store file (e.g. {path.path / 'traces.db'})"
     try:
         check_store(path)
     except store.StoreError as e:
@@ -147,14 +147,12 @@ def _check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _store_arg(args: argparse.Namespace) -> tuple[Any, str | None]:
+def _store_arg(args: argparse.Namespace) -> tuple[StoreLocation | None, str | None]:
     """(the store, None), or (None, why --store is unusable)."""
-    from kvtrace import store
-
     if not args.store:
-        return store_path(), None
+        return default_store(), None
     try:
-        return store.location(args.store), None
+        return StoreLocation.parse(args.store), None
     except ValueError as e:
         return None, f"--store: {e}"
 
@@ -178,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     return _serve(args, store, sock)
 
 
-def _serve(args: argparse.Namespace, store: Any, sock: socket.socket) -> int:
+def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) -> int:
     # start-up cost: uvicorn, starlette and protobuf load only when it serves
     import uvicorn
     from prometheus_client import CollectorRegistry
@@ -188,8 +186,6 @@ def _serve(args: argparse.Namespace, store: Any, sock: socket.socket) -> int:
     from kvlens.signals import sigterm_as_interrupt
 
     registry = CollectorRegistry()
-    from kvtrace.store import display
-
     ingest = collector_ingest(
         store, registry, max_queue_spans=args.queue_spans, retention=getattr(args, "retention", None)
     )
@@ -205,9 +201,7 @@ def _serve(args: argparse.Namespace, store: Any, sock: socket.socket) -> int:
     )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    print(
-        f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {display(store)}", flush=True
-    )
+    print(f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {store}", flush=True)
     try:
         with sigterm_as_interrupt():
             try:

@@ -42,11 +42,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import dashboard
-from kvrecord.config import HOME_ENV, home, store_path
+from kvrecord.config import HOME_ENV, default_store, home
+from kvrecord.location import StoreLocation
 
 DEFAULT_PORT = 8501
 DEFAULT_HOST = "127.0.0.1"
@@ -86,38 +86,36 @@ def workdir() -> Path:
     return app_path().parent.parent
 
 
-def child_env(store: Any = None) -> dict[str, str]:
+def child_env(store: StoreLocation | None = None) -> dict[str, str]:
     """The child's environment: ours, with ``KVLENS_HOME`` absolute (the
     child's working directory is not ours), and a store URL's password as
     ``PGPASSWORD``."""
     env = {**os.environ, HOME_ENV: str(home())}
-    password = _split_password(store)[1]
+    password = None if store is None else _split_password(store)[1]
     if password is not None:
         env["PGPASSWORD"] = password
     return env
 
 
-def _split_password(store: Any) -> tuple[Any, str | None]:
-    """(the store without a URL's password, the password or None)."""
-    from kvtrace.store import is_url
-
-    if not is_url(store):
-        return store, None
-    parts = urlsplit(store)
+def _split_password(store: StoreLocation) -> tuple[str, str | None]:
+    """(the store's name without a URL's password, the password or None)."""
+    if not store.is_postgres:
+        return store.text, None
+    parts = urlsplit(store.text)
     if parts.password is None:
-        return store, None
+        return store.text, None
     user, host = parts.netloc.rsplit("@", 1)
     return parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}").geturl(), unquote(parts.password)
 
 
-def _check_store(store: Any) -> str | None:
+def _check_store(store: StoreLocation) -> str | None:
     """Why the dashboard cannot read a PostgreSQL store at all, or None (a
     file that does not exist yet, or a database without kvlens tables, is
     not an error: the page says so)."""
     from kvtrace import store as st
 
-    if not st.is_url(store):
-        if not Path(store).exists():
+    if not store.is_postgres:
+        if not store.path.exists():
             print(f"kvlens dashboard: no trace store at {store} yet (the page will say so)", file=sys.stderr)
         return None
     try:
@@ -133,8 +131,8 @@ def _check_store(store: Any) -> str | None:
     return None
 
 
-def command(args: argparse.Namespace, store: Any) -> list[str]:
-    """The streamlit command line for ``args``."""
+def command(args: argparse.Namespace, store: StoreLocation | str | os.PathLike) -> list[str]:
+    """The streamlit command line for ``args`` (``store``: a path or URL is parsed)."""
     cmd = [
         sys.executable,
         "-m",
@@ -161,7 +159,7 @@ def command(args: argparse.Namespace, store: Any) -> list[str]:
         "viewer",
         "--",
         "--store",
-        str(_split_password(store)[0]),
+        _split_password(StoreLocation.parse(store))[0],
     ]
     if args.prometheus:
         cmd += ["--prometheus", args.prometheus]
@@ -175,10 +173,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prometheus and not args.prometheus.startswith(("http://", "https://")):
         print(f"kvlens dashboard: --prometheus must be an http(s) URL, got {args.prometheus!r}", file=sys.stderr)
         return 2
-    from kvtrace.store import display, location
-
     try:
-        store = location(args.store) if args.store else store_path()
+        store = StoreLocation.parse(args.store) if args.store else default_store()
     except ValueError as e:
         print(f"kvlens dashboard: --store: {e}", file=sys.stderr)
         return 2
@@ -190,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         command(args, store), stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(workdir()), env=child_env(store)
     )
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
-    print(f"kvlens dashboard: http://{shown}:{args.port}  (store {display(store)}; Ctrl-C to stop)", flush=True)
+    print(f"kvlens dashboard: http://{shown}:{args.port}  (store {store}; Ctrl-C to stop)", flush=True)
 
     stopping: list[int] = []
 

@@ -224,12 +224,12 @@ def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> st
     return "\n".join(lines).rstrip()
 
 
-def _load_breakdown(path: str, args: argparse.Namespace) -> dict[str, tracemodel.Breakdown]:
+def _load_breakdown(path: store.StoreLocation, args: argparse.Namespace) -> dict[str, tracemodel.Breakdown]:
     with store.reading(path) as conn:
         return tracemodel.breakdown(conn, by_dispatch=True, **_filters(args))
 
 
-def _summary_lines(path: str, args: argparse.Namespace) -> list[str]:
+def _summary_lines(path: store.StoreLocation, args: argparse.Namespace) -> list[str]:
     """The closing "what dominates" line per mode under the waterfalls."""
     with store.reading(path) as conn:
         groups = tracemodel.breakdown(conn, **_filters(args))
@@ -240,7 +240,7 @@ def _summary_lines(path: str, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _load(path: str, args: argparse.Namespace) -> list[Trace]:
+def _load(path: store.StoreLocation, args: argparse.Namespace) -> list[Trace]:
     """The traces asked for; raises ``store.StoreError`` (one printable line)."""
     with store.reading(path) as conn:
         return tracemodel.slowest(
@@ -252,11 +252,11 @@ def _load(path: str, args: argparse.Namespace) -> list[Trace]:
         )
 
 
-def _write_perfetto(out: str, traces: list[Trace], path: str) -> int:
+def _write_perfetto(out: str, traces: list[Trace], path: store.StoreLocation) -> int:
     """Write ``--perfetto``'s file (``-``: stdout; then the summary goes to
     stderr): 0; 2 when the file cannot be written."""
     if not traces:
-        print(f"no traces match in {store.display(path)}; {out} not written", file=sys.stderr)
+        print(f"no traces match in {path}; {out} not written", file=sys.stderr)
         return 0
     doc = perfetto.document(traces)
     text = json.dumps(doc, separators=(",", ":"))
@@ -278,16 +278,17 @@ def run(args: argparse.Namespace) -> int:
     """Print the traces asked for: 0; 1 when the store cannot be read or the
     trace is missing (one line on stderr, naming the file); 2 on a bad value
     (callers that build ``args`` themselves skip argparse's checks)."""
-    path = args.store or str(config.store_path())
     try:
         since_arg(args.since) if args.since else None
         int_in(1, MAX_SLOWEST)(str(args.slowest))
+        path = store.StoreLocation.parse(args.store) if args.store else config.default_store()
     except argparse.ArgumentTypeError as e:
         print(f"kvlens traces: {e}", file=sys.stderr)
         return 2
-    if (
-        not store.is_url(path) and Path(path).is_dir()
-    ):  # the store's reader lets sqlite's "disk I/O error" through for these
+    except store.StoreError as e:  # a malformed store URL
+        print(f"kvlens traces: {e}", file=sys.stderr)
+        return 1
+    if not path.is_postgres and path.path.is_dir():  # the store's reader lets sqlite's "disk I/O error" through
         print(f"kvlens traces: {path} is a directory, not a trace store file", file=sys.stderr)
         return 1
     try:
@@ -304,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlens traces: {e}", file=sys.stderr)
         return 1
     if args.trace and not traces:
-        print(f"kvlens traces: no trace {args.trace} in {store.display(path)}", file=sys.stderr)
+        print(f"kvlens traces: no trace {args.trace} in {path}", file=sys.stderr)
         return 1
     if getattr(args, "perfetto", None):
         return _write_perfetto(args.perfetto, traces, path)
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(t.to_json()))
         return 0
     if not traces:
-        print(f"no traces match in {store.display(path)}")
+        print(f"no traces match in {path}")
         return 0
     for t in traces:
         print(waterfall(t, args.width))

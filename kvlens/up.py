@@ -35,6 +35,7 @@ from kvlens.stack.ports import DEFAULT_HOST, free_port, is_loopback, port_arg, p
 from kvlens.stack.supervise import signals_ignored
 from kvlens.stack.spinners import MODES as SPIN_MODES
 from kvlens.stack.tp import MAX_TP, STARTUP_S_PER_EXTRA_PROCESS, parse_tp, tp_note
+from kvrecord.location import StoreLocation
 
 __all__ = [
     "MAX_MODEL_LEN",
@@ -165,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--collector-store",
-        default=None,
+        type=_STORE,
         metavar="STORE",
         help="with --separate-homes and --collector process: the collector's trace store, a path or "
         "a postgresql://user@host:port/db URL shared by the fleet (default: the SQLite file in "
@@ -181,6 +182,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+_STORE = from_parser(StoreLocation.parse, ValueError)  #: argparse ``type=`` of ``--collector-store``
 _ROUTERS = from_parser(parse_routers, StackError)  #: argparse ``type=`` of ``--router``
 _TP_SIZES = from_parser(parse_tp, ValueError)  #: argparse ``type=`` of ``--prefill-tp`` / ``--decode-tp``
 
@@ -315,9 +317,9 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
         + ("  API key:              required on /v1/* by P, D and the router\n" if stack.api_key else "")
         + (
             f"  collector (OTLP):     {stack.collector_url}/v1/traces ({stack.collector})\n"
-            f"  joined trace store:   {stack.store_path}\n"
+            f"  joined trace store:   {stack.store}\n"
             if stack.separate_homes
-            else f"  trace store:          {stack.store_path}\n"
+            else f"  trace store:          {stack.store}\n"
         )
         + "Ctrl-C to stop.",
         flush=True,

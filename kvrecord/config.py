@@ -1,36 +1,40 @@
 """kvlens configuration: where its files live and the connector's options.
 
 * Home: ``kv_connector_extra_config["kvlens_home"]``, else ``$KVLENS_HOME``,
-  else ``./.kvlens``. The trace store defaults to ``<home>/traces.db`` and
-  the generated tiny model to ``<home>/model``. Every kvlens component asks
-  this module; none rebuilds the path.
+  else ``./.kvlens``. The trace store defaults to ``<home>/traces.db``
+  (:func:`default_store`) and the generated tiny model to ``<home>/model``.
+  Every kvlens component asks this module; none rebuilds the path.
 * Store: ``kvlens_store`` is ``"on"`` (the default: ``<home>/traces.db``),
   ``"off"`` (spans go only to ``otlp_endpoint``), or a PostgreSQL URL
   ``postgresql://user@host:port/dbname`` (``postgres://`` too): the
   process writes that shared database instead of the local file. One key
   rather than a second one, because "where do spans go" has one answer per
-  process; a malformed URL fails :func:`validate_config` naming the problem.
-  :func:`store_path` returns the file's :class:`Path` or the URL (str).
+  process; a malformed URL fails :meth:`Options.from_config` naming the
+  problem. :attr:`Options.store` is a
+  :class:`~kvrecord.location.StoreLocation`, or None when off.
 * Retention: ``kvlens_retention`` (``"7d"``, ``"12h"``, seconds, or
   ``"off"``, the default): traces older than that are pruned by the writer
-  (:func:`retention_s`, :class:`kvtrace.store.Retention`).
+  (:attr:`Options.retention_s`, :class:`kvtrace.store.Retention`).
 * Options: the ``kvlens_*`` / ``otlp_endpoint`` keys of
-  ``kv_connector_extra_config``, checked up front by :func:`validate_config`
-  so a typo fails at engine start-up with a message naming the key and the
-  option it was probably meant to be (strict at start, forgiving at run
-  time). The same dict carries vLLM's own keys (``kv_lease_duration``,
-  ``push_registration_timeout``, ...): those pass untouched.
+  ``kv_connector_extra_config``, checked once, where they enter, by
+  :meth:`Options.from_config`, so a typo fails at engine start-up with a
+  message naming the key and the option it was probably meant to be
+  (strict at start, forgiving at run time); everything after that takes
+  the :class:`Options`. The same dict carries vLLM's own keys
+  (``kv_lease_duration``, ``push_registration_timeout``, ...): those pass
+  untouched.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from kvrecord.durations import parse_duration
-from kvrecord.location import check_url, is_url
+from kvrecord.location import StoreLocation, is_url
 
 HOME_ENV = "KVLENS_HOME"
 DEFAULT_HOME = ".kvlens"
@@ -55,6 +59,7 @@ KNOWN_KEYS = frozenset(
 _OUR_PREFIXES = ("kvlens", "otlp")
 _TYPO_CUTOFF = 0.8
 _STR_KEYS = ("kvlens_home", "otlp_endpoint", "kvlens_service_name")
+SPAN_BUILDERS = ("sidecar", "inline")
 
 _ON = ("on", "true")
 _OFF = ("off", "false")
@@ -66,19 +71,34 @@ def home(cfg: Mapping[str, Any] | None = None) -> Path:
     return Path(h).expanduser().resolve()
 
 
-def store_path(cfg: Mapping[str, Any] | None = None) -> Path | str:
-    """The trace store: ``kvlens_store``'s PostgreSQL URL when it is one, else
-    ``<home>/traces.db``. A URL is a ``str``: pass it on as it is (``Path()``
-    would mangle it); :func:`kvtrace.store.location` names both."""
-    v = (cfg or {}).get("kvlens_store")
-    if is_url(v):
-        return v.strip()
-    return home(cfg) / STORE_FILE
+def default_store(home_dir: Path | None = None) -> StoreLocation:
+    """The home's SQLite store, ``<home>/traces.db`` (default: :func:`home`)."""
+    return StoreLocation.sqlite((home() if home_dir is None else home_dir) / STORE_FILE)
 
 
-def retention_s(cfg: Mapping[str, Any] | None = None) -> float | None:
+def model_dir(cfg: Mapping[str, Any] | None = None) -> Path:
+    """Default generated tiny model: ``<home>/model``."""
+    return home(cfg) / "model"
+
+
+def positive_int(key: str, v: Any) -> int:
+    """A positive integer option: an int, or a string of one (JSON from the
+    command line); a bool or a fractional number is an error, not 1.
+    ValueError naming ``key`` otherwise."""
+    n = None
+    if isinstance(v, int) and not isinstance(v, bool):
+        n = v
+    elif isinstance(v, float) and v.is_integer():
+        n = int(v)
+    elif isinstance(v, str) and v.strip().isdigit():
+        n = int(v.strip())
+    if n is None or n <= 0:
+        raise ValueError(f"{key} must be a positive integer, got {v!r}")
+    return n
+
+
+def _retention(v: Any) -> float | None:
     """``kvlens_retention`` in seconds, or None (keep everything). ValueError on a bad value."""
-    v = (cfg or {}).get("kvlens_retention")
     if v is None or isinstance(v, bool):
         if v is True:
             raise ValueError("kvlens_retention must be a duration such as '7d' or 'off', got True")
@@ -96,19 +116,6 @@ def retention_s(cfg: Mapping[str, Any] | None = None) -> float | None:
         raise ValueError(f"kvlens_retention: {e}") from None
 
 
-def model_dir(cfg: Mapping[str, Any] | None = None) -> Path:
-    """Default generated tiny model: ``<home>/model``."""
-    return home(cfg) / "model"
-
-
-def enabled(cfg: Mapping[str, Any], key: str, default: bool = True) -> bool:
-    """An on/off option (``on``/``off``/``true``/``false``, any case, or a bool)."""
-    v = cfg.get(key)
-    if v is None:
-        return default
-    return str(v).strip().lower() not in _OFF
-
-
 def _unknown_key_error(key: str) -> ValueError | None:
     """The error for ``key`` when it looks like a misspelled kvlens option, else None."""
     k = key.strip().lower()
@@ -122,28 +129,22 @@ def _unknown_key_error(key: str) -> ValueError | None:
     )
 
 
-def _positive_int(key: str, v: Any) -> int:
-    """A positive integer option: an int, or a string of one (JSON from the
-    command line); a bool or a fractional number is an error, not 1."""
-    n = None
-    if isinstance(v, int) and not isinstance(v, bool):
-        n = v
-    elif isinstance(v, float) and v.is_integer():
-        n = int(v)
-    elif isinstance(v, str) and v.strip().isdigit():
-        n = int(v.strip())
-    if n is None or n <= 0:
-        raise ValueError(f"{key} must be a positive integer, got {v!r}")
-    return n
+def _store(v: Any) -> StoreLocation | bool:
+    """``kvlens_store``: its PostgreSQL location, else whether the home's file is on."""
+    if is_url(v):
+        try:
+            return StoreLocation.parse(v)
+        except ValueError as e:
+            raise ValueError(f"kvlens_store: {e}") from None
+    text = str(v).strip().lower()
+    if text not in _ON + _OFF:
+        raise ValueError(f"kvlens_store must be 'on', 'off' or a postgresql://user@host:port/dbname URL, got {v!r}")
+    return text in _ON
 
 
-def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The kvlens keys of ``kv_connector_extra_config``, checked.
-
-    Raises ValueError naming the bad key or value: an unknown key that looks
-    like a kvlens option (starts with ``kvlens``/``otlp``, or is a near miss
-    of a known key: ``otlp_endpiont``) names the option it was probably meant
-    to be. Other (vLLM) keys pass through untouched and are not returned."""
+def _checked(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The kvlens keys of ``cfg``, each checked (and the store, buffer and
+    retention parsed); ValueError for a misspelled key or a bad value."""
     for k in cfg:
         if k not in KNOWN_KEYS and isinstance(k, str):
             err = _unknown_key_error(k)
@@ -151,22 +152,14 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 raise err
     out = {k: v for k, v in cfg.items() if k in KNOWN_KEYS}
     if "kvlens_buffer_events" in out:
-        _positive_int("kvlens_buffer_events", out["kvlens_buffer_events"])
+        out["kvlens_buffer_events"] = positive_int("kvlens_buffer_events", out["kvlens_buffer_events"])
     if "kvlens_metrics" in out and str(out["kvlens_metrics"]).strip().lower() not in _ON + _OFF:
         raise ValueError(f"kvlens_metrics must be 'on' or 'off', got {out['kvlens_metrics']!r}")
-    if "kvlens_store" in out:
-        v = out["kvlens_store"]
-        if is_url(v):
-            try:
-                check_url(v)
-            except ValueError as e:
-                raise ValueError(f"kvlens_store: {e}") from None
-        elif str(v).strip().lower() not in _ON + _OFF:
-            raise ValueError(f"kvlens_store must be 'on', 'off' or a postgresql://user@host:port/dbname URL, got {v!r}")
-    if "kvlens_retention" in out:
-        retention_s(out)
-    if "kvlens_span_builder" in out and str(out["kvlens_span_builder"]).strip().lower() not in ("sidecar", "inline"):
-        raise ValueError(f"kvlens_span_builder must be 'sidecar' or 'inline', got {out['kvlens_span_builder']!r}")
+    out["kvlens_store"] = _store(out["kvlens_store"]) if "kvlens_store" in out else True
+    out["kvlens_retention"] = _retention(out.get("kvlens_retention"))
+    builder = out.get("kvlens_span_builder")
+    if "kvlens_span_builder" in out and str(builder).strip().lower() not in SPAN_BUILDERS:
+        raise ValueError(f"kvlens_span_builder must be 'sidecar' or 'inline', got {builder!r}")
     for key in _STR_KEYS:
         if key in out and out[key] is not None and not isinstance(out[key], (str, os.PathLike)):
             raise ValueError(f"{key} must be a string, got {out[key]!r}")
@@ -174,3 +167,70 @@ def validate_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     if ep is not None and not str(ep).startswith(("http://", "https://")):
         raise ValueError(f"otlp_endpoint must be an http(s) URL, got {ep!r}")
     return out
+
+
+@dataclass(frozen=True)
+class Options:
+    """One process's kvlens options, checked: what the telemetry pipeline
+    (:mod:`exporters.pipeline`), the sidecar and the connector take.
+
+    ``home``: the kvlens home (absolute). ``store``: where spans are
+    written, None when ``kvlens_store`` is off. ``metrics``: span-derived
+    Prometheus metrics. ``retention_s``: prune traces older than this (None:
+    keep all). ``buffer_events``: the recorder's buffer (None: the
+    recorder's default). ``span_builder``: ``"sidecar"`` / ``"inline"``, or
+    None when not set (``$KVLENS_SPAN_BUILDER`` or the default decide).
+    ``service_name``: the spans' ``service.name`` (None: ``kvlens-<role>``).
+    ``otlp_endpoint``: an OTLP/HTTP collector (None: the OTel environment)."""
+
+    home: Path
+    store: StoreLocation | None
+    metrics: bool = True
+    retention_s: float | None = None
+    buffer_events: int | None = None
+    span_builder: str | None = None
+    service_name: str | None = None
+    otlp_endpoint: str | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None = None) -> "Options":
+        """The options in ``kv_connector_extra_config`` (or a dict built from
+        command-line flags), all checked here, once.
+
+        Raises ValueError naming the bad key or value: an unknown key that
+        looks like a kvlens option (starts with ``kvlens``/``otlp``, or is a
+        near miss of a known key: ``otlp_endpiont``) names the option it was
+        probably meant to be. Other (vLLM) keys are ignored."""
+        out = _checked(cfg or {})
+        home_dir = home(out)
+        store = out["kvlens_store"]
+        builder = out.get("kvlens_span_builder")
+        return cls(
+            home=home_dir,
+            store=(default_store(home_dir) if store else None) if isinstance(store, bool) else store,
+            metrics=str(out.get("kvlens_metrics", "on")).strip().lower() not in _OFF,
+            retention_s=out["kvlens_retention"],
+            buffer_events=out.get("kvlens_buffer_events"),
+            span_builder=None if builder is None else str(builder).strip().lower(),
+            service_name=str(out["kvlens_service_name"]) if out.get("kvlens_service_name") else None,
+            otlp_endpoint=str(out["otlp_endpoint"]) if out.get("otlp_endpoint") else None,
+        )
+
+    def to_config(self) -> dict[str, Any]:
+        """The kvlens keys :meth:`from_config` rebuilds these options from
+        (JSON-safe: what crosses to the sidecar process). A URL's password
+        is in it."""
+        out: dict[str, Any] = {
+            "kvlens_home": str(self.home),
+            "kvlens_metrics": "on" if self.metrics else "off",
+            "kvlens_store": "off" if self.store is None else (self.store.url or "on"),
+        }
+        optional = {
+            "kvlens_retention": self.retention_s,
+            "kvlens_buffer_events": self.buffer_events,
+            "kvlens_span_builder": self.span_builder,
+            "kvlens_service_name": self.service_name,
+            "otlp_endpoint": self.otlp_endpoint,
+        }
+        out.update({k: v for k, v in optional.items() if v is not None})
+        return out

@@ -18,7 +18,6 @@ from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import pairs, prom, ui
-from kvtrace.store import display
 from kvrecord import semconv as sc
 
 REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
@@ -77,7 +76,7 @@ def from_store(cfg: ui.Config, range_key: str) -> tuple | None:
     if not ok:
         return None
     add_bench_tpot(cfg, stats)
-    return stats, phases, D.handoff_histogram(df), f"trace store `{display(cfg.store)}`"
+    return stats, phases, D.handoff_histogram(df), f"trace store `{cfg.store}`"
 
 
 def add_bench_tpot(cfg: ui.Config, stats: dict[str, D.ModeStats]) -> None:

@@ -35,7 +35,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvtrace import store
 from exporters.collector import otlp
 from exporters.collector.ingest import Ingest
 
@@ -180,7 +179,7 @@ def create_app(
             "status": "ok" if ok else "unavailable",
             "queue_spans": ingest.queued_spans,
             "max_queue_spans": ingest.max_queue_spans,
-            "store": store.display(ingest.store_path),
+            "store": str(ingest.location),
         }
         return Response(json.dumps(doc), status_code=200 if ok else 503, media_type="application/json")
 

@@ -108,7 +108,7 @@ class Ingest:
 
     def __init__(
         self,
-        store_path: str | Path,
+        store_path: "store.StoreLocation | str | Path",
         *,
         max_queue_spans: int = 100_000,
         on_written: Callable[[Sequence], None] | None = None,
@@ -122,7 +122,7 @@ class Ingest:
             raise ValueError("max_queue_spans and batch_spans must be > 0")
         if busy_retry_s < 0:
             raise ValueError(f"busy_retry_s must be >= 0, got {busy_retry_s!r}")
-        self.store_path = store.location(store_path)
+        self.location = store.StoreLocation.parse(store_path)
         self.retention = store.Retention.of(retention)
         self.max_queue_spans = int(max_queue_spans)
         self.batch_spans = int(batch_spans)
@@ -241,7 +241,7 @@ class Ingest:
                 return
             try:
                 if self._conn is None:
-                    self._conn = store.connect(self.store_path, timeout_s=self.ATTEMPT_TIMEOUT_S)
+                    self._conn = store.connect(self.location, timeout_s=self.ATTEMPT_TIMEOUT_S)
                 store.write_spans(self._conn, batch)
                 break
             except Exception as e:  # StoreError, unwritable path, bad value, server gone
@@ -255,7 +255,7 @@ class Ingest:
                 log_once(
                     "collector-retry:" + type(e).__name__,
                     "trace store %s not writable now (%s); retrying for up to %.0f s while spans queue",
-                    store.display(self.store_path),
+                    self.location,
                     e,
                     self.busy_retry_s,
                 )
@@ -282,7 +282,7 @@ class Ingest:
             "collector-store:" + type(err).__name__,
             "trace store %s not writable (%s); %d spans dropped "
             "(kvlens_collector_spans_dropped_total counts every drop)",
-            store.display(self.store_path),
+            self.location,
             err,
             len(batch),
         )
@@ -335,7 +335,7 @@ class Ingest:
                 log_once("collector-on-close", "collector shutdown hook failed", exc_info=True)
 
 
-def check_store(store_path: str | Path) -> None:
+def check_store(store_path: "store.StoreLocation | str | Path") -> None:
     """Open the store for writing once and close it: raises
     :class:`kvtrace.store.StoreError` / ``sqlite3.Error`` / ``OSError``
     when the path cannot be a kvlens store, or (PostgreSQL) a
@@ -345,7 +345,7 @@ def check_store(store_path: str | Path) -> None:
 
 
 def collector_ingest(
-    store_path: str | Path,
+    store_path: "store.StoreLocation | str | Path",
     registry: CollectorRegistry,
     *,
     max_queue_spans: int = 100_000,
@@ -362,6 +362,7 @@ def collector_ingest(
     unresolved. ``kw``: further :class:`Ingest` options."""
     from exporters.metrics import PhaseMetricsProcessor
 
+    store_path = store.StoreLocation.parse(store_path)
     proc = PhaseMetricsProcessor(
         registry=registry,
         store_path=store_path,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Sequence
 
 from kvtrace import store
@@ -264,10 +263,10 @@ def summarize_cell(cell: Cell, opts: BenchOptions, run_id: str, prefix_caching: 
     }
 
 
-def _read_traces(store_path: "Path | str", ids: list[str]) -> dict[str, dict] | None:
+def _read_traces(where: store.StoreLocation, ids: list[str]) -> dict[str, dict] | None:
     """trace id -> ``store.slowest`` row; None when the store cannot be read yet."""
     try:
-        conn = store.connect(store_path, readonly=True)
+        conn = store.connect(where, readonly=True)
         try:
             rows = store.slowest(conn, len(ids), trace_ids=ids)
         finally:
@@ -280,7 +279,7 @@ def _read_traces(store_path: "Path | str", ids: list[str]) -> dict[str, dict] | 
     return {r["trace_id"]: r for r in rows}
 
 
-def wait_for_traces(store_path: "Path | str", results: Sequence[RequestResult], timeout_s: float) -> dict[str, dict]:
+def wait_for_traces(where: store.StoreLocation, results: Sequence[RequestResult], timeout_s: float) -> dict[str, dict]:
     """Poll the store (read-only, every 0.5 s; blocks the calling thread) until
     every request has a trace and every completed one has its handoff and
     TTFT (the router's, for a request kvlens' router answered: the engines'
@@ -293,7 +292,7 @@ def wait_for_traces(store_path: "Path | str", results: Sequence[RequestResult], 
     deadline = time.monotonic() + timeout_s
     found: dict[str, dict] = {}
     while True:
-        got = _read_traces(store_path, ids)
+        got = _read_traces(where, ids)
         if got is not None:
             found = got
         complete = all(i in found for i in ids) and all(

@@ -45,7 +45,7 @@ class BenchRun:
     """One run: its id, where rows go, the finished cells (in order)."""
 
     run_id: str
-    store: "Path | str"  # a file, or a postgresql:// URL
+    store: store.StoreLocation  # a file, or a PostgreSQL database
     json_path: Path | None
     cells: list[Cell] = field(default_factory=list)
     interrupted: bool = False
@@ -110,9 +110,9 @@ def new_run_id() -> str:
 
 def new_run(opts: BenchOptions) -> BenchRun:
     """A fresh run writing to ``opts.store`` (default ``<home>/traces.db``) and ``opts.json_path``."""
-    store_path = store.location(opts.store) if opts.store else config.store_path()
+    where = store.StoreLocation.parse(opts.store) if opts.store else config.default_store()
     jp = Path(opts.json_path).expanduser().resolve() if opts.json_path else None
-    return BenchRun(new_run_id(), store_path, jp, repeat=opts.repeat, fresh_stacks=opts.fresh_stacks, opts=opts)
+    return BenchRun(new_run_id(), where, jp, repeat=opts.repeat, fresh_stacks=opts.fresh_stacks, opts=opts)
 
 
 def _warm_up(
@@ -281,10 +281,10 @@ def bench_stacks(
     max_len = model_max_len(model_dir) or DEFAULT_MAX_MODEL_LEN  # never above what the stacks serve
     maker = _prepare(opts, modes, dispatches, model_dir, max_len)
     run = run or new_run(opts)
-    if store.is_url(run.store) or run.store.name != config.STORE_FILE:
+    if run.store.is_postgres or run.store.path.name != config.STORE_FILE:
         raise BenchError(
             "stacks started by kvlens bench write to <home>/traces.db; --store must name such a "
-            f"file, got {store.display(run.store)} (bench routers you started yourself with --url "
+            f"file, got {run.store} (bench routers you started yourself with --url "
             "may write a PostgreSQL store)"
         )
     run.sink()
@@ -297,7 +297,7 @@ def bench_stacks(
                 _stop(stack)
                 stack = None  # a failed start must not be stopped twice
                 stack, targets, model_name = _start(
-                    stack_factory or Stack, groups[gi], model_dir, run.store.parent, opts
+                    stack_factory or Stack, groups[gi], model_dir, run.store.path.parent, opts
                 )
             items = list(enumerate(targets)) if r % 2 else list(reversed(list(enumerate(targets))))
             _bench_targets(

@@ -250,9 +250,7 @@ def _receiver_ingest(config: ProxyConfig):
     from exporters.collector.ingest import Ingest
     from prometheus_client import CollectorRegistry
 
-    from kvrecord.config import store_path
-
-    return Ingest(store_path(config.pipeline_config()), registry=CollectorRegistry(), retention=config.retention)
+    return Ingest(config.options.store, registry=CollectorRegistry(), retention=config.retention)
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

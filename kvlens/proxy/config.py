@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvrecord import config as kvconfig
+from kvrecord.location import StoreLocation
 
 #: Default largest request body the router reads (bytes): far above any
 #: prompt the stacks kvlens starts accept, far below what hurts the router.
@@ -61,7 +62,8 @@ class ProxyConfig:
     on ``/v1/*`` and the router sends the same to P and D; when None the
     client's Authorization is passed on as it came. ``max_body_bytes``: the
     largest request body read (413 beyond). ``reuse_window_s``: see
-    :data:`DEFAULT_REUSE_WINDOW_S`."""
+    :data:`DEFAULT_REUSE_WINDOW_S`. :attr:`options`: the telemetry
+    pipeline's options, built from these and checked once, at construction."""
 
     prefill_url: str
     decode_url: str
@@ -86,6 +88,7 @@ class ProxyConfig:
     collect: bool = False
     store: str | None = None
     retention: str | None = None
+    options: kvconfig.Options = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.prefill_url = self.prefill_url.rstrip("/")
@@ -113,16 +116,14 @@ class ProxyConfig:
         if self.kvlens_home is None:
             self.kvlens_home = str(kvconfig.home())
         if self.store is not None:
-            from kvrecord.location import check_url, is_url
-
-            if not is_url(self.store):
+            location = StoreLocation.parse(self.store)
+            if not location.is_postgres:
                 raise ValueError(
                     f"store must be a postgresql://user@host:port/dbname URL (a file store is "
                     f"<kvlens_home>/traces.db), got {self.store!r}"
                 )
-            self.store = check_url(self.store)
-        if self.retention is not None:
-            kvconfig.retention_s({"kvlens_retention": self.retention})
+            self.store = location.text
+        self.options = kvconfig.Options.from_config(self.pipeline_config())
 
     @classmethod
     def of(cls, prefills: list[Prefill], decodes: list[Decode], **kw) -> "ProxyConfig":

@@ -26,7 +26,7 @@ class RouterTelemetry:
         if not cfg.telemetry:
             return
         try:
-            self.rec = get_recorder(role="router", mode=cfg.mode, engine_id=None, config=cfg.pipeline_config())
+            self.rec = get_recorder(role="router", mode=cfg.mode, engine_id=None, config=cfg.options)
         except Exception as e:  # broken config / store: serve without spans
             logger.warning("kvlens proxy: telemetry disabled (%s: %s)", type(e).__name__, e)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kvlens.stack.errors import StackError
+from kvrecord.location import StoreLocation
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Where a stack's API key comes from when none is given, the first one set
@@ -170,9 +171,9 @@ def vllm_argv(model: Path, host: str, port: int, ktc: dict, vllm_args: list[str]
     ]  # fmt: skip
 
 
-def collector_argv(host: str, port: int, store: Path | str) -> list[str]:
-    """Command line of one ``kvlens collect`` (OTLP/HTTP receiver -> ``store``, a path or a URL)."""
-    return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--store", str(store)]
+def collector_argv(host: str, port: int, store: StoreLocation) -> list[str]:
+    """Command line of one ``kvlens collect`` (OTLP/HTTP receiver -> ``store``, a file or a database)."""
+    return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--store", store.text]
 
 
 def router_argv(

@@ -99,7 +99,7 @@ class Stack(StackExtras):
     separate_homes: bool = False
     collector: str = "process"
     collector_port: int | None = None
-    collector_store: str | None = None  #: the collector's store, a path or postgresql:// URL
+    collector_store: kvconfig.StoreLocation | str | None = None  #: the collector's store (a path or URL is parsed)
     #: extra environment per role (prefill, decode, router, collector), on top of env_extra
     role_env: Mapping[str, Mapping[str, str]] | None = None
     #: required by P, D and the router (default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)
@@ -299,7 +299,7 @@ class Stack(StackExtras):
         env.update(self._env("collector", topo.collector_env()))
         return Child(
             "collector",
-            collector_argv(self.host, int(self.collector_port), topo.store_path),
+            collector_argv(self.host, int(self.collector_port), topo.store),
             env,
             Path(self.log_dir) / "collector.log",
             str(topo.collector_url),
@@ -399,9 +399,9 @@ class Stack(StackExtras):
         warm_up(self.router_url, auth_headers(self.api_key), self._say, self.dead_child, tries, timeout_s, rounds)
 
     @property
-    def store_path(self) -> Path | str:
-        """Where this stack's traces join (:attr:`Topology.store_path`)."""
-        return self.topology.store_path
+    def store(self) -> kvconfig.StoreLocation:
+        """Where this stack's traces join (:attr:`Topology.store`)."""
+        return self.topology.store
 
     @property
     def collector_url(self) -> str | None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrecord import config as kvconfig
+from kvrecord.location import StoreLocation
 
 COLLECTORS = ("process", "router")
 
@@ -48,7 +49,7 @@ class Topology:
     collector_port: int | None = None
     #: the collector's store when not its home's SQLite file: a path or a
     #: ``postgresql://`` URL (a store the whole fleet shares)
-    collector_store: str | None = None
+    collector_store: StoreLocation | str | None = None
     #: whether kvlens' own router runs (else only another router, e.g. vLLM's)
     kvlens_router: bool = True
 
@@ -70,15 +71,13 @@ class Topology:
         return None if self.collector_url is None else self.collector_url + "/v1/traces"
 
     @property
-    def store_path(self) -> Path | str:
+    def store(self) -> StoreLocation:
         """The store where a request's spans from every process meet (a
-        ``postgresql://`` URL when the collector writes a shared server)."""
+        PostgreSQL database when the collector writes a shared server)."""
         if self.separate and self.collector == "process" and self.collector_store:
-            return self.collector_store
-        if not self.separate:
-            return kvconfig.store_path({"kvlens_home": str(self.home)})
+            return StoreLocation.parse(self.collector_store)
         where = "router" if self.collector == "router" else "collector"
-        return kvconfig.store_path({"kvlens_home": str(self.home_for(where))})
+        return kvconfig.default_store(self.home_for(where).expanduser().resolve())
 
     def server_env(self, role: str) -> dict[str, str]:
         """Extra environment of P or D: vLLM's tracing over OTLP/HTTP; the

@@ -2,11 +2,13 @@
 
 A store is named by a path (an SQLite file: one host) or a URL
 ``postgresql://user@host:port/dbname`` (a PostgreSQL database the fleet
-shares); :func:`location` turns what a user typed into one of the two, and
-everything else takes either. Same schema, same queries, same results.
+shares); :meth:`StoreLocation.parse` turns what a user typed into one of
+the two, once, and everything else takes the :class:`StoreLocation` (the
+functions here parse a path or URL given instead). Same schema, same
+queries, same results.
 
-* :mod:`~kvtrace.store.dialect`: store names (:func:`location`,
-  :func:`is_url`) and what the two backends spell differently.
+* :mod:`~kvtrace.store.dialect`: what the two backends spell differently
+  (how a store is named: :mod:`kvrecord.location`).
 * :mod:`~kvtrace.store.schema`: tables, schema version and migrations,
   :func:`connect` / :func:`reading` (dispatching on the name).
 * :mod:`~kvtrace.store.pg`: the PostgreSQL backend (pooled psycopg 3
@@ -24,7 +26,7 @@ What a trace *means* (its spans' critical-path marking, its JSON form) is
 :mod:`kvtrace.tracemodel`, one layer up.
 """
 
-from kvrecord.location import display, is_url, location
+from kvrecord.location import StoreLocation
 from kvtrace.store.errors import (
     StoreAccessDenied,
     StoreCorrupt,
@@ -68,6 +70,7 @@ __all__ = [
     "SPAN_COLUMNS",
     "Retention",
     "StoreAccessDenied",
+    "StoreLocation",
     "StoreSpanExporter",
     "StoreUnavailable",
     "StoreUrlError",
@@ -84,10 +87,7 @@ __all__ = [
     "bulk_insert",
     "checkpoint",
     "connect",
-    "display",
     "is_transient",
-    "is_url",
-    "location",
     "prune",
     "attributes_of",
     "handoff_sample",

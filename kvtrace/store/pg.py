@@ -38,7 +38,7 @@ import re
 import threading
 from typing import Any, Iterable, Sequence
 
-from kvrecord.location import display, endpoint
+from kvrecord.location import endpoint, redact
 from kvtrace.store.dialect import POSTGRES
 from kvtrace.store.errors import StoreAccessDenied, StoreError, StoreMissing, StoreUnavailable
 
@@ -130,12 +130,12 @@ def translate(e: BaseException, url: str) -> StoreError:
         PoolTimeout = ()  # type: ignore[assignment]
     if isinstance(e, PoolTimeout):
         return StoreUnavailable(
-            f"trace store {display(url)}: no free connection within the timeout "
+            f"trace store {redact(url)}: no free connection within the timeout "
             f"({POOL_MAX} in use, or the server at {where} is not reachable)"
         )
     if state == "3D000" or ("database" in low and "does not exist" in low):
         return StoreMissing(
-            f"trace store {display(url)}: database {db!r} does not exist on the PostgreSQL "
+            f"trace store {redact(url)}: database {db!r} does not exist on the PostgreSQL "
             f"server at {where}: create it (createdb -h {host} -p {port} {db}) or fix the URL"
         )
     if (
@@ -146,16 +146,16 @@ def translate(e: BaseException, url: str) -> StoreError:
         or "no password supplied" in low
     ):
         return StoreAccessDenied(
-            f"trace store {display(url)}: the PostgreSQL server at {where} refused user {user!r} ({msg})"
+            f"trace store {redact(url)}: the PostgreSQL server at {where} refused user {user!r} ({msg})"
         )
     if state == "42501":
-        return StoreAccessDenied(f"trace store {display(url)}: user {user!r} lacks a privilege the store needs ({msg})")
+        return StoreAccessDenied(f"trace store {redact(url)}: user {user!r} lacks a privilege the store needs ({msg})")
     if state.startswith(("08", "57P")) or state == "53300" or _connection_failure(low):
         return StoreUnavailable(
-            f"trace store {display(url)}: the PostgreSQL server at {where} is not reachable "
+            f"trace store {redact(url)}: the PostgreSQL server at {where} is not reachable "
             f"({msg}); is it running, and is the URL right?"
         )
-    return StoreError(f"trace store {display(url)}: {msg}")
+    return StoreError(f"trace store {redact(url)}: {msg}")
 
 
 def _reason(e: BaseException) -> str:
@@ -399,7 +399,7 @@ def connect(url: str, *, readonly: bool, timeout_s: float) -> PgConnection:
         import psycopg  # noqa: F401
     except ImportError as e:  # pragma: no cover - a dependency since 0.x
         raise StoreError(
-            f"trace store {display(url)} needs the psycopg driver: pip install 'psycopg[binary,pool]'"
+            f"trace store {redact(url)} needs the psycopg driver: pip install 'psycopg[binary,pool]'"
         ) from e
     pool = _pool(url)
     if pool.get_stats().get("pool_size", 0) == 0:

@@ -25,8 +25,8 @@ order): the DDL below is one template filled per backend.
 Backends and dialect
 --------------------
 A store is a path (SQLite) or a ``postgresql://`` URL
-(:mod:`kvtrace.store.dialect`: :func:`location`, :func:`is_url`);
-:func:`connect` and :func:`reading` dispatch on the name. What the two spell
+(a :class:`~kvrecord.location.StoreLocation`); :func:`connect` and
+:func:`reading` dispatch on its kind. What the two spell
 differently is a :class:`~kvtrace.store.dialect.Dialect`, found from the
 connection (``dialect_of(conn)``); PostgreSQL connections are pooled psycopg
 connections behind an adapter with the ``sqlite3`` surface
@@ -53,7 +53,7 @@ from urllib.parse import quote
 
 from kvtrace.store import pg
 from kvtrace.store.ddl import _TRACES_V2_DDL, SCHEMA_TEMPLATE, V3_TRACE_COLUMNS
-from kvrecord.location import display, is_url, location
+from kvrecord.location import StoreLocation
 from kvtrace.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of
 from kvtrace.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
 
@@ -203,7 +203,7 @@ def read_tx(conn: Connection) -> Iterator[Connection]:
         conn.execute("COMMIT")
 
 
-def _create_or_upgrade(conn: Connection, name: Any) -> None:
+def _create_or_upgrade(conn: Connection, loc: StoreLocation) -> None:
     """Bring the store to SCHEMA_VERSION in one transaction (idempotent: every
     writer runs it when it opens the store; a current store costs one read
     and no write lock)."""
@@ -217,7 +217,7 @@ def _create_or_upgrade(conn: Connection, name: Any) -> None:
         if found == SCHEMA_VERSION:
             return
         if found is not None and found > SCHEMA_VERSION:
-            raise StoreVersionError(display(name), found, SCHEMA_VERSION)
+            raise StoreVersionError(str(loc), found, SCHEMA_VERSION)
         for v in range(SCHEMA_VERSION if found is None else found, SCHEMA_VERSION):
             for stmt in MIGRATIONS[v]:
                 conn.execute(d.sql(stmt))
@@ -232,19 +232,19 @@ def read_uri(path: Path) -> str:
     return f"file:{quote(str(path.absolute()))}?mode=ro"
 
 
-def translate(e: BaseException, path: Any) -> StoreError:
+def translate(e: BaseException, loc: StoreLocation) -> StoreError:
     """The backend's exception as a :class:`StoreError` a person can act on."""
     if isinstance(e, StoreError):
         return e
-    if is_url(path) or pg.is_backend_error(e):
-        return pg.translate(e, str(path))
+    if loc.is_postgres or pg.is_backend_error(e):
+        return pg.translate(e, loc.text)
     msg = str(e)
     if isinstance(e, sqlite3.OperationalError) and ("locked" in msg or "busy" in msg):
-        return StoreError(f"trace store {path} is busy ({msg}); try again")
-    return StoreCorrupt(f"{path} is not a kvlens trace store or is damaged ({msg})")
+        return StoreError(f"trace store {loc} is busy ({msg}); try again")
+    return StoreCorrupt(f"{loc} is not a kvlens trace store or is damaged ({msg})")
 
 
-def _check_readable(conn: Connection, name: Any) -> int | None:
+def _check_readable(conn: Connection, loc: StoreLocation) -> int | None:
     """The version a reader found, after refusing an empty or newer store
     (the connection is closed then). Older: the caller upgrades."""
     try:
@@ -252,59 +252,60 @@ def _check_readable(conn: Connection, name: Any) -> int | None:
     except Exception as e:
         conn.close()
         if isinstance(e, (sqlite3.Error,)) or pg.is_backend_error(e):
-            raise translate(e, name) from e
+            raise translate(e, loc) from e
         raise
     if found is None or found > SCHEMA_VERSION:
         conn.close()
         if found is None:
-            if is_url(name):
+            if loc.is_postgres:
                 raise StoreMissing(
-                    f"trace store {display(name)} has no kvlens tables yet: a writer "
+                    f"trace store {loc} has no kvlens tables yet: a writer "
                     "(kvlens collect --store URL, or a connector with this kvlens_store) creates them"
                 )
-            raise StoreCorrupt(f"{name} is empty or not a kvlens trace store (no kvlens tables)")
-        raise StoreVersionError(display(name), found, SCHEMA_VERSION)
+            raise StoreCorrupt(f"{loc} is empty or not a kvlens trace store (no kvlens tables)")
+        raise StoreVersionError(str(loc), found, SCHEMA_VERSION)
     return found
 
 
-def _upgrade_for_reader(name: Any, found: int, timeout_s: float) -> None:
+def _upgrade_for_reader(loc: StoreLocation, found: int, timeout_s: float) -> None:
     # An older store: upgrade it once (a writer's connect migrates), then
     # read it as usual. A store on read-only media (or a read-only database
     # user) cannot be read by this version; say so rather than fail on a
     # missing column later.
     try:
-        connect(name, timeout_s=timeout_s).close()
+        connect(loc, timeout_s=timeout_s).close()
     except (sqlite3.Error, OSError, StoreError) as e:
         raise StoreError(
-            f"{display(name)} has schema version {found}, older than this kvlens' "
+            f"{loc} has schema version {found}, older than this kvlens' "
             f"{SCHEMA_VERSION}, and could not be upgraded ({e})"
         ) from e
 
 
-def _open_readonly(path: Path, timeout_s: float) -> sqlite3.Connection:
-    if not path.exists():
-        raise StoreMissing(f"trace store not found: {path}")
-    conn = sqlite3.connect(read_uri(path), uri=True, timeout=timeout_s, check_same_thread=False)
+def _open_readonly(loc: StoreLocation, timeout_s: float) -> sqlite3.Connection:
+    if not loc.path.exists():
+        raise StoreMissing(f"trace store not found: {loc}")
+    conn = sqlite3.connect(read_uri(loc.path), uri=True, timeout=timeout_s, check_same_thread=False)
     conn.row_factory = sqlite3.Row
-    found = _check_readable(conn, path)
+    found = _check_readable(conn, loc)
     if found < SCHEMA_VERSION:
         conn.close()
-        _upgrade_for_reader(path, found, timeout_s)
-        return _open_readonly(path, timeout_s)
+        _upgrade_for_reader(loc, found, timeout_s)
+        return _open_readonly(loc, timeout_s)
     return conn
 
 
-def _connect_pg(url: str, *, readonly: bool, timeout_s: float) -> pg.PgConnection:
+def _connect_pg(loc: StoreLocation, *, readonly: bool, timeout_s: float) -> pg.PgConnection:
+    url = loc.text
     conn = pg.connect(url, readonly=readonly, timeout_s=timeout_s)
     if readonly:
-        found = _check_readable(conn, url)
+        found = _check_readable(conn, loc)
         if found < SCHEMA_VERSION:
             conn.close()
-            _upgrade_for_reader(url, found, timeout_s)
-            return _connect_pg(url, readonly=True, timeout_s=timeout_s)
+            _upgrade_for_reader(loc, found, timeout_s)
+            return _connect_pg(loc, readonly=True, timeout_s=timeout_s)
         return conn
     try:
-        _create_or_upgrade(conn, url)
+        _create_or_upgrade(conn, loc)
     except StoreError:
         conn.close()
         raise
@@ -316,18 +317,12 @@ def _connect_pg(url: str, *, readonly: bool, timeout_s: float) -> pg.PgConnectio
     return conn
 
 
-def _name(name: Any) -> "str | Path":
-    """A store name as the backend takes it: a checked URL, else a Path (as given)."""
-    if is_url(name):
-        return location(name)
-    return Path(name)
-
-
 def connect(
-    path: "str | os.PathLike", *, readonly: bool = False, timeout_s: float = 5.0, durable: bool = True
+    path: "StoreLocation | str | os.PathLike", *, readonly: bool = False, timeout_s: float = 5.0, durable: bool = True
 ) -> Connection:
-    """Open the store named by ``path`` (a file path, or a ``postgresql://``
-    URL); the caller closes the connection.
+    """Open the store at ``path`` (a :class:`StoreLocation`; a file path or
+    a ``postgresql://`` URL is parsed into one); the caller closes the
+    connection.
 
     Writers create the store (SQLite: the file, WAL) and create or upgrade
     its schema to :data:`SCHEMA_VERSION`; transactions are explicit
@@ -344,12 +339,12 @@ def connect(
     through (locked past ``timeout_s``: the span exporter retries on it).
     May block up to ``timeout_s`` on another writer's lock or the server.
     """
-    name = _name(path)
-    if isinstance(name, str):
-        return _connect_pg(name, readonly=readonly, timeout_s=timeout_s)
-    path = name
+    loc = StoreLocation.parse(path)
+    if loc.is_postgres:
+        return _connect_pg(loc, readonly=readonly, timeout_s=timeout_s)
     if readonly:
-        return _open_readonly(path, timeout_s)
+        return _open_readonly(loc, timeout_s)
+    path = loc.path
     path.parent.mkdir(parents=True, exist_ok=True)
     # isolation_level=None: autocommit; write_tx() opens the transactions.
     conn = sqlite3.connect(str(path), timeout=timeout_s, check_same_thread=False, isolation_level=None)
@@ -357,7 +352,7 @@ def connect(
     try:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={'NORMAL' if durable else 'OFF'}")
-        _create_or_upgrade(conn, path)
+        _create_or_upgrade(conn, loc)
     except BaseException:
         # sqlite3 errors stay as they are here: the span exporter retries on "locked".
         conn.close()
@@ -366,11 +361,11 @@ def connect(
 
 
 @contextlib.contextmanager
-def reading(path: "str | os.PathLike", timeout_s: float = 5.0) -> Iterator[Connection]:
+def reading(path: "StoreLocation | str | os.PathLike", timeout_s: float = 5.0) -> Iterator[Connection]:
     """A short-lived read-only connection: ``with store.reading(p) as c:``.
     Backend errors inside the block come out as :class:`StoreError`; the
     connection is closed (PostgreSQL: given back to its pool) on leaving."""
-    p = _name(path)
+    p = StoreLocation.parse(path)
     conn = connect(p, readonly=True, timeout_s=timeout_s)
     try:
         yield conn

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 from kvtrace import clockbounds
 from kvtrace.clockbounds import WINDOW_NS
-from kvrecord.location import display, is_url
+from kvrecord.location import StoreLocation
 from kvtrace.store.dialect import dialect_of
 from kvtrace.store.errors import is_transient
 from kvtrace.store.schema import PARAM, SPAN_COLUMNS, TRACE_COLUMNS, connect, params, set_wait, write_tx
@@ -302,10 +302,16 @@ class StoreSpanExporter:
     #: ``kvlens_telemetry_dropped_total`` reason for a batch this exporter drops.
     loss_reason = "store"
 
-    def __init__(self, path: "str | Path", *, max_block_s: float | None = None, retention: "float | str | None" = None):
+    def __init__(
+        self,
+        path: "StoreLocation | str | Path",
+        *,
+        max_block_s: float | None = None,
+        retention: "float | str | None" = None,
+    ):
         from kvtrace.store.retention import Retention
 
-        self.path = path if is_url(path) else Path(path)
+        self.location = StoreLocation.parse(path)
         self.max_block_s = float(self.MAX_BLOCK_S if max_block_s is None else max_block_s)
         if not self.max_block_s > 0:
             raise ValueError(f"max_block_s must be > 0, got {max_block_s!r}")
@@ -341,7 +347,7 @@ class StoreSpanExporter:
             left = deadline - time.monotonic()
             try:
                 if self._conn is None:
-                    self._conn = connect(self.path, timeout_s=max(left, 0.001))
+                    self._conn = connect(self.location, timeout_s=max(left, 0.001))
                 set_wait(self._conn, left)
                 write_spans(self._conn, spans)
                 return
@@ -363,7 +369,7 @@ class StoreSpanExporter:
             logger.warning(
                 "kvlens: trace store %s not writable within %.3g s (%s); spans dropped and counted "
                 '(kvlens_telemetry_dropped_total{reason="store"})',
-                display(self.path),
+                self.location,
                 self.max_block_s,
                 why,
             )

@@ -11,7 +11,6 @@ push/pull ratios when they are written.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -28,8 +27,8 @@ OUTPUT_LEN = 4
 NUM_PROMPTS = 4
 
 
-def _store_path(stack) -> Path:
-    return stack.store_path
+def _store_path(stack) -> store.StoreLocation:
+    return stack.store
 
 
 def _sequential_url(stack) -> str:
@@ -165,7 +164,7 @@ def test_cli_bench_on_running_router(stack_factory, tmp_path, capsys):
             "--warmup",
             "0",
             "--store",
-            str(_store_path(push)),
+            _store_path(push).text,
             "--json",
             str(jp),
             "--seed",

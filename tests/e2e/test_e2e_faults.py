@@ -120,9 +120,9 @@ def test_registration_that_never_matches_ends_timeout(fault_push_stack):
     async def scenario():
         d = asyncio.create_task(_post_d(stack, tid))
         try:
-            sent = await _wait_span(stack.store_path, tid, _is_reg_send, SLACK_S, "registration.send on D")
+            sent = await _wait_span(stack.store, tid, _is_reg_send, SLACK_S, "registration.send on D")
             ready = await _wait_span(
-                stack.store_path,
+                stack.store,
                 tid,
                 lambda s: s["name"] == sc.Phase.KV_READY.value,
                 FAULT_REGISTRATION_TIMEOUT_S + SLACK_S,
@@ -140,16 +140,16 @@ def test_registration_that_never_matches_ends_timeout(fault_push_stack):
     assert ready["outcome"] == sc.Outcome.TIMEOUT.value, ready
     assert "timed out" in ready["attributes"].get(sc.ATTR_ERROR, "")
     # the watchdog fires no earlier than the configured timeout after staging
-    stage = next(s for s in _spans(stack.store_path, tid) if s["name"] == sc.Phase.REGISTRATION_STAGE.value)
+    stage = next(s for s in _spans(stack.store, tid) if s["name"] == sc.Phase.REGISTRATION_STAGE.value)
     assert ready["start_ns"] - stage["start_ns"] >= FAULT_REGISTRATION_TIMEOUT_S * 1e9 * 0.99
     assert sent["start_ns"] >= stage["start_ns"]
     # the warm-up request already did D's handshake with P: sent at once
     assert sent["attributes"][sc.ATTR_DEFERRED] is False, sent
-    names = {s["name"] for s in _spans(stack.store_path, tid)}
+    names = {s["name"] for s in _spans(stack.store, tid)}
     assert not names & {sc.Phase.MATCH.value, sc.Phase.WRITE_POST.value, sc.Phase.WRITE_COMPLETE.value}
 
     deadline = time.monotonic() + 30
-    while (row := _row(stack.store_path, tid)) is None or row["outcome"] != "timeout":
+    while (row := _row(stack.store, tid)) is None or row["outcome"] != "timeout":
         assert time.monotonic() < deadline, row
         time.sleep(0.5)
     assert row["handoff_s"] is None  # P never finished this prefill
@@ -173,7 +173,7 @@ def test_decode_killed_before_the_write_fails_on_p_and_p_keeps_serving(fault_pus
 
     async def scenario():
         d = asyncio.create_task(_post_d(stack, tid))
-        await _wait_span(stack.store_path, tid, _is_reg_send, SLACK_S, "registration.send on D")
+        await _wait_span(stack.store, tid, _is_reg_send, SLACK_S, "registration.send on D")
         # P's NIXL agent takes the PUSH_REG in on its progress thread; P's
         # connector reads it when P next steps (vLLM's writer thread parks
         # while P is idle), i.e. when P's half arrives below.
@@ -192,7 +192,7 @@ def test_decode_killed_before_the_write_fails_on_p_and_p_keeps_serving(fault_pus
 
     done = asyncio.run(
         _wait_span(
-            stack.store_path,
+            stack.store,
             tid,
             lambda s: s["name"] == sc.Phase.WRITE_COMPLETE.value and s["role"] == "prefill",
             FAULT_KV_LEASE_S + SLACK_S,
@@ -200,7 +200,7 @@ def test_decode_killed_before_the_write_fails_on_p_and_p_keeps_serving(fault_pus
         )
     )
     assert done["outcome"] in (sc.Outcome.FAILED.value, sc.Outcome.EXPIRED.value), done
-    spans = _spans(stack.store_path, tid)
+    spans = _spans(stack.store, tid)
     names = {s["name"] for s in spans}
     assert sc.Phase.PREFILL_FINISHED.value in names, names
     # matched (the WRITE went to the dead peer) or never matched (the notif
@@ -208,11 +208,11 @@ def test_decode_killed_before_the_write_fails_on_p_and_p_keeps_serving(fault_pus
     if done["outcome"] == sc.Outcome.FAILED.value:
         assert sc.Phase.MATCH.value in names, names
     deadline = time.monotonic() + 30
-    while (row := _row(stack.store_path, tid)) is None or row["outcome"] == "ok":
+    while (row := _row(stack.store, tid)) is None or row["outcome"] == "ok":
         assert time.monotonic() < deadline, row
         time.sleep(0.5)
     # the trace carries the worst outcome of its spans (failed > timeout > expired)
-    worst = max((s["outcome"] for s in _spans(stack.store_path, tid)), key=("ok", "expired", "timeout", "failed").index)
+    worst = max((s["outcome"] for s in _spans(stack.store, tid)), key=("ok", "expired", "timeout", "failed").index)
     assert row["outcome"] == worst != "ok", row
 
     # P is unharmed: health, and a plain completion on P alone

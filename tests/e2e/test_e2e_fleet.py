@@ -79,7 +79,7 @@ def _metric(url: str, name: str, **labels) -> float | None:
 def _check_fleet(stack, mode: str) -> None:
     shift = FLEET_CLOCK_SHIFT_S[mode]
     ids = _send(stack.router_url, N)
-    rows, settled, spans = _settled(stack.store_path, ids)
+    rows, settled, spans = _settled(stack.store, ids)
 
     # one joined trace per request, with both ends, from all three processes
     assert sorted(rows) == sorted(ids)
@@ -104,7 +104,7 @@ def _check_fleet(stack, mode: str) -> None:
 
     # `kvlens traces --json` on the collector's store shows the corrected figure
     out = subprocess.run(
-        [sys.executable, "-m", "kvlens.cli", "traces", "--store", str(stack.store_path), "--json", "--slowest", "1000"],
+        [sys.executable, "-m", "kvlens.cli", "traces", "--store", stack.store.text, "--json", "--slowest", "1000"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -125,7 +125,7 @@ def _check_fleet(stack, mode: str) -> None:
     murl = stack.collector_url if stack.collector == "process" else stack.router_url
     deadline = time.monotonic() + 60
     while True:
-        with store.reading(stack.store_path) as conn:
+        with store.reading(stack.store) as conn:
             n_store = len([r for r in store.slowest(conn, 10_000, mode=mode) if r["handoff_s"] is not None])
         n_metric = _metric(murl, "kvlens_handoff_seconds_count", mode=mode)
         if n_metric == n_store or time.monotonic() > deadline:
@@ -141,7 +141,7 @@ def _check_fleet(stack, mode: str) -> None:
     # vLLM exports them in 5 s batches, so wait for them
     deadline = time.monotonic() + 60
     while True:
-        with store.reading(stack.store_path) as conn:
+        with store.reading(stack.store) as conn:
             spans = store.spans_for(conn, ids)
         counts = {t: [sp["name"] for sp in spans[t]].count("llm_request") for t in ids}
         if all(n >= 2 for n in counts.values()) or time.monotonic() > deadline:
@@ -156,7 +156,7 @@ def _check_fleet(stack, mode: str) -> None:
 
 def test_three_hosts_push_collector_process_d_clock_ahead(fleet_push_stack):
     """The push fleet's collector writes PostgreSQL (a store the fleet shares)."""
-    assert str(fleet_push_stack.store_path).startswith("postgresql://")
+    assert fleet_push_stack.store.text.startswith("postgresql://")
     _check_fleet(fleet_push_stack, "push")
     _check_dashboard(fleet_push_stack, "push")
 
@@ -169,7 +169,7 @@ def _check_dashboard(stack, mode: str) -> None:
 
     from dashboard import data as D
 
-    url = str(stack.store_path)
+    url = stack.store.text
     df = D.slowest(url, 1000, mode=mode)
     assert len(df) >= N and df["handoff_s"].notna().sum() >= N
     info = D.store_info(url)

@@ -77,13 +77,13 @@ def test_a_load_that_fails_under_recompute_is_marked_counted_and_shown(pull_stac
     assert rd.json()["choices"][0]["text"] == normal.json()["choices"][0]["text"]  # greedy: the same answer
     tid = ids.trace_of_response(rp.json().get("id"), rid)
     normal_tid = ids.trace_of_response(normal.json().get("id"), normal.headers.get("x-request-id"))
-    tr = _wait_first_step(st.store_path, tid)
+    tr = _wait_first_step(st.store, tid)
     assert tr is not None, "no trace for the recomputed request"
     assert tr.outcome == "failed", tr.outcome  # the load failed; vLLM recomputed, the client was served
     use = tr.to_json()["kv_use"]
     assert use is not None and use["recomputed"], (use, [s.name for s in tr.spans])
     assert use["recomputed_tokens"] > 100, use  # the whole prompt (~150 tokens), not its last partial block
-    ok = _wait_first_step(st.store_path, normal_tid)
+    ok = _wait_first_step(st.store, normal_tid)
     assert ok is not None and ok.to_json()["kv_use"] is not None and not ok.to_json()["kv_use"]["recomputed"], (
         ok and ok.to_json()["kv_use"]
     )
@@ -94,7 +94,7 @@ def test_a_load_that_fails_under_recompute_is_marked_counted_and_shown(pull_stac
     # the Traces page says so
     from streamlit.testing.v1 import AppTest
 
-    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(st.store_path)])
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", st.store.text])
     at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py"), default_timeout=60)
     at.query_params["page"] = "traces"
     at.query_params["trace"] = tid

@@ -87,7 +87,7 @@ def _shared_id_case(stack) -> None:
     assert [r.json()["choices"][0]["text"] for r in rs] == alone  # no request got another's KV
     deadline = time.monotonic() + 60
     while True:
-        with store.reading(stack.store_path) as conn:
+        with store.reading(stack.store) as conn:
             rows = {r["trace_id"]: r for r in store.slowest(conn, 100, trace_ids=used)}
         if (
             len(rows) == len(used) and all(r["kv_ready_ns"] and r["ttft_source"] == "router" for r in rows.values())
@@ -147,7 +147,7 @@ def _soak_case(stack, mode: str) -> None:
 
     deadline = time.monotonic() + 120
     while True:
-        with store.reading(stack.store_path) as conn:
+        with store.reading(stack.store) as conn:
             rows = {r["trace_id"]: r for r in store.slowest(conn, 10 * SOAK_N, trace_ids=answered)}
         whole = [t for t in answered if t in rows and rows[t]["kv_ready_ns"] and rows[t]["ttft_source"] == "router"]
         if len(whole) == len(answered) or time.monotonic() > deadline:

@@ -101,7 +101,7 @@ def test_every_rank_in_every_trace(tp_stack):
     d_tp = {d.engine_id: d.tp for d in stack.decodes}
     assert [p.tp for p in stack.prefills] == [p_tp] and p_tp == 2, stack.prefills
     sent = _send(stack.router_url, N)
-    got = _wait(stack.store_path, sent, d_tp)
+    got = _wait(stack.store, sent, d_tp)
     assert set(got) == set(sent), f"{len(set(sent) - set(got))} requests without a trace"
     shares, ds = [], set()
     for tid in sent:

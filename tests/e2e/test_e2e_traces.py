@@ -180,10 +180,10 @@ def _check_wire_and_release(trs: dict, mode: str) -> None:
 def test_push_overlapped_every_phase_in_causal_order(push_stack):
     ids = _send(push_stack.router_url, N)
     phases = sc.PUSH_PHASES + (sc.Phase.REQUEST, sc.Phase.PREFILL)
-    rows, spans = _wait_traces(push_stack.store_path, ids, phases)
+    rows, spans = _wait_traces(push_stack.store, ids, phases)
     _check_common(rows, spans, ids, "push", phases)
     trs: dict = {}
-    derived = _derived(push_stack.store_path, ids, trs)
+    derived = _derived(push_stack.store, ids, trs)
     for tid in ids:
         _check_push_order(spans[tid])
         assert rows[tid]["dispatch"] == "overlapped"
@@ -199,7 +199,7 @@ def test_push_sequential_every_phase_in_causal_order(push_stack):
     url = push_stack.sequential_router_url
     ids = _send(url, N, stream=True)
     phases = sc.PUSH_PHASES + (sc.Phase.REQUEST, sc.Phase.RELAY)
-    rows, spans = _wait_traces(push_stack.store_path, ids, phases)
+    rows, spans = _wait_traces(push_stack.store, ids, phases)
     _check_common(rows, spans, ids, "push", phases)
     for tid in ids:
         sp = spans[tid]
@@ -210,7 +210,7 @@ def test_push_sequential_every_phase_in_causal_order(push_stack):
         assert _one(sp, "match")["attributes"][sc.ATTR_MATCH_FIRST] == "prefill"
         assert rows[tid]["dispatch"] == "sequential"
         assert relay["end_ns"] <= _one(sp, "decode.queue")["start_ns"]
-    derived = _derived(push_stack.store_path, ids)
+    derived = _derived(push_stack.store, ids)
     for tid in ids:
         assert {"prefill.respond", "decode.intake", "prefill.dispatch"} <= derived[tid], derived[tid]
 
@@ -218,7 +218,7 @@ def test_push_sequential_every_phase_in_causal_order(push_stack):
 def test_pull_every_phase_in_causal_order(pull_stack):
     ids = _send(pull_stack.router_url, N)
     phases = sc.PULL_PHASES + (sc.Phase.REQUEST, sc.Phase.RELAY, sc.Phase.PREFILL)
-    rows, spans = _wait_traces(pull_stack.store_path, ids, phases)
+    rows, spans = _wait_traces(pull_stack.store, ids, phases)
     _check_common(rows, spans, ids, "pull", phases)
     for tid in ids:
         sp = spans[tid]
@@ -234,7 +234,7 @@ def test_pull_every_phase_in_causal_order(pull_stack):
     hs = [s for t in ids for s in spans[t] if s["name"] == "handshake"]
     assert len(hs) <= 1
     trs: dict = {}
-    derived = _derived(pull_stack.store_path, ids, trs)
+    derived = _derived(pull_stack.store, ids, trs)
     for tid in ids:
         assert {"prefill.respond", "decode.intake", "decode.dispatch", "read.wire"} <= derived[tid], derived[tid]
     _check_wire_and_release(trs, "pull")
@@ -249,7 +249,7 @@ def test_traces_cli_json_matches_the_store(pull_stack, capsys):
             [
                 "traces",
                 "--store",
-                str(pull_stack.store_path),
+                pull_stack.store.text,
                 "--mode",
                 "pull",
                 "--outcome",
@@ -271,7 +271,7 @@ def test_traces_cli_json_matches_the_store(pull_stack, capsys):
         for s in rec["spans"]:
             assert set(s) >= {"name", "role", "start_ns", "end_ns", "attributes"}
     assert lines == sorted(lines, key=lambda r: -r["handoff_s"])
-    assert main(["traces", "--store", str(pull_stack.store_path), "--slowest", "1"]) == 0
+    assert main(["traces", "--store", pull_stack.store.text, "--slowest", "1"]) == 0
     out = capsys.readouterr().out
     assert "critical path" in out and "kv.ready" in out
 
@@ -322,12 +322,12 @@ def test_dashboard_pages_on_the_real_run_store(pull_stack, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
     app = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
-    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(pull_stack.store_path)])
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", pull_stack.store.text])
     at = AppTest.from_file(app, default_timeout=90)
     at.run()
     at.select_slider(key="ov_range").set_value("all").run()
     assert not at.exception, [e.value for e in at.exception]
-    with store.reading(pull_stack.store_path) as conn:  # push too when the push tests ran first (make test)
+    with store.reading(pull_stack.store) as conn:  # push too when the push tests ran first (make test)
         modes = {r["mode"] for r in store.slowest(conn, 10_000, order="start")}
     assert len([m for m in at.metric if m.label.startswith("handoff p50 (")]) == len(modes)  # side by side
 

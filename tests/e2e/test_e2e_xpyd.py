@@ -149,7 +149,7 @@ def test_xpyd_behind_kvlens_router(mode, xpyd_stacks):
     """2P2D through the stack's router, then 2P1D and 1P2D: one trace per
     request naming its engines, every pair with its own clock interval."""
     stack = xpyd_stacks(mode)
-    db = stack.store_path
+    db = stack.store
     dispatch = "overlapped" if mode == "push" else "sequential"
     sent = _send(stack.router_url, N, kvlens_id=True)
     mine_ids = list(sent)
@@ -169,7 +169,7 @@ def test_xpyd_behind_kvlens_router(mode, xpyd_stacks):
     # the dashboard's per-pair view: one row per pair of this mode, each with its figures
     from dashboard.pairs import pair_table
 
-    table = pair_table(str(db), None, None)
+    table = pair_table(db, None, None)
     mine = table[(table["mode"] == mode) & table["p_engine"].isin(["p0", "p1"]) & table["d_engine"].isin(["d0", "d1"])]
     assert set(zip(mine["p_engine"], mine["d_engine"])) == pairs, mine
     assert mine["handoff_p50_s"].notna().all()
@@ -187,7 +187,7 @@ def test_pull_behind_vllm_router(xpyd_stacks):
     stack = xpyd_stacks("pull")
     assert stack.vllm_router_url
     sent = _send(stack.vllm_router_url, N, kvlens_id=False)
-    got = _wait(stack.store_path, sent, "engines")
+    got = _wait(stack.store, sent, "engines")
     _check(got, sent, "pull", pes=("p0", "p1"), des=("d0", "d1"), ttft_source="engines")
     shares = []
     for tid in sent:
@@ -198,7 +198,7 @@ def test_pull_behind_vllm_router(xpyd_stacks):
         assert "relay" not in names and {"router.hop", "decode.first_step"} <= names, names
         shares.append(tr.tiling().unattributed_share)
     assert statistics.median(shares) <= 0.10, shares
-    with store.reading(stack.store_path) as conn:
+    with store.reading(stack.store) as conn:
         halves = tracemodel.slowest(conn, 100, order="start", half="decode") + tracemodel.slowest(
             conn, 100, order="start", half="prefill"
         )

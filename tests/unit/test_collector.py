@@ -595,7 +595,7 @@ def test_the_router_receiver_writes_a_postgresql_store(tmp_path, sdk_spans, pg_u
         retention="7d",
     )
     ing = _receiver_ingest(cfg)
-    assert ing.store_path == pg_url and ing.retention.keep_s == 7 * 86400
+    assert ing.location.url == pg_url and ing.retention.keep_s == 7 * 86400
     assert ing.offer(sdk_spans)
     ing.close(10.0)
     assert ing.counts()["written"] == len(sdk_spans)

@@ -513,7 +513,7 @@ def test_app_default_store_is_kvlens_home(monkeypatch, tmp_path):
     monkeypatch.setenv("KVLENS_HOME", str(tmp_path))
     from dashboard.app import parse_config
 
-    assert parse_config([]).store == str(tmp_path.resolve() / "traces.db")
+    assert parse_config([]).store.path == tmp_path.resolve() / "traces.db"
     assert parse_config(["--store", "x.db", "--prometheus", "http://p:9090"]).prometheus == "http://p:9090"
 
 

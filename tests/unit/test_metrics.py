@@ -490,7 +490,7 @@ def test_pipeline_gives_its_metrics_processor_the_recorders_drop_counts(tmp_path
     try:
         (proc,) = [p for p in provider._active_span_processor._span_processors if isinstance(p, PhaseMetricsProcessor)]
         assert proc._dropped_source is pipeline.dropped_counts
-        assert proc.handoff.path == tmp_path.resolve() / "traces.db"
+        assert proc.handoff.location.path == tmp_path.resolve() / "traces.db"
     finally:
         provider.shutdown()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from exporters import pipeline
+from kvrecord.config import Options
 from kvtrace import store, tracemodel
 from kvrecord import semconv as sc
 from kvrecord.recorder import Recorder
@@ -295,15 +296,15 @@ def test_bench_rows_roundtrip(backend):
 
 def test_config_validation_is_strict():
     with pytest.raises(ValueError, match="kvlens_bogus"):
-        pipeline.validate_config({"kvlens_bogus": 1})
+        Options.from_config({"kvlens_bogus": 1})
     with pytest.raises(ValueError, match="otlp_endpoint"):
-        pipeline.validate_config({"otlp_endpoint": "localhost:4318"})
+        Options.from_config({"otlp_endpoint": "localhost:4318"})
     with pytest.raises(ValueError, match="kvlens_buffer_events"):
-        pipeline.validate_config({"kvlens_buffer_events": "many"})
-    assert pipeline.validate_config({"kvlens_home": "/x", "other_vllm_key": 1}) == {"kvlens_home": "/x"}
+        Options.from_config({"kvlens_buffer_events": "many"})
+    assert Options.from_config({"kvlens_home": "/x", "other_vllm_key": 1}) == Options.from_config({"kvlens_home": "/x"})
     with pytest.raises(ValueError, match="kvlens_span_builder must be 'sidecar' or 'inline'"):
-        pipeline.validate_config({"kvlens_span_builder": "thread"})
-    assert pipeline.validate_config({"kvlens_span_builder": "inline"}) == {"kvlens_span_builder": "inline"}
+        Options.from_config({"kvlens_span_builder": "thread"})
+    assert Options.from_config({"kvlens_span_builder": "inline"}).span_builder == "inline"
 
 
 def test_collector_store_needs_a_separate_collector_process(tmp_path):
@@ -317,7 +318,7 @@ def test_collector_store_needs_a_separate_collector_process(tmp_path):
         with pytest.raises(StackError, match="--collector-store needs --separate-homes with --collector process"):
             Stack(mode="push", kvlens_home=tmp_path, collector_store=url, **kw)
     s = Stack(mode="push", kvlens_home=tmp_path, separate_homes=True, collector_store=url)
-    assert s.store_path == url and s.topology.home_for("prefill") == tmp_path.resolve() / "hosts" / "prefill"
+    assert s.store.url == url and s.topology.home_for("prefill") == tmp_path.resolve() / "hosts" / "prefill"
 
 
 # vLLM's own keys that share kv_connector_extra_config with kvlens' (the stack's,
@@ -363,7 +364,7 @@ _VLLM_KEYS = (
 )
 def test_misspelled_option_names_the_key_and_the_closest_known_one(typo, meant):
     with pytest.raises(ValueError) as e:
-        pipeline.validate_config({typo: "http://x:4318", "kv_lease_duration": 7})
+        Options.from_config({typo: "http://x:4318", "kv_lease_duration": 7})
     msg = str(e.value)
     assert repr(typo) in msg and "did you mean" in msg
     if meant:
@@ -373,7 +374,7 @@ def test_misspelled_option_names_the_key_and_the_closest_known_one(typo, meant):
 def test_vllm_keys_pass_validation():
     cfg = {k: 1 for k in _VLLM_KEYS}
     cfg["kvlens_home"] = "/x"
-    assert pipeline.validate_config(cfg) == {"kvlens_home": "/x"}
+    assert Options.from_config(cfg) == Options.from_config({"kvlens_home": "/x"})
 
 
 def test_stack_kv_transfer_config_validates():
@@ -382,18 +383,20 @@ def test_stack_kv_transfer_config_validates():
     for mode in ("push", "pull"):
         cfg = kv_transfer_config(mode, "prefill", "p0", False, Path("/tmp/h"), otlp_endpoint="http://c:4318")
         extra = cfg["kv_connector_extra_config"]
-        assert pipeline.validate_config(extra) == {"kvlens_home": "/tmp/h", "otlp_endpoint": "http://c:4318"}
+        assert {k for k in extra if k.startswith(("kvlens", "otlp"))} == {"kvlens_home", "otlp_endpoint"}
+        opts = Options.from_config(extra)
+        assert (opts.home, opts.otlp_endpoint) == (Path("/tmp/h").resolve(), "http://c:4318")
 
 
 @pytest.mark.parametrize("bad", [True, False, 0, -3, 1.5, "many", "true", None, [8]])
 def test_buffer_events_must_be_a_positive_integer(bad):
     with pytest.raises(ValueError, match="kvlens_buffer_events"):
-        pipeline.validate_config({"kvlens_buffer_events": bad})
+        Options.from_config({"kvlens_buffer_events": bad})
 
 
 @pytest.mark.parametrize("good, n", [(1, 1), (4096, 4096), ("4096", 4096), (" 64 ", 64), (512.0, 512)])
 def test_buffer_events_accepts_integers(good, n):
-    assert pipeline.validate_config({"kvlens_buffer_events": good}) == {"kvlens_buffer_events": good}
+    assert Options.from_config({"kvlens_buffer_events": good}).buffer_events == n
     r = pipeline.get_recorder(
         "router",
         "push",
@@ -409,7 +412,7 @@ def test_buffer_events_accepts_integers(good, n):
 def test_string_options_must_be_strings():
     for key in ("kvlens_home", "otlp_endpoint", "kvlens_service_name"):
         with pytest.raises(ValueError, match=key):
-            pipeline.validate_config({key: 5})
+            Options.from_config({key: 5})
 
 
 def test_connector_start_fails_on_a_misspelled_option():

@@ -232,25 +232,29 @@ def test_retention_prunes_after_a_write_at_most_once_per_period(backend):
 
 
 def test_collector_and_connector_retention_options():
-    from kvrecord.config import retention_s, validate_config
+    from kvrecord.config import Options
     from kvlens.cli import main
+
+    def retention_s(cfg):
+        return Options.from_config(cfg).retention_s
 
     assert retention_s({"kvlens_retention": "7d"}) == 7 * 86400 and retention_s({}) is None
     assert retention_s({"kvlens_retention": "off"}) is None and retention_s({"kvlens_retention": 60}) == 60
     with pytest.raises(ValueError, match="kvlens_retention"):
-        validate_config({"kvlens_retention": "forever"})
+        Options.from_config({"kvlens_retention": "forever"})
     assert main(["collect", "--retention", "soon", "--port", "0"]) == 2
 
 
 # ------------------------------------------------------------------ faults
 def test_a_malformed_store_url_is_refused_with_a_clear_message(tmp_path, capsys):
-    from kvrecord.config import store_path, validate_config
+    from kvrecord.config import Options
     from kvlens.cli import main
 
-    assert store.is_url("postgresql://u@h/db") and store.is_url("postgres://u@h/db")
-    assert not store.is_url("/tmp/x.db") and not store.is_url(tmp_path)
-    assert store.location("postgresql://u:pw@h:5433/db") == "postgresql://u:pw@h:5433/db"
-    assert store.display("postgresql://u:secret@h:5433/db") == "postgresql://u:***@h:5433/db"
+    parse = store.StoreLocation.parse
+    assert parse("postgresql://u@h/db").is_postgres and parse("postgres://u@h/db").is_postgres
+    assert not parse("/tmp/x.db").is_postgres and not parse(tmp_path).is_postgres
+    assert parse("postgresql://u:pw@h:5433/db").url == "postgresql://u:pw@h:5433/db"
+    assert str(parse("postgresql://u:secret@h:5433/db")) == "postgresql://u:***@h:5433/db"
     for bad, why in [
         ("postgresql://u@h:99999/db", "bad port"),
         ("postgresql://u@h:5432/", "no database"),
@@ -258,13 +262,12 @@ def test_a_malformed_store_url_is_refused_with_a_clear_message(tmp_path, capsys)
         ("mysql://u@h/db", "unknown store URL scheme"),
     ]:
         with pytest.raises(ValueError, match=why):
-            store.location(bad)
-    assert store_path({"kvlens_store": "postgresql://u@h/db"}) == "postgresql://u@h/db"
-    assert validate_config({"kvlens_store": "postgresql://u@h/db"})
+            parse(bad)
+    assert Options.from_config({"kvlens_store": "postgresql://u@h/db"}).store.url == "postgresql://u@h/db"
     with pytest.raises(ValueError, match="kvlens_store: no database"):
-        validate_config({"kvlens_store": "postgresql://u@h:5432/"})
+        Options.from_config({"kvlens_store": "postgresql://u@h:5432/"})
     with pytest.raises(ValueError, match="kvlens_store must be 'on', 'off' or a postgresql://"):
-        validate_config({"kvlens_store": "postgresq://u@h/db"})
+        Options.from_config({"kvlens_store": "postgresq://u@h/db"})
     assert main(["collect", "--store", "postgresql://u@h:70000/db", "--port", "0"]) == 2
     assert "bad port" in capsys.readouterr().err
     assert main(["dashboard", "--store", "postgresql://u@h/", "--port", "8599"]) == 2
