@@ -81,7 +81,7 @@ def model_dir(cfg: Mapping[str, Any] | None = None) -> Path:
     return home(cfg) / "model"
 
 
-def positive_int(key: str, v: Any) -> int:
+def _positive_int(key: str, v: Any) -> int:
     """A positive integer option: an int, or a string of one (JSON from the
     command line); a bool or a fractional number is an error, not 1.
     ValueError naming ``key`` otherwise."""
@@ -152,7 +152,7 @@ def _checked(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 raise err
     out = {k: v for k, v in cfg.items() if k in KNOWN_KEYS}
     if "kvlens_buffer_events" in out:
-        out["kvlens_buffer_events"] = positive_int("kvlens_buffer_events", out["kvlens_buffer_events"])
+        out["kvlens_buffer_events"] = _positive_int("kvlens_buffer_events", out["kvlens_buffer_events"])
     if "kvlens_metrics" in out and str(out["kvlens_metrics"]).strip().lower() not in _ON + _OFF:
         raise ValueError(f"kvlens_metrics must be 'on' or 'off', got {out['kvlens_metrics']!r}")
     out["kvlens_store"] = _store(out["kvlens_store"]) if "kvlens_store" in out else True
