@@ -26,9 +26,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from kvrecord import config
+from kvrecord.location import StoreLocation
 from kvlens import bench, dashboard_cmd, traces
 from kvlens.model import ensure_model
 
@@ -58,11 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dashboard-port", type=int, default=8501, help="dashboard port (default 8501)")
 
 
-def _traces(store: Path, since_s: float) -> None:
+def _traces(store: StoreLocation, since_s: float) -> None:
     for mode in ("push", "pull"):
         print(f"\n== slowest {mode} requests of this demo (kvlens traces --slowest 3 --mode {mode}) ==", flush=True)
         ns = argparse.Namespace(
-            store=str(store),
+            store=store,
             slowest=3,
             mode=mode,
             outcome=None,
@@ -74,9 +74,9 @@ def _traces(store: Path, since_s: float) -> None:
         traces.run(ns)
 
 
-def _dashboard(store: Path, port: int) -> int:
+def _dashboard(store: StoreLocation, port: int) -> int:
     print("\nStarting the dashboard (Ctrl-C to stop):", flush=True)
-    ns = argparse.Namespace(store=str(store), prometheus=None, port=port, host="127.0.0.1")
+    ns = argparse.Namespace(store=store, prometheus=None, port=port, host="127.0.0.1")
     return int(dashboard_cmd.run(ns) or 0)
 
 
