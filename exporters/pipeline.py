@@ -108,8 +108,9 @@ def get_recorder(
 
     ``config``: the process's :class:`Options` (or the kvlens keys of
     ``kv_connector_extra_config``, checked here: a bad option raises
-    ValueError). Used when the recorder is first made. ``span_builder``: see the module docstring (roles ``prefill`` and
-    ``decode`` only; other roles build inline). Any thread. Fork-safe: a
+    ValueError). Used when the recorder is first made. ``span_builder``:
+    see the module docstring (roles ``prefill`` and ``decode`` only; other
+    roles build inline). Any thread. Fork-safe: a
     child process gets a fresh recorder (the parent's thread does not
     survive fork)."""
     key = (os.getpid(), role, mode, engine_id)

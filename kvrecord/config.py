@@ -203,11 +203,13 @@ class Options:
         probably meant to be. Other (vLLM) keys are ignored."""
         out = _checked(cfg or {})
         home_dir = home(out)
-        store = out["kvlens_store"]
+        store = out["kvlens_store"]  # a PostgreSQL location, or whether the home's file is on
+        if isinstance(store, bool):
+            store = default_store(home_dir) if store else None
         builder = out.get("kvlens_span_builder")
         return cls(
             home=home_dir,
-            store=(default_store(home_dir) if store else None) if isinstance(store, bool) else store,
+            store=store,
             metrics=str(out.get("kvlens_metrics", "on")).strip().lower() not in _OFF,
             retention_s=out["kvlens_retention"],
             buffer_events=out.get("kvlens_buffer_events"),
@@ -219,7 +221,10 @@ class Options:
     def to_config(self) -> dict[str, Any]:
         """The kvlens keys :meth:`from_config` rebuilds these options from
         (JSON-safe: what crosses to the sidecar process). A URL's password
-        is in it."""
+        is in it. ValueError for a file store other than ``<home>/traces.db``,
+        which the connector's options cannot name."""
+        if self.store is not None and not self.store.is_postgres and self.store != default_store(self.home):
+            raise ValueError(f"kvlens_store names only <home>/{STORE_FILE} or a PostgreSQL URL, not {self.store}")
         out: dict[str, Any] = {
             "kvlens_home": str(self.home),
             "kvlens_metrics": "on" if self.metrics else "off",

@@ -176,3 +176,9 @@ def test_the_engine_process_checks_its_options_once(tmp_path, monkeypatch):
         assert r.capacity == DEFAULT_CAPACITY and len(checks) == 2
     finally:
         pipeline._recorders.pop(next(k for k, v in pipeline._recorders.items() if v is r), None)
+
+
+def test_options_naming_another_file_cannot_travel_as_a_config(tmp_path):
+    o = Options(home=tmp_path, store=StoreLocation.sqlite(tmp_path / "other.db"))
+    with pytest.raises(ValueError, match="kvlens_store names only"):
+        o.to_config()
