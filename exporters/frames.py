@@ -6,12 +6,13 @@ Frames of a 4-byte little-endian length and a pickle (protocol 5) of
 
 * ``"e"`` (:data:`EVENTS`): ``arg`` the engine's loss totals by reason (the
   sidecar reports them in ``kvlens_telemetry_dropped_total``); ``rows`` the
-  buffered :class:`kvrecord.events.Event` s as plain tuples of their
-  fields, in the order ``fields`` names (:data:`kvrecord.events.FIELDS`).
-  The reader rebuilds the same :class:`Event` type from them and refuses a
-  frame whose field names differ from its own (a sidecar of other code).
-  Plain tuples because a pickled ``NamedTuple`` costs ~4x as much to write
-  as its fields (a Python call per event), on the engine's GIL.
+  buffered events as the recorder holds them, plain tuples of an
+  :class:`kvrecord.events.Event`'s fields in the order ``fields`` names
+  (:data:`kvrecord.events.FIELDS`; a pickled ``NamedTuple`` costs the
+  engine ~3-4x as much, a Python call per event). The reader rebuilds the
+  same :class:`Event` type from them (``Event._make``, which checks their
+  length) and refuses a frame whose field names are not its own (a sidecar
+  of other code).
 * ``"f"`` (:data:`FLUSH`): a flush, ``arg`` its number, acknowledged on the
   sidecar's stdout with ``flushed <n>``. The sidecar says ``ready`` there
   once its pipeline is up.
@@ -25,7 +26,7 @@ import pickle
 import struct
 from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
-from kvrecord.events import FIELDS, Event
+from kvrecord.events import FIELDS, Event, EventFields
 
 FRAME = struct.Struct("<I")
 #: Events per frame at most (a frame of them pickles to well under the pipe's size).
@@ -42,9 +43,9 @@ class Frame(NamedTuple):
     events: list[Event]
 
 
-def encode_events(drops: Mapping[str, int], events: Sequence[Event]) -> bytes:
-    """One EVENTS frame, length prefix included."""
-    return _frame((EVENTS, drops, FIELDS, list(map(tuple, events))))
+def encode_events(drops: Mapping[str, int], rows: Sequence[EventFields]) -> bytes:
+    """One EVENTS frame, length prefix included (``rows``: :meth:`Recorder.take`'s)."""
+    return _frame((EVENTS, drops, FIELDS, rows))
 
 
 def encode_flush(seq: int) -> bytes:

@@ -11,9 +11,9 @@ that is the serving bottleneck. Options weighed:
 * batch and amortise SDK spans: the per-span cost of the SDK and of the
   processors dominates; batching does not remove it;
 * ship compact raw events to a process of kvlens' own and build spans and
-  metrics there (chosen): the engine pays one ``pickle`` of the fields of
-  the :class:`kvrecord.events.Event` s :meth:`Recorder.record` already holds
-  and one non-blocking pipe ``write`` per frame, ~1-2 µs per event; the sidecar
+  metrics there (chosen): the engine pays one ``pickle`` of a list of the
+  event tuples :meth:`Recorder.record` already holds and one non-blocking
+  pipe ``write`` per frame, ~1-2 µs per event; the sidecar
   (:mod:`exporters.sidecar`) runs today's :class:`Recorder` and
   :func:`exporters.pipeline.provider_factory` unchanged, so the store, the
   OTLP output and the metrics are exactly what the in-process path gives.

@@ -5,8 +5,8 @@
 Started by :class:`exporters.shipping.ShippingRecorder` in each vLLM
 EngineCore/worker process that records (roles prefill and decode; the
 module docstring there says why). It reads the events its parent ships on
-stdin (:mod:`exporters.frames`: they arrive as the same
-:class:`kvrecord.events.Event` s the engine recorded) and hands them to an
+stdin (:mod:`exporters.frames` rebuilds them as
+:class:`kvrecord.events.Event` s) and hands them to an
 ordinary in-process :class:`Recorder` (:meth:`Recorder.enqueue`) built by
 :func:`exporters.pipeline.get_recorder` with ``span_builder="inline"``: the
 same spans, store rows, OTLP output and metrics as the in-process path,

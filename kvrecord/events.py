@@ -1,16 +1,21 @@
 """The one event type on kvlens' event path: :class:`Event`.
 
 A hook's call to :meth:`kvrecord.recorder.Recorder.record` (or the router's
-:meth:`~kvrecord.recorder.Recorder.record_root`) builds one :class:`Event`;
-the same typed event waits in the recorder's buffer, crosses to the sidecar
-(:mod:`exporters.frames` ships its fields and rebuilds it there) and reaches
-the span builder, which reads it by field name. Nothing on the way reorders
-fields by position or marks a kind with a magic value.
+:meth:`~kvrecord.recorder.Recorder.record_root`) records one event; it
+reaches the span builder (:mod:`kvrecord.spanbuilder`), in the same process
+or in the sidecar (:mod:`exporters.frames` ships it there), as an
+:class:`Event` read by field name. Nothing on the way reorders fields by
+position or marks a kind with a magic value.
 
-A ``NamedTuple`` because it is a tuple: appending one to the recorder's
-deque is nearly what appending a plain tuple cost (the hot path builds it
-with ``tuple.__new__``, see :data:`new_event`), and its fields pickle as a
-plain tuple.
+On the engine's side an event travels as its :data:`EventFields`: the plain
+tuple of an :class:`Event`'s fields, in :data:`FIELDS` order, built in one
+place (``Recorder.record``). Building the ``NamedTuple`` itself there would
+cost the hot path about twice the append (a tuple subclass instance is
+allocated in C past the tuple free list, or through a Python ``__new__``:
+benchmarks/bench_recorder.py, ~+0.13-0.23 us per ``record``), and pickling
+NamedTuples for the sidecar costs ~3-4x their fields (a Python call per
+event), so the event becomes an :class:`Event` where its fields are read:
+``as_event``, on the span builder's thread or the sidecar's.
 """
 
 from __future__ import annotations
@@ -44,11 +49,17 @@ class Event(NamedTuple):
     parent_span_id: int | None = None
 
 
-#: ``new_event(Event, (kind, phase, request_id, start_ns, end_ns, outcome,
-#: attrs, parent_span_id))``: all eight fields, in order. What
-#: ``Event(...)`` does without the Python-level ``__new__`` call that
-#: would cost the hot path ~2-3x an append (benchmarks/bench_recorder.py).
-new_event = tuple.__new__
+#: An event as the recorder buffers and ships it: the plain tuple of an
+#: :class:`Event`'s fields, all eight, in :data:`FIELDS` order.
+EventFields = tuple
 
 #: The field names, in order: the wire format's header (exporters.frames).
 FIELDS: tuple[str, ...] = Event._fields
+
+_new = tuple.__new__
+
+
+def as_event(fields: EventFields) -> Event:
+    """The :class:`Event` of ``fields`` (an :class:`Event` too): ``Event._make``
+    without its Python call and length check (the recorder builds all eight)."""
+    return _new(Event, fields)

@@ -4,8 +4,8 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
 
 * :meth:`Recorder.record` is called on the engine loop, the push writer
   thread and NIXL callback threads. It takes timestamps the caller already
-  has, appends one :class:`kvrecord.events.Event` to a bounded ``deque``
-  and returns. It never blocks, never raises, and counts what it drops
+  has, appends one event (its :data:`kvrecord.events.EventFields`) to a
+  bounded ``deque`` and returns. It never blocks, never raises, and counts what it drops
   when the buffer is full.
 * :meth:`Recorder.record_root` is the router's call for the request's root
   span (same cost, same contract).
@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from kvrecord import ids
 from kvrecord import semconv as sc
-from kvrecord.events import Event, Kind, new_event
+from kvrecord.events import Event, EventFields, Kind, as_event
 from kvrecord.logutil import log_once
 from kvrecord.procstats import name_native_thread, write_stats
 from kvrecord.spanbuilder import SpanBuilder
@@ -106,7 +106,7 @@ class Recorder:
         self.recorded = 0
         self.exported = 0
         self.ids = ids.PinnedIdGenerator()
-        self._q: collections.deque[Event] = collections.deque()
+        self._q: collections.deque[EventFields] = collections.deque()
         self._factory = pipeline_factory
         self._interval = flush_interval_s
         self._base_attrs = {sc.ATTR_MODE: self.mode, sc.ATTR_ROLE: self.role}
@@ -143,7 +143,7 @@ class Recorder:
         if len(q) >= self.capacity:
             self.dropped += 1
             return
-        q.append(new_event(Event, (_SPAN, phase, request_id, start_ns, end_ns, outcome, attrs, None)))
+        q.append((_SPAN, phase, request_id, start_ns, end_ns, outcome, attrs, None))  # an Event's fields
         if self._idle:  # a flag read per event, an Event.set per batch
             self._idle = False
             self._wake.set()
@@ -170,7 +170,7 @@ class Recorder:
         if len(q) >= self.capacity:
             self.dropped += 1
             return
-        q.append(new_event(Event, (_ROOT, _REQUEST, trace_id, start_ns, end_ns, outcome, attrs, parent_span_id)))
+        q.append((_ROOT, _REQUEST, trace_id, start_ns, end_ns, outcome, attrs, parent_span_id))
         if self._idle:
             self._idle = False
             self._wake.set()
@@ -205,7 +205,7 @@ class Recorder:
     def buffered(self) -> int:
         return len(self._q)  # events waiting
 
-    def take(self, n: int) -> list[Event]:
+    def take(self, n: int) -> list[EventFields]:
         """The oldest ``n`` buffered events (fewer when fewer wait), off the buffer."""
         q = self._q
         return [q.popleft() for _ in range(min(n, len(q)))]
@@ -331,7 +331,7 @@ class Recorder:
             if builder is None:
                 continue  # no pipeline (none configured, or it failed: counted below)
             try:
-                builder.build(ev)
+                builder.build(as_event(ev))
                 self.exported += 1
             except Exception as e:
                 self.failed_dropped += 1
