@@ -152,7 +152,7 @@ class ShippingRecorder(Recorder):
             return False
         if not self._await_ready(proc):
             stop_process(proc)
-            if not self.stopping:
+            if not self._stop.is_set():
                 log_once(
                     "sidecar-start",
                     "kvlens sidecar did not come up (exit code %s); building spans in this process",
@@ -170,7 +170,7 @@ class ShippingRecorder(Recorder):
     def _await_ready(self, proc: subprocess.Popen) -> bool:
         deadline = time.monotonic() + self._ready_timeout
         out = proc.stdout.fileno()
-        while time.monotonic() < deadline and not self.stopping:
+        while time.monotonic() < deadline and not self._stop.is_set():
             if select.select([out], [], [], 0.1)[0]:
                 return proc.stdout.readline().strip() == b"ready"
             if proc.poll() is not None:
@@ -264,7 +264,7 @@ class ShippingRecorder(Recorder):
         _live.discard(self)
         stop_process(proc)
         mark_process_dead(proc.pid)
-        if self.stopping:
+        if self._stop.is_set():
             return  # closing anyway: what is left is counted at close
         log_once(
             "sidecar-gone",
