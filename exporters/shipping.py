@@ -12,20 +12,16 @@ that is the serving bottleneck. Options weighed:
   processors dominates; batching does not remove it;
 * ship compact raw events to a process of kvlens' own and build spans and
   metrics there (chosen): the engine pays one ``pickle`` of a list of the
-  tuples :meth:`Recorder.record` already holds and one non-blocking pipe
-  ``write`` per frame, ~1-2 µs per event; the sidecar
+  event tuples :meth:`Recorder.record` already holds and one non-blocking
+  pipe ``write`` per frame, ~1-2 µs per event; the sidecar
   (:mod:`exporters.sidecar`) runs today's :class:`Recorder` and
   :func:`exporters.pipeline.provider_factory` unchanged, so the store, the
   OTLP output and the metrics are exactly what the in-process path gives.
 
 The hot path (``record``, ``record_root``, ``point``: one bounded append) is
-:class:`Recorder`'s, unchanged; only the background thread differs. Wire format (the
-sidecar's stdin, written only by its parent): frames of a 4-byte
-little-endian length and a pickle (protocol 5) of ``(kind, arg, events)``:
-``"e"``: ``arg`` the engine's loss totals by reason (the sidecar reports them
-in ``kvlens_telemetry_dropped_total``), ``events`` the buffered tuples;
-``"f"``: a flush, ``arg`` its number, acknowledged on the sidecar's stdout
-with ``flushed <n>``. The sidecar says ``ready`` there once its pipeline is up.
+:class:`Recorder`'s, unchanged; only the background thread differs: it takes
+events off the recorder's buffer (:meth:`Recorder.take`) and writes them in
+frames (:mod:`exporters.frames`, the wire format) to the sidecar's stdin.
 
 Never blocking the engine: the pipe is non-blocking; while it is full
 (sidecar slow) events stay in the bounded buffer, and ``record`` drops and
@@ -49,9 +45,7 @@ import contextlib
 import fcntl
 import json
 import os
-import pickle
 import select
-import struct
 import subprocess
 import sys
 import threading
@@ -59,13 +53,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from exporters import frames
 from kvrecord.logutil import log_once
 from kvrecord.procstats import mark_process_dead, name_native_thread, stop_process, write_stats
 from kvrecord.recorder import Recorder
 
-FRAME = struct.Struct("<I")
-#: Events per frame at most (a frame of them pickles to well under the pipe's size).
-MAX_FRAME_EVENTS = 2048
 #: The sidecar must say ``ready`` within this long, else spans are built in-process.
 READY_TIMEOUT_S = 60.0
 #: With nothing buffered the shipping thread sleeps this long at most (the
@@ -126,25 +118,6 @@ class ShippingRecorder(Recorder):
         self.shipped = 0  # events in frames written whole to the sidecar
         self.sidecar_pid: int | None = None
         self.thread_name = "kvlens-shipper"
-        self._idle = False  # the shipping thread sleeps until record wakes it
-
-    # ------------------------------------------------------------ hot path
-    def record(
-        self, phase, request_id: str, start_ns: int, end_ns: int, outcome: str = "ok", attrs: dict | None = None
-    ) -> None:
-        """:meth:`Recorder.record`, plus waking the idle shipping thread (a flag
-        read per event, an ``Event.set`` per batch): idle, it sleeps instead of
-        polling (a timed wait costs ~40 µs of CPU)."""
-        q = self._q
-        if len(q) >= self.capacity:
-            self.dropped += 1
-            return
-        q.append((phase, request_id, start_ns, end_ns, outcome, attrs))
-        if self._idle:
-            self._idle = False
-            self._wake.set()
-        if self._thread is None:
-            self._ensure_started()
 
     @property
     def mode_in_use(self) -> str:
@@ -208,13 +181,9 @@ class ShippingRecorder(Recorder):
     def _run(self) -> None:
         name_native_thread(self.thread_name)
         self._setup()
-        while not self._stop.is_set():
-            self._idle = True  # set before looking: an event appended after the look wakes us (record)
-            if not self._q:
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
-            self._idle = False
-            if not self._stop.is_set():
+        while not self.stopping:
+            self._wait_for_events(IDLE_WAIT_S)  # idle, it sleeps until record wakes it
+            if not self.stopping:
                 time.sleep(self._interval)  # a batch gathers (a sleep costs half the CPU of a timed wait)
             if not self._inline and self._proc is not None and self._proc.poll() is not None:
                 with self._ship_lock:
@@ -227,10 +196,10 @@ class ShippingRecorder(Recorder):
             self._finish()
 
     def drain(self) -> int:
-        """Ship every buffered event (frames of :data:`MAX_FRAME_EVENTS`)
+        """Ship every buffered event (frames of :data:`frames.MAX_FRAME_EVENTS`)
         while the pipe takes them; inline after a fallback. Returns the
         number of events taken off the buffer."""
-        if not self._ready.is_set():
+        if not self.ready:
             return 0
         if self._inline:
             return super().drain()
@@ -241,18 +210,15 @@ class ShippingRecorder(Recorder):
         """Holding the ship lock. Frames stay whole: a partly written frame
         is finished before the next is cut."""
         n = 0
-        q = self._q
         # a frame also goes out, empty, when only the loss totals changed
-        while self._fd >= 0 and self._write_pending() and (q or self._drop_totals() != self._shipped_drops):
-            k = min(len(q), MAX_FRAME_EVENTS)
-            batch = [q.popleft() for _ in range(k)]
-            drops = self._drop_totals()
-            payload = pickle.dumps(("e", drops, batch), 5)
-            self._pending = memoryview(FRAME.pack(len(payload)) + payload)
+        while self._fd >= 0 and self._write_pending() and (self.buffered or self._drop_totals() != self._shipped_drops):
+            batch = self.take(frames.MAX_FRAME_EVENTS)
+            k, drops = len(batch), self._drop_totals()
+            self._pending = memoryview(frames.encode_events(drops, batch))
             self._pending_n, self._pending_drops = k, drops
             self.recorded += k
             n += k
-        if self._inline and q:  # the sidecar went while shipping: the rest is built here
+        if self._inline and self.buffered:  # the sidecar went while shipping: the rest is built here
             n += super().drain()
         return n
 
@@ -319,7 +285,7 @@ class ShippingRecorder(Recorder):
         if self._thread is None:
             self._setup_if_needed()
         else:
-            self._ready.wait(timeout_s)
+            self.wait_ready(timeout_s)
         if self._inline or self._fd < 0:
             return super().flush(max(deadline - time.monotonic(), 0.0))
         with self._ship_lock:
@@ -327,8 +293,7 @@ class ShippingRecorder(Recorder):
                 return
             self._flush_seq += 1
             seq = self._flush_seq
-            payload = pickle.dumps(("f", seq, []), 5)
-            self._pending = memoryview(FRAME.pack(len(payload)) + payload)
+            self._pending = memoryview(frames.encode_flush(seq))
             if self._ship_all(deadline):
                 self._await_ack(seq, deadline)
 
@@ -337,7 +302,7 @@ class ShippingRecorder(Recorder):
         flight are out, waiting for the pipe until ``deadline``."""
         while self._fd >= 0:
             self._ship()
-            if not self._pending and not self._q:
+            if not self._pending and not self.buffered:
                 return True
             left = deadline - time.monotonic()
             if left <= 0 or self._fd < 0:
@@ -361,10 +326,8 @@ class ShippingRecorder(Recorder):
         with self._ship_lock:
             if self._fd >= 0:
                 self._ship_all(deadline)
-            left = len(self._q) + self._pending_n
-            if left:
-                self._q.clear()
-                self.shutdown_dropped += left
+            self.shutdown_dropped += self._pending_n
+            self.drop_buffered()
             self._pending, self._pending_n = memoryview(b""), 0
             proc, self._fd, self._proc = self._proc, -1, None
             _live.discard(self)
@@ -389,9 +352,7 @@ class ShippingRecorder(Recorder):
         if self._inline:
             return super().close(timeout_s)
         try:
-            self._stop.set()
-            self._wake.set()
-            t = self._thread
+            t = self._signal_stop()
             running = isinstance(t, threading.Thread)
             if running and t is not threading.current_thread():
                 t.join(timeout_s)

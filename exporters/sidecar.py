@@ -4,8 +4,10 @@
 
 Started by :class:`exporters.shipping.ShippingRecorder` in each vLLM
 EngineCore/worker process that records (roles prefill and decode; the
-module docstring there says why). It reads the raw events its parent ships
-on stdin and feeds them to an ordinary in-process :class:`Recorder` built by
+module docstring there says why). It reads the events its parent ships on
+stdin (:mod:`exporters.frames` rebuilds them as
+:class:`kvrecord.events.Event` s) and hands them to an
+ordinary in-process :class:`Recorder` (:meth:`Recorder.enqueue`) built by
 :func:`exporters.pipeline.get_recorder` with ``span_builder="inline"``: the
 same spans, store rows, OTLP output and metrics as the in-process path,
 built here, off the engine's GIL.
@@ -35,18 +37,15 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import select
 import signal
 import sys
 import time
 
-from exporters import pipeline
-from exporters.shipping import FRAME
+from exporters import frames, pipeline
 from kvrecord.config import Options
 from kvrecord.logutil import log_once
 from kvrecord.procstats import mark_process_dead, name_native_thread, write_stats
-from kvrecord.recorder import ROOT_TAG
 
 #: After SIGTERM, read the parent's last events for at most this long.
 TERM_GRACE_S = 10.0
@@ -78,17 +77,6 @@ def _guard_parent(parent: int) -> None:
         sys.exit(0)
 
 
-def _frames(buf: bytearray):
-    """Complete frames at the front of ``buf`` (consumed)."""
-    while len(buf) >= FRAME.size:
-        (n,) = FRAME.unpack_from(buf)
-        if len(buf) < FRAME.size + n:
-            return
-        payload = bytes(buf[FRAME.size : FRAME.size + n])
-        del buf[: FRAME.size + n]
-        yield pickle.loads(payload)
-
-
 class Sidecar:
     """Reads frames from ``fd_in``, records their events, answers flushes on ``out``."""
 
@@ -106,22 +94,16 @@ class Sidecar:
         self.frames = 0
         self.events = 0
 
-    def handle(self, frame) -> None:
-        kind, arg, events = frame
+    def handle(self, frame: frames.Frame) -> None:
         self.frames += 1
-        if kind == "e":
-            pipeline.report_remote_drops(self.role, arg)
-            rec = self.rec
-            self._room_for(len(events))
-            for ev in events:
-                if ev[0] == ROOT_TAG:
-                    rec.record_root(ev[1], ev[6], ev[2], ev[3], ev[4], ev[5])
-                else:
-                    rec.record(*ev)
-            self.events += len(events)
-        elif kind == "f":
+        if frame.kind == frames.EVENTS:
+            pipeline.report_remote_drops(self.role, frame.arg)
+            self._room_for(len(frame.events))
+            self.rec.enqueue(frame.events)
+            self.events += len(frame.events)
+        elif frame.kind == frames.FLUSH:
             self.rec.flush()
-            self.out.write(f"flushed {arg}\n".encode())
+            self.out.write(f"flushed {frame.arg}\n".encode())
             self.out.flush()
 
     def _room_for(self, n: int) -> None:
@@ -129,8 +111,8 @@ class Sidecar:
         until the recorder's buffer has room for ``n`` events; meanwhile the
         pipe fills and the engine keeps (or, full, drops and counts) them."""
         rec, end = self.rec, time.monotonic() + ROOM_WAIT_S
-        while rec._q and len(rec._q) + n > rec.capacity and time.monotonic() < end:
-            rec._wake.set()
+        while rec.buffered and rec.buffered + n > rec.capacity and time.monotonic() < end:
+            rec.wake()
             time.sleep(0.005)
 
     def serve(self, term: _Term) -> None:
@@ -148,9 +130,9 @@ class Sidecar:
             if not chunk:
                 return  # EOF
             buf += chunk
-            for frame in _frames(buf):
+            for payload in frames.payloads(buf):
                 try:
-                    self.handle(frame)
+                    self.handle(frames.decode(payload))
                 except Exception as e:
                     log_once(
                         "sidecar-frame:" + type(e).__name__, "kvlens sidecar skipped a bad frame (%s)", e, exc_info=True
@@ -177,7 +159,7 @@ def main(argv: list[str]) -> int:
     side = Sidecar(spec, parent, 0, out)
     try:
         side.rec.start()
-        if not side.rec._ready.wait(SETUP_S) or side.rec._pipeline_failed:
+        if not side.rec.wait_ready(SETUP_S) or side.rec.pipeline_failed:
             print(
                 f"kvlens sidecar: the telemetry pipeline failed or did not come up within {SETUP_S:.0f}s",
                 file=sys.stderr,

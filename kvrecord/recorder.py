@@ -4,18 +4,18 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
 
 * :meth:`Recorder.record` is called on the engine loop, the push writer
   thread and NIXL callback threads. It takes timestamps the caller already
-  has, appends one tuple to a bounded ``deque`` and returns. It never blocks,
-  never raises, and counts what it drops when the buffer is full.
+  has, appends one event (its :data:`kvrecord.events.EventFields`) to a
+  bounded ``deque`` and returns. It never blocks, never raises, and counts what it drops
+  when the buffer is full.
 * :meth:`Recorder.record_root` is the router's call for the request's root
   span (same cost, same contract).
 * A daemon thread drains the buffer, turns events into OpenTelemetry spans
-  (trace id read out of the request id, :func:`ids.trace_id_for`; parent:
-  the root span, :func:`ids.root_span_id`) and hands them to the SDK's span
+  (:class:`kvrecord.spanbuilder.SpanBuilder`) and hands them to the SDK's span
   processors, which :mod:`exporters.pipeline` installs through the
   ``pipeline_factory`` it gives the recorder. In vLLM's processes the
   recorder is :class:`exporters.shipping.ShippingRecorder`, whose thread
-  ships the raw events to a sidecar process that builds the spans there
-  (off the engine's GIL; issue 13); the hot path is this class's.
+  ships the events to a sidecar process that builds the spans there (off
+  the engine's GIL); the hot path is this class's.
 
 Memory stays bounded when an exporter stalls: the event buffer holds at most
 ``capacity`` events and the span processors' queues are bounded too.
@@ -24,9 +24,9 @@ Every event lost is counted, by :class:`DropReason`: the recorder counts
 ``buffer_full`` (:attr:`Recorder.dropped`, the one hot-path counter),
 ``shutdown`` (events still buffered when :meth:`Recorder.close` gave up) and
 ``export_failed`` for events that never became a span (pipeline setup
-failed, or building the span raised);
-the pipeline's processors count the rest (:mod:`exporters.batching`), and
-:func:`exporters.pipeline.dropped_counts` adds them up by (role, reason).
+failed, or building the span raised); the pipeline's processors count the
+rest (:mod:`exporters.batching`), and :func:`exporters.pipeline.dropped_counts`
+adds them up by (role, reason).
 """
 
 from __future__ import annotations
@@ -37,16 +37,14 @@ import enum
 import inspect
 import threading
 import time
-from typing import Any, Callable, Mapping
-
-from opentelemetry import trace as otel_trace
-from opentelemetry.context import Context
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+from typing import Any, Callable, Iterable, Mapping
 
 from kvrecord import ids
 from kvrecord import semconv as sc
+from kvrecord.events import Event, EventFields, Kind, as_event
 from kvrecord.logutil import log_once
 from kvrecord.procstats import name_native_thread, write_stats
+from kvrecord.spanbuilder import SpanBuilder
 
 #: Default event-buffer capacity per process. An event with its small
 #: attribute dict is ~0.5-1 KiB, so this keeps the buffer under ~32 MiB.
@@ -73,14 +71,7 @@ class DropReason(str, enum.Enum):
 #: derived ids. Runs once, on the recorder thread.
 PipelineFactory = Callable[[ids.PinnedIdGenerator], Any]
 
-# Event tuples (kept positional: building one is the whole hot-path cost):
-#   phase event: (phase, request_id, start_ns, end_ns, outcome, attrs)
-#   root event:  (_ROOT, trace_id_hex, start_ns, end_ns, outcome, attrs, parent_span_id | None)
-Event = tuple
-#: The root marker: a string no phase has (a plain str survives pickling, so
-#: the sidecar path ships it as is; exporters.shipping).
-ROOT_TAG = _ROOT = "\x00kvlens.root"
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_SPAN, _ROOT, _REQUEST = Kind.SPAN, Kind.ROOT, sc.Phase.REQUEST  # module globals: the hot path reads them
 
 
 class Recorder:
@@ -115,7 +106,7 @@ class Recorder:
         self.recorded = 0
         self.exported = 0
         self.ids = ids.PinnedIdGenerator()
-        self._q: collections.deque[Event] = collections.deque()
+        self._q: collections.deque[EventFields] = collections.deque()
         self._factory = pipeline_factory
         self._interval = flush_interval_s
         self._base_attrs = {sc.ATTR_MODE: self.mode, sc.ATTR_ROLE: self.role}
@@ -126,14 +117,14 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._idle = False  # a subclass's thread sleeps until the next event wakes it (exporters.shipping)
         self._start_lock = threading.Lock()
         self._provider = None
-        self._tracer = None
+        self._builder: SpanBuilder | None = None  # once the pipeline is built
         self._ready = threading.Event()  # set once the pipeline is built (or failed)
         self._pipeline_failed = False
         self.thread_name = "kvlens-recorder"
         self.losses = None  # the provider's processors' loss counter (exporters.batching.LossCounter), once built
-        self._joins = ids.Joins()  # D's request id -> P's; span-builder thread only
 
     # ------------------------------------------------------------------ hot path
     def record(
@@ -152,7 +143,10 @@ class Recorder:
         if len(q) >= self.capacity:
             self.dropped += 1
             return
-        q.append((phase, request_id, start_ns, end_ns, outcome, attrs))
+        q.append((_SPAN, phase, request_id, start_ns, end_ns, outcome, attrs, None))  # an Event's fields
+        if self._idle:  # a flag read per event, an Event.set per batch
+            self._idle = False
+            self._wake.set()
         if self._thread is None:
             self._ensure_started()
 
@@ -176,7 +170,10 @@ class Recorder:
         if len(q) >= self.capacity:
             self.dropped += 1
             return
-        q.append((_ROOT, trace_id, start_ns, end_ns, outcome, attrs, parent_span_id))
+        q.append((_ROOT, _REQUEST, trace_id, start_ns, end_ns, outcome, attrs, parent_span_id))
+        if self._idle:
+            self._idle = False
+            self._wake.set()
         if self._thread is None:
             self._ensure_started()
 
@@ -184,6 +181,61 @@ class Recorder:
         """Enqueue a zero-length phase stamped now."""
         t = time.time_ns()
         self.record(phase, request_id, t, t, outcome, attrs)
+
+    # ------------------------------------------------ the buffer, from outside
+    def enqueue(self, events: Iterable[Event]) -> int:
+        """Buffer events recorded elsewhere (the sidecar's: its engine's, :mod:`exporters.sidecar`),
+        each as :meth:`record` would: one that does not fit is refused and
+        counted (``buffer_full``). Returns the number refused. Never blocks."""
+        q, cap, refused = self._q, self.capacity, 0
+        for ev in events:
+            if len(q) >= cap:
+                refused += 1
+            else:
+                q.append(ev)
+        self.dropped += refused
+        if self._idle:
+            self._idle = False
+            self._wake.set()
+        if self._thread is None:
+            self._ensure_started()
+        return refused
+
+    @property
+    def buffered(self) -> int:
+        return len(self._q)  # events waiting
+
+    def take(self, n: int) -> list[EventFields]:
+        """The oldest ``n`` buffered events (fewer when fewer wait), off the buffer."""
+        q = self._q
+        return [q.popleft() for _ in range(min(n, len(q)))]
+
+    def drop_buffered(self) -> int:
+        """Empty the buffer, counting its events lost (``shutdown``). Returns how many."""
+        left = len(self._q)
+        if left:
+            self._q.clear()
+            self.shutdown_dropped += left
+        return left
+
+    def wake(self) -> None:
+        self._wake.set()  # the background thread drains now, not at its next interval
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Wait until the pipeline is built or failed (:attr:`pipeline_failed`); False on timeout."""
+        return self._ready.wait(timeout_s)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()  # the pipeline is built, or failed
+
+    @property
+    def pipeline_failed(self) -> bool:
+        return self._pipeline_failed  # events are counted export_failed, not exported
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()  # close has begun
 
     # --------------------------------------------------------------- background
     def start(self) -> "Recorder":
@@ -223,11 +275,10 @@ class Recorder:
                     log_once(
                         "id-generator", "provider not built with the recorder's id generator; root spans get random ids"
                     )
-                self._tracer = self._provider.get_tracer("kvlens")
+                self._builder = SpanBuilder(self._provider.get_tracer("kvlens"), self.ids, self._base_attrs)
         except Exception:
             log_once("pipeline", "telemetry pipeline setup failed; spans are dropped and counted", exc_info=True)
             self._provider = None
-            self._tracer = None
             self._pipeline_failed = True
 
     def _run(self) -> None:
@@ -239,6 +290,21 @@ class Recorder:
             self.drain()
             write_stats(self)
         self.drain()
+
+    def _wait_for_events(self, timeout_s: float) -> None:
+        """A subclass's thread, idle: with nothing buffered, sleep until an event
+        arrives, :meth:`wake` or ``timeout_s`` (a timed wait costs ~40 µs of CPU)."""
+        self._idle = True  # set before looking: an event appended after the look wakes us
+        if not self._q:
+            self._wake.wait(timeout_s)
+            self._wake.clear()
+        self._idle = False
+
+    def _signal_stop(self) -> threading.Thread | None:
+        """Tell the background thread to stop (close); returns it, if started."""
+        self._stop.set()
+        self._wake.set()
+        return self._thread
 
     def unreported_drops(self) -> dict[str, int]:
         """Losses this recorder counted, by :class:`DropReason` value, that
@@ -252,21 +318,21 @@ class Recorder:
 
     def drain(self) -> int:
         """Turn every buffered event into a span. Background thread (or tests)."""
-        n = 0
-        q = self._q
+        n, q = 0, self._q
         if not self._ready.is_set():
             return 0  # pipeline still being built: keep the events
+        builder = self._builder
         while True:
             try:
                 ev = q.popleft()
             except IndexError:
                 break
             n += 1
+            if builder is None:
+                continue  # no pipeline (none configured, or it failed: counted below)
             try:
-                if ev[0] == _ROOT:
-                    self._emit_root(ev)
-                else:
-                    self._emit(ev)
+                builder.build(as_event(ev))
+                self.exported += 1
             except Exception as e:
                 self.failed_dropped += 1
                 log_once("emit:" + type(e).__name__, "failed to build a span (%s); skipped", e, exc_info=True)
@@ -274,54 +340,6 @@ class Recorder:
             self.failed_dropped += n
         self.recorded += n
         return n
-
-    def _attributes(self, request_id: str, outcome: str, attrs: dict | None) -> dict:
-        a = dict(self._base_attrs)
-        a[sc.ATTR_REQUEST_ID] = request_id
-        a[sc.ATTR_OUTCOME] = sc.closed(outcome, sc.Outcome)
-        if attrs:
-            for k, v in attrs.items():
-                if v is not None:
-                    a[k] = v
-        return a
-
-    def _emit(self, ev: Event) -> None:
-        """A phase span: child of the request's root span (derived ids)."""
-        tracer = self._tracer
-        if tracer is None:
-            return
-        phase, rid, t0, t1, outcome, attrs = ev
-        name = phase.value if isinstance(phase, sc.Phase) else str(phase)
-        a = self._attributes(rid, outcome, attrs)
-        tid = ids.trace_id_for(self._joins.key(rid, a))
-        ctx = otel_trace.set_span_in_context(NonRecordingSpan(SpanContext(tid, ids.root_span_id(tid), True, _SAMPLED)))
-        self._end(tracer.start_span(name, context=ctx, attributes=a, start_time=t0), a, t0, t1)
-
-    def _emit_root(self, ev: Event) -> None:
-        """The root span takes the derived root id, so P and D spans that
-        never talked to the router are its children. Its parent is the
-        caller's traceparent span when there was one (the SDK then takes the
-        trace id from it); otherwise it is a root, and the pinned generator
-        supplies the trace id too."""
-        tracer = self._tracer
-        if tracer is None:
-            return
-        _, trace_hex, t0, t1, outcome, attrs, parent_sid = ev
-        tid = ids.trace_id_for(trace_hex)
-        if parent_sid:
-            ctx = otel_trace.set_span_in_context(NonRecordingSpan(SpanContext(tid, parent_sid, True, _SAMPLED)))
-        else:
-            ctx = Context()
-        a = self._attributes(trace_hex, outcome, attrs)
-        with self.ids.pin(span_id=ids.root_span_id(tid), trace_id=tid):
-            span = tracer.start_span(sc.Phase.REQUEST.value, context=ctx, attributes=a, start_time=t0)
-        self._end(span, a, t0, t1)
-
-    def _end(self, span, a: dict, t0: int, t1: int) -> None:
-        if a[sc.ATTR_OUTCOME] != sc.Outcome.OK.value:
-            span.set_status(Status(StatusCode.ERROR, a[sc.ATTR_OUTCOME]))
-        span.end(end_time=max(t1, t0))
-        self.exported += 1
 
     def flush(self, timeout_s: float = 5.0) -> None:
         """Drain now and flush exporters (tests, shutdown). Not for hot paths."""
@@ -350,17 +368,12 @@ class Recorder:
         processors for spans still queued). Idempotent; any thread."""
         deadline = time.monotonic() + timeout_s
         try:
-            self._stop.set()
-            self._wake.set()
-            t = self._thread
+            t = self._signal_stop()
             if t is not None and t is not threading.current_thread():
                 t.join(timeout_s * 0.3)
             self.drain()
-            left = len(self._q)  # pipeline never became ready: these never become spans
-            if left:
-                self._q.clear()
-                self.shutdown_dropped += left
-            p, self._provider, self._tracer = self._provider, None, None
+            self.drop_buffered()  # left only when the pipeline never became ready: never spans
+            p, self._provider, self._builder = self._provider, None, None
             if p is not None:
                 _close_provider(p, deadline)
             write_stats(self, force=True)

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from exporters import pipeline
 from kvtrace import store
 from kvrecord import semconv as sc
+from kvrecord.events import Event, Kind, as_event
 from kvrecord.ids import base_request_id, root_span_id, trace_id_for
 from kvrecord.recorder import Recorder
 
@@ -100,7 +101,32 @@ def test_buffer_is_bounded_and_counts_drops():
     for i in range(25):
         r.record(sc.Phase.KV_READY, f"r{i}", 1, 1)
     r.record_root(TID, None, 1, 2)
-    assert len(r._q) == 10 and r.dropped == 16
+    assert r.buffered == 10 and r.dropped == 16
+    assert r.enqueue(r.take(3) * 2) == 3 and r.buffered == 10 and r.dropped == 19  # room for 3 of 6
+
+
+def test_an_event_is_its_fields_in_event_order_until_read_by_name():
+    """record/record_root buffer the plain tuple of an Event's fields (the
+    hot path's cost); as_event gives the Event the span builder reads."""
+    r = Recorder(role="prefill", mode="push", pipeline_factory=None)
+    r._thread = object()  # nothing drains
+    r.record(sc.Phase.KV_READY, "r1", 1, 2, "error", {sc.ATTR_BLOCKS: 3})
+    r.point(sc.Phase.MATCH, "r2")
+    r.record_root(TID, 0x1234, 5, 6)
+    span, point, root = (as_event(f) for f in r.take(10))
+    assert r.buffered == 0 and all(type(e) is Event for e in (span, point, root))
+    assert span._asdict() == dict(
+        kind=Kind.SPAN,
+        phase=sc.Phase.KV_READY,
+        request_id="r1",
+        start_ns=1,
+        end_ns=2,
+        outcome="error",
+        attrs={sc.ATTR_BLOCKS: 3},
+        parent_span_id=None,
+    )
+    assert point.kind is Kind.SPAN and point.start_ns == point.end_ns > 0 and point.outcome == "ok"
+    assert (root.kind, root.phase, root.request_id, root.parent_span_id) == (Kind.ROOT, sc.Phase.REQUEST, TID, 0x1234)
 
 
 def test_unknown_outcome_and_role_map_to_other(mem):

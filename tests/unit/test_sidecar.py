@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, multiprocess
 
-from exporters import pipeline
+from exporters import frames, pipeline
 from kvtrace import store
 from exporters.shipping import ShippingRecorder
 from kvrecord import semconv as sc
+from kvrecord.events import FIELDS, Event, Kind, as_event
 from kvrecord.recorder import Recorder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,6 +112,40 @@ def _wait_gone(pid: int, within_s: float = 30.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+# ------------------------------------------------------------ the frames
+def test_events_cross_to_the_sidecar_as_the_typed_event():
+    """What the engine buffers goes out in a frame and comes back, on the
+    sidecar's side, as Event instances with the same fields, by name."""
+    r = Recorder(role="prefill", mode="push", pipeline_factory=None)
+    r._thread = object()  # nothing drains: the test takes the events
+    _record_workload(r)
+    rows = r.take(frames.MAX_FRAME_EVENTS)
+    sent = [as_event(f)._asdict() for f in rows]
+    buf = bytearray(frames.encode_events({"buffer_full": 2}, rows) + frames.encode_flush(7))
+    tail = frames.encode_flush(8)
+    buf += tail[:-1]  # a frame not yet complete stays in the buffer
+    got = [frames.decode(p) for p in frames.payloads(buf)]
+    assert bytes(buf) == tail[:-1]
+    (ev, fl) = got
+    assert (ev.kind, ev.arg, fl.kind, fl.arg, fl.events) == (frames.EVENTS, {"buffer_full": 2}, frames.FLUSH, 7, [])
+    assert all(type(e) is Event for e in ev.events)
+    assert [e._asdict() for e in ev.events] == sent
+    roots = [e for e in ev.events if e.kind is Kind.ROOT]
+    assert [e.request_id for e in roots] == TIDS and [e.parent_span_id for e in roots[:2]] == [None, 0x1234]
+    assert {e.phase for e in roots} == {sc.Phase.REQUEST}
+
+
+def test_a_frame_of_other_fields_is_refused():
+    import pickle
+
+    body = pickle.dumps((frames.EVENTS, {}, ("phase", *FIELDS[2:]), []), 5)
+    with pytest.raises(ValueError, match="event fields"):
+        frames.decode(body)
+    short = pickle.dumps((frames.EVENTS, {}, FIELDS, [("span", "match", "r", 1)]), 5)
+    with pytest.raises(TypeError):
+        frames.decode(short)
 
 
 # ------------------------------------------------------------ same rows
