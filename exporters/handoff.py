@@ -41,7 +41,7 @@ pair's interval for D's clock minus P's) and
 ``kvlens_clock_offset_width_seconds`` (its width), labelled by the engine
 ids seen (at most :data:`MAX_PAIRS` pairs). The same pass reads the
 resolved traces' spans back and observes their derived phases
-(``semconv.DERIVED_PHASES``, e.g. ``prefill.respond``) in
+(``derived.DERIVED_PHASES``, e.g. ``prefill.respond``) in
 ``kvlens_phase_duration_seconds``: no single process sees those intervals.
 """
 
@@ -280,7 +280,7 @@ class HandoffResolver:
 
     def _observe_derived(self, modes: dict[str, str]) -> None:
         """The derived phases of traces just resolved
-        (``semconv.DERIVED_PHASES``: intervals between two processes, which
+        (``derived.DERIVED_PHASES``: intervals between two processes, which
         no span processor sees whole, and the wire / noticed split of each
         rank's completion span) into ``kvlens_phase_duration_seconds``,
         like every recorded phase: the resolver is the one place that reads

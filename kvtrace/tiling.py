@@ -4,7 +4,7 @@ window among the phases, and what dominates it, in words.
 Part of the one trace model (:mod:`kvtrace.tracemodel` re-exports all of
 it; docs/phases.md, "Critical path"): where no one process sees an
 interval, its phase is **derived** here from two recorded timestamps
-(``semconv.DERIVED_PHASES``, :func:`derive`) and then treated like any
+(``derived.DERIVED_PHASES``, :func:`derive`) and then treated like any
 recorded phase. Spans may overlap (``match`` holds ``writer.wake``), so the
 handoff is split exclusively (:func:`tile`): each stretch of the window goes
 to the critical span that covers it and started last (the most specific;
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple, Sequence
 
 from kvtrace.ranks import rank_of
+from kvrecord import derived
 from kvrecord import semconv as sc
 
 #: Phases that are never a part of the handoff (the root contains it; P's
@@ -34,11 +35,11 @@ _POINTS = frozenset(p.value for p in sc.POINT_PHASES)
 #: kvlens' own phases; any other span in a trace (vLLM's ``llm_request``,
 #: joined by ``traceparent``) is context, never handoff cost.
 _PHASES = frozenset(p.value for p in sc.Phase)
-_DERIVED = frozenset(p.value for p in sc.DERIVED_PHASES)
+_DERIVED = frozenset(p.value for p in derived.DERIVED_PHASES)
 _WAITING = frozenset(p.value for p in sc.WAITING_PHASES)
 #: Derived phases that are parts of a recorded one (``write.wire`` + ``write.noticed``
 #: = ``write.complete``): a sum of durations must not count both.
-SPLIT_PHASES: frozenset[str] = frozenset(p.value for p, how in sc.DERIVED_PHASES.items() if how.split)
+SPLIT_PHASES: frozenset[str] = frozenset(p.value for p, how in derived.DERIVED_PHASES.items() if how.split)
 
 #: The label of handoff time no phase accounts for (never a Phase).
 UNATTRIBUTED = "unattributed"
@@ -63,7 +64,7 @@ class Derived(NamedTuple):
 
 
 def derive(spans: Sequence[Any]) -> list[tuple[str, str, int, int]]:
-    """The derived phases (``semconv.DERIVED_PHASES``) a trace's recorded
+    """The derived phases (``derived.DERIVED_PHASES``) a trace's recorded
     spans allow: ``(name, role, start_ns, end_ns)`` tuples, pure
     (:func:`derived_spans` with the rank and outcome left out)."""
     return [tuple(d[:4]) for d in derived_spans(spans)]  # type: ignore[misc]
@@ -86,7 +87,7 @@ def derived_spans(spans: Sequence[Any]) -> list[Derived]:
     out: list[Derived] = []
     recorded = [s for s in spans if s.name not in _DERIVED]
     present = {s.name for s in recorded}
-    for phase, how in sc.DERIVED_PHASES.items():
+    for phase, how in derived.DERIVED_PHASES.items():
         if how.unless is not None and how.unless.value in present:
             continue
         if how.split is not None:
@@ -114,7 +115,7 @@ def _xfer_s(span: Any, attr: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
 
 
-def _splits(recorded: Sequence[Any], name: str, role: str, how: sc.Split) -> list[Derived]:
+def _splits(recorded: Sequence[Any], name: str, role: str, how: derived.Split) -> list[Derived]:
     """``how``'s part of each ``how.phase`` span of ``role`` (one per rank).
 
     The write/read.complete spans run from the request's last post to the
@@ -137,7 +138,7 @@ def _splits(recorded: Sequence[Any], name: str, role: str, how: sc.Split) -> lis
     return out
 
 
-def _latest(recorded: Sequence[Any], name: str, how: sc.Derivation) -> Derived | None:
+def _latest(recorded: Sequence[Any], name: str, how: derived.Derivation) -> Derived | None:
     """``from`` (the latest of every pair's) -> the latest ``to`` of every
     pair the trace has, where that is later; the outcome of the span that
     gave the ``to`` (``kv.hold``: how P let go)."""
@@ -166,7 +167,7 @@ def release_of(spans: Iterable[Any]) -> Any | None:
     """P's last release of the request's blocks (the recorded span a
     ``kv.hold`` would end at: ``kv.released``, P's ``write.complete``, or
     the lease's ``expired`` point), whenever it was; None without one."""
-    ends = {(b.role, b.phase.value) for _, b in sc.DERIVED_PHASES[sc.Phase.KV_HOLD].pairs}
+    ends = {(b.role, b.phase.value) for _, b in derived.DERIVED_PHASES[sc.Phase.KV_HOLD].pairs}
     rel = [s for s in spans if (s.role, s.name) in ends and s.name not in _DERIVED]
     return max(rel, key=lambda s: s.end_ns) if rel else None
 

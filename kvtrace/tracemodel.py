@@ -56,6 +56,7 @@ from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's A
     summarize,
     tile,
 )
+from kvrecord import derived
 from kvrecord import semconv as sc
 
 #: Labels of the two sides of the split (the dashboard shows them as is).
@@ -433,5 +434,5 @@ def sample_costs(conn, *, since_ns: int | None, until_ns: int | None, limit: int
     traces, spans = store.handoff_sample(
         conn, since_ns=since_ns, until_ns=until_ns, limit=limit, exclude_phases=NOT_HANDOFF_PHASES
     )
-    split = {how.split.phase.value for how in sc.DERIVED_PHASES.values() if how.split is not None}
+    split = {how.split.phase.value for how in derived.DERIVED_PHASES.values() if how.split is not None}
     return handoff_costs(traces, spans, store.attributes_of(conn, [t[0] for t in traces], split))

@@ -14,6 +14,7 @@ import pytest
 
 from kvtrace import perfetto, store, tracemodel
 from kvtrace.tracemodel import Span, Trace
+from kvrecord import derived
 from kvrecord import semconv as sc
 from kvlens.cli import main
 
@@ -143,8 +144,8 @@ def test_one_trace_is_valid_and_has_its_arrows(synthetic, mode):
         thread = found["threads"][(e["pid"], e["tid"])]
         if e["name"] in _POINTS:
             assert e["ph"] == "i"
-        derived = e["name"] in {p.value for p in sc.DERIVED_PHASES}
-        assert (e["cat"] == perfetto.CAT_DERIVED) == derived == (thread == "derived")
+        is_derived = e["name"] in {p.value for p in derived.DERIVED_PHASES}
+        assert (e["cat"] == perfetto.CAT_DERIVED) == is_derived == (thread == "derived")
         assert "trace_id" in e["args"]
     window = [e for e in doc["traceEvents"] if e.get("cat") == perfetto.CAT_WINDOW]
     assert len(window) == 1 and window[0]["args"]["handoff_s"] == tr.handoff_s
