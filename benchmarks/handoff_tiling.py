@@ -19,7 +19,7 @@ import argparse
 import json
 import sys
 
-from kvtrace import store, tracemodel
+from kvtrace import costs, store, tracemodel
 
 GOAL = 0.10
 
@@ -29,8 +29,8 @@ def figures(path: str, since: str | None = None) -> dict[str, dict[str, float | 
     shares are medians over requests (``None`` without requests)."""
     with store.reading(path) as conn:
         since_ns = store.parse_since(since)
-        named = tracemodel.breakdown(conn, by_dispatch=True, since_ns=since_ns)
-        recorded = tracemodel.breakdown(conn, by_dispatch=True, derived=False, since_ns=since_ns)
+        named = costs.breakdown(conn, by_dispatch=True, since_ns=since_ns)
+        recorded = costs.breakdown(conn, by_dispatch=True, derived=False, since_ns=since_ns)
     return {
         k: {
             "requests": b.requests,

@@ -29,7 +29,7 @@ from urllib.parse import urlencode
 
 import pandas as pd
 
-from kvtrace import benchrows, ranks, store, tracemodel
+from kvtrace import costs, benchrows, ranks, store, tracemodel
 from kvrecord import semconv as sc
 
 MODES: tuple[str, ...] = tuple(m.value for m in sc.Mode)
@@ -244,10 +244,10 @@ def phase_breakdown(
     dominates, per mode, in words (:func:`breakdown_words`).
     """
     with store.reading(path) as c:
-        costs = tracemodel.sample_costs(c, since_ns=since_ns, until_ns=until_ns, limit=sample)
-    per_mode = costs.requests
+        hc = costs.sample_costs(c, since_ns=since_ns, until_ns=until_ns, limit=sample)
+    per_mode = hc.requests
     out = []
-    for (mode, role, phase), (crit, over) in sorted(costs.phases.items(), key=lambda kv: str(kv[0])):
+    for (mode, role, phase), (crit, over) in sorted(hc.phases.items(), key=lambda kv: str(kv[0])):
         cnt = per_mode.get(mode, (0, None))[0]
         if not cnt:
             continue
@@ -267,7 +267,7 @@ def phase_breakdown(
         df["rank"] = df["phase"].map(phase_rank)
         df = df.sort_values(["mode", "path", "rank"]).reset_index(drop=True)
     # plain JSON (Streamlit serializes attrs with the frame): the sentences, computed once here
-    df.attrs["words"] = {m: tracemodel.dominant_words(costs.breakdown.get(m), m) for m in MODES}
+    df.attrs["words"] = {m: tracemodel.dominant_words(hc.breakdown.get(m), m) for m in MODES}
     return df
 
 

@@ -19,7 +19,7 @@ from kvlens.argtypes import int_in
 from kvrecord import config
 from kvrecord import semconv as sc
 from kvrecord.durations import parse_duration
-from kvtrace import kvuse, perfetto, ranks, store, tracemodel
+from kvtrace import costs, kvuse, perfetto, ranks, store, tracemodel
 from kvtrace.tracemodel import Trace
 
 LANES = (("router", sc.Role.ROUTER.value), ("P", sc.Role.PREFILL.value), ("D", sc.Role.DECODE.value))
@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead of waterfalls: per mode (and push dispatch), what the handoff is made of, "
         "the unattributed share at the median, and the unnamed gaps "
-        f"(newest {tracemodel.BREAKDOWN_SAMPLE} completed traces matching the filters)",
+        f"(newest {costs.BREAKDOWN_SAMPLE} completed traces matching the filters)",
     )
     p.add_argument(
         "--perfetto",
@@ -226,13 +226,13 @@ def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> st
 
 def _load_breakdown(path: store.StoreLocation, args: argparse.Namespace) -> dict[str, tracemodel.Breakdown]:
     with store.reading(path) as conn:
-        return tracemodel.breakdown(conn, by_dispatch=True, **_filters(args))
+        return costs.breakdown(conn, by_dispatch=True, **_filters(args))
 
 
 def _summary_lines(path: store.StoreLocation, args: argparse.Namespace) -> list[str]:
     """The closing "what dominates" line per mode under the waterfalls."""
     with store.reading(path) as conn:
-        groups = tracemodel.breakdown(conn, **_filters(args))
+        groups = costs.breakdown(conn, **_filters(args))
     return [
         tracemodel.dominant_words(groups.get(m), m)
         for m in (m.value for m in sc.Mode)
@@ -322,8 +322,7 @@ def run(args: argparse.Namespace) -> int:
     print("legend: # on the critical path (prefill.finished -> kv.ready), = off it (overlap), | point event")
     if summary:
         print(
-            f"\nwhat the handoff is made of (newest {tracemodel.BREAKDOWN_SAMPLE} completed traces; "
-            "details: --breakdown):"
+            f"\nwhat the handoff is made of (newest {costs.BREAKDOWN_SAMPLE} completed traces; details: --breakdown):"
         )
         for line in summary:
             print("  " + line)

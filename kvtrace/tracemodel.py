@@ -35,7 +35,7 @@ Tiling the handoff, the derived phases and the breakdown in words live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from kvtrace import kvuse, ranks, store
 from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
@@ -56,7 +56,6 @@ from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's A
     summarize,
     tile,
 )
-from kvrecord import derived
 from kvrecord import semconv as sc
 
 #: Labels of the two sides of the split (the dashboard shows them as is).
@@ -325,114 +324,3 @@ def find(conn, trace_ids: Iterable[str], *, with_spans: bool = True) -> dict[str
     bench joins its requests to the store with this)."""
     ids = list(trace_ids)
     return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
-
-
-# ------------------------------------------------------------------ aggregate
-class HandoffCosts(NamedTuple):
-    """Sums over a sample of completed traces (see :func:`handoff_costs`)."""
-
-    #: (mode, role, phase) -> (critical seconds, overlap seconds), summed over
-    #: the sample; critical seconds are the phase's exclusive share of the
-    #: window (:func:`tile`), so a mode's phases never add up past its handoff
-    phases: dict[tuple[str, str | None, str], tuple[float, float]]
-    #: mode -> (requests in the sample, mean handoff seconds)
-    requests: dict[str, tuple[int, float]]
-    #: mode -> the tilings added up (what dominates, the unnamed gaps)
-    breakdown: dict[str, Breakdown] = {}
-
-
-class _Row(NamedTuple):
-    name: str
-    role: str | None
-    start_ns: int
-    end_ns: int
-    attributes: Mapping[str, Any] = {}
-
-
-def handoff_costs(
-    traces: Iterable[Sequence[Any]],
-    spans: Iterable[Sequence[Any]],
-    attrs: Mapping[tuple, Mapping[str, Any]] | None = None,
-) -> HandoffCosts:
-    """Split each trace's handoff among its phases by the rule above (derived
-    phases included), summed per (mode, role, phase), and add the tilings up
-    per mode. ``traces`` / ``spans``: rows in ``store.SAMPLE_TRACE_COLUMNS`` /
-    ``store.SAMPLE_SPAN_COLUMNS`` order; ``attrs``: the attributes of the
-    spans a derivation reads (NIXL's time on write/read.complete), keyed by
-    the span row (``store.attributes_of``)."""
-    attrs = attrs or {}
-    traces = list(traces)
-    # D's times go onto P's clock (kv.ready and D's spans), as in Trace.from_rows
-    window = {tid: (mode, pf, kv - d_shift_ns(off), d_shift_ns(off)) for tid, mode, pf, kv, _, off in traces}
-    by_trace: dict[str, list[_Row]] = {}
-    over: dict[tuple[str, str | None, str], int] = {}
-    for tid, role, name, start, end in spans:
-        w = window.get(tid)
-        if w is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
-            continue
-        d = w[3] if role == sc.Role.DECODE.value else 0
-        row = _Row(name, role, start - d, end - d, attrs.get((tid, role, name, start, end), {}))
-        by_trace.setdefault(tid, []).append(row)
-        key = (w[0], role, name)
-        over[key] = over.get(key, 0) + (end - start) - critical_ns(name, row.start_ns, row.end_ns, w[1], w[2])
-    crit: dict[tuple[str, str | None, str], int] = {}
-    tilings: list[tuple[str, Tiling]] = []
-    for tid, (mode, pf, kv, _) in window.items():
-        rows = by_trace.get(tid, [])
-        rows.sort(key=lambda r: r.start_ns)
-        derived = [_Row(*d) for d in derive(rows)]
-        for r in derived:
-            if r.name in NOT_HANDOFF_PHASES:  # P's hold follows the handoff: neither cost nor overlap
-                continue
-            key = (mode, r.role, r.name)
-            over[key] = over.get(key, 0) + (r.end_ns - r.start_ns) - critical_ns(r.name, r.start_ns, r.end_ns, pf, kv)
-        rows += derived
-        t = tile(rows, (pf, kv))
-        if t is None:
-            continue
-        tilings.append((mode, t))
-        for (role, name), ns in t.phases.items():
-            crit[(mode, role, name)] = crit.get((mode, role, name), 0) + ns
-    per_mode: dict[str, list[float]] = {}
-    for _, mode, _, _, h, _ in traces:
-        m = per_mode.setdefault(mode, [0, 0.0])
-        m[0] += 1
-        m[1] += h
-    return HandoffCosts(
-        phases={k: (crit.get(k, 0) / 1e9, max(over.get(k, 0), 0) / 1e9) for k in set(crit) | set(over)},
-        requests={m: (int(n), tot / n) for m, (n, tot) in per_mode.items()},
-        breakdown=summarize(tilings),
-    )
-
-
-#: Newest completed traces a breakdown reads (as the dashboard's sample).
-BREAKDOWN_SAMPLE = 5_000
-
-
-def breakdown(
-    conn, *, limit: int = BREAKDOWN_SAMPLE, by_dispatch: bool = False, derived: bool = True, **filters: Any
-) -> dict[str, Breakdown]:
-    """The newest ``limit`` completed traces matching ``filters``
-    (``store.TraceFilter`` fields) tiled and added up per mode (and per
-    ``mode/dispatch`` as well with ``by_dispatch``; ``derived=False``:
-    recorded phases only). ``kvlens traces --breakdown`` prints it;
-    ``benchmarks/handoff_tiling.py`` compares stores (before / after) with it."""
-    filters.pop("completed", None)
-    trs = slowest(conn, limit, order="start", completed=True, **filters)
-    pairs: list[tuple[str, Tiling | None]] = []
-    for t in trs:
-        til = t.tiling(derived=derived)
-        pairs.append((t.mode or "?", til))
-        if by_dispatch and t.dispatch:
-            pairs.append((f"{t.mode}/{t.dispatch}", til))
-    return summarize(pairs)
-
-
-def sample_costs(conn, *, since_ns: int | None, until_ns: int | None, limit: int) -> HandoffCosts:
-    """:func:`handoff_costs` over the newest ``limit`` completed traces that
-    started in [since_ns, until_ns] (the dashboard's per-phase breakdown)."""
-    traces, spans = store.handoff_sample(
-        conn, since_ns=since_ns, until_ns=until_ns, limit=limit, exclude_phases=NOT_HANDOFF_PHASES
-    )
-    split = {how.split.phase.value for how in derived.DERIVED_PHASES.values() if how.split is not None}
-    return handoff_costs(traces, spans, store.attributes_of(conn, [t[0] for t in traces], split))

@@ -27,7 +27,7 @@ from store_fixture import make_store  # noqa: E402
 from dashboard import data as D  # noqa: E402
 from dashboard import loaders as L  # noqa: E402
 from dashboard import prom as P  # noqa: E402
-from kvtrace import store  # noqa: E402
+from kvtrace import costs, store  # noqa: E402
 from kvrecord import semconv as sc  # noqa: E402
 
 APP = str(REPO / "dashboard" / "app.py")
@@ -138,7 +138,7 @@ def test_breakdown_words_from_the_store_and_from_prometheus(store_path):
 
     ph = D.phase_breakdown(store_path, None, None)
     with store.reading(store_path) as c:
-        groups = tracemodel.sample_costs(c, since_ns=None, until_ns=None, limit=D.PHASE_SAMPLE).breakdown
+        groups = costs.sample_costs(c, since_ns=None, until_ns=None, limit=D.PHASE_SAMPLE).breakdown
     assert D.breakdown_words(ph) == {m: tracemodel.dominant_words(groups[m]) for m in D.MODES}
     assert "(decode.queue)" in D.breakdown_words(ph)["pull"]  # the fixture's pull is mostly D's queue
     import pandas as pd

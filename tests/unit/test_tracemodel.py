@@ -10,7 +10,7 @@ import pytest
 from store_fixture import make_store
 
 from dashboard import data as D
-from kvtrace import store, tracemodel
+from kvtrace import costs, store, tracemodel
 from kvtrace.tracemodel import CRITICAL, OVERLAP, Trace
 from kvlens import traces as cli_traces
 
@@ -157,12 +157,12 @@ def test_handoff_costs_split_by_the_same_rule():
     traces = [(TID, "push", PF, KV, 0.010, 0.0), (other, "push", PF, KV + 10 * MS, 0.020, None)]
     spans = [(TID, s["role"], s["name"], s["start_ns"], s["end_ns"]) for s in SPANS]
     spans += [(other, "prefill", "write.post", PF, PF + 4 * MS), ("ef" * 16, "prefill", "write.post", 0, 10)]
-    costs = tracemodel.handoff_costs(traces, spans)
-    assert costs.requests == {"push": (2, pytest.approx(0.015))}
-    assert costs.phases[("push", "prefill", "match")] == pytest.approx((0.001, 0.046))
-    assert costs.phases[("push", "prefill", "write.post")] == pytest.approx((0.006, 0.0))
-    assert costs.phases[("push", "decode", "registration.send")] == pytest.approx((0.0, 0.001))
-    assert not any(k[2] in tracemodel.NOT_HANDOFF_PHASES for k in costs.phases)
+    hc = costs.handoff_costs(traces, spans)
+    assert hc.requests == {"push": (2, pytest.approx(0.015))}
+    assert hc.phases[("push", "prefill", "match")] == pytest.approx((0.001, 0.046))
+    assert hc.phases[("push", "prefill", "write.post")] == pytest.approx((0.006, 0.0))
+    assert hc.phases[("push", "decode", "registration.send")] == pytest.approx((0.0, 0.001))
+    assert not any(k[2] in tracemodel.NOT_HANDOFF_PHASES for k in hc.phases)
 
 
 def test_d_spans_move_onto_p_clock_by_the_offset():
@@ -182,8 +182,8 @@ def test_d_spans_move_onto_p_clock_by_the_offset():
     ]
     rows = [(TID, s["role"], s["name"], s["start_ns"], s["end_ns"]) for s in moved]
     assert (
-        tracemodel.handoff_costs([(TID, "push", PF, KV + shift, 0.010, 0.25)], rows).phases
-        == tracemodel.handoff_costs(
+        costs.handoff_costs([(TID, "push", PF, KV + shift, 0.010, 0.25)], rows).phases
+        == costs.handoff_costs(
             [(TID, "push", PF, KV, 0.010, 0.0)],
             [(TID, s["role"], s["name"], s["start_ns"], s["end_ns"]) for s in SPANS],
         ).phases
@@ -233,7 +233,7 @@ def test_fixture_handoffs_are_tiled_by_named_phases(fixture_store):
     and derived) cover the whole handoff of each."""
     with store.reading(fixture_store) as c:
         trs = [t for t in tracemodel.slowest(c, 100) if t.window]
-        groups = tracemodel.breakdown(c)
+        groups = costs.breakdown(c)
     names = {m: set().union(*({s.name for s in t.spans} for t in trs if t.mode == m)) for m in ("push", "pull")}
     assert {"decode.queue", "registration.dispatch", "writer.wake", "prefill.dispatch", "write.notify"} <= names["push"]
     assert {"prefill.respond", "decode.intake", "decode.queue", "decode.dispatch"} <= names["pull"]

@@ -122,12 +122,12 @@ def small_store(tmp_path_factory):
 
 
 def test_breakdown_says_what_dominates_per_mode_and_dispatch(small_store, capsys):
-    from kvtrace import store, tracemodel
+    from kvtrace import costs, store, tracemodel
 
     assert main(["traces", "--store", str(small_store), "--breakdown"]) == 0
     out = capsys.readouterr().out
     with store.reading(small_store) as conn:
-        groups = tracemodel.breakdown(conn, by_dispatch=True)
+        groups = costs.breakdown(conn, by_dispatch=True)
     assert set(groups) == {"push", "push/overlapped", "pull", "pull/sequential"}
     assert out == traces.breakdown_text(groups) + "\n"
     for key in ("push", "pull"):
@@ -154,12 +154,12 @@ def test_breakdown_says_what_dominates_per_mode_and_dispatch(small_store, capsys
 
 
 def test_waterfalls_end_with_the_words(small_store, capsys):
-    from kvtrace import store, tracemodel
+    from kvtrace import costs, store, tracemodel
 
     assert main(["traces", "--store", str(small_store), "--slowest", "1"]) == 0
     out = capsys.readouterr().out
     with store.reading(small_store) as conn:
-        groups = tracemodel.breakdown(conn)
+        groups = costs.breakdown(conn)
     tail = out.split("what the handoff is made of", 1)[1]
     assert tracemodel.dominant_words(groups["push"]) in tail and tracemodel.dominant_words(groups["pull"]) in tail
     assert main(["traces", "--store", str(small_store), "--slowest", "1", "--json"]) == 0
