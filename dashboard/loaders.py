@@ -15,6 +15,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
+from dashboard import benchdata as BD
 from dashboard import data as D
 from dashboard import pairs, prom
 from kvtrace import benchrows
@@ -121,9 +122,9 @@ def load_trace(path: StoreLocation, trace_id: str):
 
 @st.cache_data(ttl=30, show_spinner=False)
 def load_bench_runs(path: StoreLocation, _bucket: int) -> list[dict[str, Any]]:
-    return D.bench_runs(path)
+    return BD.bench_runs(path)
 
 
 @st.cache_data(ttl=30, show_spinner=False)
 def load_bench(path: StoreLocation, run_id: str | None) -> pd.DataFrame:
-    return with_ratios(D.bench_table(path, run_id))
+    return with_ratios(BD.bench_table(path, run_id))

@@ -12,6 +12,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts
+from dashboard import benchdata as BD
 from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import ui
@@ -80,7 +81,7 @@ def live_window(cfg: ui.Config) -> None:
     if not len(win):
         st.info(f"No traced requests in the last {range_key}.")
         return
-    live = D.live_compare(D.stats_from_traces(win, D.TIME_RANGES[range_key]))
+    live = BD.live_compare(D.stats_from_traces(win, D.TIME_RANGES[range_key]))
     show = live.rename(columns=LABELS)
     for c in show.columns:
         if c.endswith("(ms)"):

@@ -15,6 +15,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts
+from dashboard import benchdata as BD
 from dashboard import data as D
 from dashboard import loaders as L
 from dashboard import pairs, prom, ui
@@ -84,7 +85,7 @@ def add_bench_tpot(cfg: ui.Config, stats: dict[str, D.ModeStats]) -> None:
     ok, runs = ui.guarded(cfg, lambda: L.load_bench_runs(cfg.store, L.now_bucket()))
     run_id = runs[0]["run_id"] if ok and runs else None
     ok, df = ui.guarded(cfg, lambda: L.load_bench(cfg.store, run_id)) if run_id else (True, pd.DataFrame())
-    for mode, (v, note) in D.bench_tpot(df if ok else pd.DataFrame(), run_id).items():
+    for mode, (v, note) in BD.bench_tpot(df if ok else pd.DataFrame(), run_id).items():
         stats[mode].tpot_mean, stats[mode].tpot_note = v, note
 
 

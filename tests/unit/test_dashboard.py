@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 from store_fixture import make_store  # noqa: E402
 
+from dashboard import benchdata as BD  # noqa: E402
 from dashboard import data as D  # noqa: E402
 from dashboard import loaders as L  # noqa: E402
 from dashboard import prom as P  # noqa: E402
@@ -175,7 +176,7 @@ def test_trace_detail_marks_critical_path(store_path):
 
 
 def test_bench_ratios(store_path):
-    df = L.with_ratios(D.bench_table(store_path))
+    df = L.with_ratios(BD.bench_table(store_path))
     assert len(df) == 12
     r = df[(df["mode"] == "push") & (df["input_len"] == 128) & (df["qps"] == 2.0)].iloc[0]
     assert r["handoff_p50 push÷pull"] == pytest.approx(0.8)
@@ -191,7 +192,7 @@ def test_missing_and_empty_store(tmp_path):
         D.store_info(bad)
     store.connect(tmp_path / "empty.db").close()
     assert D.store_info(tmp_path / "empty.db")["traces"] == 0
-    assert D.bench_table(tmp_path / "empty.db").empty
+    assert BD.bench_table(tmp_path / "empty.db").empty
 
 
 def test_promql_label_escaping():
@@ -561,10 +562,10 @@ def test_tpot_from_prometheus_goes_to_the_one_mode_that_ran():
 def test_bench_tpot_says_why_when_missing():
     import pandas as pd
 
-    got = D.bench_tpot(pd.DataFrame({"mode": ["push", "pull"], "tpot_mean_s": [0.01, None]}), "run-1")
+    got = BD.bench_tpot(pd.DataFrame({"mode": ["push", "pull"], "tpot_mean_s": [0.01, None]}), "run-1")
     assert got["push"][0] == 0.01 and "run-1" in got["push"][1]
     assert got["pull"][0] is None and "unknown" in got["pull"][1]
-    assert D.bench_tpot(pd.DataFrame(), None)["push"][0] is None
+    assert BD.bench_tpot(pd.DataFrame(), None)["push"][0] is None
 
 
 def test_no_none_in_tables(app, store_path):
