@@ -57,15 +57,8 @@ from kvlens.bench.grid import (
 from kvlens.bench.load import one_request, run_cell_async
 from kvlens.bench.probe import DECODE_TPOT_METRICS, RouterInfo, decode_tpot, parse_tpot, probe_router
 from kvlens.bench.prompts import PromptMaker, rng
-from kvlens.bench.report import (
-    TPOT_CROSSCHECK_WARN,
-    TTFT_CROSSCHECK_WARN,
-    CrossCheck,
-    cross_check,
-    describe,
-    format_table,
-    print_report,
-)
+from kvlens.bench.crosscheck import TPOT_CROSSCHECK_WARN, TTFT_CROSSCHECK_WARN, CrossCheck, cross_check
+from kvlens.bench.report import describe, format_table, print_report
 from kvlens.bench.results import Cell, RequestResult, Target, summarize_cell, tpot_figures, wait_for_traces
 from kvlens.bench.runner import BenchRun, Sink, bench_routers, bench_stacks, new_run
 from kvlens.bench.stats import bootstrap_ratio, mean, percentile, rel_diff

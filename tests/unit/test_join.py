@@ -238,7 +238,7 @@ def test_bench_finds_a_request_by_the_id_the_router_gave_it():
 
 
 def test_bench_cross_check_keeps_engine_ttfts_apart():
-    from kvlens.bench.report import cross_check
+    from kvlens.bench.crosscheck import cross_check
     from kvlens.bench.results import Cell, RequestResult, Target
 
     tgt = Target(mode="pull", url="http://127.0.0.1:1", dispatch=None)
