@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import quote
 
-from kvtrace.store import pg
+from kvtrace.store import pg, pgerrors
 from kvtrace.store.ddl import _TRACES_V2_DDL, SCHEMA_TEMPLATE, V3_TRACE_COLUMNS
 from kvrecord.location import StoreLocation
 from kvtrace.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of
@@ -236,8 +236,8 @@ def translate(e: BaseException, loc: StoreLocation) -> StoreError:
     """The backend's exception as a :class:`StoreError` a person can act on."""
     if isinstance(e, StoreError):
         return e
-    if loc.is_postgres or pg.is_backend_error(e):
-        return pg.translate(e, loc.text)
+    if loc.is_postgres or pgerrors.is_backend_error(e):
+        return pgerrors.translate(e, loc.text)
     msg = str(e)
     if isinstance(e, sqlite3.OperationalError) and ("locked" in msg or "busy" in msg):
         return StoreError(f"trace store {loc} is busy ({msg}); try again")
@@ -251,7 +251,7 @@ def _check_readable(conn: Connection, loc: StoreLocation) -> int | None:
         found = stored_version(conn)
     except Exception as e:
         conn.close()
-        if isinstance(e, (sqlite3.Error,)) or pg.is_backend_error(e):
+        if isinstance(e, (sqlite3.Error,)) or pgerrors.is_backend_error(e):
             raise translate(e, loc) from e
         raise
     if found is None or found > SCHEMA_VERSION:
@@ -311,8 +311,8 @@ def _connect_pg(loc: StoreLocation, *, readonly: bool, timeout_s: float) -> pg.P
         raise
     except Exception as e:
         conn.close()
-        if pg.is_backend_error(e):
-            raise pg.translate(e, url) from e
+        if pgerrors.is_backend_error(e):
+            raise pgerrors.translate(e, url) from e
         raise
     return conn
 
@@ -372,7 +372,7 @@ def reading(path: "StoreLocation | str | os.PathLike", timeout_s: float = 5.0) -
     except sqlite3.Error as e:
         raise translate(e, p) from e
     except Exception as e:
-        if pg.is_backend_error(e):
+        if pgerrors.is_backend_error(e):
             raise translate(e, p) from e
         raise
     finally:
