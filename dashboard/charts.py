@@ -76,6 +76,37 @@ def phase_chart(ph: pd.DataFrame, mode: str, path: str, x_max: float | None, tit
     )
 
 
+def _waterfall_tooltip(spans: pd.DataFrame) -> list:
+    """A span's tooltip: phase, role, times, critical, outcome, its rank (TP) and attributes."""
+    attr_cols = [c for c in spans.columns if c.startswith("attr_")]
+    return (
+        [
+            alt.Tooltip("phase:N"),
+            alt.Tooltip("role:N"),
+            alt.Tooltip("start_ms:Q", title="start (ms)", format=".3f"),
+            alt.Tooltip("duration_ms:Q", title="duration (ms)", format=".3f"),
+            alt.Tooltip("critical:N", title="on critical path"),
+            alt.Tooltip("outcome:N"),
+        ]
+        + ([alt.Tooltip("rank:Q", title="TP rank")] if "rank" in spans and spans["rank"].notna().any() else [])
+        + [alt.Tooltip(f"{c}:N", title=c[5:]) for c in attr_cols]
+    )
+
+
+def _critical_band(critical_ms: tuple[float, float], handoff: str | None) -> list:
+    """The critical window shaded, labelled with the handoff."""
+    label = f"critical path (handoff {handoff or f'{critical_ms[1] - critical_ms[0]:,.1f} ms'})"
+    band = pd.DataFrame([{"from_ms": critical_ms[0], "to_ms": critical_ms[1], "label": label}])
+    return [
+        alt.Chart(band)
+        .mark_rect(color="#e45756", opacity=0.12)
+        .encode(x="from_ms:Q", x2="to_ms:Q", tooltip=["label:N"]),
+        alt.Chart(band)
+        .mark_text(align="left", dx=3, dy=-6, color="#b22222", fontWeight="bold", baseline="bottom")
+        .encode(x="from_ms:Q", y=alt.value(0), text="label:N"),
+    ]
+
+
 def waterfall_chart(
     spans: pd.DataFrame, critical_ms: tuple[float, float] | None, handoff: str | None = None, per_rank: bool = False
 ) -> alt.LayerChart:
@@ -88,42 +119,12 @@ def waterfall_chart(
             ["role_rank", "_r", "start_ms", "phase_rank"], kind="stable"
         )
     lanes = list(dict.fromkeys(spans["lane"]))
-    attr_cols = [c for c in spans.columns if c.startswith("attr_")]
-    tooltip = (
-        [
-            alt.Tooltip("phase:N"),
-            alt.Tooltip("role:N"),
-            alt.Tooltip("start_ms:Q", title="start (ms)", format=".3f"),
-            alt.Tooltip("duration_ms:Q", title="duration (ms)", format=".3f"),
-            alt.Tooltip("critical:N", title="on critical path"),
-            alt.Tooltip("outcome:N"),
-        ]
-        + ([alt.Tooltip("rank:Q", title="TP rank")] if "rank" in spans and spans["rank"].notna().any() else [])
-        + [alt.Tooltip(f"{c}:N", title=c[5:]) for c in attr_cols]
-    )
+    tooltip = _waterfall_tooltip(spans)
     y = alt.Y("lane:N", sort=lanes, title=None, axis=alt.Axis(labelLimit=260))
     color = alt.Color("phase:N", scale=phase_color_scale(), legend=alt.Legend(title="phase"))
     layers = []
     if critical_ms is not None:
-        band = pd.DataFrame(
-            [
-                {
-                    "from_ms": critical_ms[0],
-                    "to_ms": critical_ms[1],
-                    "label": f"critical path (handoff {handoff or f'{critical_ms[1] - critical_ms[0]:,.1f} ms'})",
-                }
-            ]
-        )
-        layers.append(
-            alt.Chart(band)
-            .mark_rect(color="#e45756", opacity=0.12)
-            .encode(x="from_ms:Q", x2="to_ms:Q", tooltip=["label:N"])
-        )
-        layers.append(
-            alt.Chart(band)
-            .mark_text(align="left", dx=3, dy=-6, color="#b22222", fontWeight="bold", baseline="bottom")
-            .encode(x="from_ms:Q", y=alt.value(0), text="label:N")
-        )
+        layers += _critical_band(critical_ms, handoff)
     bars = spans[~spans["point"]]
     points = spans[spans["point"]]
     layers.append(

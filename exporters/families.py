@@ -127,6 +127,14 @@ class _Families:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self._requests_and_transfers(r)
+        self._transfer_and_waiting(r)
+        self.lock = threading.Lock()
+        self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child
+        self.drop_seen: dict[Any, int] = {}
+
+    def _requests_and_transfers(self, r: CollectorRegistry) -> None:
+        """The router's TTFT and request count, NIXL's bytes and descriptors, the per-rank phases."""
         self.ttft = Histogram(
             "kvlens_ttft_seconds",
             "Client-seen time to first token measured at the kvlens router, seconds.",
@@ -160,10 +168,6 @@ class _Families:
             buckets=PHASE_BUCKETS,
             registry=r,
         )
-        self._transfer_and_waiting(r)
-        self.lock = threading.Lock()
-        self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child
-        self.drop_seen: dict[Any, int] = {}
 
     def _transfer_and_waiting(self, r: CollectorRegistry) -> None:
         """Bandwidth, P's long holds, the push waiting gauges and the drop counter."""

@@ -177,6 +177,12 @@ def waterfall(trace: Trace, width: int = 60) -> str:
             flag = "" if s.outcome in (None, "ok") else f" !{s.outcome}"
             lines.append(f"  {label:<7}{s.name[:name_w]:<{name_w + 1}}[{''.join(bar)}] {_fmt_s(s.duration_s)}{flag}")
     lines.append(f"  {'':<30} 0{'':>{width - 10}}{_fmt_s(span_ns / 1e9):>9}")
+    return "\n".join(lines + _waterfall_notes(spans))
+
+
+def _waterfall_notes(spans) -> list[str]:
+    """The lines under a waterfall: TP stragglers, KV recomputed."""
+    lines = []
     for x in ranks.stragglers(spans):
         side = _LANE_OF.get(x.role, x.role)
         lines.append(
@@ -189,7 +195,7 @@ def waterfall(trace: Trace, width: int = 60) -> str:
             f"  KV recomputed: D computed {use['recomputed_tokens']} prompt tokens itself at its first step "
             "(more than the last partial block): the KV that moved was not used"
         )
-    return "\n".join(lines)
+    return lines
 
 
 def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> str:

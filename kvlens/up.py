@@ -91,6 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES})",
     )
     _add_tp_arguments(p)
+    _add_router_arguments(p)
+    _add_push_arguments(p)
+    _add_topology_arguments(p)
+
+
+def _add_router_arguments(p: argparse.ArgumentParser) -> None:
+    """Which routers front the stack, where, and the stack's logs, timeout and Prometheus."""
     p.add_argument(
         "--router",
         type=_ROUTERS,
@@ -129,6 +136,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "with the kvlens recording rules and exemplar storage; data under the log dir",
     )
     p.add_argument("--prometheus-port", type=port_arg(), default=9090, help="Prometheus port (default 9090)")
+
+
+def _add_push_arguments(p: argparse.ArgumentParser) -> None:
+    """P's KV lease and push's registration timeout."""
     p.add_argument(
         "--kv-lease",
         type=positive(int),
@@ -143,6 +154,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"vLLM push_registration_timeout on D (default {DEFAULT_PUSH_REGISTRATION_TIMEOUT_S}; vLLM's own default is 480)",
     )
+
+
+def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
+    """Separate homes and the collector (the cross-host layout on one host), and the API key."""
     p.add_argument(
         "--separate-homes",
         action="store_true",

@@ -68,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="127.0.0.1",
         help="bind address (default loopback; any other needs --api-key, or it is open to all)",
     )
+    _add_instance_arguments(p)
+    _add_serving_arguments(p)
+
+
+def _add_instance_arguments(p: argparse.ArgumentParser) -> None:
+    """What the router must know of each P and D besides its URL."""
     p.add_argument(
         "--prefill-engine-id",
         action="append",
@@ -107,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="D's engine id, once per --decode in the same order (default d0, d1, ...; names D "
         "on root spans and in /health)",
     )
+
+
+def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
+    """Limits, auth and telemetry of the router itself."""
     p.add_argument("--timeout", type=positive(float), default=600.0, help="read timeout towards P and D, seconds")
     p.add_argument(
         "--max-body-mb",

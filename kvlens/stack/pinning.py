@@ -235,10 +235,15 @@ def cpu_binding(
     if len(cpus) < 2:
         return "|".join([str(cpus[0])] * tp)
     n_p_cpus = min(len(cpus) - 1, max(1, len(cpus) * ranks_p // (ranks_p + ranks_d)))
-    mine = cpus[:n_p_cpus] if is_p else cpus[n_p_cpus:]
+    return _shared(cpus, cpus[:n_p_cpus] if is_p else cpus[n_p_cpus:], tp, sum(role_tps[role][:index]), index)
+
+
+def _shared(cpus: list[int], mine: list[int], tp: int, ranks_before: int, index: int) -> str:
+    """:func:`cpu_binding` with fewer CPUs than ranks: ``mine`` are the role's
+    CPUs, ``ranks_before`` the ranks of the role's instances before this one."""
     if tp == 1:
         return str(mine[index % len(mine)])
     if len(mine) >= tp:
-        start = sum(role_tps[role][:index]) % len(mine)
+        start = ranks_before % len(mine)
         return "|".join(str(mine[(start + r) % len(mine)]) for r in range(tp))
     return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
