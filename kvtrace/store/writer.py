@@ -94,17 +94,27 @@ _PULL, _SEQUENTIAL = sc.Mode.PULL.value, sc.Dispatch.SEQUENTIAL.value
 _JSON = json.JSONEncoder(default=str, separators=(",", ":")).encode
 
 
+def _plain(attributes) -> dict:
+    """A span's attributes (a read-only proxy) as a new dict: the proxy's ``copy()``
+    copies the dict (or BoundedAttributes) under it, ~8x faster than ``dict(proxy)``."""
+    if not attributes:
+        return {}
+    a = attributes.copy()
+    return a if type(a) is dict else dict(a)
+
+
 def _span_rows(span: ReadableSpan) -> tuple[tuple, dict]:
     """(spans row, traces upsert params) for one OTel ``ReadableSpan``: one
     this process's SDK finished, or one the collector decoded from OTLP."""
     ctx = span.context
-    a = dict(span.attributes or {})
+    a = _plain(span.attributes)
     tid = format_trace_id(ctx.trace_id)
     name = span.name
     g = a.get
     role, mode, outcome, rid = g(sc.ATTR_ROLE), g(sc.ATTR_MODE), g(sc.ATTR_OUTCOME, "ok"), g(sc.ATTR_REQUEST_ID)
-    parent = format_span_id(span.parent.span_id) if span.parent else None
-    start, end = int(span.start_time or 0), int(span.end_time or span.start_time or 0)
+    parent, start, end = span.parent, span.start_time, span.end_time  # properties: read each once
+    parent = format_span_id(parent.span_id) if parent else None
+    start, end = int(start or 0), int(end or start or 0)
     row = (tid, format_span_id(ctx.span_id), parent, name, role, mode, rid, start, end, outcome, _JSON(a))
     is_router = role == _ROUTER
     up = {
