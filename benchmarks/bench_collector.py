@@ -8,7 +8,7 @@ stage on its own and end to end; medians over ``--rounds``, CPU time per
 span from the process clock (all threads), so a busy machine shows in the
 wall figures but much less in the CPU ones:
 
-1. decode: body -> WireSpans (:func:`exporters.collector.otlp.decode`);
+1. decode: body -> ReadableSpans (:func:`exporters.collector.otlp.decode`);
 2. store: :func:`kvtrace.store.write_spans` of the decoded spans, in the
    collector's batches (2000), fresh traces each round;
 3. metrics: :class:`~exporters.metrics.PhaseMetricsProcessor` ``on_end`` per
@@ -284,7 +284,7 @@ def main() -> int:
         f"{n} spans per round ({args.bodies} bodies, {size / 1024:.0f} KiB, {size / (n / args.bodies):.0f} B/span);"
         f" medians of {args.rounds} rounds; python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
     )
-    _line("1 decode (protobuf -> WireSpan)", n, *res["decode"])
+    _line("1 decode (pb -> ReadableSpan)", n, *res["decode"])
     _line("2 store.write_spans (2000/batch)", n, *res["store"])
     _line("3 metrics on_end", n, *res["metrics"])
     _line("4 in-process app end to end", n, *res["app"])

@@ -39,7 +39,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext, format_trace_id
 
 from dashboard import data as D
 from kvtrace import store
@@ -185,15 +187,8 @@ def timeit(fn, repeat: int) -> tuple[float, object]:
 
 
 # ------------------------------------------------------------------ ingest
-class _Ctx:
-    __slots__ = ("trace_id", "span_id")
-
-    def __init__(self, t: int, s: int) -> None:
-        self.trace_id, self.span_id = t, s
-
-
 def _wire_spans(n_traces: int, seed: int, t_base: int) -> list:
-    """Spans shaped like the SDK's ReadableSpan (what the collector writes):
+    """SDK ``ReadableSpan`` s, as the collector decodes them and writes them:
     push and pull requests with router, P and D spans, clock crossings and
     both ends of the handoff, so the writer folds and settles as in production."""
     rng = random.Random(seed)
@@ -205,7 +200,7 @@ def _wire_spans(n_traces: int, seed: int, t_base: int) -> list:
         rid = f"cmpl-{tid:032x}-0-{rng.getrandbits(32):08x}"
         t0 = t_base + k * 2 * MS
         pf = t0 + int(rng.uniform(20, 80) * MS)
-        root = _Ctx(tid, rng.getrandbits(64))
+        root = SpanContext(tid, rng.getrandbits(64), False)
 
         def span(name, role, s0, s1, extra=None):
             a = {
@@ -217,8 +212,8 @@ def _wire_spans(n_traces: int, seed: int, t_base: int) -> list:
                 **(extra or {}),
             }
             out.append(
-                SimpleNamespace(
-                    context=_Ctx(tid, rng.getrandbits(64)),
+                ReadableSpan(
+                    context=SpanContext(tid, rng.getrandbits(64), False),
                     parent=root,
                     name=name.value,
                     attributes={k: v for k, v in a.items() if v is not None},
@@ -248,7 +243,7 @@ def _wire_spans(n_traces: int, seed: int, t_base: int) -> list:
         kv = t + int(rng.uniform(0.2, 1) * MS)
         span(P.KV_READY, "decode", kv, kv)
         out.append(
-            SimpleNamespace(
+            ReadableSpan(
                 context=root,
                 parent=None,
                 name=P.REQUEST.value,
@@ -256,7 +251,7 @@ def _wire_spans(n_traces: int, seed: int, t_base: int) -> list:
                     sc.ATTR_ROLE: "router",
                     sc.ATTR_MODE: mode,
                     sc.ATTR_OUTCOME: "ok",
-                    sc.ATTR_REQUEST_ID: f"{tid:032x}",
+                    sc.ATTR_REQUEST_ID: format_trace_id(tid),
                     sc.ATTR_TTFT_S: (kv - t0) / 1e9,
                     sc.ATTR_DISPATCH: "overlapped",
                 },

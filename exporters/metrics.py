@@ -75,7 +75,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from opentelemetry.sdk.trace import SpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.trace import format_trace_id
 from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multiprocess
 
 from kvtrace import kvuse, ranks
@@ -233,7 +234,7 @@ class PhaseMetricsProcessor(SpanProcessor):
     def on_start(self, span, parent_context=None) -> None:
         pass
 
-    def on_end(self, span) -> None:
+    def on_end(self, span: ReadableSpan) -> None:
         try:
             self._observe(span)
         except Exception as e:
@@ -266,7 +267,7 @@ class PhaseMetricsProcessor(SpanProcessor):
             return False
 
     # ----------------------------------------------------------------------
-    def _observe(self, span) -> None:
+    def _observe(self, span: ReadableSpan) -> None:
         t0, t1 = span.start_time, span.end_time
         if t0 is None or t1 is None:
             return
@@ -277,7 +278,7 @@ class PhaseMetricsProcessor(SpanProcessor):
         mode = _label(a.get(sc.ATTR_MODE), _MODES, sc.Mode)
         role = _label(a.get(sc.ATTR_ROLE), _ROLES, sc.Role)
         outcome = _label(a.get(sc.ATTR_OUTCOME, "ok"), _OUTCOMES, sc.Outcome)
-        ex = {"trace_id": format(span.context.trace_id, "032x")} if self.exemplars else None
+        ex = {"trace_id": format_trace_id(span.context.trace_id)} if self.exemplars else None
         d = max(t1 - t0, 0) / 1e9
         fam.child(fam.phase, (mode, role, phase, outcome)).observe(d, ex)
         if phase in _RANK_PHASES and (a.get(sc.ATTR_TP_SIZE) or 1) > 1:
@@ -318,7 +319,7 @@ class PhaseMetricsProcessor(SpanProcessor):
 
         if name in self._trigger:
             wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
-            self.handoff.submit(format(span.context.trace_id, "032x"), mode, wait)
+            self.handoff.submit(format_trace_id(span.context.trace_id), mode, wait)
 
     def sync_dropped(self) -> None:
         """Add the new losses of the drop source to ``kvlens_telemetry_dropped_total``."""

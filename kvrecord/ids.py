@@ -26,6 +26,7 @@ import threading
 from typing import Iterator, Mapping
 
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.trace import format_trace_id
 
 from kvrecord.semconv import ATTR_JOIN_REQUEST_ID
 
@@ -142,7 +143,7 @@ def trace_of_response(response_id: str | None, sent_id: str) -> str:
     D, e.g. ``vllm-router``'s ``___prefill_addr_..._<uuid>``)."""
     if not response_id or sent_id in response_id:
         return sent_id
-    return trace_hex(trace_id_for(response_id))
+    return format_trace_id(trace_id_for(response_id))
 
 
 def root_span_id(trace_id: int) -> int:
@@ -151,16 +152,6 @@ def root_span_id(trace_id: int) -> int:
     the router."""
     d = hashlib.blake2b(trace_id.to_bytes(16, "big"), digest_size=8, person=b"kvlens-root").digest()
     return int.from_bytes(d, "big") or 1
-
-
-def trace_hex(trace_id: int) -> str:
-    """OTel/W3C text form of a trace id (32 lowercase hex)."""
-    return format(trace_id, "032x")
-
-
-def span_hex(span_id: int) -> str:
-    """OTel/W3C text form of a span id (16 lowercase hex)."""
-    return format(span_id, "016x")
 
 
 # ------------------------------------------------------------ OTel generator

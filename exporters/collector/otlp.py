@@ -1,11 +1,14 @@
-"""OTLP/HTTP ``/v1/traces`` request bodies -> :class:`WireSpan` s.
+"""OTLP/HTTP ``/v1/traces`` request bodies -> the OTel SDK's ``ReadableSpan`` s.
 
 :func:`decode` takes one request body as it came off the wire (protobuf
 ``application/x-protobuf`` or OTLP-JSON ``application/json``, optionally
-``Content-Encoding: gzip`` / ``deflate``) and returns its spans shaped like the
-OTel SDK's ``ReadableSpan`` as far as :func:`kvtrace.store.write_spans` and
-:class:`exporters.metrics.PhaseMetricsProcessor` read them, so spans that
-crossed the network land in the store exactly as a local exporter writes them.
+``Content-Encoding: gzip`` / ``deflate``) and returns its spans as
+``opentelemetry.sdk.trace.ReadableSpan`` objects, the type a local SDK
+pipeline hands its exporters: :func:`kvtrace.store.write_spans` and
+:class:`exporters.metrics.PhaseMetricsProcessor` take one span type whether
+the span was recorded in this process or came over OTLP from another host,
+so spans that crossed the network land in the store exactly as a local
+exporter writes them.
 
 Errors raise :class:`OTLPError` with the HTTP status the OTLP/HTTP
 specification asks for (415 unsupported content type or encoding, 413 too
@@ -28,6 +31,11 @@ from typing import Any
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags, TraceState
+from opentelemetry.trace.status import Status, StatusCode
 
 PROTOBUF = "application/x-protobuf"
 JSON = "application/json"
@@ -51,56 +59,6 @@ class OTLPError(Exception):
         self.status = int(status)
         self.message = message
         self.reason = reason or self._REASONS.get(self.status, "decode")
-
-
-# ----------------------------------------------------------------- span shape
-class SpanRef:
-    """``span.context`` / ``span.parent`` of a :class:`WireSpan`: the ids as
-    the SDK's ``SpanContext`` holds them (ints)."""
-
-    __slots__ = ("trace_id", "span_id")
-
-    def __init__(self, trace_id: int, span_id: int):
-        self.trace_id = trace_id
-        self.span_id = span_id
-
-    def __repr__(self) -> str:
-        return f"SpanRef({self.trace_id:032x}, {self.span_id:016x})"
-
-
-class WireSpan:
-    """One received span, shaped like the SDK's ``ReadableSpan`` where the
-    store writer and the metrics processor look: ``name``, ``start_time`` /
-    ``end_time`` (ns), ``attributes`` (dict: str, bool, int, float, tuple for
-    arrays, dict for kvlists, hex str for bytes), ``context`` (``trace_id``,
-    ``span_id``), ``parent`` (``span_id``) or None, and ``resource`` (the
-    resource's attributes, a dict). The ``service.name`` of the resource is
-    copied into ``attributes`` when the span has none, so the store keeps
-    where a span came from. Owned by whoever holds it; never mutated here
-    after :func:`decode` returns."""
-
-    __slots__ = ("name", "start_time", "end_time", "attributes", "context", "parent", "resource")
-
-    def __init__(
-        self,
-        name: str,
-        start_time: int,
-        end_time: int,
-        attributes: dict,
-        context: SpanRef,
-        parent: SpanRef | None,
-        resource: dict,
-    ):
-        self.name = name
-        self.start_time = start_time
-        self.end_time = end_time
-        self.attributes = attributes
-        self.context = context
-        self.parent = parent
-        self.resource = resource
-
-    def __repr__(self) -> str:
-        return f"WireSpan({self.name!r}, {self.context!r})"
 
 
 # ------------------------------------------------------------ request framing
@@ -142,7 +100,7 @@ def decompress(body: bytes, encoding: str | None, max_bytes: int = DEFAULT_MAX_B
 
 def decode(
     body: bytes, content_type: str | None, encoding: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES
-) -> list[WireSpan]:
+) -> list[ReadableSpan]:
     """The spans of one OTLP/HTTP ``/v1/traces`` request body.
 
     ``content_type`` / ``encoding``: the request's ``Content-Type`` and
@@ -228,39 +186,90 @@ def _where(index: int, name: Any, r: int, s: int, i: int) -> str:
 
 
 # ------------------------------------------------------------ proto -> spans
-def spans_of(req: ExportTraceServiceRequest) -> list[WireSpan]:
-    """Every span of a parsed request, checked (400 naming the first span
-    without a valid trace or span id)."""
-    out: list[WireSpan] = []
+# Objects that take few values are built once and shared (all immutable), so
+# a span costs its attributes, its SpanContext and the ReadableSpan; a parent
+# SpanContext is built once per request for all the spans under it (a
+# trace's spans share their root). An SDK exports only the spans it sampled,
+# and the Python SDK's encoder leaves the W3C flag bits of ``Span.flags`` at
+# 0, so every received span is marked sampled (a pipeline that filters on it,
+# as the batch processors do, would otherwise drop it) on top of the flags
+# the sender set.
+_TRACE_FLAGS = tuple(TraceFlags(i | TraceFlags.SAMPLED) for i in range(256))
+_PARENT_IS_REMOTE = 0x200  # SPAN_FLAGS_CONTEXT_IS_REMOTE_MASK
+_INTERNAL = SpanKind.INTERNAL
+_KINDS = {1: _INTERNAL, 2: SpanKind.SERVER, 3: SpanKind.CLIENT, 4: SpanKind.PRODUCER, 5: SpanKind.CONSUMER}
+_STATUS = {0: Status(StatusCode.UNSET), 1: Status(StatusCode.OK), 2: Status(StatusCode.ERROR)}
+
+
+def spans_of(req: ExportTraceServiceRequest) -> list[ReadableSpan]:
+    """Every span of a parsed request as a ``ReadableSpan``, checked (400
+    naming the first span without a valid trace or span id): resource (one
+    ``Resource`` per ``ResourceSpans``), scope, kind, status, trace state.
+    The resource's ``service.name`` is copied into the attributes of a span
+    that has none, so the store keeps where a span came from. Events and
+    links are not decoded (nothing in kvlens reads them). Attribute values:
+    str, bool, int, float, tuples for arrays, dicts for kvlists, hex str for
+    bytes. The spans are new objects, owned by the caller."""
+    out: list[ReadableSpan] = []
     append = out.append
+    parents: dict[tuple, SpanContext] = {}
     index = 0
     for r, rs in enumerate(req.resource_spans):
-        resource = attributes_of(rs.resource.attributes)
-        service = resource.get("service.name")
+        attrs = attributes_of(rs.resource.attributes)
+        resource = Resource(attrs, rs.schema_url)
+        service = attrs.get("service.name")
         for s, ss in enumerate(rs.scope_spans):
+            scope = InstrumentationScope(ss.scope.name, ss.scope.version, ss.schema_url)
             for i, sp in enumerate(ss.spans):
                 tid, sid, pid = sp.trace_id, sp.span_id, sp.parent_span_id
                 problem = _id_problem(tid, sid, pid)
                 if problem:
                     raise OTLPError(400, f"{_where(index, sp.name, r, s, i)}: {problem}", "invalid_span")
-                attrs = attributes_of(sp.attributes)
-                if service is not None and "service.name" not in attrs:
-                    attrs["service.name"] = service
+                a = attributes_of(sp.attributes)
+                if service is not None and "service.name" not in a:
+                    a["service.name"] = service
+                flags = sp.flags & 0x3FF
+                trace_flags = _TRACE_FLAGS[flags & 0xFF]
                 trace_id = int.from_bytes(tid, "big")
-                parent = SpanRef(trace_id, int.from_bytes(pid, "big")) if pid and any(pid) else None
+                parent = None
+                if pid and any(pid):
+                    parent = parents.get((tid, pid, flags))
+                    if parent is None:
+                        parent = parents[tid, pid, flags] = _parent(trace_id, pid, flags, trace_flags)
+                state = TraceState.from_header([sp.trace_state]) if sp.trace_state else None
+                ctx = SpanContext(trace_id, int.from_bytes(sid, "big"), False, trace_flags, state)
+                # positional arguments: ~1 us per span less than keywords
                 append(
-                    WireSpan(
+                    ReadableSpan(
                         sp.name,
-                        sp.start_time_unix_nano,
-                        sp.end_time_unix_nano,
-                        attrs,
-                        SpanRef(trace_id, int.from_bytes(sid, "big")),
+                        ctx,
                         parent,
                         resource,
+                        a,
+                        (),  # events
+                        (),  # links
+                        _KINDS.get(sp.kind, _INTERNAL),
+                        None,  # instrumentation_info (deprecated for the scope)
+                        _status(sp.status),
+                        sp.start_time_unix_nano,
+                        sp.end_time_unix_nano,
+                        scope,
                     )
                 )
                 index += 1
     return out
+
+
+def _parent(trace_id: int, pid: bytes, flags: int, trace_flags: TraceFlags) -> SpanContext:
+    return SpanContext(trace_id, int.from_bytes(pid, "big"), bool(flags & _PARENT_IS_REMOTE), trace_flags)
+
+
+def _status(st) -> Status:
+    """A protobuf ``Status`` as the SDK's (which keeps a description only on errors)."""
+    code = st.code
+    if code == 2 and st.message:
+        return Status(StatusCode.ERROR, st.message)
+    return _STATUS.get(code) or _STATUS[0]
 
 
 def _id_problem(tid: bytes, sid: bytes, pid: bytes) -> str | None:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
+from opentelemetry.trace import format_span_id
 
-from kvrecord.ids import root_span_id, span_hex
+from kvrecord.ids import root_span_id
 from kvlens.proxy.balancer import Route
 from kvlens.proxy.bodies import prefill_body
 from kvlens.proxy.config import ProxyConfig
@@ -31,7 +32,7 @@ def traceparent(trace_id: str) -> str:
     as the parent, sampled: vLLM's own OpenTelemetry tracing
     (``--otlp-traces-endpoint``) then puts its ``llm_request`` span in the
     same trace, under the router's root span."""
-    return f"00-{trace_id}-{span_hex(root_span_id(int(trace_id, 16)))}-01"
+    return f"00-{trace_id}-{format_span_id(root_span_id(int(trace_id, 16)))}-01"
 
 
 @dataclass

@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import format_span_id, format_trace_id
+
 from kvtrace import clockbounds
 from kvtrace.clockbounds import WINDOW_NS
 from kvrecord.location import StoreLocation
@@ -24,7 +28,7 @@ from kvtrace.store.dialect import dialect_of
 from kvtrace.store.errors import is_transient
 from kvtrace.store.schema import PARAM, SPAN_COLUMNS, TRACE_COLUMNS, connect, params, set_wait, write_tx
 from kvrecord import semconv as sc
-from kvrecord.ids import base_request_id, span_hex, trace_hex
+from kvrecord.ids import base_request_id
 
 logger = logging.getLogger("kvlens")
 
@@ -90,18 +94,28 @@ _PULL, _SEQUENTIAL = sc.Mode.PULL.value, sc.Dispatch.SEQUENTIAL.value
 _JSON = json.JSONEncoder(default=str, separators=(",", ":")).encode
 
 
-def _span_rows(span) -> tuple[tuple, dict]:
-    """(spans row, traces upsert params) for one OTel ReadableSpan (or a
-    collector's WireSpan, which has the same shape)."""
+def _plain(attributes) -> dict:
+    """A span's attributes (a read-only proxy) as a new dict: the proxy's ``copy()``
+    copies the dict (or BoundedAttributes) under it, ~8x faster than ``dict(proxy)``."""
+    if not attributes:
+        return {}
+    a = attributes.copy()
+    return a if type(a) is dict else dict(a)
+
+
+def _span_rows(span: ReadableSpan) -> tuple[tuple, dict]:
+    """(spans row, traces upsert params) for one OTel ``ReadableSpan``: one
+    this process's SDK finished, or one the collector decoded from OTLP."""
     ctx = span.context
-    a = dict(span.attributes or {})
-    tid = trace_hex(ctx.trace_id)
+    a = _plain(span.attributes)
+    tid = format_trace_id(ctx.trace_id)
     name = span.name
     g = a.get
     role, mode, outcome, rid = g(sc.ATTR_ROLE), g(sc.ATTR_MODE), g(sc.ATTR_OUTCOME, "ok"), g(sc.ATTR_REQUEST_ID)
-    parent = span_hex(span.parent.span_id) if span.parent else None
-    start, end = int(span.start_time or 0), int(span.end_time or span.start_time or 0)
-    row = (tid, span_hex(ctx.span_id), parent, name, role, mode, rid, start, end, outcome, _JSON(a))
+    parent, start, end = span.parent, span.start_time, span.end_time  # properties: read each once
+    parent = format_span_id(parent.span_id) if parent else None
+    start, end = int(start or 0), int(end or start or 0)
+    row = (tid, format_span_id(ctx.span_id), parent, name, role, mode, rid, start, end, outcome, _JSON(a))
     is_router = role == _ROUTER
     up = {
         "trace_id": tid,
@@ -139,8 +153,8 @@ def _span_key(row: tuple) -> tuple[str, str]:
     return row[0], row[1]
 
 
-def write_spans(conn: sqlite3.Connection, spans: Sequence) -> None:
-    """Insert OTel ``ReadableSpan`` s and fold them into ``traces``, in one
+def write_spans(conn: sqlite3.Connection, spans: Sequence[ReadableSpan]) -> None:
+    """Insert OTel ``ReadableSpan`` s (local or decoded from OTLP) and fold them into ``traces``, in one
     write transaction (blocks up to the connection timeout on another
     process's writer)."""
     rows, ups = [], {}
@@ -279,7 +293,7 @@ def bulk_insert(conn: sqlite3.Connection, spans: Sequence[tuple], traces: Sequen
             conn.executemany(_INSERT_TRACE, traces)
 
 
-class StoreSpanExporter:
+class StoreSpanExporter(SpanExporter):
     """OTel ``SpanExporter`` writing to the store (a file path or a
     ``postgresql://`` URL). Called by one batch processor's export thread.
     A batch that cannot be written within ``max_block_s`` (the write lock
@@ -321,9 +335,7 @@ class StoreSpanExporter:
         self._lock = threading.Lock()
         self._warned = False
 
-    def export(self, spans):
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         deadline = time.monotonic() + self.max_block_s
         if not self._lock.acquire(timeout=self.max_block_s):
             return self._dropped(spans, "exporter busy")
@@ -360,9 +372,7 @@ class StoreSpanExporter:
                 time.sleep(min(0.05 * 2**attempt, 1.0, left))
                 attempt += 1
 
-    def _dropped(self, spans, why):
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
+    def _dropped(self, spans, why) -> SpanExportResult:
         self.lost += len(spans)
         if not self._warned:
             self._warned = True

@@ -20,11 +20,12 @@ import uuid
 
 import httpx
 import pytest
+from opentelemetry.trace import format_span_id
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import FLEET_CLOCK_SHIFT_S
 from kvtrace import store
-from kvrecord.ids import root_span_id, span_hex
+from kvrecord.ids import root_span_id
 
 pytestmark = pytest.mark.e2e
 
@@ -150,7 +151,7 @@ def _check_fleet(stack, mode: str) -> None:
     assert all(n == 2 for n in counts.values()), counts  # one from P's vLLM, one from D's
     for t in ids:
         vllm_spans = [sp for sp in spans[t] if sp["name"] == "llm_request"]
-        root = span_hex(root_span_id(int(t, 16)))  # the router's root span
+        root = format_span_id(root_span_id(int(t, 16)))  # the router's root span
         assert [sp["parent_id"] for sp in vllm_spans] == [root, root], (t, vllm_spans)
 
 

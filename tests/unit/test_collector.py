@@ -1,6 +1,6 @@
 """``kvlens collect``: OTLP decoding (protobuf from the real SDK encoder,
-OTLP-JSON), the store and the metrics processor taking a WireSpan exactly
-like a ReadableSpan, bad input over HTTP, back-pressure and drop counting,
+OTLP-JSON) into the SDK's own ReadableSpan, so the store and the metrics
+processor take a span from another host exactly like a local one, bad input over HTTP, back-pressure and drop counting,
 and the real command fed by the SDK's OTLP/HTTP exporter. Real components
 throughout: the SDK, the store, prometheus_client, Starlette, uvicorn."""
 
@@ -25,7 +25,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
@@ -162,16 +162,21 @@ def stored(path, tids) -> dict:
 
 
 # ------------------------------------------------------------------ decode
-def test_protobuf_from_the_sdk_decodes_to_the_readable_span_shape(sdk_spans):
+def test_protobuf_from_the_sdk_decodes_to_readable_spans(sdk_spans):
     wire = otlp.decode(pb_body(sdk_spans), "application/x-protobuf")
     assert len(wire) == len(sdk_spans) > 20
+    assert all(type(w) is ReadableSpan for w in wire)
     by_id = {w.context.span_id: w for w in wire}
     for s in sdk_spans:
         w = by_id[s.context.span_id]
         assert (w.name, w.start_time, w.end_time) == (s.name, s.start_time, s.end_time)
-        assert w.context.trace_id == s.context.trace_id
+        assert w.context.trace_id == s.context.trace_id and w.context.is_valid
+        assert w.context.trace_flags.sampled and w.context.is_remote is False
         assert (w.parent.span_id if w.parent else None) == (s.parent.span_id if s.parent else None)
-        assert w.resource == dict(s.resource.attributes)
+        assert (w.parent.is_remote if w.parent else None) == (s.parent.is_remote if s.parent else None)
+        assert isinstance(w.resource, Resource) and w.resource.attributes == s.resource.attributes
+        assert w.instrumentation_scope == s.instrumentation_scope
+        assert (w.kind, w.status.status_code) == (s.kind, s.status.status_code)
         expected = dict(s.attributes)
         expected["service.name"] = s.resource.attributes["service.name"]  # the span keeps its origin
         assert w.attributes == expected
@@ -192,8 +197,9 @@ def test_otlp_json_decodes_like_protobuf(sdk_spans, proto_names):
             w.context.trace_id,
             w.context.span_id,
             w.parent.span_id if w.parent else None,
-            w.attributes,
-            w.resource,
+            dict(w.attributes),
+            dict(w.resource.attributes),
+            w.status.status_code,
         )
 
     assert [shape(w) for w in from_js] == [shape(w) for w in from_pb]
@@ -246,7 +252,7 @@ def test_anyvalue_types_and_span_ids_are_checked():
         "service.name": "vllm-decode",
     }
     assert w.parent is None  # an all-zero parent id is "no parent"
-    json.dumps(w.attributes)  # what the store does with them
+    json.dumps(dict(w.attributes))  # what the store does with them
 
     for field, value, words in [
         ("trace_id", b"", "missing trace id"),
@@ -261,6 +267,35 @@ def test_anyvalue_types_and_span_ids_are_checked():
             otlp.decode(bad.SerializeToString(), "application/x-protobuf")
         assert e.value.status == 400 and e.value.reason == "invalid_span"
         assert words in e.value.message and "span #0 'llm_request'" in e.value.message
+
+
+def test_status_kind_flags_and_trace_state_are_decoded():
+    from opentelemetry.proto.trace.v1 import trace_pb2
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add(schema_url="https://example.org/r")
+    ss = rs.scope_spans.add()
+    ss.scope.name, ss.scope.version = "vllm", "0.9"
+    common = dict(trace_id=b"\x01" * 16, span_id=b"\x02" * 8, start_time_unix_nano=5, end_time_unix_nano=9)
+    ss.spans.add(
+        name="err",
+        kind=trace_pb2.Span.SPAN_KIND_SERVER,
+        status=trace_pb2.Status(code=trace_pb2.Status.STATUS_CODE_ERROR, message="boom"),
+        trace_state="k=v",
+        parent_span_id=b"\x03" * 8,
+        flags=0x301,  # has is_remote, parent is remote, sampled
+        **common,
+    )
+    ss.spans.add(name="ok", status=trace_pb2.Status(code=trace_pb2.Status.STATUS_CODE_OK), **common)
+    err, ok = otlp.decode(req.SerializeToString(), "application/x-protobuf")
+    assert (err.kind, err.status.status_code, err.status.description) == (SpanKind.SERVER, StatusCode.ERROR, "boom")
+    assert err.context.trace_state.get("k") == "v"
+    assert err.parent.span_id == 0x0303030303030303 and err.parent.is_remote
+    assert err.instrumentation_scope.name == "vllm" and err.instrumentation_scope.version == "0.9"
+    assert err.resource.schema_url == "https://example.org/r" and dict(err.resource.attributes) == {}
+    assert (ok.kind, ok.status.status_code, ok.parent) == (SpanKind.INTERNAL, StatusCode.OK, None)
+    assert ok.context.trace_flags.sampled  # exported means sampled, whatever the flags say
 
 
 # ------------------------------------------------- store and metrics parity

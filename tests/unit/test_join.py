@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from opentelemetry.trace import format_trace_id
 from prometheus_client import CollectorRegistry
 
 from kvtrace import store, tiling, tracemodel
@@ -91,7 +92,7 @@ def test_joins_a_decode_request_id_to_the_prefill_one_by_kv_transfer_params(tmp_
     _pull(pre, dec, p_rid, d_rid, time.time_ns(), join=p_rid)
     _close(pre, dec)
     (tr,) = _traces(tmp_path)
-    assert tr.trace_id == ids.trace_hex(ids.trace_id_for(p_rid))
+    assert tr.trace_id == format_trace_id(ids.trace_id_for(p_rid))
     assert (tr.p_engine, tr.d_engine, tr.half) == ("p0", "d0", None)
     assert tr.handoff_s is not None and tr.handoff_s > 0
     d_spans = [s for s in tr.spans if s.role == "decode" and not s.attributes.get(sc.ATTR_DERIVED)]
@@ -190,7 +191,7 @@ def test_engines_ttft_is_p_arrival_to_d_first_token_and_a_router_ttft_wins(tmp_p
     router.record_root(tid, None, t0 + 199 * MS, t0 + 300 * MS, "ok", {sc.ATTR_TTFT_S: 0.0777})
     _close(router)
     by_id = {t.trace_id: t for t in _traces(tmp_path)}
-    eng = by_id[ids.trace_hex(ids.trace_id_for(p_rid))]
+    eng = by_id[format_trace_id(ids.trace_id_for(p_rid))]
     assert eng.ttft_source == "engines"
     assert eng.ttft_s == pytest.approx((kv + 9 * MS - t0) / 1e9, abs=eng.ttft_err_s + 1e-9)
     assert eng.ttft_err_s is not None and eng.ttft_err_s == eng.handoff_err_s

@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 import uvicorn
+from opentelemetry.trace import format_span_id
 
 from kvrecord import ids
 from kvlens import proxy
@@ -479,7 +480,7 @@ def test_traceparent_of_the_root_span_reaches_p_and_d(tmp_path, recorder):
     with pair(p_ok) as (p, d), router(_cfg(p, d, "push", "overlapped", tmp_path)) as url:
         r = _post(url, {"prompt": "hi", "max_tokens": 3}, {"X-Request-Id": TID})
     assert r.status_code == 200
-    want = f"00-{TID}-{ids.span_hex(ids.root_span_id(int(TID, 16)))}-01"
+    want = f"00-{TID}-{format_span_id(ids.root_span_id(int(TID, 16)))}-01"
     assert p.requests[0]["headers"]["traceparent"] == want == d.requests[0]["headers"]["traceparent"]
     assert ids.parse_traceparent(want) == (TID, ids.root_span_id(int(TID, 16)))
 
