@@ -76,7 +76,7 @@ def pg_url(pg_server) -> str:
     yield url
     pg.close_pool(url)
     try:
-        pg_server.sql(f"DROP DATABASE IF EXISTS {url.rsplit('/', 1)[1]} WITH (FORCE)")
+        pg_server.drop_database(url)
     except Exception:
         pass  # the server was stopped by the test and not restarted: the session end removes it all
 

@@ -403,12 +403,8 @@ class FakeRouter:
                 # before the test's signal has been handled (no race)
                 await asyncio.sleep(30)
             if fail_every and self.n % fail_every == 0:
-                with conn:
-                    conn.execute(
-                        "INSERT INTO traces (trace_id, request_id, mode, outcome, start_ns, end_ns) "
-                        "VALUES (?,?,?,?,?,?)",
-                        (tid, tid, mode, "timeout", t0, time.time_ns()),
-                    )
+                trace = (tid, tid, mode, None, "timeout", t0, time.time_ns(), None, None, None, 0, None, None)
+                store.bulk_insert(conn, [], [trace])
                 return JSONResponse({"error": {"message": "decode timed out"}}, status_code=504)
 
             async def gen():
@@ -428,26 +424,9 @@ class FakeRouter:
                 self.tpot_sum += self.D_TPOT_S
                 self.tpot_count += 1
                 pf = t0 + 5_000_000
-                with conn:
-                    conn.execute(
-                        "INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns, ttft_s,"
-                        " prefill_finished_ns, kv_ready_ns, handoff_s, handoff_err_s)"
-                        " VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                        (
-                            tid,
-                            tid,
-                            mode,
-                            dispatch,
-                            "ok",
-                            t0,
-                            time.time_ns(),
-                            ttft,
-                            pf,
-                            pf + self.HANDOFF_NS,
-                            self.HANDOFF_NS / 1e9,
-                            0.0005,
-                        ),
-                    )
+                # a row as the router's writer leaves it (store.TRACE_COLUMNS order)
+                trace = (tid, tid, mode, dispatch, "ok", t0, time.time_ns(), ttft, pf, pf + self.HANDOFF_NS, 0)
+                store.bulk_insert(conn, [], [(*trace, self.HANDOFF_NS / 1e9, 0.0005)])
 
             return StreamingResponse(gen(), media_type="text/event-stream")
 
