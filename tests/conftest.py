@@ -3,7 +3,8 @@ generated model, a real PostgreSQL server, and the two store backends. The
 real P/D stacks live in ``tests/e2e/conftest.py``.
 
 ``tests/`` itself is on ``sys.path`` (pytest's ``pythonpath`` option), so
-helpers such as ``store_fixture`` import by name.
+helpers such as ``store_fixture`` import by name; the fake upstreams (vLLM
+P and D, a router, Prometheus) are in ``fakes``.
 
 PostgreSQL (``tests/pg_server.py``): ``pg_server`` starts one real server
 for the session (``initdb`` + the postmaster as the ``postgres`` user on a

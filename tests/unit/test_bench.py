@@ -12,6 +12,7 @@ import pytest
 
 from kvlens import bench
 from kvlens.bench import BenchError, Cell, RequestResult, Target
+from fakes import FakeRouter
 
 
 # ------------------------------------------------------------ validation
@@ -325,135 +326,7 @@ def test_demo_has_no_dashboard_flag():
     assert a.no_dashboard and bench.options_from_args(a).num_prompts == demo.DEMO_NUM_PROMPTS
 
 
-# ------------------------------------------- load generator on a fake router
-class FakeRouter:
-    """An in-process OpenAI-ish streaming router that writes one ``traces``
-    row per request (trace id = X-Request-Id) like the real one does, with a
-    known handoff. No vLLM: tests the generator, the join and Ctrl-C."""
-
-    HANDOFF_NS = 3_000_000
-    #: what its ``/metrics`` (standing in for D's) reports per completed request
-    D_TPOT_S = 0.004
-
-    def __init__(
-        self,
-        store_path,
-        mode="push",
-        dispatch="overlapped",
-        fail_every=0,
-        on_request=None,
-        one_chunk=False,
-        token_gap_s=0.002,
-        api_key=None,
-    ):
-        import threading
-
-        import uvicorn
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse, StreamingResponse
-
-        from kvtrace import store
-        from kvlens.up import free_port
-
-        self.store_path, self.n = store_path, 0
-        self.tpot_sum = self.tpot_count = 0.0
-        self.auth_seen: list[str | None] = []
-        app = FastAPI()
-        conn = store.connect(store_path)
-
-        def refused(req: Request):
-            self.auth_seen.append(req.headers.get("authorization"))
-            if api_key and req.headers.get("authorization") != f"Bearer {api_key}":
-                return JSONResponse({"error": {"message": "Unauthorized"}}, status_code=401)
-            return None
-
-        @app.get("/metrics")
-        async def metrics():  # D's per-request TPOT histogram, as vLLM 0.32 names it
-            from fastapi.responses import PlainTextResponse
-
-            name = "vllm:request_time_per_output_token_seconds"
-            return PlainTextResponse(
-                f"# HELP {name} x\n# TYPE {name} histogram\n"
-                f'{name}_bucket{{engine="0",model_name="fake",le="+Inf"}} {self.tpot_count}\n'
-                f'{name}_count{{engine="0",model_name="fake"}} {self.tpot_count}\n'
-                f'{name}_sum{{engine="0",model_name="fake"}} {self.tpot_sum}\n'
-            )
-
-        @app.get("/health")
-        async def health():
-            return {"status": "ok", "mode": mode, "dispatch": dispatch}
-
-        @app.get("/v1/models")
-        async def models(req: Request):
-            return refused(req) or {"data": [{"id": "fake", "root": "/nonexistent", "max_model_len": 1024}]}
-
-        @app.post("/v1/completions")
-        async def completions(req: Request):
-            import asyncio
-            import time
-
-            t0 = time.time_ns()
-            if (no := refused(req)) is not None:
-                return no
-            tid = req.headers["x-request-id"]
-            body = await req.json()
-            self.n += 1
-            if on_request and on_request(self.n):
-                # hold this request open: the bench cannot finish the cell
-                # before the test's signal has been handled (no race)
-                await asyncio.sleep(30)
-            if fail_every and self.n % fail_every == 0:
-                trace = (tid, tid, mode, None, "timeout", t0, time.time_ns(), None, None, None, 0, None, None)
-                store.bulk_insert(conn, [], [trace])
-                return JSONResponse({"error": {"message": "decode timed out"}}, status_code=504)
-
-            async def gen():
-                await asyncio.sleep(0.01)
-                ttft = (time.time_ns() - t0) / 1e9
-                usage = {"completion_tokens": body["max_tokens"], "prompt_tokens": 7}
-                events = [b'data: {"choices":[{"text":"x"}]}\n\n'] * body["max_tokens"] + [
-                    ("data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n").encode(),
-                    b"data: [DONE]\n\n",
-                ]
-                if one_chunk:  # a starved router: the whole answer in one write
-                    yield b"".join(events)
-                else:
-                    for ev in events:
-                        yield ev
-                        await asyncio.sleep(token_gap_s)
-                self.tpot_sum += self.D_TPOT_S
-                self.tpot_count += 1
-                pf = t0 + 5_000_000
-                # a row as the router's writer leaves it (store.TRACE_COLUMNS order)
-                trace = (tid, tid, mode, dispatch, "ok", t0, time.time_ns(), ttft, pf, pf + self.HANDOFF_NS, 0)
-                store.bulk_insert(conn, [], [(*trace, self.HANDOFF_NS / 1e9, 0.0005)])
-
-            return StreamingResponse(gen(), media_type="text/event-stream")
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        import time
-
-        import httpx
-
-        self.thread.start()
-        for _ in range(100):
-            try:
-                if httpx.get(self.url + "/health", trust_env=False).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                time.sleep(0.05)
-        raise RuntimeError("fake router did not start")
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
+# ---------------------------- load generator on a fake router (tests/fakes.py)
 @pytest.fixture
 def tiny_tokenizer_dir(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -5,7 +5,6 @@ a full export queue, an exporter that fails or raises."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -19,6 +18,7 @@ from kvtrace.store import testing
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from kvrecord import semconv as sc
 from kvrecord.recorder import DropReason, Recorder
+from fakes import SilentServer
 
 
 def _capturing(build):
@@ -100,51 +100,10 @@ def test_store_export_is_bounded_by_max_block_s(tmp_path):
 
 
 # ------------------------------------------------------------------ OTLP
-class _SilentServer:
-    """Accepts TCP connections, reads what comes, never answers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.conns.append(c)
-            threading.Thread(target=self._swallow, args=(c,), daemon=True).start()
-
-    def _swallow(self, c: socket.socket) -> None:
-        try:
-            while not self._stop.is_set() and c.recv(65536):
-                pass
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self._stop.set()
-        for c in self.conns:
-            c.close()
-        self.sock.close()
-
-
 def test_close_is_bounded_with_an_otlp_endpoint_that_never_answers(tmp_path):
-    srv = _SilentServer()
+    srv = SilentServer()
     try:
-        cfg = {
-            "kvlens_home": str(tmp_path),
-            "kvlens_store": "off",
-            "kvlens_metrics": "off",
-            "otlp_endpoint": f"http://127.0.0.1:{srv.port}",
-        }
+        cfg = {"kvlens_home": str(tmp_path), "kvlens_store": "off", "kvlens_metrics": "off", "otlp_endpoint": srv.url}
         factory, built = _capturing(
             pipeline.provider_factory(role="decode", mode="pull", engine_id="d-silent", config=cfg)
         )
