@@ -19,7 +19,7 @@ Rules (docs/architecture.md):
 * files under ``MAX_FILE_LINES`` lines, functions under ``MAX_FUNC_LINES``
   unless listed in ``LONG_FUNCTIONS`` with the reason.
 
-``tests/unit/test_architecture.py`` runs the same checks.
+``tests/unit/test_check_layout.py`` runs the same checks.
 """
 
 from __future__ import annotations
