@@ -61,6 +61,8 @@ from kvlens import bench  # noqa: E402
 from kvlens.signals import sigterm_as_interrupt  # noqa: E402
 from kvlens.stack.supervise import descendants, signals_ignored  # noqa: E402
 from kvlens.up import Stack  # noqa: E402
+from kvtrace import store  # noqa: E402
+from kvtrace.store import testing  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 ENGINE_KINDS = ("api_server", "engine_core", "worker")
@@ -177,16 +179,9 @@ async def _load(url: str, prompts: list[str], a) -> list:
 def _stored(store_path: Path) -> dict[str, int]:
     """P/D spans in the run's store, by role (read-only)."""
     try:
-        c = sqlite3.connect(f"file:{store_path}?mode=ro", uri=True)
-        try:
-            return dict(
-                c.execute(
-                    "SELECT role, COUNT(*) FROM spans WHERE role IN ('prefill', 'decode') GROUP BY role"
-                ).fetchall()
-            )
-        finally:
-            c.close()
-    except sqlite3.Error:
+        with store.reading(store_path) as c:
+            return testing.span_counts_by_role(c, ("prefill", "decode"))
+    except (store.StoreError, sqlite3.Error):
         return {}
 
 

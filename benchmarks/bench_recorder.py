@@ -142,10 +142,11 @@ def bench_sidecar(n: int) -> tuple[float, float, int]:
     r._thread = None
     r.close()
     from kvtrace import store
+    from kvtrace.store import testing
 
     conn = store.connect(os.path.join(home, "traces.db"), readonly=True)
     try:
-        stored = conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0]
+        stored = testing.span_count(conn)
     finally:
         conn.close()
     pipeline._recorders.pop(next(k for k, v in pipeline._recorders.items() if v is r), None)

@@ -45,6 +45,7 @@ from opentelemetry.trace import SpanContext, format_trace_id
 
 from dashboard import data as D
 from kvtrace import store
+from kvtrace.store import testing
 from kvrecord import semconv as sc
 
 MS = 1_000_000
@@ -294,16 +295,6 @@ def ingest(name, writers: int, traces_per_writer: int) -> float:
     return sum(g[0] for g in got) / (end - start)
 
 
-# ------------------------------------------------------------------- sizes
-def store_bytes(name) -> int:
-    loc = store.StoreLocation.parse(name)
-    if loc.is_postgres:
-        with store.reading(loc) as c:
-            return int(c.execute("SELECT pg_database_size(current_database())").fetchone()[0])
-    p = loc.path
-    return sum(f.stat().st_size for f in (p, Path(str(p) + "-wal")) if f.exists())
-
-
 # ------------------------------------------------------------------- reads
 def reads(name, repeat: int) -> tuple[list, dict]:
     conn = store.connect(name, readonly=True)
@@ -349,12 +340,12 @@ def run_backend(label: str, name, args) -> dict:
     for w in (1, 4):
         out[f"ingest_{w}w"] = ingest(name, w, args.ingest_traces // w)
         print(f"ingest, {w} writer(s): {out[f'ingest_{w}w']:,.0f} spans/s", flush=True)
-    before = store_bytes(name)
+    before = testing.store_bytes(name)
     t = time.perf_counter()
     n_tr, n_sp = populate(name, args.traces)
     wr = time.perf_counter() - t
     out.update(populate_s=wr, traces=n_tr, spans=n_sp)
-    size = store_bytes(name)
+    size = testing.store_bytes(name)
     out["mb_per_1m"] = (size - before) / 1e6 * 1e6 / max(n_tr, 1)  # what the populated traces added
     print(
         f"populated {n_tr:,} traces / {n_sp:,} spans in {wr:.0f} s ({n_sp / wr:,.0f} spans/s, bulk); "

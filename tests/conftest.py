@@ -3,7 +3,8 @@ generated model, a real PostgreSQL server, and the two store backends. The
 real P/D stacks live in ``tests/e2e/conftest.py``.
 
 ``tests/`` itself is on ``sys.path`` (pytest's ``pythonpath`` option), so
-helpers such as ``store_fixture`` import by name.
+helpers such as ``store_fixture`` import by name; the fake upstreams (vLLM
+P and D, a router, Prometheus) are in ``fakes``.
 
 PostgreSQL (``tests/pg_server.py``): ``pg_server`` starts one real server
 for the session (``initdb`` + the postmaster as the ``postgres`` user on a
@@ -76,7 +77,7 @@ def pg_url(pg_server) -> str:
     yield url
     pg.close_pool(url)
     try:
-        pg_server.sql(f"DROP DATABASE IF EXISTS {url.rsplit('/', 1)[1]} WITH (FORCE)")
+        pg_server.drop_database(url)
     except Exception:
         pass  # the server was stopped by the test and not restarted: the session end removes it all
 

@@ -13,9 +13,8 @@ The cluster is tuned for tests, not durability (``fsync=off``,
 ``synchronous_commit=off``, ``full_page_writes=off``): a crash loses the
 test's data and nothing else.
 
-Each test gets its own database (:meth:`PgServer.new_database`, ``CREATE
-DATABASE ... TEMPLATE template0``, a few tens of ms), so tests never see
-each other's rows. :meth:`PgServer.stop` / :meth:`PgServer.start` stop and
+Each test gets its own database (:meth:`PgServer.new_database`, a copy of
+``template0``, a few tens of ms), so tests never see each other's rows. :meth:`PgServer.stop` / :meth:`PgServer.start` stop and
 restart the same cluster on the same port (the "server goes away while the
 collector runs" tests).
 
@@ -198,18 +197,19 @@ class PgServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # ----------------------------------------------------------- databases
-    def sql(self, statement: str, dbname: str = "postgres") -> None:
-        """Run one statement (autocommit, so CREATE/DROP DATABASE work)."""
-        import psycopg
-
-        with psycopg.connect(self.url(dbname), autocommit=True, connect_timeout=10) as c:
-            c.execute(statement)
-
     def new_database(self, prefix: str = "t") -> str:
         """A new empty database; its URL."""
+        from kvtrace.store import testing
+
         name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-        self.sql(f"CREATE DATABASE {name} TEMPLATE template0")
+        testing.create_database(self.url("postgres"), name)
         return self.url(name)
+
+    def drop_database(self, url: str) -> None:
+        """Drop the database of ``url`` (a :meth:`new_database`), cutting its connections."""
+        from kvtrace.store import testing
+
+        testing.drop_database(self.url("postgres"), url.rsplit("/", 1)[1])
 
     def __enter__(self) -> "PgServer":
         try:

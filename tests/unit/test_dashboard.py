@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -22,6 +20,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+from fakes import FakePrometheus  # noqa: E402
 from store_fixture import make_store  # noqa: E402
 
 from dashboard import benchdata as BD  # noqa: E402
@@ -86,14 +85,13 @@ def no_exception(at) -> None:
 
 # ------------------------------------------------------------------ loaders
 def test_fixture_store_is_grouped_into_traces(store_path):
-    conn = store.connect(store_path, readonly=True)
-    try:
-        rows = conn.execute("SELECT mode, COUNT(*), MIN(n_spans) FROM traces GROUP BY mode").fetchall()
-    finally:
-        conn.close()
-    by = {r[0]: (r[1], r[2]) for r in rows}
-    assert by["push"][0] == 30 and by["pull"][0] == 30
-    assert by["push"][1] >= 9 and by["pull"][1] >= 7  # router + P + D spans folded into one trace
+    with store.reading(store_path) as conn:
+        rows = store.slowest(conn, 10_000, order="start")
+    n_spans: dict[str, list[int]] = {}
+    for r in rows:
+        n_spans.setdefault(r["mode"], []).append(r["n_spans"])
+    assert len(n_spans["push"]) == 30 and len(n_spans["pull"]) == 30
+    assert min(n_spans["push"]) >= 9 and min(n_spans["pull"]) >= 7  # router + P + D spans folded into one trace
 
 
 def test_stats_and_histogram(store_path):
@@ -203,77 +201,22 @@ def test_promql_label_escaping():
         D.since_until("3 weeks")
 
 
-# ------------------------------------------------------------------ fake Prometheus
-class _FakeProm(BaseHTTPRequestHandler):
-    queries: list[str] = []
-
-    def log_message(self, *a):  # quiet
-        pass
-
-    def do_GET(self):
-        u = urlparse(self.path)
-        q = parse_qs(u.query).get("query", [""])[0]
-        type(self).queries.append(q)
-        mode = "push" if 'mode="push"' in q else "pull"
-        fast = mode == "push"
-        res: list = []
-        if q.startswith("histogram_quantile(0.5,") and "handoff" in q:
-            res = [{"metric": {}, "value": [0, "0.004" if fast else "0.009"]}]
-        elif q.startswith("histogram_quantile") and "handoff" in q:
-            res = [{"metric": {}, "value": [0, "0.02" if fast else "0.03"]}]
-        elif q.startswith("histogram_quantile") and "ttft" in q:
-            res = [{"metric": {}, "value": [0, "0.07"]}]
-        elif "kvlens_ttft_seconds_sum" in q:
-            res = [{"metric": {}, "value": [0, "0.075"]}]
-        elif q.startswith("sum(rate(kvlens_requests_total"):
-            res = [{"metric": {}, "value": [0, "1.5"]}]
-        elif "by (outcome)" in q:
-            res = [
-                {"metric": {"outcome": "ok"}, "value": [0, "88"]},
-                {"metric": {"outcome": "timeout"}, "value": [0, "2"]},
-            ]
-        elif "kvlens_telemetry_dropped_total" in q:
-            res = [{"metric": {}, "value": [0, "5"]}]
-        elif "kvlens_phase_duration_seconds" in q:
-            phases = (
-                [("decode", "registration.send", 0.001), ("prefill", "write.complete", 0.003)]
-                if fast
-                else [("decode", "read.complete", 0.006)]
-            )
-            res = [{"metric": {"role": r, "phase": p}, "value": [0, str(v)]} for r, p, v in phases]
-        elif "kvlens_handoff_seconds_bucket" in q and "increase" in q:
-            res = [
-                {"metric": {"le": le}, "value": [0, v]}
-                for le, v in (("0.005", "40"), ("0.01", "80"), ("0.05", "90"), ("+Inf", "90"))
-            ]
-        body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": res}}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
+# ------------------------------------------- fake Prometheus (tests/fakes.py)
 @pytest.fixture
 def fake_prometheus():
-    _FakeProm.queries = []
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeProm)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
-    srv.server_close()
+    with FakePrometheus() as prom:
+        yield prom
 
 
 def test_prom_overview(fake_prometheus):
-    stats, phases, hist = P.prom_overview(fake_prometheus, "15m")
+    stats, phases, hist = P.prom_overview(fake_prometheus.url, "15m")
     assert stats["push"].handoff["p50"] == 0.004 and stats["pull"].handoff["p50"] == 0.009
     assert stats["push"].requests == 90 and stats["push"].outcomes["timeout"] == 2
     assert stats["push"].dropped == 5 and stats["push"].req_per_s == 1.5
     push = phases[phases["mode"] == "push"].set_index("phase")["path"].to_dict()
     assert push == {"registration.send": D.OVERLAP, "write.complete": D.CRITICAL}
     assert list(hist[hist["mode"] == "push"]["count"]) == [40, 40, 10]
-    assert any('{mode="push"}[15m]' in q for q in _FakeProm.queries)
+    assert any('{mode="push"}[15m]' in q for q in fake_prometheus.queries)
 
 
 def test_prometheus_down_is_an_error_not_a_crash():
@@ -318,7 +261,7 @@ def test_overview_page(app, store_path):
 
 
 def test_overview_with_prometheus(app, store_path, fake_prometheus):
-    at = app(store_path, prometheus=fake_prometheus)
+    at = app(store_path, prometheus=fake_prometheus.url)
     no_exception(at)
     assert metric(at, "handoff p50") == ["4.00", "9.00"]
     assert metric(at, "lost spans") == ["5", "5"]

@@ -269,9 +269,7 @@ def test_handoff_count_reconciles_with_store_through_recorders(tmp_path, reg):
     assert proc.force_flush(60_000)  # the requests without kv.ready wait out the deadline
     conn = connect(db, readonly=True)
     for mode in ("push", "pull"):
-        n_store = conn.execute(
-            "SELECT count(*) FROM traces WHERE mode = ? AND handoff_s IS NOT NULL", (mode,)
-        ).fetchone()[0]
+        n_store = len(store.slowest(conn, 1000, mode=mode, completed=True))
         assert n_store == expected[mode]
         assert val(reg, "kvlens_handoff_seconds_count", mode=mode) == n_store
         assert (

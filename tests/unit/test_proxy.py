@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import select
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Iterator
+from typing import Iterator
 
 import httpx
 import pytest
@@ -25,18 +23,21 @@ from kvrecord import ids
 from kvlens import proxy
 from kvlens.proxy import telemetry
 from kvlens.sse import FirstTextWatcher
-
-TID = "ab" * 16
-P_KV = {  # what a real P answers: D must get exactly this in pull mode
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_engine_id": "p0",
-    "remote_block_ids": [3, 1, 4],
-    "remote_host": "127.0.0.1",
-    "remote_port": 5601,
-    "remote_request_id": f"cmpl-{TID}-0-1234abcd",
-    "tp_size": 1,
-}
+from fakes import (
+    P_KV,
+    TID,
+    FakeVllm,
+    KeepAliveFakeVllm,
+    closed_port_url,
+    d_answers,
+    d_echo,
+    d_waits_for_push,
+    p_echo_id,
+    p_fails,
+    p_ok,
+    send_raw,
+    wait_for_hang_up,
+)
 
 
 # ------------------------------------------------------------- unit: ids
@@ -88,112 +89,7 @@ def test_sse_watcher_finds_first_text():
     assert w.feed(b'ent":"hi"}}]}\n\n')
 
 
-# ------------------------------------------------ fake P and D on loopback
-class Fake:
-    """A fake vLLM server (P or D) on loopback. Records every POST (path,
-    headers, JSON body, arrival time) and answers it with ``answer(handler,
-    body)``; ``/health`` and ``/v1/models`` answer like vLLM."""
-
-    def __init__(self, answer: Callable[[BaseHTTPRequestHandler, dict], None]) -> None:
-        self.answer = answer
-        self.requests: list[dict] = []
-        self.gets: list[dict] = []  # GET path and headers
-        self.api_key: str | None = None  # when set, GET /v1/models needs it (as vLLM --api-key)
-        self.got_request = threading.Event()
-        self.release = threading.Event()  # ends any answer that waits
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                fake.gets.append({"path": self.path, "headers": dict(self.headers)})
-                if (
-                    self.path == "/v1/models"
-                    and fake.api_key
-                    and (self.headers.get("Authorization") != f"Bearer {fake.api_key}")
-                ):
-                    send_json(self, 401, {"error": "Unauthorized"})
-                elif self.path == "/v1/models":
-                    send_json(self, 200, {"data": [{"id": "fake-model"}]})
-                else:
-                    send_json(self, 200, {})
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                fake.requests.append(
-                    {"path": self.path, "headers": dict(self.headers), "body": body, "t": time.monotonic()}
-                )
-                fake.got_request.set()
-                fake.answer(self, body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def send_json(h: BaseHTTPRequestHandler, status: int, obj: dict) -> None:
-    data = json.dumps(obj).encode()
-    h.send_response(status)
-    h.send_header("Content-Type", "application/json")
-    h.send_header("Content-Length", str(len(data)))
-    h.end_headers()
-    h.wfile.write(data)
-
-
-def p_ok(h: BaseHTTPRequestHandler, body: dict) -> None:
-    send_json(h, 200, {"id": "cmpl-p", "choices": [{"index": 0, "text": "A"}], "kv_transfer_params": P_KV})
-
-
-def p_fails(h: BaseHTTPRequestHandler, body: dict) -> None:
-    send_json(h, 500, {"error": {"message": "prefill boom", "type": "InternalServerError"}})
-
-
-def d_answers(h: BaseHTTPRequestHandler, body: dict) -> None:
-    if not body.get("stream"):
-        send_json(h, 200, {"id": "cmpl-d", "choices": [{"index": 0, "text": "hello world"}]})
-        return
-    h.send_response(200)  # HTTP/1.0: the body ends when the connection closes
-    h.send_header("Content-Type", "text/event-stream")
-    h.end_headers()
-    for ev in ({"choices": [{"index": 0, "text": "hello"}]}, {"choices": [{"index": 0, "text": " world"}]}):
-        h.wfile.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
-        h.wfile.flush()
-    h.wfile.write(b"data: [DONE]\n\n")
-
-
-def d_waits_for_push(fake: Fake) -> Callable[[BaseHTTPRequestHandler, dict], None]:
-    """D that never answers (its KV never arrives) and notes when the router
-    hangs up on it (``fake.hung_up``)."""
-    fake_hung_up = threading.Event()
-    fake.hung_up = fake_hung_up  # type: ignore[attr-defined]
-
-    def answer(h: BaseHTTPRequestHandler, body: dict) -> None:
-        if wait_for_hang_up(h, fake.release):
-            fake_hung_up.set()
-
-    return answer
-
-
-def wait_for_hang_up(h: BaseHTTPRequestHandler, release: threading.Event | None = None) -> bool:
-    """Block (up to 20 s, or until ``release``) until the router closes this
-    connection; True when it did."""
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and not (release and release.is_set()):
-        readable, _, _ = select.select([h.connection], [], [], 0.05)
-        if readable and h.connection.recv(1, socket.MSG_PEEK) == b"":
-            return True
-    return False
-
-
+# ------------------- the real router between fake P and D (tests/fakes.py)
 class FakeRecorder:
     """Stands in for the pipeline's recorder: keeps what the router records."""
 
@@ -239,10 +135,10 @@ def router(cfg: proxy.ProxyConfig) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def pair(p_answer, d_answer=d_answers) -> Iterator[tuple[Fake, Fake]]:
-    d = Fake(lambda h, b: None)
+def pair(p_answer, d_answer=d_answers) -> Iterator[tuple[FakeVllm, FakeVllm]]:
+    d = FakeVllm(lambda h, b: None)
     d.answer = d_answer(d) if d_answer is d_waits_for_push else d_answer
-    p = Fake(p_answer)
+    p = FakeVllm(p_answer)
     try:
         yield p, d
     finally:
@@ -250,7 +146,7 @@ def pair(p_answer, d_answer=d_answers) -> Iterator[tuple[Fake, Fake]]:
         d.close()
 
 
-def _cfg(p: Fake, d: Fake, mode: str, dispatch: str, tmp_path) -> proxy.ProxyConfig:
+def _cfg(p: FakeVllm, d: FakeVllm, mode: str, dispatch: str, tmp_path) -> proxy.ProxyConfig:
     return proxy.ProxyConfig(
         p.url, d.url, mode=mode, dispatch=dispatch, prefill_side_port=5600, kvlens_home=str(tmp_path)
     )
@@ -386,24 +282,6 @@ def _post(
     url: str, body: dict, headers: dict | None = None, path: str = "/v1/completions", timeout: float = 20
 ) -> httpx.Response:
     return httpx.post(url + path, json=body, headers=headers or {}, timeout=timeout, trust_env=False)
-
-
-def p_echo_id(h: BaseHTTPRequestHandler, body: dict) -> None:
-    """P whose kv_transfer_params name the request id it was sent (as vLLM's do)."""
-    rid = h.headers["X-Request-Id"]
-    send_json(
-        h,
-        200,
-        {
-            "choices": [{"index": 0, "text": "A"}],
-            "kv_transfer_params": {**P_KV, "remote_request_id": f"cmpl-{rid}-0-1234abcd"},
-        },
-    )
-
-
-def d_echo(h: BaseHTTPRequestHandler, body: dict) -> None:
-    """D answering with the prompt it got (so each client can check it got its own answer)."""
-    send_json(h, 200, {"choices": [{"index": 0, "text": f"echo {body['prompt']}"}]})
 
 
 @pytest.mark.parametrize(
@@ -630,44 +508,13 @@ def test_streaming_client_disconnect_cancels_d(tmp_path, recorder):
 
 
 # ---------------------------------------- issue 12: stale pooled connection
-class KeepAliveFake(Fake):
-    """A P speaking HTTP/1.1 keep-alive whose connections each answer
-    ``served`` requests; the next one on the same connection is read and the
-    connection closed without an answer: what a request meets when it is
-    sent on a pooled connection the server is closing for idleness."""
-
-    def __init__(self, served: int, cut: bool = False) -> None:
-        super().__init__(p_ok)
-        fake, base = self, self.server.RequestHandlerClass
-
-        class Handler(base):
-            protocol_version = "HTTP/1.1"
-            count = 0
-
-            def do_POST(self) -> None:
-                self.count += 1
-                if self.count > served:
-                    self.rfile.read(int(self.headers["Content-Length"]))
-                    fake.requests.append({"dropped": True})
-                    self.close_connection = True
-                    if cut:  # the answer begins, then the connection breaks: it was seen
-                        self.send_response(200)
-                        self.send_header("Content-Length", "100")
-                        self.end_headers()
-                        self.wfile.write(b'{"choices"')
-                    return
-                super().do_POST()
-
-        self.server.RequestHandlerClass = Handler
-
-
 @pytest.mark.parametrize(
     "served,expect,cut",
     [(1, 200, False), (0, 502, False), (1, 502, True)],
     ids=["pooled-retried", "fresh-not-retried", "answer-cut-not-retried"],
 )
 def test_retry_only_on_a_stale_pooled_connection(tmp_path, recorder, served, expect, cut):
-    p, d = KeepAliveFake(served, cut), Fake(d_answers)
+    p, d = KeepAliveFakeVllm(served, cut), FakeVllm(d_answers)
     try:
         with router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
             first = _post(url, {"prompt": "a", "max_tokens": 3})
@@ -762,15 +609,9 @@ def test_api_key_from_flag_then_env(monkeypatch):
 
 
 # -------------------------- issue 12: errors name the side, never a URL
-def _closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
-
-
 @pytest.mark.parametrize("dead", ["prefill", "decode"])
 def test_unreachable_side_is_named_without_its_url(tmp_path, recorder, caplog, dead):
-    dead_url = _closed_port_url()
+    dead_url = closed_port_url()
     with pair(p_ok) as (p, d):
         cfg = _cfg(p, d, "pull", "sequential", tmp_path)
         if dead == "prefill":
@@ -802,14 +643,6 @@ def test_transport_error_messages():
     assert (t.status, t.outcome, t.message) == (504, "timeout", "decode instance timed out (ReadTimeout)")
     u = as_upstream(RuntimeError("boom at http://10.1.2.3:8100"))
     assert (u.who, u.status, u.message) == ("prefill", 502, "prefill failed (RuntimeError)")
-
-
-def send_raw(h: BaseHTTPRequestHandler, status: int, data: bytes, ctype: str = "application/json") -> None:
-    h.send_response(status)
-    h.send_header("Content-Type", ctype)
-    h.send_header("Content-Length", str(len(data)))
-    h.end_headers()
-    h.wfile.write(data)
 
 
 def _answers(data: bytes, ctype: str = "application/json"):

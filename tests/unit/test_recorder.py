@@ -256,7 +256,7 @@ def test_recorder_losses_reach_dropped_counts_by_reason():
 def test_close_is_bounded_when_the_exporter_hangs():
     """A provider whose flush and shutdown never return (an SDK exporter stuck on
     the network) cannot hold close past its bound... for providers that take a
-    timeout; kvlens' own provider does (tests/unit/test_span_loss.py)."""
+    timeout; kvlens' own provider does (tests/unit/test_batching.py)."""
     from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 
     class Stuck:

@@ -5,7 +5,6 @@ files) is tested on SQLite alone."""
 
 import json
 import os
-import sqlite3
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from exporters import pipeline
 from kvrecord.config import Options
 from kvtrace import store, tracemodel
+from kvtrace.store import testing
 from kvrecord import semconv as sc
 from kvrecord.recorder import Recorder
 from store_backends import Backend
@@ -105,19 +105,12 @@ def test_readonly_missing_store_is_a_clear_error(tmp_path):
         store.connect(tmp_path / "nope.db", readonly=True)
 
 
-def _set_version(path, version):
-    raw = sqlite3.connect(path)
-    raw.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
-    raw.commit()
-    raw.close()
-
-
 def test_a_new_store_records_its_schema_version(backend):
     p = backend.store
     store.connect(p).close()
-    assert backend.version_rows() == [(str(store.SCHEMA_VERSION),)]
+    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
     store.connect(p).close()  # a second writer (another process) changes nothing
-    assert backend.version_rows() == [(str(store.SCHEMA_VERSION),)]
+    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
     with store.reading(p) as c:
         assert store.info(c)["traces"] == 0
 
@@ -126,7 +119,7 @@ def test_a_newer_store_is_refused_naming_both_versions(backend):
     p = backend.store
     store.connect(p).close()
     newer = store.SCHEMA_VERSION + 1
-    backend.set_version(newer)
+    testing.set_schema_version(p, newer)
     for readonly in (True, False):
         with pytest.raises(
             store.StoreVersionError, match=f"schema version {newer}.*up to version {store.SCHEMA_VERSION}"
@@ -138,49 +131,26 @@ def test_a_newer_store_is_refused_naming_both_versions(backend):
 def test_a_store_from_before_versioning_is_read_and_upgraded(tmp_path):
     _record_request(tmp_path)
     p = tmp_path / "traces.db"
-    raw = sqlite3.connect(p)
-    raw.execute("DROP TABLE meta")  # what a store written before the version table looks like
-    raw.commit()
-    raw.close()
+    testing.forget_schema_version(p)  # what a store written before the version table looks like
     with store.reading(p) as c:  # a reader accepts it as it is
         assert [r["trace_id"] for r in store.slowest(c, 10)] == [TID]
     store.connect(p).close()  # a writer adds the version
-    raw = sqlite3.connect(p)
-    assert raw.execute("SELECT value FROM meta").fetchall() == [(str(store.SCHEMA_VERSION),)]
-    raw.close()
+    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
     with store.reading(p) as c:
         assert [r["trace_id"] for r in store.slowest(c, 10)] == [TID]
-
-
-_V1_TRACES = """CREATE TABLE traces (trace_id TEXT PRIMARY KEY, request_id TEXT, mode TEXT, dispatch TEXT,
-    outcome TEXT, start_ns INTEGER, end_ns INTEGER, ttft_s REAL, prefill_finished_ns INTEGER,
-    kv_ready_ns INTEGER, n_spans INTEGER NOT NULL DEFAULT 0,
-    handoff_s REAL GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED)"""
 
 
 def test_a_version_1_store_is_migrated_and_its_handoffs_marked_unknown(tmp_path):
     """Schema 1 had a two-clock handoff_s and no clock crossings: after the
     upgrade the figure is kept as handoff_raw_s and the handoff is unknown."""
     p = tmp_path / "traces.db"
-    raw = sqlite3.connect(p)
-    raw.execute(_V1_TRACES)
-    raw.execute("CREATE INDEX traces_handoff ON traces (handoff_s DESC)")
-    raw.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-    raw.execute("INSERT INTO meta VALUES ('schema_version', '1')")
-    raw.execute(
-        "INSERT INTO traces (trace_id, mode, start_ns, prefill_finished_ns, kv_ready_ns, n_spans) "
-        "VALUES (?, 'push', 1, 1000, 5001000, 3)",
-        (TID,),
-    )
-    raw.commit()
-    raw.close()
+    row = dict(trace_id=TID, mode="push", start_ns=1, prefill_finished_ns=1000, kv_ready_ns=5001000, n_spans=3)
+    testing.create_old_store(p, 1, [row])
     with store.reading(p) as c:  # a reader upgrades it once, then reads
         (row,) = store.slowest(c, 10)
     assert row["handoff_raw_s"] == pytest.approx(0.005) and row["handoff_s"] is None
     assert "schema 1" in row["handoff_note"] and row["n_spans"] == 3
-    raw = sqlite3.connect(p)
-    assert raw.execute("SELECT value FROM meta").fetchall() == [(str(store.SCHEMA_VERSION),)]
-    raw.close()
+    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
 
 
 def test_a_writer_runs_the_migrations_up_to_its_version(backend, monkeypatch):
@@ -189,11 +159,11 @@ def test_a_writer_runs_the_migrations_up_to_its_version(backend, monkeypatch):
     p = backend.store
     store.connect(p).close()
     monkeypatch.setattr(schema, "SCHEMA_VERSION", store.SCHEMA_VERSION + 1)
-    monkeypatch.setattr(schema, "MIGRATIONS", {store.SCHEMA_VERSION: ("ALTER TABLE traces ADD COLUMN note TEXT",)})
+    monkeypatch.setattr(schema, "MIGRATIONS", {store.SCHEMA_VERSION: testing.added_column_migration("note")})
     store.connect(p).close()
     store.connect(p).close()  # already current: the migration does not run twice (it would fail)
-    assert backend.version_rows() == [(str(store.SCHEMA_VERSION + 1),)]
-    assert "note" in backend.columns("traces")
+    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION + 1)}
+    assert "note" in testing.columns(p, "traces")
     with store.reading(p) as c:  # a reader of the new version reads it
         assert store.info(c)["traces"] == 0
 
@@ -225,7 +195,7 @@ def test_reading_turns_backend_errors_into_store_errors(backend):
     store.connect(p).close()
     with pytest.raises(store.StoreError):
         with store.reading(p) as c:
-            c.execute("SELECT nope FROM traces")  # any backend error inside the block
+            testing.run_refused_statement(c)  # any backend error inside the block
 
 
 def test_traces_cli_prints_one_line_on_a_bad_store(tmp_path, capsys):
@@ -238,7 +208,7 @@ def test_traces_cli_prints_one_line_on_a_bad_store(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("kvlens traces:") and "Traceback" not in err
     store_p = tmp_path / "new" / "traces.db"
     store.connect(store_p).close()
-    _set_version(store_p, store.SCHEMA_VERSION + 1)
+    testing.set_schema_version(store_p, store.SCHEMA_VERSION + 1)
     assert main(["traces", "--store", str(store_p)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "schema version" in err

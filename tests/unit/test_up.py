@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from fakes import RecordingServer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -235,43 +236,10 @@ def test_up_api_key_flag(tmp_path, monkeypatch):
     assert up._stack(p.parse_args(["--mode", "pull", "--log-dir", str(tmp_path / "run")])).api_key is None
 
 
-class _Recorder:
-    """A loopback HTTP server answering 200 to everything, keeping each request's headers."""
-
-    def __init__(self):
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        seen = self.seen = []
-
-        class H(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _ok(self):
-                if self.command == "POST":
-                    self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                seen.append((self.command, self.path, dict(self.headers)))
-                self.send_response(200)
-                self.send_header("Content-Length", "2")
-                self.end_headers()
-                self.wfile.write(b"{}")
-
-            do_GET = do_POST = _ok
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_warm_up_and_health_checks_send_the_key(tmp_path):
     from kvlens.stack.supervise import Child, wait_healthy
 
-    srv = _Recorder()
+    srv = RecordingServer()
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         s = _stack(tmp_path, api_key="sk-w", quiet=True)

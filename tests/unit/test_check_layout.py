@@ -50,8 +50,23 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
+#: A line of SQL for the planted trees, joined at run time so that this file
+#: holds none itself (the checker reads tests/ too).
+_PLANTED_SQL = " ".join(("SELECT trace_id", "FROM traces WHERE 1"))
+
+
 def test_the_checker_fails_each_planted_violation(tmp_path):
-    clean = layout.report(_tree(tmp_path / "clean", {"low/a.py": "X = 1\n", "high/b.py": "from low import a\n"}))
+    clean = layout.report(
+        _tree(
+            tmp_path / "clean",
+            {
+                "low/a.py": "X = 1\n",
+                "high/b.py": "from low import a\n",
+                "tests/test_a.py": "from low import a\n",
+                "benchmarks/bench_a.py": "X = 1\n",
+            },
+        )
+    )
     assert all(v == [] for v in clean.values()), clean
     bad = layout.report(
         _tree(
@@ -62,8 +77,10 @@ def test_the_checker_fails_each_planted_violation(tmp_path):
                 # the dashboard/CLI layer reaching into the plug-in
                 "high/b.py": "import instrumented_connector.hooks\n",
                 "instrumented_connector/hooks.py": "X = 1\n",
-                # SQL outside the store
-                "high/c.py": "Q = 'SELECT trace_id FROM traces WHERE 1'\n",
+                # SQL outside the store, in a module, a test and a benchmark
+                "high/c.py": f"Q = {_PLANTED_SQL!r}\n",
+                "tests/unit/test_c.py": f"def test_c(conn):\n    conn.execute({_PLANTED_SQL!r})\n",
+                "benchmarks/bench_c.py": f"Q = {_PLANTED_SQL!r}\n",
                 "high/d.py": "import re\nR = re.compile('[0-9a-f]{32}')\n",
                 "high/e.py": "\n" * 401,
             },
@@ -72,15 +89,19 @@ def test_the_checker_fails_each_planted_violation(tmp_path):
     found = {k.split(" (")[0].split(":")[0]: v for k, v in bad.items()}
     assert found["upward imports"] == ["low.a -> high.b"]
     assert found["imports of the vLLM plug-in"] == ["high.b -> instrumented_connector.hooks"]
-    assert len(found["SQL outside kvtrace/store"]) == 1
+    assert sorted(v.split("/bad/", 1)[1] for v in found["SQL outside kvtrace/store"]) == [
+        "benchmarks/bench_c.py:1",
+        "high/c.py:1",
+        "tests/unit/test_c.py:2",
+    ]
     assert len(found["trace-id parsing outside kvrecord/ids.py"]) == 1
     assert len(found["files over 400 lines"]) == 1
     # the cycle low.a -> high.b is not one: high.b does not import low
     assert found["import cycles"] == []
 
 
-def test_sql_only_in_the_store(mods):
-    assert layout.sql_outside_store(mods) == []
+def test_sql_only_in_the_store_tests_and_benchmarks_included():
+    assert layout.sql_outside_store(layout.sql_checked_files()) == []
 
 
 def test_trace_id_parsing_only_in_ids(mods):

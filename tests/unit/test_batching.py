@@ -5,8 +5,6 @@ a full export queue, an exporter that fails or raises."""
 
 from __future__ import annotations
 
-import socket
-import sqlite3
 import threading
 import time
 
@@ -16,9 +14,11 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 
 from exporters import pipeline
 from kvtrace import store
+from kvtrace.store import testing
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from kvrecord import semconv as sc
 from kvrecord.recorder import DropReason, Recorder
+from fakes import SilentServer
 
 
 def _capturing(build):
@@ -44,11 +44,8 @@ def _spans(n: int) -> list:
 
 
 def _stored(db) -> int:
-    c = sqlite3.connect(str(db))
-    try:
-        return c.execute("SELECT COUNT(*) FROM spans").fetchone()[0]
-    finally:
-        c.close()
+    with store.reading(db) as c:
+        return testing.span_count(c)
 
 
 # ------------------------------------------------------------------ the store
@@ -58,8 +55,6 @@ def test_store_lock_held_past_the_exporter_wait_is_counted_as_store(tmp_path):
     reason ``store`` and recorded = stored + counted."""
     db = tmp_path / "traces.db"
     store.connect(db).close()  # the schema exists; the holder only takes the lock
-    holder = sqlite3.connect(str(db), isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")  # the write lock, as a long writer or a backup holds it
     build = pipeline.provider_factory(
         role="prefill",
         mode="push",
@@ -71,13 +66,10 @@ def test_store_lock_held_past_the_exporter_wait_is_counted_as_store(tmp_path):
     r = Recorder(role="prefill", mode="push", pipeline_factory=factory).start()
     n = 3000
     before = pipeline.dropped_counts().get(("prefill", "store"), 0)
-    try:
+    with testing.write_lock_held(db):  # as a long writer or a backup holds it
         for i in range(n // 2):
             r.record(sc.Phase.MATCH, f"req-lock-{i}", 1_000 + i, 2_000 + i)
         time.sleep(1.5)  # every batch of the first half meets the lock and gives up after 0.3 s
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     for i in range(n // 2, n):
         r.record(sc.Phase.MATCH, f"req-lock-{i}", 1_000 + i, 2_000 + i)
     r.close()
@@ -94,17 +86,12 @@ def test_store_lock_held_past_the_exporter_wait_is_counted_as_store(tmp_path):
 def test_store_export_is_bounded_by_max_block_s(tmp_path):
     db = tmp_path / "traces.db"
     store.connect(db).close()
-    holder = sqlite3.connect(str(db), isolation_level=None)
-    holder.execute("BEGIN IMMEDIATE")
-    try:
+    with testing.write_lock_held(db):
         exp = store.StoreSpanExporter(db, max_block_s=0.4)
         t0 = time.monotonic()
         assert exp.export(_spans(5)) == SpanExportResult.FAILURE
         assert time.monotonic() - t0 < 10  # generous: the bound is 0.4 s, the old code waited ~157 s
         assert exp.lost == 5 and exp.loss_reason == "store"
-    finally:
-        holder.execute("ROLLBACK")
-        holder.close()
     assert exp.export(_spans(3)) == SpanExportResult.SUCCESS
     assert exp.lost == 5 and _stored(db) == 3
     exp.shutdown()
@@ -113,51 +100,10 @@ def test_store_export_is_bounded_by_max_block_s(tmp_path):
 
 
 # ------------------------------------------------------------------ OTLP
-class _SilentServer:
-    """Accepts TCP connections, reads what comes, never answers."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(64)
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        self.sock.settimeout(0.2)
-        while not self._stop.is_set():
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.conns.append(c)
-            threading.Thread(target=self._swallow, args=(c,), daemon=True).start()
-
-    def _swallow(self, c: socket.socket) -> None:
-        try:
-            while not self._stop.is_set() and c.recv(65536):
-                pass
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self._stop.set()
-        for c in self.conns:
-            c.close()
-        self.sock.close()
-
-
 def test_close_is_bounded_with_an_otlp_endpoint_that_never_answers(tmp_path):
-    srv = _SilentServer()
+    srv = SilentServer()
     try:
-        cfg = {
-            "kvlens_home": str(tmp_path),
-            "kvlens_store": "off",
-            "kvlens_metrics": "off",
-            "otlp_endpoint": f"http://127.0.0.1:{srv.port}",
-        }
+        cfg = {"kvlens_home": str(tmp_path), "kvlens_store": "off", "kvlens_metrics": "off", "otlp_endpoint": srv.url}
         factory, built = _capturing(
             pipeline.provider_factory(role="decode", mode="pull", engine_id="d-silent", config=cfg)
         )

@@ -12,7 +12,6 @@ timestamps are made up (vLLM's request-id shapes are the real ones).
 from __future__ import annotations
 
 import secrets
-import sqlite3
 import time
 from pathlib import Path
 
@@ -200,31 +199,18 @@ def test_engines_ttft_is_p_arrival_to_d_first_token_and_a_router_ttft_wins(tmp_p
 
 
 def test_schema_2_store_is_upgraded_with_the_ttft_columns(tmp_path):
-    from kvtrace.store.ddl import _TRACES_V2_DDL, V3_TRACE_COLUMNS
-    from kvtrace.store.dialect import SQLITE
+    from kvtrace.store import testing
+    from kvtrace.store.ddl import V3_TRACE_COLUMNS
 
     db = tmp_path / "traces.db"
-    raw = sqlite3.connect(db)
-    raw.executescript(
-        "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
-        "INSERT INTO meta VALUES ('schema_version', '2');"
-        "CREATE TABLE spans (trace_id TEXT NOT NULL, span_id TEXT NOT NULL, parent_id TEXT, name TEXT NOT NULL, "
-        "role TEXT, mode TEXT, request_id TEXT, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, outcome TEXT, "
-        "attributes TEXT, PRIMARY KEY (trace_id, span_id)) WITHOUT ROWID;"
-        + SQLITE.sql(_TRACES_V2_DDL.replace("@name@", "traces"))
-        + ";"
-        "INSERT INTO traces (trace_id, mode, ttft_s) VALUES ('ab', 'pull', 0.5);"
-    )
-    raw.commit()
-    raw.close()
+    testing.create_old_store(db, 2, [{"trace_id": "ab", "mode": "pull", "ttft_s": 0.5}])
     conn = store.connect(db)
     conn.close()
-    raw = sqlite3.connect(db)
-    cols = {r[1] for r in raw.execute("PRAGMA table_info(traces)")}
-    assert {c for c, _ in V3_TRACE_COLUMNS} <= cols
-    assert raw.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(store.SCHEMA_VERSION)
-    assert raw.execute("SELECT ttft_s, ttft_source FROM traces").fetchone() == (0.5, None)
-    raw.close()
+    assert {c for c, _ in V3_TRACE_COLUMNS} <= set(testing.columns(db, "traces"))
+    assert testing.meta(db)["schema_version"] == str(store.SCHEMA_VERSION)
+    with store.reading(db) as c:
+        ((ttft_s, ttft_source),) = [(r["ttft_s"], r["ttft_source"]) for r in store.slowest(c, 10)]
+    assert (ttft_s, ttft_source) == (0.5, None)
 
 
 def test_bench_finds_a_request_by_the_id_the_router_gave_it():

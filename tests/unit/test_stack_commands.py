@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from test_proxy import P_KV, Fake, d_echo, send_json
+from fakes import P_KV, FakeVllm, d_echo, send_json
 
 from kvlens.stack.commands import find_vllm_router
 from kvlens.stack.errors import StackError
@@ -70,7 +70,7 @@ def _group_gone(pgid: int) -> bool:
 
 @pytest.mark.skipif(VLLM_ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
 def test_vllm_router_built_by_kvlens_routes_p_then_d(tmp_path):
-    p0, p1, d = Fake(p_answers), Fake(p_answers), Fake(d_echo)
+    p0, p1, d = FakeVllm(p_answers), FakeVllm(p_answers), FakeVllm(d_echo)
     c = None
     try:
         s = _stack(tmp_path, [p0, p1], d)

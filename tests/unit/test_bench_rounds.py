@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from test_bench import FakeRouter, _opts, _res, tiny_tokenizer_dir  # noqa: F401 (a fixture)
+from fakes import FakeRouter
+from test_bench import _opts, _res, tiny_tokenizer_dir  # noqa: F401 (a fixture)
 
 from kvtrace import benchrows as B
 from kvtrace import store

@@ -1,7 +1,7 @@
 """Several P and D behind ``kvlens proxy``: the round-robin balancer, the
 per-P identity D gets in an overlapped push, ``/health`` over every
 upstream, one dead upstream among live ones, and the repeated flags
-(against fake P and D servers on loopback, as in test_proxy.py)."""
+(against the fake P and D servers of tests/fakes.py, as in test_proxy.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from collections import Counter
 
 import httpx
 import pytest
-from test_proxy import TID, Fake, _closed_port_url, _post, d_answers, d_echo, p_echo_id, recorder, router  # noqa: F401
+from fakes import TID, FakeVllm, closed_port_url, d_echo, p_echo_id
+from test_proxy import _post, recorder, router  # noqa: F401 (recorder: a fixture)
 
 from kvlens import proxy
 from kvlens.proxy.balancer import Balancer
@@ -86,13 +87,13 @@ def test_config_lists_and_one_pair_names():
 # ------------------------------------------------- the router, 2 P x 2 D
 @pytest.fixture
 def fakes():
-    made = [Fake(p_echo_id), Fake(p_echo_id), Fake(d_echo), Fake(d_echo)]
+    made = [FakeVllm(p_echo_id), FakeVllm(p_echo_id), FakeVllm(d_echo), FakeVllm(d_echo)]
     yield made
     for f in made:
         f.close()
 
 
-def _ids(fake: Fake) -> list[str]:
+def _ids(fake: FakeVllm) -> list[str]:
     return [r["headers"]["X-Request-Id"] for r in fake.requests]
 
 
@@ -127,7 +128,7 @@ def test_router_balances_and_names_p_and_d(tmp_path, recorder, fakes, mode, disp
 
 def test_a_dead_p_does_not_stop_the_others(tmp_path, recorder, fakes):  # noqa: F811
     p0, _, d0, _ = fakes
-    dead = _closed_port_url()
+    dead = closed_port_url()
     cfg = ProxyConfig.of(
         [Prefill(p0.url, "p0"), Prefill(dead, "p1")], [Decode(d0.url)], mode="pull", kvlens_home=str(tmp_path)
     )

@@ -1,0 +1,190 @@
+"""Store operations for kvlens' tests and benchmarks only.
+
+What a test or a benchmark needs from a store and kvlens itself never
+does: count rows, read or tamper with the schema version, build a store as
+an older kvlens wrote it, hold the write lock, run a statement the backend
+refuses, create and drop the databases of a test PostgreSQL server, measure
+a store's size. It lives here so that SQL stays in ``kvtrace/store``, tests
+and benchmarks included (``tools/check_layout.py`` checks both). No kvlens
+module imports it.
+
+Functions that take a store *name* (a path or a ``postgresql://`` URL) open
+a raw connection of their own, autocommit, beneath the store API: no schema
+check, no upgrade, because the store they handle is often one the API would
+refuse or upgrade. Functions that take ``conn`` use an open store
+connection (:func:`kvtrace.store.connect` / :func:`kvtrace.store.reading`),
+either backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+from kvrecord.location import StoreLocation
+from kvtrace.store.ddl import _TRACES_V2_DDL
+from kvtrace.store.dialect import SQLITE
+from kvtrace.store.pg import translate_sql
+from kvtrace.store.schema import params
+
+#: A table's column names: SQLite and PostgreSQL ask differently.
+_SQLITE_COLUMNS = "SELECT name FROM pragma_table_info(?)"
+_PG_COLUMNS = (
+    "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = ?"
+)
+
+#: Version 1's traces table, as kvlens wrote it before the ``meta`` table and
+#: the clock bounds: a generated two-clock handoff and no crossings.
+_V1_SCRIPT = """
+CREATE TABLE traces (trace_id TEXT PRIMARY KEY, request_id TEXT, mode TEXT, dispatch TEXT,
+    outcome TEXT, start_ns INTEGER, end_ns INTEGER, ttft_s REAL, prefill_finished_ns INTEGER,
+    kv_ready_ns INTEGER, n_spans INTEGER NOT NULL DEFAULT 0,
+    handoff_s REAL GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED);
+CREATE INDEX traces_handoff ON traces (handoff_s DESC);
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '1');
+"""
+#: Version 2: the settled handoff, without the engines' TTFT columns of version 3.
+_V2_SCRIPT = (
+    "CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "INSERT INTO meta VALUES ('schema_version', '2');"
+    "CREATE TABLE spans (trace_id TEXT NOT NULL, span_id TEXT NOT NULL, parent_id TEXT, name TEXT NOT NULL, "
+    "role TEXT, mode TEXT, request_id TEXT, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, outcome TEXT, "
+    "attributes TEXT, PRIMARY KEY (trace_id, span_id)) WITHOUT ROWID;"
+    + SQLITE.sql(_TRACES_V2_DDL.replace("@name@", "traces"))
+    + ";"
+)
+_OLD_SCRIPTS = {1: _V1_SCRIPT, 2: _V2_SCRIPT}
+
+
+# ----------------------------------------------------- raw, by store name
+def _raw(name: Any, sql: str, args: Sequence[Any] = ()) -> list[tuple]:
+    """Run one statement on the store named ``name`` outside the store API
+    (autocommit); its rows as tuples."""
+    loc = StoreLocation.parse(name)
+    if loc.is_postgres:
+        import psycopg
+
+        with psycopg.connect(loc.text, autocommit=True) as c:
+            cur = c.execute(translate_sql(sql), tuple(args))
+            return cur.fetchall() if cur.description else []
+    c = sqlite3.connect(str(loc.path))
+    try:
+        rows = c.execute(sql, tuple(args)).fetchall()
+        c.commit()
+        return rows
+    finally:
+        c.close()
+
+
+def meta(name: Any) -> dict[str, str]:
+    """Every row of the store's ``meta`` table (``{"schema_version": "3"}``)."""
+    return {k: v for k, v in _raw(name, "SELECT key, value FROM meta")}
+
+
+def set_schema_version(name: Any, version: int) -> None:
+    """Write ``version`` as the store's schema version (a store from a newer
+    or an older kvlens, as far as a reader can tell)."""
+    _raw(name, "UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(version),))
+
+
+def forget_schema_version(name: Any) -> None:
+    """Drop the ``meta`` table: what a store written before it existed looks like."""
+    _raw(name, "DROP TABLE meta")
+
+
+def columns(name: Any, table: str) -> list[str]:
+    """The column names of ``table``, in the backend's order."""
+    sql = _PG_COLUMNS if StoreLocation.parse(name).is_postgres else _SQLITE_COLUMNS
+    return [r[0] for r in _raw(name, sql, (table,))]
+
+
+def create_old_store(path: "str | os.PathLike", version: int, traces: Iterable[Mapping[str, Any]] = ()) -> None:
+    """A new SQLite store at ``path`` with the tables an older kvlens wrote
+    (``version`` 1: ``traces`` and ``meta`` only; 2: also ``spans``) and the
+    given ``traces`` rows (dicts of column values) in it."""
+    c = sqlite3.connect(str(path))
+    try:
+        c.executescript(_OLD_SCRIPTS[version])
+        for row in traces:
+            cols = list(row)
+            c.execute(f"INSERT INTO traces ({', '.join(cols)}) VALUES ({params(len(cols))})", [row[k] for k in cols])
+        c.commit()
+    finally:
+        c.close()
+
+
+def added_column_migration(column: str, table: str = "traces") -> tuple[str, ...]:
+    """A one-step ``MIGRATIONS`` entry that adds a TEXT column (to test how
+    writers run migrations)."""
+    return (f"ALTER TABLE {table} ADD COLUMN {column} TEXT",)
+
+
+@contextlib.contextmanager
+def write_lock_held(path: "str | os.PathLike") -> Iterator[None]:
+    """Hold a SQLite store's write lock for the block, as a long writer or a
+    backup does (the store's schema must exist); nothing is written."""
+    holder = sqlite3.connect(str(path), isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")
+        yield
+        holder.execute("ROLLBACK")
+    finally:
+        holder.close()
+
+
+def store_bytes(name: Any) -> int:
+    """The store's size on disk (SQLite: the file and its write-ahead log;
+    PostgreSQL: the database)."""
+    loc = StoreLocation.parse(name)
+    if loc.is_postgres:
+        return int(_raw(loc, "SELECT pg_database_size(current_database())")[0][0])
+    p = loc.path
+    return sum(f.stat().st_size for f in (p, Path(str(p) + "-wal")) if f.exists())
+
+
+# ----------------------------------------------- on an open store connection
+def span_count(conn: Any) -> int:
+    """How many spans the store holds."""
+    return int(conn.execute("SELECT COUNT(*) FROM spans").fetchone()[0])
+
+
+def span_counts_by_role(conn: Any, roles: Sequence[str]) -> dict[str, int]:
+    """How many spans each of ``roles`` wrote (roles without spans left out)."""
+    sql = f"SELECT role, COUNT(*) FROM spans WHERE role IN ({params(len(roles))}) GROUP BY role"
+    return {r[0]: int(r[1]) for r in conn.execute(sql, list(roles)).fetchall()}
+
+
+def run_refused_statement(conn: Any) -> None:
+    """Run a statement the backend refuses (an unknown column): raises the
+    backend's own error, as a broken query inside ``store.reading`` would."""
+    conn.execute("SELECT no_such_column FROM traces")
+
+
+# ------------------------------------------- a test PostgreSQL server's databases
+def create_database(server_url: str, name: str) -> None:
+    """Create the empty database ``name`` on the server ``server_url`` (a URL
+    of one of its existing databases, e.g. ``postgres``)."""
+    _admin(server_url, f"CREATE DATABASE {_ident(name)} TEMPLATE template0")
+
+
+def drop_database(server_url: str, name: str) -> None:
+    """Drop the database ``name``, cutting its open connections (absent: nothing)."""
+    _admin(server_url, f"DROP DATABASE IF EXISTS {_ident(name)} WITH (FORCE)")
+
+
+def _ident(name: str) -> str:
+    if not name.replace("_", "").isalnum():
+        raise ValueError(f"not a plain database name: {name!r}")
+    return name
+
+
+def _admin(server_url: str, statement: str) -> None:
+    # autocommit: CREATE / DROP DATABASE cannot run inside a transaction
+    import psycopg
+
+    with psycopg.connect(server_url, autocommit=True, connect_timeout=10) as c:
+        c.execute(statement)
