@@ -14,8 +14,11 @@ queries, same results.
 * :mod:`~kvtrace.store.pg`: the PostgreSQL backend (pooled psycopg 3
   connections behind the ``sqlite3`` surface the queries use).
 * :mod:`~kvtrace.store.retention`: :func:`prune`, :class:`Retention`.
-* :mod:`~kvtrace.store.writer`: spans in (``StoreSpanExporter``: the SDK
-  exporter, either backend).
+* :mod:`~kvtrace.store.writer`: spans in (rows, the trace fold, the settled handoff).
+* :mod:`~kvtrace.store.exporter`: ``StoreSpanExporter``, the SDK exporter
+  onto the writer, either backend, bounded.
+* :mod:`~kvtrace.store.testing`: what tests and benchmarks need beneath the
+  API (no kvlens module imports it).
 * :mod:`~kvtrace.store.queries`: every read the resolver, ``kvlens traces``,
   the bench and the dashboard need, as functions of their parameters.
 * :mod:`~kvtrace.store.errors`: :class:`StoreError` and its kinds, printable as one line.
@@ -60,7 +63,8 @@ from kvtrace.store.queries import (
 )
 from kvtrace.store.schema import SCHEMA_VERSION, SPAN_COLUMNS, TRACE_COLUMNS, checkpoint, connect, reading
 from kvtrace.store.retention import Retention, prune
-from kvtrace.store.writer import StoreSpanExporter, bulk_insert, settle, write_spans
+from kvtrace.store.exporter import StoreSpanExporter
+from kvtrace.store.writer import bulk_insert, settle, write_spans
 
 __all__ = [
     "HANDOFF_COLUMNS",
