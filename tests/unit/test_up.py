@@ -259,8 +259,22 @@ def test_warm_up_and_health_checks_send_the_key(tmp_path):
 
 # ------------------------------------- issue 12: a previous stack's leftovers
 def _sleeper() -> subprocess.Popen:
-    """A real process in its own group, as a stack's child (the guard) is."""
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    """A real process in its own group, as a stack's child (the guard) is;
+    returned once it runs its own program (right after Popen, a busy machine
+    may not have let the child exec yet: /proc still shows the parent's
+    command line and group)."""
+    code = "import time; time.sleep(120)"
+    proc = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+            if code.encode() in argv and os.getpgid(proc.pid) == proc.pid:
+                break
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+        time.sleep(0.01)
+    return proc
 
 
 def _dead_pid() -> int:
