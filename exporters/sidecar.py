@@ -43,6 +43,7 @@ import time
 
 from exporters import pipeline
 from exporters.shipping import FRAME
+from kvrecord.guard import parent_death_signal
 from kvrecord.logutil import log_once
 from kvrecord.procstats import mark_process_dead, name_native_thread, write_stats
 from kvrecord.recorder import ROOT_TAG
@@ -67,12 +68,7 @@ class _Term:
 
 def _guard_parent(parent: int) -> None:
     """SIGTERM when the parent goes; exit now if it already went."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent:
         sys.exit(0)
 

@@ -46,7 +46,7 @@ from kvlens.stack.commands import (
 from kvlens.stack.errors import StackError
 from kvlens.stack.extras import StackExtras
 from kvlens.stack.instances import Instance, check_count, check_routers, child_name, parse_routers, port_names
-from kvlens.stack.ports import DEFAULT_HOST
+from kvrecord.ports import DEFAULT_HOST
 from kvlens.stack.preflight import preflight
 from kvlens.stack.spinners import ProgressThreads, check_mode, resolve_mode
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
