@@ -1,4 +1,5 @@
-"""What kvlens costs vLLM's processes in CPU time, measured deterministically (issue 13).
+"""What kvlens costs vLLM's processes in CPU time, measured deterministically: the
+check that building spans in a sidecar (not inline, on the engine's GIL) pays off.
 
     .venv/bin/python benchmarks/bench_cpu.py                          # push + pull, stock vs instrumented
     .venv/bin/python benchmarks/bench_cpu.py --builders inline,sidecar  # before (in-process spans) and after

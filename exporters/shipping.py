@@ -1,6 +1,6 @@
 """Engine side of the span-building sidecar: :class:`ShippingRecorder`.
 
-Why (issue 13): building an OpenTelemetry SDK span, running the store/OTLP
+Why: building an OpenTelemetry SDK span, running the store/OTLP
 batch processors and the span metrics costs ~43 µs per event, and in vLLM's
 EngineCore and worker processes that work holds the GIL of the Python loop
 that is the serving bottleneck. Options weighed:

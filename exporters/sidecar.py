@@ -1,4 +1,6 @@
-"""The span-building sidecar of a vLLM engine process (issue 13).
+"""The span-building sidecar of a vLLM engine process: spans, store writes
+and metrics built here, off the engine's GIL (:mod:`exporters.shipping`
+says why).
 
     python -m exporters.sidecar '<spec JSON>' <parent pid>
 

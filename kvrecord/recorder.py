@@ -15,7 +15,8 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
   ``pipeline_factory`` it gives the recorder. In vLLM's processes the
   recorder is :class:`exporters.shipping.ShippingRecorder`, whose thread
   ships the raw events to a sidecar process that builds the spans there
-  (off the engine's GIL; issue 13); the hot path is this class's.
+  (building a span costs ~43 µs of the engine's GIL per event; shipping
+  one costs ~1-2 µs); the hot path is this class's.
 
 Memory stays bounded when an exporter stalls: the event buffer holds at most
 ``capacity`` events and the span processors' queues are bounded too.
