@@ -14,36 +14,13 @@ from pathlib import Path
 import pytest
 
 from kvrecord.children import ChildProcess, guarded, stop_all
+from test_hardening import SERVER, gone, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process semantics (/proc, prctl)")
 
-#: Starts a grandchild (it stays in the child's process group), writes
-#: "<own pid> <grandchild pid>" to argv[1], then sleeps; with argv[2] ==
-#: "stubborn" it ignores SIGTERM (and so does the grandchild).
-TREE = (
-    "import os, signal, subprocess, sys, time\n"
-    "if sys.argv[2] == 'stubborn': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-    "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
-    "open(sys.argv[1] + '.tmp', 'w').write(f'{os.getpid()} {g.pid}')\n"
-    "os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
-    "time.sleep(300)\n"
-)
-
-
-def gone(pid: int) -> bool:
-    """No such process, or a zombie (dead, its exit status not collected)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-
-
-def wait_until(cond, what: str, limit_s: float = 60.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+#: A stand-in that ignores SIGTERM (its grandchild inherits that): only SIGKILL stops it.
+STUBBORN = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SERVER
 
 
 def pgid(pid: int) -> int:
@@ -52,7 +29,8 @@ def pgid(pid: int) -> int:
 
 def _tree(tmp_path: Path, how: str = "polite", **kw) -> tuple[ChildProcess, list[int]]:
     pids = tmp_path / f"pids-{how}"
-    c = ChildProcess([sys.executable, "-c", TREE, str(pids), how], log=tmp_path / f"{how}.log", **kw).start()
+    code = STUBBORN if how == "stubborn" else SERVER
+    c = ChildProcess([sys.executable, "-c", code, str(pids)], log=tmp_path / f"{how}.log", **kw).start()
     wait_until(lambda: pids.exists() or not c.alive(), "the child never started")
     assert c.alive(), (tmp_path / f"{how}.log").read_text()
     return c, [int(p) for p in pids.read_text().split()]
@@ -134,9 +112,9 @@ def test_not_started_is_harmless():
 PARENT = r"""
 import signal, sys, time
 from kvrecord.children import ChildProcess
-out, how, tree = sys.argv[1], sys.argv[2], sys.argv[3]
+out, how, server = sys.argv[1], sys.argv[2], sys.argv[3]
 kw = {"guard": True, "group": "group"} if how == "guard" else {"death_signal": signal.SIGTERM}
-c = ChildProcess([sys.executable, "-c", tree, out, "polite"], **kw).start()
+c = ChildProcess([sys.executable, "-c", server, out], **kw).start()
 open(out + ".guard", "w").write(str(c.pid))
 time.sleep(300)
 """
@@ -145,7 +123,7 @@ time.sleep(300)
 @pytest.mark.parametrize("how", ["guard", "signal"])
 def test_a_sigkilled_parent_takes_its_child_along(tmp_path, how):
     pids = tmp_path / "pids"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pids), how, TREE], cwd=REPO)
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(pids), how, SERVER], cwd=REPO)
     tree: list[int] = []
     try:
         started = Path(f"{pids}.guard")
