@@ -1,4 +1,5 @@
-"""What kvlens costs vLLM's processes in CPU time, measured deterministically (issue 13).
+"""What kvlens costs vLLM's processes in CPU time, measured deterministically: the
+check that building spans in a sidecar (not inline, on the engine's GIL) pays off.
 
     .venv/bin/python benchmarks/bench_cpu.py                          # push + pull, stock vs instrumented
     .venv/bin/python benchmarks/bench_cpu.py --builders inline,sidecar  # before (in-process spans) and after
@@ -7,7 +8,7 @@
 For each mode and each variant (``stock``: vLLM's own NIXL connector;
 ``inline`` / ``sidecar``: the instrumented connector with that
 ``KVLENS_SPAN_BUILDER``) it starts a real P/D pair plus router
-(:class:`kvlens.up.Stack`), sends the same fixed load (``--requests``
+(:class:`kvlens.stack.launch.Stack`), sends the same fixed load (``--requests``
 prompts of ``--input-len`` tokens, ``--output-len`` tokens each,
 ``--concurrency`` at a time) and reads, for every process below P and D
 (vLLM's API server, EngineCore, workers; kvlens sidecars), the CPU time
@@ -57,10 +58,12 @@ from bench_recorder import bench_recorder  # noqa: E402
 
 from kvrecord.ids import new_trace_id  # noqa: E402
 from kvrecord.procstats import STATS_DIR_ENV  # noqa: E402
-from kvlens import bench  # noqa: E402
+from kvlens.bench.load import one_request  # noqa: E402
+from kvlens.bench.prompts import PromptMaker  # noqa: E402
+from kvlens.bench.prompts import rng as seeded_rng  # noqa: E402
 from kvlens.signals import sigterm_as_interrupt  # noqa: E402
 from kvlens.stack.supervise import descendants, signals_ignored  # noqa: E402
-from kvlens.up import Stack  # noqa: E402
+from kvlens.stack.launch import Stack  # noqa: E402
 from kvtrace import store  # noqa: E402
 from kvtrace.store import testing  # noqa: E402
 
@@ -171,7 +174,7 @@ async def _load(url: str, prompts: list[str], a) -> list:
 
         async def one(p: str):
             async with sem:
-                return await bench.one_request(client, url, None, p, a.output_len, new_trace_id())
+                return await one_request(client, url, None, p, a.output_len, new_trace_id())
 
         return await asyncio.gather(*(one(p) for p in prompts))
 
@@ -331,8 +334,8 @@ def main() -> int:
     from kvlens.model import ensure_model
 
     model = ensure_model(home / "model")
-    maker = bench.PromptMaker(model)
-    rng = bench.rng(a.seed)
+    maker = PromptMaker(model)
+    rng = seeded_rng(a.seed)
     prompts = [maker.make(a.input_len, rng) for _ in range(a.requests)]
     variants = ([] if a.no_stock else ["stock"]) + builders
     results = []

@@ -32,10 +32,12 @@ import time
 from pathlib import Path
 
 from kvrecord.ids import new_trace_id
-from kvlens import bench
+from kvlens.bench.load import one_request
+from kvlens.bench.prompts import PromptMaker
+from kvlens.bench.prompts import rng as seeded_rng
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.supervise import signals_ignored
-from kvlens.up import Stack
+from kvlens.stack.launch import Stack
 
 LABELS = ("stock", "instrumented")
 METRICS = ("ttft_s", "tpot_s", "latency_s")
@@ -47,7 +49,7 @@ async def _closed_loop(url: str, prompts: list[str], a) -> list:
     out = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(a.request_timeout, connect=10)) as client:
         for i, prompt in enumerate(prompts):
-            r = await bench.one_request(client, url, None, prompt, a.output_len, new_trace_id())
+            r = await one_request(client, url, None, prompt, a.output_len, new_trace_id())
             if i >= a.warmup:
                 out.append(r)
     return out
@@ -81,7 +83,7 @@ async def _interleaved(urls: dict[str, str], prompts: list[str], a) -> dict[str,
         for i, prompt in enumerate(prompts):
             got = {}
             for label in LABELS if i % 2 == 0 else LABELS[::-1]:
-                got[label] = await bench.one_request(client, urls[label], None, prompt, a.output_len, new_trace_id())
+                got[label] = await one_request(client, urls[label], None, prompt, a.output_len, new_trace_id())
             if i < a.warmup:
                 continue
             for label in LABELS:
@@ -177,8 +179,8 @@ def main() -> int:
     from kvlens.model import ensure_model
 
     model = ensure_model(home / "model")
-    maker = bench.PromptMaker(model)
-    rng = bench.rng(a.seed)  # numpy Generator, as kvlens bench uses
+    maker = PromptMaker(model)
+    rng = seeded_rng(a.seed)  # numpy Generator, as kvlens bench uses
     prompts = [maker.make(a.input_len, rng) for _ in range(a.warmup + a.requests)]
     if a.together:
         return _together(a, model, home, prompts)

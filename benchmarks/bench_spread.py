@@ -8,7 +8,7 @@ SCHED_IDLE only while the stack starts (``startup``) and while it serves too
     .venv/bin/python benchmarks/bench_spread.py --stock-vs-instrumented   # the observer effect, by latency
 
 For each start (settings alternate ABBA: A B C, C B A, ...) it
-starts a fresh instrumented 1P1D stack (:class:`kvlens.up.Stack`, its own
+starts a fresh instrumented 1P1D stack (:class:`kvlens.stack.launch.Stack`, its own
 home), sends each cell (``--requests`` prompts of the cell's token count,
 Poisson arrivals at ``--qps``, ``--output-len`` tokens, the same prompts and
 arrivals every start) through kvlens' router and reads the client-seen TTFT
@@ -32,21 +32,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvlens import bench  # noqa: E402
+from kvlens.bench.prompts import PromptMaker, rng  # noqa: E402
 from kvlens.bench.load import run_cell_async  # noqa: E402
 from kvlens.bench.results import Target  # noqa: E402
 from kvlens.signals import sigterm_as_interrupt  # noqa: E402
 from kvlens.bench.machine import MachineWatch  # noqa: E402
-from kvlens.up import Stack  # noqa: E402
+from kvlens.stack.launch import Stack  # noqa: E402
 
 
 def run_cell(stack: Stack, prompts: list[str], a, seed_key: int) -> dict:
     target = Target(stack.mode, stack.dispatch if stack.mode == "push" else None, stack.router_url)
     watch = MachineWatch(stack).start()
     results, _ = asyncio.run(
-        run_cell_async(
-            target, None, prompts, a.qps, a.output_len, bench.rng(a.seed, seed_key), timeout_s=a.request_timeout
-        )
+        run_cell_async(target, None, prompts, a.qps, a.output_len, rng(a.seed, seed_key), timeout_s=a.request_timeout)
     )
     m = watch.stop()  # the CPU of the stack's processes and of the rest of the machine (kvlens.bench.machine)
     ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
@@ -169,10 +167,9 @@ def main() -> int:
     from kvlens.model import ensure_model
 
     model = ensure_model(Path(tempfile.mkdtemp(prefix="kvlens-spread-model-")) / "model")
-    maker = bench.PromptMaker(model)
+    maker = PromptMaker(model)
     prompts = {
-        int(t): [maker.make(int(t), bench.rng(a.seed, int(t), j)) for j in range(a.requests)]
-        for t in a.cells.split(",")
+        int(t): [maker.make(int(t), rng(a.seed, int(t), j)) for j in range(a.requests)] for t in a.cells.split(",")
     }
     order = []  # ABBA: A B C, C B A, A B C, ...
     for i in range(a.starts):

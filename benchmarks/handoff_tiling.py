@@ -1,7 +1,7 @@
 """How much of the P->D handoff has a name: per mode (and push dispatch), the
 unattributed share of the handoff at the median over requests, with and
-without the derived phases, for one or more trace stores (issue 14's
-before / after figure).
+without the derived phases, for one or more trace stores (the before /
+after figure of adding derived phases: how much of the handoff they name).
 
     python benchmarks/handoff_tiling.py STORE [STORE ...] [--since 1h] [--json]
 

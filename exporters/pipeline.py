@@ -15,7 +15,8 @@
   - span-derived Prometheus metrics (:mod:`exporters.metrics`) unless
     ``kvlens_metrics: off``.
 
-* Where spans are built (issue 13): for the roles ``prefill`` and ``decode``
+* Where spans are built (off the engine's GIL, :mod:`exporters.shipping`
+  says why): for the roles ``prefill`` and ``decode``
   (the connector in vLLM's EngineCore/worker processes) the recorder is an
   :class:`exporters.shipping.ShippingRecorder`: it ships raw events to a
   sidecar process (:mod:`exporters.sidecar`) that runs this same pipeline,

@@ -9,22 +9,19 @@ the scraped ``host:port``, so fleet figures come from aggregating over
 ``instance`` - kvlens adds no host labels of its own.
 
 Lifecycle: :meth:`PrometheusServer.start` blocks until ``/-/ready``;
-:meth:`stop` sends SIGTERM, waits, then SIGKILL. The child is its own session
-and gets SIGTERM if the parent dies (Linux ``PR_SET_PDEATHSIG``), so a killed
-test run leaves no orphan.
+:meth:`stop` sends SIGTERM, waits, then SIGKILL. The child
+(:class:`kvrecord.children.ChildProcess`) is its own session and gets
+SIGTERM if the parent dies (Linux ``PR_SET_PDEATHSIG``), so a killed test
+run leaves no orphan.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from importlib import resources
 from pathlib import Path
@@ -32,6 +29,8 @@ from typing import Any, Mapping, Sequence
 
 from exporters import promapi
 from exporters.promapi import PrometheusError
+from kvrecord.children import ChildProcess
+from kvrecord.ports import free_port, port_in_use
 
 __all__ = ["PrometheusError", "PrometheusServer", "rules_path"]
 
@@ -54,28 +53,6 @@ def _check_target(job: str, target: str) -> None:
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"target {target!r} of job {job!r} must be 'host:port' with a port in 1..65535")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pdeathsig() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 class PrometheusServer:
@@ -121,8 +98,7 @@ class PrometheusServer:
         self.scrape_interval = str(scrape_interval)
         self.binary = Path(binary)
         self.retention = retention
-        self.proc: subprocess.Popen | None = None
-        self._log = None
+        self.proc: ChildProcess | None = None
 
     # ------------------------------------------------------------- config
     @property
@@ -160,13 +136,13 @@ class PrometheusServer:
     # ----------------------------------------------------------- lifecycle
     def start(self, timeout: float = 30.0) -> "PrometheusServer":
         """Write config, start Prometheus, wait for ``/-/ready``; raise PrometheusError otherwise."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.running():
             return self
         if not (self.binary.is_file() and os.access(self.binary, os.X_OK)):
             raise PrometheusError(f"Prometheus binary not found at {self.binary}: {_INSTALL_HINT}")
         if self.port == 0:
-            self.port = _free_port()
-        elif not _port_free(self.port):
+            self.port = free_port()
+        elif port_in_use(self.port):
             raise PrometheusError(
                 f"port {self.port} on 127.0.0.1 is busy (another Prometheus?): stop it or pass another port (0: any free)"
             )
@@ -179,15 +155,7 @@ class PrometheusServer:
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--enable-feature=exemplar-storage",
         ]
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_pdeathsig if sys.platform.startswith("linux") else None,
-        )
+        self.proc = ChildProcess(argv, log=self.log_path, group="session", death_signal=signal.SIGTERM).start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -203,22 +171,11 @@ class PrometheusServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, wait ``timeout``, SIGKILL. Idempotent."""
-        p = self.proc
-        if p is not None and p.poll() is None:
-            try:
-                p.terminate()
-                p.wait(timeout)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
-            except ProcessLookupError:
-                pass
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+        if self.proc is not None:
+            self.proc.stop(timeout)
 
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.proc is not None and self.proc.alive()
 
     def __enter__(self) -> "PrometheusServer":
         return self.start()

@@ -1,6 +1,6 @@
 """Engine side of the span-building sidecar: :class:`ShippingRecorder`.
 
-Why (issue 13): building an OpenTelemetry SDK span, running the store/OTLP
+Why: building an OpenTelemetry SDK span, running the store/OTLP
 batch processors and the span metrics costs ~43 µs per event, and in vLLM's
 EngineCore and worker processes that work holds the GIL of the Python loop
 that is the serving bottleneck. Options weighed:
@@ -54,12 +54,15 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from exporters import frames
+from kvrecord.children import ChildProcess
 from kvrecord.logutil import log_once
-from kvrecord.procstats import mark_process_dead, name_native_thread, stop_process, write_stats
+from kvrecord.procstats import mark_process_dead, name_native_thread, write_stats
 from kvrecord.recorder import Recorder
 
 #: The sidecar must say ``ready`` within this long, else spans are built in-process.
 READY_TIMEOUT_S = 60.0
+#: A sidecar being stopped gets this long after SIGTERM, then as long after SIGKILL.
+SIDECAR_STOP_S = 1.0
 #: With nothing buffered the shipping thread sleeps this long at most (the
 #: first event wakes it sooner); it checks on the sidecar at each wake.
 IDLE_WAIT_S = 1.0
@@ -105,7 +108,7 @@ class ShippingRecorder(Recorder):
         self._spec = json.dumps(dict(sidecar_spec), default=str)
         self._argv = list(sidecar_argv) if sidecar_argv else [sys.executable, "-m", "exporters.sidecar"]
         self._ready_timeout = float(ready_timeout_s)
-        self._proc: subprocess.Popen | None = None
+        self._proc: ChildProcess | None = None
         self._fd = -1
         self._ship_lock = threading.Lock()
         self._pending = memoryview(b"")  # the unsent rest of the current frame
@@ -139,19 +142,15 @@ class ShippingRecorder(Recorder):
         if str(REPO_ROOT) not in path:
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *path])
         try:
-            proc = subprocess.Popen(
-                [*self._argv, self._spec, str(os.getpid())],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                env=env,
-                close_fds=True,
-                bufsize=0,
-            )  # unbuffered: select sees every line
+            # the engine's process group (stopped with it), unbuffered pipes (select sees every line)
+            proc = ChildProcess(
+                [*self._argv, self._spec, str(os.getpid())], env=env, group="caller", pipes=True
+            ).start()
         except Exception as e:
             log_once("sidecar-start", "kvlens sidecar could not start (%s); building spans in this process", e)
             return False
         if not self._await_ready(proc):
-            stop_process(proc)
+            proc.stop(SIDECAR_STOP_S, reap_s=SIDECAR_STOP_S)
             if not self._stop.is_set():
                 log_once(
                     "sidecar-start",
@@ -167,7 +166,7 @@ class ShippingRecorder(Recorder):
         _live.add(self)
         return True
 
-    def _await_ready(self, proc: subprocess.Popen) -> bool:
+    def _await_ready(self, proc: ChildProcess) -> bool:
         deadline = time.monotonic() + self._ready_timeout
         out = proc.stdout.fileno()
         while time.monotonic() < deadline and not self._stop.is_set():
@@ -262,7 +261,7 @@ class ShippingRecorder(Recorder):
         self._fd = -1
         proc = self._proc
         _live.discard(self)
-        stop_process(proc)
+        proc.stop(SIDECAR_STOP_S, reap_s=SIDECAR_STOP_S)
         mark_process_dead(proc.pid)
         if self._stop.is_set():
             return  # closing anyway: what is left is counted at close

@@ -1,4 +1,6 @@
-"""The span-building sidecar of a vLLM engine process (issue 13).
+"""The span-building sidecar of a vLLM engine process: spans, store writes
+and metrics built here, off the engine's GIL (:mod:`exporters.shipping`
+says why).
 
     python -m exporters.sidecar '<spec JSON>' <parent pid>
 
@@ -44,6 +46,7 @@ import time
 
 from exporters import frames, pipeline
 from kvrecord.config import Options
+from kvrecord.guard import parent_death_signal
 from kvrecord.logutil import log_once
 from kvrecord.procstats import mark_process_dead, name_native_thread, write_stats
 
@@ -67,12 +70,7 @@ class _Term:
 
 def _guard_parent(parent: int) -> None:
     """SIGTERM when the parent goes; exit now if it already went."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+    parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent:
         sys.exit(0)
 

@@ -20,9 +20,10 @@ the same dashboard from wherever it is started. The app imports
 package (``make setup`` installs the checkout in editable mode), so no
 ``PYTHONPATH`` is set.
 
-The child runs in its own session (process group) so that stopping it also
-stops anything Streamlit starts; a child that ignores SIGTERM is killed after
-a grace period. A missing trace store is not an error: the page says so.
+The child runs in its own session (process group, a
+:class:`kvrecord.children.ChildProcess`) so that stopping it also stops
+anything Streamlit starts; a child that ignores SIGTERM is killed after a
+grace period. A missing trace store is not an error: the page says so.
 
 The store may be a PostgreSQL URL (``--store postgresql://user@host/db``):
 it is checked once before the child starts, and a malformed URL or a server
@@ -40,11 +41,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import dashboard
+from kvrecord.children import ChildProcess
 from kvrecord.config import HOME_ENV, default_store, home
 from kvrecord.location import StoreLocation
 
@@ -182,9 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"kvlens dashboard: {problem}", file=sys.stderr)
         return 2
-    proc = subprocess.Popen(
-        command(args, store), stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(workdir()), env=child_env(store)
-    )
+    child = ChildProcess(command(args, store), env=child_env(store), cwd=workdir(), group="session").start()
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
     print(f"kvlens dashboard: http://{shown}:{args.port}  (store {store}; Ctrl-C to stop)", flush=True)
 
@@ -192,29 +191,21 @@ def run(args: argparse.Namespace) -> int:
 
     def forward(signum, _frame):
         stopping.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+        child.send(signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    deadline = None
     try:
-        while True:
-            try:
-                rc = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if stopping and deadline is None:
-                deadline = time.monotonic() + STOP_GRACE_S
-            if deadline is not None and time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
+        rc = None
+        while rc is None and not stopping:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rc = child.wait(0.5)
+        if stopping:  # asked already (forward): SIGKILL after the grace
+            child.stop(STOP_GRACE_S, first=None)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         # Anything left in the child's group (it should be empty by now).
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        child.stop(0, first=None)
     if stopping:
         return 0
     return rc

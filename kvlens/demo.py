@@ -29,7 +29,19 @@ import time
 
 from kvrecord import config
 from kvrecord.location import StoreLocation
-from kvlens import bench, dashboard_cmd, traces
+from kvlens import dashboard_cmd, traces
+from kvlens.bench.cli import add_grid_arguments, options_from_args, quiet_http_logs, run_guarded
+from kvlens.bench.grid import (
+    DEFAULT_MAX_MODEL_LEN,
+    DISPATCHES,
+    MODES,
+    BenchError,
+    BenchOptions,
+    model_max_len,
+    validate_grid,
+)
+from kvlens.bench.report import print_report
+from kvlens.bench.runner import bench_stacks, new_run
 from kvlens.model import ensure_model
 
 DEMO_QPS = "1,4"
@@ -41,7 +53,7 @@ DEMO_REPEAT = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    bench.add_grid_arguments(
+    add_grid_arguments(
         p,
         qps=DEMO_QPS,
         input_len=DEMO_INPUT_LEN,
@@ -80,25 +92,25 @@ def _dashboard(store: StoreLocation, port: int) -> int:
     return int(dashboard_cmd.run(ns) or 0)
 
 
-def _check(args: argparse.Namespace) -> bench.BenchOptions:
+def _check(args: argparse.Namespace) -> BenchOptions:
     """The demo's options; BenchError before anything is generated or started."""
-    opts = bench.options_from_args(args)
-    bench.validate_grid(
-        modes=list(bench.MODES),
-        dispatches=list(bench.DISPATCHES),
+    opts = options_from_args(args)
+    validate_grid(
+        modes=list(MODES),
+        dispatches=list(DISPATCHES),
         qps=opts.qps,
         input_lens=opts.input_lens,
         output_len=opts.output_len,
         num_prompts=opts.num_prompts,
-        max_model_len=bench.model_max_len(opts.model) or bench.DEFAULT_MAX_MODEL_LEN,
+        max_model_len=model_max_len(opts.model) or DEFAULT_MAX_MODEL_LEN,
         repeat=opts.repeat,
     )
     if not 0 < args.dashboard_port < 65536:
-        raise bench.BenchError(f"invalid --dashboard-port {args.dashboard_port}")
+        raise BenchError(f"invalid --dashboard-port {args.dashboard_port}")
     return opts
 
 
-def _announce(opts: bench.BenchOptions) -> None:
+def _announce(opts: BenchOptions) -> None:
     n_cells = len(opts.qps) * len(opts.input_lens)
     print(
         f"kvlens demo: push (overlapped, sequential) vs pull on a real P/D pair; {n_cells} cells per variant "
@@ -111,10 +123,10 @@ def _announce(opts: bench.BenchOptions) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    bench.quiet_http_logs(args)
+    quiet_http_logs(args)
     try:
         opts = _check(args)
-    except bench.BenchError as e:
+    except BenchError as e:
         print(f"kvlens demo: error: {e}", file=sys.stderr, flush=True)
         return 2
 
@@ -123,13 +135,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlens demo: tiny model at {config.model_dir()} (generated on first use)", flush=True)
         opts.model = ensure_model(config.model_dir())
     _announce(opts)
-    run_ = bench.new_run(opts)
-    code = bench.run_guarded(
-        "demo", run_, lambda: bench.bench_stacks(list(bench.MODES), list(bench.DISPATCHES), opts, run=run_)
-    )
+    run_ = new_run(opts)
+    code = run_guarded("demo", run_, lambda: bench_stacks(list(MODES), list(DISPATCHES), opts, run=run_))
     if code is not None:
         return code
-    bench.print_report(run_)
+    print_report(run_)
     print(f"(bench part took {time.time() - t0:.0f}s)", flush=True)
     _traces(run_.store, time.time() - t0 + 5)
     if args.no_dashboard:

@@ -6,8 +6,6 @@ answer ``/health``, print the endpoints, and stop everything on Ctrl-C /
 SIGTERM.
 
 The work is done by :mod:`kvlens.stack`; this module is the command line.
-It re-exports what callers import from here (``Stack``, ``StackError``,
-``parse_cpu_list``, ``free_port``, ``MAX_MODEL_LEN``).
 """
 
 from __future__ import annotations
@@ -17,37 +15,23 @@ import sys
 import time
 from pathlib import Path
 
+from kvrecord.ports import DEFAULT_HOST
 from kvlens.argtypes import from_parser, int_in, positive
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.commands import (
     DEFAULT_KV_LEASE_S,
     DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
-    MAX_MODEL_LEN,
     env_api_key,
-    kv_transfer_config,
 )
 from kvlens.stack.errors import StackError
 from kvlens.stack.instances import MAX_INSTANCES, ROUTERS, check_routers, parse_routers
 from kvlens.stack.launch import Stack
-from kvlens.stack.pinning import parse_cpu_list
-from kvlens.stack.ports import DEFAULT_HOST, free_port, is_loopback, port_arg, port_in_use
+from kvlens.stack.ports import is_loopback, port_arg
 from kvlens.stack.supervise import signals_ignored
 from kvlens.stack.spinners import MODES as SPIN_MODES
 from kvlens.stack.tp import MAX_TP, STARTUP_S_PER_EXTRA_PROCESS, parse_tp, tp_note
 from kvrecord.location import StoreLocation
-
-__all__ = [
-    "MAX_MODEL_LEN",
-    "Stack",
-    "StackError",
-    "add_arguments",
-    "free_port",
-    "kv_transfer_config",
-    "parse_cpu_list",
-    "port_in_use",
-    "run",
-]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,14 +1,14 @@
 """Process-level helpers of kvlens' background threads and its span-building
 sidecar: native thread names (so per-thread CPU time can be attributed to
 kvlens from ``/proc``), the recorders' counters as JSON files for the CPU
-benchmark, stopping a child process and clearing its multiprocess gauges."""
+benchmark, and clearing an exited sidecar's multiprocess gauges (stopping
+it: :class:`kvrecord.children.ChildProcess`)."""
 
 from __future__ import annotations
 
 import ctypes
 import json
 import os
-import subprocess
 import time
 from typing import Any, Mapping
 
@@ -65,22 +65,6 @@ def write_stats(rec: Any, extra: Mapping[str, Any] | None = None, force: bool = 
         os.replace(path + ".tmp", path)
     except Exception:
         log_once("recorder-stats", "could not write recorder stats to %s", d, exc_info=True)
-
-
-def stop_process(proc: "subprocess.Popen | None") -> None:
-    """Reap ``proc``: SIGTERM, then SIGKILL after 1 s."""
-    if proc is None:
-        return
-    try:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(1.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(1.0)
-    except Exception:
-        log_once("sidecar-reap", "could not stop the kvlens sidecar", exc_info=True)
 
 
 def mark_process_dead(pid: int) -> None:

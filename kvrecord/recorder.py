@@ -14,8 +14,9 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
   processors, which :mod:`exporters.pipeline` installs through the
   ``pipeline_factory`` it gives the recorder. In vLLM's processes the
   recorder is :class:`exporters.shipping.ShippingRecorder`, whose thread
-  ships the events to a sidecar process that builds the spans there (off
-  the engine's GIL); the hot path is this class's.
+  ships the events to a sidecar process that builds the spans there
+  (building a span costs ~43 µs of the engine's GIL per event; shipping
+  one costs ~1-2 µs); the hot path is this class's.
 
 Memory stays bounded when an exporter stalls: the event buffer holds at most
 ``capacity`` events and the span processors' queues are bounded too.

@@ -30,12 +30,13 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from kvrecord.ports import free_port
 
 PG_USER = "postgres"
 
@@ -61,12 +62,6 @@ def missing_reason() -> str | None:
         except KeyError:
             return f"the {PG_USER!r} OS user is missing (PostgreSQL refuses to run as root)"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PgServer:

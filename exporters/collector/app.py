@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from exporters.collector import otlp
+from exporters.collector.bodycap import read_capped
 from exporters.collector.ingest import Ingest
 
 TRACES_PATH = "/v1/traces"
@@ -59,20 +60,15 @@ def _status_body(status: int, message: str, kind: str | None) -> Response:
 
 async def _read_capped(request: Request, cap: int) -> bytes:
     """The request body, refusing (413) as soon as it passes ``cap`` bytes."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            n = int(declared)
-        except ValueError:
-            raise otlp.OTLPError(400, f"invalid Content-Length {declared[:40]!r}") from None
-        if n > cap:
-            raise otlp.OTLPError(413, f"request body of {n} bytes is larger than the limit of {cap} bytes")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > cap:
-            raise otlp.OTLPError(413, f"request body is larger than the limit of {cap} bytes")
-    return bytes(buf)
+
+    def too_large(n: int | None) -> otlp.OTLPError:
+        of = "" if n is None else f" of {n} bytes"
+        return otlp.OTLPError(413, f"request body{of} is larger than the limit of {cap} bytes")
+
+    def bad_length(declared: str) -> otlp.OTLPError:
+        return otlp.OTLPError(400, f"invalid Content-Length {declared[:40]!r}")
+
+    return await read_capped(request.headers, request.stream(), cap, too_large, bad_length)
 
 
 def receiver(ingest: Ingest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, busy_status: int = 429):

@@ -37,42 +37,11 @@ store join, the row), :mod:`.probe` (what a router says about itself),
 :mod:`.load` (the HTTP load loop), :mod:`.report` (table, findings,
 cross-checks), :mod:`.rounds` (ABBA order, pooled rows, intervals),
 :mod:`.runner` (routers or started stacks), :mod:`.cli`.
-This package re-exports the names other modules and the tests use.
+The package itself is the command (``add_arguments``, ``run``: what
+:mod:`kvlens.cli` loads by name); everything else is imported from the
+module that defines it.
 """
 
-from kvtrace.benchrows import ROW_KEYS, add_ratios, ratio
-from kvlens.bench.cli import add_arguments, add_grid_arguments, options_from_args, quiet_http_logs, run, run_guarded
-from kvlens.bench.grid import (
-    DEFAULT_MAX_MODEL_LEN,
-    DISPATCHES,
-    MODES,
-    BenchError,
-    BenchOptions,
-    model_max_len,
-    parse_list,
-    parse_names,
-    plan_groups,
-    validate_grid,
-)
-from kvlens.bench.load import one_request, run_cell_async
-from kvlens.bench.probe import DECODE_TPOT_METRICS, RouterInfo, decode_tpot, parse_tpot, probe_router
-from kvlens.bench.prompts import PromptMaker, rng
-from kvlens.bench.crosscheck import TPOT_CROSSCHECK_WARN, TTFT_CROSSCHECK_WARN, CrossCheck, cross_check
-from kvlens.bench.report import describe, format_table, print_report
-from kvlens.bench.results import Cell, RequestResult, Target, summarize_cell, tpot_figures, wait_for_traces
-from kvlens.bench.runner import BenchRun, Sink, bench_routers, bench_stacks, new_run
-from kvlens.bench.stats import bootstrap_ratio, mean, percentile, rel_diff
+from kvlens.bench.cli import add_arguments, run
 
-__all__ = [
-    "DECODE_TPOT_METRICS", "DEFAULT_MAX_MODEL_LEN", "DISPATCHES", "MODES", "ROW_KEYS", "TPOT_CROSSCHECK_WARN",
-    "TTFT_CROSSCHECK_WARN",
-    "BenchError", "BenchOptions", "BenchRun", "Cell", "CrossCheck", "PromptMaker", "RequestResult", "RouterInfo",
-    "Sink", "Target",
-    "add_arguments", "add_grid_arguments", "add_ratios", "bench_routers", "bench_stacks", "bootstrap_ratio",
-    "cross_check",
-    "decode_tpot", "describe",
-    "format_table", "mean", "model_max_len", "new_run", "one_request", "options_from_args", "parse_list", "parse_tpot",
-    "parse_names", "percentile", "plan_groups", "print_report", "probe_router", "quiet_http_logs", "ratio",
-    "rel_diff", "rng", "run", "run_cell_async", "run_guarded", "summarize_cell", "tpot_figures", "validate_grid",
-    "wait_for_traces",
-]  # fmt: skip
+__all__ = ["add_arguments", "run"]

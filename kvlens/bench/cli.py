@@ -18,7 +18,7 @@ from kvlens.bench.results import Target
 from kvlens.bench.runner import BenchRun, bench_routers, bench_stacks, new_run
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.commands import env_api_key
-from kvlens.up import StackError
+from kvlens.stack.errors import StackError
 
 
 def add_grid_arguments(

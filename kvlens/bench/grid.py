@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from kvrecord.semconv import Dispatch, Mode
-from kvlens.up import MAX_MODEL_LEN
+from kvlens.stack.commands import MAX_MODEL_LEN
 
 MODES = tuple(m.value for m in Mode)  # ("push", "pull")
 DISPATCHES = tuple(d.value for d in Dispatch)  # ("overlapped", "sequential")

@@ -37,7 +37,7 @@ from kvlens.bench.results import Cell, Target, summarize_cell, wait_for_traces
 from kvlens.bench.rounds import abba, add_intervals, pooled_rows, stack_plan
 from kvlens.model import ensure_model
 from kvlens.stack.supervise import signals_ignored
-from kvlens.up import Stack
+from kvlens.stack.launch import Stack
 
 
 @dataclass
@@ -276,7 +276,7 @@ def bench_stacks(
 ) -> BenchRun:
     """Start one stack per mode (pull first), bench it, stop it (also on
     Ctrl-C / SIGTERM, which propagate as KeyboardInterrupt with the finished
-    cells kept in ``run``). ``stack_factory``: ``kvlens.up.Stack`` or a stand-in."""
+    cells kept in ``run``). ``stack_factory``: ``kvlens.stack.launch.Stack`` or a stand-in."""
     model_dir = Path(opts.model).expanduser().resolve() if opts.model else ensure_model(config.model_dir())
     max_len = model_max_len(model_dir) or DEFAULT_MAX_MODEL_LEN  # never above what the stacks serve
     maker = _prepare(opts, modes, dispatches, model_dir, max_len)

@@ -20,6 +20,8 @@ from typing import AsyncIterator, Mapping
 
 from fastapi.responses import JSONResponse
 
+from exporters.collector.bodycap import read_capped
+
 
 class Refused(Exception):
     """A request refused before any upstream call: ``status`` (4xx), a
@@ -58,17 +60,9 @@ UNAUTHORIZED = Refused(
 # --------------------------------------------------------------------- body
 async def read_limited(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit``
-    bytes: from ``Content-Length`` before reading anything, else while
-    reading (nothing past ``limit`` plus one chunk is kept)."""
-    declared = (headers.get("content-length") or "").strip()
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
-    buf = bytearray()
-    async for chunk in chunks:
-        buf += chunk
-        if len(buf) > limit:
-            raise too_large(limit)
-    return bytes(buf)
+    bytes (:func:`~exporters.collector.bodycap.read_capped`; a
+    ``Content-Length`` that is not a number is left to the cap while reading)."""
+    return await read_capped(headers, chunks, limit, lambda _n: too_large(limit))
 
 
 def too_large(limit: int) -> Refused:

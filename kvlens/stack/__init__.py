@@ -1,16 +1,12 @@
 """A real P/D stack (two vLLM servers plus the kvlens router), in one-job modules:
 
 * :mod:`~kvlens.stack.supervise`  child processes: start, health-wait, stop whole process groups
-* :mod:`~kvlens.stack.ports`      free ports and port checks
+* :mod:`~kvlens.stack.ports`      a stack's ports checked and completed; port and host flags
 * :mod:`~kvlens.stack.pinning`    CPU pinning of vLLM's workers (CPU hosts)
 * :mod:`~kvlens.stack.commands`   command lines, environments, ``kv_transfer_config``
-* :mod:`~kvlens.stack.launch`     :class:`Stack`, which puts them together
+* :mod:`~kvlens.stack.roles`      each child's command line, environment and log
+* :mod:`~kvlens.stack.launch`     :class:`~kvlens.stack.launch.Stack`, which puts them together
 
 ``kvlens up`` (:mod:`kvlens.up`) is the command line on top; the bench, the
-demo and the tests use :class:`Stack` directly.
+demo and the tests use :class:`~kvlens.stack.launch.Stack` directly.
 """
-
-from kvlens.stack.errors import StackError
-from kvlens.stack.launch import Stack
-
-__all__ = ["Stack", "StackError"]

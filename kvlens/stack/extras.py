@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack.commands import auth_headers
-from kvlens.stack.ports import free_port
+from kvrecord.ports import free_port
 from kvlens.stack.supervise import wait_healthy
 
 

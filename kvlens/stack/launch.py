@@ -18,55 +18,32 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kvrecord import config as kvconfig
+from kvrecord.ports import DEFAULT_HOST
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
-from kvlens.stack.commands import (
-    DEFAULT_KV_LEASE_S,
-    DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
-    REPO_ROOT,
-    api_key_env,
-    auth_headers,
-    base_env,
-    collector_argv,
-    env_api_key,
-    find_vllm_router,
-    kv_transfer_config,
-    router_argv,
-    server_env,
-    vllm_argv,
-    vllm_router_argv,
-)
+from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, auth_headers, env_api_key
 from kvlens.stack.errors import StackError
 from kvlens.stack.extras import StackExtras
 from kvlens.stack.instances import Instance, check_count, check_routers, child_name, parse_routers, port_names
-from kvlens.stack.ports import DEFAULT_HOST
 from kvlens.stack.preflight import preflight
+from kvlens.stack.roles import StackRoles
 from kvlens.stack.spinners import ProgressThreads, check_mode, resolve_mode
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
-from kvlens.stack.tp import (
-    check_tp,
-    check_vllm_args,
-    engine_processes,
-    start_waves,
-    startup_timeout_s,
-    tp_args,
-    tp_note,
-)
+from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, start_waves, startup_timeout_s, tp_note
 from kvlens.stack.warmup import warm_up
 
 logger = logging.getLogger("kvlens.up")
 
 
 @dataclass
-class Stack(StackExtras):
+class Stack(StackRoles, StackExtras):
     """P and D instances plus router(s). ``start()`` blocks until all are
     healthy. ``prefill_port`` / ``prefill_side_port`` (and D's) are the first
     instance's; the others get free ports. ``routers``: ``"kvlens"``,
@@ -210,101 +187,6 @@ class Stack(StackExtras):
     def _env(self, role: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """``env_extra``, then ``extra`` (the topology's), then ``role_env[role]``."""
         return {**(self.env_extra or {}), **(extra or {}), **((self.role_env or {}).get(role) or {})}
-
-    def _server(self, role: str, index: int = 0) -> Child:
-        """The ``index``-th P or D: its own HTTP and side-channel ports,
-        Prometheus dir, log and CPU (:func:`~kvlens.stack.pinning.cpu_binding`)."""
-        inst = self._instance(role, index)
-        prom = Path(self.log_dir) / f"prometheus-{inst.name}"
-        shutil.rmtree(prom, ignore_errors=True)
-        prom.mkdir(parents=True)
-        topo = self.topology
-        home = topo.home_for(role)
-        tps = {"prefill": self.prefill_tp, "decode": self.decode_tp}
-        cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances, tps=tps)
-        env = server_env(
-            base_env(home),
-            role == "prefill",
-            self.host,
-            inst.side_port,
-            prom,
-            self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}),
-            cpus,
-        )
-        ktc = kv_transfer_config(
-            self.mode,
-            role,
-            inst.engine_id,
-            self.stock,
-            home,
-            self.kv_lease_s,
-            self.push_registration_timeout_s,
-            topo.traces_url,
-            self.kv_load_failure_policy,
-        )
-        argv = vllm_argv(
-            Path(self.model), self.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
-        )
-        return Child(inst.name, argv, env, Path(self.log_dir) / f"{inst.name}.log", inst.url, cwd=str(REPO_ROOT))
-
-    def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
-        topo = self.topology
-        argv = router_argv(
-            [(p.url, p.engine_id, p.side_port, p.tp) for p in self.prefills],
-            [(d.url, d.engine_id) for d in self.decodes],
-            self.mode,
-            dispatch,
-            self.host,
-            port,
-        )
-        # only the main router hosts the receiver (``--collect``); extra routers export to it
-        hosts_receiver = name == "router"
-        if hosts_receiver:
-            argv += topo.router_args()
-        env = base_env(topo.home_for("router"))
-        extra = topo.router_env()
-        if topo.separate and topo.collector == "router" and not hosts_receiver:
-            extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": str(topo.collector_url), "KVLENS_HANDOFF_FROM": "off"}
-        env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
-        return Child(
-            name, argv, env, Path(self.log_dir) / f"{name}.log", f"http://{self.host}:{port}", cwd=str(REPO_ROOT)
-        )
-
-    def _vllm_router(self) -> Child:
-        """vLLM's own router in front of every P and D (pull only; a StackError
-        when it is not installed). Its environment: the router role's."""
-        port = int(self.vllm_router_port or 0)
-        argv = vllm_router_argv(
-            find_vllm_router(),
-            [p.url for p in self.prefills],
-            [d.url for d in self.decodes],
-            self.host,
-            port,
-            int(self.vllm_router_metrics_port or 0),
-        )
-        env = base_env(self.topology.home_for("router"))
-        env.update(self._env("router"))
-        return Child(
-            "vllm-router",
-            argv,
-            env,
-            Path(self.log_dir) / "vllm-router.log",
-            f"http://{self.host}:{port}",
-            cwd=str(REPO_ROOT),
-        )
-
-    def _collector(self) -> Child:
-        topo = self.topology
-        env = base_env(topo.home_for("collector"))
-        env.update(self._env("collector", topo.collector_env()))
-        return Child(
-            "collector",
-            collector_argv(self.host, int(self.collector_port), topo.store),
-            env,
-            Path(self.log_dir) / "collector.log",
-            str(topo.collector_url),
-            cwd=str(REPO_ROOT),
-        )
 
     def _spawn(self, c: Child) -> Child:
         """Start ``c``, keep it, and record it in ``stack.json`` at once."""

@@ -1,5 +1,6 @@
-"""TCP ports for a stack: is one taken, pick a free one, check a set of them;
-plus the argparse checks of port and host flags (:func:`port_arg`,
+"""TCP ports for a stack: check and complete a set of them
+(:func:`assign_ports`, through :mod:`kvrecord.ports`' bind tests); plus the
+argparse checks of port and host flags (:func:`port_arg`,
 :func:`is_loopback`).
 
 All functions are plain, blocking-free bind tests on the calling thread.
@@ -8,15 +9,12 @@ All functions are plain, blocking-free bind tests on the calling thread.
 from __future__ import annotations
 
 import ipaddress
-import random
-import socket
-from pathlib import Path
 from typing import Iterable, Mapping
 
+from kvrecord.ports import free_port, port_in_use
 from kvlens.argtypes import int_in
 from kvlens.stack.errors import StackError
 
-DEFAULT_HOST = "127.0.0.1"
 MAX_PORT = 65535
 
 
@@ -39,49 +37,6 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def port_in_use(port: int, host: str = DEFAULT_HOST) -> bool:
-    """True when something already listens on ``host:port`` (bind test)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def ephemeral_range() -> tuple[int, int]:
-    """The kernel's ephemeral port range (Linux), or its usual default."""
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except Exception:
-        return 32768, 60999
-
-
-def free_port(host: str = DEFAULT_HOST, avoid: set[int] | None = None) -> int:
-    """A currently free TCP port (not in ``avoid``), chosen outside the
-    kernel's ephemeral range: a port handed out by ``bind(0)`` is free now,
-    but vLLM's ZMQ, NIXL and UCX sockets draw from that same range while the
-    pair starts, and one of them took a router port before it could bind."""
-    lo, hi = ephemeral_range()
-    pool = [(a, b) for a, b in ((20000, min(lo, 32768) - 1), (hi + 1, 65535)) if b - a > 100]
-    for _ in range(200):
-        if not pool:
-            break
-        a, b = random.choice(pool)
-        p = random.randint(a, b)
-        if (not avoid or p not in avoid) and not port_in_use(p, host):
-            return p
-    for _ in range(50):  # fall back to the kernel's choice
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            p = s.getsockname()[1]
-        if not avoid or p not in avoid:
-            return p
-    raise StackError("could not find a free port")
-
-
 def assign_ports(wanted: Mapping[str, int | None], host: str, auto: Iterable[str]) -> dict[str, int | None]:
     """Check and complete a stack's ports.
 
@@ -102,6 +57,9 @@ def assign_ports(wanted: Mapping[str, int | None], host: str, auto: Iterable[str
     out = dict(wanted)
     for what in auto:
         if not out.get(what):
-            out[what] = free_port(host, used)
+            try:
+                out[what] = free_port(host, used)
+            except OSError as e:
+                raise StackError(str(e)) from None
             used.add(out[what])
     return out

@@ -26,7 +26,8 @@ class StackManager:
     def get(self, mode: str, stock: bool = False, dispatch: str = "overlapped", **stack_kw):
         """The stack for this key; ``stack_kw`` (e.g. short vLLM timeouts for
         fault tests) are ``Stack`` fields and part of the key."""
-        from kvlens.up import Stack, StackError
+        from kvlens.stack.errors import StackError
+        from kvlens.stack.launch import Stack
 
         key = (mode, stock, dispatch, tuple(sorted((k, repr(v)) for k, v in stack_kw.items())))
         if key in self.failed:

@@ -15,8 +15,11 @@ import json
 import pytest
 
 from kvtrace import store
+from kvtrace.benchrows import ROW_KEYS
 from kvrecord.ids import new_trace_id
-from kvlens import bench
+from kvlens.bench.grid import BenchOptions
+from kvlens.bench.report import describe, print_report
+from kvlens.bench.runner import bench_routers, new_run
 from conftest import PULL_STACK_KW
 
 pytestmark = pytest.mark.e2e
@@ -40,7 +43,7 @@ def grid_run(stack_factory, tmp_path_factory):
     """One bench run over pull, then push (overlapped + sequential)."""
     out = tmp_path_factory.mktemp("bench")
     pull = stack_factory.get("pull", **PULL_STACK_KW)  # the pull_stack fixture's pair
-    opts = bench.BenchOptions(
+    opts = BenchOptions(
         qps=QPS,
         input_lens=INPUT_LENS,
         output_len=OUTPUT_LEN,
@@ -52,10 +55,10 @@ def grid_run(stack_factory, tmp_path_factory):
         json_path=out / "rows.jsonl",
         progress=False,
     )
-    run = bench.new_run(opts)
-    bench.bench_routers([pull.router_url], opts, run=run)
+    run = new_run(opts)
+    bench_routers([pull.router_url], opts, run=run)
     push = stack_factory.get("push")
-    bench.bench_routers([push.router_url, _sequential_url(push)], opts, run=run)
+    bench_routers([push.router_url, _sequential_url(push)], opts, run=run)
     return run
 
 
@@ -65,7 +68,7 @@ def test_every_row_present_and_sane(grid_run):
     got = {(r["mode"], r["dispatch"], r["input_len"], r["qps"]) for r in rows}
     assert got == {(m, d, il, q) for m, d in variants for il in INPUT_LENS for q in QPS}
     for r in rows:
-        assert set(bench.ROW_KEYS) <= set(r)
+        assert set(ROW_KEYS) <= set(r)
         assert r["completed"] + r["failed"] == r["num_prompts"] == NUM_PROMPTS, r
         assert r["completed"] > 0 and r["output_len"] == OUTPUT_LEN
         for k in (
@@ -106,7 +109,7 @@ def test_ratios_computed_from_rows(grid_run):
         p = pull[(r["input_len"], r["qps"])]
         assert r["ttft_p50_push_over_pull"] == pytest.approx(r["ttft_p50_s"] / p["ttft_p50_s"])
         assert r["handoff_p50_push_over_pull"] == pytest.approx(r["handoff_p50_s"] / p["handoff_p50_s"])
-    words = bench.describe(rows)
+    words = describe(rows)
     assert any(w.startswith("Overall, push (overlapped)") for w in words)
     assert any(w.startswith("Overall, push (sequential)") for w in words)
 
@@ -120,18 +123,18 @@ def test_rows_readable_from_store_and_json(grid_run):
     assert len(saved) == len(grid_run.rows) == 12
     key = lambda r: (r["mode"], r["dispatch"] or "", r["input_len"], r["qps"])  # noqa: E731
     for s, r in zip(sorted(saved, key=key), sorted(grid_run.rows, key=key)):
-        for k in bench.ROW_KEYS:
+        for k in ROW_KEYS:
             assert s[k] == pytest.approx(r[k]) if isinstance(r[k], float) else s[k] == r[k]
         assert s["ttft_p50_push_over_pull"] == r["ttft_p50_push_over_pull"]  # written with the ratio
     lines = grid_run.json_path.read_text().splitlines()
     assert len(lines) == 12
     for line in lines:
         obj = json.loads(line)
-        assert set(bench.ROW_KEYS) <= set(obj)
+        assert set(ROW_KEYS) <= set(obj)
 
 
 def test_cross_checks_hold(grid_run, capsys):
-    cc = bench.print_report(grid_run)
+    cc = print_report(grid_run)
     out = capsys.readouterr().out
     assert "client TTFT vs router span TTFT" in out and "push/pull" in out
     assert cc.completed == cc.ok_traces_in_store  # completed requests = ok traces of the run

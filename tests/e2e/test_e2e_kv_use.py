@@ -15,7 +15,6 @@ marked.
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 import uuid
@@ -26,17 +25,12 @@ import pytest
 
 from kvtrace import store, tracemodel
 from kvrecord import ids
+from kvrecord.ports import free_port
 from kvlens.proxy.bodies import decode_body, prefill_body
 
 pytestmark = pytest.mark.e2e
 
 BODY = {"prompt": "kv use probe " + "tokens " * 150, "max_tokens": 4, "temperature": 0}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _recomputed_count(decode_url: str) -> float:
@@ -69,7 +63,7 @@ def test_a_load_that_fails_under_recompute_is_marked_counted_and_shown(pull_stac
         rp = c.post(st.prefill_url + "/v1/completions", json=prefill_body(BODY), headers={"X-Request-Id": rid})
         assert rp.status_code == 200, rp.text
         params = rp.json()["kv_transfer_params"]
-        wrong = {**params, "remote_engine_id": "p-gone", "remote_port": _free_port()}
+        wrong = {**params, "remote_engine_id": "p-gone", "remote_port": free_port()}
         rd = c.post(st.decode_url + "/v1/completions", json=decode_body(BODY, wrong), headers={"X-Request-Id": rid})
         assert rd.status_code == 200, rd.text  # recomputed on D: the client is served
         normal = c.post(st.router_url + "/v1/completions", json=BODY, headers={"X-Request-Id": uuid.uuid4().hex})

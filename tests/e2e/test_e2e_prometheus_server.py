@@ -21,17 +21,12 @@ from exporters.metrics import PhaseMetricsProcessor
 from exporters.prometheus_server import PrometheusError, PrometheusServer, rules_path
 from kvtrace.store import StoreSpanExporter
 from kvrecord import semconv as sc
+from kvrecord.ports import free_port
 
 PROMETHEUS = Path("/usr/bin/prometheus")
 needs_prometheus = pytest.mark.skipif(
     not PROMETHEUS.exists(), reason="install Debian package prometheus: apt-get install prometheus"
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Feed:
@@ -92,7 +87,7 @@ class Feed:
 @pytest.fixture
 def target(tmp_path):
     feed = Feed(tmp_path)
-    port = _free_port()
+    port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=feed.reg)
     yield feed, f"127.0.0.1:{port}"
     server.shutdown()

@@ -100,7 +100,7 @@ def test_worker_threads_stay_on_their_own_cpu(push_stack):
     last core, the same one for P and D; ``kvlens up`` moves every worker
     thread back to the CPU its instance was given (requests stalled for tens
     of seconds otherwise, README: 'CPU pinning')."""
-    from kvlens.up import parse_cpu_list
+    from kvlens.stack.pinning import parse_cpu_list
 
     want = {
         c.name: parse_cpu_list(c.env["VLLM_CPU_OMP_THREADS_BIND"])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import httpx
 import pytest
 
 from kvtrace import store, tracemodel
+from kvrecord.ports import free_port
 from e2e_client import send_completions
 
 pytestmark = pytest.mark.e2e
@@ -34,17 +34,11 @@ pytestmark = pytest.mark.e2e
 N = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _proxy(stack, prefills, decodes, dispatch: str):
     """A ``kvlens proxy`` over a subset of the stack's instances, writing the
     stack's store; stopped by its process group whatever happens."""
-    port = _free_port()
+    port = free_port()
     argv = [
         sys.executable,
         "-m",

@@ -7,11 +7,19 @@ import json
 import numpy as np
 
 from kvtrace import store
+from kvtrace.benchrows import ROW_KEYS, add_ratios, ratio
 from kvrecord.ids import new_trace_id
 import pytest
 
-from kvlens import bench
-from kvlens.bench import BenchError, Cell, RequestResult, Target
+from kvlens.bench.cli import add_arguments, options_from_args
+from kvlens.bench.grid import MODES, BenchError, BenchOptions, parse_list, parse_names, plan_groups, validate_grid
+from kvlens.bench.probe import RouterInfo, decode_tpot, parse_tpot, probe_router
+from kvlens.bench.prompts import PromptMaker
+from kvlens.bench.crosscheck import TTFT_CROSSCHECK_WARN, cross_check
+from kvlens.bench.report import describe, format_table
+from kvlens.bench.results import Cell, RequestResult, Target, summarize_cell
+from kvlens.bench.runner import bench_routers, bench_stacks, new_run
+from kvlens.bench.stats import mean, percentile, rel_diff
 from fakes import FakeRouter
 
 
@@ -31,8 +39,8 @@ def _grid(**kw):
 
 
 def test_valid_grid_passes():
-    bench.validate_grid(**_grid())
-    bench.validate_grid(**_grid(input_lens=[4064], output_len=32))  # exactly 4096
+    validate_grid(**_grid())
+    validate_grid(**_grid(input_lens=[4064], output_len=32))  # exactly 4096
 
 
 @pytest.mark.parametrize(
@@ -53,39 +61,39 @@ def test_valid_grid_passes():
 )
 def test_invalid_grid_names_the_problem(kw, words):
     with pytest.raises(BenchError, match=words.replace("(", r"\(")):
-        bench.validate_grid(**_grid(**kw))
+        validate_grid(**_grid(**kw))
 
 
 def test_parse_lists():
-    assert bench.parse_list("1, 2,4", float, "--qps") == [1.0, 2.0, 4.0]
-    assert bench.parse_list("256,1024", int, "--input-len") == [256, 1024]
+    assert parse_list("1, 2,4", float, "--qps") == [1.0, 2.0, 4.0]
+    assert parse_list("256,1024", int, "--input-len") == [256, 1024]
     with pytest.raises(BenchError, match="'1.5' is not an integer"):
-        bench.parse_list("1.5", int, "--input-len")
+        parse_list("1.5", int, "--input-len")
     with pytest.raises(BenchError, match="empty"):
-        bench.parse_list(" , ", float, "--qps")
+        parse_list(" , ", float, "--qps")
     with pytest.raises(BenchError, match="not a finite"):
-        bench.parse_list("inf", float, "--qps")
-    assert bench.parse_names("push,PULL,push", bench.MODES, "mode") == ["push", "pull"]
+        parse_list("inf", float, "--qps")
+    assert parse_names("push,PULL,push", MODES, "mode") == ["push", "pull"]
     with pytest.raises(BenchError, match="unknown mode 'x'"):
-        bench.parse_names("x", bench.MODES, "mode")
+        parse_names("x", MODES, "mode")
 
 
 # ------------------------------------------------------------------ math
 @pytest.mark.parametrize("q", [0, 1, 25, 50, 90, 99, 100])
 def test_percentile_matches_numpy(q):
     xs = list(np.random.default_rng(3).exponential(0.05, size=37))
-    assert bench.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
+    assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)))
 
 
 def test_percentile_edges():
-    assert bench.percentile([], 50) is None
-    assert bench.percentile([None, None], 50) is None
-    assert bench.percentile([0.3], 99) == 0.3
-    assert bench.percentile([1.0, None, 3.0], 50) == 2.0
-    assert bench.mean([1.0, None, 2.0]) == 1.5 and bench.mean([]) is None
-    assert bench.ratio(1.0, 2.0) == 0.5
-    assert bench.ratio(None, 2.0) is None and bench.ratio(1.0, 0.0) is None and bench.ratio(1.0, None) is None
-    assert bench.rel_diff(1.02, 1.0) == pytest.approx(0.02)
+    assert percentile([], 50) is None
+    assert percentile([None, None], 50) is None
+    assert percentile([0.3], 99) == 0.3
+    assert percentile([1.0, None, 3.0], 50) == 2.0
+    assert mean([1.0, None, 2.0]) == 1.5 and mean([]) is None
+    assert ratio(1.0, 2.0) == 0.5
+    assert ratio(None, 2.0) is None and ratio(1.0, 0.0) is None and ratio(1.0, None) is None
+    assert rel_diff(1.02, 1.0) == pytest.approx(0.02)
 
 
 def _row(mode, dispatch, il, q, ttft, handoff, **kw):
@@ -117,7 +125,7 @@ def test_ratios_each_push_dispatch_vs_pull():
         _row("push", "sequential", 256, 1.0, 0.120, 0.010),
         _row("push", "overlapped", 1024, 1.0, 0.2, 0.01),  # no pull for this cell
     ]
-    bench.add_ratios(rows)
+    add_ratios(rows)
     assert rows[0]["ttft_p50_push_over_pull"] is None  # pull rows carry none
     assert rows[1]["ttft_p50_push_over_pull"] == pytest.approx(0.8)
     assert rows[1]["handoff_p50_push_over_pull"] == pytest.approx(0.25)
@@ -136,14 +144,14 @@ def _ci(lo_t, hi_t, lo_h=None, hi_h=None):
 
 
 def test_table_and_findings():
-    rows = bench.add_ratios(
+    rows = add_ratios(
         [
             _row("pull", None, 256, 1.0, 0.100, 0.020, **_ci(None, None)),
             _row("push", "overlapped", 256, 1.0, 0.080, 0.005, **_ci(0.7, 0.9, 0.2, 0.3)),
             _row("push", "sequential", 256, 1.0, 0.101, None, **_ci(0.9, 1.1)),
         ]
     )
-    t = bench.format_table(rows).splitlines()
+    t = format_table(rows).splitlines()
     assert t[0].split()[:4] == ["mode", "dispatch", "input", "QPS"]
     assert "TTFT p50 push/pull [95% CI]" in t[0] and "handoff p50 push/pull [95% CI]" in t[0]
     assert "rounds" not in t[0]  # one round: no per-round columns
@@ -151,7 +159,7 @@ def test_table_and_findings():
     assert [b.split()[:2] for b in body] == [["push", "overlapped"], ["push", "sequential"], ["pull", "-"]]
     assert "80.0" in body[0] and "0.80 [0.70-0.90]" in body[0] and "0.25 [0.20-0.30]" in body[0]
     assert body[1].rstrip().endswith("-")  # handoff ratio missing -> "-"
-    words = bench.describe(rows)
+    words = describe(rows)
     assert any(
         "push (overlapped) vs pull" in w
         and "push 20% lower (push/pull 0.80, 95% CI 0.70-0.90)" in w
@@ -169,29 +177,27 @@ def test_table_and_findings():
         for w in words
     )
     assert not any("lower in" in w for w in words if "(sequential)" in w)  # never a winner inside the interval
-    assert bench.format_table([]) == "(no rows)"
-    assert "nothing to compare" in bench.describe([_row("pull", None, 256, 1.0, 0.1, 0.01)])[0]
+    assert format_table([]) == "(no rows)"
+    assert "nothing to compare" in describe([_row("pull", None, 256, 1.0, 0.1, 0.01)])[0]
 
 
 def test_pull_wins_wording():
-    rows = bench.add_ratios(
+    rows = add_ratios(
         [
             _row("pull", None, 256, 2.0, 0.100, 0.010, **_ci(None, None)),
             _row("push", "overlapped", 256, 2.0, 0.125, 0.02, **_ci(1.1, 1.4, 1.5, 2.5)),
         ]
     )
-    (cell, *_rest) = bench.describe(rows)
+    (cell, *_rest) = describe(rows)
     assert "pull 20% lower" in cell and "pull 50% lower" in cell
 
 
 def test_rows_without_intervals_get_no_verdict():
     """Rows saved before intervals existed: the ratio, but no winner."""
-    rows = bench.add_ratios(
-        [_row("pull", None, 256, 2.0, 0.100, 0.010), _row("push", "overlapped", 256, 2.0, 0.05, 0.02)]
-    )
-    (cell, *_rest) = bench.describe(rows)
+    rows = add_ratios([_row("pull", None, 256, 2.0, 0.100, 0.010), _row("push", "overlapped", 256, 2.0, 0.05, 0.02)])
+    (cell, *_rest) = describe(rows)
     assert "push/pull 0.50, no interval recorded, so no verdict" in cell and "lower" not in cell
-    body = bench.format_table(rows).splitlines()[2]
+    body = format_table(rows).splitlines()[2]
     assert "0.50" in body and "[" not in body
 
 
@@ -219,8 +225,8 @@ def test_summarize_cell_and_cross_check():
         "c" * 32: dict(trace_id="c" * 32, outcome="failed", ttft_s=None, handoff_s=None),
     }
     cell = Cell(Target("push", "overlapped", "http://x"), 2.0, 256, results, traces, duration_s=1.0)
-    row = bench.summarize_cell(cell, bench.BenchOptions(output_len=16), "run1", "off")
-    assert set(bench.ROW_KEYS) <= set(row)
+    row = summarize_cell(cell, BenchOptions(output_len=16), "run1", "off")
+    assert set(ROW_KEYS) <= set(row)
     assert (row["completed"], row["failed"], row["num_prompts"]) == (2, 1, 3)
     assert row["ttft_p50_s"] == pytest.approx(0.06) and row["ttft_mean_s"] == pytest.approx(0.06)
     assert row["handoff_p50_s"] == pytest.approx(0.005) and row["handoff_n"] == 2
@@ -228,13 +234,13 @@ def test_summarize_cell_and_cross_check():
     assert row["req_per_s"] == pytest.approx(2.0)
     assert row["failed_outcomes"] == {"failed": 1}
     json.dumps(row)
-    cc = bench.cross_check([cell])
+    cc = cross_check([cell])
     assert cc.n_compared == 2 and cc.completed == 2 and cc.ok_traces_in_store == 2 and cc.traces_in_store == 3
     assert cc.ttft_rel_diff_p50 == pytest.approx((0.001 / 0.049) / 2)
     assert cc.failed == [("push/overlapped", "c" * 32, "HTTP 502: boom", "failed")]
     text = "\n".join(cc.lines())
     assert "match" in text and "failed requests (1)" in text and "WARNING" not in text.split("failed requests")[0]
-    assert bench.TTFT_CROSSCHECK_WARN == 0.02
+    assert TTFT_CROSSCHECK_WARN == 0.02
 
 
 def test_cross_check_warns_and_counts_missing():
@@ -246,7 +252,7 @@ def test_cross_check_warns_and_counts_missing():
         {"d" * 32: dict(trace_id="d" * 32, outcome="ok", ttft_s=0.050, handoff_s=None)},
         1.0,
     )
-    cc = bench.cross_check([cell])
+    cc = cross_check([cell])
     assert cc.ttft_warn and cc.handoff_missing == 1
     assert any(line.startswith("WARNING: client and router TTFT") for line in cc.lines())
 
@@ -257,11 +263,11 @@ def test_request_ids_are_trace_ids():
 
 
 def test_plan_groups_runs_pull_first():
-    assert bench.plan_groups(["push", "pull"], ["overlapped", "sequential"]) == [
+    assert plan_groups(["push", "pull"], ["overlapped", "sequential"]) == [
         ("pull", [None]),
         ("push", ["overlapped", "sequential"]),
     ]
-    assert bench.plan_groups(["push"], ["sequential"]) == [("push", ["sequential"])]
+    assert plan_groups(["push"], ["sequential"]) == [("push", ["sequential"])]
 
 
 def test_prompts_have_exact_token_counts(tmp_path):
@@ -274,7 +280,7 @@ def test_prompts_have_exact_token_counts(tmp_path):
     tr = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"])
     tok.train_from_iterator(["the quick brown fox jumps over the lazy dog 12345"] * 50, tr)
     tok.save(str(tmp_path / "tokenizer.json"))
-    maker = bench.PromptMaker(tmp_path)
+    maker = PromptMaker(tmp_path)
     rng = np.random.default_rng(0)
     for n in (1, 17, 256, 1000):
         p = maker.make(n, rng)
@@ -311,7 +317,7 @@ def test_cli_bad_input_exits_2_before_load(argv, words, capsys, tmp_path, monkey
 
 def test_cli_proxy_mode_conflict(monkeypatch, capsys):
     monkeypatch.setattr(
-        "kvlens.bench.cli.probe_router", lambda url, api_key=None: bench.RouterInfo(url, "pull", None, "m", None, 4096)
+        "kvlens.bench.cli.probe_router", lambda url, api_key=None: RouterInfo(url, "pull", None, "m", None, 4096)
     )
     assert _cli("--proxy", "http://127.0.0.1:1", "--modes", "push") == 2
     assert "serves pull, but --modes says push" in capsys.readouterr().err
@@ -323,7 +329,7 @@ def test_demo_has_no_dashboard_flag():
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
     a = p.parse_args(["--no-dashboard"])
-    assert a.no_dashboard and bench.options_from_args(a).num_prompts == demo.DEMO_NUM_PROMPTS
+    assert a.no_dashboard and options_from_args(a).num_prompts == demo.DEMO_NUM_PROMPTS
 
 
 # ---------------------------- load generator on a fake router (tests/fakes.py)
@@ -360,14 +366,14 @@ def _opts(tmp_path, model, **kw):
         model=model,
     )
     base.update(kw)
-    return bench.BenchOptions(**base)
+    return BenchOptions(**base)
 
 
 def test_generator_joins_router_traces(tmp_path, tiny_tokenizer_dir):
     opts = _opts(tmp_path, tiny_tokenizer_dir)
     opts.store.parent.mkdir()
     with FakeRouter(opts.store, "pull", fail_every=5) as pull, FakeRouter(opts.store, "push", "sequential") as push:
-        run = bench.bench_routers([push.url, pull.url], opts)
+        run = bench_routers([push.url, pull.url], opts)
     # cells in turn, pull before push inside each cell (so push rows get their ratio)
     assert [(r["mode"], r["input_len"]) for r in run.rows] == [("pull", 16), ("push", 16), ("pull", 32), ("push", 32)]
     for r in run.rows:
@@ -382,7 +388,7 @@ def test_generator_joins_router_traces(tmp_path, tiny_tokenizer_dir):
         for r in run.rows
         if r["mode"] == "push"
     )
-    cc = bench.cross_check(run.cells)
+    cc = cross_check(run.cells)
     assert cc.completed == cc.ok_traces_in_store and cc.n_compared == cc.completed
     assert {f[3] for f in cc.failed} == {"timeout"} and all("HTTP 504" in f[2] for f in cc.failed)
     # written as each cell finished: store and JSON agree, push rows with their ratio
@@ -398,7 +404,7 @@ def test_grid_over_router_max_len_refused_before_load(tmp_path, tiny_tokenizer_d
     opts.store.parent.mkdir()
     with FakeRouter(opts.store) as r:
         with pytest.raises(BenchError, match="max-model-len 1024"):
-            bench.bench_routers([r.url], opts)
+            bench_routers([r.url], opts)
         assert r.n == 0
 
 
@@ -430,13 +436,13 @@ def test_ctrl_c_stops_the_stack_and_keeps_finished_rows(tmp_path, tiny_tokenizer
             def stop(self):
                 stopped.append(True)
 
-        run = bench.new_run(opts)
+        run = new_run(opts)
         # a shell starts background jobs with SIGINT ignored, and Python then
         # installs no handler: put Ctrl-C's usual handler in place for this test
         old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             with pytest.raises(KeyboardInterrupt):
-                bench.bench_stacks(["pull"], ["overlapped"], opts, run=run, stack_factory=FakeStack)
+                bench_stacks(["pull"], ["overlapped"], opts, run=run, stack_factory=FakeStack)
         finally:
             signal.signal(signal.SIGINT, old_handler)
     assert stopped == [True]
@@ -468,24 +474,24 @@ def _cell(results, decode=None, note=None):
 
 
 def test_row_counts_untimed_and_reports_unknown_with_the_reason():
-    opts = bench.BenchOptions(output_len=16)
+    opts = BenchOptions(output_len=16)
     untimed = [_res(f"{i:032x}", ttft=0.05, last=0.05) for i in range(3)]
-    row = bench.summarize_cell(_cell(untimed, decode=(0.03, 3.0)), opts, "run1", "off")
-    assert "tpot_untimed" in bench.ROW_KEYS
+    row = summarize_cell(_cell(untimed, decode=(0.03, 3.0)), opts, "run1", "off")
+    assert "tpot_untimed" in ROW_KEYS
     assert row["tpot_mean_s"] is None and row["tpot_untimed"] == 3  # never 0.0
     assert "all 3 completed requests' tokens reached the client in one read" in row["tpot_note"]
     assert row["tpot_decode_mean_s"] == pytest.approx(0.01) and row["tpot_decode_n"] == 3  # D still measured it
     assert row["tpot_client_vs_decode_rel_diff"] is None
-    assert "untimed" in bench.format_table([row]).splitlines()[2]  # not "-", not 0.0
+    assert "untimed" in format_table([row]).splitlines()[2]  # not "-", not 0.0
     mixed = untimed[:1] + [_res("f" * 32, ttft=0.05, last=0.20)]
-    row = bench.summarize_cell(_cell(mixed, decode=(0.02, 2.0)), opts, "run1", "off")
+    row = summarize_cell(_cell(mixed, decode=(0.02, 2.0)), opts, "run1", "off")
     assert row["tpot_mean_s"] == pytest.approx(0.01) and row["tpot_untimed"] == 1
     assert "from 1 requests; 1 not timed" in row["tpot_note"]
     assert row["tpot_client_vs_decode_rel_diff"] == pytest.approx(0.0)
-    row = bench.summarize_cell(_cell(mixed[1:], note="D's URL is not known"), opts, "run1", "off")
+    row = summarize_cell(_cell(mixed[1:], note="D's URL is not known"), opts, "run1", "off")
     assert row["tpot_untimed"] == 0 and row["tpot_note"] is None and row["tpot_decode_mean_s"] is None
     assert row["tpot_decode_note"] == "D's URL is not known"
-    cc = bench.cross_check([_cell(untimed, decode=(0.03, 3.0)), _cell(mixed, decode=(0.022, 2.0))])
+    cc = cross_check([_cell(untimed, decode=(0.03, 3.0)), _cell(mixed, decode=(0.022, 2.0))])
     text = "\n".join(cc.lines())
     assert cc.tpot_untimed == 4 and "WARNING: 4 completed requests could not be timed for TPOT" in text
     assert "vllm:request_time_per_output_token_seconds" in text and "median relative difference 9.09%" in text
@@ -504,13 +510,13 @@ def test_decode_tpot_histogram_parsing():
         "# TYPE vllm:time_per_output_token_seconds histogram\n"
         "vllm:time_per_output_token_seconds_count 99.0\nvllm:time_per_output_token_seconds_sum 9.0\n"
     )
-    assert bench.parse_tpot(text) == pytest.approx((0.05, 4.0))  # summed over engines, newest name first
-    assert bench.parse_tpot(
+    assert parse_tpot(text) == pytest.approx((0.05, 4.0))  # summed over engines, newest name first
+    assert parse_tpot(
         "vllm:time_per_output_token_seconds_count 2\nvllm:time_per_output_token_seconds_sum 1\n"
     ) == pytest.approx((1.0, 2.0))  # the older name
-    assert bench.parse_tpot("other_metric 1\n") is None
-    assert bench.decode_tpot(None) == (None, "D's URL is not known (kvlens bench --decode-url URL): not cross-checked")
-    got, why = bench.decode_tpot("http://127.0.0.1:9")
+    assert parse_tpot("other_metric 1\n") is None
+    assert decode_tpot(None) == (None, "D's URL is not known (kvlens bench --decode-url URL): not cross-checked")
+    got, why = decode_tpot("http://127.0.0.1:9")
     assert got is None and "unreachable" in why
 
 
@@ -521,7 +527,7 @@ def test_bench_detects_tokens_that_arrive_together(tmp_path, tiny_tokenizer_dir,
     opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[16], output_len=4, num_prompts=4, warmup=1)
     opts.store.parent.mkdir()
     with FakeRouter(opts.store, "pull", one_chunk=one_chunk, token_gap_s=0.03) as fake:
-        run = bench.bench_routers([Target("pull", None, fake.url, decode_url=fake.url)], opts)
+        run = bench_routers([Target("pull", None, fake.url, decode_url=fake.url)], opts)
     (row,) = run.rows
     assert row["completed"] == 4 and row["tpot_decode_mean_s"] == pytest.approx(FakeRouter.D_TPOT_S)
     assert row["tpot_decode_n"] == 4  # the cell's requests only, not the warm-up
@@ -544,12 +550,12 @@ def test_bench_sends_the_api_key(tmp_path, tiny_tokenizer_dir, monkeypatch):
     opts.store.parent.mkdir()
     with FakeRouter(opts.store, "pull", api_key="sk-bench") as fake:
         p = argparse.ArgumentParser()
-        bench.add_arguments(p)
-        opts.api_key = bench.options_from_args(p.parse_args([])).api_key  # from the environment
-        run = bench.bench_routers([fake.url], opts)
-        assert bench.probe_router(fake.url).model is None  # /v1/models without the key: refused
+        add_arguments(p)
+        opts.api_key = options_from_args(p.parse_args([])).api_key  # from the environment
+        run = bench_routers([fake.url], opts)
+        assert probe_router(fake.url).model is None  # /v1/models without the key: refused
     assert run.rows[0]["completed"] == 2
     assert set(fake.auth_seen[:-1]) == {"Bearer sk-bench"}
     args = p.parse_args(["--api-key", "sk-flag", "--proxy", "http://x:1", "--decode-url", "http://d:2/"])
-    o = bench.options_from_args(args)
+    o = options_from_args(args)
     assert (o.api_key, o.decode_url) == ("sk-flag", "http://d:2") and "sk-flag" not in repr(o)

@@ -12,9 +12,13 @@ from test_bench import _opts, _res, tiny_tokenizer_dir  # noqa: F401 (a fixture)
 
 from kvtrace import benchrows as B
 from kvtrace import store
-from kvlens import bench
-from kvlens.bench import Cell, Target
-from kvlens.bench.rounds import abba, add_intervals, stack_plan
+from kvtrace.benchrows import add_ratios
+from kvlens.bench.cli import run_guarded
+from kvlens.bench.grid import BenchOptions
+from kvlens.bench.report import describe, format_table
+from kvlens.bench.results import Cell, Target, summarize_cell
+from kvlens.bench.rounds import abba, add_intervals, pooled_rows, stack_plan
+from kvlens.bench.runner import bench_routers, bench_stacks, new_run
 from kvlens.bench.stats import bootstrap_ratio
 
 
@@ -121,8 +125,8 @@ def test_pooled_rows_carry_intervals_and_verdicts():
     few = _cells("push", "sequential", [[0.1]])
     for c in pull + slow + same:
         c.row = {"prefix_caching": "off"}
-    opts = bench.BenchOptions(output_len=16)
-    rows = bench.rounds.pooled_rows(pull + slow + same, opts, "run1")
+    opts = BenchOptions(output_len=16)
+    rows = pooled_rows(pull + slow + same, opts, "run1")
     by = {(r["mode"], r["dispatch"]): r for r in rows}
     assert len(rows) == 3 and all(r["rounds"] == 2 and set(B.ROW_KEYS) <= set(r) for r in rows)
     assert by[("pull", None)]["ttft_p50_push_over_pull_lo"] is None and by[("pull", None)]["ttft_p50_verdict"] is None
@@ -133,11 +137,11 @@ def test_pooled_rows_carry_intervals_and_verdicts():
     assert s["ttft_p50_push_over_pull_lo"] <= s["ttft_p50_push_over_pull"] <= s["ttft_p50_push_over_pull_hi"]
     json.dumps(rows)
     # one request on the push side: a ratio, but no interval and no winner
-    row = bench.summarize_cell(few[0], opts, "run1", "off")
+    row = summarize_cell(few[0], opts, "run1", "off")
     add_intervals([row], pull + few)
     assert row["ttft_p50_push_over_pull_lo"] is None and row["ttft_p50_verdict"] == B.NOT_ENOUGH_DATA
     row["ttft_p50_push_over_pull"] = 1.0
-    words = bench.describe(bench.add_ratios([by[("pull", None)], row]))
+    words = describe(add_ratios([by[("pull", None)], row]))
     assert "TTFT p50 100.0 ms" in words[0] and "not enough data for an interval" in words[0]
     assert "lower" not in words[0].split(";")[0]
 
@@ -147,7 +151,7 @@ def test_repeat_runs_abba_and_writes_pooled_rows(tmp_path, tiny_tokenizer_dir): 
     opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[16], num_prompts=3, repeat=3)
     opts.store.parent.mkdir()
     with FakeRouter(opts.store, "pull") as pull, FakeRouter(opts.store, "push", "sequential") as push:
-        run = bench.bench_routers([push.url, pull.url], opts)
+        run = bench_routers([push.url, pull.url], opts)
     assert [(c.round, c.target.mode) for c in run.cells] == [
         (1, "pull"),
         (1, "push"),
@@ -170,7 +174,7 @@ def test_repeat_runs_abba_and_writes_pooled_rows(tmp_path, tiny_tokenizer_dir): 
     conn.close()
     assert len(saved) == 2 and saved[1]["ttft_p50_push_over_pull_hi"] == p["ttft_p50_push_over_pull_hi"]
     assert [json.loads(x)["rounds"] for x in opts.json_path.read_text().splitlines()] == [3, 3]
-    table = bench.format_table(bench.add_ratios(rows))
+    table = format_table(add_ratios(rows))
     assert "TTFT p50 by round ms" in table.splitlines()[0]
 
 
@@ -195,7 +199,7 @@ def test_repeat_on_started_stacks(tmp_path, tiny_tokenizer_dir, fresh, starts): 
             def stop(self):
                 events.append(("stop", self.mode))
 
-        run = bench.bench_stacks(["push", "pull"], ["overlapped"], opts, stack_factory=FakeStack)
+        run = bench_stacks(["push", "pull"], ["overlapped"], opts, stack_factory=FakeStack)
     assert [m for e, m in events if e == "start"] == starts
     assert [e for e, _ in events] == ["start", "stop"] * len(starts)  # one stack at a time, every one stopped
     assert [(c.round, c.target.mode) for c in run.cells] == [(1, "pull"), (1, "push"), (2, "push"), (2, "pull")]
@@ -271,10 +275,10 @@ def test_ctrl_c_in_round_two_saves_pooled_rows(tmp_path, tiny_tokenizer_dir, cap
         return False
 
     with FakeRouter(opts.store, "pull", on_request=interrupt) as pull, FakeRouter(opts.store, "push") as push:
-        run = bench.new_run(opts)
+        run = new_run(opts)
         old_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            code = bench.run_guarded("bench", run, lambda: bench.bench_routers([pull.url, push.url], opts, run=run))
+            code = run_guarded("bench", run, lambda: bench_routers([pull.url, push.url], opts, run=run))
         finally:
             signal.signal(signal.SIGINT, old_handler)
     assert code == 130

@@ -15,7 +15,7 @@ from fakes import P_KV, FakeVllm, d_echo, send_json
 
 from kvlens.stack.commands import find_vllm_router
 from kvlens.stack.errors import StackError
-from kvlens.stack.ports import free_port
+from kvrecord.ports import free_port
 from kvlens.stack.supervise import stop_children, wait_healthy
 
 try:

@@ -280,7 +280,7 @@ def test_a_malformed_store_url_is_refused_with_a_clear_message(tmp_path, capsys)
 
 
 def _down_url() -> str:
-    from pg_server import free_port
+    from kvrecord.ports import free_port
 
     return f"postgresql://kvlens:secret@127.0.0.1:{free_port()}/traces"  # nothing listens there
 

@@ -53,7 +53,7 @@ def test_up_busy_port_fails_fast(tiny_model):
 
 
 def test_parse_cpu_list():
-    from kvlens.up import parse_cpu_list
+    from kvlens.stack.pinning import parse_cpu_list
 
     assert parse_cpu_list("1") == {1}
     assert parse_cpu_list("0-3,6") == {0, 1, 2, 3, 6}
@@ -79,7 +79,7 @@ def test_assign_ports_checks_then_fills():
 
 
 def test_kv_transfer_config_instrumented_and_stock(tmp_path):
-    from kvlens.up import kv_transfer_config
+    from kvlens.stack.commands import kv_transfer_config
 
     ktc = kv_transfer_config("push", "prefill", "p0", False, tmp_path)
     assert ktc["kv_connector"] == "InstrumentedNixlPushConnector" and ktc["kv_role"] == "kv_producer"
@@ -179,7 +179,7 @@ def test_port_arg_and_loopback():
 
 # ------------------------------------------------ issue 12: the API key
 def _stack(tmp_path, **kw):
-    from kvlens.up import Stack
+    from kvlens.stack.launch import Stack
 
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)

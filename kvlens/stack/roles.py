@@ -1,0 +1,118 @@
+"""What each child of a :class:`~kvlens.stack.launch.Stack` runs (its mixin
+:class:`StackRoles`): a P or D vLLM server, kvlens' router, vLLM's
+``vllm-router`` and the OTLP collector, each a
+:class:`~kvlens.stack.supervise.Child` with its command line (from
+:mod:`kvlens.stack.commands`), environment, log file and health URL. Builds
+only; :meth:`Stack._spawn` starts them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from kvlens.stack import pinning
+from kvlens.stack.commands import (
+    REPO_ROOT,
+    api_key_env,
+    base_env,
+    collector_argv,
+    find_vllm_router,
+    kv_transfer_config,
+    router_argv,
+    server_env,
+    vllm_argv,
+    vllm_router_argv,
+)
+from kvlens.stack.supervise import Child
+from kvlens.stack.tp import tp_args
+
+
+class StackRoles:
+    """Methods of :class:`~kvlens.stack.launch.Stack` (its fields,
+    ``topology``, ``_instance``, ``prefills`` / ``decodes`` and ``_env``)
+    that build its children."""
+
+    def _child(self, name: str, argv: list[str], env: dict[str, str], url: str) -> Child:
+        """A child logging to ``<log_dir>/<name>.log``, run from the repository root."""
+        return Child(name, argv, env, Path(self.log_dir) / f"{name}.log", url, cwd=str(REPO_ROOT))
+
+    def _server(self, role: str, index: int = 0) -> Child:
+        """The ``index``-th P or D: its own HTTP and side-channel ports,
+        Prometheus dir, log and CPU (:func:`~kvlens.stack.pinning.cpu_binding`)."""
+        inst = self._instance(role, index)
+        prom = Path(self.log_dir) / f"prometheus-{inst.name}"
+        shutil.rmtree(prom, ignore_errors=True)
+        prom.mkdir(parents=True)
+        topo = self.topology
+        home = topo.home_for(role)
+        tps = {"prefill": self.prefill_tp, "decode": self.decode_tp}
+        cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances, tps=tps)
+        env = server_env(
+            base_env(home),
+            role == "prefill",
+            self.host,
+            inst.side_port,
+            prom,
+            self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}),
+            cpus,
+        )
+        ktc = kv_transfer_config(
+            self.mode,
+            role,
+            inst.engine_id,
+            self.stock,
+            home,
+            self.kv_lease_s,
+            self.push_registration_timeout_s,
+            topo.traces_url,
+            self.kv_load_failure_policy,
+        )
+        argv = vllm_argv(
+            Path(self.model), self.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
+        )
+        return self._child(inst.name, argv, env, inst.url)
+
+    def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
+        topo = self.topology
+        argv = router_argv(
+            [(p.url, p.engine_id, p.side_port, p.tp) for p in self.prefills],
+            [(d.url, d.engine_id) for d in self.decodes],
+            self.mode,
+            dispatch,
+            self.host,
+            port,
+        )
+        # only the main router hosts the receiver (``--collect``); extra routers export to it
+        hosts_receiver = name == "router"
+        if hosts_receiver:
+            argv += topo.router_args()
+        env = base_env(topo.home_for("router"))
+        extra = topo.router_env()
+        if topo.separate and topo.collector == "router" and not hosts_receiver:
+            extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": str(topo.collector_url), "KVLENS_HANDOFF_FROM": "off"}
+        env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
+        return self._child(name, argv, env, f"http://{self.host}:{port}")
+
+    def _vllm_router(self) -> Child:
+        """vLLM's own router in front of every P and D (pull only; a StackError
+        when it is not installed). Its environment: the router role's."""
+        port = int(self.vllm_router_port or 0)
+        argv = vllm_router_argv(
+            find_vllm_router(),
+            [p.url for p in self.prefills],
+            [d.url for d in self.decodes],
+            self.host,
+            port,
+            int(self.vllm_router_metrics_port or 0),
+        )
+        env = base_env(self.topology.home_for("router"))
+        env.update(self._env("router"))
+        return self._child("vllm-router", argv, env, f"http://{self.host}:{port}")
+
+    def _collector(self) -> Child:
+        topo = self.topology
+        env = base_env(topo.home_for("collector"))
+        env.update(self._env("collector", topo.collector_env()))
+        argv = collector_argv(self.host, int(self.collector_port), topo.store)
+        return self._child("collector", argv, env, str(topo.collector_url))
