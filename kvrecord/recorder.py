@@ -13,10 +13,9 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
   (:class:`kvrecord.spanbuilder.SpanBuilder`) and hands them to the SDK's span
   processors, which :mod:`exporters.pipeline` installs through the
   ``pipeline_factory`` it gives the recorder. In vLLM's processes the
-  recorder is :class:`exporters.shipping.ShippingRecorder`, whose thread
-  ships the events to a sidecar process that builds the spans there
-  (building a span costs ~43 µs of the engine's GIL per event; shipping
-  one costs ~1-2 µs); the hot path is this class's.
+  recorder is :class:`exporters.shipping.ShippingRecorder`: it ships the
+  events to a sidecar that builds the spans (a span costs ~43 µs of the
+  engine's GIL, shipping an event ~1-2 µs); the hot path is this class's.
 
 Memory stays bounded when an exporter stalls: the event buffer holds at most
 ``capacity`` events and the span processors' queues are bounded too.

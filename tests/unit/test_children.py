@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvrecord.children import ChildProcess, guarded, stop_all
-from test_hardening import SERVER, gone, wait_until
+from test_stack_supervise import SERVER, gone, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux process semantics (/proc, prctl)")
