@@ -33,6 +33,11 @@ FRAME = struct.Struct("<I")
 MAX_FRAME_EVENTS = 2048
 EVENTS, FLUSH = "e", "f"
 
+#: The environment variable that carries the sidecar's spec (role, mode,
+#: engine id, options) from the engine to its sidecar: not its command line,
+#: which anyone on the host can read and which may hold a store password.
+SPEC_ENV = "KVLENS_SIDECAR_SPEC"
+
 
 class Frame(NamedTuple):
     """One decoded frame: ``kind`` :data:`EVENTS` or :data:`FLUSH`; ``arg``

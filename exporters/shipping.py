@@ -141,11 +141,12 @@ class ShippingRecorder(Recorder):
         path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         if str(REPO_ROOT) not in path:
             env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *path])
+        # the spec in the environment, not on the command line: it may hold a
+        # store URL with a password, and anyone can read a command line (ps)
+        env[frames.SPEC_ENV] = self._spec
         try:
             # the engine's process group (stopped with it), unbuffered pipes (select sees every line)
-            proc = ChildProcess(
-                [*self._argv, self._spec, str(os.getpid())], env=env, group="caller", pipes=True
-            ).start()
+            proc = ChildProcess([*self._argv, str(os.getpid())], env=env, group="caller", pipes=True).start()
         except Exception as e:
             log_once("sidecar-start", "kvlens sidecar could not start (%s); building spans in this process", e)
             return False

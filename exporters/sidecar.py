@@ -2,7 +2,7 @@
 and metrics built here, off the engine's GIL (:mod:`exporters.shipping`
 says why).
 
-    python -m exporters.sidecar '<spec JSON>' <parent pid>
+    KVLENS_SIDECAR_SPEC='<spec JSON>' python -m exporters.sidecar <parent pid>
 
 Started by :class:`exporters.shipping.ShippingRecorder` in each vLLM
 EngineCore/worker process that records (roles prefill and decode; the
@@ -142,10 +142,11 @@ class Sidecar:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python -m exporters.sidecar '<spec JSON>' <parent pid>", file=sys.stderr)
+    spec_text = os.environ.pop(frames.SPEC_ENV, None)
+    if len(argv) != 1 or not spec_text or not argv[0].isdigit():
+        print(f"usage: {frames.SPEC_ENV}='<spec JSON>' python -m exporters.sidecar <parent pid>", file=sys.stderr)
         return 2
-    spec, parent = json.loads(argv[0]), int(argv[1])
+    spec, parent = json.loads(spec_text), int(argv[0])
     _guard_parent(parent)
     term = _Term()
     signal.signal(signal.SIGTERM, term)

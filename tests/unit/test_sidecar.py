@@ -165,6 +165,9 @@ def test_sidecar_rows_equal_inline_rows(tmp_path):
     side.flush()
     assert side.mode_in_use == "sidecar" and side.sidecar_pid
     pid = side.sidecar_pid
+    # its options (a store URL may hold a password) are not on its command line, which anyone can read
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    assert str(b) not in cmdline and "kvlens_home" not in cmdline, cmdline
     side.close()
     assert not _alive(pid), "the sidecar exits when its recorder closes"
     rows_a, slow_a = _rows(a)
