@@ -5,6 +5,9 @@ are declared in the order "slowest N" reads them (``{desc}``: NULLs last),
 so both backends walk one and stop after N.
 """
 
+from kvrecord import semconv as sc
+from kvrecord.derived import DERIVED_PHASES
+
 #: The ``traces`` table (version 2: clock crossings and the settled handoff,
 #: docs/phases.md "Clocks across hosts"). ``handoff_raw_s`` is the two-clock
 #: difference; ``handoff_s`` is written by the writer's settle pass
@@ -57,13 +60,36 @@ V3_TRACE_COLUMNS = (
     ("p_arrival_ns", "{int}"),
     ("d_first_ns", "{int}"),
 )
+
+#: Recorded phases with a duration (no points, none of the derived ones:
+#: those need spans of two processes), one summary column each:
+#: ``d_<phase>`` (dots as underscores), seconds, the longest copy of the
+#: phase in the trace (with tensor parallelism one per rank).
+SUMMARY_PHASES: tuple[str, ...] = tuple(
+    p.value for p in sc.Phase if p not in sc.POINT_PHASES and p not in DERIVED_PHASES
+)
+
+
+def phase_column(phase: str) -> str:
+    """The summary column of a recorded phase's duration (``write.complete`` -> ``d_write_complete``)."""
+    return "d_" + phase.replace(".", "_")
+
+
+#: Columns version 4 added (the two tiers, issue 24): ``keep`` says whether
+#: the request's spans are stored and why (:mod:`kvtrace.store.keep`): NULL
+#: while undecided (or written before version 4: all spans kept), ``all``
+#: (``--keep all``), a keep reason (``slow``, ``failed``, ``ratio``, ...) or
+#: ``no`` (summary only); then one duration per :data:`SUMMARY_PHASES`.
+V4_TRACE_COLUMNS = (("keep", "TEXT"), *((phase_column(p), "{real}") for p in SUMMARY_PHASES))
+
+
+def _with_columns(ddl: str, columns) -> str:
+    return ddl[: ddl.rindex(")")].rstrip() + "".join(f",\n    {c:<19} {t}" for c, t in columns) + "\n)"
+
+
 #: Version 2's traces table (what the version 1 -> 2 migration builds).
 _TRACES_V2_DDL = _TRACES_DDL
-_TRACES_DDL = (
-    _TRACES_V2_DDL[: _TRACES_V2_DDL.rindex(")")].rstrip()
-    + "".join(f",\n    {c:<19} {t}" for c, t in V3_TRACE_COLUMNS)
-    + "\n)"
-)
+_TRACES_DDL = _with_columns(_TRACES_V2_DDL, (*V3_TRACE_COLUMNS, *V4_TRACE_COLUMNS))
 
 
 #: The schema as a template (``{int}``, ``{real}``, ``{desc}``, ...: :meth:`Dialect.sql`).

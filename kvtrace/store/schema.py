@@ -52,14 +52,12 @@ from typing import Any, Iterator
 from urllib.parse import quote
 
 from kvtrace.store import pg, pgerrors
-from kvtrace.store.ddl import _TRACES_V2_DDL, SCHEMA_TEMPLATE, V3_TRACE_COLUMNS
+from kvtrace.store.ddl import _TRACES_V2_DDL, SCHEMA_TEMPLATE, V3_TRACE_COLUMNS, V4_TRACE_COLUMNS
 from kvrecord.location import StoreLocation
 from kvtrace.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of
 from kvtrace.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
 
-# ------------------------------------------------------------------ dialect
-# SQLite's spelling, kept for callers that import these names; the queries
-# take the connection's own (dialect_of(conn)).
+# SQLite's spelling (callers import these names); queries take dialect_of(conn).
 #: Parameter placeholder: both backends take ``?`` (the PostgreSQL adapter translates).
 PARAM = "?"
 LEAST, GREATEST = SQLITE.least, SQLITE.greatest
@@ -75,7 +73,7 @@ def params(n: int) -> str:
 
 # ------------------------------------------------------------------ schema
 #: The schema this code writes and reads. Bump it with a MIGRATIONS entry.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Stores written before the ``meta`` table existed have version 1's tables.
 LEGACY_VERSION = 1
 
@@ -109,6 +107,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     ),
     # 2 -> 3: the engines' TTFT (ddl.V3_TRACE_COLUMNS); older rows keep NULLs.
     2: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V3_TRACE_COLUMNS),
+    # 3 -> 4: the keep decision and the per-phase durations (ddl.V4_TRACE_COLUMNS);
+    # older rows keep NULLs (their spans are all stored).
+    3: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V4_TRACE_COLUMNS),
 }
 
 

@@ -19,6 +19,7 @@ from opentelemetry.trace import format_span_id, format_trace_id
 
 from kvtrace import clockbounds
 from kvtrace.clockbounds import WINDOW_NS
+from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
 from kvtrace.store.dialect import dialect_of
 from kvtrace.store.schema import PARAM, SPAN_COLUMNS, TRACE_COLUMNS, params, write_tx
 from kvrecord import semconv as sc
@@ -46,12 +47,18 @@ _FOLD_FIRST = ("prefill_finished_ns", "p_engine", "d_engine", "p_arrival_ns", "d
 _FOLD_MIN = ("d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
 _FOLD_MAX = ("kv_ready_ns",)
 _FOLDED = (*_FOLD_FIRST, *_FOLD_MIN, *_FOLD_MAX)
+#: Each recorded phase's duration column (the longest copy wins: ranks, retries).
+_PHASE_COL = {p: phase_column(p) for p in SUMMARY_PHASES}
+_PHASES = tuple(_PHASE_COL.values())
+#: An upsert's phase columns, all NULL (a span carries at most one).
+_NO_PHASES = dict.fromkeys(_PHASES)
 
 _UPSERT_TRACE = f"""
 INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns,
-                    ttft_s, ttft_source, {", ".join(_FOLDED)}, n_spans)
+                    ttft_s, ttft_source, {", ".join(_FOLDED)}, n_spans, keep, {", ".join(_PHASES)})
 VALUES (:trace_id, :request_id, :mode, :dispatch, :outcome, :start_ns, :end_ns,
-        :ttft_s, :ttft_source, {", ".join(":" + c for c in _FOLDED)}, :n_spans)
+        :ttft_s, :ttft_source, {", ".join(":" + c for c in _FOLDED)}, :n_spans, :keep,
+        {", ".join(":" + c for c in _PHASES)})
 ON CONFLICT (trace_id) DO UPDATE SET
     request_id = CASE WHEN :is_router OR traces.request_id IS NULL
                       THEN excluded.request_id ELSE traces.request_id END,
@@ -67,6 +74,8 @@ ON CONFLICT (trace_id) DO UPDATE SET
     {", ".join(f"{c} = COALESCE(traces.{c}, excluded.{c})" for c in _FOLD_FIRST)},
     {", ".join(f"{c} = COALESCE({{least}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})" for c in _FOLD_MIN)},
     {", ".join(f"{c} = COALESCE({{greatest}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})" for c in _FOLD_MAX)},
+    {", ".join(f"{c} = COALESCE({{greatest}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})" for c in _PHASES)},
+    keep = COALESCE(traces.keep, excluded.keep),
     n_spans = traces.n_spans + excluded.n_spans
 """
 
@@ -137,6 +146,9 @@ def _span_rows(span: ReadableSpan) -> tuple[tuple, dict]:
     }
     if up["ttft_s"] is not None:
         up["ttft_source"] = _TTFT_ROUTER
+    col = _PHASE_COL.get(name)
+    if col is not None:
+        up[col] = (end - start) / 1e9
     cross = sc.CROSSINGS.get((role, name, None)) or sc.CROSSINGS.get((role, name, mode))
     if cross is not None:
         up[cross[0]] = start if cross[1] == "start" else end
@@ -147,25 +159,42 @@ def _span_key(row: tuple) -> tuple[str, str]:
     return row[0], row[1]
 
 
-def write_spans(conn: sqlite3.Connection, spans: Sequence[ReadableSpan]) -> None:
-    """Insert OTel ``ReadableSpan`` s (local or decoded from OTLP) and fold them into ``traces``, in one
-    write transaction (blocks up to the connection timeout on another
-    process's writer)."""
+def span_rows(spans: Iterable[ReadableSpan]) -> tuple[list[tuple], dict[str, dict]]:
+    """(``spans`` rows, one folded ``traces`` upsert per trace id) of OTel
+    ``ReadableSpan`` s (local, or decoded from OTLP): what :func:`write_rows` takes."""
     rows, ups = [], {}
     for s in spans:
         r, u = _span_rows(s)
         rows.append(r)
         prev = ups.get(u["trace_id"])
         ups[u["trace_id"]] = u if prev is None else _fold(prev, u)
+    return rows, ups
+
+
+def write_spans(conn: sqlite3.Connection, spans: Sequence[ReadableSpan]) -> None:
+    """Insert OTel ``ReadableSpan`` s (local or decoded from OTLP) and fold them into ``traces``, in one
+    write transaction (blocks up to the connection timeout on another
+    process's writer). Every span is stored (``keep = 'all'``)."""
+    write_rows(conn, *span_rows(spans))
+
+
+def write_rows(conn: sqlite3.Connection, rows: Sequence[tuple], ups: dict[str, dict], keep: str | None = "all") -> None:
+    """One write transaction: the ``spans`` rows (those of kept requests:
+    all of them, or fewer under sampling), every trace's summary upsert
+    (``keep``: the value a new row gets; NULL while undecided), the settle
+    pass."""
     # one row per span (a copy sent twice in one batch: the later wins, as
     # two upserts in a row would), in lock order (see the module docstring)
     rows = sorted({_span_key(r): r for r in rows}.values(), key=_span_key)
+    base = {**_NO_PHASES, "keep": keep}
     with write_tx(conn):
-        if hasattr(conn, "copy_upsert"):  # PostgreSQL: COPY + one INSERT ... SELECT, ~3x executemany
+        if not rows:
+            pass
+        elif hasattr(conn, "copy_upsert"):  # PostgreSQL: COPY + one INSERT ... SELECT, ~3x executemany
             conn.copy_upsert("spans", SPAN_COLUMNS, "trace_id, span_id", _SPAN_CONFLICT, rows)
         else:
             conn.executemany(_INSERT_SPAN, rows)
-        conn.executemany(dialect_of(conn).sql(_UPSERT_TRACE), [ups[t] for t in sorted(ups)])
+        conn.executemany(dialect_of(conn).sql(_UPSERT_TRACE), [{**base, **ups[t]} for t in sorted(ups)])
         settle(conn, sorted(ups))
 
 
@@ -198,6 +227,10 @@ def _fold(a: dict, b: dict) -> dict:
     for k in _FOLD_MAX:
         if a[k] is None or (b[k] is not None and b[k] > a[k]):
             out[k] = b[k]
+    for k in _PHASES:  # a span carries at most one: only present keys
+        v = b.get(k)
+        if v is not None and (a.get(k) is None or v > a[k]):
+            out[k] = v
     out["n_spans"] = a["n_spans"] + b["n_spans"]
     return out
 
