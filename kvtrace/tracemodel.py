@@ -57,6 +57,12 @@ from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's A
     tile,
 )
 from kvrecord import semconv as sc
+from kvrecord.keeprule import NOT_KEPT
+
+#: Why a summary-only request lists no spans (``kvlens traces --json``).
+NOT_KEPT_NOTE = (
+    "summary only: spans not kept under --keep sampled (not failed, clock bounded, not slow, outside the keep ratio)"
+)
 
 #: Labels of the two sides of the split (the dashboard shows them as is).
 CRITICAL = "critical path"
@@ -167,6 +173,12 @@ class Trace:
     #: D's first token, corrected like the handoff, true within ``ttft_err_s``)
     ttft_source: str | None = None
     ttft_err_s: float | None = None
+    #: Whether its spans are stored, and why (:mod:`kvrecord.keeprule`): None
+    #: (written before kvlens recorded it: all kept), ``all``, a reason, ``no``.
+    keep: str | None = None
+    #: Each recorded phase's longest duration in seconds, from the summary
+    #: row: there whether the spans were kept or not.
+    phases: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_rows(cls, summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]] = ()) -> Trace:
@@ -213,8 +225,11 @@ class Trace:
                 )
             )
         marked.sort(key=lambda x: x.start_ns)  # stable: recorded order kept among equal starts
-        fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in ("n_spans", "kv_ready_ns")}
-        return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, **fields)
+        phase_cols = store.PHASE_COLUMNS
+        skip = {"n_spans", "kv_ready_ns", *phase_cols.values()}
+        fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in skip}
+        phases = {p: summary[c] for p, c in phase_cols.items() if summary.get(c) is not None}
+        return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, phases=phases, **fields)
 
     @property
     def half(self) -> str | None:
@@ -291,7 +306,10 @@ class Trace:
             "transfer": ranks.transfer_json(self.spans),
             "release": release_json(self.spans, self.kv_ready_ns),
             "kv_use": kvuse.trace_kv_use(self.spans),
+            "keep": self.keep,
+            "phases_s": dict(self.phases),
             "spans": [s.to_json() for s in self.spans],
+            **({"spans_note": NOT_KEPT_NOTE} if self.keep == NOT_KEPT else {}),
         }
 
     def ranks_json(self) -> dict[str, Any] | None:

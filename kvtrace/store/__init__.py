@@ -15,6 +15,8 @@ queries, same results.
   connections behind the ``sqlite3`` surface the queries use).
 * :mod:`~kvtrace.store.retention`: :func:`prune`, :class:`Retention`.
 * :mod:`~kvtrace.store.writer`: spans in (rows, the trace fold, the settled handoff).
+* :mod:`~kvtrace.store.keep`: the two tiers: :class:`Keeper` writes every
+  request's summary and the spans of the requests its keep rule keeps.
 * :mod:`~kvtrace.store.exporter`: ``StoreSpanExporter``, the SDK exporter
   onto the writer, either backend, bounded.
 * :mod:`~kvtrace.store.testing`: what tests and benchmarks need beneath the
@@ -42,6 +44,7 @@ from kvtrace.store.errors import (
 )
 from kvtrace.store.queries import (
     HANDOFF_COLUMNS,
+    PHASE_COLUMNS,
     SAMPLE_SPAN_COLUMNS,
     SAMPLE_TRACE_COLUMNS,
     SUMMARY_COLUMNS,
@@ -65,9 +68,12 @@ from kvtrace.store.schema import SCHEMA_VERSION, SPAN_COLUMNS, TRACE_COLUMNS, ch
 from kvtrace.store.retention import Retention, prune
 from kvtrace.store.exporter import StoreSpanExporter
 from kvtrace.store.writer import bulk_insert, settle, write_spans
+from kvtrace.store.keep import Keeper
 
 __all__ = [
     "HANDOFF_COLUMNS",
+    "Keeper",
+    "PHASE_COLUMNS",
     "SAMPLE_SPAN_COLUMNS",
     "SAMPLE_TRACE_COLUMNS",
     "SCHEMA_VERSION",

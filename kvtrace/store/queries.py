@@ -19,10 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from kvrecord.durations import parse_duration
+from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
 from kvtrace.store.dialect import dialect_of
 from kvtrace.store.schema import PARAM, SPAN_COLUMNS, params, read_tx, write_tx
 
 #: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
+#: Each recorded phase's duration column in a summary (``kvtrace.store.ddl``).
+PHASE_COLUMNS = {p: phase_column(p) for p in SUMMARY_PHASES}
 SUMMARY_COLUMNS = (
     "trace_id",
     "request_id",
@@ -46,6 +49,8 @@ SUMMARY_COLUMNS = (
     "d_engine",
     "ttft_source",
     "ttft_err_s",
+    "keep",
+    *PHASE_COLUMNS.values(),
 )
 #: Columns of :func:`handoffs` rows (the resolver's view of a settled trace).
 #: ``complete``: the request's own crossings both ways have arrived, so a
@@ -60,6 +65,7 @@ HANDOFF_COLUMNS = (
     "handoff_note",
     "p_engine",
     "d_engine",
+    "keep",
     "complete",
 )
 #: Tuple order of :func:`window` rows.

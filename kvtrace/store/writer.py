@@ -183,19 +183,24 @@ def write_rows(conn: sqlite3.Connection, rows: Sequence[tuple], ups: dict[str, d
     all of them, or fewer under sampling), every trace's summary upsert
     (``keep``: the value a new row gets; NULL while undecided), the settle
     pass."""
-    # one row per span (a copy sent twice in one batch: the later wins, as
-    # two upserts in a row would), in lock order (see the module docstring)
-    rows = sorted({_span_key(r): r for r in rows}.values(), key=_span_key)
     base = {**_NO_PHASES, "keep": keep}
     with write_tx(conn):
-        if not rows:
-            pass
-        elif hasattr(conn, "copy_upsert"):  # PostgreSQL: COPY + one INSERT ... SELECT, ~3x executemany
-            conn.copy_upsert("spans", SPAN_COLUMNS, "trace_id, span_id", _SPAN_CONFLICT, rows)
-        else:
-            conn.executemany(_INSERT_SPAN, rows)
+        insert_span_rows(conn, rows)
         conn.executemany(dialect_of(conn).sql(_UPSERT_TRACE), [{**base, **ups[t]} for t in sorted(ups)])
         settle(conn, sorted(ups))
+
+
+def insert_span_rows(conn: sqlite3.Connection, rows: Sequence[tuple]) -> None:
+    """Insert ``spans`` rows inside the caller's write transaction: one row
+    per span (a copy sent twice in one batch: the later wins, as two upserts
+    in a row would), in lock order (see the module docstring)."""
+    if not rows:
+        return
+    rows = sorted({_span_key(r): r for r in rows}.values(), key=_span_key)
+    if hasattr(conn, "copy_upsert"):  # PostgreSQL: COPY + one INSERT ... SELECT, ~3x executemany
+        conn.copy_upsert("spans", SPAN_COLUMNS, "trace_id, span_id", _SPAN_CONFLICT, rows)
+    else:
+        conn.executemany(_INSERT_SPAN, rows)
 
 
 _RANK = {o: i for i, o in enumerate(_OUTCOME_RANK, 1)}

@@ -129,6 +129,8 @@ def test_json_form_keys_are_the_cli_contract():
         "transfer",
         "release",
         "kv_use",
+        "keep",
+        "phases_s",
         "spans",
     ]
     assert [list(s) for s in rec["spans"]][0] == [

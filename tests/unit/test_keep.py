@@ -1,0 +1,196 @@
+"""The two storage tiers (issue 24): every request's summary, spans only for
+kept requests, decisions counted by reason, late spans, a bounded buffer;
+on both backends, with a clock the test moves."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import SpanContext
+
+from kvrecord import semconv as sc
+from kvrecord.ids import root_span_id
+from kvrecord.keeprule import KeepRule
+from kvtrace import store, tracemodel
+from kvtrace.store.keep import Keeper, ratio_pick
+
+MS = 1_000_000
+T0 = 1_790_000_000_000_000_000
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _span(tid, name, role, start, end, *, parent=True, **attrs) -> ReadableSpan:
+    a = {sc.ATTR_ROLE: role, sc.ATTR_MODE: "push", sc.ATTR_REQUEST_ID: f"cmpl-{tid}-0-1234abcd", **attrs}
+    if role != "router":
+        a[sc.ATTR_ENGINE_ID] = "p0" if role == "prefill" else "d0"
+    sid = root_span_id(int(tid, 16)) if name == "request" else int(secrets.token_hex(8), 16) | 1
+    ctx = SpanContext(int(tid, 16), sid, False)
+    par = SpanContext(int(tid, 16), root_span_id(int(tid, 16)), False) if parent and name != "request" else None
+    return ReadableSpan(name=name, context=ctx, parent=par, attributes=a, start_time=start, end_time=end)
+
+
+def request(tid: str, *, handoff_ms: float = 5, outcome: str = "ok", root: bool = True, t0: int = T0) -> list:
+    """A push request's spans with both clock crossings (its handoff settles)."""
+    pf = t0 + 20 * MS
+    kv = pf + int(handoff_ms * MS)
+    out = [
+        _span(tid, "registration.send", "decode", t0 + 1 * MS, t0 + 1 * MS + 100),
+        _span(tid, "registration.receive", "prefill", t0 + 2 * MS, t0 + 2 * MS),
+        _span(tid, "prefill", "prefill", t0, pf),
+        _span(tid, "prefill.finished", "prefill", pf, pf),
+        _span(tid, "write.post", "prefill", pf + 1000, pf + 2000),
+        _span(tid, "kv.ready", "decode", kv, kv, **{sc.ATTR_OUTCOME: outcome}),
+    ]
+    if root:
+        ttft = (kv - t0) / 1e9 + 0.01
+        out.append(_span(tid, "request", "router", t0 - 1000, kv + 20 * MS, **{sc.ATTR_TTFT_S: ttft}))
+    return out
+
+
+def _tid(i: int, kept_by_ratio: bool = False) -> str:
+    """A trace id outside the 1 % share (or inside it)."""
+    tail = "00000001" if kept_by_ratio else "fffffff0"
+    return f"{i:024x}{tail}"
+
+
+def _stored(backend, ids):
+    with store.reading(backend.store) as conn:
+        return tracemodel.find(conn, ids)
+
+
+def test_keep_all_stores_every_span_and_says_so(backend):
+    k = Keeper(KeepRule())
+    with store.connect(backend.store) as conn:
+        assert k.write(conn, request(_tid(1))) == 7
+    tr = _stored(backend, [_tid(1)])[_tid(1)]
+    assert tr.keep == "all" and len([s for s in tr.spans if not s.attributes.get(sc.ATTR_DERIVED)]) == 7
+    assert tr.phases["prefill"] == pytest.approx(0.02)
+
+
+def test_sampled_keeps_failed_slow_and_ratio_and_summarises_the_rest(backend):
+    clock = Clock()
+    k = Keeper(KeepRule.parse("sampled", 0.01, "50ms"), clock=clock)
+    fast = [_tid(i) for i in range(6)]
+    slow, failed, picked = _tid(10), _tid(11), _tid(12, kept_by_ratio=True)
+    spans = [s for t in fast for s in request(t)]
+    spans += request(slow, handoff_ms=80) + request(failed, outcome="failed") + request(picked)
+    with store.connect(backend.store) as conn:
+        assert k.write(conn, spans) == 0  # all held: no decision before the grace
+        assert k.buffered == len(spans)
+        clock.t += 2.5  # past the grace after each root span
+        stored = k.write(conn, [])
+    assert stored == 3 * 7 and k.buffered == 0
+    assert (k.counts["slow"], k.counts["failed"], k.counts["ratio"], k.counts["no"]) == (1, 1, 1, 6)
+    assert k.counts["unkept"] == 6 * 7
+    got = _stored(backend, [*fast, slow, failed, picked])
+    assert {t: got[t].keep for t in (slow, failed, picked)} == {slow: "slow", failed: "failed", picked: "ratio"}
+    for t in fast:  # the summary is whole: handoff settled, TTFT, phases, every span counted
+        tr = got[t]
+        assert tr.keep == "no" and tr.spans == () and tr.n_spans == 7
+        assert tr.handoff_s == pytest.approx(0.005, abs=0.002) and tr.ttft_s is not None
+        assert tr.phases["prefill"] == pytest.approx(0.02)
+        assert tr.to_json()["spans"] == [] and "not kept" in tr.to_json()["spans_note"]
+    assert len([s for s in got[slow].spans if not s.attributes.get(sc.ATTR_DERIVED)]) == 7
+
+
+def test_a_late_span_folds_into_the_summary_and_follows_the_decision(backend):
+    clock = Clock()
+    k = Keeper(KeepRule.parse("sampled", 0, "1s"), clock=clock)
+    unkept, kept = _tid(1), _tid(2)
+    with store.connect(backend.store) as conn:
+        k.write(conn, request(unkept) + request(kept, outcome="timeout"))
+        clock.t += 3
+        k.write(conn, [])
+        late = [_span(t, "decode.first_step", "decode", T0 + 40 * MS, T0 + 47 * MS) for t in (unkept, kept)]
+        assert k.write(conn, late) == 1
+    assert (k.counts["late_kept"], k.counts["late_dropped"]) == (1, 1)
+    got = _stored(backend, [unkept, kept])
+    assert got[unkept].n_spans == 8 and got[unkept].phases["decode.first_step"] == pytest.approx(0.007)
+    assert got[unkept].spans == ()
+    assert "decode.first_step" in {s.name for s in got[kept].spans}
+    # another process (a new keeper) follows the recorded decision
+    k2 = Keeper(KeepRule.parse("sampled", 0, "1s"), clock=clock)
+    with store.connect(backend.store) as conn:
+        assert k2.write(conn, [_span(kept, "decode.queue", "decode", T0, T0 + MS)]) == 1
+
+
+def test_requests_without_a_root_wait_for_the_decision_wait(backend):
+    clock = Clock()
+    k = Keeper(KeepRule.parse("sampled", 0, "1s", wait_s=10.0), clock=clock)
+    with store.connect(backend.store) as conn:
+        k.write(conn, request(_tid(1), root=False))
+        clock.t += 5
+        k.write(conn, [])
+        assert k.buffered == 6 and 4.9 < k.due_in() <= 5.0
+        clock.t += 5
+        k.write(conn, [])
+    assert k.buffered == 0 and k.counts["no"] == 1
+
+
+def test_a_full_buffer_decides_the_oldest_early_and_counts_them(backend):
+    clock = Clock()
+    k = Keeper(KeepRule.parse("sampled", 0, "1s", max_spans=10), clock=clock)
+    with store.connect(backend.store) as conn:
+        for i in range(3):
+            k.write(conn, request(_tid(i), root=False))
+        assert k.buffered <= 10
+        assert k.counts["forced"] == 2 and k.counts["no"] == 2
+        k.flush(conn)
+    assert k.buffered == 0 and k.counts["no"] == 3
+
+
+def test_a_live_percentile_keeps_the_slow_tail_after_its_warmup(backend):
+    clock = Clock()
+    k = Keeper(KeepRule.parse("sampled", 0, "p90"), clock=clock)
+    spans = []
+    for i in range(60):
+        spans += request(_tid(i), handoff_ms=5 + (i % 10) * 0.5, t0=T0 + i * 100 * MS)
+    spans += request(_tid(99), handoff_ms=200, t0=T0 + 70 * 100 * MS)
+    with store.connect(backend.store) as conn:
+        k.write(conn, spans)
+        k.flush(conn)
+    assert k.counts["warmup"] == 20  # the window's first requests: too few to say
+    assert 1 <= k.counts["slow"] <= 10 and k.counts["slow"] + k.counts["no"] + 20 == 61
+    assert _stored(backend, [_tid(99)])[_tid(99)].keep == "slow"
+
+
+def test_the_ratio_share_is_by_trace_id_and_about_right():
+    ids = [secrets.token_hex(16) for _ in range(20000)]
+    share = sum(ratio_pick(t, 0.1) for t in ids) / len(ids)
+    assert 0.08 < share < 0.12
+    assert all(ratio_pick(t, 1.0) for t in ids[:10]) and not any(ratio_pick(t, 0.0) for t in ids[:100])
+    assert [ratio_pick(t, 0.1) for t in ids[:50]] == [ratio_pick(t, 0.1) for t in ids[:50]]
+
+
+@pytest.mark.parametrize(
+    "args, flag",
+    [
+        (("sometimes", None, None), "--keep must be one of all, sampled"),
+        (("sampled", "1.5", None), "--keep-ratio must be from 0 to 1"),
+        (("sampled", "x", None), "--keep-ratio must be a number"),
+        (("sampled", None, "p100"), "--keep-slow percentile"),
+        (("sampled", None, "slowish"), "--keep-slow must be a percentile"),
+        (("sampled", None, "-2s"), "--keep-slow"),
+    ],
+)
+def test_a_bad_keep_rule_names_its_flag(args, flag):
+    with pytest.raises(ValueError, match=flag):
+        KeepRule.parse(*args)
+
+
+def test_keep_rule_forms():
+    r = KeepRule.parse("sampled", "0.05", "250ms")
+    assert (r.ratio, r.slow_s, r.slow_pct) == (0.05, 0.25, None)
+    assert KeepRule.parse("SAMPLED", None, "p99.9").slow_pct == 99.9
+    assert KeepRule.parse(**dict(zip(("keep", "ratio", "slow"), r.to_config().values()))) == r
+    with pytest.raises(ValueError, match="kvlens_keep_ratio"):
+        KeepRule.parse("sampled", 2, None, prefix="kvlens_keep")
