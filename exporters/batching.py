@@ -201,6 +201,9 @@ class CountingBatchSpanProcessor(SpanProcessor):
             with self._cv:
                 ticket = self._flush_asked
             self._export_queued()
+            tick = getattr(self.exporter, "tick", None)  # the store's keep decisions, when idle
+            if tick is not None:
+                tick()
             with self._cv:
                 self._flush_done = max(self._flush_done, ticket)
                 self._cv.notify_all()

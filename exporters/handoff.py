@@ -57,6 +57,7 @@ from typing import Any
 from kvtrace import store, tracemodel
 from kvrecord import procstats
 from kvrecord import semconv as sc
+from kvrecord.keeprule import NOT_KEPT
 from kvrecord.logutil import log_once
 
 #: Bound on the (P engine, D engine) label pairs of the clock gauges.
@@ -121,6 +122,10 @@ class HandoffResolver:
         self._pid = os.getpid()
         self._pairs: set[tuple[str, str]] = set()
         self.hold_warn_s = hold_warn_s()
+        #: Under --keep sampled: the span rows of unkept requests, by trace id
+        #: (``Keeper.unkept_rows``); a handoff then waits for its request's
+        #: decision, and an exemplar names only a kept request.
+        self.held: Any = None
         #: trace ids looked up already, newest last (bounded: :data:`DONE_CAP`)
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -212,7 +217,8 @@ class HandoffResolver:
                 # have taken this id already, and each id counts exactly once.
                 row = found.get(tid)
                 due = expire and now >= deadline
-                if row is not None and ((row["complete"] and now >= not_before) or due):
+                ready = row is not None and row["complete"] and (self.held is None or row["keep"] is not None)
+                if row is not None and ((ready and now >= not_before) or due):
                     if self._pending.pop(tid, None) is not None:
                         resolved.append((tid, mode, row))
                         self._mark_done(tid)
@@ -262,7 +268,7 @@ class HandoffResolver:
             fam.child(fam.unresolved, (mode, "clock_unknown")).inc()
         else:
             child = fam.child(fam.handoff, (mode,))
-            if self.exemplars:
+            if self.exemplars and row.get("keep") != NOT_KEPT and (self.held is None or row.get("keep")):
                 child.observe(float(h), {"trace_id": tid})
             else:
                 child.observe(float(h))
@@ -288,7 +294,8 @@ class HandoffResolver:
         :func:`hold_warn_s` counts in ``kvlens_kv_hold_long_total``. One read
         per pass; a failed read skips these for the pass (logged once), never the handoff."""
         try:
-            traces = tracemodel.find(self._connection(), list(modes))
+            held = self.held(list(modes)) if self.held is not None else None
+            traces = tracemodel.find(self._connection(), list(modes), held=held)
         except Exception as e:
             log_once("handoff-derived:" + type(e).__name__, "derived phases not read (%s); skipped", e)
             return
@@ -299,7 +306,7 @@ class HandoffResolver:
             for d in (s for s in tr.spans if s.attributes.get(sc.ATTR_DERIVED)):
                 outcome = sc.closed(d.outcome or sc.Outcome.OK.value, sc.Outcome)
                 child = fam.child(fam.phase, (mode, sc.closed(d.role, sc.Role), d.name, outcome))
-                if self.exemplars:
+                if self.exemplars and tr.keep != NOT_KEPT and (self.held is None or tr.keep):
                     child.observe(d.duration_s, {"trace_id": tid})
                 else:
                     child.observe(d.duration_s)

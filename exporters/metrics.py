@@ -184,7 +184,9 @@ class PhaseMetricsProcessor(SpanProcessor):
     ``trace_id`` exemplars (default: on unless ``PROMETHEUS_MULTIPROC_DIR``
     is set, where prometheus_client cannot store them). ``dropped_source``:
     where ``kvlens_telemetry_dropped_total`` reads drop counts (see
-    :func:`set_dropped_source`; default: none).
+    :func:`set_dropped_source`; default: none). ``keeper``: the
+    :class:`kvtrace.store.Keeper` writing the spans this processor sees (the
+    collector's), whose keep rule the exemplars and the handoff follow.
     """
 
     def __init__(
@@ -198,6 +200,7 @@ class PhaseMetricsProcessor(SpanProcessor):
         handoff_poll_s: float = 0.25,
         exemplars: bool | None = None,
         dropped_source: DroppedSource | None = None,
+        keeper: Any = None,
     ) -> None:
         handoff_from = (handoff_from or os.environ.get(HANDOFF_FROM_ENV) or "router").strip().lower()
         if handoff_from not in ("router", "decode", "any", "off"):
@@ -225,6 +228,15 @@ class PhaseMetricsProcessor(SpanProcessor):
             poll_s=float(handoff_poll_s),
             exemplars=self.exemplars,
         )
+        # Under --keep sampled (the collector's kvtrace.store.Keeper) every span
+        # is still observed (counts stay exact) but an exemplar names only a
+        # request whose spans are stored, and the handoff is observed once its
+        # request is decided, its derived phases from the held spans if unkept.
+        self._exemplar_ok = None
+        if keeper is not None and keeper.rule.sampled:
+            self._exemplar_ok = keeper.surely_kept
+            self.handoff.held = keeper.unkept_rows
+            self.handoff.deadline_s = max(self.handoff.deadline_s, keeper.rule.wait_s + handoff_deadline_s)
         self._dropped_source = dropped_source or _no_drops
         #: bandwidth above this (Gb/s, env KVLENS_LINK_GBPS) is counted implausible, not observed
         self.link_gbps = ranks.link_gbps()
@@ -278,7 +290,11 @@ class PhaseMetricsProcessor(SpanProcessor):
         mode = _label(a.get(sc.ATTR_MODE), _MODES, sc.Mode)
         role = _label(a.get(sc.ATTR_ROLE), _ROLES, sc.Role)
         outcome = _label(a.get(sc.ATTR_OUTCOME, "ok"), _OUTCOMES, sc.Outcome)
-        ex = {"trace_id": format_trace_id(span.context.trace_id)} if self.exemplars else None
+        ex = None
+        if self.exemplars:
+            tid = format_trace_id(span.context.trace_id)
+            if self._exemplar_ok is None or self._exemplar_ok(tid):
+                ex = {"trace_id": tid}
         d = max(t1 - t0, 0) / 1e9
         fam.child(fam.phase, (mode, role, phase, outcome)).observe(d, ex)
         if phase in _RANK_PHASES and (a.get(sc.ATTR_TP_SIZE) or 1) > 1:

@@ -207,7 +207,9 @@ def provider_factory(
         _ledgers.append((os.getpid(), role, losses))
         provider = BoundedTracerProvider(resource=Resource.create(attrs), id_generator=id_generator, losses=losses)
         if opts.store is not None:
-            exporter = store.StoreSpanExporter(opts.store, max_block_s=store_max_block_s, retention=opts.retention_s)
+            exporter = store.StoreSpanExporter(
+                opts.store, max_block_s=store_max_block_s, retention=opts.retention_s, keep=opts.keep
+            )
             provider.add_span_processor(
                 CountingBatchSpanProcessor(
                     exporter,

@@ -52,3 +52,41 @@ def from_parser(fn, *errors: type[Exception]):
 
     parse.__name__ = getattr(fn, "__name__", "value")
     return parse
+
+
+def add_keep_arguments(p: argparse.ArgumentParser, default: str = "all") -> None:
+    """``--keep``, ``--keep-ratio``, ``--keep-slow``: which requests keep their
+    spans (:mod:`kvrecord.keeprule`); checked by :func:`keep_rule`."""
+    p.add_argument(
+        "--keep",
+        default=default,
+        metavar="all|sampled",
+        help=f"all: store every request's spans (default {default}); sampled: a summary row for every "
+        "request, spans only for failed, clock-unknown, slow and --keep-ratio of the rest",
+    )
+    p.add_argument(
+        "--keep-ratio",
+        default=None,
+        metavar="R",
+        help="with --keep sampled: share of the other requests kept whole, 0 to 1, picked by trace id (default 0.01)",
+    )
+    p.add_argument(
+        "--keep-slow",
+        default=None,
+        metavar="pNN|DURATION",
+        help="with --keep sampled: a request is slow when its handoff or TTFT is above this percentile of "
+        "its (mode, dispatch, P/D pair) window, or above a fixed duration such as 500ms (default p90)",
+    )
+
+
+def keep_rule(args: argparse.Namespace):
+    """The :class:`kvrecord.keeprule.KeepRule` of the flags; ValueError naming the flag."""
+    from kvrecord.keeprule import KeepRule
+
+    keep = getattr(args, "keep", None)
+    rule = KeepRule.parse(keep, getattr(args, "keep_ratio", None), getattr(args, "keep_slow", None))
+    if not rule.sampled:
+        for flag in ("keep_ratio", "keep_slow"):
+            if getattr(args, flag, None) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} applies only with --keep sampled")
+    return rule

@@ -17,6 +17,7 @@ import socket
 import sqlite3
 import sys
 
+from kvlens.argtypes import add_keep_arguments, keep_rule
 from kvrecord.config import default_store
 from kvrecord.location import StoreLocation
 
@@ -69,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep traces this long (e.g. 7d, 12h); older ones are deleted in small batches "
         "as spans are written (default: keep all)",
     )
+    add_keep_arguments(p)
     p.add_argument(
         "--max-body-mb",
         type=float,
@@ -137,6 +139,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--max-body-mb must be > 0, got {args.max_body_mb}"
     if args.queue_spans <= 0:
         return f"--queue-spans must be > 0, got {args.queue_spans}"
+    try:
+        keep_rule(args)
+    except ValueError as e:
+        return str(e)
     if getattr(args, "retention", None):
         from kvrecord.durations import parse_duration
 
@@ -186,8 +192,9 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) 
     from kvlens.signals import sigterm_as_interrupt
 
     registry = CollectorRegistry()
+    rule = keep_rule(args)
     ingest = collector_ingest(
-        store, registry, max_queue_spans=args.queue_spans, retention=getattr(args, "retention", None)
+        store, registry, max_queue_spans=args.queue_spans, retention=getattr(args, "retention", None), keep=rule
     )
     app = create_app(
         ingest,
@@ -202,6 +209,7 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {store}", flush=True)
+    print(f"kvlens collect: {rule.describe()}", flush=True)
     try:
         with sigterm_as_interrupt():
             try:
@@ -212,5 +220,7 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) 
         ingest.close(CLOSE_TIMEOUT_S)  # no-op after the lifespan hook closed it
         sock.close()
     c = ingest.counts()
-    print(f"kvlens collect: stopped; {c['written']} spans written, {c['dropped']} dropped", flush=True)
+    unkept = ingest.keeper.counts["unkept"]
+    more = f", {unkept} not kept (summaries only)" if rule.sampled else ""
+    print(f"kvlens collect: stopped; {c['written']} spans written, {c['dropped']} dropped{more}", flush=True)
     return 0

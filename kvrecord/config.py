@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from kvrecord.durations import parse_duration
+from kvrecord.keeprule import KeepRule
 from kvrecord.location import StoreLocation, is_url
 
 HOME_ENV = "KVLENS_HOME"
@@ -50,6 +51,9 @@ KNOWN_KEYS = frozenset(
         "kvlens_service_name",
         "kvlens_retention",
         "kvlens_span_builder",
+        "kvlens_keep",
+        "kvlens_keep_ratio",
+        "kvlens_keep_slow",
     }
 )
 
@@ -157,6 +161,9 @@ def _checked(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"kvlens_metrics must be 'on' or 'off', got {out['kvlens_metrics']!r}")
     out["kvlens_store"] = _store(out["kvlens_store"]) if "kvlens_store" in out else True
     out["kvlens_retention"] = _retention(out.get("kvlens_retention"))
+    out["kvlens_keep"] = KeepRule.parse(
+        out.get("kvlens_keep"), out.get("kvlens_keep_ratio"), out.get("kvlens_keep_slow"), prefix="kvlens_keep"
+    )
     builder = out.get("kvlens_span_builder")
     if "kvlens_span_builder" in out and str(builder).strip().lower() not in SPAN_BUILDERS:
         raise ValueError(f"kvlens_span_builder must be 'sidecar' or 'inline', got {builder!r}")
@@ -191,6 +198,8 @@ class Options:
     span_builder: str | None = None
     service_name: str | None = None
     otlp_endpoint: str | None = None
+    #: which requests keep their spans in the store (``kvlens_keep``, ``kvlens_keep_ratio``, ``kvlens_keep_slow``)
+    keep: KeepRule = KeepRule()
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None = None) -> "Options":
@@ -216,6 +225,7 @@ class Options:
             span_builder=None if builder is None else str(builder).strip().lower(),
             service_name=str(out["kvlens_service_name"]) if out.get("kvlens_service_name") else None,
             otlp_endpoint=str(out["otlp_endpoint"]) if out.get("otlp_endpoint") else None,
+            keep=out["kvlens_keep"],
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -238,4 +248,6 @@ class Options:
             "otlp_endpoint": self.otlp_endpoint,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
+        if self.keep.sampled:
+            out.update(self.keep.to_config())
         return out

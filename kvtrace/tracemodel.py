@@ -337,8 +337,19 @@ def slowest(conn, n: int = 10, *, with_spans: bool = True, **filters: Any) -> li
     return [Trace.from_rows(r, spans.get(r["trace_id"], ())) for r in rows]
 
 
-def find(conn, trace_ids: Iterable[str], *, with_spans: bool = True) -> dict[str, Trace]:
+def find(
+    conn, trace_ids: Iterable[str], *, with_spans: bool = True, held: Mapping[str, Sequence[tuple]] | None = None
+) -> dict[str, Trace]:
     """The traces among ``trace_ids`` that the store has, by trace id (the
-    bench joins its requests to the store with this)."""
+    bench joins its requests to the store with this). ``held``: span rows
+    (``store.SPAN_COLUMNS`` tuples, attributes as JSON) of requests whose
+    spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`),
+    used for those traces instead."""
     ids = list(trace_ids)
-    return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
+    if not held:
+        return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
+    rows = store.slowest(conn, len(ids), trace_ids=ids)
+    spans = store.spans_for(conn, [r["trace_id"] for r in rows if r["trace_id"] not in held]) if with_spans else {}
+    for tid, span_rows in held.items():
+        spans[tid] = sorted((store.span_dict(r) for r in span_rows), key=lambda d: (d["start_ns"], d["end_ns"]))
+    return {r["trace_id"]: Trace.from_rows(r, spans.get(r["trace_id"], ())) for r in rows}

@@ -5,7 +5,7 @@ that puts received spans into the trace store.
 queues one request's spans or refuses them when the queue would pass its
 bound, so the handler answers 429 and the OTLP exporter retries later. One
 daemon thread merges queued requests into batches of up to ``batch_spans``
-and writes each with :func:`kvtrace.store.write_spans` (all SQL stays in
+and writes each through a :class:`kvtrace.store.Keeper` (all SQL stays in
 the store). The store is a file or a PostgreSQL URL (``postgresql://``).
 A store that is locked or busy, or a PostgreSQL server that is down or went
 away, is retried with backoff (up to :attr:`Ingest.MAX_BACKOFF_S`) for
@@ -20,8 +20,17 @@ the server is back. Nothing is dropped silently:
     kvlens_collector_requests_rejected_total{reason}   too_large | content_type | decode | invalid_span
                                                         | queue_full | shutdown
     kvlens_collector_queue_spans                       spans queued or being written
+    kvlens_collector_spans_unkept_total                spans of requests kept as their summary only
+    kvlens_collector_decision_buffer_spans             spans waiting for their request's keep decision
+    kvlens_collector_keep_decisions_total{decision}    requests decided, by keep reason or ``no``
+    kvlens_collector_decisions_forced_total            requests decided early: the decision buffer was full
+    kvlens_collector_late_spans_total{kept}            spans that arrived after their request's decision
 
-``received = written + dropped + queue_spans`` at any quiet moment.
+``received = written + unkept + dropped + queue_spans + decision_buffer_spans``
+at any quiet moment (with ``--keep all``: no unkept, no buffer). Under
+``--keep sampled`` (:class:`kvtrace.store.Keeper`) every request's summary
+is written at once and its spans when it is decided; a late span of an
+unkept request counts in ``unkept``.
 
 After each successful write ``on_written(spans)`` runs on the writer thread;
 :func:`collector_ingest` passes every span to a
@@ -40,45 +49,14 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from kvtrace import store
+from exporters.collector.counters import DROP_REASONS, REJECT_REASONS, IngestMetrics
+from kvrecord.keeprule import KeepRule
 from kvrecord.logutil import log_once
 
 logger = logging.getLogger("kvlens")
-
-DROP_REASONS = ("store_error", "shutdown")
-REJECT_REASONS = ("too_large", "content_type", "decode", "invalid_span", "queue_full", "shutdown")
-
-
-class _Metrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.received = Counter(
-            "kvlens_collector_spans_received", "Spans the collector accepted onto its write queue.", registry=r
-        )
-        self.written = Counter(
-            "kvlens_collector_spans_written", "Spans the collector wrote to the trace store.", registry=r
-        )
-        self.dropped = Counter(
-            "kvlens_collector_spans_dropped",
-            "Accepted spans that never reached the store (store_error, shutdown).",
-            ("reason",),
-            registry=r,
-        )
-        self.rejected = Counter(
-            "kvlens_collector_requests_rejected",
-            "OTLP export requests the collector refused, by reason.",
-            ("reason",),
-            registry=r,
-        )
-        self.queue = Gauge(
-            "kvlens_collector_queue_spans", "Spans queued for the store or being written now.", registry=r
-        )
-        for reason in DROP_REASONS:
-            self.dropped.labels(reason)
-        for reason in REJECT_REASONS:
-            self.rejected.labels(reason)
 
 
 class Ingest:
@@ -95,6 +73,7 @@ class Ingest:
     (seconds or ``"7d"``; default: keep all): older traces are pruned in
     small batches after a write (:class:`kvtrace.store.Retention`).
     ``registry``: where the ``kvlens_collector_*`` metrics live (default: a new one).
+    ``keep``: which requests keep their spans (default: all).
     """
 
     #: SQLite's own wait for another writer, per attempt; the retry loop
@@ -117,6 +96,7 @@ class Ingest:
         batch_spans: int = 2000,
         busy_retry_s: float = 30.0,
         retention: "float | str | None" = None,
+        keep: KeepRule | None = None,
     ) -> None:
         if int(max_queue_spans) <= 0 or int(batch_spans) <= 0:
             raise ValueError("max_queue_spans and batch_spans must be > 0")
@@ -128,7 +108,9 @@ class Ingest:
         self.batch_spans = int(batch_spans)
         self.busy_retry_s = float(busy_retry_s)
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = _Metrics(self.registry)
+        self.metrics = IngestMetrics(self.registry)
+        self.keeper = store.Keeper(keep)
+        self._seen: dict[str, int] = {}  # keeper counts already added to the metrics
         self._on_written = on_written
         self._on_close = on_close
         self._q: collections.deque[list] = collections.deque()
@@ -202,7 +184,10 @@ class Ingest:
             while not self._q:
                 if self._closed:
                     return None
-                self._cv.wait()
+                due = self.keeper.due_in()  # read on this (the writer) thread only
+                if due is not None and due <= 0:
+                    return []  # nothing queued, held requests due: decide them
+                self._cv.wait(due)
             if self._closed and time.monotonic() >= self._stop_at:
                 return None  # past close()'s deadline: close() counts what is left
             batch: list = []
@@ -220,6 +205,7 @@ class Ingest:
         while True:
             batch = self._take()
             if batch is None:
+                self._decide_all()
                 return
             try:
                 self._write(batch)
@@ -242,7 +228,7 @@ class Ingest:
             try:
                 if self._conn is None:
                     self._conn = store.connect(self.location, timeout_s=self.ATTEMPT_TIMEOUT_S)
-                store.write_spans(self._conn, batch)
+                stored = self.keeper.write(self._conn, batch)
                 break
             except Exception as e:  # StoreError, unwritable path, bad value, server gone
                 now = time.monotonic()
@@ -261,7 +247,7 @@ class Ingest:
                 )
                 time.sleep(max(0.0, min(delay, deadline - now, self._stop_at - now)))
                 delay = min(delay * 2, 0.25 if sqlite_busy else self.MAX_BACKOFF_S)
-        self._finish(batch, None)
+        self._finish(batch, None, stored)
         if self.retention is not None:
             self.retention.after_write(self._conn)
         if self._on_written is not None:
@@ -288,15 +274,35 @@ class Ingest:
         )
         self._reset_connection()
 
-    def _finish(self, batch: list, drop_reason: str | None) -> None:
+    def _finish(self, batch: list, drop_reason: str | None, stored: int | None = None) -> None:
         n = len(batch)
         with self._cv:
             self._queued -= n
             self.metrics.queue.set(self._queued)
         if drop_reason is None:
-            self.metrics.written.inc(n)
+            self.metrics.written.inc(n if stored is None else stored)
         else:
             self.metrics.dropped.labels(drop_reason).inc(n)
+        self._sync_keeper()
+
+    def _sync_keeper(self) -> None:
+        self.metrics.sync(self.keeper, self._seen)
+
+    def _decide_all(self) -> None:
+        """Closing: decide every held request (its spans stored or not), or
+        count them dropped (``shutdown``) when the store cannot take them."""
+        k = self.keeper
+        if not k.buffered:
+            return
+        try:
+            if self._conn is None:
+                self._conn = store.connect(self.location, timeout_s=self.ATTEMPT_TIMEOUT_S)
+            self.metrics.written.inc(k.flush(self._conn))
+        except Exception as e:
+            log_once("collector-keep-flush", "held spans not written at shutdown (%s); counted dropped", e)
+            self.metrics.dropped.labels("shutdown").inc(k.buffered)
+            k.buffered = 0
+        self._sync_keeper()
 
     def _reset_connection(self) -> None:
         conn, self._conn = self._conn, None
@@ -363,23 +369,20 @@ def collector_ingest(
     from exporters.metrics import PhaseMetricsProcessor
 
     store_path = store.StoreLocation.parse(store_path)
+    ingest = Ingest(store_path, max_queue_spans=max_queue_spans, registry=registry, **kw)
     proc = PhaseMetricsProcessor(
         registry=registry,
         store_path=store_path,
         handoff_from="any",
         exemplars=exemplars,
         handoff_deadline_s=handoff_deadline_s,
+        keeper=ingest.keeper,
     )
 
     def on_written(spans: Sequence) -> None:
         for s in spans:
             proc.on_end(s)
 
-    return Ingest(
-        store_path,
-        max_queue_spans=max_queue_spans,
-        on_written=on_written,
-        on_close=proc.shutdown,
-        registry=registry,
-        **kw,
-    )
+    # set before the first span can arrive: nobody holds the ingest yet
+    ingest._on_written, ingest._on_close = on_written, proc.shutdown
+    return ingest

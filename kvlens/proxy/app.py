@@ -250,7 +250,9 @@ def _receiver_ingest(config: ProxyConfig):
     from exporters.collector.ingest import Ingest
     from prometheus_client import CollectorRegistry
 
-    return Ingest(config.options.store, registry=CollectorRegistry(), retention=config.retention)
+    return Ingest(
+        config.options.store, registry=CollectorRegistry(), retention=config.retention, keep=config.options.keep
+    )
 
 
 def create_app(config: ProxyConfig) -> FastAPI:

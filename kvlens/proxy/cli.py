@@ -13,7 +13,7 @@ import os
 import sys
 import urllib.parse
 
-from kvlens.argtypes import positive
+from kvlens.argtypes import add_keep_arguments, keep_rule, positive
 from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, Decode, Prefill, ProxyConfig
 from kvlens.stack.ports import is_loopback, port_arg
 
@@ -155,6 +155,7 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         help="keep traces this long (e.g. 7d); older ones are deleted in small batches as spans "
         "are written (default: keep all)",
     )
+    add_keep_arguments(p)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -209,6 +210,7 @@ def config(args: argparse.Namespace) -> ProxyConfig:
         collect=args.collect,
         store=getattr(args, "store", None),
         retention=getattr(args, "retention", None),
+        keep=keep_rule(args).to_config(),
     )
 
 

@@ -88,6 +88,8 @@ class ProxyConfig:
     collect: bool = False
     store: str | None = None
     retention: str | None = None
+    #: ``kvlens_keep*`` keys (``--keep``, ``--keep-ratio``, ``--keep-slow``): which requests keep their spans
+    keep: dict | None = None
     options: kvconfig.Options = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -170,6 +172,7 @@ class ProxyConfig:
             out["kvlens_store"] = self.store
         if self.retention:
             out["kvlens_retention"] = self.retention
+        out.update(self.keep or {})
         return out
 
     @property

@@ -61,6 +61,7 @@ from kvtrace.store.queries import (
     save_bench_rows,
     slowest,
     slowest_plan,
+    span_dict,
     spans_for,
     window,
 )
@@ -109,6 +110,7 @@ __all__ = [
     "save_bench_rows",
     "slowest",
     "slowest_plan",
+    "span_dict",
     "spans_for",
     "window",
     "settle",

@@ -17,7 +17,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from kvrecord.location import StoreLocation
 from kvtrace.store.errors import is_transient
 from kvtrace.store.schema import connect, set_wait
-from kvtrace.store.writer import write_spans
+from kvrecord.keeprule import KeepRule
+from kvtrace.store.keep import Keeper
 
 logger = logging.getLogger("kvlens")
 
@@ -51,6 +52,7 @@ class StoreSpanExporter(SpanExporter):
         *,
         max_block_s: float | None = None,
         retention: "float | str | None" = None,
+        keep: "KeepRule | None" = None,
     ):
         from kvtrace.store.retention import Retention
 
@@ -59,6 +61,8 @@ class StoreSpanExporter(SpanExporter):
         if not self.max_block_s > 0:
             raise ValueError(f"max_block_s must be > 0, got {max_block_s!r}")
         self.retention = Retention.of(retention)
+        #: writes every request's summary, spans as ``keep`` decides (default: all)
+        self.keeper = Keeper(keep)
         self.lost = 0  # spans of the batches this exporter dropped
         self._conn = None
         self._lock = threading.Lock()
@@ -90,7 +94,10 @@ class StoreSpanExporter(SpanExporter):
                 if self._conn is None:
                     self._conn = connect(self.location, timeout_s=max(left, 0.001))
                 set_wait(self._conn, left)
-                write_spans(self._conn, spans)
+                if spans:
+                    self.keeper.write(self._conn, spans)
+                else:
+                    self.keeper.decide(self._conn)
                 return
             except Exception as e:
                 left = deadline - time.monotonic()
@@ -122,11 +129,34 @@ class StoreSpanExporter(SpanExporter):
                 pass
             self._conn = None
 
+    def tick(self) -> None:
+        """Decide the held requests that are due (the export thread, when it
+        has no spans to send: under ``--keep sampled`` a quiet process still
+        stores its requests' spans). Never raises."""
+        due = self.keeper.due_in()
+        if due is None or due > 0 or not self._lock.acquire(blocking=False):
+            return
+        try:
+            self._write((), time.monotonic() + self.max_block_s)
+        except Exception as e:
+            self._close_conn()
+            self._dropped((), e)
+        finally:
+            self._lock.release()
+
     def shutdown(self) -> None:
-        """Close the connection; if an export still holds it (a shutdown
-        that gave up waiting), leave it to the process's exit."""
+        """Decide every held request, close the connection; if an export
+        still holds it (a shutdown that gave up waiting), leave it to the
+        process's exit."""
         if self._lock.acquire(timeout=0.1):
             try:
+                if self.keeper.buffered:
+                    try:
+                        self._write((), time.monotonic() + 1.0)
+                        self.keeper.flush(self._conn)
+                    except Exception as e:
+                        self.lost += self.keeper.buffered
+                        self._dropped((), e)
                 self._close_conn()
             finally:
                 self._lock.release()

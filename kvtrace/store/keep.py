@@ -279,8 +279,12 @@ class Keeper:
 
     def unkept_rows(self, trace_ids: Iterable[str]) -> dict[str, list]:
         """Span rows of recently decided unkept requests among ``trace_ids`` (the metrics' derived phases)."""
-        u = self._unkept
-        return {t: list(u[t]) for t in list(trace_ids) if t in u}
+        u, out = self._unkept, {}
+        for t in list(trace_ids):  # another thread (the metrics' resolver): one dict read each
+            rows = u.get(t)
+            if rows is not None:
+                out[t] = list(rows)
+        return out
 
     def flush(self, conn: Any) -> int:
         """Decide every held request now (shutdown). Returns span rows stored."""

@@ -191,6 +191,13 @@ def spans_for(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, l
     return out
 
 
+def span_dict(row: Sequence[Any]) -> dict[str, Any]:
+    """A ``spans`` row as written (a :data:`SPAN_COLUMNS` tuple) in the form :func:`spans_for` reads it."""
+    d = dict(zip(SPAN_COLUMNS, row))
+    d["attributes"] = json.loads(d["attributes"] or "{}")
+    return d
+
+
 def _tuples(conn: sqlite3.Connection, sql: str, args: Sequence[Any]) -> list[tuple]:
     cur = conn.cursor()
     cur.row_factory = None  # plain tuples: ~3x faster into pandas than sqlite3.Row (or the PG adapter's Row)
