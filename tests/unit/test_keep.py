@@ -4,7 +4,9 @@ on both backends, with a clock the test moves."""
 
 from __future__ import annotations
 
+import re
 import secrets
+import time
 
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
@@ -17,6 +19,7 @@ from kvtrace import store, tracemodel
 from kvtrace.store.keep import Keeper, ratio_pick
 
 MS = 1_000_000
+N = 8  # spans per request (request() below)
 T0 = 1_790_000_000_000_000_000
 
 
@@ -43,6 +46,7 @@ def request(tid: str, *, handoff_ms: float = 5, outcome: str = "ok", root: bool 
     pf = t0 + 20 * MS
     kv = pf + int(handoff_ms * MS)
     out = [
+        _span(tid, "registration.stage", "decode", t0 + MS // 2, t0 + MS // 2),
         _span(tid, "registration.send", "decode", t0 + 1 * MS, t0 + 1 * MS + 100),
         _span(tid, "registration.receive", "prefill", t0 + 2 * MS, t0 + 2 * MS),
         _span(tid, "prefill", "prefill", t0, pf),
@@ -62,17 +66,17 @@ def _tid(i: int, kept_by_ratio: bool = False) -> str:
     return f"{i:024x}{tail}"
 
 
-def _stored(backend, ids):
-    with store.reading(backend.store) as conn:
+def _stored(where, ids):
+    with store.reading(getattr(where, "store", where)) as conn:
         return tracemodel.find(conn, ids)
 
 
 def test_keep_all_stores_every_span_and_says_so(backend):
     k = Keeper(KeepRule())
     with store.connect(backend.store) as conn:
-        assert k.write(conn, request(_tid(1))) == 7
+        assert k.write(conn, request(_tid(1))) == N
     tr = _stored(backend, [_tid(1)])[_tid(1)]
-    assert tr.keep == "all" and len([s for s in tr.spans if not s.attributes.get(sc.ATTR_DERIVED)]) == 7
+    assert tr.keep == "all" and len([s for s in tr.spans if not s.attributes.get(sc.ATTR_DERIVED)]) == N
     assert tr.phases["prefill"] == pytest.approx(0.02)
 
 
@@ -88,18 +92,18 @@ def test_sampled_keeps_failed_slow_and_ratio_and_summarises_the_rest(backend):
         assert k.buffered == len(spans)
         clock.t += 2.5  # past the grace after each root span
         stored = k.write(conn, [])
-    assert stored == 3 * 7 and k.buffered == 0
+    assert stored == 3 * N and k.buffered == 0
     assert (k.counts["slow"], k.counts["failed"], k.counts["ratio"], k.counts["no"]) == (1, 1, 1, 6)
-    assert k.counts["unkept"] == 6 * 7
+    assert k.counts["unkept"] == 6 * N
     got = _stored(backend, [*fast, slow, failed, picked])
     assert {t: got[t].keep for t in (slow, failed, picked)} == {slow: "slow", failed: "failed", picked: "ratio"}
     for t in fast:  # the summary is whole: handoff settled, TTFT, phases, every span counted
         tr = got[t]
-        assert tr.keep == "no" and tr.spans == () and tr.n_spans == 7
+        assert tr.keep == "no" and tr.spans == () and tr.n_spans == N
         assert tr.handoff_s == pytest.approx(0.005, abs=0.002) and tr.ttft_s is not None
         assert tr.phases["prefill"] == pytest.approx(0.02)
         assert tr.to_json()["spans"] == [] and "not kept" in tr.to_json()["spans_note"]
-    assert len([s for s in got[slow].spans if not s.attributes.get(sc.ATTR_DERIVED)]) == 7
+    assert len([s for s in got[slow].spans if not s.attributes.get(sc.ATTR_DERIVED)]) == N
 
 
 def test_a_late_span_folds_into_the_summary_and_follows_the_decision(backend):
@@ -114,7 +118,7 @@ def test_a_late_span_folds_into_the_summary_and_follows_the_decision(backend):
         assert k.write(conn, late) == 1
     assert (k.counts["late_kept"], k.counts["late_dropped"]) == (1, 1)
     got = _stored(backend, [unkept, kept])
-    assert got[unkept].n_spans == 8 and got[unkept].phases["decode.first_step"] == pytest.approx(0.007)
+    assert got[unkept].n_spans == N + 1 and got[unkept].phases["decode.first_step"] == pytest.approx(0.007)
     assert got[unkept].spans == ()
     assert "decode.first_step" in {s.name for s in got[kept].spans}
     # another process (a new keeper) follows the recorded decision
@@ -130,7 +134,7 @@ def test_requests_without_a_root_wait_for_the_decision_wait(backend):
         k.write(conn, request(_tid(1), root=False))
         clock.t += 5
         k.write(conn, [])
-        assert k.buffered == 6 and 4.9 < k.due_in() <= 5.0
+        assert k.buffered == N - 1 and 4.9 < k.due_in() <= 5.0
         clock.t += 5
         k.write(conn, [])
     assert k.buffered == 0 and k.counts["no"] == 1
@@ -194,3 +198,53 @@ def test_keep_rule_forms():
     assert KeepRule.parse(**dict(zip(("keep", "ratio", "slow"), r.to_config().values()))) == r
     with pytest.raises(ValueError, match="kvlens_keep_ratio"):
         KeepRule.parse("sampled", 2, None, prefix="kvlens_keep")
+
+
+def test_collector_metrics_count_every_request_and_exemplars_name_only_kept_ones(tmp_path):
+    """A known mix through the collector's ingest under --keep sampled: the
+    counts are those of every request, the stored spans those of the kept."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.openmetrics.exposition import generate_latest
+
+    from exporters.collector.ingest import collector_ingest
+
+    reg = CollectorRegistry()
+    rule = KeepRule.parse("sampled", 0, "50ms", wait_s=1.0, grace_s=0.2)
+    ing = collector_ingest(tmp_path / "t.db", reg, keep=rule, handoff_deadline_s=5.0)
+    fast = [_tid(i) for i in range(10)]
+    slow, failed = [_tid(20), _tid(21)], _tid(22)
+    spans = [s for t in fast for s in request(t)] + request(failed, outcome="failed")
+    spans += [s for t in slow for s in request(t, handoff_ms=80)]
+    try:
+        assert ing.offer(spans)
+        val = reg.get_sample_value
+
+        def settled() -> bool:
+            done = val("kvlens_collector_decision_buffer_spans") == 0 and ing.queued_spans == 0
+            return done and (val("kvlens_handoff_seconds_count", {"mode": "push"}) or 0) == 13
+
+        assert wait_for(settled)
+        assert val("kvlens_requests_total", {"mode": "push", "outcome": "ok"}) == 13
+        derived = {"mode": "push", "role": "decode", "phase": "registration.dispatch", "outcome": "ok"}
+        assert wait_for(lambda: val("kvlens_phase_duration_seconds_count", derived) == 13)
+        for d, n in (("slow", 2), ("failed", 1), ("no", 10), ("ratio", 0)):
+            assert val("kvlens_collector_keep_decisions_total", {"decision": d}) == n, d
+        assert val("kvlens_collector_spans_written_total") == 3 * N
+        assert val("kvlens_collector_spans_unkept_total") == 10 * N
+        assert val("kvlens_collector_spans_received_total") == 13 * N
+        text = generate_latest(reg).decode()
+        named = set(re.findall(r'# \{trace_id="([0-9a-f]{32})"\}', text))
+        assert named and named <= {*slow, failed}
+    finally:
+        ing.close()
+    got = _stored(tmp_path / "t.db", [*fast, *slow, failed])
+    assert len(got) == 13 and all(got[t].spans == () for t in fast)
+
+
+def wait_for(cond, timeout_s: float = 60.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return cond()
