@@ -185,6 +185,25 @@ def spans_for(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, l
     return out
 
 
+def named_spans(
+    conn: sqlite3.Connection, trace_ids: Sequence[str], names: Iterable[str], decode: Iterable[str] = ()
+) -> list[tuple]:
+    """The spans named ``names`` of the given traces, ordered as :func:`spans_for`'s:
+    (trace_id, name, role, start_ns, end_ns, outcome, attributes) tuples, the
+    attributes decoded for the spans named ``decode`` only (others: None)."""
+    names, decode, ids, out = sorted(names), sorted(decode), list(trace_ids), []
+    for i in range(0, len(ids), 500):
+        chunk = ids[i : i + 500]
+        sql = (
+            f"SELECT trace_id, name, role, start_ns, end_ns, outcome, CASE WHEN name IN ({params(len(decode))}) "
+            f"THEN attributes END FROM spans WHERE trace_id IN ({params(len(chunk))}) "
+            f"AND name IN ({params(len(names))}) ORDER BY start_ns, end_ns"
+        )
+        for *r, attrs in _tuples(conn, sql, [*decode, *chunk, *names]):
+            out.append((*r, None if attrs is None else json.loads(attrs)))
+    return out
+
+
 def _tuples(conn: sqlite3.Connection, sql: str, args: Sequence[Any]) -> list[tuple]:
     cur = conn.cursor()
     cur.row_factory = None  # plain tuples: ~3x faster into pandas than sqlite3.Row (or the PG adapter's Row)
