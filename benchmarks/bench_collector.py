@@ -8,16 +8,26 @@ stage on its own and end to end; medians over ``--rounds``, CPU time per
 span from the process clock (all threads), so a busy machine shows in the
 wall figures but much less in the CPU ones:
 
-1. decode: body -> ReadableSpans (:func:`exporters.collector.otlp.decode`);
+1. decode: body -> ReadableSpans (:func:`exporters.collector.otlp.decode`,
+   the SDK's type) and body -> WireSpans (:func:`exporters.collector.wire.decode`,
+   what the collector uses);
 2. store: :func:`kvtrace.store.write_spans` of the decoded spans, in the
    collector's batches (2000), fresh traces each round;
 3. metrics: :class:`~exporters.metrics.PhaseMetricsProcessor` ``on_end`` per
-   span (what ``collector_ingest`` adds after each write);
+   span (what ``collector_ingest`` adds after each write); 3r: the handoff
+   resolver's read-back of every trace (its handoff and derived phases), the
+   whole trace model (``tracemodel.find``, what it used to read) beside it;
 4. in-process app: POST every body through the ASGI app (Starlette
    TestClient) into ``collector_ingest`` (queue, writer thread, store,
-   metrics) until the queue is empty;
+   metrics, handoff resolver) until the queue is empty and every handoff
+   resolved; its CPU split by thread (HTTP: the client and the event loop;
+   decode: the worker threads; writer: store + metrics; resolver);
 5. live: a real ``kvlens collect`` subprocess fed over HTTP (keep-alive);
-   its own CPU time per span from ``/proc/<pid>/stat``.
+   its own CPU time per span from ``/proc/<pid>/stat``, until its queue is
+   empty and every request's handoff observed or counted unresolved.
+
+It measures the checkout it sits in; stages that checkout lacks are left
+out, so ``PYTHONPATH=<older checkout>`` runs the same load on older code.
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ import tempfile
 import time
 from pathlib import Path
 
+if not os.environ.get("PYTHONPATH"):  # this checkout, not whichever kvlens the venv installed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -41,12 +54,17 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from kvtrace import store
-from exporters.collector import otlp
-from exporters.collector.ingest import collector_ingest
-from exporters.metrics import PhaseMetricsProcessor
-from kvrecord import semconv as sc
-from kvrecord.ids import root_span_id
+from kvtrace import store, tracemodel  # noqa: E402
+from exporters.collector import otlp  # noqa: E402
+from exporters.collector.ingest import collector_ingest  # noqa: E402
+from exporters.metrics import PhaseMetricsProcessor  # noqa: E402
+from kvrecord import semconv as sc  # noqa: E402
+from kvrecord.ids import root_span_id  # noqa: E402
+
+try:
+    from exporters.collector import wire  # noqa: E402
+except ImportError:  # an older checkout: ReadableSpans only
+    wire = None
 
 MS = 1_000_000
 PB = {"content-type": "application/x-protobuf"}
@@ -87,6 +105,7 @@ _PULL = [
     ("decode", "read.post", 35, 36),
     ("decode", "read.complete", 36, 40),
     ("decode", "kv.ready", 41, 41),
+    ("prefill", "kv.released", 42, 42),  # its clock crossing (D's done notif): the handoff is final
     ("router", "request", 0, 60),
 ]
 
@@ -155,9 +174,9 @@ def _cpu_wall(fn) -> tuple[float, float]:
     return time.process_time() - c, time.perf_counter() - w
 
 
-def bench_decode(bodies: list[bytes]) -> tuple[float, float, list]:
+def bench_decode(bodies: list[bytes], decode=otlp.decode) -> tuple[float, float, list]:
     out: list = []
-    cpu, wall = _cpu_wall(lambda: [out.extend(otlp.decode(b, otlp.PROTOBUF)) for b in bodies])
+    cpu, wall = _cpu_wall(lambda: [out.extend(decode(b, otlp.PROTOBUF)) for b in bodies])
     return cpu, wall, out
 
 
@@ -177,34 +196,91 @@ def bench_metrics(spans: list, path: Path) -> tuple[float, float]:
         proc.shutdown()
 
 
-def bench_app(bodies: list[bytes], path: Path) -> tuple[float, float]:
+def bench_resolver(spans: list, path: Path, whole: bool = False) -> tuple[float, float]:
+    """Every trace of ``spans`` (in the store at ``path``) resolved in one
+    pass: its handoff and derived phases (``whole``: ``tracemodel.find``, the
+    whole trace model read back, alone)."""
+    ids = sorted({format(s.context.trace_id, "032x") for s in spans})
+    if whole:
+        conn = store.connect(path, readonly=True)
+        try:
+            return _cpu_wall(lambda: tracemodel.find(conn, ids))
+        finally:
+            conn.close()
+    proc = PhaseMetricsProcessor(CollectorRegistry(), store_path=path, handoff_from="any", exemplars=True)
+    far = time.monotonic() + 3600
+    try:
+        for t in ids:
+            proc.handoff._pending[t] = ("push", far, 0.0)  # submitted, not yet looked up
+        return _cpu_wall(lambda: proc.handoff.resolve_once(expire=False))
+    finally:
+        proc.shutdown()
+
+
+def _thread_cpu() -> dict[int, tuple[str, float]]:
+    """native thread id -> (its Python name, CPU s so far), this process."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            out[int(tid)] = (names.get(int(tid), "?"), _proc_cpu(f"self/task/{tid}"))
+        except OSError:
+            pass  # ended
+    return out
+
+
+_GROUPS = (("kvlens-collector-writer", "writer"), ("kvlens-handoff", "resolver"), ("AnyIO worker", "decode"))
+
+
+def bench_app(bodies: list[bytes], path: Path) -> tuple[float, float, dict[str, float]]:
+    """(CPU s, wall s, CPU s by thread group) of the in-process app."""
     from starlette.testclient import TestClient
 
     from exporters.collector.app import create_app
 
     reg = CollectorRegistry()
     ing = collector_ingest(path, reg, max_queue_spans=10**7, handoff_deadline_s=1.0)
+    resolver = ing._on_close.__self__.handoff  # the PhaseMetricsProcessor's (a benchmark may look)
     with TestClient(create_app(ing, reg)) as client:
+        before = _thread_cpu()
 
         def run():
             for b in bodies:
                 r = client.post("/v1/traces", content=b, headers=PB)
                 if r.status_code != 200:
                     raise SystemExit(f"collector answered {r.status_code}: {r.text[:200]}")
-            while ing.queued_spans:
+            while ing.queued_spans or resolver.pending():
                 time.sleep(0.001)
 
-        return _cpu_wall(run)
+        cpu, wall = _cpu_wall(run)
+        groups = dict.fromkeys([g for _, g in _GROUPS] + ["http"], 0.0)
+        for tid, (name, c) in _thread_cpu().items():
+            group = next((g for prefix, g in _GROUPS if name.startswith(prefix)), "http")
+            groups[group] += c - before.get(tid, (name, 0.0))[1]
+        return cpu, wall, groups
 
 
-def _proc_cpu(pid: int) -> float:
+def _proc_cpu(pid: "int | str") -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _metric(text: str, name: str) -> float:
+    """The sum of ``name``'s samples in an exposition."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)", text, re.M))
+
+
 def _written(client, base: str) -> int:
+    return int(_metric(client.get(base + "/metrics").text, "kvlens_collector_spans_written_total"))
+
+
+def _settled(client, base: str) -> bool:
+    """Every request's handoff observed or counted unresolved."""
     text = client.get(base + "/metrics").text
-    return int(float(re.search(r"^kvlens_collector_spans_written_total (\S+)", text, re.M).group(1)))
+    done = _metric(text, "kvlens_handoff_seconds_count") + _metric(text, "kvlens_handoff_unresolved_total")
+    return done >= _metric(text, "kvlens_requests_total")
 
 
 def bench_live(rounds: list[list[bytes]], path: Path) -> list[tuple[int, float, float]]:
@@ -212,20 +288,12 @@ def bench_live(rounds: list[list[bytes]], path: Path) -> list[tuple[int, float, 
     import httpx
 
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvlens.cli",
-            "collect",
-            "--port",
-            "0",
-            "--store",
-            str(path),
-            "--queue-spans",
-            str(10**7),
-        ],
+        [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", str(path)]
+        + ["--queue-spans", str(10**7)],
         stdout=subprocess.PIPE,
         text=True,
+        # python -m imports from its working directory first: the code under test
+        cwd=(os.environ.get("PYTHONPATH") or "").split(os.pathsep)[0] or Path(__file__).resolve().parents[1],
     )
     try:
         m = re.search(r"(http://\S+)/v1/traces", proc.stdout.readline())
@@ -240,7 +308,9 @@ def bench_live(rounds: list[list[bytes]], path: Path) -> list[tuple[int, float, 
                     r = client.post(base + "/v1/traces", content=b, headers=PB)
                     r.raise_for_status()
                 while client.get(base + "/healthz").json()["queue_spans"]:
-                    time.sleep(0.002)
+                    time.sleep(0.01)
+                while not _settled(client, base):  # a scrape costs the collector CPU: seldom
+                    time.sleep(0.1)
                 cpu, wall = _proc_cpu(proc.pid) - c0, time.perf_counter() - w0
                 out.append((_written(client, base) - before, cpu, wall))
         return out
@@ -269,25 +339,48 @@ def main() -> int:
     rounds = [make_bodies(args.bodies, args.spans_per_body) for _ in range(args.rounds)]
     size = statistics.mean(len(b) for b in rounds[0])
     tmp = Path(tempfile.mkdtemp(prefix="kvlens-bench-collector-"))
-    res: dict[str, tuple[list, list]] = {k: ([], []) for k in ("decode", "store", "metrics", "app")}
+    res: dict[str, tuple[list, list]] = {}
+    threads: dict[str, list[float]] = {}
     n = 0
+
+    def add(key: str, cpu: float, wall: float) -> None:
+        res.setdefault(key, ([], []))[0].append(cpu), res[key][1].append(wall)
+
+    decoders = {"sdk": otlp.decode, **({"wire": wire.decode} if wire is not None else {})}
     for r, bodies in enumerate(rounds):
-        cpu, wall, spans = bench_decode(bodies)
-        n = len(spans)
-        res["decode"][0].append(cpu), res["decode"][1].append(wall)
-        for key, fn in (("store", bench_store), ("metrics", bench_metrics)):
-            c, w = fn(spans, tmp / f"{key}-{r}.db")
-            res[key][0].append(c), res[key][1].append(w)
-        c, w = bench_app(bodies, tmp / f"app-{r}.db")
-        res["app"][0].append(c), res["app"][1].append(w)
+        for kind, decode in decoders.items():
+            cpu, wall, spans = bench_decode(bodies, decode)
+            n = len(spans)
+            add(f"decode {kind}", cpu, wall)
+            for key, fn in (("store", bench_store), ("metrics", bench_metrics)):
+                add(f"{key} {kind}", *fn(spans, tmp / f"{key}-{kind}-{r}.db"))
+        add("resolver whole", *bench_resolver(spans, tmp / f"store-{kind}-{r}.db", whole=True))
+        add("resolver", *bench_resolver(spans, tmp / f"store-{kind}-{r}.db"))
+        c, w, groups = bench_app(bodies, tmp / f"app-{r}.db")
+        add("app", c, w)
+        for g, v in groups.items():
+            threads.setdefault(g, []).append(v)
     print(
         f"{n} spans per round ({args.bodies} bodies, {size / 1024:.0f} KiB, {size / (n / args.bodies):.0f} B/span);"
         f" medians of {args.rounds} rounds; python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
     )
-    _line("1 decode (pb -> ReadableSpan)", n, *res["decode"])
-    _line("2 store.write_spans (2000/batch)", n, *res["store"])
-    _line("3 metrics on_end", n, *res["metrics"])
-    _line("4 in-process app end to end", n, *res["app"])
+    labels = {
+        "decode sdk": "1 decode (pb -> ReadableSpan)",
+        "decode wire": "1w decode (pb -> WireSpan)",
+        "store sdk": "2 store.write_spans (2000/batch)",
+        "store wire": "2w the same, of WireSpans",
+        "metrics sdk": "3 metrics on_end",
+        "metrics wire": "3w the same, of WireSpans",
+        "resolver whole": "3r- resolver read-back: whole trace",
+        "resolver": "3r handoff resolver, one pass",
+        "app": "4 in-process app end to end",
+    }
+    for key, label in labels.items():
+        if key in res:
+            _line(label, n, *res[key])
+    for g, v in threads.items():
+        cpu = statistics.median(v)
+        print(f"     {g + ' threads':<32} {n / cpu:>10,.0f} spans/CPU-s  {cpu / n * 1e6:>7.1f} us CPU/span")
     if not args.no_live:
         live = bench_live(rounds, tmp / "live.db")
         cpus, walls = [c for _, c, _ in live], [w for _, _, w in live]

@@ -230,7 +230,7 @@ class HandoffResolver:
         for tid, mode, row in resolved:
             self._observe(tid, mode, row)
         if resolved:
-            self._observe_derived({tid: mode for tid, mode, _ in resolved})
+            self._observe_derived({tid: (mode, row["clock_offset_s"], row["keep"]) for tid, mode, row in resolved})
         reason = "missing" if store_ok else "no_store"
         for _, mode in expired:
             fam.child(fam.unresolved, (mode, reason)).inc()
@@ -284,33 +284,37 @@ class HandoffResolver:
         fam.child(fam.clock_offset, pair).set((lo + hi) / 2)
         fam.child(fam.clock_width, pair).set(hi - lo)
 
-    def _observe_derived(self, modes: dict[str, str]) -> None:
-        """The derived phases of traces just resolved
-        (``derived.DERIVED_PHASES``: intervals between two processes, which
-        no span processor sees whole, and the wire / noticed split of each
-        rank's completion span) into ``kvlens_phase_duration_seconds``,
-        like every recorded phase: the resolver is the one place that reads
-        the whole trace back, once per request. A ``kv.hold`` over
+    def _observe_derived(self, traces: dict[str, tuple[str, float | None, str | None]]) -> None:
+        """The derived phases of traces just resolved (trace id -> (mode,
+        clock offset, keep decision)): ``derived.DERIVED_PHASES``, intervals between two
+        processes, which no span processor sees whole, and the wire / noticed
+        split of each rank's completion span, into
+        ``kvlens_phase_duration_seconds`` like every recorded phase: the
+        resolver is the one place that reads the trace back, once per
+        request, and only the spans the derivation needs
+        (:func:`kvtrace.tracemodel.derived_of`). A ``kv.hold`` over
         :func:`hold_warn_s` counts in ``kvlens_kv_hold_long_total``. One read
         per pass; a failed read skips these for the pass (logged once), never the handoff."""
         try:
-            held = self.held(list(modes)) if self.held is not None else None
-            traces = tracemodel.find(self._connection(), list(modes), held=held)
+            held = self.held([t for t in traces if traces[t][2] == NOT_KEPT]) if self.held is not None else None
+            derived = tracemodel.derived_of(self._connection(), {t: v[1] for t, v in traces.items()}, held)
         except Exception as e:
             log_once("handoff-derived:" + type(e).__name__, "derived phases not read (%s); skipped", e)
             return
         fam = self.fam
-        for tid, tr in traces.items():
-            mode = modes[tid]
-            # the trace's own derived spans: the split ones per rank, kv.hold with its release's outcome
-            for d in (s for s in tr.spans if s.attributes.get(sc.ATTR_DERIVED)):
+        hold = sc.Phase.KV_HOLD.value
+        for tid, ds in derived.items():
+            mode = traces[tid][0]
+            for d in ds:  # the split ones per rank, kv.hold with its release's outcome
                 outcome = sc.closed(d.outcome or sc.Outcome.OK.value, sc.Outcome)
                 child = fam.child(fam.phase, (mode, sc.closed(d.role, sc.Role), d.name, outcome))
-                if self.exemplars and tr.keep != NOT_KEPT and (self.held is None or tr.keep):
-                    child.observe(d.duration_s, {"trace_id": tid})
+                duration_s = (d.end_ns - d.start_ns) / 1e9
+                keep = traces[tid][2]
+                if self.exemplars and keep != NOT_KEPT and (self.held is None or keep):
+                    child.observe(duration_s, {"trace_id": tid})
                 else:
-                    child.observe(d.duration_s)
-                if d.name == sc.Phase.KV_HOLD.value and d.duration_s > self.hold_warn_s:
+                    child.observe(duration_s)
+                if d.name == hold and duration_s > self.hold_warn_s:
                     fam.child(fam.hold_long, (mode,)).inc()
 
     def flush(self, timeout_s: float) -> bool:

@@ -70,6 +70,27 @@ def derive(spans: Sequence[Any]) -> list[tuple[str, str, int, int]]:
     return [tuple(d[:4]) for d in derived_spans(spans)]  # type: ignore[misc]
 
 
+#: DERIVED_PHASES as plain strings (enum ``.value`` look-ups cost, per trace
+#: and phase): (phase, how, the ``unless`` phase or None, pairs of (role, phase, end)).
+_PLAN = tuple(
+    (
+        phase.value,
+        how,
+        how.unless.value if how.unless is not None else None,
+        tuple(((a.role, a.phase.value, a.end), (b.role, b.phase.value, b.end)) for a, b in how.pairs),
+    )
+    for phase, how in derived.DERIVED_PHASES.items()
+)
+
+#: The recorded phases :func:`derived_spans` reads (a store read can leave
+#: a trace's other spans out), and those whose attributes it reads (splits).
+DERIVATION_ATTRIBUTES = frozenset(how.split.phase.value for _, how, _, _ in _PLAN if how.split is not None)
+DERIVATION_INPUTS = (
+    frozenset({end[1] for *_, pairs in _PLAN for pair in pairs for end in pair} | {u for _, _, u, _ in _PLAN if u})
+    | DERIVATION_ATTRIBUTES
+)
+
+
 def derived_spans(spans: Sequence[Any]) -> list[Derived]:
     """The derived phases a trace's recorded spans allow, pure.
 
@@ -87,25 +108,27 @@ def derived_spans(spans: Sequence[Any]) -> list[Derived]:
     out: list[Derived] = []
     recorded = [s for s in spans if s.name not in _DERIVED]
     present = {s.name for s in recorded}
-    for phase, how in derived.DERIVED_PHASES.items():
-        if how.unless is not None and how.unless.value in present:
+    for phase, how, unless, pairs in _PLAN:
+        if unless in present:
             continue
         if how.split is not None:
-            out += _splits(recorded, phase.value, how.role, how.split)
+            out += _splits(recorded, phase, how.role, how.split)
         elif how.latest:
-            d = _latest(recorded, phase.value, how)
+            d = _latest(recorded, phase, how)
             if d is not None:
                 out.append(d)
         else:
-            for a, b in how.pairs:
-                froms = _boundary_times(recorded, a.role, a.phase.value, a.end)
-                tos = _boundary_times(recorded, b.role, b.phase.value, b.end)
+            for a, b in pairs:
+                if a[1] not in present or b[1] not in present:
+                    continue  # no span of one end: nothing to look for
+                froms = _boundary_times(recorded, *a)
+                tos = _boundary_times(recorded, *b)
                 if not froms or not tos:
                     continue
                 t0 = max(froms)
                 after = [t for t in tos if t >= t0]
                 if after and min(after) > t0:
-                    out.append(Derived(phase.value, how.role, t0, min(after)))
+                    out.append(Derived(phase, how.role, t0, min(after)))
                 break
     return out
 

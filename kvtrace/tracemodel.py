@@ -35,11 +35,14 @@ Tiling the handoff, the derived phases and the breakdown in words live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from kvtrace import kvuse, ranks, store
 from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
     _DERIVED,
+    DERIVATION_ATTRIBUTES,
+    DERIVATION_INPUTS,
+    Derived,
     _PHASES,
     _POINTS,
     NOT_HANDOFF_PHASES,
@@ -337,19 +340,57 @@ def slowest(conn, n: int = 10, *, with_spans: bool = True, **filters: Any) -> li
     return [Trace.from_rows(r, spans.get(r["trace_id"], ())) for r in rows]
 
 
-def find(
-    conn, trace_ids: Iterable[str], *, with_spans: bool = True, held: Mapping[str, Sequence[tuple]] | None = None
-) -> dict[str, Trace]:
+def find(conn, trace_ids: Iterable[str], *, with_spans: bool = True) -> dict[str, Trace]:
     """The traces among ``trace_ids`` that the store has, by trace id (the
-    bench joins its requests to the store with this). ``held``: span rows
-    (``store.SPAN_COLUMNS`` tuples, attributes as JSON) of requests whose
-    spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`),
-    used for those traces instead."""
+    bench joins its requests to the store with this)."""
     ids = list(trace_ids)
-    if not held:
-        return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
-    rows = store.slowest(conn, len(ids), trace_ids=ids)
-    spans = store.spans_for(conn, [r["trace_id"] for r in rows if r["trace_id"] not in held]) if with_spans else {}
-    for tid, span_rows in held.items():
-        spans[tid] = sorted((store.span_dict(r) for r in span_rows), key=lambda d: (d["start_ns"], d["end_ns"]))
-    return {r["trace_id"]: Trace.from_rows(r, spans.get(r["trace_id"], ())) for r in rows}
+    return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
+
+
+class _Recorded(NamedTuple):
+    """A recorded span as :func:`derived_spans` reads it."""
+
+    name: str
+    role: str | None
+    start_ns: int
+    end_ns: int
+    outcome: str | None
+    attributes: dict
+
+
+def derived_of(
+    conn, clock_offsets: Mapping[str, float | None], held: Mapping[str, Sequence[tuple]] | None = None
+) -> dict[str, list[Derived]]:
+    """The derived phases of each trace in ``clock_offsets`` (trace id -> its
+    ``clock_offset_s``), as :meth:`Trace.from_rows` derives them (D's spans
+    moved onto P's clock) but from the few spans they need
+    (:data:`DERIVATION_INPUTS`), only the split phases' attributes decoded:
+    the metrics' once-per-request read, a fraction of :func:`find`'s cost.
+    ``held``: span rows (``store.SPAN_COLUMNS`` tuples) of requests whose
+    spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`),
+    read instead of the store for those."""
+    held = held or {}
+    spans: dict[str, list[_Recorded]] = {t: [] for t in clock_offsets}
+    decode = sc.Role.DECODE.value
+    shift = {t: d_shift_ns(off) for t, off in clock_offsets.items()}
+    in_store = [t for t in clock_offsets if t not in held]
+    rows = store.named_spans(conn, in_store, DERIVATION_INPUTS, DERIVATION_ATTRIBUTES) if in_store else []
+    for tid, name, role, t0, t1, outcome, attrs in [*rows, *_held_inputs(held, clock_offsets)]:
+        d = shift[tid] if role == decode else 0
+        spans[tid].append(_Recorded(name, role, t0 - d, t1 - d, outcome, attrs or {}))
+    return {t: derived_spans(s) for t, s in spans.items()}
+
+
+def _held_inputs(held: Mapping[str, Sequence[tuple]], wanted: Mapping[str, Any]) -> list[tuple]:
+    """Held span rows in :func:`kvtrace.store.named_spans`' form, ordered like it."""
+    out = []
+    for tid, rows in held.items():
+        if tid not in wanted:
+            continue
+        for r in rows:
+            d = store.span_dict(r) if r[3] in DERIVATION_ATTRIBUTES else dict(zip(store.SPAN_COLUMNS, r))
+            if d["name"] in DERIVATION_INPUTS:
+                attrs = d["attributes"] if d["name"] in DERIVATION_ATTRIBUTES else None
+                out.append((tid, d["name"], d["role"], d["start_ns"], d["end_ns"], d["outcome"], attrs))
+    out.sort(key=lambda x: (x[3], x[4]))
+    return out

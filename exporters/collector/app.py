@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from exporters.collector import otlp
+from exporters.collector import otlp, wire
 from exporters.collector.bodycap import read_capped
 from exporters.collector.ingest import Ingest
 
@@ -87,7 +87,7 @@ def receiver(ingest: Ingest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, bu
         try:
             kind = otlp.content_kind(request.headers.get("content-type"))
             body = await _read_capped(request, cap)
-            spans = await run_in_threadpool(otlp.decode, body, kind, request.headers.get("content-encoding"), cap)
+            spans = await run_in_threadpool(wire.decode, body, kind, request.headers.get("content-encoding"), cap)
         except otlp.OTLPError as e:
             ingest.reject(e.reason)
             return _status_body(e.status, e.message, kind)

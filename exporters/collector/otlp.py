@@ -107,17 +107,25 @@ def decode(
     ``Content-Encoding`` headers. ``max_bytes`` caps the decompressed body.
     Raises :class:`OTLPError` (415 content type or encoding, 413 too large,
     400 malformed body or a span without valid ids). Any thread; CPU only.
+    (The collector takes :func:`exporters.collector.wire.decode`: the same
+    checks, lighter spans.)
     """
+    return spans_of(parse(body, content_type, encoding, max_bytes))
+
+
+def parse(
+    body: bytes, content_type: str | None, encoding: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES
+) -> ExportTraceServiceRequest:
+    """One request body (arguments as :func:`decode`) as the protobuf request,
+    spans not yet checked; the :class:`OTLPError` s of :func:`decode` but 400 invalid_span."""
     kind = content_kind(content_type)
     raw = decompress(body, encoding, max_bytes)
-    if kind == PROTOBUF:
-        try:
-            req = ExportTraceServiceRequest.FromString(raw)
-        except (DecodeError, ValueError) as e:
-            raise OTLPError(400, f"invalid OTLP protobuf: {e or 'cannot parse'} ({len(raw)} bytes)") from None
-    else:
-        req = parse_json(raw)
-    return spans_of(req)
+    if kind != PROTOBUF:
+        return parse_json(raw)
+    try:
+        return ExportTraceServiceRequest.FromString(raw)
+    except (DecodeError, ValueError) as e:
+        raise OTLPError(400, f"invalid OTLP protobuf: {e or 'cannot parse'} ({len(raw)} bytes)") from None
 
 
 # ----------------------------------------------------------------- OTLP-JSON
@@ -294,9 +302,21 @@ def attributes_of(kvs) -> dict:
     keys whose value is empty are left out (the SDK never records None)."""
     out: dict = {}
     for kv in kvs:
-        v = value_of(kv.value)
-        if v is not None:
-            out[kv.key] = v
+        # the scalar kinds inline (a call less per attribute: most of them)
+        v = kv.value
+        kind = v.WhichOneof("value")
+        if kind == "string_value":
+            out[kv.key] = v.string_value
+        elif kind == "int_value":
+            out[kv.key] = v.int_value
+        elif kind == "double_value":
+            out[kv.key] = v.double_value
+        elif kind == "bool_value":
+            out[kv.key] = v.bool_value
+        else:
+            v = value_of(v)
+            if v is not None:
+                out[kv.key] = v
     return out
 
 

@@ -21,7 +21,8 @@ from typing import Any, Iterable, Sequence
 from kvrecord.durations import parse_duration
 from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
 from kvtrace.store.dialect import dialect_of
-from kvtrace.store.schema import PARAM, SPAN_COLUMNS, params, read_tx, write_tx
+from kvtrace.store.spanrows import _tuples, named_spans, span_dict, spans_for  # noqa: F401 (the store API)
+from kvtrace.store.schema import PARAM, params, read_tx, write_tx
 
 #: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
 #: Each recorded phase's duration column in a summary (``kvtrace.store.ddl``).
@@ -172,36 +173,6 @@ def slowest_plan(conn: sqlite3.Connection, n: int = 50, *, order: str = "handoff
     (the benchmark prints it to show which index is walked)."""
     sql, args = _slowest_sql(conn, n, order, **filters)
     return " | ".join(str(r[-1]).strip() for r in conn.execute(dialect_of(conn).explain + sql, args))
-
-
-def spans_for(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
-    """All spans of the given traces (dicts keyed :data:`SPAN_COLUMNS`, the
-    attributes decoded), by trace id, each list ordered by start time."""
-    out: dict[str, list[dict[str, Any]]] = {t: [] for t in trace_ids}
-    if not trace_ids:
-        return out
-    q = (
-        f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE trace_id IN ({params(len(trace_ids))}) "
-        "ORDER BY start_ns, end_ns"
-    )
-    for r in conn.execute(q, list(trace_ids)):
-        d = dict(r)
-        d["attributes"] = json.loads(d["attributes"] or "{}")
-        out.setdefault(d["trace_id"], []).append(d)
-    return out
-
-
-def span_dict(row: Sequence[Any]) -> dict[str, Any]:
-    """A ``spans`` row as written (a :data:`SPAN_COLUMNS` tuple) in the form :func:`spans_for` reads it."""
-    d = dict(zip(SPAN_COLUMNS, row))
-    d["attributes"] = json.loads(d["attributes"] or "{}")
-    return d
-
-
-def _tuples(conn: sqlite3.Connection, sql: str, args: Sequence[Any]) -> list[tuple]:
-    cur = conn.cursor()
-    cur.row_factory = None  # plain tuples: ~3x faster into pandas than sqlite3.Row (or the PG adapter's Row)
-    return cur.execute(sql, list(args)).fetchall()
 
 
 def window(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int | None, limit: int) -> list[tuple]:

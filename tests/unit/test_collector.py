@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
 from kvtrace import store
-from exporters.collector import otlp
+from exporters.collector import otlp, wire
 from exporters.collector.app import create_app, mount_receiver
 from exporters.collector.ingest import Ingest, collector_ingest
 from exporters.metrics import PhaseMetricsProcessor
@@ -163,10 +163,10 @@ def stored(path, tids) -> dict:
 
 # ------------------------------------------------------------------ decode
 def test_protobuf_from_the_sdk_decodes_to_readable_spans(sdk_spans):
-    wire = otlp.decode(pb_body(sdk_spans), "application/x-protobuf")
-    assert len(wire) == len(sdk_spans) > 20
-    assert all(type(w) is ReadableSpan for w in wire)
-    by_id = {w.context.span_id: w for w in wire}
+    received = otlp.decode(pb_body(sdk_spans), "application/x-protobuf")
+    assert len(received) == len(sdk_spans) > 20
+    assert all(type(w) is ReadableSpan for w in received)
+    by_id = {w.context.span_id: w for w in received}
     for s in sdk_spans:
         w = by_id[s.context.span_id]
         assert (w.name, w.start_time, w.end_time) == (s.name, s.start_time, s.end_time)
@@ -180,8 +180,8 @@ def test_protobuf_from_the_sdk_decodes_to_readable_spans(sdk_spans):
         expected = dict(s.attributes)
         expected["service.name"] = s.resource.attributes["service.name"]  # the span keeps its origin
         assert w.attributes == expected
-    assert any(isinstance(w.attributes.get(sc.ATTR_DEFERRED), bool) for w in wire)
-    assert any(isinstance(w.attributes.get(sc.ATTR_NIXL_XFER_S), float) for w in wire)
+    assert any(isinstance(w.attributes.get(sc.ATTR_DEFERRED), bool) for w in received)
+    assert any(isinstance(w.attributes.get(sc.ATTR_NIXL_XFER_S), float) for w in received)
 
 
 @pytest.mark.parametrize("proto_names", [False, True], ids=["lowerCamel", "proto_names"])
@@ -209,7 +209,8 @@ def _kv(key, **value):
     return common_pb2.KeyValue(key=key, value=common_pb2.AnyValue(**value))
 
 
-def test_anyvalue_types_and_span_ids_are_checked():
+@pytest.mark.parametrize("decode", [otlp.decode, wire.decode], ids=["sdk", "wire"])
+def test_anyvalue_types_and_span_ids_are_checked(decode):
     req = ExportTraceServiceRequest()
     rs = req.resource_spans.add()
     rs.resource.attributes.append(_kv("service.name", string_value="vllm-decode"))
@@ -240,7 +241,7 @@ def test_anyvalue_types_and_span_ids_are_checked():
             common_pb2.KeyValue(key="empty"),
         ]
     )
-    (w,) = otlp.decode(req.SerializeToString(), "application/x-protobuf")
+    (w,) = decode(req.SerializeToString(), "application/x-protobuf")
     assert w.attributes == {
         "s": "x",
         "i": -7,
@@ -264,7 +265,7 @@ def test_anyvalue_types_and_span_ids_are_checked():
         bad.CopyFrom(req)
         setattr(bad.resource_spans[0].scope_spans[0].spans[0], field, value)
         with pytest.raises(otlp.OTLPError) as e:
-            otlp.decode(bad.SerializeToString(), "application/x-protobuf")
+            decode(bad.SerializeToString(), "application/x-protobuf")
         assert e.value.status == 400 and e.value.reason == "invalid_span"
         assert words in e.value.message and "span #0 'llm_request'" in e.value.message
 
@@ -299,13 +300,14 @@ def test_status_kind_flags_and_trace_state_are_decoded():
 
 
 # ------------------------------------------------- store and metrics parity
-def test_store_content_equals_what_the_sdk_exporter_writes(sdk_spans, tmp_path):
+@pytest.mark.parametrize("decode", [otlp.decode, wire.decode], ids=["sdk", "wire"])
+def test_store_content_equals_what_the_sdk_exporter_writes(sdk_spans, tmp_path, decode):
     sdk_db, wire_db = tmp_path / "sdk.db", tmp_path / "wire.db"
     exp = store.StoreSpanExporter(sdk_db)
     exp.export(sdk_spans)
     exp.shutdown()
     conn = store.connect(wire_db)
-    store.write_spans(conn, otlp.decode(pb_body(sdk_spans), "application/x-protobuf"))
+    store.write_spans(conn, decode(pb_body(sdk_spans), "application/x-protobuf"))
     conn.close()
     tids = trace_ids(sdk_spans)
     a, b = stored(sdk_db, tids), stored(wire_db, tids)
@@ -319,7 +321,28 @@ def test_store_content_equals_what_the_sdk_exporter_writes(sdk_spans, tmp_path):
         assert store.slowest(c1, 50, order="start") == store.slowest(c2, 50, order="start")
 
 
-def test_metrics_processor_reads_wire_spans_like_sdk_spans(sdk_spans, tmp_path):
+def test_derived_phases_read_lean_equal_the_whole_trace_model(sdk_spans, tmp_path):
+    """The resolver's read of a trace's derived phases (only the spans they
+    need) gives what the whole trace model (``tracemodel.find``) derives."""
+    from kvtrace import tracemodel
+
+    conn = store.connect(tmp_path / "s.db")
+    store.write_spans(conn, wire.decode(pb_body(sdk_spans), "application/x-protobuf"))
+    rows = store.handoffs(conn, trace_ids(sdk_spans))
+    whole = {
+        tid: sorted(
+            (d.name, d.role, d.start_ns, d.end_ns, d.outcome) for d in tr.spans if d.attributes.get(sc.ATTR_DERIVED)
+        )
+        for tid, tr in tracemodel.find(conn, list(rows)).items()
+    }
+    lean = tracemodel.derived_of(conn, {t: r["clock_offset_s"] for t, r in rows.items()})
+    conn.close()
+    assert len(rows) == 4 and all(whole.values())
+    assert {t: sorted(tuple(d[:4]) + (d.outcome,) for d in ds) for t, ds in lean.items()} == whole
+
+
+@pytest.mark.parametrize("decode", [otlp.decode, wire.decode], ids=["sdk", "wire"])
+def test_metrics_processor_reads_wire_spans_like_sdk_spans(sdk_spans, tmp_path, decode):
     def samples(spans):
         reg = CollectorRegistry()
         proc = PhaseMetricsProcessor(reg, store_path=tmp_path / "none.db", handoff_from="off", exemplars=True)
@@ -333,8 +356,7 @@ def test_metrics_processor_reads_wire_spans_like_sdk_spans(sdk_spans, tmp_path):
             if not s.name.endswith("_created")
         )
 
-    wire = otlp.decode(pb_body(sdk_spans), "application/x-protobuf")
-    got = samples(wire)
+    got = samples(decode(pb_body(sdk_spans), "application/x-protobuf"))
     assert got == samples(sdk_spans)
     assert any(n == "kvlens_phase_duration_seconds_count" and ("phase", "write.complete") in lab for n, lab, _ in got)
 
@@ -472,20 +494,22 @@ def test_a_store_locked_too_long_drops_and_counts_then_recovers(tmp_path):
     db = tmp_path / "traces.db"
     store.connect(db).close()
     spans = record_spans(1)
-    wire = otlp.decode(pb_body(spans), "application/x-protobuf")
+    received = otlp.decode(pb_body(spans), "application/x-protobuf")
     seen = []
     ing = Ingest(db, busy_retry_s=0.3, on_written=lambda batch: (seen.append(len(batch)), 1 / 0))
     holder = store.connect(db)
     with write_tx(holder):
-        assert ing.offer(wire)
-        assert wait_for(lambda: ing.counts()["dropped"] == len(wire))
+        assert ing.offer(received)
+        assert wait_for(lambda: ing.counts()["dropped"] == len(received))
     holder.close()
-    assert ing.offer(wire) and ing.offer(wire[:3])
-    assert wait_for(lambda: ing.counts()["written"] == len(wire) + 3)  # a raising on_written stops nothing
+    assert ing.offer(received) and ing.offer(received[:3])
+    assert wait_for(lambda: ing.counts()["written"] == len(received) + 3)  # a raising on_written stops nothing
     ing.close(5)
-    assert ing.registry.get_sample_value("kvlens_collector_spans_dropped_total", {"reason": "store_error"}) == len(wire)
-    assert sum(seen) == len(wire) + 3
-    assert not ing.offer(wire)  # closed
+    assert ing.registry.get_sample_value("kvlens_collector_spans_dropped_total", {"reason": "store_error"}) == len(
+        received
+    )
+    assert sum(seen) == len(received) + 3
+    assert not ing.offer(received)  # closed
     c = ing.counts()
     assert c["received"] == c["written"] + c["dropped"] + c["queued"]
 

@@ -1,0 +1,59 @@
+"""Reading spans back: whole traces' spans, one written row, the few spans
+the metrics' derived phases need."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any, Iterable, Sequence
+
+from kvtrace.store.schema import SPAN_COLUMNS, params
+
+
+def _tuples(conn: sqlite3.Connection, sql: str, args: Sequence[Any]) -> list[tuple]:
+    cur = conn.cursor()
+    cur.row_factory = None  # plain tuples
+    return cur.execute(sql, list(args)).fetchall()
+
+
+def spans_for(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """All spans of the given traces (dicts keyed :data:`SPAN_COLUMNS`, the
+    attributes decoded), by trace id, each list ordered by start time."""
+    out: dict[str, list[dict[str, Any]]] = {t: [] for t in trace_ids}
+    if not trace_ids:
+        return out
+    q = (
+        f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE trace_id IN ({params(len(trace_ids))}) "
+        "ORDER BY start_ns, end_ns"
+    )
+    for r in conn.execute(q, list(trace_ids)):
+        d = dict(r)
+        d["attributes"] = json.loads(d["attributes"] or "{}")
+        out.setdefault(d["trace_id"], []).append(d)
+    return out
+
+
+def span_dict(row: Sequence[Any]) -> dict[str, Any]:
+    """A ``spans`` row as written (a :data:`SPAN_COLUMNS` tuple) in the form :func:`spans_for` reads it."""
+    d = dict(zip(SPAN_COLUMNS, row))
+    d["attributes"] = json.loads(d["attributes"] or "{}")
+    return d
+
+
+def named_spans(
+    conn: sqlite3.Connection, trace_ids: Sequence[str], names: Iterable[str], decode: Iterable[str] = ()
+) -> list[tuple]:
+    """The spans named ``names`` of the given traces, ordered as :func:`spans_for`'s:
+    (trace_id, name, role, start_ns, end_ns, outcome, attributes) tuples, the
+    attributes decoded for the spans named ``decode`` only (others: None)."""
+    names, decode, ids, out = sorted(names), sorted(decode), list(trace_ids), []
+    for i in range(0, len(ids), 500):
+        chunk = ids[i : i + 500]
+        sql = (
+            f"SELECT trace_id, name, role, start_ns, end_ns, outcome, CASE WHEN name IN ({params(len(decode))}) "
+            f"THEN attributes END FROM spans WHERE trace_id IN ({params(len(chunk))}) "
+            f"AND name IN ({params(len(names))}) ORDER BY start_ns, end_ns"
+        )
+        for *r, attrs in _tuples(conn, sql, [*decode, *chunk, *names]):
+            out.append((*r, None if attrs is None else json.loads(attrs)))
+    return out
