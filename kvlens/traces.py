@@ -20,7 +20,8 @@ from kvrecord import config
 from kvrecord import semconv as sc
 from kvrecord.durations import parse_duration
 from kvtrace import costs, kvuse, perfetto, ranks, store, tracemodel
-from kvtrace.tracemodel import Trace
+from kvrecord.keeprule import NOT_KEPT
+from kvtrace.tracemodel import NOT_KEPT_NOTE, Trace
 
 LANES = (("router", sc.Role.ROUTER.value), ("P", sc.Role.PREFILL.value), ("D", sc.Role.DECODE.value))
 _LANE_OF = {role: lane for lane, role in LANES}
@@ -147,6 +148,9 @@ def waterfall(trace: Trace, width: int = 60) -> str:
     if trace.clock_offset_s:
         lines.append(f"  D's clock {trace.clock_offset_s * 1000:+.2f}ms off P's: D's spans shown on P's clock")
     spans = trace.spans
+    if not spans and trace.keep == NOT_KEPT:
+        ph = "  ".join(f"{p}={v * 1000:.1f}ms" for p, v in trace.phases.items())
+        return "\n".join([*lines, f"  ({NOT_KEPT_NOTE})", *([f"  phases: {ph}"] if ph else [])])
     if not spans:
         return lines[0] + "\n  (no spans)"
     t0 = min(s.start_ns for s in spans)
@@ -300,6 +304,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "breakdown", False):
             print(breakdown_text(_load_breakdown(path, args)))
+            with store.reading(path) as conn:
+                n = costs.summary_only(conn, **_filters(args))
+            if n:
+                print(f"\n{n} completed requests kept as summaries only (--keep sampled) are not in this breakdown")
             return 0
         traces = _load(path, args)
         quiet = args.json or args.trace or getattr(args, "perfetto", None) or not traces

@@ -101,9 +101,12 @@ def breakdown(
     (``store.TraceFilter`` fields) tiled and added up per mode (and per
     ``mode/dispatch`` as well with ``by_dispatch``; ``derived=False``:
     recorded phases only). ``kvlens traces --breakdown`` prints it;
-    ``benchmarks/handoff_tiling.py`` compares stores (before / after) with it."""
+    ``benchmarks/handoff_tiling.py`` compares stores (before / after) with it.
+    Tiling needs spans: requests kept as their summary only (``--keep
+    sampled``) are left out, and :func:`summary_only` says how many."""
     filters.pop("completed", None)
-    trs = slowest(conn, limit, order="start", completed=True, **filters)
+    filters.pop("with_spans", None)
+    trs = slowest(conn, limit, order="start", completed=True, with_spans=True, **filters)
     pairs: list[tuple[str, Tiling | None]] = []
     for t in trs:
         til = t.tiling(derived=derived)
@@ -111,6 +114,13 @@ def breakdown(
         if by_dispatch and t.dispatch:
             pairs.append((f"{t.mode}/{t.dispatch}", til))
     return summarize(pairs)
+
+
+def summary_only(conn, **filters: Any) -> int:
+    """Completed requests matching ``filters`` whose spans were not kept
+    (what :func:`breakdown` cannot tile; 0 under ``--keep all``)."""
+    filters.pop("completed", None)
+    return store.count_summary_only(conn, **filters)
 
 
 def sample_costs(conn, *, since_ns: int | None, until_ns: int | None, limit: int) -> HandoffCosts:

@@ -102,6 +102,8 @@ class TraceFilter:
     d_engine: str | None = None
     #: only traces that lack one side: ``"prefill"`` (no span of D's) or ``"decode"`` (no span of P's)
     half: str | None = None
+    #: only traces whose spans are stored (not summary-only under ``--keep sampled``)
+    with_spans: bool = False
 
     def where(self) -> tuple[str, list[Any]]:
         """The one WHERE builder over ``traces``: (clause, params)."""
@@ -124,6 +126,8 @@ class TraceFilter:
             args.extend(self.trace_ids)
         if self.completed:
             clauses.append("handoff_s IS NOT NULL")
+        if self.with_spans:
+            clauses.append("(keep IS NULL OR keep <> 'no')")
         if self.half is not None:
             if self.half not in HALF_TRACE_SQL:
                 raise ValueError(f"half must be one of {sorted(HALF_TRACE_SQL)}, got {self.half!r}")
@@ -168,6 +172,12 @@ def slowest(conn: sqlite3.Connection, n: int = 10, *, order: str = "handoff", **
     return [dict(r) for r in conn.execute(sql, args)]
 
 
+def count_summary_only(conn: sqlite3.Connection, **filters: Any) -> int:
+    """Completed traces matching ``filters`` kept as their summary only (``keep = 'no'``)."""
+    where, args = _where(completed=True, **filters)
+    return int(conn.execute(f"SELECT COUNT(*) FROM traces WHERE {where} AND keep = 'no'", args).fetchone()[0])
+
+
 def slowest_plan(conn: sqlite3.Connection, n: int = 50, *, order: str = "handoff", **filters: Any) -> str:
     """How the backend runs :func:`slowest` with these filters, as one line
     (the benchmark prints it to show which index is walked)."""
@@ -195,7 +205,7 @@ def handoff_sample(
     [since_ns, until_ns] and their spans, read in one snapshot:
     (traces as :data:`SAMPLE_TRACE_COLUMNS` tuples, spans as
     :data:`SAMPLE_SPAN_COLUMNS` tuples), spans named in ``exclude_phases`` left out."""
-    where, args = _where(since_ns=since_ns, until_ns=until_ns, completed=True)
+    where, args = _where(since_ns=since_ns, until_ns=until_ns, completed=True, with_spans=True)
     sample = f"SELECT {', '.join(SAMPLE_TRACE_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
     skip = sorted(exclude_phases)
     # The spans by the sample's ids (primary-key lookups), not a join with the

@@ -4,11 +4,17 @@ on both backends, with a clock the test moves."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import secrets
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext
 
@@ -38,7 +44,8 @@ def _span(tid, name, role, start, end, *, parent=True, **attrs) -> ReadableSpan:
     sid = root_span_id(int(tid, 16)) if name == "request" else int(secrets.token_hex(8), 16) | 1
     ctx = SpanContext(int(tid, 16), sid, False)
     par = SpanContext(int(tid, 16), root_span_id(int(tid, 16)), False) if parent and name != "request" else None
-    return ReadableSpan(name=name, context=ctx, parent=par, attributes=a, start_time=start, end_time=end)
+    res = Resource.create({"service.name": f"kvlens-{role}"})
+    return ReadableSpan(name=name, context=ctx, parent=par, attributes=a, start_time=start, end_time=end, resource=res)
 
 
 def request(tid: str, *, handoff_ms: float = 5, outcome: str = "ok", root: bool = True, t0: int = T0) -> list:
@@ -200,7 +207,7 @@ def test_keep_rule_forms():
         KeepRule.parse("sampled", 2, None, prefix="kvlens_keep")
 
 
-def test_collector_metrics_count_every_request_and_exemplars_name_only_kept_ones(tmp_path):
+def test_collector_metrics_count_every_request_and_exemplars_name_only_kept_ones(backend):
     """A known mix through the collector's ingest under --keep sampled: the
     counts are those of every request, the stored spans those of the kept."""
     from prometheus_client import CollectorRegistry
@@ -210,7 +217,7 @@ def test_collector_metrics_count_every_request_and_exemplars_name_only_kept_ones
 
     reg = CollectorRegistry()
     rule = KeepRule.parse("sampled", 0, "50ms", wait_s=1.0, grace_s=0.2)
-    ing = collector_ingest(tmp_path / "t.db", reg, keep=rule, handoff_deadline_s=5.0)
+    ing = collector_ingest(backend.store, reg, keep=rule, handoff_deadline_s=5.0)
     fast = [_tid(i) for i in range(10)]
     slow, failed = [_tid(20), _tid(21)], _tid(22)
     spans = [s for t in fast for s in request(t)] + request(failed, outcome="failed")
@@ -237,7 +244,7 @@ def test_collector_metrics_count_every_request_and_exemplars_name_only_kept_ones
         assert named and named <= {*slow, failed}
     finally:
         ing.close()
-    got = _stored(tmp_path / "t.db", [*fast, *slow, failed])
+    got = _stored(backend, [*fast, *slow, failed])
     assert len(got) == 13 and all(got[t].spans == () for t in fast)
 
 
@@ -248,3 +255,49 @@ def wait_for(cond, timeout_s: float = 60.0) -> bool:
             return True
         time.sleep(0.05)
     return cond()
+
+
+def test_kvlens_collect_sampled_end_to_end(tmp_path, backend, capsys):
+    """The real command under --keep sampled, fed by the SDK's OTLP exporter,
+    on both backends; SIGTERM decides what is still held; ``kvlens traces``
+    lists the summary-only requests with no spans and says why."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from kvlens.cli import main
+
+    db = backend.store if backend.is_pg else tmp_path / "c.db"
+    argv = ["collect", "--port", "0", "--store", str(db), "--keep", "sampled", "--keep-ratio", "0"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvlens.cli", *argv, "--keep-slow", "50ms"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "KVLENS_HOME": str(tmp_path)},
+    )
+    fast, slow, failed = [_tid(i) for i in range(6)], _tid(7), _tid(8)
+    spans = [s for t in fast for s in request(t)] + request(slow, handoff_ms=90) + request(failed, outcome="expired")
+    try:
+        m = re.search(r"on (http://127\.0\.0\.1:\d+/v1/traces)", proc.stdout.readline())
+        assert m, proc.stderr.read() if proc.poll() is not None else ""
+        assert "keep sampled" in proc.stdout.readline()
+        exporter = OTLPSpanExporter(endpoint=m.group(1), timeout=10)
+        assert exporter.export(spans).name == "SUCCESS"
+        exporter.shutdown()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert f"{2 * N} spans written, 0 dropped, {6 * N} not kept (summaries only)" in out
+    capsys.readouterr()
+    assert main(["traces", "--store", str(db), "--json", "--slowest", "20"]) == 0
+    rows = {r["trace_id"]: r for r in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(rows) == {*fast, slow, failed}
+    assert (rows[slow]["keep"], rows[failed]["keep"]) == ("slow", "expired") and rows[slow]["spans"]
+    for t in fast:
+        assert rows[t]["keep"] == "no" and rows[t]["spans"] == [] and "not kept" in rows[t]["spans_note"]
+        assert rows[t]["handoff_s"] is not None and rows[t]["phases_s"]["prefill"] > 0
+    assert main(["traces", "--store", str(db), "--breakdown"]) == 0
+    assert "6 completed requests kept as summaries only" in capsys.readouterr().out
