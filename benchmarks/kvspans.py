@@ -311,14 +311,15 @@ _HEADS: dict = {}
 
 def _head(resource: Resource, scope: InstrumentationScope) -> tuple[bytes, bytes]:
     """The encoded ``Resource`` field of a ``ResourceSpans`` and the
-    ``scope`` field of a ``ScopeSpans``, once per process."""
+    ``scope`` field of a ``ScopeSpans``, once per process (the cache holds
+    the objects too, so their ids are not reused by others while cached)."""
     key = (id(resource), id(scope))
     got = _HEADS.get(key)
-    if got is None:
+    if got is None or got[2] is not resource or got[3] is not scope:
         res = b"".join(_field(0x0A, _kv_body(k, v)) for k, v in resource.attributes.items())
         sc_body = _field(0x0A, scope.name.encode()) + (_field(0x12, scope.version.encode()) if scope.version else b"")
-        got = _HEADS[key] = (_field(0x0A, res), _field(0x0A, sc_body))
-    return got
+        got = _HEADS[key] = (_field(0x0A, res), _field(0x0A, sc_body), resource, scope)
+    return got[0], got[1]
 
 
 def encode(spans) -> bytes:
