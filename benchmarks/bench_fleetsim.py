@@ -19,7 +19,7 @@ Each rate of ``--rates`` (user requests per second, Poisson arrivals) is a
 separate window of ``--duration`` seconds. Its OTLP bodies are built before
 the window starts (the generator's CPU per span is printed, and so is its
 CPU while sending), then sent on time over ``--connections`` keep-alive
-connections (httpx). A 429/503 or a failed connection is retried as an
+connections (httpx; by default one per exporting process). A 429/503 or a failed connection is retried as an
 OTLP exporter does (Retry-After or 1, 2, 4 ... s, giving up 10 s after the
 first attempt, counted). After the window the collector's queue is left to
 drain (at most ``--drain-s``). Per window:
@@ -234,7 +234,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--flush-ms", type=float, default=200.0, help="each process's export period (default 200)")
     ap.add_argument("--batch-spans", type=int, default=512, help="largest export batch (default 512)")
-    ap.add_argument("--connections", type=int, default=8, help="keep-alive connections to the collector")
+    ap.add_argument(
+        "--connections",
+        type=int,
+        default=0,
+        help="keep-alive connections to the collector (default 0: one per exporting process, as a fleet has)",
+    )
     ap.add_argument("--drain-s", type=float, default=30.0, help="longest wait for the queue after a window")
     ap.add_argument("--keep-going", action="store_true", help="run every rate, also past the first not held")
     where = ap.add_mutually_exclusive_group()
@@ -248,6 +253,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a flag for kvlens collect, repeatable: --collect-arg=--keep=sampled",
     )
     args = ap.parse_args(argv)
+    args.connections = args.connections or 2 * args.pairs + args.routers
     for name in ("pairs", "routers", "batch_spans", "connections"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
