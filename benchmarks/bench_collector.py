@@ -48,122 +48,40 @@ if not os.environ.get("PYTHONPATH"):  # this checkout, not whichever kvlens the 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
 from kvtrace import store, tracemodel  # noqa: E402
 from exporters.collector import otlp  # noqa: E402
 from exporters.collector.ingest import collector_ingest  # noqa: E402
 from exporters.metrics import PhaseMetricsProcessor  # noqa: E402
-from kvrecord import semconv as sc  # noqa: E402
-from kvrecord.ids import root_span_id  # noqa: E402
 
 try:
     from exporters.collector import wire  # noqa: E402
 except ImportError:  # an older checkout: ReadableSpans only
     wire = None
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kvspans import Fleet  # noqa: E402
+
 MS = 1_000_000
 PB = {"content-type": "application/x-protobuf"}
 
 
-def _tracers():
-    keep = InMemorySpanExporter()
-    out = {}
-    for role, engine in (("router", None), ("prefill", "p0"), ("decode", "d0")):
-        attrs = {"service.name": f"kvlens-{role}", "kvlens.role": role}
-        if engine:
-            attrs["service.instance.id"] = engine
-        tp = TracerProvider(resource=Resource.create(attrs))
-        tp.add_span_processor(SimpleSpanProcessor(keep))
-        out[role] = tp.get_tracer("kvlens")
-    return keep, out
-
-
-_PUSH = [
-    ("prefill", "prefill", 0, 30),
-    ("prefill", "prefill.finished", 30, 30),
-    ("decode", "registration.stage", 2, 2),
-    ("decode", "registration.send", 2, 3),
-    ("prefill", "registration.receive", 4, 4),
-    ("prefill", "match", 4, 30),
-    ("prefill", "descriptor.prep", 30, 31),
-    ("prefill", "write.post", 31, 32),
-    ("prefill", "write.complete", 32, 35),
-    ("decode", "kv.ready", 36, 36),
-    ("router", "request", 0, 60),
-]
-_PULL = [
-    ("prefill", "prefill", 0, 30),
-    ("prefill", "prefill.finished", 30, 30),
-    ("router", "relay", 31, 33),
-    ("decode", "alloc", 34, 34),
-    ("decode", "descriptor.prep", 34, 35),
-    ("decode", "read.post", 35, 36),
-    ("decode", "read.complete", 36, 40),
-    ("decode", "kv.ready", 41, 41),
-    ("prefill", "kv.released", 42, 42),  # its clock crossing (D's done notif): the handoff is final
-    ("router", "request", 0, 60),
-]
-
-
-def _attrs(role: str, mode: str, name: str, tid: str, i: int) -> dict:
-    a = {sc.ATTR_MODE: mode, sc.ATTR_ROLE: role, sc.ATTR_OUTCOME: "ok"}
-    if role == "router":
-        a[sc.ATTR_REQUEST_ID] = tid
-        if name == "request":
-            a.update(
-                {
-                    sc.ATTR_TTFT_S: 0.045 + i % 7 / 1000,
-                    sc.ATTR_STATUS_CODE: 200,
-                    sc.ATTR_DISPATCH: "overlapped" if mode == "push" else "sequential",
-                }
-            )
-        return a
-    a[sc.ATTR_ENGINE_ID] = "p0" if role == "prefill" else "d0"
-    a[sc.ATTR_REQUEST_ID] = f"cmpl-{tid}-0-{i % 65536:08x}"
-    if name in ("descriptor.prep", "write.post", "read.post", "write.complete", "read.complete"):
-        a.update({sc.ATTR_BLOCKS: 16, sc.ATTR_BYTES: 16 * 131072, sc.ATTR_DESCRIPTORS: 64, sc.ATTR_REMOTE_RANK: 0})
-    if name in ("write.complete", "read.complete"):
-        a[sc.ATTR_NIXL_XFER_S] = 0.0021
-    if name == "prefill":
-        a[sc.ATTR_TOKENS] = 1024
-    if name in ("registration.send", "registration.receive"):
-        a[sc.ATTR_REMOTE_ENGINE_ID] = "p0" if role == "decode" else "d0"
-    if name == "match":
-        a[sc.ATTR_MATCH_FIRST] = "registration"
-    return a
-
-
 def make_bodies(n_bodies: int, per_body: int) -> list[bytes]:
     """``n_bodies`` OTLP protobuf bodies of about ``per_body`` spans, every
-    trace id fresh (whole requests: push and pull alternating)."""
-    from opentelemetry import trace as otel_trace
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-
-    keep, tracers = _tracers()
+    trace id fresh (whole requests of one pair p0/d0: push and pull
+    alternating; the shapes are ``kvspans.Fleet``'s, shared with
+    ``bench_fleetsim.py``)."""
+    fleet = Fleet(1, 1, spread_ms=0.0, seed=secrets.randbits(32))
     bodies = []
     t0 = time.time_ns() - 60 * 10**9
     i = 0
     for _ in range(n_bodies):
-        keep.clear()
-        while len(keep.get_finished_spans()) < per_body:
-            mode = "push" if i % 2 == 0 else "pull"
-            tid = secrets.token_hex(16)
-            ctx = otel_trace.set_span_in_context(
-                NonRecordingSpan(SpanContext(int(tid, 16), root_span_id(int(tid, 16)), True, TraceFlags(1)))
-            )
-            base = t0 + i * MS
-            for role, name, a, b in _PUSH if mode == "push" else _PULL:
-                s = tracers[role].start_span(
-                    name, context=ctx, attributes=_attrs(role, mode, name, tid, i), start_time=base + a * MS
-                )
-                s.end(end_time=base + b * MS)
+        spans: list = []
+        while len(spans) < per_body:
+            spans += [s for _, s in fleet.request(t0 + i * MS, 0, "push" if i % 2 == 0 else "pull")]
             i += 1
-        bodies.append(encode_spans(keep.get_finished_spans()).SerializeToString())
+        bodies.append(encode_spans(spans).SerializeToString())
     return bodies
 
 

@@ -371,3 +371,15 @@ def engines(conn: sqlite3.Connection) -> list[tuple[str | None, str | None]]:
     answers it), sorted; ``None`` where a side was never recorded."""
     rows = conn.execute("SELECT DISTINCT p_engine, d_engine FROM traces").fetchall()
     return sorted(((r[0], r[1]) for r in rows), key=lambda t: (t[0] or "", t[1] or ""))
+
+
+def pair_clocks(conn: sqlite3.Connection) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (P engine, D engine): ``n`` requests with both ends, ``settled``
+    (a clock interval stored), and the tightest interval over them
+    (``lo_s`` max of the lows, ``hi_s`` min of the highs: an offset inside it
+    is inside every request's own stored interval)."""
+    sql = (
+        "SELECT p_engine, d_engine, COUNT(*), COUNT(clock_lo_s), MAX(clock_lo_s), MIN(clock_hi_s) FROM traces "
+        "WHERE p_engine IS NOT NULL AND d_engine IS NOT NULL AND kv_ready_ns IS NOT NULL GROUP BY p_engine, d_engine"
+    )
+    return {(p, d): {"n": n, "settled": k, "lo_s": lo, "hi_s": hi} for p, d, n, k, lo, hi in _tuples(conn, sql, ())}

@@ -188,3 +188,14 @@ def _admin(server_url: str, statement: str) -> None:
 
     with psycopg.connect(server_url, autocommit=True, connect_timeout=10) as c:
         c.execute(statement)
+
+
+def table_bytes(name: Any) -> dict[str, int]:
+    """Bytes on disk: ``store`` (as :func:`store_bytes`) and, on PostgreSQL,
+    ``spans`` and ``traces`` (each table with its indexes and TOAST)."""
+    loc = StoreLocation.parse(name)
+    out = {"store": store_bytes(loc)}
+    if loc.is_postgres:
+        for table in ("spans", "traces"):
+            out[table] = int(_raw(loc, f"SELECT pg_total_relation_size('{table}')")[0][0])
+    return out
