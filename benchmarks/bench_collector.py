@@ -21,7 +21,8 @@ wall figures but much less in the CPU ones:
    TestClient) into ``collector_ingest`` (queue, writer thread, store,
    metrics, handoff resolver) until the queue is empty and every handoff
    resolved; its CPU split by thread (HTTP: the client and the event loop;
-   decode: the worker threads; writer: store + metrics; resolver);
+   decode: the worker threads; writer: store + metrics; resolver); 4s: the
+   same under ``--keep sampled`` (1 %, p90: every summary, few spans);
 5. live: a real ``kvlens collect`` subprocess fed over HTTP (keep-alive);
    its own CPU time per span from ``/proc/<pid>/stat``, until its queue is
    empty and every request's handoff observed or counted unresolved.
@@ -54,6 +55,7 @@ from kvtrace import store, tracemodel  # noqa: E402
 from exporters.collector import otlp  # noqa: E402
 from exporters.collector.ingest import collector_ingest  # noqa: E402
 from exporters.metrics import PhaseMetricsProcessor  # noqa: E402
+from kvrecord.keeprule import KeepRule  # noqa: E402
 
 try:
     from exporters.collector import wire  # noqa: E402
@@ -152,14 +154,14 @@ def _thread_cpu() -> dict[int, tuple[str, float]]:
 _GROUPS = (("kvlens-collector-writer", "writer"), ("kvlens-handoff", "resolver"), ("AnyIO worker", "decode"))
 
 
-def bench_app(bodies: list[bytes], path: Path) -> tuple[float, float, dict[str, float]]:
-    """(CPU s, wall s, CPU s by thread group) of the in-process app."""
+def bench_app(bodies: list[bytes], path: Path, keep=None) -> tuple[float, float, dict[str, float]]:
+    """(CPU s, wall s, CPU s by thread group) of the in-process app (``keep``: its keep rule)."""
     from starlette.testclient import TestClient
 
     from exporters.collector.app import create_app
 
     reg = CollectorRegistry()
-    ing = collector_ingest(path, reg, max_queue_spans=10**7, handoff_deadline_s=1.0)
+    ing = collector_ingest(path, reg, max_queue_spans=10**7, handoff_deadline_s=1.0, keep=keep)
     resolver = ing._on_close.__self__.handoff  # the PhaseMetricsProcessor's (a benchmark may look)
     with TestClient(create_app(ing, reg)) as client:
         before = _thread_cpu()
@@ -169,7 +171,7 @@ def bench_app(bodies: list[bytes], path: Path) -> tuple[float, float, dict[str, 
                 r = client.post("/v1/traces", content=b, headers=PB)
                 if r.status_code != 200:
                     raise SystemExit(f"collector answered {r.status_code}: {r.text[:200]}")
-            while ing.queued_spans or resolver.pending():
+            while ing.queued_spans or resolver.pending() or ing.keeper.buffered:
                 time.sleep(0.001)
 
         cpu, wall = _cpu_wall(run)
@@ -278,6 +280,11 @@ def main() -> int:
         add("app", c, w)
         for g, v in groups.items():
             threads.setdefault(g, []).append(v)
+        sampled = KeepRule.parse("sampled", 0.01, "p90", wait_s=1.0, grace_s=0.2)
+        c, w, groups = bench_app(bodies, tmp / f"app-sampled-{r}.db", keep=sampled)
+        add("app sampled", c, w)
+        for g, v in groups.items():
+            threads.setdefault("sampled " + g, []).append(v)
     print(
         f"{n} spans per round ({args.bodies} bodies, {size / 1024:.0f} KiB, {size / (n / args.bodies):.0f} B/span);"
         f" medians of {args.rounds} rounds; python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
@@ -292,12 +299,15 @@ def main() -> int:
         "resolver whole": "3r- resolver read-back: whole trace",
         "resolver": "3r handoff resolver, one pass",
         "app": "4 in-process app end to end",
+        "app sampled": "4s the same, --keep sampled (1 %, p90)",
     }
     for key, label in labels.items():
         if key in res:
             _line(label, n, *res[key])
     for g, v in threads.items():
         cpu = statistics.median(v)
+        if cpu <= 0:
+            continue
         print(f"     {g + ' threads':<32} {n / cpu:>10,.0f} spans/CPU-s  {cpu / n * 1e6:>7.1f} us CPU/span")
     if not args.no_live:
         live = bench_live(rounds, tmp / "live.db")

@@ -36,7 +36,8 @@ def spans_for(conn: sqlite3.Connection, trace_ids: Sequence[str]) -> dict[str, l
 def span_dict(row: Sequence[Any]) -> dict[str, Any]:
     """A ``spans`` row as written (a :data:`SPAN_COLUMNS` tuple) in the form :func:`spans_for` reads it."""
     d = dict(zip(SPAN_COLUMNS, row))
-    d["attributes"] = json.loads(d["attributes"] or "{}")
+    a = d["attributes"]
+    d["attributes"] = dict(a) if isinstance(a, dict) else json.loads(a or "{}")  # not yet encoded: held rows
     return d
 
 

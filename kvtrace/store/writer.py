@@ -106,53 +106,20 @@ def _plain(attributes) -> dict:
     return a if type(a) is dict else dict(a)
 
 
-def _span_rows(span: ReadableSpan) -> tuple[tuple, dict]:
-    """(spans row, traces upsert params) for one OTel ``ReadableSpan``: one
-    this process's SDK finished, or one the collector decoded from OTLP."""
-    ctx = span.context
-    a = _plain(span.attributes)
-    tid = format_trace_id(ctx.trace_id)
-    name = span.name
-    g = a.get
-    role, mode, outcome, rid = g(sc.ATTR_ROLE), g(sc.ATTR_MODE), g(sc.ATTR_OUTCOME, "ok"), g(sc.ATTR_REQUEST_ID)
-    parent, start, end = span.parent, span.start_time, span.end_time  # properties: read each once
-    parent = format_span_id(parent.span_id) if parent else None
-    start, end = int(start or 0), int(end or start or 0)
-    row = (tid, format_span_id(ctx.span_id), parent, name, role, mode, rid, start, end, outcome, _JSON(a))
-    is_router = role == _ROUTER
-    up = {
-        "trace_id": tid,
-        "request_id": rid if is_router or rid is None else base_request_id(rid),
-        "mode": mode,
-        # pull is sequential by construction (D needs P's answer), whoever routed it
-        "dispatch": g(sc.ATTR_DISPATCH) or (_SEQUENTIAL if mode == _PULL else None),
-        "outcome": outcome,
-        "start_ns": start,
-        "end_ns": end,
-        "ttft_s": g(sc.ATTR_TTFT_S) if name == _REQUEST else None,
-        "ttft_source": None,
-        "p_arrival_ns": start if name == _PREFILL_PHASE and role == _PREFILL else None,
-        "d_first_ns": end if name == _FIRST and role == _DECODE else None,
-        "prefill_finished_ns": end if name == _PF else None,
-        "kv_ready_ns": end if name == _KV else None,
-        "is_router": is_router,
-        "n_spans": 1,
-        "p_engine": g(sc.ATTR_ENGINE_ID) if role == _PREFILL else None,
-        "d_engine": g(sc.ATTR_ENGINE_ID) if role == _DECODE else None,
-        "d2p_sent_ns": None,
-        "d2p_recv_ns": None,
-        "p2d_sent_ns": None,
-        "p2d_recv_ns": None,
-    }
-    if up["ttft_s"] is not None:
-        up["ttft_source"] = _TTFT_ROUTER
-    col = _PHASE_COL.get(name)
-    if col is not None:
-        up[col] = (end - start) / 1e9
-    cross = sc.CROSSINGS.get((role, name, None)) or sc.CROSSINGS.get((role, name, mode))
-    if cross is not None:
-        up[cross[0]] = start if cross[1] == "start" else end
-    return row, up
+#: A trace's upsert before any span folded into it (:func:`span_rows`).
+_BLANK = {
+    "request_id": None,
+    "mode": None,
+    "dispatch": None,
+    "outcome": None,
+    "ttft_s": None,
+    "ttft_source": None,
+    "is_router": False,
+    "n_spans": 0,
+    **dict.fromkeys(_FOLDED),
+    **_NO_PHASES,
+}
+_CROSS = sc.CROSSINGS
 
 
 def _span_key(row: tuple) -> tuple[str, str]:
@@ -161,14 +128,83 @@ def _span_key(row: tuple) -> tuple[str, str]:
 
 def span_rows(spans: Iterable[ReadableSpan]) -> tuple[list[tuple], dict[str, dict]]:
     """(``spans`` rows, one folded ``traces`` upsert per trace id) of OTel
-    ``ReadableSpan`` s (local, or decoded from OTLP): what :func:`write_rows` takes."""
+    ``ReadableSpan`` s (this process's SDK's, or decoded from OTLP): what
+    :func:`write_rows` takes. Each span folds straight into its trace's
+    upsert by the UPSERT's own rules (:data:`_UPSERT_TRACE`, the batch's
+    later span playing ``excluded``), so a batch costs one upsert per trace."""
     rows, ups = [], {}
-    for s in spans:
-        r, u = _span_rows(s)
-        rows.append(r)
-        prev = ups.get(u["trace_id"])
-        ups[u["trace_id"]] = u if prev is None else _fold(prev, u)
+    rank = _RANK
+    for span in spans:
+        ctx = span.context
+        a = _plain(span.attributes)
+        tid = format_trace_id(ctx.trace_id)
+        name = span.name
+        g = a.get
+        role, mode, outcome, rid = g(sc.ATTR_ROLE), g(sc.ATTR_MODE), g(sc.ATTR_OUTCOME, "ok"), g(sc.ATTR_REQUEST_ID)
+        parent, start, end = span.parent, span.start_time, span.end_time  # properties: read each once
+        parent = format_span_id(parent.span_id) if parent else None
+        start, end = int(start or 0), int(end or start or 0)
+        # the attributes stay a dict until the row is inserted (insert_span_rows):
+        # under --keep sampled most rows never are, and JSON is a third of a row's cost
+        rows.append((tid, format_span_id(ctx.span_id), parent, name, role, mode, rid, start, end, outcome, a))
+        u = ups.get(tid)
+        if u is None:
+            u = ups[tid] = {**_BLANK, "trace_id": tid, "outcome": outcome, "start_ns": start, "end_ns": end}
+        else:
+            if rank.get(outcome, 0) > rank.get(u["outcome"], 0):
+                u["outcome"] = outcome
+            if start < u["start_ns"]:
+                u["start_ns"] = start
+            if end > u["end_ns"]:
+                u["end_ns"] = end
+        _fold_span(u, g, name, role, mode, rid, start, end)
     return rows, ups
+
+
+def _fold_span(u: dict, g, name: str, role, mode, rid, start: int, end: int) -> None:
+    """What one span adds to its trace's upsert ``u`` (outcome and times: the caller)."""
+    is_router = role == _ROUTER
+    if is_router:
+        u["is_router"] = True
+    if is_router or u["request_id"] is None:
+        u["request_id"] = rid if is_router or rid is None else base_request_id(rid)
+    if u["mode"] is None:
+        u["mode"] = mode
+    # pull is sequential by construction (D needs P's answer), whoever routed it
+    disp = g(sc.ATTR_DISPATCH) or (_SEQUENTIAL if mode == _PULL else None)
+    if disp is not None:
+        u["dispatch"] = disp
+    u["n_spans"] += 1
+    if role == _PREFILL:
+        if u["p_engine"] is None:
+            u["p_engine"] = g(sc.ATTR_ENGINE_ID)
+        if name == _PREFILL_PHASE and u["p_arrival_ns"] is None:
+            u["p_arrival_ns"] = start
+    elif role == _DECODE:
+        if u["d_engine"] is None:
+            u["d_engine"] = g(sc.ATTR_ENGINE_ID)
+        if name == _FIRST and u["d_first_ns"] is None:
+            u["d_first_ns"] = end
+    if name == _REQUEST:
+        ttft = g(sc.ATTR_TTFT_S)
+        if ttft is not None:
+            u["ttft_s"], u["ttft_source"] = ttft, _TTFT_ROUTER
+    elif name == _PF:
+        if u["prefill_finished_ns"] is None:
+            u["prefill_finished_ns"] = end
+    elif name == _KV:
+        if u["kv_ready_ns"] is None or end > u["kv_ready_ns"]:
+            u["kv_ready_ns"] = end
+    col = _PHASE_COL.get(name)
+    if col is not None:
+        d = (end - start) / 1e9
+        if u[col] is None or d > u[col]:
+            u[col] = d
+    cross = _CROSS.get((role, name, None)) or _CROSS.get((role, name, mode))
+    if cross is not None:
+        t = start if cross[1] == "start" else end
+        if u[cross[0]] is None or t < u[cross[0]]:
+            u[cross[0]] = t
 
 
 def write_spans(conn: sqlite3.Connection, spans: Sequence[ReadableSpan]) -> None:
@@ -196,7 +232,11 @@ def insert_span_rows(conn: sqlite3.Connection, rows: Sequence[tuple]) -> None:
     in a row would), in lock order (see the module docstring)."""
     if not rows:
         return
-    rows = sorted({_span_key(r): r for r in rows}.values(), key=_span_key)
+    enc = _JSON
+    rows = [
+        r if type(r[-1]) is not dict else (*r[:-1], enc(r[-1]))
+        for r in sorted({_span_key(r): r for r in rows}.values(), key=_span_key)
+    ]
     if hasattr(conn, "copy_upsert"):  # PostgreSQL: COPY + one INSERT ... SELECT, ~3x executemany
         conn.copy_upsert("spans", SPAN_COLUMNS, "trace_id, span_id", _SPAN_CONFLICT, rows)
     else:
@@ -204,40 +244,6 @@ def insert_span_rows(conn: sqlite3.Connection, rows: Sequence[tuple]) -> None:
 
 
 _RANK = {o: i for i, o in enumerate(_OUTCOME_RANK, 1)}
-
-
-def _fold(a: dict, b: dict) -> dict:
-    """Two spans' ``traces`` upserts of one trace as one, by the UPSERT's own
-    rules (the batch's later span ``b`` plays ``excluded``): a batch then
-    costs one upsert per trace instead of one per span."""
-    rank = _RANK
-    out = a  # a is this batch's own dict (made by _span_rows or a previous fold): update in place
-    if b["is_router"] or a["request_id"] is None:
-        out["request_id"] = b["request_id"]
-    out["is_router"] = a["is_router"] or b["is_router"]
-    out["mode"] = a["mode"] if a["mode"] is not None else b["mode"]
-    for k in ("dispatch", "ttft_s", "ttft_source"):
-        if b[k] is not None:
-            out[k] = b[k]
-    if rank.get(b["outcome"], 0) > rank.get(a["outcome"], 0):
-        out["outcome"] = b["outcome"]
-    out["start_ns"] = min(a["start_ns"], b["start_ns"])
-    out["end_ns"] = max(a["end_ns"], b["end_ns"])
-    for k in _FOLD_FIRST:
-        if a[k] is None:
-            out[k] = b[k]
-    for k in _FOLD_MIN:
-        if a[k] is None or (b[k] is not None and b[k] < a[k]):
-            out[k] = b[k]
-    for k in _FOLD_MAX:
-        if a[k] is None or (b[k] is not None and b[k] > a[k]):
-            out[k] = b[k]
-    for k in _PHASES:  # a span carries at most one: only present keys
-        v = b.get(k)
-        if v is not None and (a.get(k) is None or v > a[k]):
-            out[k] = v
-    out["n_spans"] = a["n_spans"] + b["n_spans"]
-    return out
 
 
 _SETTLE_COLUMNS = (
