@@ -73,7 +73,8 @@ class Ingest:
     (seconds or ``"7d"``; default: keep all): older traces are pruned in
     small batches after a write (:class:`kvtrace.store.Retention`).
     ``registry``: where the ``kvlens_collector_*`` metrics live (default: a new one).
-    ``keep``: which requests keep their spans (default: all).
+    ``keep``: which requests keep their spans (default: all). ``linger_s``:
+    how long a batch short of ``batch_spans`` waits for more spans.
     """
 
     #: SQLite's own wait for another writer, per attempt; the retry loop
@@ -97,6 +98,7 @@ class Ingest:
         busy_retry_s: float = 30.0,
         retention: "float | str | None" = None,
         keep: KeepRule | None = None,
+        linger_s: float = 0.05,
     ) -> None:
         if int(max_queue_spans) <= 0 or int(batch_spans) <= 0:
             raise ValueError("max_queue_spans and batch_spans must be > 0")
@@ -107,6 +109,7 @@ class Ingest:
         self.max_queue_spans = int(max_queue_spans)
         self.batch_spans = int(batch_spans)
         self.busy_retry_s = float(busy_retry_s)
+        self.linger_s = max(0.0, float(linger_s))
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = IngestMetrics(self.registry)
         self.keeper = store.Keeper(keep)
@@ -190,6 +193,11 @@ class Ingest:
                 self._cv.wait(due)
             if self._closed and time.monotonic() >= self._stop_at:
                 return None  # past close()'s deadline: close() counts what is left
+            # A fleet sends many small exports (each process every ~200 ms):
+            # wait up to linger_s for a fuller batch, one transaction for many.
+            end = time.monotonic() + self.linger_s
+            while self._queued < self.batch_spans and not self._closed and (left := end - time.monotonic()) > 0:
+                self._cv.wait(left)
             batch: list = []
             while self._q and len(batch) < self.batch_spans:
                 head = self._q[0]
