@@ -182,3 +182,17 @@ def test_options_naming_another_file_cannot_travel_as_a_config(tmp_path):
     o = Options(home=tmp_path, store=StoreLocation.sqlite(tmp_path / "other.db"))
     with pytest.raises(ValueError, match="kvlens_store names only"):
         o.to_config()
+
+
+def test_the_keep_rule_is_a_connector_option_and_crosses_to_the_sidecar(tmp_path):
+    from kvrecord.keeprule import KeepRule
+
+    opts = Options.from_config(
+        {"kvlens_home": str(tmp_path), "kvlens_keep": "sampled", "kvlens_keep_ratio": "0.1", "kvlens_keep_slow": "750ms"}
+    )
+    assert opts.keep == KeepRule.parse("sampled", 0.1, "750ms")
+    assert Options.from_config(opts.to_config()).keep == opts.keep
+    assert not Options.from_config({"kvlens_home": str(tmp_path)}).keep.sampled
+    for key, bad in (("kvlens_keep", "most"), ("kvlens_keep_ratio", 2), ("kvlens_keep_slow", "p0")):
+        with pytest.raises(ValueError, match=key):
+            Options.from_config({"kvlens_home": str(tmp_path), "kvlens_keep": "sampled", key: bad})
