@@ -24,8 +24,9 @@ OTLP exporter does (Retry-After or 1, 2, 4 ... s, giving up 10 s after the
 first attempt, counted). After the window the collector's queue is left to
 drain (at most ``--drain-s``). Per window:
 
-* loss: spans generated minus the collector's ``spans_written_total``
-  delta, next to its ``dropped_total{reason}`` and
+* loss: spans generated minus the collector's ``spans_written_total`` and
+  ``spans_unkept_total`` deltas (``--keep sampled``: spans of requests kept
+  as their summary only), next to its ``dropped_total{reason}`` and
   ``requests_rejected_total{reason}`` and what the generator gave up;
 * held: no span lost, the sender on time (its last export started within
   10 % + 1 s of schedule) and the queue drained within max(2 s, 10 %);
@@ -133,9 +134,14 @@ def run_step(col: Collector, location: str, fleet: Fleet, rate: float, args, say
         time.sleep(0.2)
         queue = col.queue()
     drain_s = time.monotonic() - t_sent
+    t_held = time.monotonic()  # --keep sampled: requests still waiting for their decision (not part of "held")
+    while col.counters().get("kvlens_collector_decision_buffer_spans", 0) and time.monotonic() - t_held < 30:
+        time.sleep(0.2)
     m1, cpu1, size1 = col.counters(), col.cpu_s(), testing.table_bytes(location)
     rss, hwm = col.rss_mb()
     written = int(m1["kvlens_collector_spans_written_total"] - m0.get("kvlens_collector_spans_written_total", 0))
+    # --keep sampled: spans of requests kept as their summary only are accounted for, not lost
+    unkept = int(m1.get("kvlens_collector_spans_unkept_total", 0) - m0.get("kvlens_collector_spans_unkept_total", 0))
     lags = sorted(sent["lags"]) or [0.0]
     r = {
         "rate": rate,
@@ -143,7 +149,8 @@ def run_step(col: Collector, location: str, fleet: Fleet, rate: float, args, say
         "spans": sched["spans"],
         "posts": len(sent["lags"]),
         "written": written,
-        "lost": sched["spans"] - written,
+        "unkept": unkept,
+        "lost": sched["spans"] - written - unkept,
         "gave_up": sent["stats"]["gave_up_spans"],
         "refused": sent["stats"]["refused_spans"],
         "retries": retries(sent["stats"]),
@@ -175,12 +182,12 @@ def show_step(r: dict, duration: float, say) -> None:
     drop = {k: v for k, v in r["dropped"].items() if v}
     say(
         f"  {'HELD' if r['held'] else 'NOT HELD'}: {r['spans']:,} spans sent as {r['posts']:,} exports, "
-        f"{r['written']:,} written, lost {r['lost']:,} (generator gave up {r['gave_up']:,}, refused {r['refused']:,}; "
+        f"{r['written']:,} written, {r['unkept']:,} summarised only, lost {r['lost']:,} (generator gave up {r['gave_up']:,}, refused {r['refused']:,}; "
         f"collector dropped {drop or 0}, rejected requests {rej or 0}, {r['retries']:,} retries); "
         f"send lag p99 {r['lag_p99_s'] * 1e3:.0f} ms max {r['lag_max_s']:.2f} s; drained in {r['drain_s']:.1f} s"
     )
     say(
-        f"  collector {r['cpu_s'] / max(1, r['written']) * 1e6:.1f} us CPU/span, "
+        f"  collector {r['cpu_s'] / max(1, r['spans']) * 1e6:.1f} us CPU/span, "
         f"{r['cpu_s'] / max(1, r['requests']) * 1e6:.0f} us/request, {r['cpu_s'] / r['wall_s']:.2f} cores; "
         f"RSS {r['rss_mb']:.0f} MiB (peak {r['hwm_mb']:.0f}); generator {r['send_cpu_cores']:.2f} cores sending; "
         f"store +{r['grew']['store'] / 2**20:.1f} MiB = {r['grew']['store'] / max(1, r['requests']):,.0f} B/request"
@@ -288,7 +295,7 @@ def summary(results: list[dict], args, say) -> None:
             f"{r['rejected'].get('queue_full', 0):,}",
             f"{r['lag_max_s']:.2f}",
             f"{r['drain_s']:.1f}",
-            f"{r['cpu_s'] / max(1, r['written']) * 1e6:.1f}",
+            f"{r['cpu_s'] / max(1, r['spans']) * 1e6:.1f}",
             f"{r['cpu_s'] / max(1, r['requests']) * 1e6:.0f}",
             f"{r['cpu_s'] / r['wall_s']:.2f}",
             f"{r['rss_mb']:.0f}",
