@@ -75,7 +75,7 @@ def add_keep_arguments(p: argparse.ArgumentParser, default: str = "all") -> None
         default=None,
         metavar="pNN|DURATION",
         help="with --keep sampled: a request is slow when its handoff or TTFT is above this percentile of "
-        "its (mode, dispatch, P/D pair) window, or above a fixed duration such as 500ms (default p90)",
+        "its (mode, dispatch, P/D pair) window, or above a fixed duration such as 500ms (default p99)",
     )
 
 
