@@ -65,6 +65,11 @@ class IngestMetrics:
             ("kept",),
             registry=r,
         )
+        self.evicted = Counter(
+            "kvlens_collector_held_spans_evicted",
+            "Spans of unkept requests let go before the metrics read their derived phases (memory bound).",
+            registry=r,
+        )
         for reason in DROP_REASONS:
             self.dropped.labels(reason)
         for d in (*KEEP_REASONS, NOT_KEPT):
@@ -87,6 +92,8 @@ class IngestMetrics:
                 self.unkept.inc(d)
             elif key == "forced":
                 self.forced.inc(d)
+            elif key == "unkept_evicted":
+                self.evicted.inc(d)
             elif key in ("late_kept", "late_dropped"):
                 self.late.labels("yes" if key == "late_kept" else "no").inc(d)
             else:

@@ -25,6 +25,7 @@ the server is back. Nothing is dropped silently:
     kvlens_collector_keep_decisions_total{decision}    requests decided, by keep reason or ``no``
     kvlens_collector_decisions_forced_total            requests decided early: the decision buffer was full
     kvlens_collector_late_spans_total{kept}            spans that arrived after their request's decision
+    kvlens_collector_held_spans_evicted_total          unkept spans let go before the metrics derived their phases
 
 ``received = written + unkept + dropped + queue_spans + decision_buffer_spans``
 at any quiet moment (with ``--keep all``: no unkept, no buffer). Under

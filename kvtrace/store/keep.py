@@ -40,8 +40,10 @@ from kvtrace.store.writer import insert_span_rows, span_rows, write_rows
 
 #: Decisions remembered for late spans (beyond: the store's ``keep`` column).
 DECIDED_CAP = 200_000
-#: Unkept requests' span rows held for the metrics' derived phases (:meth:`Keeper.unkept_rows`).
-UNKEPT_CAP = 20_000
+#: Unkept requests' span rows held until the metrics read their derived
+#: phases (:meth:`Keeper.unkept_rows`, which takes them), at most this many
+#: spans; older ones are let go and counted (``unkept_evicted``).
+UNKEPT_MAX_SPANS = 50_000
 #: Handoffs / TTFTs per (mode, dispatch, P, D) window, and the fewest that give a percentile.
 WINDOW = 1000
 MIN_WINDOW = 20
@@ -116,6 +118,7 @@ class Keeper:
         self._roots: collections.deque[tuple[float, str]] = collections.deque()
         self._decided: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self._unkept: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self._unkept_spans = 0
         self._windows: dict[tuple, _Window] = {}
         self.buffered = 0  # span rows waiting for their request's decision
         #: decisions by reason (and ``no``), ``forced`` (decided early, buffer
@@ -206,9 +209,7 @@ class Keeper:
             self._remember(tid, kept)
             if not kept:
                 self.counts["unkept"] += len(p.rows)
-                self._unkept[tid] = p.rows
-                if len(self._unkept) > UNKEPT_CAP:
-                    self._unkept.popitem(last=False)
+                self._hold_unkept(tid, p.rows)
         return len(keep_rows)
 
     def _due(self, now: float, everything: bool) -> list[str]:
@@ -262,6 +263,18 @@ class Keeper:
                 return "warmup"
         return "ratio" if ratio_pick(trace_id, rule.ratio) else NOT_KEPT
 
+    def _hold_unkept(self, tid: str, rows: list) -> None:
+        u = self._unkept
+        u[tid] = rows
+        self._unkept_spans += len(rows)
+        while self._unkept_spans > UNKEPT_MAX_SPANS and u:
+            try:
+                _, old = u.popitem(last=False)
+            except KeyError:  # taken by the reader meanwhile
+                break
+            self._unkept_spans -= len(old)
+            self.counts["unkept_evicted"] += len(old)
+
     def _remember(self, tid: str, kept: bool) -> None:
         d = self._decided
         d[tid] = kept
@@ -278,12 +291,14 @@ class Keeper:
         return d if d is not None else ratio_pick(trace_id, self.rule.ratio)
 
     def unkept_rows(self, trace_ids: Iterable[str]) -> dict[str, list]:
-        """Span rows of recently decided unkept requests among ``trace_ids`` (the metrics' derived phases)."""
+        """Take the span rows of recently decided unkept requests among
+        ``trace_ids`` (the metrics' derived phases; each is handed out once)."""
         u, out = self._unkept, {}
-        for t in list(trace_ids):  # another thread (the metrics' resolver): one dict read each
-            rows = u.get(t)
+        for t in list(trace_ids):  # another thread (the metrics' resolver): one dict operation each
+            rows = u.pop(t, None)
             if rows is not None:
-                out[t] = list(rows)
+                out[t] = rows
+                self._unkept_spans -= len(rows)  # a racy int: a bound, not an account
         return out
 
     def flush(self, conn: Any) -> int:

@@ -188,7 +188,12 @@ def test_the_keep_rule_is_a_connector_option_and_crosses_to_the_sidecar(tmp_path
     from kvrecord.keeprule import KeepRule
 
     opts = Options.from_config(
-        {"kvlens_home": str(tmp_path), "kvlens_keep": "sampled", "kvlens_keep_ratio": "0.1", "kvlens_keep_slow": "750ms"}
+        {
+            "kvlens_home": str(tmp_path),
+            "kvlens_keep": "sampled",
+            "kvlens_keep_ratio": "0.1",
+            "kvlens_keep_slow": "750ms",
+        }
     )
     assert opts.keep == KeepRule.parse("sampled", 0.1, "750ms")
     assert Options.from_config(opts.to_config()).keep == opts.keep
