@@ -158,6 +158,12 @@ def span_counts_by_role(conn: Any, roles: Sequence[str]) -> dict[str, int]:
     return {r[0]: int(r[1]) for r in conn.execute(sql, list(roles)).fetchall()}
 
 
+def prefer_indexes(conn: Any) -> None:
+    """Plan as on a big store (PostgreSQL: no sequential scan where an index
+    serves), so a test's handful of rows shows which index a read walks."""
+    conn.execute("SET enable_seqscan = off")
+
+
 def run_refused_statement(conn: Any) -> None:
     """Run a statement the backend refuses (an unknown column): raises the
     backend's own error, as a broken query inside ``store.reading`` would."""
