@@ -199,6 +199,11 @@ def span_counts_by_role(conn: Any, roles: Sequence[str]) -> dict[str, int]:
     return {r[0]: int(r[1]) for r in conn.execute(sql, list(roles)).fetchall()}
 
 
+def trace_days(conn: Any, trace_id: str) -> list[int]:
+    """The ``day`` of each summary row of ``trace_id`` (PostgreSQL: the partition it is in)."""
+    return sorted(int(r[0]) for r in conn.execute("SELECT day FROM traces WHERE trace_id = ?", (trace_id,)))
+
+
 def prefer_indexes(conn: Any) -> None:
     """Plan as on a big store (PostgreSQL: no sequential scan where an index
     serves), so a test's handful of rows shows which index a read walks."""
