@@ -66,7 +66,9 @@ def prune(
     t_end = None if max_s is None else time.monotonic() + max_s
     deleted = 0
     if dialect_of(conn) is POSTGRES:
-        deleted = partitions.drop_days_before(conn, int(older_than_ns))
+        # a detach waits (for transactions that still see the day) at most the
+        # pass's budget: a writer's thread runs it; an unfinished one is finished next pass
+        deleted = partitions.drop_days_before(conn, int(older_than_ns), wait_s=60.0 if max_s is None else max_s)
         if not exact:
             return deleted
     while True:
