@@ -193,3 +193,27 @@ def test_a_version_4_store_is_migrated_with_its_rows(backend):
             assert [testing.trace_days(c, t) for t in ids] == [[day_of(s)] for s in starts]
     assert [r["trace_id"] for r in rows] == ids[::-1] and [r["handoff_s"] for r in rows] == [0.003, 0.002, 0.001]
     assert all(len(spans[t]) == 1 for t in ids)
+
+
+def test_a_day_detach_a_reader_holds_up_is_finished_by_the_next_pass(pg_url):
+    """A reader's open snapshot makes the concurrent detach wait past the
+    pass's budget: the pass gives up (writers never waited) and the next one
+    finishes the detach and drops the day."""
+    from kvtrace.store.schema import read_tx
+
+    now = time.time_ns()
+    conn = store.connect(pg_url)
+    try:
+        old = _bulk(conn, [now - 5 * DAY_NS])
+        with store.reading(pg_url) as r, read_tx(r):
+            assert store.info(r)["traces"] == 1  # the snapshot that sees the old day
+            held = store.Retention(2 * 86400, budget_s=0.2)
+            assert held.after_write(conn) == 0  # timed out, logged, not raised
+            _bulk(conn, [now], first=50)  # writers go on meanwhile
+        assert day_of(now - 5 * DAY_NS) in partitions.attached(conn, "traces")  # detach pending
+        store.prune(conn, now - 2 * DAY_NS, exact=False)
+        assert day_of(now - 5 * DAY_NS) not in partitions.attached(conn, "traces")
+    finally:
+        conn.close()
+    with store.reading(pg_url) as c:
+        assert store.info(c)["traces"] == 1 and not store.spans_for(c, old)[old[0]]
