@@ -126,16 +126,17 @@ _TRACES_DDL = _with_columns(_TRACES_V2_DDL, (*V3_TRACE_COLUMNS, *V4_TRACE_COLUMN
 
 
 #: Indexes of ``traces`` up to version 4 that version 5 drops: each cost
-#: 30-40 bytes per request (issue 24: every request keeps its summary row),
-#: and the reads they served walk a kept index instead. ``mode`` has a
-#: handful of values, so "slowest N with mode = m" walks ``traces_handoff``
-#: (``traces_ttft``) in order and skips the other modes' rows: it reads about
-#: N x (rows / rows of mode m), a few hundred rows, and stops. ``outcome``
-#: keeps its index: the rare outcomes (failed, timeout) have no handoff and
-#: sort last, where a walk of ``traces_handoff`` would reach them only after
-#: every completed request. ``store.slowest_plan`` (benchmarks/bench_store.py)
+#: 30-45 bytes per request (issue 24: every request keeps its summary row).
+#: "slowest N with mode = m and outcome = o" walks ``traces_mode_handoff``
+#: and skips the rows of other outcomes (a few: most are ``ok``), or, for a
+#: rare outcome (failed, timeout: no handoff, sorted last), walks that
+#: outcome's part of ``traces_outcome_handoff``; both stop after about N.
+#: The mode indexes stay: modes differ in their handoffs (pull's are
+#: longer), so walking ``traces_handoff`` for the push rows reads every
+#: slower pull first (measured: 30-45 ms at 200k requests, growing with the
+#: store, against 0.3 ms). ``store.slowest_plan`` (benchmarks/bench_store.py)
 #: shows which index each read walks.
-DROPPED_V5_INDEXES = ("traces_mode_handoff", "traces_mode_outcome_handoff", "traces_mode_ttft")
+DROPPED_V5_INDEXES = ("traces_mode_outcome_handoff",)
 
 _SPANS_DDL = """
 CREATE TABLE IF NOT EXISTS spans (

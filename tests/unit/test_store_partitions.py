@@ -217,3 +217,23 @@ def test_a_day_detach_a_reader_holds_up_is_finished_by_the_next_pass(pg_url):
         conn.close()
     with store.reading(pg_url) as c:
         assert store.info(c)["traces"] == 1 and not store.spans_for(c, old)[old[0]]
+
+
+def test_a_time_window_reads_only_its_days_partitions(backend):
+    """The same rows on both backends; PostgreSQL's plan touches only the
+    partitions of the window's days (each row's day is its start's)."""
+    now = time.time_ns()
+    conn = store.connect(backend.store)
+    try:
+        _bulk(conn, [now - 3 * DAY_NS, now - 2 * DAY_NS - 1, now - 60 * S, now])
+        since = now - 3600 * S
+        rows = store.slowest(conn, 10, order="start", since_ns=since)
+        plan = store.slowest_plan(conn, 10, mode="push", since_ns=since)
+        older = store.window(conn, since_ns=now - 3 * DAY_NS - 1, until_ns=now - 2 * DAY_NS, limit=10)
+    finally:
+        conn.close()
+    assert [r["start_ns"] for r in rows] == [now, now - 60 * S]
+    assert [w[2] for w in older] == [now - 2 * DAY_NS - 1, now - 3 * DAY_NS]
+    if backend.is_pg:
+        assert partitions.partition_name("traces", day_of(now)) in plan
+        assert partitions.partition_name("traces", day_of(now - 3 * DAY_NS)) not in plan
