@@ -7,24 +7,31 @@ Per backend (``--backend sqlite|postgresql|both``):
    (``store.write_spans``: folding, upserts, the settle pass), batches of
    2000 spans, with one writer process and with four writing at once
    (several collectors / vLLM processes on one store).
-2. **populate** N traces (default 1 000 000, ~11 spans each) over 48 h with
-   ``store.bulk_insert`` (SQLite: executemany; PostgreSQL: COPY), then time
-   the reads the dashboard and ``kvlens traces`` make (medians) and print
-   the query plans (``store.slowest_plan``). Goal: ``slowest 50`` and one
-   trace's waterfall under 200 ms.
-3. **size**: the store's bytes per million traces (SQLite: the file and its
-   WAL; PostgreSQL: ``pg_database_size``).
-4. **retention**: ``store.prune`` of the older day (half the store), in
-   batches of 1000 traces per transaction.
+2. **bytes** per request at each ``--keep-ratios`` (default 1, 0.1, 0.01:
+   every request keeps its summary row, with ``keep`` and its phase
+   durations; its spans with that probability), one fresh store per ratio,
+   tables and every index counted, with each relation's share
+   (``store_bytes.py``). Goal: <= 1 KB per request on PostgreSQL at 1 %.
+3. **reads**: populate N requests (``--traces``, default 200 000, ~11
+   spans each) over 48 h with ``store.bulk_insert`` (SQLite: executemany;
+   PostgreSQL: COPY), time the reads the dashboard and ``kvlens traces``
+   make (medians) and print the query plans (``store.slowest_plan``).
+   Goal: ``slowest 50`` and one trace's waterfall under 200 ms.
+4. **retention** of the older day while another connection writes:
+   PostgreSQL drops the whole days (partitions, detached concurrently),
+   timed alone, with the writer's worst batch meanwhile; then the rest
+   before the horizon in batches. SQLite: batched deletes.
 
     flock /tmp/kvlens-heavy.lock .venv/bin/python benchmarks/bench_store.py \
-        [--backend both] [--traces 1000000] [--pg-url postgresql://...] [--repeat 15]
+        [--backend both] [--traces 200000] [--keep-ratios 1,0.1,0.01] \
+        [--parts ingest,bytes,reads,retention] [--pg-url postgresql://...] [--repeat 15]
 
 Without ``--pg-url`` a throw-away PostgreSQL server is started for the run
 (``tests/pg_server.py``: initdb in a temp dir as the ``postgres`` user, fsync
 on, ``synchronous_commit=off`` like SQLite's WAL + ``synchronous=NORMAL``,
 ``shared_buffers=1GB``) and removed afterwards. With ``--pg-url`` the
-database must be empty: the benchmark creates the tables and fills them.
+database must be empty: the benchmark creates the tables and fills them
+(and, for the bytes part, one database per ratio on the same server).
 """
 
 from __future__ import annotations
@@ -46,7 +53,10 @@ from opentelemetry.trace import SpanContext, format_trace_id
 from dashboard import data as D
 from kvtrace import store
 from kvtrace.store import testing
+from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
 from kvrecord import semconv as sc
+
+import store_bytes
 
 MS = 1_000_000
 GOAL_MS = 200.0
@@ -56,9 +66,29 @@ def _span(tid, i, parent, name, role, mode, rid, t0, t1, outcome, attrs):
     return (tid, f"{i:016x}", parent, name, role, mode, rid, t0, t1, outcome, json.dumps(attrs, separators=(",", ":")))
 
 
-def populate(path, n: int, seed: int = 1, span_h: float = 48.0) -> tuple[int, int]:
-    """Write ``n`` traces spread over the last ``span_h`` hours. Returns (traces, spans)."""
+#: A synthetic request's summary row: the written columns, the keep decision, one duration per phase.
+SUMMARY_ROW = (*store.TRACE_COLUMNS, "keep", *(phase_column(p) for p in SUMMARY_PHASES))
+_PHASE_AT = {p: i for i, p in enumerate(SUMMARY_PHASES)}
+
+
+def _durations(root_s: float, ph: list[tuple]) -> list:
+    """The summary's phase durations (the longest copy of each), SUMMARY_PHASES order."""
+    out: list = [None] * len(SUMMARY_PHASES)
+    out[_PHASE_AT[sc.Phase.REQUEST.value]] = root_s
+    for name, _, s0, s1 in ph:
+        i = _PHASE_AT.get(name.value)
+        if i is not None:
+            out[i] = max(out[i] or 0.0, (s1 - s0) / 1e9)
+    return out
+
+
+def populate(path, n: int, seed: int = 1, span_h: float = 48.0, keep_ratio: float = 1.0) -> tuple[int, int]:
+    """Write ``n`` traces spread over the last ``span_h`` hours, each with its
+    summary row (``keep``: ``all`` at ratio 1, else ``ratio`` or ``no``, and
+    its phase durations); a request keeps its spans with probability
+    ``keep_ratio``. Returns (traces, spans stored)."""
     rng = random.Random(seed)
+    keep_rng = random.Random(seed + 1)  # the decision draws apart: the same traces at every ratio
     conn = store.connect(path, durable=False)
     now = time.time_ns()
     base = now - int(span_h * 3600e9)
@@ -69,7 +99,7 @@ def populate(path, n: int, seed: int = 1, span_h: float = 48.0) -> tuple[int, in
 
     def flush():
         nonlocal spans, traces
-        store.bulk_insert(conn, spans, traces)  # one transaction per batch
+        store.bulk_insert(conn, spans, traces, SUMMARY_ROW)  # one transaction per batch
         spans, traces = [], []
 
     for k in range(n):
@@ -118,6 +148,8 @@ def populate(path, n: int, seed: int = 1, span_h: float = 48.0) -> tuple[int, in
             ph.append((P.KV_READY, "decode", kv, kv))
         ttft = (kv - t0) / 1e9 + 0.01 if kv else None
         end = (kv or t) + 40 * MS
+        kept = keep_ratio >= 1.0 or keep_rng.random() < keep_ratio
+        first = len(spans)
         spans.append(
             _span(
                 tid,
@@ -152,7 +184,10 @@ def populate(path, n: int, seed: int = 1, span_h: float = 48.0) -> tuple[int, in
                 )
             )
             sid += 1
-        n_spans += 1 + len(ph)
+        if kept:
+            n_spans += 1 + len(ph)
+        else:
+            del spans[first:]  # summary only
         traces.append(
             (
                 tid,
@@ -168,6 +203,8 @@ def populate(path, n: int, seed: int = 1, span_h: float = 48.0) -> tuple[int, in
                 1 + len(ph),
                 (kv - pf) / 1e9 if kv else None,
                 0.001 if kv else None,
+                ("all" if keep_ratio >= 1.0 else "ratio") if kept else "no",
+                *_durations((end - t0) / 1e9, ph),
             )
         )
         if len(spans) >= 50_000:
@@ -333,13 +370,18 @@ def reads(name, repeat: int) -> tuple[list, dict]:
     return rows, plans
 
 
-def run_backend(label: str, name, args) -> dict:
+def run_backend(label: str, name, args, make_store) -> dict:
     out: dict = {"backend": label}
     print(f"\n===== {label}: {store.StoreLocation.parse(name)}", flush=True)
     store.connect(name).close()
-    for w in (1, 4):
-        out[f"ingest_{w}w"] = ingest(name, w, args.ingest_traces // w)
-        print(f"ingest, {w} writer(s): {out[f'ingest_{w}w']:,.0f} spans/s", flush=True)
+    if "ingest" in args.parts:
+        for w in (1, 4):
+            out[f"ingest_{w}w"] = ingest(name, w, args.ingest_traces // w)
+            print(f"ingest, {w} writer(s): {out[f'ingest_{w}w']:,.0f} spans/s", flush=True)
+    if "bytes" in args.parts:
+        out["bytes"] = store_bytes.bytes_per_request(label, make_store, populate, args.keep_ratios, args.traces)
+    if "reads" not in args.parts and "retention" not in args.parts:
+        return out
     before = testing.store_bytes(name)
     t = time.perf_counter()
     n_tr, n_sp = populate(name, args.traces)
@@ -352,37 +394,44 @@ def run_backend(label: str, name, args) -> dict:
         f"store {size / 1e6:,.0f} MB = {out['mb_per_1m']:,.0f} MB per million traces",
         flush=True,
     )
-    rows, plans = reads(name, args.repeat)
-    out["reads"] = rows
-    print(f"\n{'read':48s} {'median ms':>10s} {'rows':>8s}")
-    for case, ms, n in rows:
-        flag = "  <-- over goal" if (case.startswith(("slowest", "spans_for")) and ms > GOAL_MS) else ""
-        print(f"{case:48s} {ms:10.1f} {n:8d}{flag}")
-    print("\nquery plans:")
-    for case, plan in plans.items():
-        print(f"  {case:44s} {plan}")
-    conn = store.connect(name)
-    cutoff = time.time_ns() - 24 * 3600 * 10**9
-    t = time.perf_counter()
-    deleted = store.prune(conn, cutoff, batch=1000)
-    out["prune_s"], out["pruned"] = time.perf_counter() - t, deleted
-    conn.close()
-    print(
-        f"\nretention: deleted {deleted:,} traces (the older day) in {out['prune_s']:.1f} s "
-        f"({deleted / max(out['prune_s'], 1e-9):,.0f} traces/s, batches of 1000)",
-        flush=True,
-    )
+    if "reads" in args.parts:
+        rows, plans = reads(name, args.repeat)
+        out["reads"] = rows
+        print(f"\n{'read':48s} {'median ms':>10s} {'rows':>8s}")
+        for case, ms, n in rows:
+            flag = "  <-- over goal" if (case.startswith(("slowest", "spans_for")) and ms > GOAL_MS) else ""
+            print(f"{case:48s} {ms:10.1f} {n:8d}{flag}")
+        print("\nquery plans:")
+        for case, plan in plans.items():
+            print(f"  {case:44s} {plan}")
+    if "retention" in args.parts:
+        out["retention"] = r = store_bytes.drop_with_writer(
+            name, time.time_ns() - 24 * 3600 * 10**9, _wire_spans(3000, 7, time.time_ns())
+        )
+        whole = "whole days (partitions)" if label == "postgresql" else "all (batched deletes)"
+        print(
+            f"\nretention of the older day, a writer writing 200-span batches meanwhile:\n"
+            f"  {whole}: {r['days_dropped_traces']:,} traces in {r['drop_days_s']:.3f} s, "
+            f"the writer's worst batch meanwhile {r['writer_max_ms_during_drop']:.0f} ms\n"
+            f"  the rest before the horizon, batches of 1000: {r['batched_traces']:,} traces in {r['batched_s']:.1f} s\n"
+            f"  writer: {r['writer_batches']} batches, median {r['writer_p50_ms']:.0f} ms, worst {r['writer_max_ms']:.0f} ms",
+            flush=True,
+        )
     return out
 
 
 def summary(results: list[dict]) -> None:
     print("\n===== side by side")
     cols = [r["backend"] for r in results]
-    print(f"{'':44s}" + "".join(f"{c:>14s}" for c in cols))
 
     def line(label, fmt, get):
         print(f"{label:44s}" + "".join(f"{fmt.format(get(r)):>14s}" for r in results))
 
+    if any("bytes" in r for r in results):
+        store_bytes.print_bytes_table({r["backend"]: r["bytes"] for r in results if "bytes" in r})
+    if not all("reads" in r and "ingest_1w" in r and "retention" in r for r in results):
+        return
+    print(f"\n{'':44s}" + "".join(f"{c:>14s}" for c in cols))
     line("ingest spans/s, 1 writer", "{:,.0f}", lambda r: r["ingest_1w"])
     line("ingest spans/s, 4 writers", "{:,.0f}", lambda r: r["ingest_4w"])
     line("traces in the store", "{:,}", lambda r: r["traces"])
@@ -398,14 +447,50 @@ def summary(results: list[dict]) -> None:
         line(f"{case} ms", "{:.1f}", lambda r, c=case: next(ms for n, ms, _ in r["reads"] if n == c))
     line("worst slowest-50 ms", "{:.1f}", lambda r: max(ms for n, ms, _ in r["reads"] if n.startswith("slowest")))
     line("MB per million traces", "{:,.0f}", lambda r: r["mb_per_1m"])
-    line("delete one day (s)", "{:.1f}", lambda r: r["prune_s"])
-    line("traces deleted", "{:,}", lambda r: r["pruned"])
+    line("drop whole days (s; SQLite: batched)", "{:.3f}", lambda r: r["retention"]["drop_days_s"])
+    line("traces in those days", "{:,}", lambda r: r["retention"]["days_dropped_traces"])
+    line("writer's worst batch during it (ms)", "{:.0f}", lambda r: r["retention"]["writer_max_ms_during_drop"])
+
+
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of ratios: {text!r}") from None
+    if not out or any(not 0 < r <= 1 for r in out):
+        raise argparse.ArgumentTypeError(f"keep ratios must be in (0, 1], got {text!r}")
+    return out
+
+
+def _pg_databases(url: str):
+    """A new database per tag on the server of ``url`` (the bytes part)."""
+    base, _, _ = url.rpartition("/")
+
+    def make(tag: str) -> str:
+        name = f"kvlens_bench_{tag}"
+        testing.drop_database(url, name)
+        testing.create_database(url, name)
+        return f"{base}/{name}"
+
+    return make
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("sqlite", "postgresql", "both"), default="both")
-    ap.add_argument("--traces", type=int, default=1_000_000, help="traces in the store for the reads")
+    ap.add_argument("--traces", type=int, default=200_000, help="requests in each store (reads, bytes)")
+    ap.add_argument(
+        "--parts",
+        type=lambda v: set(v.split(",")),
+        default={"ingest", "bytes", "reads", "retention"},
+        help="comma-separated, of ingest,bytes,reads,retention (default: all)",
+    )
+    ap.add_argument(
+        "--keep-ratios",
+        type=_ratios,
+        default=(1.0, 0.1, 0.01),
+        help="keep ratios of the bytes-per-request part (default 1,0.1,0.01)",
+    )
     ap.add_argument(
         "--ingest-traces",
         type=int,
@@ -416,12 +501,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=15)
     args = ap.parse_args(argv)
 
+    bad = args.parts - {"ingest", "bytes", "reads", "retention"}
+    if bad:
+        ap.error(f"unknown --parts {sorted(bad)}: choose from ingest,bytes,reads,retention")
     results = []
     tmp = tempfile.TemporaryDirectory(prefix="kvlens-bench-")
     server = None
     try:
         if args.backend in ("sqlite", "both"):
-            results.append(run_backend("sqlite", Path(tmp.name) / "traces.db", args))
+            lite = lambda tag: Path(tmp.name) / f"{tag}.db"  # noqa: E731
+            results.append(run_backend("sqlite", lite("traces"), args, lite))
         if args.backend in ("postgresql", "both"):
             url = args.pg_url
             if url is None:
@@ -430,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 server = PgServer(durable=True, shared_buffers="1GB").init().start()
                 url = server.new_database("bench")
-            results.append(run_backend("postgresql", url, args))
+            results.append(run_backend("postgresql", url, args, _pg_databases(url)))
         summary(results)
     finally:
         from kvtrace.store import pg

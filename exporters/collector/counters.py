@@ -38,6 +38,14 @@ class IngestMetrics:
         self.queue = Gauge(
             "kvlens_collector_queue_spans", "Spans queued for the store or being written now.", registry=r
         )
+        self._keep_metrics(r)
+        for reason in DROP_REASONS:
+            self.dropped.labels(reason)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason)
+
+    def _keep_metrics(self, r: CollectorRegistry) -> None:
+        """Those of ``--keep sampled`` (:class:`kvtrace.store.Keeper`)."""
         self.unkept = Counter(
             "kvlens_collector_spans_unkept",
             "Spans not stored because their request was kept as its summary only (--keep sampled).",
@@ -70,14 +78,10 @@ class IngestMetrics:
             "Spans of unkept requests let go before the metrics read their derived phases (memory bound).",
             registry=r,
         )
-        for reason in DROP_REASONS:
-            self.dropped.labels(reason)
         for d in (*KEEP_REASONS, NOT_KEPT):
             self.decisions.labels(d)
         for k in ("yes", "no"):
             self.late.labels(k)
-        for reason in REJECT_REASONS:
-            self.rejected.labels(reason)
 
     def sync(self, keeper, seen: dict[str, int]) -> None:
         """A :class:`kvtrace.store.Keeper`'s counts since the last call

@@ -61,6 +61,39 @@ V3_TRACE_COLUMNS = (
     ("d_first_ns", "{int}"),
 )
 
+#: Column order of a ``spans`` row (writer, ``bulk_insert``, ``spans_for``).
+SPAN_COLUMNS = (
+    "trace_id",
+    "span_id",
+    "parent_id",
+    "name",
+    "role",
+    "mode",
+    "request_id",
+    "start_ns",
+    "end_ns",
+    "outcome",
+    "attributes",
+)
+#: Column order of a written ``traces`` row (``bulk_insert``: synthetic rows
+#: carry their settled handoff as they are; the rest is generated or NULL).
+TRACE_COLUMNS = (
+    "trace_id",
+    "request_id",
+    "mode",
+    "dispatch",
+    "outcome",
+    "start_ns",
+    "end_ns",
+    "ttft_s",
+    "prefill_finished_ns",
+    "kv_ready_ns",
+    "n_spans",
+    "handoff_s",
+    "handoff_err_s",
+)
+
+
 #: Recorded phases with a duration (no points, none of the derived ones:
 #: those need spans of two processes), one summary column each:
 #: ``d_<phase>`` (dots as underscores), seconds, the longest copy of the
@@ -92,12 +125,20 @@ _TRACES_V2_DDL = _TRACES_DDL
 _TRACES_DDL = _with_columns(_TRACES_V2_DDL, (*V3_TRACE_COLUMNS, *V4_TRACE_COLUMNS))
 
 
-#: The schema as a template (``{int}``, ``{real}``, ``{desc}``, ...: :meth:`Dialect.sql`).
-SCHEMA_TEMPLATE = """
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
+#: Indexes of ``traces`` up to version 4 that version 5 drops: each cost
+#: 30-45 bytes per request (issue 24: every request keeps its summary row).
+#: "slowest N with mode = m and outcome = o" walks ``traces_mode_handoff``
+#: and skips the rows of other outcomes (a few: most are ``ok``), or, for a
+#: rare outcome (failed, timeout: no handoff, sorted last), walks that
+#: outcome's part of ``traces_outcome_handoff``; both stop after about N.
+#: The mode indexes stay: modes differ in their handoffs (pull's are
+#: longer), so walking ``traces_handoff`` for the push rows reads every
+#: slower pull first (measured: 30-45 ms at 200k requests, growing with the
+#: store, against 0.3 ms). ``store.slowest_plan`` (benchmarks/bench_store.py)
+#: shows which index each read walks.
+DROPPED_V5_INDEXES = ("traces_mode_outcome_handoff",)
+
+_SPANS_DDL = """
 CREATE TABLE IF NOT EXISTS spans (
     trace_id   TEXT NOT NULL,
     span_id    TEXT NOT NULL,
@@ -111,8 +152,9 @@ CREATE TABLE IF NOT EXISTS spans (
     outcome    TEXT,
     attributes TEXT,
     PRIMARY KEY (trace_id, span_id)
-){without_rowid};
-@traces@;
+){without_rowid}"""
+
+_TRACE_INDEXES = """
 CREATE INDEX IF NOT EXISTS traces_mode_handoff ON traces (mode, handoff_s {desc});
 CREATE INDEX IF NOT EXISTS traces_mode_outcome_handoff ON traces (mode, outcome, handoff_s {desc});
 CREATE INDEX IF NOT EXISTS traces_outcome_handoff ON traces (outcome, handoff_s {desc});
@@ -121,6 +163,9 @@ CREATE INDEX IF NOT EXISTS traces_mode_ttft ON traces (mode, ttft_s {desc});
 CREATE INDEX IF NOT EXISTS traces_ttft ON traces (ttft_s {desc});
 CREATE INDEX IF NOT EXISTS traces_start ON traces (start_ns);
 CREATE INDEX IF NOT EXISTS traces_pair_start ON traces (p_engine, d_engine, start_ns);
+"""
+
+_REST_DDL = """
 CREATE TABLE IF NOT EXISTS bench_rows (
     {bench_seq}run_id      TEXT NOT NULL,
     created_ns  {int} NOT NULL,
@@ -133,4 +178,58 @@ CREATE TABLE IF NOT EXISTS bench_rows (
     "row"       TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS bench_rows_run ON bench_rows (run_id);
-""".replace("@traces@", _TRACES_DDL.replace("@name@", "traces"))
+"""
+
+_META_DDL = """
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);"""
+
+
+def _replace_once(text: str, old: str, new: str) -> str:
+    if text.count(old) != 1:  # the DDL above changed under this edit: say so at import
+        raise AssertionError(f"DDL edit expected {old!r} once")
+    return text.replace(old, new)
+
+
+def _kept(indexes: str) -> str:
+    return "".join(
+        ln + "\n" for ln in indexes.splitlines() if ln and not any(f" {i} " in ln for i in DROPPED_V5_INDEXES)
+    )
+
+
+#: Version 4's schema (all eight ``traces`` indexes, nothing partitioned): what
+#: :mod:`kvtrace.store.testing` builds to test the migration to version 5.
+SCHEMA_V4_TEMPLATE = (
+    _META_DDL + _SPANS_DDL + ";\n" + _TRACES_DDL.replace("@name@", "traces") + ";" + _TRACE_INDEXES + _REST_DDL
+)
+
+# PostgreSQL, version 5: ``spans`` and ``traces`` partitioned by day
+# (kvtrace/store/partitions.py says why the keys are what they are). A
+# partitioned table's primary key must hold the partition key: ``spans``
+# (trace_id, span_id, start_ns), partitioned on its own start (a span's
+# start never changes: a copy sent again has the same one); ``traces``
+# (trace_id, day), ``day`` = UTC days since the epoch of the row's start.
+_PG_SPANS_DDL = _replace_once(
+    _SPANS_DDL,
+    "PRIMARY KEY (trace_id, span_id)\n)",
+    "PRIMARY KEY (trace_id, span_id, start_ns)\n) PARTITION BY RANGE (start_ns)",
+)
+_PG_TRACES_DDL = (
+    _replace_once(
+        _TRACES_DDL.replace("@name@", "traces"),
+        "trace_id            TEXT PRIMARY KEY,",
+        "trace_id            TEXT NOT NULL,\n    day                 INTEGER NOT NULL,",
+    )[:-2]
+    + ",\n    PRIMARY KEY (trace_id, day)\n) PARTITION BY RANGE (day)"
+)
+if not _TRACES_DDL.endswith("\n)"):
+    raise AssertionError("the traces DDL must end with its closing parenthesis")
+
+#: The schema as a template (``{int}``, ``{real}``, ``{desc}``, ...:
+#: :meth:`Dialect.sql`): SQLite's, and PostgreSQL's (partitioned).
+SCHEMA_TEMPLATE = (
+    _META_DDL + _SPANS_DDL + ";\n" + _TRACES_DDL.replace("@name@", "traces") + ";" + _kept(_TRACE_INDEXES) + _REST_DDL
+)
+PG_SCHEMA_TEMPLATE = _META_DDL + _PG_SPANS_DDL + ";\n" + _PG_TRACES_DDL + ";" + _kept(_TRACE_INDEXES) + _REST_DDL

@@ -52,6 +52,12 @@ class Dialect:
     #: The first column of ``bench_rows`` that gives :attr:`insert_order`
     #: (SQLite has the implicit rowid).
     bench_seq: str
+    #: The conflict key of ``traces`` and of ``spans`` (PostgreSQL: partitioned,
+    #: so the partition key is part of it: :mod:`kvtrace.store.partitions`),
+    #: and the upsert's placeholders of the traces key.
+    trace_key: str = "trace_id"
+    trace_key_values: str = ":trace_id"
+    span_key: str = "trace_id, span_id"
 
     def sql(self, template: str) -> str:
         """``template`` with this dialect's fields (``{least}``, ``{desc}``,
@@ -70,6 +76,9 @@ def _fill(d: Dialect, template: str) -> str:
         without_rowid=d.without_rowid,
         bench_seq=d.bench_seq,
         insert_order=d.insert_order,
+        trace_key=d.trace_key,
+        trace_key_values=d.trace_key_values,
+        span_key=d.span_key,
     )
 
 
@@ -104,6 +113,9 @@ POSTGRES = Dialect(
     real_type="DOUBLE PRECISION",
     without_rowid="",
     bench_seq="seq BIGINT GENERATED ALWAYS AS IDENTITY,\n    ",
+    trace_key="trace_id, day",
+    trace_key_values=":trace_id, :day",
+    span_key="trace_id, span_id, start_ns",
 )
 
 

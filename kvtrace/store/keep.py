@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from kvrecord.keeprule import NOT_KEPT, KeepRule
 from kvtrace.store.schema import PARAM, params, write_tx
-from kvtrace.store.writer import insert_span_rows, span_rows, write_rows
+from kvtrace.store.writer import insert_span_rows, prepare_span_rows, span_rows, write_rows
 
 #: Decisions remembered for late spans (beyond: the store's ``keep`` column).
 DECIDED_CAP = 200_000
@@ -198,6 +198,7 @@ class Keeper:
             marks.append((reason, tid))
             if reason != NOT_KEPT:
                 keep_rows += self._pending[tid].rows
+        prepare_span_rows(conn, keep_rows)
         with write_tx(conn):
             insert_span_rows(conn, keep_rows)
             conn.executemany(_SET_KEEP, sorted(marks, key=lambda m: m[1]))

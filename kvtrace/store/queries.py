@@ -20,7 +20,8 @@ from typing import Any, Iterable, Sequence
 
 from kvrecord.durations import parse_duration
 from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
-from kvtrace.store.dialect import dialect_of
+from kvtrace.store.dialect import POSTGRES, dialect_of
+from kvtrace.store.partitions import day_of
 from kvtrace.store.spanrows import _tuples, named_spans, span_dict, spans_for  # noqa: F401 (the store API)
 from kvtrace.store.schema import PARAM, params, read_tx, write_tx
 
@@ -143,15 +144,24 @@ HALF_TRACE_SQL = {
 }
 
 
-def _where(**filters: Any) -> tuple[str, list[Any]]:
-    return TraceFilter(**filters).where()
+def _where(conn: Any = None, **filters: Any) -> tuple[str, list[Any]]:
+    """:meth:`TraceFilter.where`; on PostgreSQL a time window also bounds
+    ``day`` (each row's is its start's UTC day: :mod:`kvtrace.store.partitions`),
+    so only the partitions of those days are read."""
+    where, args = TraceFilter(**filters).where()
+    if conn is not None and dialect_of(conn) is POSTGRES:
+        for op, ns in ((">=", filters.get("since_ns")), ("<=", filters.get("until_ns"))):
+            if ns is not None and ns != "":
+                where += f" AND day {op} {PARAM}"
+                args.append(day_of(int(ns)))
+    return where, args
 
 
 def _slowest_sql(conn: Any, n: int, order: str, **filters: Any) -> tuple[str, list[Any]]:
     col = _ORDER.get(order)
     if col is None:
         raise ValueError(f"unknown order {order!r}")
-    where, args = _where(**filters)
+    where, args = _where(conn, **filters)
     sql = (
         f"SELECT {', '.join(SUMMARY_COLUMNS)} FROM traces WHERE {where} "
         f"ORDER BY {col} {dialect_of(conn).desc} LIMIT {PARAM}"
@@ -174,7 +184,7 @@ def slowest(conn: sqlite3.Connection, n: int = 10, *, order: str = "handoff", **
 
 def count_summary_only(conn: sqlite3.Connection, **filters: Any) -> int:
     """Completed traces matching ``filters`` kept as their summary only (``keep = 'no'``)."""
-    where, args = _where(completed=True, **filters)
+    where, args = _where(conn, completed=True, **filters)
     return int(conn.execute(f"SELECT COUNT(*) FROM traces WHERE {where} AND keep = 'no'", args).fetchone()[0])
 
 
@@ -188,7 +198,7 @@ def slowest_plan(conn: sqlite3.Connection, n: int = 50, *, order: str = "handoff
 def window(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int | None, limit: int) -> list[tuple]:
     """Traces that started in [since_ns, until_ns], newest first, at most
     ``limit``: tuples in :data:`WINDOW_COLUMNS` order."""
-    where, args = _where(since_ns=since_ns, until_ns=until_ns)
+    where, args = _where(conn, since_ns=since_ns, until_ns=until_ns)
     sql = f"SELECT {', '.join(WINDOW_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
     return _tuples(conn, sql, [*args, int(limit)])
 
@@ -205,7 +215,7 @@ def handoff_sample(
     [since_ns, until_ns] and their spans, read in one snapshot:
     (traces as :data:`SAMPLE_TRACE_COLUMNS` tuples, spans as
     :data:`SAMPLE_SPAN_COLUMNS` tuples), spans named in ``exclude_phases`` left out."""
-    where, args = _where(since_ns=since_ns, until_ns=until_ns, completed=True, with_spans=True)
+    where, args = _where(conn, since_ns=since_ns, until_ns=until_ns, completed=True, with_spans=True)
     sample = f"SELECT {', '.join(SAMPLE_TRACE_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
     skip = sorted(exclude_phases)
     # The spans by the sample's ids (primary-key lookups), not a join with the
@@ -361,7 +371,7 @@ def pair_rows(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int |
     served them and their settled clock window, newest first, at most
     ``limit``: tuples in :data:`PAIR_COLUMNS` order (the per-pair figures are
     percentiles, which SQLite cannot compute, so the caller aggregates)."""
-    where, args = _where(since_ns=since_ns, until_ns=until_ns)
+    where, args = _where(conn, since_ns=since_ns, until_ns=until_ns)
     sql = f"SELECT {', '.join(PAIR_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
     return _tuples(conn, sql, [*args, int(limit)])
 

@@ -8,6 +8,14 @@ lock; PostgreSQL: only the rows being deleted). The oldest go first (the
 ``traces_start`` index), so an interrupted pass leaves a store that is still
 a contiguous window of time.
 
+On PostgreSQL the days that ended before the horizon go first, as whole
+partitions (:func:`kvtrace.store.partitions.drop_days_before`: detached
+concurrently, no writer waits on it); the batched deletes then take what is
+left before the horizon in the days still kept (``exact``). A
+:class:`Retention` of a day or more is not exact there: it keeps whole days
+(up to a day more than asked) and never deletes row by row, which at fleet
+scale would cost as much as the writes themselves.
+
 Bench rows are kept: they are a handful per ``kvlens bench`` run, and a
 result someone asked for, not telemetry.
 
@@ -26,6 +34,8 @@ import time
 from typing import Any
 
 from kvrecord.durations import parse_duration
+from kvtrace.store import partitions
+from kvtrace.store.dialect import POSTGRES, dialect_of
 from kvtrace.store.schema import PARAM, params, write_tx
 
 logger = logging.getLogger("kvlens")
@@ -37,17 +47,30 @@ _OLDEST = f"SELECT trace_id FROM traces WHERE start_ns < {PARAM} ORDER BY start_
 
 
 def prune(
-    conn: Any, older_than_ns: int, *, batch: int = DEFAULT_BATCH, max_s: float | None = None, pause_s: float = 0.0
+    conn: Any,
+    older_than_ns: int,
+    *,
+    batch: int = DEFAULT_BATCH,
+    max_s: float | None = None,
+    pause_s: float = 0.0,
+    exact: bool = True,
 ) -> int:
     """Delete traces that started before ``older_than_ns`` and their spans,
     ``batch`` traces per transaction, oldest first; stop when none is left or
     after ``max_s`` seconds (None: no limit). ``pause_s``: sleep between
-    batches (lets other writers in on a busy SQLite file). Returns the number
-    of traces deleted. ``conn``: a writer connection."""
+    batches (lets other writers in on a busy SQLite file). PostgreSQL: whole
+    days first; ``exact=False``: only those (the module docstring). Returns
+    the number of traces deleted. ``conn``: a writer connection."""
     if int(batch) <= 0:
         raise ValueError(f"batch must be > 0, got {batch!r}")
     t_end = None if max_s is None else time.monotonic() + max_s
     deleted = 0
+    if dialect_of(conn) is POSTGRES:
+        # a detach waits (for transactions that still see the day) at most the
+        # pass's budget: a writer's thread runs it; an unfinished one is finished next pass
+        deleted = partitions.drop_days_before(conn, int(older_than_ns), wait_s=60.0 if max_s is None else max_s)
+        if not exact:
+            return deleted
     while True:
         with write_tx(conn):
             ids = [r[0] for r in conn.execute(_OLDEST, (int(older_than_ns), int(batch))).fetchall()]
@@ -105,7 +128,13 @@ class Retention:
             return 0
         self._next = time.monotonic() + self.every_s
         try:
-            n = prune(conn, time.time_ns() - int(self.keep_s * 1e9), batch=self.batch, max_s=self.budget_s)
+            n = prune(
+                conn,
+                time.time_ns() - int(self.keep_s * 1e9),
+                batch=self.batch,
+                max_s=self.budget_s,
+                exact=self.keep_s < partitions.DAY_NS / 1e9,
+            )
         except Exception as e:
             if not self._warned:
                 self._warned = True

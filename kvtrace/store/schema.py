@@ -12,15 +12,12 @@ Tables
 ``bench_rows`` results of ``kvlens bench`` (one row per grid cell).
 ``meta``    ``schema_version`` (and room for more keys).
 
-Indexes are chosen for the two hot reads: "slowest N by handoff (or TTFT),
-filtered by mode / outcome / time" (``traces_*_handoff``, ``traces_*_ttft``,
-``traces_start``: SQLite walks the matching index in order and stops after N)
-and "all spans of these traces" (the spans primary key).
-
-The same tables, columns and indexes on PostgreSQL (``BIGINT`` for ns,
-``DOUBLE PRECISION`` for seconds, indexes ``DESC NULLS LAST`` so "slowest N"
-walks one and stops; ``bench_rows`` has an identity column for insertion
-order): the DDL below is one template filled per backend.
+Indexes serve the two hot reads: "slowest N by handoff (or TTFT), filtered
+by outcome / time" (walk one in order, stop after N; ``ddl.DROPPED_V5_INDEXES``
+says why mode has none) and "all spans of these traces" (the primary keys).
+PostgreSQL: the same columns (``BIGINT`` ns, ``DOUBLE PRECISION`` seconds,
+indexes ``DESC NULLS LAST``), ``spans`` and ``traces`` partitioned by UTC
+day (:mod:`kvtrace.store.partitions`: keys, routing, retention by day).
 
 Backends and dialect
 --------------------
@@ -51,8 +48,9 @@ from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import quote
 
-from kvtrace.store import pg, pgerrors
-from kvtrace.store.ddl import _TRACES_V2_DDL, SCHEMA_TEMPLATE, V3_TRACE_COLUMNS, V4_TRACE_COLUMNS
+from kvtrace.store import partitions, pg, pgerrors
+from kvtrace.store.ddl import _TRACES_V2_DDL, DROPPED_V5_INDEXES, PG_SCHEMA_TEMPLATE, SCHEMA_TEMPLATE
+from kvtrace.store.ddl import SPAN_COLUMNS, TRACE_COLUMNS, V3_TRACE_COLUMNS, V4_TRACE_COLUMNS  # noqa: F401
 from kvrecord.location import StoreLocation
 from kvtrace.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of
 from kvtrace.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
@@ -73,7 +71,7 @@ def params(n: int) -> str:
 
 # ------------------------------------------------------------------ schema
 #: The schema this code writes and reads. Bump it with a MIGRATIONS entry.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: Stores written before the ``meta`` table existed have version 1's tables.
 LEGACY_VERSION = 1
 
@@ -110,45 +108,19 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 3 -> 4: the keep decision and the per-phase durations (ddl.V4_TRACE_COLUMNS);
     # older rows keep NULLs (their spans are all stored).
     3: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V4_TRACE_COLUMNS),
+    # 4 -> 5: three traces indexes fewer (ddl.DROPPED_V5_INDEXES). PostgreSQL
+    # also partitions spans and traces by day: PG_MIGRATIONS.
+    4: tuple(f"DROP INDEX IF EXISTS {i}" for i in DROPPED_V5_INDEXES),
 }
+#: ``PG_MIGRATIONS[v]``: what a PostgreSQL store runs instead of ``MIGRATIONS[v]``
+#: (a function of the connection, in the same transaction).
+PG_MIGRATIONS = {4: partitions.migrate_v4}
 
 
 def schema_for(d: Dialect) -> str:
     """The schema script of one backend."""
-    return d.sql(SCHEMA_TEMPLATE)
+    return d.sql(PG_SCHEMA_TEMPLATE if d is POSTGRES else SCHEMA_TEMPLATE)
 
-
-#: Column order of a ``spans`` row (writer, ``bulk_insert``, ``spans_for``).
-SPAN_COLUMNS = (
-    "trace_id",
-    "span_id",
-    "parent_id",
-    "name",
-    "role",
-    "mode",
-    "request_id",
-    "start_ns",
-    "end_ns",
-    "outcome",
-    "attributes",
-)
-#: Column order of a written ``traces`` row (``bulk_insert``: synthetic rows
-#: carry their settled handoff as they are; the rest is generated or NULL).
-TRACE_COLUMNS = (
-    "trace_id",
-    "request_id",
-    "mode",
-    "dispatch",
-    "outcome",
-    "start_ns",
-    "end_ns",
-    "ttft_s",
-    "prefill_finished_ns",
-    "kv_ready_ns",
-    "n_spans",
-    "handoff_s",
-    "handoff_err_s",
-)
 
 _GET_VERSION = "SELECT value FROM meta WHERE key = 'schema_version'"
 _SET_VERSION = (
@@ -220,10 +192,15 @@ def _create_or_upgrade(conn: Connection, loc: StoreLocation) -> None:
         if found is not None and found > SCHEMA_VERSION:
             raise StoreVersionError(str(loc), found, SCHEMA_VERSION)
         for v in range(SCHEMA_VERSION if found is None else found, SCHEMA_VERSION):
+            if d is POSTGRES and v in PG_MIGRATIONS:
+                PG_MIGRATIONS[v](conn)
+                continue
             for stmt in MIGRATIONS[v]:
                 conn.execute(d.sql(stmt))
         for stmt in _statements(schema_for(d)):
             conn.execute(stmt)
+        if d is POSTGRES:  # the first writes land at once: today's and tomorrow's partitions
+            partitions.create(conn, (partitions.today(), partitions.today() + 1))
         conn.execute(_SET_VERSION, (str(SCHEMA_VERSION),))
 
 
@@ -307,6 +284,7 @@ def _connect_pg(loc: StoreLocation, *, readonly: bool, timeout_s: float) -> pg.P
         return conn
     try:
         _create_or_upgrade(conn, loc)
+        partitions.ensure(conn, (partitions.today(), partitions.today() + 1))
     except StoreError:
         conn.close()
         raise

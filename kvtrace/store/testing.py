@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from kvrecord.location import StoreLocation
-from kvtrace.store.ddl import _TRACES_V2_DDL
-from kvtrace.store.dialect import SQLITE
+from kvtrace.store.ddl import _TRACES_V2_DDL, SCHEMA_V4_TEMPLATE
+from kvtrace.store.dialect import POSTGRES, SQLITE
 from kvtrace.store.pg import translate_sql
 from kvtrace.store.schema import params
 
@@ -136,6 +136,47 @@ def write_lock_held(path: "str | os.PathLike") -> Iterator[None]:
         holder.close()
 
 
+def create_v4_store(name: Any) -> None:
+    """Version 4's tables and indexes (unpartitioned, eight ``traces``
+    indexes) in the empty store ``name``, as kvlens wrote them before
+    version 5: rows go in with :func:`insert_rows`."""
+    d = POSTGRES if StoreLocation.parse(name).is_postgres else SQLITE
+    for stmt in d.sql(SCHEMA_V4_TEMPLATE).split(";"):
+        if stmt.strip():
+            _raw(name, stmt)
+    _raw(name, "INSERT INTO meta (key, value) VALUES ('schema_version', '4')")
+
+
+def insert_rows(name: Any, table: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
+    """Plain INSERTs beneath the store API (a store of an older version)."""
+    sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({params(len(columns))})"
+    for r in rows:
+        _raw(name, sql, r)
+
+
+#: Bytes of each table and index (PostgreSQL: summed over the day
+#: partitions, named as the parent's: ``traces_20261204_pkey`` -> ``traces_pkey``).
+_PG_RELATIONS = (
+    "SELECT c.relname, c.relkind, pg_relation_size(c.oid) + COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0) "
+    "FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'i')"
+)
+
+
+def relation_bytes(name: Any) -> dict[str, int]:
+    """``relation -> bytes`` of the store's tables and indexes (SQLite: from
+    ``dbstat``, indexes named as created; ``sqlite_autoindex_*``: a primary key)."""
+    import re
+
+    if not StoreLocation.parse(name).is_postgres:
+        return {r[0]: int(r[1]) for r in _raw(name, "SELECT name, SUM(pgsize) FROM dbstat GROUP BY name")}
+    out: dict[str, int] = {}
+    for rel, _, size in _raw(name, _PG_RELATIONS):
+        key = re.sub(r"_\d{8}", "", rel)
+        out[key] = out.get(key, 0) + int(size)
+    return out
+
+
 def store_bytes(name: Any) -> int:
     """The store's size on disk (SQLite: the file and its write-ahead log;
     PostgreSQL: the database)."""
@@ -156,6 +197,17 @@ def span_counts_by_role(conn: Any, roles: Sequence[str]) -> dict[str, int]:
     """How many spans each of ``roles`` wrote (roles without spans left out)."""
     sql = f"SELECT role, COUNT(*) FROM spans WHERE role IN ({params(len(roles))}) GROUP BY role"
     return {r[0]: int(r[1]) for r in conn.execute(sql, list(roles)).fetchall()}
+
+
+def trace_days(conn: Any, trace_id: str) -> list[int]:
+    """The ``day`` of each summary row of ``trace_id`` (PostgreSQL: the partition it is in)."""
+    return sorted(int(r[0]) for r in conn.execute("SELECT day FROM traces WHERE trace_id = ?", (trace_id,)))
+
+
+def prefer_indexes(conn: Any) -> None:
+    """Plan as on a big store (PostgreSQL: no sequential scan where an index
+    serves), so a test's handful of rows shows which index a read walks."""
+    conn.execute("SET enable_seqscan = off")
 
 
 def run_refused_statement(conn: Any) -> None:

@@ -20,7 +20,9 @@ from opentelemetry.trace import format_span_id, format_trace_id
 from kvtrace import clockbounds
 from kvtrace.clockbounds import WINDOW_NS
 from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
-from kvtrace.store.dialect import dialect_of
+from kvtrace.store import partitions
+from kvtrace.store.dialect import POSTGRES, SQLITE, dialect_of
+from kvtrace.store.partitions import day_of
 from kvtrace.store.schema import PARAM, SPAN_COLUMNS, TRACE_COLUMNS, params, write_tx
 from kvrecord import semconv as sc
 from kvrecord.ids import base_request_id
@@ -54,12 +56,12 @@ _PHASES = tuple(_PHASE_COL.values())
 _NO_PHASES = dict.fromkeys(_PHASES)
 
 _UPSERT_TRACE = f"""
-INSERT INTO traces (trace_id, request_id, mode, dispatch, outcome, start_ns, end_ns,
+INSERT INTO traces ({{trace_key}}, request_id, mode, dispatch, outcome, start_ns, end_ns,
                     ttft_s, ttft_source, {", ".join(_FOLDED)}, n_spans, keep, {", ".join(_PHASES)})
-VALUES (:trace_id, :request_id, :mode, :dispatch, :outcome, :start_ns, :end_ns,
+VALUES ({{trace_key_values}}, :request_id, :mode, :dispatch, :outcome, :start_ns, :end_ns,
         :ttft_s, :ttft_source, {", ".join(":" + c for c in _FOLDED)}, :n_spans, :keep,
         {", ".join(":" + c for c in _PHASES)})
-ON CONFLICT (trace_id) DO UPDATE SET
+ON CONFLICT ({{trace_key}}) DO UPDATE SET
     request_id = CASE WHEN :is_router OR traces.request_id IS NULL
                       THEN excluded.request_id ELSE traces.request_id END,
     mode = COALESCE(traces.mode, excluded.mode),
@@ -80,12 +82,12 @@ ON CONFLICT (trace_id) DO UPDATE SET
 """
 
 
-# A span written twice (an SDK retry) replaces the first copy.
-_SPAN_CONFLICT = "ON CONFLICT (trace_id, span_id) DO UPDATE SET " + ", ".join(
-    f"{c} = excluded.{c}" for c in SPAN_COLUMNS[2:]
-)
-_INSERT_SPAN = f"INSERT INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({params(len(SPAN_COLUMNS))}) {_SPAN_CONFLICT}"
-_INSERT_TRACE = f"INSERT INTO traces ({', '.join(TRACE_COLUMNS)}) VALUES ({params(len(TRACE_COLUMNS))})"
+# A span written twice (an SDK retry) replaces the first copy (a template:
+# {span_key}, the dialect's conflict key).
+_SPAN_CONFLICT = "ON CONFLICT ({span_key}) DO UPDATE SET " + ", ".join(f"{c} = excluded.{c}" for c in SPAN_COLUMNS[2:])
+_INSERT_SPAN = SQLITE.sql(
+    f"INSERT INTO spans ({', '.join(SPAN_COLUMNS)}) VALUES ({params(len(SPAN_COLUMNS))}) {_SPAN_CONFLICT}"
+)  # SQLite's (PostgreSQL: COPY)
 
 
 # Plain-string constants: enum ``.value`` lookups cost ~0.4 us each per span.
@@ -220,9 +222,15 @@ def write_rows(conn: sqlite3.Connection, rows: Sequence[tuple], ups: dict[str, d
     (``keep``: the value a new row gets; NULL while undecided), the settle
     pass."""
     base = {**_NO_PHASES, "keep": keep}
+    d = dialect_of(conn)
+    batch = [{**base, **ups[t]} for t in sorted(ups)]
+    if d is POSTGRES:  # the days' partitions first (their own transaction, rarely)
+        partitions.ensure(conn, {day_of(r[7]) for r in rows} | {day_of(u["start_ns"]) for u in batch})
     with write_tx(conn):
+        if d is POSTGRES:  # each summary row's day (locks near midnight): before any row lock
+            partitions.route(conn, batch)
         insert_span_rows(conn, rows)
-        conn.executemany(dialect_of(conn).sql(_UPSERT_TRACE), [{**base, **ups[t]} for t in sorted(ups)])
+        conn.executemany(d.sql(_UPSERT_TRACE), batch)
         settle(conn, sorted(ups))
 
 
@@ -238,9 +246,16 @@ def insert_span_rows(conn: sqlite3.Connection, rows: Sequence[tuple]) -> None:
         for r in sorted({_span_key(r): r for r in rows}.values(), key=_span_key)
     ]
     if hasattr(conn, "copy_upsert"):  # PostgreSQL: COPY + one INSERT ... SELECT, ~3x executemany
-        conn.copy_upsert("spans", SPAN_COLUMNS, "trace_id, span_id", _SPAN_CONFLICT, rows)
+        conn.copy_upsert("spans", SPAN_COLUMNS, "trace_id, span_id", dialect_of(conn).sql(_SPAN_CONFLICT), rows)
     else:
         conn.executemany(_INSERT_SPAN, rows)
+
+
+def prepare_span_rows(conn: sqlite3.Connection, rows: Sequence[tuple]) -> None:
+    """Before the write transaction that inserts ``rows`` (:func:`insert_span_rows`):
+    PostgreSQL's day partitions for them (their own transaction, rarely)."""
+    if rows and dialect_of(conn) is POSTGRES:
+        partitions.ensure(conn, {day_of(r[7]) for r in rows})
 
 
 _RANK = {o: i for i, o in enumerate(_OUTCOME_RANK, 1)}
@@ -317,15 +332,26 @@ def settle(conn: sqlite3.Connection, trace_ids: Iterable[str]) -> int:
     return len(updates)
 
 
-def bulk_insert(conn: sqlite3.Connection, spans: Sequence[tuple], traces: Sequence[tuple]) -> None:
+def bulk_insert(
+    conn: sqlite3.Connection,
+    spans: Sequence[tuple],
+    traces: Sequence[tuple],
+    trace_columns: Sequence[str] = TRACE_COLUMNS,
+) -> None:
     """Insert rows as they are (tuples in :data:`SPAN_COLUMNS` /
-    :data:`TRACE_COLUMNS` order), without folding: for synthetic stores
-    (benchmarks), where each trace row is already complete. One transaction
-    (PostgreSQL: ``COPY``, so a row already there fails it)."""
-    with write_tx(conn):
-        if hasattr(conn, "copy_rows"):  # PostgreSQL: COPY, ~10x executemany
+    ``trace_columns`` order, by default :data:`TRACE_COLUMNS`; ``keep`` and
+    the phase columns for summary-only requests), without folding: for
+    synthetic stores (benchmarks), where each trace row is already complete.
+    One transaction (PostgreSQL: ``COPY``, so a row already there fails it)."""
+    cols = tuple(trace_columns)
+    if dialect_of(conn) is POSTGRES:  # COPY, ~10x executemany; each row's day (no request straddles here)
+        at = cols.index("start_ns")
+        traces = [(day_of(r[at]), *r) for r in traces]
+        partitions.ensure(conn, {day_of(r[7]) for r in spans} | {r[0] for r in traces})
+        with write_tx(conn):
             conn.copy_rows("spans", SPAN_COLUMNS, spans)
-            conn.copy_rows("traces", TRACE_COLUMNS, traces)
-        else:
-            conn.executemany(_INSERT_SPAN, spans)
-            conn.executemany(_INSERT_TRACE, traces)
+            conn.copy_rows("traces", ("day", *cols), traces)
+        return
+    with write_tx(conn):
+        conn.executemany(_INSERT_SPAN, spans)
+        conn.executemany(f"INSERT INTO traces ({', '.join(cols)}) VALUES ({params(len(cols))})", traces)
