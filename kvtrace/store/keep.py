@@ -25,7 +25,9 @@ stood. With ``keep all`` it is that call. With ``keep sampled``:
 
 Every decision is counted by reason (:attr:`Keeper.counts`). The state
 changes only after its transaction committed, so a caller may retry a
-failed :meth:`Keeper.write` with the same spans."""
+failed :meth:`Keeper.write` with the same spans; a failed decision after
+the batch committed is logged and retried with the next call (the request
+is still held), never raised to make the caller write the batch twice."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from kvrecord.keeprule import NOT_KEPT, KeepRule
+from kvrecord.logutil import log_once
 from kvtrace.store.schema import PARAM, params, write_tx
 from kvtrace.store.writer import insert_span_rows, prepare_span_rows, span_rows, write_rows
 
@@ -147,7 +150,14 @@ class Keeper:
         self.counts["late_kept"] += len(now_rows)
         self.counts["late_dropped"] += late
         self.counts["unkept"] += late
-        return len(now_rows) + self.decide(conn, now)
+        try:  # the batch is committed: a failed decision must not make the caller write it again
+            decided = self.decide(conn, now)
+        except Exception as e:
+            log_once(
+                "keep-decide:" + type(e).__name__, "keep decisions not written (%s); retried with the next batch", e
+            )
+            decided = 0
+        return len(now_rows) + decided
 
     def _sort(self, conn: Any, rows: list) -> tuple[list, list, int]:
         """(rows of kept decided requests, rows to hold, late rows of unkept ones)."""
@@ -186,7 +196,7 @@ class Keeper:
         """Decide the requests that are due (``everything``: all held ones,
         at shutdown). Returns the span rows stored."""
         now = self._clock() if now is None else now
-        due = self._due(now, everything)
+        due, forced = self._due(now, everything)
         if not due:
             return 0
         summaries = _summaries(conn, due)
@@ -202,7 +212,8 @@ class Keeper:
         with write_tx(conn):
             insert_span_rows(conn, keep_rows)
             conn.executemany(_SET_KEEP, sorted(marks, key=lambda m: m[1]))
-        for tid, reason in decisions.items():  # committed
+        self.counts["forced"] += forced  # committed
+        for tid, reason in decisions.items():
             p = self._pending.pop(tid)
             self.buffered -= len(p.rows)
             self.counts[reason] += 1
@@ -213,10 +224,11 @@ class Keeper:
                 self._hold_unkept(tid, p.rows)
         return len(keep_rows)
 
-    def _due(self, now: float, everything: bool) -> list[str]:
+    def _due(self, now: float, everything: bool) -> tuple[list[str], int]:
+        """(the requests to decide now, how many of them early for room)."""
         pend, rule = self._pending, self.rule
         if everything:
-            return list(pend)
+            return list(pend), 0
         due = []
         for tid, p in pend.items():  # first-seen order: the due ones are a prefix
             if p.first + rule.wait_s > now:
@@ -238,8 +250,7 @@ class Keeper:
                     due.append(tid)
                     held -= len(p.rows)
                     forced += 1
-        self.counts["forced"] += forced
-        return due
+        return due, forced
 
     def reason(self, trace_id: str, row: dict) -> str:
         """Why a request is kept, or ``no`` (:data:`kvrecord.keeprule.KEEP_REASONS`, first match)."""
