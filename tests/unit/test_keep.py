@@ -14,6 +14,8 @@ import sys
 import time
 
 import pytest
+from pathlib import Path
+
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import SpanContext
@@ -301,3 +303,23 @@ def test_kvlens_collect_sampled_end_to_end(tmp_path, backend, capsys):
         assert rows[t]["handoff_s"] is not None and rows[t]["phases_s"]["prefill"] > 0
     assert main(["traces", "--store", str(db), "--breakdown"]) == 0
     assert "6 completed requests kept as summaries only" in capsys.readouterr().out
+
+
+def test_the_dashboard_shows_a_summary_only_request(tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    db = tmp_path / "d.db"
+    clock = Clock()
+    k = Keeper(KeepRule.parse("sampled", 0, "1s"), clock=clock)
+    with store.connect(db) as conn:
+        k.write(conn, request(_tid(1)) + request(_tid(2), outcome="failed"))
+        k.flush(conn)
+    app = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+    monkeypatch.setattr(sys, "argv", ["app.py", "--store", str(db)])
+    at = AppTest.from_file(str(app), default_timeout=60)
+    at.query_params["page"] = "traces"
+    at.query_params["trace"] = _tid(1)
+    at.run()
+    assert not at.exception
+    assert any("summary only" in i.value for i in at.info)
+    assert "prefill" in set(at.dataframe[-1].value["phase"])
