@@ -323,3 +323,20 @@ def test_the_dashboard_shows_a_summary_only_request(tmp_path, monkeypatch):
     assert not at.exception
     assert any("summary only" in i.value for i in at.info)
     assert "prefill" in set(at.dataframe[-1].value["phase"])
+
+
+def test_the_connectors_store_exporter_decides_when_idle_and_at_shutdown(backend):
+    """The exporter vLLM's processes write through (``kvlens_keep*`` keys):
+    its export thread's idle ``tick`` decides what is due, ``shutdown`` the rest."""
+    from kvrecord.config import Options
+
+    opts = Options.from_config({**backend.config(), "kvlens_keep": "sampled", "kvlens_keep_ratio": "0"})
+    ex = store.StoreSpanExporter(opts.store, keep=KeepRule.parse("sampled", 0, "1s", wait_s=0.3, grace_s=0.1))
+    assert opts.keep.sampled and ex.keeper.rule.sampled
+    early, late = _tid(1), _tid(2)
+    assert ex.export(request(early) + request(late, outcome="failed", root=False)).name == "SUCCESS"
+    assert wait_for(lambda: ex.tick() or ex.keeper.counts["no"] == 1)  # the root's grace, then a tick
+    ex.shutdown()
+    assert ex.keeper.buffered == 0 and ex.keeper.counts["failed"] == 1
+    got = _stored(backend, [early, late])
+    assert got[early].keep == "no" and got[early].spans == () and got[late].keep == "failed"
