@@ -22,7 +22,7 @@ wall figures but much less in the CPU ones:
    metrics, handoff resolver) until the queue is empty and every handoff
    resolved; its CPU split by thread (HTTP: the client and the event loop;
    decode: the worker threads; writer: store + metrics; resolver); 4s: the
-   same under ``--keep sampled`` (1 %, p90: every summary, few spans);
+   same under ``--keep sampled`` (1 %, p99: every summary, few spans);
 5. live: a real ``kvlens collect`` subprocess fed over HTTP (keep-alive);
    its own CPU time per span from ``/proc/<pid>/stat``, until its queue is
    empty and every request's handoff observed or counted unresolved.
@@ -280,7 +280,7 @@ def main() -> int:
         add("app", c, w)
         for g, v in groups.items():
             threads.setdefault(g, []).append(v)
-        sampled = KeepRule.parse("sampled", 0.01, "p90", wait_s=1.0, grace_s=0.2)
+        sampled = KeepRule.parse("sampled", 0.01, "p99", wait_s=1.0, grace_s=0.2)
         c, w, groups = bench_app(bodies, tmp / f"app-sampled-{r}.db", keep=sampled)
         add("app sampled", c, w)
         for g, v in groups.items():
@@ -299,7 +299,7 @@ def main() -> int:
         "resolver whole": "3r- resolver read-back: whole trace",
         "resolver": "3r handoff resolver, one pass",
         "app": "4 in-process app end to end",
-        "app sampled": "4s the same, --keep sampled (1 %, p90)",
+        "app sampled": "4s the same, --keep sampled (1 %, p99)",
     }
     for key, label in labels.items():
         if key in res:
