@@ -25,9 +25,9 @@ from kvtrace.store.partitions import day_of
 from kvtrace.store.spanrows import _tuples, named_spans, span_dict, spans_for  # noqa: F401 (the store API)
 from kvtrace.store.schema import PARAM, params, read_tx, write_tx
 
-#: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
 #: Each recorded phase's duration column in a summary (``kvtrace.store.ddl``).
 PHASE_COLUMNS = {p: phase_column(p) for p in SUMMARY_PHASES}
+#: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
 SUMMARY_COLUMNS = (
     "trace_id",
     "request_id",
