@@ -126,6 +126,9 @@ class HandoffResolver:
         #: (``Keeper.unkept_rows``); a handoff then waits for its request's
         #: decision, and an exemplar names only a kept request.
         self.held: Any = None
+        #: The least wait of every submit (under --keep sampled: the keep
+        #: decision's grace, before which a request is not worth reading).
+        self.min_wait_s = 0.0
         #: trace ids looked up already, newest last (bounded: :data:`DONE_CAP`)
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -137,6 +140,7 @@ class HandoffResolver:
         router's spans may still be on their way: its ``relay`` decides the
         derived phases); a later submit without a wait lifts it."""
         now = time.monotonic()
+        wait_s = max(wait_s, self.min_wait_s)
         with self._lock:
             if trace_id in self._done:
                 return
@@ -205,7 +209,8 @@ class HandoffResolver:
 
         Resolver thread (or ``flush`` on the caller's); reads the store."""
         with self._lock:
-            items = list(self._pending.items())
+            now = time.monotonic()  # only those that may resolve now are read (not before their wait)
+            items = [(t, v) for t, v in self._pending.items() if now >= v[2] or (expire and now >= v[1])]
         if not items:
             return 0
         found, store_ok = self._lookup([t for t, _ in items])

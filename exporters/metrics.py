@@ -236,6 +236,7 @@ class PhaseMetricsProcessor(SpanProcessor):
         if keeper is not None and keeper.rule.sampled:
             self._exemplar_ok = keeper.surely_kept
             self.handoff.held = keeper.unkept_rows
+            self.handoff.min_wait_s = keeper.rule.grace_s
             self.handoff.deadline_s = max(self.handoff.deadline_s, keeper.rule.wait_s + handoff_deadline_s)
         self._dropped_source = dropped_source or _no_drops
         #: bandwidth above this (Gb/s, env KVLENS_LINK_GBPS) is counted implausible, not observed
