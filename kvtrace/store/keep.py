@@ -132,6 +132,8 @@ class Keeper:
     def write(self, conn: Any, spans: Sequence) -> int:
         """Write one batch (the summaries now; spans as decided) and decide
         what is due. Returns the span rows stored by this call."""
+        if not spans and self.rule.sampled:  # a tick: only decisions are due
+            return self.decide(conn)
         rows, ups = span_rows(spans)
         if not self.rule.sampled:
             write_rows(conn, rows, ups)
