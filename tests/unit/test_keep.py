@@ -340,3 +340,26 @@ def test_the_connectors_store_exporter_decides_when_idle_and_at_shutdown(backend
     assert ex.keeper.buffered == 0 and ex.keeper.counts["failed"] == 1
     got = _stored(backend, [early, late])
     assert got[early].keep == "no" and got[early].spans == () and got[late].keep == "failed"
+
+
+def test_the_router_takes_the_keep_flags_for_its_own_spans_and_what_it_collects(tmp_path, monkeypatch):
+    import argparse
+
+    from kvlens.proxy import cli
+    from kvlens.proxy.app import _receiver_ingest
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    argv = ["--mode", "push", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--collect"]
+    args = p.parse_args([*argv, "--keep", "sampled", "--keep-ratio", "0.2", "--keep-slow", "p95"])
+    monkeypatch.setenv("KVLENS_HOME", str(tmp_path))
+    cfg = cli.config(args)
+    assert cfg.options.store.path.parent == tmp_path
+    assert cfg.options.keep == KeepRule.parse("sampled", 0.2, "p95")
+    ing = _receiver_ingest(cfg)
+    try:
+        assert ing.keeper.rule == cfg.options.keep
+    finally:
+        ing.close()
+    with pytest.raises(ValueError, match="--keep-slow applies only with --keep sampled"):
+        cli.config(p.parse_args([*argv, "--keep-slow", "p95"]))
