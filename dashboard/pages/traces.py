@@ -276,12 +276,8 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
     if rec is not None and not len(spans) and rec.get("keep") == "no":  # --keep sampled: the summary only
         trace_cards(rec)
         st.info(f"{rec.get('spans_note', 'summary only')}. Its phases (longest copy each, from the summary):")
-        phases = rec.get("phases_s") or {}
-        st.dataframe(
-            [{"phase": k, "duration_ms": round(v * 1000, 3)} for k, v in phases.items()],
-            hide_index=True,
-            width="stretch",
-        )
+        rows = [{"phase": k, "duration_ms": round(v * 1000, 3)} for k, v in (rec.get("phases_s") or {}).items()]
+        st.dataframe(rows, hide_index=True, width="stretch")
         return
     if rec is None or not len(spans):
         st.info("This trace has no spans in the store.")
