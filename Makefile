@@ -35,7 +35,7 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=40 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
