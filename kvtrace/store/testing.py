@@ -238,8 +238,16 @@ def _admin(server_url: str, statement: str) -> None:
     # autocommit: CREATE / DROP DATABASE cannot run inside a transaction
     import psycopg
 
-    with psycopg.connect(server_url, autocommit=True, connect_timeout=10) as c:
-        c.execute(statement)
+    # A loaded test machine (vLLM stacks on every core) can keep a connection
+    # waiting past 10 s: the test needs the database, not a fast answer.
+    for attempt in range(3):
+        try:
+            with psycopg.connect(server_url, autocommit=True, connect_timeout=30) as c:
+                c.execute(statement)
+            return
+        except psycopg.errors.ConnectionTimeout:
+            if attempt == 2:
+                raise
 
 
 def table_bytes(name: Any) -> dict[str, int]:

@@ -45,12 +45,16 @@ def _recomputed_count(decode_url: str) -> float:
     )
 
 
-def _wait_first_step(db, tid: str, timeout: float = 60.0) -> tracemodel.Trace | None:
+def _wait_first_step(db, tid: str, timeout: float = 60.0, outcome: str | None = None) -> tracemodel.Trace | None:
+    """The trace once D's first step is in it (and, with ``outcome``, once
+    its folded outcome is that: the failed load's span can reach the store
+    after the first step's, from another thread of D's worker)."""
     deadline = time.time() + timeout
     while True:
         with store.reading(db) as conn:
             tr = tracemodel.find(conn, [tid]).get(tid)
-        if tr is not None and any(s.name == "decode.first_step" for s in tr.spans) or time.time() > deadline:
+        done = tr is not None and any(s.name == "decode.first_step" for s in tr.spans)
+        if done and (outcome is None or tr.outcome == outcome) or time.time() > deadline:
             return tr
         time.sleep(0.5)
 
@@ -71,7 +75,7 @@ def test_a_load_that_fails_under_recompute_is_marked_counted_and_shown(pull_stac
     assert rd.json()["choices"][0]["text"] == normal.json()["choices"][0]["text"]  # greedy: the same answer
     tid = ids.trace_of_response(rp.json().get("id"), rid)
     normal_tid = ids.trace_of_response(normal.json().get("id"), normal.headers.get("x-request-id"))
-    tr = _wait_first_step(st.store, tid)
+    tr = _wait_first_step(st.store, tid, outcome="failed")
     assert tr is not None, "no trace for the recomputed request"
     assert tr.outcome == "failed", tr.outcome  # the load failed; vLLM recomputed, the client was served
     use = tr.to_json()["kv_use"]

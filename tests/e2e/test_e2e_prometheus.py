@@ -63,12 +63,17 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     prom = _prom(stack)
     q_handoff = f'sum(kvlens_handoff_seconds_count{{mode="{mode}"}})'
     q_req = f'sum(kvlens_requests_total{{mode="{mode}",outcome="ok"}})'
-    before = _wait(lambda: _value(prom, q_handoff) is not None and _value(prom, q_req) is not None)
+
+    def both():  # one reading of both: a query may time out on a loaded machine (None), never mix readings
+        h, r = _value(prom, q_handoff), _value(prom, q_req)
+        return (h, r) if h is not None and r is not None else None
+
+    before = _wait(both)
     assert before, "router metrics never scraped"
-    h0, r0 = _value(prom, q_handoff), _value(prom, q_req)
+    h0, r0 = before
     _send(stack.router_url, N)
     assert _wait(lambda: _value(prom, q_handoff) == h0 + N), (_value(prom, q_handoff), h0)
-    assert _value(prom, q_req) == r0 + N
+    assert _wait(lambda: _value(prom, q_req) == r0 + N), (_value(prom, q_req), r0)
 
     # every phase of the mode has a series, scraped from vLLM's own /metrics
     got = {
