@@ -18,17 +18,22 @@ pytestmark = pytest.mark.e2e
 N = 4
 
 
-def _value(prom, q: str) -> float | None:
-    """The query's first value; None (not yet) when Prometheus is slow to answer
-    (a query timeout on a busy machine), so the caller's wait tries again."""
+def _safe(fn):
+    """``fn()``, or None when Prometheus is slow to answer (a timeout on a busy machine): waits try again."""
     import httpx
 
     from exporters.promapi import PrometheusError
 
     try:
-        res = prom.query(q)
-    except (httpx.TimeoutException, PrometheusError):  # PrometheusError wraps a read timeout
+        return fn()
+    except (httpx.TimeoutException, PrometheusError):
         return None
+
+
+def _value(prom, q: str) -> float | None:
+    """The query's first value; None (not yet) when Prometheus is slow to answer
+    (a query timeout on a busy machine), so the caller's wait tries again."""
+    res = _safe(lambda: prom.query(q))
     return float(res[0]["value"][1]) if res else None
 
 
@@ -43,8 +48,13 @@ def _wait(pred, timeout: float = 90.0, step: float = 1.0):
 
 def _prom(stack):
     prom = stack.start_prometheus(port=0)
-    up = _wait(lambda: all(t["health"] == "up" for t in prom.targets_health()) and len(prom.targets_health()) >= 3)
-    assert up, prom.targets_health()
+
+    def healthy() -> bool:
+        t = _safe(prom.targets_health)
+        return bool(t) and len(t) >= 3 and all(x["health"] == "up" for x in t)
+
+    up = _wait(healthy)
+    assert up, _safe(prom.targets_health)
     return prom
 
 
@@ -76,18 +86,19 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     assert _wait(lambda: _value(prom, q_req) == r0 + N), (_value(prom, q_req), r0)
 
     # every phase of the mode has a series, scraped from vLLM's own /metrics
-    got = {
-        r["metric"]["phase"]
-        for r in prom.query(f'count by (phase) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})')
-    }
+    by_phase = _wait(
+        lambda: _safe(lambda: prom.query(f'count by (phase) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})'))
+    )
+    got = {r["metric"]["phase"] for r in by_phase or []}
     assert {p.value for p in phases} <= got, got
-    jobs = {
-        r["metric"]["job"] for r in prom.query(f'count by (job) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})')
-    }
+    by_job = _wait(
+        lambda: _safe(lambda: prom.query(f'count by (job) (kvlens_phase_duration_seconds_count{{mode="{mode}"}})'))
+    )
+    jobs = {r["metric"]["job"] for r in by_job or []}
     assert {"vllm-prefill", "vllm-decode", "kvlens-router"} <= jobs
 
     # the recording rules evaluate (interval 2 s; rate windows need 2 samples)
-    assert _wait(lambda: prom.query(f'kvlens:handoff_seconds:p50_1m{{mode="{mode}"}}'), timeout=60)
+    assert _wait(lambda: _safe(lambda: prom.query(f'kvlens:handoff_seconds:p50_1m{{mode="{mode}"}}')), timeout=60)
 
     # reconciliation with vLLM's own NIXL histogram on the side that owns the
     # transfer: one completion span per NIXL transfer (TP=1); NIXL's
