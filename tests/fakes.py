@@ -12,6 +12,8 @@ answering, which the router's tests check for.
 * :class:`FakePrometheus`: the Prometheus HTTP API the dashboard queries.
 * :class:`RecordingServer`: 200 to everything, keeping each request's headers.
 * :class:`SilentServer`: accepts connections, reads, never answers.
+* :func:`wait_for`: poll a condition until it holds or a generous timeout
+  passes (an eventual check, never a speed bound).
 
 ``tests/`` is on ``sys.path``: ``from fakes import FakeVllm, p_ok``.
 """
@@ -43,6 +45,18 @@ P_KV = {  # what a real P answers: D must get exactly this in pull mode
 }
 
 Answer = Callable[[BaseHTTPRequestHandler, dict], None]
+
+
+def wait_for(cond: Callable[[], Any], timeout_s: float = 10.0, step_s: float = 0.02) -> Any:
+    """``cond()`` once it is true, polled every ``step_s`` for up to
+    ``timeout_s``; then its last value (false: the caller's assert fails)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(step_s)
+    return cond()
 
 
 class QuietHandler(BaseHTTPRequestHandler):

@@ -37,6 +37,7 @@ from exporters.collector.app import create_app, mount_receiver
 from exporters.collector.ingest import Ingest, collector_ingest
 from exporters.metrics import PhaseMetricsProcessor
 from kvtrace.store.schema import write_tx
+from fakes import wait_for
 from kvrecord import semconv as sc
 from kvrecord.recorder import Recorder
 
@@ -370,15 +371,6 @@ def collector(tmp_path):
     ing = collector_ingest(db, reg, handoff_deadline_s=1.0)
     with TestClient(create_app(ing, reg, max_body_bytes=256 * 1024)) as client:
         yield client, ing, reg, db
-
-
-def wait_for(cond, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def drained(ing: Ingest) -> bool:

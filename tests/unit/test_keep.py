@@ -11,7 +11,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 from pathlib import Path
@@ -25,6 +24,7 @@ from kvrecord.ids import root_span_id
 from kvrecord.keeprule import KeepRule
 from kvtrace import store, tracemodel
 from kvtrace.store.keep import Keeper, ratio_pick
+from fakes import wait_for
 
 MS = 1_000_000
 N = 8  # spans per request (request() below)
@@ -232,10 +232,10 @@ def test_collector_metrics_count_every_request_and_exemplars_name_only_kept_ones
             done = val("kvlens_collector_decision_buffer_spans") == 0 and ing.queued_spans == 0
             return done and (val("kvlens_handoff_seconds_count", {"mode": "push"}) or 0) == 13
 
-        assert wait_for(settled)
+        assert wait_for(settled, 60.0)
         assert val("kvlens_requests_total", {"mode": "push", "outcome": "ok"}) == 13
         derived = {"mode": "push", "role": "decode", "phase": "registration.dispatch", "outcome": "ok"}
-        assert wait_for(lambda: val("kvlens_phase_duration_seconds_count", derived) == 13)
+        assert wait_for(lambda: val("kvlens_phase_duration_seconds_count", derived) == 13, 60.0)
         for d, n in (("slow", 2), ("failed", 1), ("no", 10), ("ratio", 0)):
             assert val("kvlens_collector_keep_decisions_total", {"decision": d}) == n, d
         assert val("kvlens_collector_spans_written_total") == 3 * N
@@ -248,15 +248,6 @@ def test_collector_metrics_count_every_request_and_exemplars_name_only_kept_ones
         ing.close()
     got = _stored(backend, [*fast, *slow, failed])
     assert len(got) == 13 and all(got[t].spans == () for t in fast)
-
-
-def wait_for(cond, timeout_s: float = 60.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def test_kvlens_collect_sampled_end_to_end(tmp_path, backend, capsys):
@@ -335,7 +326,7 @@ def test_the_connectors_store_exporter_decides_when_idle_and_at_shutdown(backend
     assert opts.keep.sampled and ex.keeper.rule.sampled
     early, late = _tid(1), _tid(2)
     assert ex.export(request(early) + request(late, outcome="failed", root=False)).name == "SUCCESS"
-    assert wait_for(lambda: ex.tick() or ex.keeper.counts["no"] == 1)  # the root's grace, then a tick
+    assert wait_for(lambda: ex.tick() or ex.keeper.counts["no"] == 1, 60.0)  # the root's grace, then a tick
     ex.shutdown()
     assert ex.keeper.buffered == 0 and ex.keeper.counts["failed"] == 1
     got = _stored(backend, [early, late])

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtrace import store, tiling, tracemodel
 from exporters.collector.ingest import Ingest
+from fakes import wait_for
 from store_backends import Backend
 from synthetic_store import build
 
@@ -341,15 +342,6 @@ def test_the_span_exporter_stays_bounded_and_counts_a_down_server():
     exp.shutdown()
 
 
-def _wait(cond, timeout_s: float = 30.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 def test_the_collector_rides_out_a_server_restart(pg_server, pg_url):
     """Server stopped mid-run: spans wait in the bounded queue (what does not
     fit is refused, 429, and counted), a short-patience collector drops and
@@ -360,7 +352,7 @@ def test_the_collector_rides_out_a_server_restart(pg_server, pg_url):
     patient = Ingest(pg_url, max_queue_spans=len(second) + 5, busy_retry_s=120.0)
     impatient = Ingest(pg_url, busy_retry_s=0.2)
     try:
-        assert patient.offer(first) and _wait(lambda: patient.counts()["written"] == len(first))
+        assert patient.offer(first) and wait_for(lambda: patient.counts()["written"] == len(first), 30.0)
         pg_server.stop()
         assert patient.offer(second)
         assert not patient.offer(third)  # over the bound: refused (the HTTP layer answers 429)
@@ -368,11 +360,11 @@ def test_the_collector_rides_out_a_server_restart(pg_server, pg_url):
             patient.registry.get_sample_value("kvlens_collector_requests_rejected_total", {"reason": "queue_full"}) == 1
         )
         assert impatient.offer(third)
-        assert _wait(lambda: impatient.counts()["dropped"] == len(third))
+        assert wait_for(lambda: impatient.counts()["dropped"] == len(third), 30.0)
         assert patient.counts()["written"] == len(first) and patient.counts()["dropped"] == 0
         assert patient.alive()
         pg_server.start()
-        assert _wait(lambda: patient.counts()["written"] == len(first) + len(second))
+        assert wait_for(lambda: patient.counts()["written"] == len(first) + len(second), 30.0)
         c = patient.counts()
         assert c["received"] == c["written"] + c["dropped"] + c["queued"] and c["dropped"] == 0
         assert impatient.registry.get_sample_value(
