@@ -108,12 +108,15 @@ def phase_column(phase: str) -> str:
     return "d_" + phase.replace(".", "_")
 
 
+#: Each of :data:`SUMMARY_PHASES` -> its summary column (writer, queries).
+PHASE_COLUMNS: dict[str, str] = {p: phase_column(p) for p in SUMMARY_PHASES}
+
 #: Columns version 4 added (the two tiers, issue 24): ``keep`` says whether
 #: the request's spans are stored and why (:mod:`kvtrace.store.keep`): NULL
 #: while undecided (or written before version 4: all spans kept), ``all``
 #: (``--keep all``), a keep reason (``slow``, ``failed``, ``ratio``, ...) or
 #: ``no`` (summary only); then one duration per :data:`SUMMARY_PHASES`.
-V4_TRACE_COLUMNS = (("keep", "TEXT"), *((phase_column(p), "{real}") for p in SUMMARY_PHASES))
+V4_TRACE_COLUMNS = (("keep", "TEXT"), *((c, "{real}") for c in PHASE_COLUMNS.values()))
 
 
 def _with_columns(ddl: str, columns) -> str:

@@ -19,14 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from kvrecord.durations import parse_duration
-from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
+from kvtrace.store.ddl import PHASE_COLUMNS
 from kvtrace.store.dialect import POSTGRES, dialect_of
 from kvtrace.store.partitions import day_of
 from kvtrace.store.spanrows import _tuples, named_spans, span_dict, spans_for  # noqa: F401 (the store API)
 from kvtrace.store.schema import PARAM, params, read_tx, write_tx
 
-#: Each recorded phase's duration column in a summary (``kvtrace.store.ddl``).
-PHASE_COLUMNS = {p: phase_column(p) for p in SUMMARY_PHASES}
 #: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
 SUMMARY_COLUMNS = (
     "trace_id",

@@ -19,7 +19,7 @@ from opentelemetry.trace import format_span_id, format_trace_id
 
 from kvtrace import clockbounds
 from kvtrace.clockbounds import WINDOW_NS
-from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
+from kvtrace.store.ddl import PHASE_COLUMNS
 from kvtrace.store import partitions
 from kvtrace.store.dialect import POSTGRES, SQLITE, dialect_of
 from kvtrace.store.partitions import day_of
@@ -50,10 +50,8 @@ _FOLD_MIN = ("d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
 _FOLD_MAX = ("kv_ready_ns",)
 _FOLDED = (*_FOLD_FIRST, *_FOLD_MIN, *_FOLD_MAX)
 #: Each recorded phase's duration column (the longest copy wins: ranks, retries).
-_PHASE_COL = {p: phase_column(p) for p in SUMMARY_PHASES}
+_PHASE_COL = PHASE_COLUMNS
 _PHASES = tuple(_PHASE_COL.values())
-#: An upsert's phase columns, all NULL (a span carries at most one).
-_NO_PHASES = dict.fromkeys(_PHASES)
 
 _UPSERT_TRACE = f"""
 INSERT INTO traces ({{trace_key}}, request_id, mode, dispatch, outcome, start_ns, end_ns,
@@ -119,7 +117,7 @@ _BLANK = {
     "is_router": False,
     "n_spans": 0,
     **dict.fromkeys(_FOLDED),
-    **_NO_PHASES,
+    **dict.fromkeys(_PHASES),
 }
 _CROSS = sc.CROSSINGS
 
@@ -221,9 +219,8 @@ def write_rows(conn: sqlite3.Connection, rows: Sequence[tuple], ups: dict[str, d
     all of them, or fewer under sampling), every trace's summary upsert
     (``keep``: the value a new row gets; NULL while undecided), the settle
     pass."""
-    base = {**_NO_PHASES, "keep": keep}
     d = dialect_of(conn)
-    batch = [{**base, **ups[t]} for t in sorted(ups)]
+    batch = [{**ups[t], "keep": keep} for t in sorted(ups)]
     if d is POSTGRES:  # the days' partitions first (their own transaction, rarely)
         partitions.ensure(conn, {day_of(r[7]) for r in rows} | {day_of(u["start_ns"]) for u in batch})
     with write_tx(conn):
