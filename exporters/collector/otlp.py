@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import zlib
-from typing import Any
+from typing import Any, Iterator
 
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
@@ -209,62 +209,72 @@ _KINDS = {1: _INTERNAL, 2: SpanKind.SERVER, 3: SpanKind.CLIENT, 4: SpanKind.PROD
 _STATUS = {0: Status(StatusCode.UNSET), 1: Status(StatusCode.OK), 2: Status(StatusCode.ERROR)}
 
 
-def spans_of(req: ExportTraceServiceRequest) -> list[ReadableSpan]:
-    """Every span of a parsed request as a ``ReadableSpan``, checked (400
-    naming the first span without a valid trace or span id): resource (one
-    ``Resource`` per ``ResourceSpans``), scope, kind, status, trace state.
-    The resource's ``service.name`` is copied into the attributes of a span
-    that has none, so the store keeps where a span came from. Events and
-    links are not decoded (nothing in kvlens reads them). Attribute values:
-    str, bool, int, float, tuples for arrays, dicts for kvlists, hex str for
-    bytes. The spans are new objects, owned by the caller."""
-    out: list[ReadableSpan] = []
-    append = out.append
-    parents: dict[tuple, SpanContext] = {}
+def checked(req: ExportTraceServiceRequest) -> Iterator[tuple[Any, Any, Any, dict]]:
+    """(resource spans, scope spans, span, attributes) for every span of a
+    parsed request, in order: each span's ids checked (400 ``invalid_span``
+    naming the first bad one), its attributes decoded, the resource's
+    ``service.name`` copied in where the span has none (so the store keeps
+    where a span came from). Both decoders walk a request with this."""
     index = 0
     for r, rs in enumerate(req.resource_spans):
-        attrs = attributes_of(rs.resource.attributes)
-        resource = Resource(attrs, rs.schema_url)
-        service = attrs.get("service.name")
+        service = attributes_of(rs.resource.attributes).get("service.name")
         for s, ss in enumerate(rs.scope_spans):
-            scope = InstrumentationScope(ss.scope.name, ss.scope.version, ss.schema_url)
             for i, sp in enumerate(ss.spans):
-                tid, sid, pid = sp.trace_id, sp.span_id, sp.parent_span_id
-                problem = _id_problem(tid, sid, pid)
+                problem = _id_problem(sp.trace_id, sp.span_id, sp.parent_span_id)
                 if problem:
                     raise OTLPError(400, f"{_where(index, sp.name, r, s, i)}: {problem}", "invalid_span")
                 a = attributes_of(sp.attributes)
                 if service is not None and "service.name" not in a:
                     a["service.name"] = service
-                flags = sp.flags & 0x3FF
-                trace_flags = _TRACE_FLAGS[flags & 0xFF]
-                trace_id = int.from_bytes(tid, "big")
-                parent = None
-                if pid and any(pid):
-                    parent = parents.get((tid, pid, flags))
-                    if parent is None:
-                        parent = parents[tid, pid, flags] = _parent(trace_id, pid, flags, trace_flags)
-                state = TraceState.from_header([sp.trace_state]) if sp.trace_state else None
-                ctx = SpanContext(trace_id, int.from_bytes(sid, "big"), False, trace_flags, state)
-                # positional arguments: ~1 us per span less than keywords
-                append(
-                    ReadableSpan(
-                        sp.name,
-                        ctx,
-                        parent,
-                        resource,
-                        a,
-                        (),  # events
-                        (),  # links
-                        _KINDS.get(sp.kind, _INTERNAL),
-                        None,  # instrumentation_info (deprecated for the scope)
-                        _status(sp.status),
-                        sp.start_time_unix_nano,
-                        sp.end_time_unix_nano,
-                        scope,
-                    )
-                )
+                yield rs, ss, sp, a
                 index += 1
+
+
+def spans_of(req: ExportTraceServiceRequest) -> list[ReadableSpan]:
+    """Every span of a parsed request as a ``ReadableSpan``, checked as
+    :func:`checked` says: resource (one ``Resource`` per ``ResourceSpans``),
+    scope, kind, status, trace state. Events and links are not decoded
+    (nothing in kvlens reads them). Attribute values: str, bool, int, float,
+    tuples for arrays, dicts for kvlists, hex str for bytes. The spans are
+    new objects, owned by the caller."""
+    out: list[ReadableSpan] = []
+    append = out.append
+    parents: dict[tuple, SpanContext] = {}
+    last_rs = last_ss = resource = scope = None
+    for rs, ss, sp, a in checked(req):
+        if rs is not last_rs:
+            last_rs, resource = rs, Resource(attributes_of(rs.resource.attributes), rs.schema_url)
+        if ss is not last_ss:
+            last_ss, scope = ss, InstrumentationScope(ss.scope.name, ss.scope.version, ss.schema_url)
+        tid, sid, pid = sp.trace_id, sp.span_id, sp.parent_span_id
+        flags = sp.flags & 0x3FF
+        trace_flags = _TRACE_FLAGS[flags & 0xFF]
+        trace_id = int.from_bytes(tid, "big")
+        parent = None
+        if pid and any(pid):
+            parent = parents.get((tid, pid, flags))
+            if parent is None:
+                parent = parents[tid, pid, flags] = _parent(trace_id, pid, flags, trace_flags)
+        state = TraceState.from_header([sp.trace_state]) if sp.trace_state else None
+        ctx = SpanContext(trace_id, int.from_bytes(sid, "big"), False, trace_flags, state)
+        # positional arguments: ~1 us per span less than keywords
+        append(
+            ReadableSpan(
+                sp.name,
+                ctx,
+                parent,
+                resource,
+                a,
+                (),  # events
+                (),  # links
+                _KINDS.get(sp.kind, _INTERNAL),
+                None,  # instrumentation_info (deprecated for the scope)
+                _status(sp.status),
+                sp.start_time_unix_nano,
+                sp.end_time_unix_nano,
+                scope,
+            )
+        )
     return out
 
 

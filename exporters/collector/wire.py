@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from exporters.collector.otlp import DEFAULT_MAX_BYTES, OTLPError, _id_problem, _where, attributes_of, parse
+from exporters.collector.otlp import DEFAULT_MAX_BYTES, checked, parse
 
 
 def decode(
@@ -58,33 +58,22 @@ class WireSpan:
 
 def wire_spans_of(req: ExportTraceServiceRequest) -> list[WireSpan]:
     """Every span of a parsed request as a :class:`WireSpan`, checked and
-    attributed exactly as :func:`spans_of` does (the same 400s, the
-    resource's ``service.name`` copied in); resources, scopes, kinds,
-    status and trace state are not built (nothing the collector stores reads
-    them): the collector's receive path."""
+    attributed as :func:`exporters.collector.otlp.checked` does (the same
+    400s, the resource's ``service.name`` copied in); resources, scopes,
+    kinds, status and trace state are not built (nothing the collector
+    stores reads them): the collector's receive path."""
     out: list[WireSpan] = []
     append = out.append
     parents: dict[tuple, SpanIds] = {}
     frombytes = int.from_bytes
-    index = 0
-    for r, rs in enumerate(req.resource_spans):
-        service = attributes_of(rs.resource.attributes).get("service.name")
-        for s, ss in enumerate(rs.scope_spans):
-            for i, sp in enumerate(ss.spans):
-                tid, sid, pid = sp.trace_id, sp.span_id, sp.parent_span_id
-                problem = _id_problem(tid, sid, pid)
-                if problem:
-                    raise OTLPError(400, f"{_where(index, sp.name, r, s, i)}: {problem}", "invalid_span")
-                a = attributes_of(sp.attributes)
-                if service is not None and "service.name" not in a:
-                    a["service.name"] = service
-                trace_id = frombytes(tid, "big")
-                parent = None
-                if pid and any(pid):
-                    parent = parents.get((tid, pid))
-                    if parent is None:
-                        parent = parents[tid, pid] = SpanIds(trace_id, frombytes(pid, "big"))
-                ids = SpanIds(trace_id, frombytes(sid, "big"))
-                append(WireSpan(sp.name, ids, parent, sp.start_time_unix_nano, sp.end_time_unix_nano, a))
-                index += 1
+    for _, _, sp, a in checked(req):
+        tid, pid = sp.trace_id, sp.parent_span_id
+        trace_id = frombytes(tid, "big")
+        parent = None
+        if pid and any(pid):
+            parent = parents.get((tid, pid))
+            if parent is None:
+                parent = parents[tid, pid] = SpanIds(trace_id, frombytes(pid, "big"))
+        ids = SpanIds(trace_id, frombytes(sp.span_id, "big"))
+        append(WireSpan(sp.name, ids, parent, sp.start_time_unix_nano, sp.end_time_unix_nano, a))
     return out
