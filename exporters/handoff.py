@@ -273,7 +273,7 @@ class HandoffResolver:
             fam.child(fam.unresolved, (mode, "clock_unknown")).inc()
         else:
             child = fam.child(fam.handoff, (mode,))
-            if self.exemplars and row.get("keep") != NOT_KEPT and (self.held is None or row.get("keep")):
+            if self._exemplar(row.get("keep")):
                 child.observe(float(h), {"trace_id": tid})
             else:
                 child.observe(float(h))
@@ -288,6 +288,11 @@ class HandoffResolver:
             self._pairs.add(pair)
         fam.child(fam.clock_offset, pair).set((lo + hi) / 2)
         fam.child(fam.clock_width, pair).set(hi - lo)
+
+    def _exemplar(self, keep: str | None) -> bool:
+        """Whether an observation of a request whose decision is ``keep`` names
+        it: only where its spans are stored (under --keep sampled: decided, not ``no``)."""
+        return self.exemplars and keep != NOT_KEPT and (self.held is None or keep is not None)
 
     def _observe_derived(self, traces: dict[str, tuple[str, float | None, str | None]]) -> None:
         """The derived phases of traces just resolved (trace id -> (mode,
@@ -314,8 +319,7 @@ class HandoffResolver:
                 outcome = sc.closed(d.outcome or sc.Outcome.OK.value, sc.Outcome)
                 child = fam.child(fam.phase, (mode, sc.closed(d.role, sc.Role), d.name, outcome))
                 duration_s = (d.end_ns - d.start_ns) / 1e9
-                keep = traces[tid][2]
-                if self.exemplars and keep != NOT_KEPT and (self.held is None or keep):
+                if self._exemplar(traces[tid][2]):
                     child.observe(duration_s, {"trace_id": tid})
                 else:
                     child.observe(duration_s)

@@ -387,10 +387,10 @@ def _held_inputs(held: Mapping[str, Sequence[tuple]], wanted: Mapping[str, Any])
     for tid, rows in held.items():
         if tid not in wanted:
             continue
-        for r in rows:
-            d = store.span_dict(r) if r[3] in DERIVATION_ATTRIBUTES else dict(zip(store.SPAN_COLUMNS, r))
-            if d["name"] in DERIVATION_INPUTS:
-                attrs = d["attributes"] if d["name"] in DERIVATION_ATTRIBUTES else None
-                out.append((tid, d["name"], d["role"], d["start_ns"], d["end_ns"], d["outcome"], attrs))
+        for d in map(store.span_dict, rows):
+            name = d["name"]
+            if name in DERIVATION_INPUTS:
+                attrs = d["attributes"] if name in DERIVATION_ATTRIBUTES else None
+                out.append((tid, name, d["role"], d["start_ns"], d["end_ns"], d["outcome"], attrs))
     out.sort(key=lambda x: (x[3], x[4]))
     return out

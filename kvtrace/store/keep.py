@@ -132,7 +132,7 @@ class Keeper:
     def write(self, conn: Any, spans: Sequence) -> int:
         """Write one batch (the summaries now; spans as decided) and decide
         what is due. Returns the span rows stored by this call."""
-        if not spans and self.rule.sampled:  # a tick: only decisions are due
+        if not spans:  # a tick: only decisions can be due (none under keep all)
             return self.decide(conn)
         rows, ups = span_rows(spans)
         if not self.rule.sampled:
