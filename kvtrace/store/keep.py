@@ -139,7 +139,7 @@ class Keeper:
             write_rows(conn, rows, ups)
             return len(rows)
         now = self._clock()
-        now_rows, held, late = self._sort(conn, rows)
+        now_rows, held, late = self._sort(conn, rows, ups)
         write_rows(conn, now_rows, ups, keep=None)
         for r in held:  # committed: hold the rest
             p = self._pending.get(r[0])
@@ -161,20 +161,22 @@ class Keeper:
             decided = 0
         return len(now_rows) + decided
 
-    def _sort(self, conn: Any, rows: list) -> tuple[list, list, int]:
-        """(rows of kept decided requests, rows to hold, late rows of unkept ones)."""
-        now_rows, held, late, unknown = [], [], 0, []
-        decided = self._decided
+    def _sort(self, conn: Any, rows: list, trace_ids: Iterable[str]) -> tuple[list, list, int]:
+        """(rows of kept decided requests, rows to hold, late rows of unkept
+        ones); ``trace_ids``: the batch's requests (each looked up once, not per row)."""
+        decided, pending = self._decided, self._pending
+        state: dict[str, bool | None] = {}
+        unknown = []
+        for t in trace_ids:
+            d = state[t] = decided.get(t)
+            if d is None and t not in pending:
+                unknown.append(t)
+        if unknown:  # a request this keeper does not remember: another process may have decided it
+            for t, k in _stored_keep(conn, set(unknown)).items():
+                state[t] = k != NOT_KEPT
+        now_rows, held, late = [], [], 0
         for r in rows:
-            d = decided.get(r[0])
-            if d is None and r[0] not in self._pending:
-                unknown.append(r[0])
-        stored = _stored_keep(conn, set(unknown)) if unknown else {}
-        for r in rows:
-            d = decided.get(r[0])
-            if d is None:
-                k = stored.get(r[0])
-                d = None if k is None else k != NOT_KEPT
+            d = state[r[0]]
             if d is None:
                 held.append(r)
             elif d:

@@ -399,3 +399,29 @@ def test_connector_start_fails_on_a_misspelled_option():
     )
     with pytest.raises(ValueError, match="did you mean 'otlp_endpoint'"):
         connector._make_recorder(vcfg, "push", "typo-engine")
+
+
+def test_span_attributes_are_stored_as_json_whatever_their_values(backend):
+    """Attributes go in as JSON text (orjson, or the json module for what it
+    refuses, such as an int past 64 bits) and come back as they were recorded."""
+    from exporters.collector.wire import SpanIds, WireSpan
+
+    attrs = {
+        "kvlens.role": "prefill",
+        "kvlens.mode": "push",
+        "kvlens.blocks": 16,
+        "kvlens.nixl_xfer_s": 1e-05,
+        "kvlens.remote_ranks": (0, 1),
+        "kvlens.ok": True,
+        "huge": 2**70,
+    }
+    tid = int(TID, 16)
+    spans = [
+        WireSpan("prefill", SpanIds(tid, 1), None, 10, 20, dict(attrs)),
+        WireSpan("prefill.finished", SpanIds(tid, 2), None, 20, 20, {k: v for k, v in attrs.items() if k != "huge"}),
+    ]
+    conn = store.connect(backend.store)
+    store.write_spans(conn, spans)
+    got = {s["name"]: s["attributes"] for s in store.spans_for(conn, [TID])[TID]}
+    assert got["prefill"] == {**attrs, "kvlens.remote_ranks": [0, 1]}
+    assert got["prefill.finished"] == {k: v for k, v in got["prefill"].items() if k != "huge"}
