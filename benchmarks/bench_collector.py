@@ -232,8 +232,10 @@ def bench_live(rounds: list[list[bytes]], path: Path, extra: tuple = ()) -> list
                     r.raise_for_status()
                 while client.get(base + "/healthz").json()["queue_spans"]:
                     time.sleep(0.01)
-                while not _settled(client, base):  # a scrape costs the collector CPU: seldom
-                    time.sleep(0.1)
+                # a scrape costs the collector CPU (~20 ms for its whole
+                # exposition), counted here: once a second, not 10x a second
+                while not _settled(client, base):
+                    time.sleep(1.0)
                 cpu, wall = _proc_cpu(proc.pid) - c0, time.perf_counter() - w0
                 out.append((_received(client, base) - before, cpu, wall))
         return out

@@ -153,10 +153,15 @@ class Ingest:
                 reason = "queue_full"
             else:
                 if n:
-                    self._q.append(list(spans))
+                    before = self._queued
+                    self._q.append(spans if type(spans) is list else list(spans))
                     self._queued += n
                     self.metrics.queue.set(self._queued)
-                    self._cv.notify()
+                    # wake the writer only when it waits for this: the first
+                    # spans, or a full batch while it lingers (a wake-up per
+                    # small export cost more CPU than the export's decoding)
+                    if not before or (before < self.batch_spans <= self._queued):
+                        self._cv.notify()
                 reason = None
         if reason is not None:
             self.metrics.rejected.labels(reason).inc()

@@ -33,7 +33,7 @@ from starlette.testclient import TestClient
 
 from kvtrace import store
 from exporters.collector import otlp, wire
-from exporters.collector.app import create_app, mount_receiver
+from exporters.collector.app import INLINE_DECODE_BYTES, create_app, mount_receiver
 from exporters.collector.ingest import Ingest, collector_ingest
 from exporters.metrics import PhaseMetricsProcessor
 from kvtrace.store.schema import write_tx
@@ -428,6 +428,25 @@ def test_bad_requests_are_refused_and_the_collector_keeps_serving(collector):
         assert val("kvlens_collector_requests_rejected_total", {"reason": reason}) == n, reason
     assert val("kvlens_collector_spans_written_total") == len(accepted) + 5
     assert client.get("/healthz").json()["status"] == "ok"
+
+
+def test_small_and_large_bodies_are_both_decoded_and_stored(collector):
+    """A small body is decoded on the event loop, a large one in a worker
+    thread (app.INLINE_DECODE_BYTES): both land whole, errors the same."""
+    client, ing, reg, db = collector
+    small, large = record_spans(1), record_spans(40)
+    bodies = [pb_body(small), pb_body(large)]
+    assert len(bodies[0]) <= INLINE_DECODE_BYTES < len(bodies[1])
+    for b in bodies:
+        assert client.post("/v1/traces", content=b, headers=PB).status_code == 200
+    bad = ExportTraceServiceRequest.FromString(bodies[1])
+    bad.resource_spans[0].scope_spans[0].spans[3].ClearField("trace_id")
+    r = client.post("/v1/traces", content=bad.SerializeToString(), headers=PB)
+    assert r.status_code == 400 and "span #3" in r.content.decode("utf-8", "replace")
+    assert drained(ing)
+    got = stored(db, trace_ids(small + large))
+    assert sum(map(len, got.values())) == len(small) + len(large)
+    assert reg.get_sample_value("kvlens_collector_requests_rejected_total", {"reason": "invalid_span"}) == 1
 
 
 def test_collector_metrics_carry_phases_handoff_and_exemplars(collector):
