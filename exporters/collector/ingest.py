@@ -75,8 +75,7 @@ class Ingest:
     small batches after a write (:class:`kvtrace.store.Retention`).
     ``registry``: where the ``kvlens_collector_*`` metrics live (default: a new one).
     ``keep``: which requests keep their spans (default: all). ``linger_s``:
-    how long a batch short of ``batch_spans`` waits for more spans.
-    """
+    how long a batch short of ``batch_spans`` waits for more spans."""
 
     #: SQLite's own wait for another writer, per attempt; the retry loop
     #: around it runs up to ``busy_retry_s``, and :meth:`close` waits at
@@ -152,14 +151,13 @@ class Ingest:
             elif self._queued and self._queued + n > self.max_queue_spans:
                 reason = "queue_full"
             else:
-                if n:
+                if n:  # (the caller gave the list up: no copy)
                     before = self._queued
                     self._q.append(spans if type(spans) is list else list(spans))
                     self._queued += n
                     self.metrics.queue.set(self._queued)
-                    # wake the writer only when it waits for this: the first
-                    # spans, or a full batch while it lingers (a wake-up per
-                    # small export cost more CPU than the export's decoding)
+                    # wake the writer only when it waits for these (first spans; a full batch while it
+                    # lingers): a wake-up per small export cost more CPU than decoding it
                     if not before or (before < self.batch_spans <= self._queued):
                         self._cv.notify()
                 reason = None
