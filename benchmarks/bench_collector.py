@@ -1,6 +1,7 @@
 """Benchmark ``kvlens collect`` ingest (figures only, no assertions).
 
     .venv/bin/python benchmarks/bench_collector.py [--bodies 40] [--spans-per-body 500] [--rounds 3] [--no-live]
+        [--live-only] [--pg]
 
 OTLP/HTTP protobuf bodies of realistic kvlens spans (push and pull requests
 from router, P and D, with the attributes the connector records), each
@@ -27,7 +28,10 @@ wall figures but much less in the CPU ones:
    its own CPU time per span from ``/proc/<pid>/stat``, until its queue is
    empty and every request's handoff observed or counted unresolved; 5s:
    the same under ``--keep sampled`` (its defaults: 1 %, p99; the CPU of
-   the decisions' wait included, not its wall).
+   the decisions' wait included, not its wall). ``--pg``: the live
+   collectors write a throw-away PostgreSQL server (``tests/pg_server.py``)
+   instead of a SQLite file; the server's own CPU is not counted (it runs
+   on its own cores in a fleet).
 
 It measures the checkout it sits in; stages that checkout lacks are left
 out, so ``PYTHONPATH=<older checkout>`` runs the same load on older code.
@@ -36,6 +40,7 @@ out, so ``PYTHONPATH=<older checkout>`` runs the same load on older code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import secrets
@@ -205,7 +210,7 @@ def _settled(client, base: str) -> bool:
     return done >= _metric(text, "kvlens_requests_total")
 
 
-def bench_live(rounds: list[list[bytes]], path: Path, extra: tuple = ()) -> list[tuple[int, float, float]]:
+def bench_live(rounds: list[list[bytes]], path: "Path | str", extra: tuple = ()) -> list[tuple[int, float, float]]:
     """(spans, collector CPU s, wall s) per round against a real ``kvlens
     collect`` (``extra``: more of its arguments, e.g. ``--keep sampled``)."""
     import httpx
@@ -260,6 +265,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-live", action="store_true", help="skip the kvlens collect subprocess")
     ap.add_argument("--live-only", action="store_true", help="only the kvlens collect subprocess (5, 5s)")
+    ap.add_argument("--pg", action="store_true", help="live collectors on a throw-away PostgreSQL server")
     args = ap.parse_args()
     print(f"building {args.rounds} x {args.bodies} bodies of ~{args.spans_per_body} spans ...", flush=True)
     rounds = [make_bodies(args.bodies, args.spans_per_body) for _ in range(args.rounds)]
@@ -317,14 +323,40 @@ def main() -> int:
             continue
         print(f"     {g + ' threads':<32} {n / cpu:>10,.0f} spans/CPU-s  {cpu / n * 1e6:>7.1f} us CPU/span")
     if not args.no_live:
-        for label, extra in (
-            ("5 live kvlens collect (its CPU)", ()),
-            ("5s the same, --keep sampled", ("--keep", "sampled")),  # defaults: 1 %, p99
-        ):
-            live = bench_live(rounds, tmp / f"live{len(extra)}.db", extra)
-            cpus, walls = [c for _, c, _ in live], [w for _, _, w in live]
-            _line(label, live[0][0], cpus, walls)
+        with _live_stores(args.pg, tmp) as where:
+            _live(rounds, where)
     return 0
+
+
+@contextlib.contextmanager
+def _live_stores(pg: bool, tmp: Path):
+    """``where(name)``: a fresh store for one live collector (a SQLite file, or a
+    database on one throw-away PostgreSQL server, stopped after)."""
+    if not pg:
+        yield lambda name: tmp / f"{name}.db"
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from pg_server import PgServer, missing_reason
+
+    if missing_reason():
+        raise SystemExit(f"bench_collector: no PostgreSQL server ({missing_reason()})")
+    server = PgServer(durable=True, shared_buffers="256MB").init()
+    server.start()
+    try:
+        yield server.new_database
+    finally:
+        server.stop()
+
+
+def _live(rounds: list[list[bytes]], where) -> None:
+    """Stages 5 and 5s, each on a fresh store ``where(name)``."""
+    for label, extra in (
+        ("5 live kvlens collect (its CPU)", ()),
+        ("5s the same, --keep sampled", ("--keep", "sampled")),  # defaults: 1 %, p99
+    ):
+        live = bench_live(rounds, where(f"live{len(extra)}"), extra)
+        cpus, walls = [c for _, c, _ in live], [w for _, _, w in live]
+        _line(label, live[0][0], cpus, walls)
 
 
 if __name__ == "__main__":
