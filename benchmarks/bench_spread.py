@@ -6,6 +6,7 @@ SCHED_IDLE only while the stack starts (``startup``) and while it serves too
     .venv/bin/python benchmarks/bench_spread.py                    # 5 starts per setting, push, 3 settings
     .venv/bin/python benchmarks/bench_spread.py --starts 3 --settings as-is,idle --cells 2048,256
     .venv/bin/python benchmarks/bench_spread.py --stock-vs-instrumented   # the observer effect, by latency
+    .venv/bin/python benchmarks/bench_spread.py --stock-vs-instrumented --bare   # ... and where it comes from
 
 For each start (settings alternate ABBA: A B C, C B A, ...) it
 starts a fresh instrumented 1P1D stack (:class:`kvlens.stack.launch.Stack`, its own
@@ -17,7 +18,12 @@ p50. During each cell it reads the CPU time of every process of the stack
 so a row says how much CPU came from outside the stack.
 
 Prints one row per (start, cell) and, per (setting, cell), the spread
-(max / min of the TTFT p50 over starts) and the median. Nothing is asserted.
+(max / min of the TTFT p50 over starts) and the median. ``--bare`` adds a
+third stack to the stock-vs-instrumented rotation: kvlens' connector with
+its store and its metrics off (``kvlens_store: off``, ``kvlens_metrics:
+off``: the hooks record, nothing is written or observed), so the
+instrumented / stock ratio splits into bare / stock (the hooks) and
+instrumented / bare (writing spans and metrics). Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -59,6 +65,10 @@ def run_cell(stack: Stack, prompts: list[str], a, seed_key: int) -> dict:
     }
 
 
+#: ``--bare``: kvlens' connector recording, its store and metrics off.
+BARE = {"kvlens_store": "off", "kvlens_metrics": "off"}
+
+
 def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]]) -> list[dict]:
     """One fresh stack of ``setting`` (a ``--nixl-progress`` value, or with
     ``--stock-vs-instrumented`` ``stock`` / ``instrumented``), every cell sent once."""
@@ -66,8 +76,16 @@ def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]
     rows = []
     stock = setting == "stock" if a.stock_vs_instrumented else a.stock
     progress = a.nixl_progress if a.stock_vs_instrumented else setting
+    options = BARE if setting == "bare" else None
     with Stack(
-        mode=a.mode, model=model, port=0, kvlens_home=home, quiet=True, nixl_progress=progress, stock=stock
+        mode=a.mode,
+        model=model,
+        port=0,
+        kvlens_home=home,
+        quiet=True,
+        nixl_progress=progress,
+        stock=stock,
+        connector_options=options,
     ) as st:
         for n, (tokens, ps) in enumerate(prompts.items()):
             r = run_cell(st, ps, a, n)
@@ -149,6 +167,11 @@ def main() -> int:
         "--nixl-progress), and print the instrumented / stock TTFT ratio with its interval",
     )
     ap.add_argument("--nixl-progress", default="auto", help="with --stock-vs-instrumented: both stacks' setting")
+    ap.add_argument(
+        "--bare",
+        action="store_true",
+        help="with --stock-vs-instrumented: a third stack, kvlens' connector with its store and metrics off",
+    )
     ap.add_argument("--cells", default="2048,256", help="prompt lengths in tokens, one cell each (default 2048,256)")
     ap.add_argument("--qps", type=float, default=1.0)
     ap.add_argument("--requests", type=int, default=8)
@@ -158,6 +181,10 @@ def main() -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args()
     settings = ["instrumented", "stock"] if a.stock_vs_instrumented else [s for s in a.settings.split(",") if s]
+    if a.bare and not a.stock_vs_instrumented:
+        ap.error("--bare goes with --stock-vs-instrumented")
+    if a.bare:
+        settings.append("bare")
     if (
         a.starts < 1
         or not settings
@@ -183,6 +210,9 @@ def main() -> int:
     report(rows)
     if a.stock_vs_instrumented:
         report_ratio(rows)
+    if a.bare:
+        report_ratio(rows, "bare", "stock")
+        report_ratio(rows, "instrumented", "bare")
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -59,10 +59,13 @@ def kv_transfer_config(
     push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
     otlp_endpoint: str | None = None,
     kv_load_failure_policy: str | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> dict:
     """vLLM's ``--kv-transfer-config`` for one side (``role`` prefill/decode).
     ``otlp_endpoint``: also send kvlens' spans there (a collector);
-    ``kv_load_failure_policy``: D's (``fail``, vLLM's default, or ``recompute``)."""
+    ``kv_load_failure_policy``: D's (``fail``, vLLM's default, or ``recompute``);
+    ``options``: more ``kvlens_*`` keys for kvlens' connector (checked by it
+    at start-up; ignored for the stock one), e.g. ``{"kvlens_store": "off"}``."""
     name, module = CONNECTORS[(mode, stock)]
     extra: dict[str, Any] = {
         "kv_lease_duration": int(kv_lease_s),
@@ -82,6 +85,7 @@ def kv_transfer_config(
         extra["kvlens_home"] = str(kvlens_home)
         if otlp_endpoint:
             extra["otlp_endpoint"] = otlp_endpoint
+        extra.update(options or {})
     return cfg
 
 

@@ -93,6 +93,8 @@ class Stack(StackRoles, StackExtras):
     nixl_progress: str = "auto"
     #: D's vLLM kv_load_failure_policy: None (vLLM's default, fail) or "fail" / "recompute"
     kv_load_failure_policy: str | None = None
+    #: more ``kvlens_*`` keys for kvlens' connector (benchmarks: e.g. the store off)
+    connector_options: Mapping[str, Any] | None = None
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone

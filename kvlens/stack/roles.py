@@ -67,6 +67,7 @@ class StackRoles:
             self.push_registration_timeout_s,
             topo.traces_url,
             self.kv_load_failure_policy,
+            self.connector_options,
         )
         argv = vllm_argv(
             Path(self.model), self.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]

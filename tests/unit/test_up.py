@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 from fakes import RecordingServer
+from kvrecord.config import Options
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -89,6 +91,12 @@ def test_kv_transfer_config_instrumented_and_stock(tmp_path):
     assert stock["kv_connector"] == "NixlConnector" and stock["kv_role"] == "kv_consumer"
     assert "kv_connector_module_path" not in stock
     assert stock["kv_connector_extra_config"] == {"kv_lease_duration": 7, "push_registration_timeout": 150}
+    # more kvlens keys go to kvlens' connector only, which checks them at start-up
+    off = {"kvlens_store": "off", "kvlens_metrics": "off"}
+    bare = kv_transfer_config("push", "decode", "d0", False, tmp_path, options=off)
+    assert Options.from_config(bare["kv_connector_extra_config"]).store is None
+    stock_extra = kv_transfer_config("push", "decode", "d0", True, tmp_path, options=off)["kv_connector_extra_config"]
+    assert not any(k.startswith("kvlens") for k in stock_extra)
 
 
 def test_stop_children_stops_the_whole_process_group(tmp_path):
