@@ -35,7 +35,8 @@ Tiling the handoff, the derived phases and the breakdown in words live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from operator import itemgetter
+from typing import Any, Iterable, Mapping, Sequence
 
 from kvtrace import kvuse, ranks, store
 from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
@@ -51,6 +52,7 @@ from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's A
     Breakdown,
     Tiling,
     derive,
+    derived_from,
     derived_spans,
     dominant_words,
     phase_words,
@@ -347,15 +349,10 @@ def find(conn, trace_ids: Iterable[str], *, with_spans: bool = True) -> dict[str
     return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
 
 
-class _Recorded(NamedTuple):
-    """A recorded span as :func:`derived_spans` reads it."""
-
-    name: str
-    role: str | None
-    start_ns: int
-    end_ns: int
-    outcome: str | None
-    attributes: dict
+#: Where a held row (``store.SPAN_COLUMNS`` tuple) keeps what :func:`derived_of` reads.
+_NAME, _ROLE, _START, _END, _OUTCOME, _ATTRS = map(
+    store.SPAN_COLUMNS.index, ("name", "role", "start_ns", "end_ns", "outcome", "attributes")
+)
 
 
 def derived_of(
@@ -368,29 +365,35 @@ def derived_of(
     the metrics' once-per-request read, a fraction of :func:`find`'s cost.
     ``held``: span rows (``store.SPAN_COLUMNS`` tuples) of requests whose
     spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`),
-    read instead of the store for those."""
+    read instead of the store for those. The spans go straight into
+    :func:`kvtrace.tiling.derived_from`'s groups, no record per span."""
     held = held or {}
-    spans: dict[str, list[_Recorded]] = {t: [] for t in clock_offsets}
     decode = sc.Role.DECODE.value
+    groups: dict[str, dict[tuple, list[tuple]]] = {t: {} for t in clock_offsets}
     shift = {t: d_shift_ns(off) for t, off in clock_offsets.items()}
     in_store = [t for t in clock_offsets if t not in held]
-    rows = store.named_spans(conn, in_store, DERIVATION_INPUTS, DERIVATION_ATTRIBUTES) if in_store else []
-    for tid, name, role, t0, t1, outcome, attrs in [*rows, *_held_inputs(held, clock_offsets)]:
+    rows = store.named_spans(conn, in_store, DERIVATION_INPUTS, DERIVATION_ATTRIBUTES) if in_store else ()
+    for tid, name, role, t0, t1, outcome, attrs in rows:  # ordered by start, end
         d = shift[tid] if role == decode else 0
-        spans[tid].append(_Recorded(name, role, t0 - d, t1 - d, outcome, attrs or {}))
-    return {t: derived_spans(s) for t, s in spans.items()}
+        groups[tid].setdefault((role, name), []).append((t0 - d, t1 - d, outcome, attrs))
+    for tid, spans in held.items():
+        if tid in groups:
+            _group_held(groups[tid], spans, shift[tid])
+    return {t: derived_from(g) for t, g in groups.items()}
 
 
-def _held_inputs(held: Mapping[str, Sequence[tuple]], wanted: Mapping[str, Any]) -> list[tuple]:
-    """Held span rows in :func:`kvtrace.store.named_spans`' form, ordered like it."""
-    out = []
-    for tid, rows in held.items():
-        if tid not in wanted:
-            continue
-        for d in map(store.span_dict, rows):
-            name = d["name"]
-            if name in DERIVATION_INPUTS:
-                attrs = d["attributes"] if name in DERIVATION_ATTRIBUTES else None
-                out.append((tid, name, d["role"], d["start_ns"], d["end_ns"], d["outcome"], attrs))
-    out.sort(key=lambda x: (x[3], x[4]))
-    return out
+def _group_held(groups: dict[tuple, list[tuple]], rows: Sequence[tuple], shift: int) -> None:
+    """One trace's held rows into ``groups`` as :func:`derived_of` puts a store read's, ordered like it."""
+    decode = sc.Role.DECODE.value
+    for r in rows:
+        name = r[_NAME]
+        if name in DERIVATION_INPUTS:
+            role = r[_ROLE]
+            d = shift if role == decode else 0
+            attrs = None
+            if name in DERIVATION_ATTRIBUTES:  # not yet encoded while held; decoded as the store reads it if it is
+                attrs = r[_ATTRS] if type(r[_ATTRS]) is dict else store.span_dict(r)["attributes"]
+            groups.setdefault((role, name), []).append((r[_START] - d, r[_END] - d, r[_OUTCOME], attrs))
+    for g in groups.values():
+        if len(g) > 1:
+            g.sort(key=itemgetter(0, 1))  # stable, as the store's ORDER BY start_ns, end_ns (one role: one shift)
