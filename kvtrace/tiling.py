@@ -119,8 +119,8 @@ def derived_from(groups: _Groups) -> list[Derived]:
     its ends up instead of scanning the trace once per phase and end (the handoff resolver derives every request)."""
     out: list[Derived] = []
     for phase, role, unless, latest, pairs, split in _PLAN:
-        if unless is not None and any(name == unless for _, name in groups):
-            continue
+        if unless is not None and unless in {n for _, n in groups}:
+            continue  # held by any role
         if split is not None:
             cut = groups.get(split[0])
             if cut:
@@ -174,7 +174,7 @@ def _latest(groups: _Groups, name: str, role: str, pairs: tuple) -> Derived | No
     for (ka, ia), (kb, ib) in pairs:
         froms, tos = groups.get(ka), groups.get(kb)
         if froms and tos:
-            f = max([s[ia] for s in froms])
+            f = froms[0][ia] if len(froms) == 1 else max([s[ia] for s in froms])
             if t0 is None or f > t0:
                 t0 = f
             for s in tos:
