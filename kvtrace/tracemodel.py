@@ -35,6 +35,7 @@ Tiling the handoff, the derived phases and the breakdown in words live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 from operator import itemgetter
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -358,25 +359,24 @@ _NAME, _ROLE, _START, _END, _OUTCOME, _ATTRS = map(
 def derived_of(
     conn, clock_offsets: Mapping[str, float | None], held: Mapping[str, Sequence[tuple]] | None = None
 ) -> dict[str, list[Derived]]:
-    """The derived phases of each trace in ``clock_offsets`` (trace id -> its
-    ``clock_offset_s``), as :meth:`Trace.from_rows` derives them (D's spans
-    moved onto P's clock) but from the few spans they need
-    (:data:`DERIVATION_INPUTS`), only the split phases' attributes decoded:
-    the metrics' once-per-request read, a fraction of :func:`find`'s cost.
-    ``held``: span rows (``store.SPAN_COLUMNS`` tuples) of requests whose
-    spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`),
-    read instead of the store for those; spans go straight into :func:`derived_from`'s groups."""
+    """The derived phases of each trace in ``clock_offsets`` (trace id -> its ``clock_offset_s``), as
+    :meth:`Trace.from_rows` derives them (D's spans moved onto P's clock) but from the few spans they need
+    (:data:`DERIVATION_INPUTS`), only the split phases' attributes decoded: the metrics' once-per-request
+    read, a fraction of :func:`find`'s cost. ``held``: span rows (``store.SPAN_COLUMNS`` tuples) of requests
+    whose spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`), read instead for those."""
     held = held or {}
     decode = sc.Role.DECODE.value
-    stored: dict[str, dict[tuple, list[tuple]]] = {t: {} for t in clock_offsets if t not in held}
-    shift = {t: d_shift_ns(clock_offsets[t]) for t in stored}
-    rows = store.named_spans(conn, list(stored), DERIVATION_INPUTS, DERIVATION_ATTRIBUTES) if stored else ()
-    for tid, name, role, t0, t1, outcome, attrs in rows:  # ordered by start, end
-        d = shift[tid] if role == decode else 0
-        stored[tid].setdefault((role, name), []).append((t0 - d, t1 - d, outcome, attrs))
-    # a held trace's spans grouped and derived at once (nothing of it outlives its turn: fewer GC passes)
-    return {
-        t: derived_from(_held_groups(held[t], d_shift_ns(off)) if t in held else stored[t])
+    in_store = [t for t in clock_offsets if t not in held]
+    stored: dict[str, list[Derived]] = {}
+    rows = store.named_spans(conn, in_store, DERIVATION_INPUTS, DERIVATION_ATTRIBUTES) if in_store else ()
+    for tid, spans in groupby(rows, itemgetter(0)):  # one trace after another, each by start, end
+        shift, groups = d_shift_ns(clock_offsets[tid]), {}
+        for _, name, role, t0, t1, outcome, attrs in spans:
+            d = shift if role == decode else 0
+            groups.setdefault((role, name), []).append((t0 - d, t1 - d, outcome, attrs))
+        stored[tid] = derived_from(groups)
+    return {  # each trace grouped and derived in its turn: none of that outlives it (fewer objects for the GC)
+        t: derived_from(_held_groups(held[t], d_shift_ns(off))) if t in held else stored.get(t, [])
         for t, off in clock_offsets.items()
     }
 
