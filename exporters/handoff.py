@@ -312,18 +312,23 @@ class HandoffResolver:
             log_once("handoff-derived:" + type(e).__name__, "derived phases not read (%s); skipped", e)
             return
         fam = self.fam
-        hold = sc.Phase.KV_HOLD.value
+        hold, ok, warn_s = sc.Phase.KV_HOLD.value, sc.Outcome.OK.value, self.hold_warn_s
+        children: dict[tuple, Any] = {}  # (mode, role, phase, outcome) as derived -> child, for this pass
         for tid, ds in derived.items():
-            mode = traces[tid][0]
-            for d in ds:  # the split ones per rank, kv.hold with its release's outcome
-                outcome = sc.closed(d.outcome or sc.Outcome.OK.value, sc.Outcome)
-                child = fam.child(fam.phase, (mode, sc.closed(d.role, sc.Role), d.name, outcome))
-                duration_s = (d.end_ns - d.start_ns) / 1e9
-                if self._exemplar(traces[tid][2]):
+            mode, _, keep = traces[tid]
+            exemplar = self._exemplar(keep)
+            for name, role, start_ns, end_ns, _, outcome in ds:  # splits per rank; kv.hold: its release's outcome
+                key = (mode, role, name, outcome)
+                child = children.get(key)
+                if child is None:  # the closed labels once per pass (sc.closed walks its enum)
+                    labels = (mode, sc.closed(role, sc.Role), name, sc.closed(outcome or ok, sc.Outcome))
+                    child = children[key] = fam.child(fam.phase, labels)
+                duration_s = (end_ns - start_ns) / 1e9
+                if exemplar:
                     child.observe(duration_s, {"trace_id": tid})
                 else:
                     child.observe(duration_s)
-                if d.name == hold and duration_s > self.hold_warn_s:
+                if name == hold and duration_s > warn_s:
                     fam.child(fam.hold_long, (mode,)).inc()
 
     def flush(self, timeout_s: float) -> bool:

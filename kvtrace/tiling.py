@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
-from kvtrace.ranks import rank_of
 from kvrecord import derived
 from kvrecord import semconv as sc
 
@@ -46,10 +45,6 @@ UNATTRIBUTED = "unattributed"
 
 
 # ------------------------------------------------------------------ derived phases
-def _boundary_times(spans: Iterable[Any], role: str, phase: str, end: str) -> list[int]:
-    return [s.end_ns if end == "end" else s.start_ns for s in spans if s.role == role and s.name == phase]
-
-
 class Derived(NamedTuple):
     """One derived phase of a trace (:func:`derived_spans`)."""
 
@@ -70,25 +65,31 @@ def derive(spans: Sequence[Any]) -> list[tuple[str, str, int, int]]:
     return [tuple(d[:4]) for d in derived_spans(spans)]  # type: ignore[misc]
 
 
-#: DERIVED_PHASES as plain strings (enum ``.value`` look-ups cost, per trace
-#: and phase): (phase, how, the ``unless`` phase or None, pairs of (role, phase, end)).
+#: DERIVED_PHASES as plain values (enum ``.value`` look-ups cost, per trace and phase): (phase, role, the
+#: ``unless`` phase or None, latest, pairs of ((role, phase), 1 for its end / 0 for its start: an index into
+#: a :data:`_Groups` tuple), the split as ((role, phase), attr, head) or None).
 _PLAN = tuple(
     (
         phase.value,
-        how,
+        how.role,
         how.unless.value if how.unless is not None else None,
-        tuple(((a.role, a.phase.value, a.end), (b.role, b.phase.value, b.end)) for a, b in how.pairs),
+        how.latest,
+        tuple(tuple(((e.role, e.phase.value), int(e.end == "end")) for e in pair) for pair in how.pairs),
+        None if how.split is None else ((how.role, how.split.phase.value), how.split.attr, how.split.head),
     )
     for phase, how in derived.DERIVED_PHASES.items()
 )
 
 #: The recorded phases :func:`derived_spans` reads (a store read can leave
 #: a trace's other spans out), and those whose attributes it reads (splits).
-DERIVATION_ATTRIBUTES = frozenset(how.split.phase.value for _, how, _, _ in _PLAN if how.split is not None)
+DERIVATION_ATTRIBUTES = frozenset(split[0][1] for *_, split in _PLAN if split is not None)
 DERIVATION_INPUTS = (
-    frozenset({end[1] for *_, pairs in _PLAN for pair in pairs for end in pair} | {u for _, _, u, _ in _PLAN if u})
-    | DERIVATION_ATTRIBUTES
+    DERIVATION_ATTRIBUTES | {k[1] for p in _PLAN for pair in p[4] for k, _ in pair} | {p[2] for p in _PLAN if p[2]}
 )
+#: A trace's recorded spans by (role, name): (start_ns, end_ns, outcome, attributes) tuples in the trace's order.
+_Groups = Mapping[tuple[str | None, str], Sequence[tuple]]
+#: ``Derived`` built from all its fields at C speed (its generated ``__new__`` costs twice as much per phase).
+_new = tuple.__new__
 
 
 def derived_spans(spans: Sequence[Any]) -> list[Derived]:
@@ -105,41 +106,45 @@ def derived_spans(spans: Sequence[Any]) -> list[Derived]:
     nor where the trace holds the phase's ``unless`` phase (``router.hop``
     where kvlens' router recorded its ``relay``). A :class:`semconv.Split`
     phase is cut from each span it names (:func:`_splits`)."""
+    groups: dict[Any, list[tuple]] = {}
+    for s in spans:
+        if s.name not in _DERIVED:
+            item = (s.start_ns, s.end_ns, getattr(s, "outcome", None), getattr(s, "attributes", None))
+            groups.setdefault((s.role, s.name), []).append(item)
+    return derived_from(groups)
+
+
+def derived_from(groups: _Groups) -> list[Derived]:
+    """:func:`derived_spans` of a trace's recorded spans grouped (:data:`_Groups`): each phase looks
+    its ends up instead of scanning the trace once per phase and end (the handoff resolver derives every request)."""
     out: list[Derived] = []
-    recorded = [s for s in spans if s.name not in _DERIVED]
-    present = {s.name for s in recorded}
-    for phase, how, unless, pairs in _PLAN:
-        if unless in present:
-            continue
-        if how.split is not None:
-            out += _splits(recorded, phase, how.role, how.split)
-        elif how.latest:
-            d = _latest(recorded, phase, how)
+    for phase, role, unless, latest, pairs, split in _PLAN:
+        if unless is not None and unless in {n for _, n in groups}:
+            continue  # held by any role
+        if split is not None:
+            cut = groups.get(split[0])
+            if cut:
+                _splits(cut, phase, role, split[1], split[2], out)
+        elif latest:
+            d = _latest(groups, phase, role, pairs)
             if d is not None:
                 out.append(d)
         else:
-            for a, b in pairs:
-                if a[1] not in present or b[1] not in present:
-                    continue  # no span of one end: nothing to look for
-                froms = _boundary_times(recorded, *a)
-                tos = _boundary_times(recorded, *b)
+            for (ka, ia), (kb, ib) in pairs:
+                froms, tos = groups.get(ka), groups.get(kb)
                 if not froms or not tos:
-                    continue
-                t0 = max(froms)
-                after = [t for t in tos if t >= t0]
-                if after and min(after) > t0:
-                    out.append(Derived(phase, how.role, t0, min(after)))
+                    continue  # no span of one end: nothing to look for
+                # the latest from, the earliest to at or after it (one span each, mostly: no list built)
+                t0 = froms[0][ia] if len(froms) == 1 else max([s[ia] for s in froms])
+                t1 = tos[0][ib] if len(tos) == 1 else min([t for t in [s[ib] for s in tos] if t >= t0], default=t0)
+                if t1 > t0:
+                    out.append(_new(Derived, (phase, role, t0, t1, None, None)))
                 break
     return out
 
 
-def _xfer_s(span: Any, attr: str) -> float | None:
-    v = (getattr(span, "attributes", None) or {}).get(attr)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else None
-
-
-def _splits(recorded: Sequence[Any], name: str, role: str, how: derived.Split) -> list[Derived]:
-    """``how``'s part of each ``how.phase`` span of ``role`` (one per rank).
+def _splits(spans: Sequence[tuple], name: str, role: str, attr: str, head: bool, out: list[Derived]) -> None:
+    """The split's part of each of ``spans`` (one per rank), onto ``out``.
 
     The write/read.complete spans run from the request's last post to the
     engine loop seeing DONE; NIXL's xferDuration runs from each post, so
@@ -147,43 +152,37 @@ def _splits(recorded: Sequence[Any], name: str, role: str, how: derived.Split) -
     own length (``write.post``: the first post may have left that much
     earlier). Summed over several transfers of one rank it can exceed the
     span (they ran side by side): clipped, the wire then holds the span."""
-    out = []
-    for s in recorded:
-        if s.role != role or s.name != how.phase.value or s.end_ns <= s.start_ns:
+    for start, end, _, attrs in spans:
+        if end <= start:
             continue
-        x = _xfer_s(s, how.attr)
-        if x is None:  # telemetry unavailable: the completion span keeps its time
-            continue
-        cut = min(s.start_ns + round(x * 1e9), s.end_ns)
-        a, b = (s.start_ns, cut) if how.head else (cut, s.end_ns)
+        attrs = attrs or {}
+        x = attrs.get(attr)
+        if not isinstance(x, (int, float)) or isinstance(x, bool) or not x > 0:
+            continue  # telemetry unavailable: the completion span keeps its time
+        cut = min(start + round(float(x) * 1e9), end)
+        a, b = (start, cut) if head else (cut, end)
         if b > a:
-            out.append(Derived(name, role, a, b, rank_of(s)))
-    return out
+            rank = attrs.get(sc.ATTR_RANK)  # as ranks.rank_of reads it
+            out.append(Derived(name, role, a, b, rank if isinstance(rank, int) else None))
 
 
-def _latest(recorded: Sequence[Any], name: str, how: derived.Derivation) -> Derived | None:
+def _latest(groups: _Groups, name: str, role: str, pairs: tuple) -> Derived | None:
     """``from`` (the latest of every pair's) -> the latest ``to`` of every
     pair the trace has, where that is later; the outcome of the span that
-    gave the ``to`` (``kv.hold``: how P let go)."""
-    froms: list[int] = []
-    tos: list[tuple[int, Any]] = []
-    for a, b in how.pairs:
-        f = _boundary_times(recorded, a.role, a.phase.value, a.end)
-        t = [
-            (s.end_ns if b.end == "end" else s.start_ns, s)
-            for s in recorded
-            if s.role == b.role and s.name == b.phase.value
-        ]
-        if f and t:
-            froms += f
-            tos += t
-    if not froms:
-        return None
-    t0 = max(froms)
-    t1, last = max(tos, key=lambda x: x[0])
-    if t1 <= t0:
-        return None  # P let go before D reported the KV ready: no hold
-    return Derived(name, how.role, t0, t1, None, getattr(last, "outcome", None))
+    gave the ``to`` (``kv.hold``: how P let go; the first of equal ones)."""
+    t0 = t1 = outcome = None
+    for (ka, ia), (kb, ib) in pairs:
+        froms, tos = groups.get(ka), groups.get(kb)
+        if froms and tos:
+            f = froms[0][ia] if len(froms) == 1 else max([s[ia] for s in froms])
+            if t0 is None or f > t0:
+                t0 = f
+            for s in tos:
+                if t1 is None or s[ib] > t1:
+                    t1, outcome = s[ib], s[2]
+    if t0 is None or t1 <= t0:
+        return None  # none, or P let go before D reported the KV ready: no hold
+    return Derived(name, role, t0, t1, None, outcome)
 
 
 def release_of(spans: Iterable[Any]) -> Any | None:

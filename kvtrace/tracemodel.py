@@ -35,7 +35,9 @@ Tiling the handoff, the derived phases and the breakdown in words live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from itertools import groupby
+from operator import itemgetter
+from typing import Any, Iterable, Mapping, Sequence
 
 from kvtrace import kvuse, ranks, store
 from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
@@ -51,6 +53,7 @@ from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's A
     Breakdown,
     Tiling,
     derive,
+    derived_from,
     derived_spans,
     dominant_words,
     phase_words,
@@ -347,50 +350,51 @@ def find(conn, trace_ids: Iterable[str], *, with_spans: bool = True) -> dict[str
     return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
 
 
-class _Recorded(NamedTuple):
-    """A recorded span as :func:`derived_spans` reads it."""
-
-    name: str
-    role: str | None
-    start_ns: int
-    end_ns: int
-    outcome: str | None
-    attributes: dict
+#: Where a held row (``store.SPAN_COLUMNS`` tuple) keeps what :func:`derived_of` reads.
+_NAME, _ROLE, _START, _END, _OUTCOME, _ATTRS = map(
+    store.SPAN_COLUMNS.index, ("name", "role", "start_ns", "end_ns", "outcome", "attributes")
+)
 
 
 def derived_of(
     conn, clock_offsets: Mapping[str, float | None], held: Mapping[str, Sequence[tuple]] | None = None
 ) -> dict[str, list[Derived]]:
-    """The derived phases of each trace in ``clock_offsets`` (trace id -> its
-    ``clock_offset_s``), as :meth:`Trace.from_rows` derives them (D's spans
-    moved onto P's clock) but from the few spans they need
-    (:data:`DERIVATION_INPUTS`), only the split phases' attributes decoded:
-    the metrics' once-per-request read, a fraction of :func:`find`'s cost.
-    ``held``: span rows (``store.SPAN_COLUMNS`` tuples) of requests whose
-    spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`),
-    read instead of the store for those."""
+    """The derived phases of each trace in ``clock_offsets`` (trace id -> its ``clock_offset_s``), as
+    :meth:`Trace.from_rows` derives them (D's spans moved onto P's clock) but from the few spans they need
+    (:data:`DERIVATION_INPUTS`), only the split phases' attributes decoded: the metrics' once-per-request
+    read, a fraction of :func:`find`'s cost. ``held``: span rows (``store.SPAN_COLUMNS`` tuples) of requests
+    whose spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`), read instead for those."""
     held = held or {}
-    spans: dict[str, list[_Recorded]] = {t: [] for t in clock_offsets}
     decode = sc.Role.DECODE.value
-    shift = {t: d_shift_ns(off) for t, off in clock_offsets.items()}
     in_store = [t for t in clock_offsets if t not in held]
-    rows = store.named_spans(conn, in_store, DERIVATION_INPUTS, DERIVATION_ATTRIBUTES) if in_store else []
-    for tid, name, role, t0, t1, outcome, attrs in [*rows, *_held_inputs(held, clock_offsets)]:
-        d = shift[tid] if role == decode else 0
-        spans[tid].append(_Recorded(name, role, t0 - d, t1 - d, outcome, attrs or {}))
-    return {t: derived_spans(s) for t, s in spans.items()}
+    stored: dict[str, list[Derived]] = {}
+    rows = store.named_spans(conn, in_store, DERIVATION_INPUTS, DERIVATION_ATTRIBUTES) if in_store else ()
+    for tid, spans in groupby(rows, itemgetter(0)):  # one trace after another, each by start, end
+        shift, groups = d_shift_ns(clock_offsets[tid]), {}
+        for _, name, role, t0, t1, outcome, attrs in spans:
+            d = shift if role == decode else 0
+            groups.setdefault((role, name), []).append((t0 - d, t1 - d, outcome, attrs))
+        stored[tid] = derived_from(groups)
+    return {  # each trace grouped and derived in its turn: none of that outlives it (fewer objects for the GC)
+        t: derived_from(_held_groups(held[t], d_shift_ns(off))) if t in held else stored.get(t, [])
+        for t, off in clock_offsets.items()
+    }
 
 
-def _held_inputs(held: Mapping[str, Sequence[tuple]], wanted: Mapping[str, Any]) -> list[tuple]:
-    """Held span rows in :func:`kvtrace.store.named_spans`' form, ordered like it."""
-    out = []
-    for tid, rows in held.items():
-        if tid not in wanted:
-            continue
-        for d in map(store.span_dict, rows):
-            name = d["name"]
-            if name in DERIVATION_INPUTS:
-                attrs = d["attributes"] if name in DERIVATION_ATTRIBUTES else None
-                out.append((tid, name, d["role"], d["start_ns"], d["end_ns"], d["outcome"], attrs))
-    out.sort(key=lambda x: (x[3], x[4]))
-    return out
+def _held_groups(rows: Sequence[tuple], shift: int) -> dict[tuple, list[tuple]]:
+    """One trace's held rows grouped as :func:`derived_of` groups a store read's, ordered like it."""
+    decode = sc.Role.DECODE.value
+    groups: dict[tuple, list[tuple]] = {}
+    for r in rows:
+        name = r[_NAME]
+        if name in DERIVATION_INPUTS:
+            role = r[_ROLE]
+            d = shift if role == decode else 0
+            attrs = None
+            if name in DERIVATION_ATTRIBUTES:  # not yet encoded while held; decoded as the store reads it if it is
+                attrs = r[_ATTRS] if type(r[_ATTRS]) is dict else store.span_dict(r)["attributes"]
+            groups.setdefault((role, name), []).append((r[_START] - d, r[_END] - d, r[_OUTCOME], attrs))
+    for g in groups.values():
+        if len(g) > 1:
+            g.sort(key=itemgetter(0, 1))  # stable, as the store's ORDER BY start_ns, end_ns (one role: one shift)
+    return groups
