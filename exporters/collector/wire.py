@@ -65,7 +65,7 @@ def decode(
     if kind != PROTOBUF:
         return wire_spans_of(parse_json(raw))
     try:
-        return lean_spans_of(LEAN_REQUEST.FromString(raw), cache or ATTRIBUTES)
+        return lean_spans_of(LEAN_REQUEST.FromString(raw), ATTRIBUTES if cache is None else cache)
     except (DecodeError, ValueError, _Refer):
         return wire_spans_of(parse_protobuf(raw))  # the reference's spans, or its error
 
