@@ -30,6 +30,7 @@ OTLP-JSON bodies take the reference walk. Pure functions, any thread; CPU only.
 from __future__ import annotations
 
 from operator import attrgetter
+from sys import intern
 from typing import Iterable, NamedTuple
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
@@ -200,9 +201,9 @@ LEAN_REQUEST = _lean_request_class()
 _KeyValue = KeyValue.FromString
 _SCALARS = frozenset(("string_value", "int_value", "double_value", "bool_value"))
 #: A ``KeyValue`` this long or longer could nest deep enough to meet the
-#: parser's depth limit (2+ bytes a level, 100 levels counted from the
-#: request), which a ``KeyValue`` parsed alone starts 4 levels higher:
-#: those are parsed inside a request (:func:`_span_attribute`).
+#: parser's depth limit (100 messages deep, counted from the request; 2+
+#: bytes a level), which a ``KeyValue`` parsed alone meets 4 levels later
+#: than one inside a span: those are parsed inside a request (:func:`_span_attribute`).
 _LONG_KEYVALUE = 160
 
 
@@ -256,7 +257,8 @@ class AttributeCache(dict):
         if len(self) + len(self.empty) >= self.max_entries:
             self.clear()
             self.empty.clear()
-        pair = (self.empty if value is None else self)[raw] = (kv.key, value)
+        # one str per key for all spans (interned: the readers' literals match it by identity)
+        pair = (self.empty if value is None else self)[raw] = (intern(kv.key), value)
         return pair
 
 
