@@ -85,15 +85,19 @@ class WireSpan:
     ``start_time``, ``end_time``, ``attributes``), nothing else, so
     :func:`kvtrace.store.write_spans` and ``PhaseMetricsProcessor.on_end``
     take it as they take an SDK span. ``attributes`` is a plain dict owned
-    by the span. Beyond ``ReadableSpan``: the ids as the store writes them
-    (lower-case hex, what ``format_trace_id`` / ``format_span_id`` give),
-    ``trace_hex`` (32 digits), ``span_hex`` (16) and ``parent_hex`` (16, or
-    None without a parent), taken from the wire bytes, so a reader of a
-    WireSpan need not format the ints again."""
+    by the span. ``context`` is built when read (a new :class:`SpanIds`
+    each time: read it once): an object kept per span costs the garbage
+    collector more than the read. Beyond ``ReadableSpan``: ``trace_id`` and
+    ``span_id`` (ints, what ``context`` holds) and the ids as the store
+    writes them (lower-case hex, what ``format_trace_id`` /
+    ``format_span_id`` give), ``trace_hex`` (32 digits), ``span_hex`` (16)
+    and ``parent_hex`` (16, or None without a parent), taken from the wire
+    bytes, so a reader of a WireSpan need not format the ints again."""
 
     __slots__ = (
         "name",
-        "context",
+        "trace_id",
+        "span_id",
         "parent",
         "start_time",
         "end_time",
@@ -106,7 +110,8 @@ class WireSpan:
     def __init__(
         self,
         name: str,
-        context: SpanIds,
+        trace_id: int,
+        span_id: int,
         parent: SpanIds | None,
         start: int,
         end: int,
@@ -115,9 +120,13 @@ class WireSpan:
         span_hex: str,
         parent_hex: str | None,
     ):
-        self.name, self.context, self.parent = name, context, parent
+        self.name, self.trace_id, self.span_id, self.parent = name, trace_id, span_id, parent
         self.start_time, self.end_time, self.attributes = start, end, attributes
         self.trace_hex, self.span_hex, self.parent_hex = trace_hex, span_hex, parent_hex
+
+    @property
+    def context(self) -> SpanIds:
+        return SpanIds(self.trace_id, self.span_id)
 
     def __repr__(self) -> str:
         return f"WireSpan({self.name!r}, trace {self.trace_hex}, span {self.span_hex})"
@@ -142,11 +151,11 @@ def wire_spans_of(req: ExportTraceServiceRequest) -> list[WireSpan]:
             parent = parents.get((tid, pid))
             if parent is None:
                 parent = parents[tid, pid] = SpanIds(trace_id, frombytes(pid, "big"))
-        ids = SpanIds(trace_id, frombytes(sp.span_id, "big"))
         append(
             WireSpan(
                 sp.name,
-                ids,
+                trace_id,
+                frombytes(sp.span_id, "big"),
                 parent,
                 sp.start_time_unix_nano,
                 sp.end_time_unix_nano,
@@ -320,6 +329,5 @@ def lean_spans_of(req, cache: AttributeCache) -> list[WireSpan]:
                     a = attributes(raws[:])
                 if service is not None and "service.name" not in a:
                     a["service.name"] = service
-                ids = new(SpanIds, (t[0], frombytes(sid, "big")))
-                append(WireSpan(name, ids, parent, start, end, a, t[1], sid.hex(), phex))
+                append(WireSpan(name, t[0], frombytes(sid, "big"), parent, start, end, a, t[1], sid.hex(), phex))
     return out

@@ -73,6 +73,7 @@ def _same(body: bytes, cache: wire.AttributeCache | None = None, kind: str = PB)
         assert _outcome(lambda b, k: wire.decode(b, k, cache=cache), body, kind) == ref
     if isinstance(ref, list):
         for s in wire.decode(body, kind, cache=cache):
+            assert (s.trace_id, s.span_id) == s.context and type(s.context) is wire.SpanIds
             assert s.trace_hex == format(s.context.trace_id, "032x")
             assert s.span_hex == format(s.context.span_id, "016x")
             assert s.parent_hex == (format(s.parent.span_id, "016x") if s.parent else None)
