@@ -229,12 +229,18 @@ def _nested(levels: int) -> bytes:
 
 
 @pytest.mark.parametrize("levels", [3, 45, 46, 47, 48, 49, 50])
-def test_deep_attributes_meet_the_parsers_depth_limit_where_the_reference_does(levels):
+@pytest.mark.parametrize("where", ["span", "resource"])
+def test_deep_attributes_meet_the_parsers_depth_limit_where_the_reference_does(levels, where):
     span = _request(([], [[{"name": "deep"}]])).resource_spans[0].scope_spans[0].spans[0].SerializeToString()
-    rs = b"\x12" + _varint(len(span) + len(_nested(levels))) + span + _nested(levels)
-    rs = b"\x12" + _varint(len(rs)) + rs
-    body = b"\x0a" + _varint(len(rs)) + rs
-    _same(body)
+    kv = _nested(levels)  # a Span.attributes field (9); Resource.attributes is field 1
+    if where == "span":
+        ss = b"\x12" + _varint(len(span) + len(kv)) + span + kv
+        rs = b"\x12" + _varint(len(ss)) + ss
+    else:
+        res = b"\x0a" + kv[1:]
+        ss = b"\x12" + _varint(len(span)) + span
+        rs = b"\x0a" + _varint(len(res)) + res + b"\x12" + _varint(len(ss)) + ss
+    _same(b"\x0a" + _varint(len(rs)) + rs)
 
 
 def _varint(n: int) -> bytes:
