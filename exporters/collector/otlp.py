@@ -120,8 +120,11 @@ def parse(
     spans not yet checked; the :class:`OTLPError` s of :func:`decode` but 400 invalid_span."""
     kind = content_kind(content_type)
     raw = decompress(body, encoding, max_bytes)
-    if kind != PROTOBUF:
-        return parse_json(raw)
+    return parse_protobuf(raw) if kind == PROTOBUF else parse_json(raw)
+
+
+def parse_protobuf(raw: bytes) -> ExportTraceServiceRequest:
+    """A decompressed protobuf body as the request; 400 when it is not one."""
     try:
         return ExportTraceServiceRequest.FromString(raw)
     except (DecodeError, ValueError) as e:
