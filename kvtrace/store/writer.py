@@ -150,23 +150,25 @@ def span_rows(spans: Iterable[ReadableSpan]) -> tuple[list[tuple], dict[str, dic
     rank = _RANK
     hexes: dict[int, str] = {}  # a batch's spans share few trace ids
     for span in spans:
-        ctx = span.context
         a = span.attributes
-        if type(a) is not dict:  # an SDK span's read-only view (a decoded span owns its plain dict)
+        tid = getattr(span, "trace_hex", None)  # a decoded span (WireSpan) carries its ids in hex
+        if tid is not None:
+            sid, parent = span.span_hex, span.parent_hex
+        else:  # an SDK span: its attributes a read-only view, its ids ints
             a = _plain(a)
-        ti = ctx.trace_id
-        tid = hexes.get(ti)
-        if tid is None:
-            tid = hexes[ti] = "%032x" % ti  # what format_trace_id gives, at a third of its cost
+            ctx, parent = span.context, span.parent
+            tid = hexes.get(ctx.trace_id)
+            if tid is None:
+                tid = hexes[ctx.trace_id] = "%032x" % ctx.trace_id  # format_trace_id's text, a third of its cost
+            sid, parent = "%016x" % ctx.span_id, "%016x" % parent.span_id if parent else None
         name = span.name
         g = a.get
         role, mode, outcome, rid = g(sc.ATTR_ROLE), g(sc.ATTR_MODE), g(sc.ATTR_OUTCOME, "ok"), g(sc.ATTR_REQUEST_ID)
-        parent, start, end = span.parent, span.start_time, span.end_time  # properties: read each once
-        parent = "%016x" % parent.span_id if parent else None
+        start, end = span.start_time, span.end_time  # properties: read each once
         start, end = int(start or 0), int(end or start or 0)
         # the attributes stay a dict until the row is inserted (insert_span_rows):
         # under --keep sampled most rows never are, and JSON is a third of a row's cost
-        rows.append((tid, "%016x" % ctx.span_id, parent, name, role, mode, rid, start, end, outcome, a))
+        rows.append((tid, sid, parent, name, role, mode, rid, start, end, outcome, a))
         u = ups.get(tid)
         if u is None:
             u = ups[tid] = {**_BLANK, "trace_id": tid, "outcome": outcome, "start_ns": start, "end_ns": end}

@@ -404,7 +404,7 @@ def test_connector_start_fails_on_a_misspelled_option():
 def test_span_attributes_are_stored_as_json_whatever_their_values(backend):
     """Attributes go in as JSON text (orjson, or the json module for what it
     refuses, such as an int past 64 bits) and come back as they were recorded."""
-    from exporters.collector.wire import SpanIds, WireSpan
+    from exporters.collector.wire import WireSpan
 
     attrs = {
         "kvlens.role": "prefill",
@@ -416,9 +416,10 @@ def test_span_attributes_are_stored_as_json_whatever_their_values(backend):
         "huge": 2**70,
     }
     tid = int(TID, 16)
+    small = {k: v for k, v in attrs.items() if k != "huge"}
     spans = [
-        WireSpan("prefill", SpanIds(tid, 1), None, 10, 20, dict(attrs)),
-        WireSpan("prefill.finished", SpanIds(tid, 2), None, 20, 20, {k: v for k, v in attrs.items() if k != "huge"}),
+        WireSpan("prefill", tid, 1, None, 10, 20, dict(attrs), TID, "%016x" % 1, None),
+        WireSpan("prefill.finished", tid, 2, None, 20, 20, small, TID, "%016x" % 2, None),
     ]
     conn = store.connect(backend.store)
     store.write_spans(conn, spans)
