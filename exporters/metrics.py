@@ -81,6 +81,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multip
 
 from kvtrace import kvuse, ranks
 from exporters.families import _Families, _families_for  # noqa: F401  (re-exported for tests)
+from exporters.fasthistogram import observe_trace, trace_observer
 from exporters.handoff import HandoffResolver
 from kvrecord import config
 from kvrecord import semconv as sc
@@ -95,6 +96,27 @@ _RANK_PHASES = frozenset(
 )
 #: The rank label's closed set: 0..MAX_RANK_LABEL-1 (TP sizes up to 64), else ``_OTHER``.
 MAX_RANK_LABEL = 64
+
+
+#: Phases with metrics beyond their duration (see ``_observe_more``).
+_MORE = _RANK_PHASES | {
+    p.value
+    for p in (
+        sc.Phase.REQUEST,
+        sc.Phase.DECODE_FIRST_STEP,
+        sc.Phase.REGISTRATION_RECEIVE,
+        sc.Phase.MATCH,
+        sc.Phase.PREFILL_FINISHED,
+    )
+}
+#: Bound of a processor's (name, mode, role, outcome) -> labels cache: spans
+#: with other raw values (past this many) have their labels closed each time.
+_MAX_PLANS = 4096
+
+
+_monotonic = time.monotonic
+_EMPTY: Mapping[str, Any] = {}
+_A_MODE, _A_ROLE, _A_OUTCOME = sc.ATTR_MODE, sc.ATTR_ROLE, sc.ATTR_OUTCOME
 
 
 def _rank_label(rank: object) -> str:
@@ -130,6 +152,8 @@ def _label(value: Any, table: Mapping[str, str], enum_cls) -> str:
 
 
 def _num(v: Any) -> float | None:
+    if type(v) is int or type(v) is float:  # the usual case, in two checks
+        return float(v)
     if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     return float(v)
@@ -242,23 +266,47 @@ class PhaseMetricsProcessor(SpanProcessor):
         #: bandwidth above this (Gb/s, env KVLENS_LINK_GBPS) is counted implausible, not observed
         self.link_gbps = ranks.link_gbps()
         self._next_drop_check = 0.0
+        self._plans: dict[tuple, tuple] = {}  # see _plan
 
     # SpanProcessor API ----------------------------------------------------
     def on_start(self, span, parent_context=None) -> None:
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
+        # The span's phase duration inline (not a method: a Python call is a
+        # tenth of what a span costs here); its other metrics in _observe_more.
         try:
-            self._observe(span)
+            t0, t1 = span.start_time, span.end_time
+            if t0 is not None and t1 is not None:
+                a = span.attributes or _EMPTY
+                name = span.name
+                key = (name, a.get(_A_MODE), a.get(_A_ROLE), a.get(_A_OUTCOME, "ok"))
+                try:
+                    plan = self._plans[key]
+                except (KeyError, TypeError):
+                    plan = self._plan(key)
+                tid = None  # the exemplar's trace id; an int is formatted only if a scrape reads it
+                if self.exemplars:
+                    tid = span.context.trace_id
+                    if self._exemplar_ok is not None:
+                        tid = format_trace_id(tid)
+                        if not self._exemplar_ok(tid):
+                            tid = None
+                d = (t1 - t0) / 1e9 if t1 > t0 else 0.0
+                plan[4](d, tid)
+                if plan[5] is not None:
+                    self._observe_more(a, d, tid, plan)
+                if name in self._trigger:
+                    self._submit(span, name, plan[1])
         except Exception as e:
             log_once("metrics:" + type(e).__name__, "span metrics failed (%s); span skipped", e, exc_info=True)
-        try:
-            now = time.monotonic()
-            if now >= self._next_drop_check:
-                self._next_drop_check = now + 1.0
+        now = _monotonic()
+        if now >= self._next_drop_check:
+            self._next_drop_check = now + 1.0
+            try:
                 self.sync_dropped()
-        except Exception as e:
-            log_once("metrics-dropped:" + type(e).__name__, "dropped-telemetry source failed (%s)", e)
+            except Exception as e:
+                log_once("metrics-dropped:" + type(e).__name__, "dropped-telemetry source failed (%s)", e)
 
     def shutdown(self) -> None:
         try:
@@ -280,51 +328,71 @@ class PhaseMetricsProcessor(SpanProcessor):
             return False
 
     # ----------------------------------------------------------------------
-    def _observe(self, span: ReadableSpan) -> None:
-        t0, t1 = span.start_time, span.end_time
-        if t0 is None or t1 is None:
-            return
-        a = span.attributes or {}
-        fam = self.fam
-        name = span.name
+    def _plan(self, key: tuple) -> tuple:
+        """(phase, mode, role, outcome, observe of the phase child, slots) of a
+        span's (name, mode, role, outcome) attributes as they came, cached per
+        processor up to :data:`_MAX_PLANS` keys (the raw values are open sets).
+        ``slots``: None, or (phases of :data:`_MORE`) the children of their other
+        metrics, bound on first use (a series appears when first observed)."""
+        name, mode, role, outcome = key
         phase = _label(name, _PHASES, sc.Phase)
-        mode = _label(a.get(sc.ATTR_MODE), _MODES, sc.Mode)
-        role = _label(a.get(sc.ATTR_ROLE), _ROLES, sc.Role)
-        outcome = _label(a.get(sc.ATTR_OUTCOME, "ok"), _OUTCOMES, sc.Outcome)
-        ex = None
-        if self.exemplars:
-            tid = format_trace_id(span.context.trace_id)
-            if self._exemplar_ok is None or self._exemplar_ok(tid):
-                ex = {"trace_id": tid}
-        d = max(t1 - t0, 0) / 1e9
-        fam.child(fam.phase, (mode, role, phase, outcome)).observe(d, ex)
+        mode = _label(mode, _MODES, sc.Mode)
+        role = _label(role, _ROLES, sc.Role)
+        outcome = _label(outcome, _OUTCOMES, sc.Outcome)
+        fam = self.fam
+        observe = trace_observer(fam.child(fam.phase, (mode, role, phase, outcome)))
+        plan = (phase, mode, role, outcome, observe, [None] * 4 if phase in _MORE else None)
+        try:
+            if len(self._plans) < _MAX_PLANS:
+                self._plans[key] = plan
+        except TypeError:  # an unhashable attribute value (a list): closed each time
+            pass
+        return plan
+
+    def _submit(self, span: ReadableSpan, name: str, mode: str) -> None:
+        """Hand the span's trace to the handoff resolver (``name`` is a trigger)."""
+        wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
+        self.handoff.submit(format_trace_id(span.context.trace_id), mode, wait)
+
+    def _slot(self, slots: list, i: int, metric: Any, key: tuple, hist: bool = True) -> Any:
+        """``slots[i]``, bound on first use: the observe of ``metric``'s child ``key`` (or the child)."""
+        fam = self.fam
+        child = fam.child(metric, key)
+        slots[i] = got = trace_observer(child) if hist else child
+        return got
+
+    def _observe_more(self, a: Mapping[str, Any], d: float, tid: int | str | None, plan: tuple) -> None:
+        """The metrics of the phases that have more than their duration (:data:`_MORE`)."""
+        phase, mode, role, outcome, _, slots = plan
+        fam = self.fam
         if phase in _RANK_PHASES and (a.get(sc.ATTR_TP_SIZE) or 1) > 1:
-            fam.child(fam.rank_phase, (mode, role, phase, _rank_label(a.get(sc.ATTR_RANK)))).observe(d, ex)
+            observe_trace(fam.child(fam.rank_phase, (mode, role, phase, _rank_label(a.get(sc.ATTR_RANK)))), d, tid)
 
         if phase == "request":
-            fam.child(fam.requests, (mode, outcome)).inc()
+            (slots[0] or self._slot(slots, 0, fam.requests, (mode, outcome), False)).inc()
             ttft = _num(a.get(sc.ATTR_TTFT_S))
             if ttft is not None and ttft >= 0:
                 disp = _label(a.get(sc.ATTR_DISPATCH), _DISPATCHES, sc.Dispatch)
-                fam.child(fam.ttft, (mode, disp)).observe(ttft, ex)
+                observe_trace(fam.child(fam.ttft, (mode, disp)), ttft, tid)
         elif phase == "write.complete" or phase == "read.complete":
             b = _num(a.get(sc.ATTR_BYTES))
             if b is not None and b > 0:  # 0: NIXL telemetry unavailable
-                fam.child(fam.xfer_bytes, (mode, role)).observe(b, ex)
+                (slots[0] or self._slot(slots, 0, fam.xfer_bytes, (mode, role)))(b, tid)
             n = _num(a.get(sc.ATTR_DESCRIPTORS))
             if n is not None and n > 0:
-                fam.child(fam.xfer_desc, (mode, role)).observe(n, ex)
-            g = ranks.gbps(b, _num(a.get(sc.ATTR_NIXL_XFER_S)))
-            if g is not None:  # per rank: bytes / NIXL's own time; above the link it is no fact
+                (slots[1] or self._slot(slots, 1, fam.xfer_desc, (mode, role)))(n, tid)
+            x = _num(a.get(sc.ATTR_NIXL_XFER_S))
+            if b is not None and x is not None and b > 0 and x > 0:  # ranks.gbps, its type checks made by _num
+                g = ranks.gbps(b, x)  # per rank: bytes / NIXL's own time; above the link it is no fact
                 if g > self.link_gbps:
-                    fam.child(fam.xfer_implausible, (mode, role)).inc()
+                    (slots[3] or self._slot(slots, 3, fam.xfer_implausible, (mode, role), False)).inc()
                 else:
-                    fam.child(fam.xfer_gbps, (mode, role)).observe(g, ex)
+                    (slots[2] or self._slot(slots, 2, fam.xfer_gbps, (mode, role)))(g, tid)
             if phase == "write.complete" and outcome == "expired" and mode == "push":
                 fam.prefills_waiting.dec()
         elif phase == "decode.first_step":
-            if kvuse.is_recomputed(a):
-                fam.child(fam.kv_recomputed, (mode,)).inc()
+            if a.get(sc.ATTR_KV_RECOMPUTED_TOKENS) and kvuse.is_recomputed(a):  # 0 (the rule): not
+                (slots[0] or self._slot(slots, 0, fam.kv_recomputed, (mode,), False)).inc()
         elif mode == "push":
             if phase == "registration.receive":
                 fam.regs_waiting.inc()
@@ -333,10 +401,6 @@ class PhaseMetricsProcessor(SpanProcessor):
                 fam.prefills_waiting.dec()
             elif phase == "prefill.finished" and outcome == "ok":
                 fam.prefills_waiting.inc()
-
-        if name in self._trigger:
-            wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
-            self.handoff.submit(format_trace_id(span.context.trace_id), mode, wait)
 
     def sync_dropped(self) -> None:
         """Add the new losses of the drop source to ``kvlens_telemetry_dropped_total``."""
