@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from bisect import bisect_left
+from functools import partial
 from typing import Any, Callable
 
 from prometheus_client import Histogram, values
@@ -148,3 +149,16 @@ def observe_trace(child: Histogram, amount: float, trace_id: int | str | None) -
         if isinstance(trace_id, int):
             trace_id = format(trace_id, "032x")
         child.observe(amount, {TRACE_ID: trace_id} if trace_id is not None else None)
+
+
+def adder(metric: Any, amount: float) -> Callable[[], None]:
+    """``metric.inc(amount)`` of a Counter or Gauge child (or unlabelled
+    metric) as a call without ``inc``'s checks, which these callers pass by
+    construction (observable, not a "mostrecent" gauge, a counter's amount
+    >= 0): prometheus_client spends three Python calls on them before its
+    value's own ``inc``, which this calls directly (a Gauge's ``dec(n)`` is
+    its value's ``inc(-n)``). The checked ``inc`` where the value has none."""
+    inc = getattr(getattr(metric, "_value", None), "inc", None)
+    if inc is None or getattr(metric, "_is_most_recent", False):
+        return partial(metric.inc, amount)
+    return partial(inc, amount)

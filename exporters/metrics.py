@@ -79,49 +79,15 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import format_trace_id
 from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multiprocess
 
-from kvtrace import kvuse, ranks
+from kvtrace import ranks
 from exporters.families import _Families, _families_for  # noqa: F401  (re-exported for tests)
-from exporters.fasthistogram import observe_trace, trace_observer
+from exporters.spanobs import _ROLES, _label, _table, plan
 from exporters.handoff import HandoffResolver
 from kvrecord import config
 from kvrecord import semconv as sc
 from kvrecord.location import StoreLocation
 from kvrecord.logutil import log_once
 from kvrecord.recorder import DropReason
-
-#: Where the handoff trigger runs (see :mod:`exporters.handoff`): router | decode | off.
-#: Per-rank transfer phases observed by rank (``kvlens_rank_phase_duration_seconds``).
-_RANK_PHASES = frozenset(
-    p.value for p in (sc.Phase.WRITE_POST, sc.Phase.WRITE_COMPLETE, sc.Phase.READ_POST, sc.Phase.READ_COMPLETE)
-)
-#: The rank label's closed set: 0..MAX_RANK_LABEL-1 (TP sizes up to 64), else ``_OTHER``.
-MAX_RANK_LABEL = 64
-
-
-#: Phases with metrics beyond their duration (see ``_observe_more``).
-_MORE = _RANK_PHASES | {
-    p.value
-    for p in (
-        sc.Phase.REQUEST,
-        sc.Phase.DECODE_FIRST_STEP,
-        sc.Phase.REGISTRATION_RECEIVE,
-        sc.Phase.MATCH,
-        sc.Phase.PREFILL_FINISHED,
-    )
-}
-#: Bound of a processor's (name, mode, role, outcome) -> labels cache: spans
-#: with other raw values (past this many) have their labels closed each time.
-_MAX_PLANS = 4096
-
-
-_monotonic = time.monotonic
-_EMPTY: Mapping[str, Any] = {}
-_A_MODE, _A_ROLE, _A_OUTCOME = sc.ATTR_MODE, sc.ATTR_ROLE, sc.ATTR_OUTCOME
-
-
-def _rank_label(rank: object) -> str:
-    return str(rank) if isinstance(rank, int) and 0 <= rank < MAX_RANK_LABEL else sc.OTHER
-
 
 HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
 #: With ``handoff_from="any"``, how long a lookup triggered by D's
@@ -130,33 +96,12 @@ HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
 KV_READY_WAIT_S = 3.0
 
 _OTHER = sc.OTHER
-
-
-def _table(enum_cls) -> dict[str, str]:
-    return {m.value: m.value for m in enum_cls}
-
-
-_MODES = _table(sc.Mode)
-_ROLES = _table(sc.Role)
-_PHASES = _table(sc.Phase)
-_OUTCOMES = _table(sc.Outcome)
-_DISPATCHES = _table(sc.Dispatch)
-
-
-def _label(value: Any, table: Mapping[str, str], enum_cls) -> str:
-    """Closed label value: O(1) for plain strings, :func:`semconv.closed` otherwise."""
-    try:
-        return table[value]
-    except (KeyError, TypeError):  # str-enum members hash by name; lists are unhashable
-        return sc.closed(value, enum_cls)
-
-
-def _num(v: Any) -> float | None:
-    if type(v) is int or type(v) is float:  # the usual case, in two checks
-        return float(v)
-    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v)
+#: Bound of a processor's cache of :func:`exporters.spanobs.plan` s: the
+#: attribute values are open sets; past this many keys a span's are closed each time.
+_MAX_PLANS = 4096
+_monotonic = time.monotonic
+_EMPTY: Mapping[str, Any] = {}
+_A_MODE, _A_ROLE, _A_OUTCOME = sc.ATTR_MODE, sc.ATTR_ROLE, sc.ATTR_OUTCOME
 
 
 # ----------------------------------------------------------- dropped telemetry
@@ -273,8 +218,8 @@ class PhaseMetricsProcessor(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        # The span's phase duration inline (not a method: a Python call is a
-        # tenth of what a span costs here); its other metrics in _observe_more.
+        # The phase duration inline (a Python call is a tenth of what a span
+        # costs here); what a span observes is decided once per key (_plan).
         try:
             t0, t1 = span.start_time, span.end_time
             if t0 is not None and t1 is not None:
@@ -282,9 +227,9 @@ class PhaseMetricsProcessor(SpanProcessor):
                 name = span.name
                 key = (name, a.get(_A_MODE), a.get(_A_ROLE), a.get(_A_OUTCOME, "ok"))
                 try:
-                    plan = self._plans[key]
+                    mode, observe, more = self._plans[key]
                 except (KeyError, TypeError):
-                    plan = self._plan(key)
+                    mode, observe, more = self._plan(key)
                 tid = None  # the exemplar's trace id; an int is formatted only if a scrape reads it
                 if self.exemplars:
                     tid = span.context.trace_id
@@ -293,11 +238,12 @@ class PhaseMetricsProcessor(SpanProcessor):
                         if not self._exemplar_ok(tid):
                             tid = None
                 d = (t1 - t0) / 1e9 if t1 > t0 else 0.0
-                plan[4](d, tid)
-                if plan[5] is not None:
-                    self._observe_more(a, d, tid, plan)
+                observe(d, tid)
+                if more is not None:
+                    more(a, d, tid)
                 if name in self._trigger:
-                    self._submit(span, name, plan[1])
+                    wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
+                    self.handoff.submit(format_trace_id(span.context.trace_id), mode, wait)
         except Exception as e:
             log_once("metrics:" + type(e).__name__, "span metrics failed (%s); span skipped", e, exc_info=True)
         now = _monotonic()
@@ -329,78 +275,15 @@ class PhaseMetricsProcessor(SpanProcessor):
 
     # ----------------------------------------------------------------------
     def _plan(self, key: tuple) -> tuple:
-        """(phase, mode, role, outcome, observe of the phase child, slots) of a
-        span's (name, mode, role, outcome) attributes as they came, cached per
-        processor up to :data:`_MAX_PLANS` keys (the raw values are open sets).
-        ``slots``: None, or (phases of :data:`_MORE`) the children of their other
-        metrics, bound on first use (a series appears when first observed)."""
-        name, mode, role, outcome = key
-        phase = _label(name, _PHASES, sc.Phase)
-        mode = _label(mode, _MODES, sc.Mode)
-        role = _label(role, _ROLES, sc.Role)
-        outcome = _label(outcome, _OUTCOMES, sc.Outcome)
-        fam = self.fam
-        observe = trace_observer(fam.child(fam.phase, (mode, role, phase, outcome)))
-        plan = (phase, mode, role, outcome, observe, [None] * 4 if phase in _MORE else None)
+        """:func:`exporters.spanobs.plan` of a span's (name, mode, role, outcome)
+        attributes as they came, cached up to :data:`_MAX_PLANS` keys."""
+        p = plan(self.fam, self, *key)
         try:
             if len(self._plans) < _MAX_PLANS:
-                self._plans[key] = plan
-        except TypeError:  # an unhashable attribute value (a list): closed each time
+                self._plans[key] = p
+        except TypeError:  # an unhashable attribute value (a list): planned each time
             pass
-        return plan
-
-    def _submit(self, span: ReadableSpan, name: str, mode: str) -> None:
-        """Hand the span's trace to the handoff resolver (``name`` is a trigger)."""
-        wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
-        self.handoff.submit(format_trace_id(span.context.trace_id), mode, wait)
-
-    def _slot(self, slots: list, i: int, metric: Any, key: tuple, hist: bool = True) -> Any:
-        """``slots[i]``, bound on first use: the observe of ``metric``'s child ``key`` (or the child)."""
-        fam = self.fam
-        child = fam.child(metric, key)
-        slots[i] = got = trace_observer(child) if hist else child
-        return got
-
-    def _observe_more(self, a: Mapping[str, Any], d: float, tid: int | str | None, plan: tuple) -> None:
-        """The metrics of the phases that have more than their duration (:data:`_MORE`)."""
-        phase, mode, role, outcome, _, slots = plan
-        fam = self.fam
-        if phase in _RANK_PHASES and (a.get(sc.ATTR_TP_SIZE) or 1) > 1:
-            observe_trace(fam.child(fam.rank_phase, (mode, role, phase, _rank_label(a.get(sc.ATTR_RANK)))), d, tid)
-
-        if phase == "request":
-            (slots[0] or self._slot(slots, 0, fam.requests, (mode, outcome), False)).inc()
-            ttft = _num(a.get(sc.ATTR_TTFT_S))
-            if ttft is not None and ttft >= 0:
-                disp = _label(a.get(sc.ATTR_DISPATCH), _DISPATCHES, sc.Dispatch)
-                observe_trace(fam.child(fam.ttft, (mode, disp)), ttft, tid)
-        elif phase == "write.complete" or phase == "read.complete":
-            b = _num(a.get(sc.ATTR_BYTES))
-            if b is not None and b > 0:  # 0: NIXL telemetry unavailable
-                (slots[0] or self._slot(slots, 0, fam.xfer_bytes, (mode, role)))(b, tid)
-            n = _num(a.get(sc.ATTR_DESCRIPTORS))
-            if n is not None and n > 0:
-                (slots[1] or self._slot(slots, 1, fam.xfer_desc, (mode, role)))(n, tid)
-            x = _num(a.get(sc.ATTR_NIXL_XFER_S))
-            if b is not None and x is not None and b > 0 and x > 0:  # ranks.gbps, its type checks made by _num
-                g = ranks.gbps(b, x)  # per rank: bytes / NIXL's own time; above the link it is no fact
-                if g > self.link_gbps:
-                    (slots[3] or self._slot(slots, 3, fam.xfer_implausible, (mode, role), False)).inc()
-                else:
-                    (slots[2] or self._slot(slots, 2, fam.xfer_gbps, (mode, role)))(g, tid)
-            if phase == "write.complete" and outcome == "expired" and mode == "push":
-                fam.prefills_waiting.dec()
-        elif phase == "decode.first_step":
-            if a.get(sc.ATTR_KV_RECOMPUTED_TOKENS) and kvuse.is_recomputed(a):  # 0 (the rule): not
-                (slots[0] or self._slot(slots, 0, fam.kv_recomputed, (mode,), False)).inc()
-        elif mode == "push":
-            if phase == "registration.receive":
-                fam.regs_waiting.inc()
-            elif phase == "match":
-                fam.regs_waiting.dec()
-                fam.prefills_waiting.dec()
-            elif phase == "prefill.finished" and outcome == "ok":
-                fam.prefills_waiting.inc()
+        return p
 
     def sync_dropped(self) -> None:
         """Add the new losses of the drop source to ``kvlens_telemetry_dropped_total``."""
