@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from exporters.families import _Families
-from exporters.fasthistogram import adder, observe_trace, trace_observer
+from exporters.fasthistogram import FastHistogram, adder, observe_trace, trace_observer
 from kvrecord import semconv as sc
 from kvtrace import kvuse
 
@@ -58,7 +58,7 @@ def _rank_label(rank: object) -> str:
     return str(rank) if isinstance(rank, int) and 0 <= rank < MAX_RANK_LABEL else sc.OTHER
 
 
-Plan = tuple  # (mode, observe, more | None)
+Plan = tuple  # (mode, observe, more | None, the FastHistogram child | None)
 
 
 def plan(fam: _Families, owner: Any, name: Any, mode: Any, role: Any, outcome: Any) -> Plan:
@@ -69,7 +69,8 @@ def plan(fam: _Families, owner: Any, name: Any, mode: Any, role: Any, outcome: A
     mode = _label(mode, _MODES, sc.Mode)
     role = _label(role, _ROLES, sc.Role)
     outcome = _label(outcome, _OUTCOMES, sc.Outcome)
-    observe = trace_observer(fam.child(fam.phase, (mode, role, phase, outcome)))
+    child = fam.child(fam.phase, (mode, role, phase, outcome))
+    observe = trace_observer(child)
     m = _More(fam, owner, phase, mode, role, outcome)
     more: Callable[[Mapping[str, Any], float, Any], None] | None = None
     if phase == "request":
@@ -88,7 +89,7 @@ def plan(fam: _Families, owner: Any, name: Any, mode: Any, role: Any, outcome: A
         elif phase == "prefill.finished" and outcome == "ok":
             m.gauges = (adder(fam.prefills_waiting, 1),)
         more = m.push if m.gauges else None
-    return mode, observe, more
+    return mode, observe, more, child if type(child) is FastHistogram else None
 
 
 class _More:
