@@ -8,8 +8,9 @@ per observation with an exemplar, half of ``PhaseMetricsProcessor.on_end``.
 No option of the library makes that cheaper, so :class:`FastHistogram`
 keeps everything of the library's class (registration, ``labels()``,
 names, help, bucket bounds, the ``_created`` sample, the exposition) and
-replaces only its children's storage: one lock, a ``bisect`` into a list of
-counts, the exemplar kept as a plain tuple until a scrape reads it. The
+replaces only its children's storage: a ``bisect`` into the calling
+thread's own list of counts (no lock), the exemplar kept as a plain tuple
+until a scrape reads it. The
 stock ``_child_samples`` reads that storage through :class:`_BucketView`
 and :class:`_SumView` (the ``get``/``get_exemplar`` it calls on its
 values), so the samples are built by the library itself, in its order.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from _thread import get_ident
 from bisect import bisect_left
 from functools import partial
 from typing import Any, Callable
@@ -48,7 +50,10 @@ class _SumView:
         self._h = h
 
     def get(self) -> float:
-        return self._h._total
+        total = 0.0
+        for shard in tuple(self._h._shard_list):
+            total += shard[0]
+        return total
 
 
 class _BucketView:
@@ -61,7 +66,8 @@ class _BucketView:
         self._h, self._i = h, i
 
     def get(self) -> int:
-        return self._h._counts[self._i]
+        i = self._i + 1
+        return sum(shard[i] for shard in tuple(self._h._shard_list))
 
     def get_exemplar(self) -> Exemplar | None:
         ex = self._h._exemplars[self._i]
@@ -77,19 +83,39 @@ class _BucketView:
 
 class FastHistogram(Histogram):
     """``prometheus_client.Histogram`` with a cheaper child ``observe`` (same
-    arguments, errors and exposition) and :meth:`observe_trace`."""
+    arguments, errors and exposition) and :meth:`observe_trace`.
+
+    No lock on the way (an uncontended ``threading.Lock`` acquire and release
+    alone cost a quarter of the stock ``observe``): each thread adds into its
+    own shard, ``[sum, count of bucket 0, ...]`` (:meth:`shard`), which only
+    it writes; a read adds the shards up, in the order they were made. One
+    thread's sum is therefore the same float as the stock class's; a child
+    observed from several threads sums each thread's part first (the stock
+    class adds in lock order: the two can differ in the last bits). A
+    bucket's exemplar is one list slot, replaced whole (the last observation
+    with an exemplar wins, as in the stock class)."""
 
     def _metric_init(self) -> None:
         n = len(self._upper_bounds)
-        self._lock_v = threading.Lock()
-        self._acquire, self._release = self._lock_v.acquire, self._lock_v.release
-        self._total = 0.0
-        self._counts = [0] * n
+        self._shard_lock = threading.Lock()
+        self._shards: dict[int, list] = {}  # thread ident -> [sum, count of bucket 0, ...]
+        self._shard_list: list[list] = []  # the shards, in the order they were made
         #: per bucket: (labels dict, or a trace id int | str, value, time.time()) of its last exemplar
         self._exemplars: list[tuple[Any, float, float] | None] = [None] * n
         self._sum = _SumView(self)
         self._buckets = [_BucketView(self, i) for i in range(n)]
         self._created = time.time()
+
+    def shard(self) -> list:
+        """The calling thread's shard (made on its first observation)."""
+        ident = get_ident()
+        shard = self._shards.get(ident)
+        if shard is None:
+            with self._shard_lock:
+                shard = [0.0] + [0] * len(self._upper_bounds)
+                self._shard_list.append(shard)
+                self._shards[ident] = shard  # a thread ident is reused only after its thread ended
+        return shard
 
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
         """As ``Histogram.observe``: the value counts in the first bucket whose
@@ -97,16 +123,14 @@ class FastHistogram(Histogram):
         exemplar becomes it (an invalid one raises ValueError after counting)."""
         self._raise_if_not_observable()
         i = bisect_left(self._upper_bounds, amount)
-        with self._lock_v:
-            self._total += amount
-            if amount != amount:  # NaN: no bound is >= it, so prometheus_client counts it in no bucket
-                return
-            self._counts[i] += 1
+        shard = self._shards.get(get_ident()) or self.shard()
+        shard[0] += amount
+        if amount != amount:  # NaN: no bound is >= it, so prometheus_client counts it in no bucket
+            return
+        shard[i + 1] += 1
         if exemplar:
             _validate_exemplar(exemplar)
-            ex = (exemplar, amount, time.time())
-            with self._lock_v:
-                self._exemplars[i] = ex
+            self._exemplars[i] = (exemplar, amount, time.time())
 
     def observe_trace(self, amount: float, trace_id: "int | str | None") -> None:
         """``observe(amount, {"trace_id": trace_id} if trace_id is not None else None)``
@@ -114,15 +138,12 @@ class FastHistogram(Histogram):
         is formatted then (32 hex digits, as OTel writes it; a trace id always
         passes prometheus_client's check)."""
         i = bisect_left(self._upper_bounds, amount)
-        self._acquire()  # not `with`: twice the cost on CPython 3.11
-        try:
-            self._total += amount
-            if amount == amount:  # NaN: see observe
-                self._counts[i] += 1
-                if trace_id is not None:
-                    self._exemplars[i] = (trace_id, amount, time.time())
-        finally:
-            self._release()
+        shard = self._shards.get(get_ident()) or self.shard()
+        shard[0] += amount
+        if amount == amount:  # NaN: see observe
+            shard[i + 1] += 1
+            if trace_id is not None:
+                self._exemplars[i] = (trace_id, amount, time.time())
 
 
 def histogram_class() -> type[Histogram]:

@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import os
 import time
+from _thread import get_ident as _get_ident
 from bisect import bisect_left as _bisect_left
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -243,14 +244,11 @@ class PhaseMetricsProcessor(SpanProcessor):
                     observe(d, tid)
                 else:  # h.observe_trace(d, tid) inline (d is no NaN): the call is a tenth of this path
                     i = _bisect_left(h._upper_bounds, d)
-                    h._acquire()
-                    try:
-                        h._total += d
-                        h._counts[i] += 1
-                        if tid is not None:
-                            h._exemplars[i] = (tid, d, _time())
-                    finally:
-                        h._release()
+                    shard = h._shards.get(_get_ident()) or h.shard()
+                    shard[0] += d
+                    shard[i + 1] += 1
+                    if tid is not None:
+                        h._exemplars[i] = (tid, d, _time())
                 if more is not None:
                     more(a, d, tid)
                 if name in self._trigger:
