@@ -10,10 +10,10 @@ keeps everything of the library's class (registration, ``labels()``,
 names, help, bucket bounds, the ``_created`` sample, the exposition) and
 replaces only its children's storage: a ``bisect`` into the calling
 thread's own list of counts (no lock), the exemplar kept as a plain tuple
-until a scrape reads it. The
-stock ``_child_samples`` reads that storage through :class:`_BucketView`
-and :class:`_SumView` (the ``get``/``get_exemplar`` it calls on its
-values), so the samples are built by the library itself, in its order.
+until a scrape reads it. The stock ``_child_samples`` reads that storage
+through :class:`_BucketView` and :class:`_SumView` (the ``get`` /
+``get_exemplar`` it calls on its values), so the samples are built by the
+library itself, in its order.
 
 In prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``
 set before it was imported, as vLLM does) values live in per-process mmap
