@@ -72,6 +72,8 @@ from __future__ import annotations
 
 import os
 import time
+from _thread import get_ident as _get_ident
+from bisect import bisect_left as _bisect_left
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -79,27 +81,15 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import format_trace_id
 from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multiprocess
 
-from kvtrace import kvuse, ranks
+from kvtrace import ranks
 from exporters.families import _Families, _families_for  # noqa: F401  (re-exported for tests)
+from exporters.spanobs import _ROLES, _label, _table, plan
 from exporters.handoff import HandoffResolver
 from kvrecord import config
 from kvrecord import semconv as sc
 from kvrecord.location import StoreLocation
 from kvrecord.logutil import log_once
 from kvrecord.recorder import DropReason
-
-#: Where the handoff trigger runs (see :mod:`exporters.handoff`): router | decode | off.
-#: Per-rank transfer phases observed by rank (``kvlens_rank_phase_duration_seconds``).
-_RANK_PHASES = frozenset(
-    p.value for p in (sc.Phase.WRITE_POST, sc.Phase.WRITE_COMPLETE, sc.Phase.READ_POST, sc.Phase.READ_COMPLETE)
-)
-#: The rank label's closed set: 0..MAX_RANK_LABEL-1 (TP sizes up to 64), else ``_OTHER``.
-MAX_RANK_LABEL = 64
-
-
-def _rank_label(rank: object) -> str:
-    return str(rank) if isinstance(rank, int) and 0 <= rank < MAX_RANK_LABEL else sc.OTHER
-
 
 HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
 #: With ``handoff_from="any"``, how long a lookup triggered by D's
@@ -108,31 +98,12 @@ HANDOFF_FROM_ENV = "KVLENS_HANDOFF_FROM"
 KV_READY_WAIT_S = 3.0
 
 _OTHER = sc.OTHER
-
-
-def _table(enum_cls) -> dict[str, str]:
-    return {m.value: m.value for m in enum_cls}
-
-
-_MODES = _table(sc.Mode)
-_ROLES = _table(sc.Role)
-_PHASES = _table(sc.Phase)
-_OUTCOMES = _table(sc.Outcome)
-_DISPATCHES = _table(sc.Dispatch)
-
-
-def _label(value: Any, table: Mapping[str, str], enum_cls) -> str:
-    """Closed label value: O(1) for plain strings, :func:`semconv.closed` otherwise."""
-    try:
-        return table[value]
-    except (KeyError, TypeError):  # str-enum members hash by name; lists are unhashable
-        return sc.closed(value, enum_cls)
-
-
-def _num(v: Any) -> float | None:
-    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v)
+#: Bound of a processor's cache of :func:`exporters.spanobs.plan` s: the
+#: attribute values are open sets; past this many keys a span's are closed each time.
+_MAX_PLANS = 4096
+_monotonic, _time = time.monotonic, time.time
+_EMPTY: Mapping[str, Any] = {}
+_A_MODE, _A_ROLE, _A_OUTCOME = sc.ATTR_MODE, sc.ATTR_ROLE, sc.ATTR_OUTCOME
 
 
 # ----------------------------------------------------------- dropped telemetry
@@ -242,23 +213,56 @@ class PhaseMetricsProcessor(SpanProcessor):
         #: bandwidth above this (Gb/s, env KVLENS_LINK_GBPS) is counted implausible, not observed
         self.link_gbps = ranks.link_gbps()
         self._next_drop_check = 0.0
+        self._plans: dict[tuple, tuple] = {}  # see _plan
 
     # SpanProcessor API ----------------------------------------------------
     def on_start(self, span, parent_context=None) -> None:
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
+        # The phase duration inline (a Python call is a tenth of what a span
+        # costs here); what a span observes is decided once per key (_plan).
         try:
-            self._observe(span)
+            t0, t1 = span.start_time, span.end_time
+            if t0 is not None and t1 is not None:
+                a = span.attributes or _EMPTY
+                name = span.name
+                key = (name, a.get(_A_MODE), a.get(_A_ROLE), a.get(_A_OUTCOME, "ok"))
+                try:
+                    mode, observe, more, h = self._plans[key]
+                except (KeyError, TypeError):
+                    mode, observe, more, h = self._plan(key)
+                tid = None  # the exemplar's trace id; an int is formatted only if a scrape reads it
+                if self.exemplars:
+                    tid = span.context.trace_id
+                    if self._exemplar_ok is not None:
+                        tid = format_trace_id(tid)
+                        if not self._exemplar_ok(tid):
+                            tid = None
+                d = (t1 - t0) / 1e9 if t1 > t0 else 0.0
+                if h is None:
+                    observe(d, tid)
+                else:  # h.observe_trace(d, tid) inline (d is no NaN): the call is a tenth of this path
+                    i = _bisect_left(h._upper_bounds, d)
+                    shard = h._shards.get(_get_ident()) or h.shard()
+                    shard[0] += d
+                    shard[i + 1] += 1
+                    if tid is not None:
+                        h._exemplars[i] = (tid, d, _time())
+                if more is not None:
+                    more(a, d, tid)
+                if name in self._trigger:
+                    wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
+                    self.handoff.submit(format_trace_id(span.context.trace_id), mode, wait)
         except Exception as e:
             log_once("metrics:" + type(e).__name__, "span metrics failed (%s); span skipped", e, exc_info=True)
-        try:
-            now = time.monotonic()
-            if now >= self._next_drop_check:
-                self._next_drop_check = now + 1.0
+        now = _monotonic()
+        if now >= self._next_drop_check:
+            self._next_drop_check = now + 1.0
+            try:
                 self.sync_dropped()
-        except Exception as e:
-            log_once("metrics-dropped:" + type(e).__name__, "dropped-telemetry source failed (%s)", e)
+            except Exception as e:
+                log_once("metrics-dropped:" + type(e).__name__, "dropped-telemetry source failed (%s)", e)
 
     def shutdown(self) -> None:
         try:
@@ -280,63 +284,16 @@ class PhaseMetricsProcessor(SpanProcessor):
             return False
 
     # ----------------------------------------------------------------------
-    def _observe(self, span: ReadableSpan) -> None:
-        t0, t1 = span.start_time, span.end_time
-        if t0 is None or t1 is None:
-            return
-        a = span.attributes or {}
-        fam = self.fam
-        name = span.name
-        phase = _label(name, _PHASES, sc.Phase)
-        mode = _label(a.get(sc.ATTR_MODE), _MODES, sc.Mode)
-        role = _label(a.get(sc.ATTR_ROLE), _ROLES, sc.Role)
-        outcome = _label(a.get(sc.ATTR_OUTCOME, "ok"), _OUTCOMES, sc.Outcome)
-        ex = None
-        if self.exemplars:
-            tid = format_trace_id(span.context.trace_id)
-            if self._exemplar_ok is None or self._exemplar_ok(tid):
-                ex = {"trace_id": tid}
-        d = max(t1 - t0, 0) / 1e9
-        fam.child(fam.phase, (mode, role, phase, outcome)).observe(d, ex)
-        if phase in _RANK_PHASES and (a.get(sc.ATTR_TP_SIZE) or 1) > 1:
-            fam.child(fam.rank_phase, (mode, role, phase, _rank_label(a.get(sc.ATTR_RANK)))).observe(d, ex)
-
-        if phase == "request":
-            fam.child(fam.requests, (mode, outcome)).inc()
-            ttft = _num(a.get(sc.ATTR_TTFT_S))
-            if ttft is not None and ttft >= 0:
-                disp = _label(a.get(sc.ATTR_DISPATCH), _DISPATCHES, sc.Dispatch)
-                fam.child(fam.ttft, (mode, disp)).observe(ttft, ex)
-        elif phase == "write.complete" or phase == "read.complete":
-            b = _num(a.get(sc.ATTR_BYTES))
-            if b is not None and b > 0:  # 0: NIXL telemetry unavailable
-                fam.child(fam.xfer_bytes, (mode, role)).observe(b, ex)
-            n = _num(a.get(sc.ATTR_DESCRIPTORS))
-            if n is not None and n > 0:
-                fam.child(fam.xfer_desc, (mode, role)).observe(n, ex)
-            g = ranks.gbps(b, _num(a.get(sc.ATTR_NIXL_XFER_S)))
-            if g is not None:  # per rank: bytes / NIXL's own time; above the link it is no fact
-                if g > self.link_gbps:
-                    fam.child(fam.xfer_implausible, (mode, role)).inc()
-                else:
-                    fam.child(fam.xfer_gbps, (mode, role)).observe(g, ex)
-            if phase == "write.complete" and outcome == "expired" and mode == "push":
-                fam.prefills_waiting.dec()
-        elif phase == "decode.first_step":
-            if kvuse.is_recomputed(a):
-                fam.child(fam.kv_recomputed, (mode,)).inc()
-        elif mode == "push":
-            if phase == "registration.receive":
-                fam.regs_waiting.inc()
-            elif phase == "match":
-                fam.regs_waiting.dec()
-                fam.prefills_waiting.dec()
-            elif phase == "prefill.finished" and outcome == "ok":
-                fam.prefills_waiting.inc()
-
-        if name in self._trigger:
-            wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
-            self.handoff.submit(format_trace_id(span.context.trace_id), mode, wait)
+    def _plan(self, key: tuple) -> tuple:
+        """:func:`exporters.spanobs.plan` of a span's (name, mode, role, outcome)
+        attributes as they came, cached up to :data:`_MAX_PLANS` keys."""
+        p = plan(self.fam, self, *key)
+        try:
+            if len(self._plans) < _MAX_PLANS:
+                self._plans[key] = p
+        except TypeError:  # an unhashable attribute value (a list): planned each time
+            pass
+        return p
 
     def sync_dropped(self) -> None:
         """Add the new losses of the drop source to ``kvlens_telemetry_dropped_total``."""

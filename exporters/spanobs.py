@@ -1,0 +1,165 @@
+"""What one span observes, decided once per (name, mode, role, outcome).
+
+:class:`~exporters.metrics.PhaseMetricsProcessor` runs for every span the
+collector takes (tens of thousands a second), so the work that depends only
+on a span's name and its mode, role and outcome attributes (closing the
+labels, finding the labelled children, choosing the phase's other metrics)
+is done once per such key: :func:`plan` returns ``(mode, observe, more)``,
+which the processor caches. ``observe(duration_s, trace_id)`` observes the
+phase histogram; ``more`` is None, or ``more(attributes, duration_s,
+trace_id)`` observes the phase's other metrics (:class:`_More`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from exporters.families import _Families
+from exporters.fasthistogram import FastHistogram, adder, observe_trace, trace_observer
+from kvrecord import semconv as sc
+from kvtrace import kvuse
+
+#: Per-rank transfer phases observed by rank (``kvlens_rank_phase_duration_seconds``).
+_RANK_PHASES = frozenset(
+    p.value for p in (sc.Phase.WRITE_POST, sc.Phase.WRITE_COMPLETE, sc.Phase.READ_POST, sc.Phase.READ_COMPLETE)
+)
+#: The rank label's closed set: 0..MAX_RANK_LABEL-1 (TP sizes up to 64), else ``_OTHER``.
+MAX_RANK_LABEL = 64
+
+
+def _table(enum_cls) -> dict[str, str]:
+    return {m.value: m.value for m in enum_cls}
+
+
+_MODES = _table(sc.Mode)
+_ROLES = _table(sc.Role)
+_PHASES = _table(sc.Phase)
+_OUTCOMES = _table(sc.Outcome)
+_DISPATCHES = _table(sc.Dispatch)
+
+
+def _label(value: Any, table: Mapping[str, str], enum_cls) -> str:
+    """Closed label value: O(1) for plain strings, :func:`semconv.closed` otherwise."""
+    try:
+        return table[value]
+    except (KeyError, TypeError):  # str-enum members hash by name; lists are unhashable
+        return sc.closed(value, enum_cls)
+
+
+def _num(v: Any) -> float | None:
+    if type(v) is int or type(v) is float:  # the usual case, in two checks
+        return float(v)
+    if v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v)
+
+
+def _rank_label(rank: object) -> str:
+    return str(rank) if isinstance(rank, int) and 0 <= rank < MAX_RANK_LABEL else sc.OTHER
+
+
+Plan = tuple  # (mode, observe, more | None, the FastHistogram child | None)
+
+
+def plan(fam: _Families, owner: Any, name: Any, mode: Any, role: Any, outcome: Any) -> Plan:
+    """``(mode, observe, more)`` of a span named ``name`` whose mode, role and
+    outcome attributes are these (as they came: they are closed here).
+    ``owner``: the processor, whose ``link_gbps`` is read at each transfer."""
+    phase = _label(name, _PHASES, sc.Phase)
+    mode = _label(mode, _MODES, sc.Mode)
+    role = _label(role, _ROLES, sc.Role)
+    outcome = _label(outcome, _OUTCOMES, sc.Outcome)
+    child = fam.child(fam.phase, (mode, role, phase, outcome))
+    observe = trace_observer(child)
+    m = _More(fam, owner, phase, mode, role, outcome)
+    more: Callable[[Mapping[str, Any], float, Any], None] | None = None
+    if phase == "request":
+        more = m.request
+    elif phase == "write.complete" or phase == "read.complete":
+        more = m.complete
+    elif phase in _RANK_PHASES:
+        more = m.rank
+    elif phase == "decode.first_step":
+        more = m.first_step
+    elif mode == "push":
+        if phase == "registration.receive":
+            m.gauges = (adder(fam.regs_waiting, 1),)
+        elif phase == "match":
+            m.gauges = (adder(fam.regs_waiting, -1), adder(fam.prefills_waiting, -1))
+        elif phase == "prefill.finished" and outcome == "ok":
+            m.gauges = (adder(fam.prefills_waiting, 1),)
+        more = m.push if m.gauges else None
+    return mode, observe, more, child if type(child) is FastHistogram else None
+
+
+class _More:
+    """The metrics a span of one (phase, mode, role, outcome) has beyond its
+    duration. Labelled children are bound on first use (a series appears
+    when first observed, as ``fam.child`` at the observation would)."""
+
+    __slots__ = ("fam", "owner", "phase", "mode", "role", "outcome", "gauges", "slots", "ttft")
+
+    def __init__(self, fam: _Families, owner: Any, phase: str, mode: str, role: str, outcome: str) -> None:
+        self.fam, self.owner = fam, owner
+        self.phase, self.mode, self.role, self.outcome = phase, mode, role, outcome
+        self.gauges: tuple = ()
+        self.slots: list = [None] * 4  # see complete, request, first_step
+        self.ttft: dict[str, Callable] = {}  # closed dispatch -> observe
+
+    def _slot(self, i: int, metric: Any, key: tuple, hist: bool = True) -> Any:
+        """``slots[i]``, bound on first use: the observe of ``metric``'s child ``key`` (or its ``inc()``)."""
+        child = self.fam.child(metric, key)
+        self.slots[i] = got = trace_observer(child) if hist else adder(child, 1)
+        return got
+
+    def rank(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
+        """A per-rank transfer phase: by rank where TP > 1."""
+        if (a.get(sc.ATTR_TP_SIZE) or 1) > 1:
+            fam = self.fam
+            key = (self.mode, self.role, self.phase, _rank_label(a.get(sc.ATTR_RANK)))
+            observe_trace(fam.child(fam.rank_phase, key), d, tid)
+
+    def complete(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
+        """write/read.complete: by rank, bytes, descriptors, bandwidth (or implausible), expired leases."""
+        if (a.get(sc.ATTR_TP_SIZE) or 1) > 1:
+            self.rank(a, d, tid)
+        fam, slots = self.fam, self.slots
+        b, n, x = a.get(sc.ATTR_BYTES), a.get(sc.ATTR_DESCRIPTORS), a.get(sc.ATTR_NIXL_XFER_S)
+        b = float(b) if type(b) is int or type(b) is float else _num(b)  # _num, its usual case inline
+        n = float(n) if type(n) is int or type(n) is float else _num(n)
+        x = float(x) if type(x) is int or type(x) is float else _num(x)
+        if b is not None and b > 0:  # 0: NIXL telemetry unavailable
+            (slots[0] or self._slot(0, fam.xfer_bytes, (self.mode, self.role)))(b, tid)
+        if n is not None and n > 0:
+            (slots[1] or self._slot(1, fam.xfer_desc, (self.mode, self.role)))(n, tid)
+        if b is not None and x is not None and b > 0 and x > 0:  # ranks.gbps's checks, _num's part made
+            g = b * 8 / x / 1e9  # ranks.gbps, inline (half of this call's cost); per rank: bytes / NIXL's
+            # own time; above the link it is no fact
+            if g > self.owner.link_gbps:
+                (slots[3] or self._slot(3, fam.xfer_implausible, (self.mode, self.role), False))()
+            else:
+                (slots[2] or self._slot(2, fam.xfer_gbps, (self.mode, self.role)))(g, tid)
+        if self.phase == "write.complete" and self.outcome == "expired" and self.mode == "push":
+            fam.prefills_waiting.dec()
+
+    def request(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
+        """The router's root span: the request count and its TTFT."""
+        fam = self.fam
+        (self.slots[0] or self._slot(0, fam.requests, (self.mode, self.outcome), False))()
+        ttft = _num(a.get(sc.ATTR_TTFT_S))
+        if ttft is not None and ttft >= 0:
+            disp = _label(a.get(sc.ATTR_DISPATCH), _DISPATCHES, sc.Dispatch)
+            observe = self.ttft.get(disp)
+            if observe is None:  # bounded: dispatch is closed
+                observe = self.ttft[disp] = trace_observer(fam.child(fam.ttft, (self.mode, disp)))
+            observe(ttft, tid)
+
+    def first_step(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
+        """D's first step: KV recomputed (0 recomputed tokens, the rule, cannot be)."""
+        if a.get(sc.ATTR_KV_RECOMPUTED_TOKENS) and kvuse.is_recomputed(a):
+            (self.slots[0] or self._slot(0, self.fam.kv_recomputed, (self.mode,), False))()
+
+    def push(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
+        """Push's waiting gauges (see :mod:`exporters.metrics`)."""
+        for f in self.gauges:
+            f()
