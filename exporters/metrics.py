@@ -233,12 +233,14 @@ class PhaseMetricsProcessor(SpanProcessor):
                 except (KeyError, TypeError):
                     mode, observe, more, h = self._plan(key)
                 tid = None  # the exemplar's trace id; an int is formatted only if a scrape reads it
+                hexed = getattr(span, "trace_hex", None)  # a decoded span's (WireSpan), else the int's text below
                 if self.exemplars:
-                    tid = span.context.trace_id
                     if self._exemplar_ok is not None:
-                        tid = format_trace_id(tid)
+                        tid = hexed or format_trace_id(span.context.trace_id)
                         if not self._exemplar_ok(tid):
                             tid = None
+                    else:
+                        tid = span.context.trace_id
                 d = (t1 - t0) / 1e9 if t1 > t0 else 0.0
                 if h is None:
                     observe(d, tid)
@@ -253,7 +255,7 @@ class PhaseMetricsProcessor(SpanProcessor):
                     more(a, d, tid)
                 if name in self._trigger:
                     wait = KV_READY_WAIT_S if len(self._trigger) > 1 and name == sc.Phase.KV_READY.value else 0.0
-                    self.handoff.submit(format_trace_id(span.context.trace_id), mode, wait)
+                    self.handoff.submit(hexed or format_trace_id(span.context.trace_id), mode, wait)
         except Exception as e:
             log_once("metrics:" + type(e).__name__, "span metrics failed (%s); span skipped", e, exc_info=True)
         now = _monotonic()

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 from exporters.families import _Families
 from exporters.fasthistogram import FastHistogram, adder, observe_trace, trace_observer
 from kvrecord import semconv as sc
-from kvtrace import kvuse
+from kvtrace import kvuse, ranks
 
 #: Per-rank transfer phases observed by rank (``kvlens_rank_phase_duration_seconds``).
 _RANK_PHASES = frozenset(
@@ -132,9 +132,8 @@ class _More:
             (slots[0] or self._slot(0, fam.xfer_bytes, (self.mode, self.role)))(b, tid)
         if n is not None and n > 0:
             (slots[1] or self._slot(1, fam.xfer_desc, (self.mode, self.role)))(n, tid)
-        if b is not None and x is not None and b > 0 and x > 0:  # ranks.gbps's checks, _num's part made
-            g = b * 8 / x / 1e9  # ranks.gbps, inline (half of this call's cost); per rank: bytes / NIXL's
-            # own time; above the link it is no fact
+        g = ranks.gbps(b, x)  # per rank: bytes / NIXL's own time; above the link it is no fact
+        if g is not None:
             if g > self.owner.link_gbps:
                 (slots[3] or self._slot(3, fam.xfer_implausible, (self.mode, self.role), False))()
             else:

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
 from exporters import families
-from exporters.collector.wire import SpanIds, WireSpan
+from exporters.collector.wire import WireSpan
 from exporters.families import PHASE_BUCKETS, _Families
 from exporters.fasthistogram import FastHistogram, observe_trace
 from exporters.metrics import PhaseMetricsProcessor
@@ -82,7 +82,8 @@ def test_stock_histogram_where_prometheus_client_is_multiprocess(monkeypatch):
 def _span(name, k, mode="push", role="prefill", dur_ns=1_500_000, **attrs):
     a = {sc.ATTR_MODE: mode, sc.ATTR_ROLE: role, sc.ATTR_OUTCOME: attrs.pop("outcome", "ok"), **attrs}
     t1 = 1_700_000_000_000_000_000 + k * 1000
-    return WireSpan(name, SpanIds(0x1000 + k, k + 1), None, t1 - dur_ns, t1, a)
+    tid, sid = 0x1000 + k, k + 1
+    return WireSpan(name, tid, sid, None, t1 - dur_ns, t1, a, f"{tid:032x}", f"{sid:016x}", None)
 
 
 def _spans():
