@@ -204,6 +204,10 @@ class PhaseMetricsProcessor(SpanProcessor):
         # request whose spans are stored, and the handoff is observed once its
         # request is decided, its derived phases from the held spans if unkept.
         self._exemplar_ok = None
+        # the last trace asked about and its answer: a request's spans arrive
+        # together. A stale answer is safe: kept is never taken back (a ratio
+        # pick is kept), and a missed exemplar is only a missed exemplar.
+        self._ok_last: tuple[str | None, bool] = (None, False)
         if keeper is not None and keeper.rule.sampled:
             self._exemplar_ok = keeper.surely_kept
             self.handoff.held = keeper.unkept_rows
@@ -237,7 +241,11 @@ class PhaseMetricsProcessor(SpanProcessor):
                 if self.exemplars:
                     if self._exemplar_ok is not None:
                         tid = hexed or format_trace_id(span.context.trace_id)
-                        if not self._exemplar_ok(tid):
+                        last, ok = self._ok_last
+                        if tid != last:
+                            ok = self._exemplar_ok(tid)
+                            self._ok_last = (tid, ok)
+                        if not ok:
                             tid = None
                     else:
                         tid = span.context.trace_id

@@ -43,12 +43,17 @@ from exporters.collector.ingest import Ingest
 TRACES_PATH = "/v1/traces"
 DEFAULT_MAX_BODY_BYTES = otlp.DEFAULT_MAX_BYTES
 RETRY_AFTER_S = 1
-#: Bodies up to this size are decoded on the event loop, larger ones in a
-#: worker thread. A fleet's exporters send many small bodies (a process's
-#: spans of ~200 ms); handing each to a thread cost more CPU than decoding
-#: it (a wake-up, a future, a GIL hand-over: ~0.3 ms a body). 64 KiB is
-#: ~200 spans, ~1-2 ms on the loop at most. Compressed bodies count by their
-#: wire size (they can grow 10x: still a few ms).
+#: Where the receiver shares its event loop with other routes (the router's
+#: ``--collect``: :func:`mount_receiver`), bodies up to this size are
+#: decoded on the loop, larger ones in a worker thread. A fleet's exporters
+#: send many small bodies (a process's spans of ~200 ms); handing each to a
+#: thread cost more CPU than decoding it (a wake-up, a future, a GIL
+#: hand-over: ~0.3 ms a body). 64 KiB is ~200 spans, ~1 ms on the loop at
+#: most. Compressed bodies count by their wire size (they can grow 10x:
+#: still a few ms). The collector's own app (:func:`create_app`) serves
+#: nothing a decode could delay but its health and metrics, so it decodes
+#: every body on the loop (a thread would not decode two at once either:
+#: one GIL).
 INLINE_DECODE_BYTES = 64 * 1024
 #: google.rpc.Code values for the Status body.
 _RPC_CODE = {400: 3, 413: 8, 415: 3, 429: 8, 503: 14}
@@ -79,11 +84,19 @@ async def _read_capped(request: Request, cap: int) -> bytes:
     return await read_capped(request.headers, request.stream(), cap, too_large, bad_length)
 
 
-def receiver(ingest: Ingest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, busy_status: int = 429):
+def receiver(
+    ingest: Ingest,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    busy_status: int = 429,
+    inline_decode_bytes: int = INLINE_DECODE_BYTES,
+):
     """The ``POST /v1/traces`` endpoint (``async def (request) -> Response``).
     ``busy_status``: the answer to a request that finds the queue full, 429
     (the OTLP default) or 503 (for exporters that retry only 5xx, such as
-    older opentelemetry-python OTLP/HTTP exporters)."""
+    older opentelemetry-python OTLP/HTTP exporters). ``inline_decode_bytes``:
+    bodies up to this size are decoded on the event loop, larger ones in a
+    worker thread (:data:`INLINE_DECODE_BYTES`)."""
     if int(max_body_bytes) <= 0:
         raise ValueError(f"max_body_bytes must be > 0, got {max_body_bytes!r}")
     if busy_status not in (429, 503):
@@ -96,7 +109,7 @@ def receiver(ingest: Ingest, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, bu
             kind = otlp.content_kind(request.headers.get("content-type"))
             body = await _read_capped(request, cap)
             encoding = request.headers.get("content-encoding")
-            if len(body) <= INLINE_DECODE_BYTES:
+            if len(body) <= inline_decode_bytes:
                 spans = wire.decode(body, kind, encoding, cap)
             else:
                 spans = await run_in_threadpool(wire.decode, body, kind, encoding, cap)
@@ -199,7 +212,13 @@ def create_app(
             await run_in_threadpool(ingest.close, close_timeout_s)
 
     routes = [
-        Route(TRACES_PATH, receiver(ingest, max_body_bytes=max_body_bytes, busy_status=busy_status), methods=["POST"]),
+        Route(
+            TRACES_PATH,
+            receiver(
+                ingest, max_body_bytes=max_body_bytes, busy_status=busy_status, inline_decode_bytes=max_body_bytes
+            ),
+            methods=["POST"],
+        ),
         Route("/metrics", _ASGI(make_asgi_app(registry)), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/health", healthz, methods=["GET"]),  # vLLM's and the router's name (kvlens up waits on it)

@@ -430,20 +430,33 @@ def test_bad_requests_are_refused_and_the_collector_keeps_serving(collector):
     assert client.get("/healthz").json()["status"] == "ok"
 
 
-def test_small_and_large_bodies_are_both_decoded_and_stored(collector):
-    """A small body is decoded on the event loop, a large one in a worker
-    thread (app.INLINE_DECODE_BYTES): both land whole, errors the same."""
-    client, ing, reg, db = collector
+@pytest.mark.parametrize("inline", [0, 16 * 1024 * 1024])
+def test_bodies_decoded_on_the_loop_or_in_a_thread_land_alike(tmp_path, inline):
+    """The receiver decodes a body on the event loop or in a worker thread
+    (``inline_decode_bytes``: the collector's app all on the loop, the
+    router's small ones): either way every span lands and errors are the same."""
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from exporters.collector.app import receiver
+
+    reg, db = CollectorRegistry(), tmp_path / "traces.db"
+    ing = collector_ingest(db, reg, handoff_deadline_s=1.0)
+    app = Starlette(routes=[Route("/v1/traces", receiver(ing, inline_decode_bytes=inline), methods=["POST"])])
     small, large = record_spans(1), record_spans(40)
     bodies = [pb_body(small), pb_body(large)]
     assert len(bodies[0]) <= INLINE_DECODE_BYTES < len(bodies[1])
-    for b in bodies:
-        assert client.post("/v1/traces", content=b, headers=PB).status_code == 200
-    bad = ExportTraceServiceRequest.FromString(bodies[1])
-    bad.resource_spans[0].scope_spans[0].spans[3].ClearField("trace_id")
-    r = client.post("/v1/traces", content=bad.SerializeToString(), headers=PB)
-    assert r.status_code == 400 and "span #3" in r.content.decode("utf-8", "replace")
-    assert drained(ing)
+    try:
+        with TestClient(app) as client:
+            for b in bodies:
+                assert client.post("/v1/traces", content=b, headers=PB).status_code == 200
+            bad = ExportTraceServiceRequest.FromString(bodies[1])
+            bad.resource_spans[0].scope_spans[0].spans[3].ClearField("trace_id")
+            r = client.post("/v1/traces", content=bad.SerializeToString(), headers=PB)
+            assert r.status_code == 400 and "span #3" in r.content.decode("utf-8", "replace")
+            assert drained(ing)
+    finally:
+        ing.close(10)
     got = stored(db, trace_ids(small + large))
     assert sum(map(len, got.values())) == len(small) + len(large)
     assert reg.get_sample_value("kvlens_collector_requests_rejected_total", {"reason": "invalid_span"}) == 1
