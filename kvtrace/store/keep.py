@@ -31,6 +31,7 @@ is still held), never raised to make the caller write the batch twice."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import time
 from dataclasses import dataclass, field
@@ -76,29 +77,29 @@ class _Pending:
 
 
 class _Window:
-    """The recent handoffs and TTFTs of one (mode, dispatch, P, D) key, and their percentile."""
+    """The recent handoffs and TTFTs of one (mode, dispatch, P, D) key, and
+    their percentile: each kept in arrival order (what leaves first) and in
+    sorted order (the percentile is an index). A value costs a binary
+    search and a C memmove on each, against re-sorting the window."""
 
-    __slots__ = ("values", "cut", "stale")
+    __slots__ = ("values", "ranked")
 
     def __init__(self) -> None:
-        self.values = (collections.deque(maxlen=WINDOW), collections.deque(maxlen=WINDOW))
-        self.cut: list[float | None] = [None, None]
-        self.stale = [0, 0]
+        self.values = (collections.deque(), collections.deque())
+        self.ranked: tuple[list[float], list[float]] = ([], [])
 
     def above(self, i: int, v: float | None, pct: float) -> bool | None:
         """Whether ``v`` is above the window's percentile (None: too few to say); then adds ``v``."""
         if v is None:
             return False
-        vals = self.values[i]
+        vals, ranked = self.values[i], self.ranked[i]
         out = None
-        if len(vals) >= MIN_WINDOW:
-            if self.cut[i] is None or self.stale[i] >= 25:  # re-sorted every 25 values
-                s = sorted(vals)
-                self.cut[i] = s[min(len(s) - 1, int(len(s) * pct / 100.0))]
-                self.stale[i] = 0
-            out = v > self.cut[i]
+        if len(ranked) >= MIN_WINDOW:
+            out = v > ranked[min(len(ranked) - 1, int(len(ranked) * pct / 100.0))]
+        if len(vals) >= WINDOW:
+            del ranked[bisect.bisect_left(ranked, vals.popleft())]
         vals.append(v)
-        self.stale[i] += 1
+        bisect.insort(ranked, v)
         return out
 
 

@@ -354,3 +354,20 @@ def test_the_router_takes_the_keep_flags_for_its_own_spans_and_what_it_collects(
         ing.close()
     with pytest.raises(ValueError, match="--keep-slow applies only with --keep sampled"):
         cli.config(p.parse_args([*argv, "--keep-slow", "p95"]))
+
+
+def test_the_slow_window_percentile_is_the_last_window_values_one():
+    """keep._Window against the plain definition: the pNN of the last WINDOW
+    values (sorted, index int(n * pNN / 100)), None below MIN_WINDOW."""
+    import random
+
+    from kvtrace.store import keep
+
+    rnd, w, seen = random.Random(7), keep._Window(), []
+    for k in range(3 * keep.WINDOW):
+        v = rnd.choice([rnd.expovariate(20.0), 0.05, 0.05])  # ties included
+        last = sorted(seen[-keep.WINDOW :])
+        want = None if len(last) < keep.MIN_WINDOW else v > last[min(len(last) - 1, int(len(last) * 99.0 / 100.0))]
+        assert w.above(0, v, 99.0) == want, k
+        seen.append(v)
+    assert w.above(1, None, 99.0) is False and len(w.ranked[0]) == keep.WINDOW
