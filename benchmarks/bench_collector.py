@@ -50,7 +50,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -73,6 +72,7 @@ except ImportError:  # an older checkout: ReadableSpans only
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kvspans import Fleet  # noqa: E402
+from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 
 MS = 1_000_000
 PB = {"content-type": "application/x-protobuf"}
@@ -283,7 +283,7 @@ def main() -> int:
     print(f"building {args.rounds} x {args.bodies} bodies of ~{args.spans_per_body} spans ...", flush=True)
     rounds = [make_bodies(args.bodies, args.spans_per_body) for _ in range(args.rounds)]
     size = statistics.mean(len(b) for b in rounds[0])
-    tmp = Path(tempfile.mkdtemp(prefix="kvlens-bench-collector-"))
+    tmp = scratch_dir("kvlens-bench-collector-")
     res: dict[str, tuple[list, list]] = {}
     threads: dict[str, list[float]] = {}
     n = 0

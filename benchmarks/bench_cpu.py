@@ -47,7 +47,6 @@ import os
 import sqlite3
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +58,7 @@ from bench_recorder import bench_recorder  # noqa: E402
 from kvrecord.ids import new_trace_id  # noqa: E402
 from kvrecord.procstats import STATS_DIR_ENV  # noqa: E402
 from kvlens.bench.load import one_request  # noqa: E402
+from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 from kvlens.bench.prompts import PromptMaker  # noqa: E402
 from kvlens.bench.prompts import rng as seeded_rng  # noqa: E402
 from kvlens.signals import sigterm_as_interrupt  # noqa: E402
@@ -189,7 +189,7 @@ def _stored(store_path: Path) -> dict[str, int]:
 
 
 def run_variant(mode: str, variant: str, a, model: Path, prompts: list[str], inline_us: float) -> dict:
-    home = Path(tempfile.mkdtemp(prefix=f"kvlens-cpu-{mode}-{variant}-"))
+    home = scratch_dir(f"kvlens-cpu-{mode}-{variant}-")
     stats_dir = home / "recorder-stats"
     stats_dir.mkdir()
     env = {STATS_DIR_ENV: str(stats_dir)}
@@ -330,7 +330,7 @@ def main() -> int:
         ap.error("--modes: push,pull; --builders: sidecar,inline; --requests >= 1")
     inline_us = statistics.median(bench_recorder(shipping=True)) / 1000
     print(f"inline cost per event (Recorder.record, measured here): {inline_us:.3f} us", file=sys.stderr)
-    home = Path(tempfile.mkdtemp(prefix="kvlens-cpu-"))
+    home = scratch_dir("kvlens-cpu-")
     from kvlens.model import ensure_model
 
     model = ensure_model(home / "model")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvlens.model import ensure_model  # noqa: E402
 from kvlens.stack.launch import Stack  # noqa: E402
+from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 
 
 def measure(stack: Stack, n: int) -> tuple[list[float], list[float]]:
@@ -58,7 +58,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="kvlens-bench-fleet-"))
+    home = scratch_dir("kvlens-bench-fleet-")
     model = ensure_model(home / "model")
     res: dict[str, tuple[list[float], list[float]]] = {"one host": ([], []), "separate homes": ([], [])}
     order = []

@@ -27,12 +27,12 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from kvrecord.ids import new_trace_id
 from kvlens.bench.load import one_request
+from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 from kvlens.bench.prompts import PromptMaker
 from kvlens.bench.prompts import rng as seeded_rng
 from kvlens.signals import sigterm_as_interrupt
@@ -175,7 +175,7 @@ def main() -> int:
     if a.rounds < 1 or a.requests < 3 or a.input_len < 1 or a.output_len < 2:
         ap.error("need --rounds >= 1, --requests >= 3, --input-len >= 1, --output-len >= 2")
 
-    home = Path(tempfile.mkdtemp(prefix="kvlens-overhead-"))
+    home = scratch_dir("kvlens-overhead-")
     from kvlens.model import ensure_model
 
     model = ensure_model(home / "model")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -32,6 +31,7 @@ from exporters import pipeline
 from exporters.shipping import ShippingRecorder
 from kvrecord import semconv as sc
 from kvrecord.recorder import Recorder
+from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 
 BATCH = 2000
 CHUNK = 2000  # events per burst in the background figures
@@ -117,7 +117,7 @@ def bench_sidecar(n: int) -> tuple[float, float, int]:
     engine-side shipping cost per event (CPU of the calling thread while it
     drains, pickles and writes) and the sidecar's CPU per event; also the
     spans the store holds afterwards (= n when nothing was lost)."""
-    home = tempfile.mkdtemp(prefix="kvlens-bench-recorder-")
+    home = str(scratch_dir("kvlens-bench-recorder-"))
     r = pipeline.get_recorder("prefill", "push", f"bench-{os.getpid()}", {"kvlens_home": home}, span_builder="sidecar")
     r.capacity = n + 1
     r._thread = object()  # no background thread: this thread drains, so its CPU clock is the cost
@@ -158,7 +158,7 @@ def bench_inline_real(n: int) -> float:
     """In-process span building with the real pipeline (store + metrics),
     what the sidecar runs and what the engine paid before the sidecar: CPU of
     the draining thread per event (its processors' threads come on top)."""
-    home = tempfile.mkdtemp(prefix="kvlens-bench-inline-")
+    home = str(scratch_dir("kvlens-bench-inline-"))
     r = Recorder(
         role="prefill",
         mode="push",

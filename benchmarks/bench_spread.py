@@ -33,7 +33,6 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -41,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvlens.bench.prompts import PromptMaker, rng  # noqa: E402
 from kvlens.bench.load import run_cell_async  # noqa: E402
 from kvlens.bench.results import Target  # noqa: E402
+from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 from kvlens.signals import sigterm_as_interrupt  # noqa: E402
 from kvlens.bench.machine import MachineWatch  # noqa: E402
 from kvlens.stack.launch import Stack  # noqa: E402
@@ -72,7 +72,7 @@ BARE = {"kvlens_store": "off", "kvlens_metrics": "off"}
 def one_start(setting: str, i: int, a, model: Path, prompts: dict[int, list[str]]) -> list[dict]:
     """One fresh stack of ``setting`` (a ``--nixl-progress`` value, or with
     ``--stock-vs-instrumented`` ``stock`` / ``instrumented``), every cell sent once."""
-    home = Path(tempfile.mkdtemp(prefix=f"kvlens-spread-{setting}-{i}-"))
+    home = scratch_dir(f"kvlens-spread-{setting}-{i}-")
     rows = []
     stock = setting == "stock" if a.stock_vs_instrumented else a.stock
     progress = a.nixl_progress if a.stock_vs_instrumented else setting
@@ -193,7 +193,7 @@ def main() -> int:
         ap.error("--starts >= 1; --settings: as-is, startup, idle and/or auto")
     from kvlens.model import ensure_model
 
-    model = ensure_model(Path(tempfile.mkdtemp(prefix="kvlens-spread-model-")) / "model")
+    model = ensure_model(scratch_dir("kvlens-spread-model-") / "model")
     maker = PromptMaker(model)
     prompts = {
         int(t): [maker.make(int(t), rng(a.seed, int(t), j)) for j in range(a.requests)] for t in a.cells.split(",")
