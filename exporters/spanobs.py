@@ -124,10 +124,7 @@ class _More:
         if (a.get(sc.ATTR_TP_SIZE) or 1) > 1:
             self.rank(a, d, tid)
         fam, slots = self.fam, self.slots
-        b, n, x = a.get(sc.ATTR_BYTES), a.get(sc.ATTR_DESCRIPTORS), a.get(sc.ATTR_NIXL_XFER_S)
-        b = float(b) if type(b) is int or type(b) is float else _num(b)  # _num, its usual case inline
-        n = float(n) if type(n) is int or type(n) is float else _num(n)
-        x = float(x) if type(x) is int or type(x) is float else _num(x)
+        b, n, x = _num(a.get(sc.ATTR_BYTES)), _num(a.get(sc.ATTR_DESCRIPTORS)), _num(a.get(sc.ATTR_NIXL_XFER_S))
         if b is not None and b > 0:  # 0: NIXL telemetry unavailable
             (slots[0] or self._slot(0, fam.xfer_bytes, (self.mode, self.role)))(b, tid)
         if n is not None and n > 0:

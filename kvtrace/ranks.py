@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, Mapping, NamedTuple
 
 from kvrecord import semconv as sc
 
@@ -34,7 +34,12 @@ COMPLETION_PHASES: frozenset[str] = frozenset(
 
 def rank_of(span: Any) -> int | None:
     """The TP rank a span was recorded on (``kvlens.rank``), else None."""
-    r = (getattr(span, "attributes", None) or {}).get(sc.ATTR_RANK)
+    return rank_in(getattr(span, "attributes", None) or {})
+
+
+def rank_in(attributes: Mapping[str, Any]) -> int | None:
+    """:func:`rank_of` a span's attributes."""
+    r = attributes.get(sc.ATTR_RANK)
     return r if isinstance(r, int) else None
 
 

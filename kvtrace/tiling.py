@@ -24,6 +24,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+from kvtrace.ranks import rank_in
 from kvrecord import derived
 from kvrecord import semconv as sc
 
@@ -162,8 +163,7 @@ def _splits(spans: Sequence[tuple], name: str, role: str, attr: str, head: bool,
         cut = min(start + round(float(x) * 1e9), end)
         a, b = (start, cut) if head else (cut, end)
         if b > a:
-            rank = attrs.get(sc.ATTR_RANK)  # as ranks.rank_of reads it
-            out.append(Derived(name, role, a, b, rank if isinstance(rank, int) else None))
+            out.append(Derived(name, role, a, b, rank_in(attrs)))
 
 
 def _latest(groups: _Groups, name: str, role: str, pairs: tuple) -> Derived | None:
