@@ -9,7 +9,7 @@ Layout of the timeline:
   ``llm_request``), each named with the trace's short id, and ordered trace
   by trace (``process_sort_index``), so several traces never share a track.
 * **Threads**: spans carry no recording-thread attribute, so each lands on
-  the thread family its hook runs on (README, "What is measured"):
+  the thread family its hook runs on (docs/phases.md, "What is measured"):
   ``scheduler``, ``worker`` (the engine thread), ``writer`` (the NIXL writer
   thread), ``proxy`` for the router; derived phases on a ``derived`` thread
   of the side whose work they are. A span carrying a tensor-parallel rank
@@ -67,7 +67,7 @@ _SCHEDULER = frozenset(
         getattr(_P, "DECODE_FIRST_STEP", _P.ALLOC),
     )
 )
-#: Per role, the phases its NIXL writer thread records (README, "What is measured").
+#: Per role, the phases its NIXL writer thread records (docs/phases.md, "What is measured").
 _WRITER = {
     _PRE: frozenset(
         p.value for p in (_P.REGISTRATION_RECEIVE, _P.MATCH, _P.HANDSHAKE, _P.DESCRIPTOR_PREP, _P.WRITE_POST)
