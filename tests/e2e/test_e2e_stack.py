@@ -99,7 +99,7 @@ def test_worker_threads_stay_on_their_own_cpu(push_stack):
     """vLLM's CPU NIXL worker pins each worker's main thread to the host's
     last core, the same one for P and D; ``kvlens up`` moves every worker
     thread back to the CPU its instance was given (requests stalled for tens
-    of seconds otherwise, docs/benchmark.md: 'CPU pinning')."""
+    of seconds otherwise, docs/benchmark.md, "CPU pinning")."""
     from kvlens.stack.pinning import parse_cpu_list
 
     want = {
