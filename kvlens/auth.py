@@ -38,8 +38,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: The bearer token, from the environment (servers: when no --token-file; clients: what they send).
-TOKEN_ENV = "KVLENS_TOKEN"
+# TOKEN_ENV ($KVLENS_TOKEN): the bearer token, from the environment (servers: when no --token-file;
+# clients: what they send). Defined in the bottom layer, which the OTLP exporters read too.
+from kvrecord.config import TOKEN_ENV, client_token
+
+__all__ = [
+    "TOKEN_ENV",
+    "DEFAULT_EXEMPT",
+    "SecurityError",
+    "Security",
+    "BearerAuthMiddleware",
+    "add_arguments",
+    "from_args",
+    "is_loopback",
+    "token_ok",
+    "uvicorn_ssl_kwargs",
+    "grpc_credentials",
+    "client_token",
+    "client_headers",
+]
+
 #: Paths a :class:`BearerAuthMiddleware` lets through without a token (liveness probes).
 DEFAULT_EXEMPT = ("/health", "/healthz")
 #: What a client that needs no token is told (RFC 6750).
@@ -317,12 +335,6 @@ def grpc_credentials(security: Security):
     cert = Path(security.tls_cert).read_bytes()
     ca = Path(security.tls_client_ca).read_bytes() if security.tls_client_ca else None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
-
-
-def client_token(env: Mapping[str, str] = os.environ) -> str | None:
-    """The token a kvlens client sends: ``$KVLENS_TOKEN`` stripped, or None."""
-    tok = env.get(TOKEN_ENV, "").strip()
-    return tok or None
 
 
 def client_headers(env: Mapping[str, str] = os.environ) -> dict:
