@@ -189,10 +189,18 @@ def dropped_counts() -> dict[tuple[str, str], int]:
 
 # ------------------------------------------------------------------ OTLP
 def otlp_protocol(opts: Options, env: Mapping[str, str] = os.environ) -> str:
-    """``grpc`` or ``http/protobuf``: ``otlp_protocol`` in the options, else
-    ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``$OTEL_EXPORTER_OTLP_PROTOCOL``
-    (the standard variables), else ``http/protobuf``."""
-    p = opts.otlp_protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    """``grpc`` or ``http/protobuf``. ``otlp_endpoint`` and ``otlp_protocol``
+    in the options go together (an endpoint without a protocol: OTLP/HTTP);
+    an endpoint from the standard variables goes with the standard
+    ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``$OTEL_EXPORTER_OTLP_PROTOCOL``,
+    so a variable set for vLLM's own exporter cannot turn kvlens' configured
+    OTLP/HTTP endpoint into a gRPC one."""
+    if opts.otlp_protocol:
+        p = opts.otlp_protocol
+    elif opts.otlp_endpoint:
+        p = "http/protobuf"
+    else:
+        p = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
     return "grpc" if (p or "").strip().lower() == "grpc" else "http/protobuf"
 
 

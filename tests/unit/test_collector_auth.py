@@ -202,6 +202,8 @@ def test_exporter_headers_and_protocol_come_from_the_environment_and_options(tmp
     opts = Options.from_config({"kvlens_home": str(tmp_path)})
     assert pipeline.otlp_protocol(opts, {}) == "http/protobuf"
     assert pipeline.otlp_protocol(opts, {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "grpc"
+    configured = Options.from_config({"kvlens_home": str(tmp_path), "otlp_endpoint": "http://c:4318"})
+    assert pipeline.otlp_protocol(configured, {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) == "http/protobuf"
     grpc_opts = Options.from_config({"kvlens_home": str(tmp_path), "otlp_protocol": "GRPC"})
     assert grpc_opts.otlp_protocol == "grpc" and pipeline.otlp_protocol(grpc_opts, {}) == "grpc"
     assert Options.from_config(grpc_opts.to_config()) == grpc_opts
