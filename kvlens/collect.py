@@ -1,13 +1,16 @@
-"""``kvlens collect``: an OTLP/HTTP trace receiver that writes the kvlens
+"""``kvlens collect``: an OTLP/HTTP and OTLP/gRPC trace receiver that writes the kvlens
 trace store, for P, D and the router on different hosts (each host's own
 ``traces.db`` only sees its own processes; one collector sees them all).
 
 Serves ``POST /v1/traces`` (protobuf or JSON, gzip), ``GET /metrics`` (its
 own counters plus the phase and handoff histograms of the spans it stores,
 with trace-id exemplars) and ``GET /healthz`` with uvicorn on a socket bound
-here first, so a busy port is one clear line. SIGTERM / SIGINT: uvicorn stops
-taking requests, the lifespan hook flushes the queue into the store
-(``Ingest.close``, bounded) and the command exits 0.
+here first, so a busy port is one clear line; ``TraceService/Export`` on the
+gRPC port (:mod:`exporters.collector.grpc_receiver`, its own bounded thread
+pool). Token and TLS: :mod:`kvlens.auth`, checked before anything binds.
+SIGTERM / SIGINT: uvicorn stops taking requests, the lifespan hook stops the
+gRPC server (in-flight calls get :data:`GRPC_GRACE_S`), flushes the queue
+into the store (``Ingest.close``, bounded) and the command exits 0.
 """
 
 from __future__ import annotations
@@ -17,32 +20,54 @@ import socket
 import sqlite3
 import sys
 
+from kvlens import auth
 from kvlens.argtypes import add_keep_arguments, keep_rule
 from kvrecord.config import default_store
 from kvrecord.location import StoreLocation
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 4318
+DEFAULT_GRPC_PORT = 4317
 CLOSE_TIMEOUT_S = 10.0
+#: Seconds in-flight gRPC calls get to finish on shutdown (new ones are refused at once).
+GRPC_GRACE_S = 5.0
 
 DESCRIPTION = """\
-Receive OpenTelemetry spans over OTLP/HTTP and write them into one kvlens trace
-store, so traces whose router, P and D run on different hosts are whole in one
-place (kvlens traces, the dashboard and the handoff metrics read that store).
+Receive OpenTelemetry spans over OTLP/HTTP (port 4318) and OTLP/gRPC (port 4317)
+and write them into one kvlens trace store, so traces whose router, P and D run
+on different hosts are whole in one place (kvlens traces, the dashboard and the
+handoff metrics read that store). Both protocols go through the same decoding,
+limits, write queue and counters.
 
 The store is a file (default $KVLENS_HOME/traces.db) or a PostgreSQL database
 (--store postgresql://user@host:port/dbname) that several collectors, kvlens
 traces and the dashboard share. --retention 7d prunes older traces as it writes.
 
-Point every process at http://HOST:PORT:
-  P and D   "otlp_endpoint": "http://HOST:PORT" in kv_connector_extra_config
-            (add "kvlens_store": "off" to send spans only here)
-  router    OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:PORT kvlens proxy ...
+Point every process at it:
+  P and D   "otlp_endpoint": "http://HOST:4318" in kv_connector_extra_config
+            (add "kvlens_store": "off" to send spans only here; "otlp_protocol":
+            "grpc" with "http://HOST:4317" for gRPC)
+  router    OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:4318 kvlens proxy ...
+  OTel Collector (several kvlens collectors): its loadbalancing exporter
+            speaks OTLP/gRPC to HOST:4317, no relay needed
 
-Bounds: a request body over --max-body-mb is refused (413); when more than
---queue-spans spans wait for the store, requests get 429 with Retry-After and
+Security: listening beyond loopback (--host 0.0.0.0) needs a bearer token, or
+--insecure said out loud. The token comes from $KVLENS_TOKEN or --token-file
+(never a flag value: ps shows argv); clients send "Authorization: Bearer TOKEN"
+(gRPC: metadata authorization). kvlens' own exporters (P, D, router) send
+$KVLENS_TOKEN when it is set in their environment; other OTLP exporters take
+OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer%20TOKEN". /healthz needs no
+token; /metrics does (Prometheus: authorization.credentials_file). --tls-cert
+and --tls-key serve both protocols over TLS (clients trust the CA with
+OTEL_EXPORTER_OTLP_CERTIFICATE); --tls-client-ca also requires client
+certificates. A refused request writes nothing and is counted
+(kvlens_collector_requests_rejected_total{reason="unauthenticated"}).
+
+Bounds: a request over --max-body-mb is refused (HTTP 413, gRPC
+INVALID_ARGUMENT); when more than --queue-spans spans wait for the store,
+requests get 429 with Retry-After (gRPC RESOURCE_EXHAUSTED with RetryInfo) and
 OTLP exporters retry them. Counters on /metrics count every rejected request
-and every dropped span.
+and every dropped span. See docs/security.md and docs/fleet.md.
 """
 
 
@@ -50,7 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument(
-        "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 for other hosts)"
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 for other hosts: needs a token or --insecure)",
     )
     p.add_argument(
         "--port",
@@ -58,6 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_PORT,
         help=f"port (default {DEFAULT_PORT}, OTLP/HTTP's; 0 picks a free one and prints it)",
     )
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=DEFAULT_GRPC_PORT,
+        help=f"OTLP/gRPC port on the same --host (default {DEFAULT_GRPC_PORT}; 0 picks a free one and prints it)",
+    )
+    p.add_argument("--no-grpc", action="store_true", help="do not receive OTLP/gRPC (OTLP/HTTP only)")
     p.add_argument(
         "--store",
         default=None,
@@ -89,8 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=(429, 503),
         default=429,
         help="answer when the queue is full (default 429; 503 for exporters that retry only 5xx, "
-        "e.g. older opentelemetry-python OTLP/HTTP exporters)",
+        "e.g. older opentelemetry-python OTLP/HTTP exporters; gRPC: RESOURCE_EXHAUSTED or UNAVAILABLE)",
     )
+    auth.add_arguments(p, client_certs=True)
 
 
 def _store_problem(path: StoreLocation) -> str | None:
@@ -135,6 +170,10 @@ def _listen(host: str, port: int) -> socket.socket:
 def _check_args(args: argparse.Namespace) -> str | None:
     if not 0 <= args.port < 65536:
         return f"invalid port {args.port}"
+    if not args.no_grpc and not 0 <= args.grpc_port < 65536:
+        return f"invalid --grpc-port {args.grpc_port}"
+    if not args.no_grpc and args.port and args.port == args.grpc_port:
+        return f"--port and --grpc-port are both {args.port}; give them different ports (or --no-grpc)"
     if not args.max_body_mb > 0:
         return f"--max-body-mb must be > 0, got {args.max_body_mb}"
     if args.queue_spans <= 0:
@@ -167,7 +206,13 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then flush and exit 0; 2 on a bad flag or
     store, 1 when the port cannot be had."""
     problem = _check_args(args)
-    store, bad = _store_arg(args)
+    security = None
+    if not problem:
+        try:
+            security = auth.from_args(args, args.host, warn=_warn)
+        except auth.SecurityError as e:
+            problem = str(e)
+    store, bad = (None, None) if problem else _store_arg(args)
     problem = problem or bad or _store_problem(store)
     if problem:
         print(f"kvlens collect: {problem}", file=sys.stderr, flush=True)
@@ -179,7 +224,23 @@ def run(args: argparse.Namespace) -> int:
             f"kvlens collect: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr, flush=True
         )
         return 1
-    return _serve(args, store, sock)
+    if not args.no_grpc and args.grpc_port:
+        try:  # a busy gRPC port is one clear line too (gRPC's own message is a log line)
+            _listen(args.host, args.grpc_port).close()
+        except OSError as e:
+            sock.close()
+            print(
+                f"kvlens collect: cannot listen on {args.host}:{args.grpc_port} (OTLP/gRPC; --grpc-port, or --no-grpc): "
+                f"{e.strerror or e}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+    return _serve(args, store, sock, security)
+
+
+def _warn(line: str) -> None:
+    print(f"kvlens collect: {line}", file=sys.stderr, flush=True)
 
 
 #: The collector's garbage collector: a young generation of 50,000 objects,
@@ -203,12 +264,63 @@ def _tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) -> int:
-    # start-up cost: uvicorn, starlette and protobuf load only when it serves
+def _start_grpc(args: argparse.Namespace, ingest, security: auth.Security, max_body_bytes: int):
+    """The OTLP/gRPC server, started, and its port; (None, None) with
+    --no-grpc. RuntimeError when its port cannot be bound."""
+    if args.no_grpc:
+        return None, None
+    from exporters.collector.grpc_receiver import add_port, grpc_server
+
+    authorized = None
+    if security.token is not None:
+
+        def authorized(header: str | None) -> bool:
+            return auth.token_ok(security, header)
+
+    server = grpc_server(ingest, authorized, max_body_bytes=max_body_bytes, busy_status=args.busy_status)
+    port = add_port(server, args.host, args.grpc_port, auth.grpc_credentials(security))
+    server.start()
+    return server, port
+
+
+def _http_app(args, ingest, registry, security: auth.Security, max_body: int, before_close):
+    """The collector's ASGI app, behind the bearer check when a token is set
+    (a refused export is counted ``unauthenticated``; a refused scrape is not an export)."""
+    from exporters.collector.app import TRACES_PATH, create_app
+
+    app = create_app(
+        ingest,
+        registry,
+        max_body_bytes=max_body,
+        close_timeout_s=CLOSE_TIMEOUT_S,
+        busy_status=args.busy_status,
+        before_close=before_close,
+    )
+    if security.token is None:
+        return app
+
+    def refused(scope: dict) -> None:
+        if scope.get("path") == TRACES_PATH:
+            ingest.reject("unauthenticated")
+
+    return auth.BearerAuthMiddleware(app, security, on_reject=refused)
+
+
+def _announce(sock: socket.socket, grpc_port: int | None, store, security: auth.Security, rule) -> None:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    scheme = security.scheme
+    print(f"kvlens collect: receiving OTLP/HTTP on {scheme}://{shown}:{port}/v1/traces, writing {store}", flush=True)
+    if grpc_port is not None:
+        print(f"kvlens collect: receiving OTLP/gRPC on {scheme}://{shown}:{grpc_port}", flush=True)
+    print(f"kvlens collect: {security.describe()}; {rule.describe()}", flush=True)
+
+
+def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket, security: auth.Security) -> int:
+    # start-up cost: uvicorn, starlette, protobuf and grpc load only when it serves
     import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from exporters.collector.app import create_app
     from exporters.collector.ingest import collector_ingest
     from kvlens.signals import sigterm_as_interrupt
 
@@ -217,21 +329,29 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) 
     ingest = collector_ingest(
         store, registry, max_queue_spans=args.queue_spans, retention=getattr(args, "retention", None), keep=rule
     )
-    app = create_app(
-        ingest,
-        registry,
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        close_timeout_s=CLOSE_TIMEOUT_S,
-        busy_status=args.busy_status,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5)
-    )
+    max_body = int(args.max_body_mb * 1024 * 1024)
+    try:
+        grpc_server, grpc_port = _start_grpc(args, ingest, security, max_body)
+    except RuntimeError as e:
+        ingest.close(CLOSE_TIMEOUT_S)
+        sock.close()
+        print(
+            f"kvlens collect: cannot serve OTLP/gRPC on {args.host}:{args.grpc_port}: {e}", file=sys.stderr, flush=True
+        )
+        return 1
+
+    def stop_grpc() -> None:  # before the queue is flushed: no call may find it closed
+        if grpc_server is not None:
+            grpc_server.stop(GRPC_GRACE_S).wait(GRPC_GRACE_S + 1)
+
+    app = _http_app(args, ingest, registry, security, max_body, stop_grpc)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+        **auth.uvicorn_ssl_kwargs(security),
+    )  # fmt: skip
+    server = uvicorn.Server(config)
     _tune_gc()
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {store}", flush=True)
-    print(f"kvlens collect: {rule.describe()}", flush=True)
+    _announce(sock, grpc_port, store, security, rule)
     try:
         with sigterm_as_interrupt():
             try:
@@ -239,6 +359,7 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) 
             except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on
                 pass
     finally:
+        stop_grpc()  # returns at once after the lifespan hook stopped it
         ingest.close(CLOSE_TIMEOUT_S)  # no-op after the lifespan hook closed it
         sock.close()
     c = ingest.counts()
