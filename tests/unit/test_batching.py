@@ -69,7 +69,12 @@ def test_store_lock_held_past_the_exporter_wait_is_counted_as_store(tmp_path):
     with testing.write_lock_held(db):  # as a long writer or a backup holds it
         for i in range(n // 2):
             r.record(sc.Phase.MATCH, f"req-lock-{i}", 1_000 + i, 2_000 + i)
-        time.sleep(1.5)  # every batch of the first half meets the lock and gives up after 0.3 s
+        # Held until the exporter has met the lock and given up at least once
+        # (after 0.3 s each time), however long a busy machine takes to get
+        # its thread there: a fixed sleep failed when it never ran in time.
+        deadline = time.monotonic() + 120
+        while not (built and built[0].losses.counts().get(DropReason.STORE.value)) and time.monotonic() < deadline:
+            time.sleep(0.05)
     for i in range(n // 2, n):
         r.record(sc.Phase.MATCH, f"req-lock-{i}", 1_000 + i, 2_000 + i)
     r.close()
