@@ -1,0 +1,383 @@
+"""The what-if: from one mode's traces, the other mode's handoff and TTFT
+(``kvlens whatif``, the Compare page; docs/verdict.md).
+
+A handoff is a tiling of phases (:mod:`kvtrace.tiling`). Switching mode
+takes some measured phases off the critical path and puts others on it.
+Per request of the measured mode the prediction keeps the phases both modes
+run on the path (the handshake on first contact, the descriptor build, the
+post, the engine loop noticing the transfer DONE), moves the transfer onto
+the wire the other way (the request's bytes over the bandwidth measured in
+the same traces), drops the phases the other mode overlaps or does not have,
+and adds the phases only the other mode has, each borrowed from something
+measured in the same traces (:class:`Borrowed`: the figure, its source, the
+assumption in words). TTFT = the measured TTFT - the measured handoff + the
+predicted one (P's queue and prefill and D's first step taken as they were).
+
+The interval: the requests resampled (with replacement) and, for each drawn
+request, each borrowed figure drawn from its measured distribution,
+:data:`RESAMPLES` times; the p50 of each resample gives the interval, all
+draws together the predicted distribution. Pure; no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from kvrecord import semconv as sc
+from kvtrace import ranks, stats
+from kvtrace.tracemodel import Trace
+
+P = sc.Phase
+PUSH, PULL = sc.Mode.PUSH.value, sc.Mode.PULL.value
+#: Fewest usable requests of the measured mode for a prediction.
+MIN_REQUESTS = 5
+RESAMPLES = 1000
+
+#: On the path in both modes, kept from the measured trace (its exclusive
+#: share of the handoff), by the measured mode; the transfer's wire is not
+#: here (it is predicted from bytes and bandwidth).
+KEPT = {
+    PULL: (P.HANDSHAKE, P.DESCRIPTOR_PREP, P.READ_POST, P.READ_NOTICED),
+    PUSH: (P.HANDSHAKE, P.DESCRIPTOR_PREP, P.WRITE_POST, P.WRITE_NOTICED),
+}
+_WIRE = {PULL: (P.READ_WIRE, P.READ_COMPLETE), PUSH: (P.WRITE_WIRE, P.WRITE_COMPLETE)}
+#: What leaves the critical path, by the measured mode (in words, for the report).
+LEAVES = {
+    PULL: "P's response path, the router's relay, D's HTTP intake, D's queue and allocation, D's scheduler-to-worker "
+    "hop (prefill.respond, relay, decode.intake, decode.queue, alloc, decode.dispatch): push overlaps them with "
+    "P's prefill; the READ on the wire is replaced by the WRITE",
+    PUSH: "P's scheduler-to-worker hop, the writer's wake-up, the wait for the match, the completion notification "
+    "(prefill.dispatch, writer.wake, match, write.notify): pull has none of them; the WRITE on the wire is "
+    "replaced by the READ",
+}
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    """A figure the prediction borrows: its measured values (seconds, or
+    bytes/s for ``bandwidth``), where they come from, and the assumption."""
+
+    name: str
+    values: tuple[float, ...]
+    source: str
+    assumption: str
+    unit: str = "s"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "n": len(self.values),
+            "p50": stats.percentile(self.values, 50),
+            "unit": self.unit,
+            "source": self.source,
+            "assumption": self.assumption,
+        }
+
+
+def _ns(v: int) -> float:
+    return v / 1e9
+
+
+def _span(t: Trace, name: P, role: str | None = None):
+    """The trace's longest span of ``name`` (one per rank with TP), or None."""
+    got = [s for s in t.spans if s.name == name.value and (role is None or s.role == role)]
+    return max(got, key=lambda s: s.end_ns - s.start_ns) if got else None
+
+
+def _dur(t: Trace, name: P) -> float | None:
+    s = _span(t, name)
+    return None if s is None else _ns(s.end_ns - s.start_ns)
+
+
+def _tiled(t: Trace) -> dict[str, float]:
+    """Phase name -> its exclusive share of the handoff, seconds (roles merged)."""
+    til = t.tiling()
+    out: dict[str, float] = {}
+    for (_, name), ns in til.phases.items() if til else ():
+        out[name] = out.get(name, 0.0) + _ns(ns)
+    return out
+
+
+# ------------------------------------------------------------------ borrowed figures
+def _bandwidth(t: Trace) -> float | None:
+    """The request's bytes / NIXL's transfer time, bytes/s (None: unknown or above the link ceiling)."""
+    tot = ranks.transfer_totals(t.spans)
+    g = None if tot is None else ranks.gbps(tot.bytes, tot.xfer_s)
+    return None if g is None or g > ranks.link_gbps() else tot.bytes / tot.xfer_s
+
+
+def _notify(t: Trace) -> float | None:
+    """Pull: D's read-done notification reaching P (D's ``read.complete`` end ->
+    P's ``kv.released``, on P's clock): a side-channel one-way plus P's next step."""
+    done, rel = _span(t, P.READ_COMPLETE), _span(t, P.KV_RELEASED)
+    return None if done is None or rel is None or rel.end_ns < done.end_ns else _ns(rel.end_ns - done.end_ns)
+
+
+def _intake(t: Trace) -> float | None:
+    """Overlapped push: the router's arrival (root span start) -> D's frontend stamping it (``decode.queue`` start)."""
+    root, q = _span(t, P.REQUEST), _span(t, P.DECODE_QUEUE)
+    return None if root is None or q is None or q.start_ns < root.start_ns else _ns(q.start_ns - root.start_ns)
+
+
+def _pool(traces: Sequence[Trace], f: Callable[[Trace], float | None]) -> tuple[float, ...]:
+    return tuple(v for v in (f(t) for t in traces) if v is not None)
+
+
+def borrowed(from_mode: str, traces: Sequence[Trace]) -> list[Borrowed]:
+    """The figures the prediction from ``from_mode`` borrows, measured in ``traces``."""
+    bw = Borrowed(
+        "bandwidth",
+        _pool(traces, _bandwidth),
+        f"bytes / NIXL's transfer time of each {from_mode} request's {'READ' if from_mode == PULL else 'WRITE'}",
+        "the link carries the other direction as fast (same NICs, same memory)",
+        "bytes/s",
+    )
+    if from_mode == PULL:
+        return [
+            Borrowed(
+                "P's engine step to its worker",
+                _pool(traces, lambda t: _dur(t, P.DECODE_DISPATCH)),
+                "D's scheduler-to-worker hop (decode.dispatch) in the pull traces",
+                "P's engine hands its finished blocks to the worker (prefill.dispatch + writer.wake) as fast as "
+                "D's hands its allocation on: the same vLLM engine loop",
+            ),
+            Borrowed(
+                "the WRITE's notification to D",
+                _pool(traces, _notify),
+                "D's read-done notification reaching P (read.complete end -> kv.released) in the pull traces",
+                "the notification P->D after the WRITE costs what D->P costs after the READ: one side-channel "
+                "crossing and the receiver's next engine step (write.notify)",
+            ),
+            bw,
+        ]
+    return [
+        Borrowed(
+            "D's engine step to its worker",
+            _pool(traces, lambda t: _dur(t, P.PREFILL_DISPATCH)),
+            "P's scheduler-to-worker hop (prefill.dispatch) in the push traces",
+            "D hands its allocation to the worker (decode.dispatch) as fast as P hands its finished blocks on",
+        ),
+        Borrowed(
+            "the router hop",
+            _pool(traces, lambda t: None if (x := _intake(t)) is None else 2 * x),
+            "twice D's HTTP intake (the router's arrival -> D's decode.queue start) in the overlapped push traces",
+            "P's response path to the router (prefill.respond, relay) costs what D's HTTP intake does: "
+            "one HTTP hop each way; the weakest assumption here (P's detokenize and output path are not measured "
+            "in push)",
+        ),
+        bw,
+    ]
+
+
+# ------------------------------------------------------------------ per request
+@dataclass(frozen=True)
+class Parts:
+    """One measured request cut for the prediction (seconds; ``bytes`` None: unknown)."""
+
+    trace_id: str
+    handoff_s: float
+    ttft_s: float | None
+    #: the kept phases plus the other mode's own measured extras (push -> pull:
+    #: D's queue; pull -> push: D's registration late for P, where it was)
+    fixed_s: float
+    own_wire_s: float
+    bytes: int | None
+
+
+def parts(from_mode: str, t: Trace) -> Parts | str:
+    """The request's :class:`Parts`, or why it cannot be used (a short reason)."""
+    if t.outcome != sc.Outcome.OK.value or t.handoff_s is None:
+        return "not completed (no handoff)"
+    if t.mode != from_mode:
+        return f"not {from_mode}"
+    if from_mode == PUSH and t.dispatch == sc.Dispatch.SEQUENTIAL.value:
+        return "sequential push (not modelled: only overlapped push)"
+    if not t.spans:
+        return "summary only (spans not kept)"
+    tiled = _tiled(t)
+    kept = sum(tiled.get(p.value, 0.0) for p in KEPT[from_mode])
+    wire = sum(tiled.get(p.value, 0.0) for p in _WIRE[from_mode])
+    queue = _dur(t, P.DECODE_QUEUE)
+    if queue is None:
+        return "no decode.queue span"
+    if from_mode == PUSH:
+        extra = queue  # overlapped in push, on the path in pull
+    else:  # D's intake and queue run beside P's prefill in push: any excess waits (match)
+        prefill = _dur(t, P.PREFILL)
+        extra = 0.0 if prefill is None else max(0.0, (_dur(t, P.DECODE_INTAKE) or 0.0) + queue - prefill)
+    tot = ranks.transfer_totals(t.spans)
+    return Parts(t.trace_id, t.handoff_s, t.ttft_s, kept + extra, wire, tot.bytes if tot and tot.bytes > 0 else None)
+
+
+# ------------------------------------------------------------------ the prediction
+@dataclass(frozen=True)
+class Figure:
+    """A predicted figure: the p50 with its interval, and the distribution's p10/p90."""
+
+    p50: float | None = None
+    lo: float | None = None
+    hi: float | None = None
+    p10: float | None = None
+    p90: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "p50_s": self.p50,
+            "interval_s": None if self.lo is None else [self.lo, self.hi],
+            "p10_s": self.p10,
+            "p90_s": self.p90,
+        }
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """What :func:`predict` found (``status`` ``ok`` or ``not enough data`` with ``note``)."""
+
+    from_mode: str
+    to_mode: str
+    status: str
+    note: str | None = None
+    used: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    handoff: Figure = Figure()
+    ttft: Figure = Figure()
+    measured_from: dict[str, float | None] = field(default_factory=dict)
+    measured_to: dict[str, Any] = field(default_factory=dict)
+    borrowed: tuple[Borrowed, ...] = ()
+    requests: tuple[tuple[str, float, float, float | None], ...] = ()
+
+    def assumptions(self) -> list[str]:
+        common = [
+            f"leaves the critical path: {LEAVES[self.from_mode]}",
+            "kept as measured: the handshake on first contact, the descriptor build, the post, the engine loop "
+            "noticing the transfer done (the same NIXL calls, by the other side)",
+            "the transfer's wire: the request's bytes over the bandwidth measured in the same traces "
+            "(its own transfer time where bytes or bandwidth are unknown)",
+            "TTFT: measured TTFT - measured handoff + predicted handoff (P's queue and prefill and D's first "
+            "step as they were; the load each side sees is taken as unchanged)",
+            "time no phase names (unattributed) in the measured handoff is left out",
+        ]
+        if self.from_mode == PULL:
+            common.append(
+                "push's registration is in time: where D's intake and queue took longer than P's queue and "
+                "prefill, the excess stays on the path (P waits for D's registration: match)"
+            )
+        else:
+            common.append("D's queue, measured while push overlapped it, is paid on the path in pull")
+        return common + [f"{b.name}: {b.assumption}" for b in self.borrowed]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "from": self.from_mode,
+            "to": self.to_mode,
+            "status": self.status,
+            "note": self.note,
+            "requests_used": self.used,
+            "skipped": self.skipped,
+            "predicted": {"handoff": self.handoff.to_json(), "ttft": self.ttft.to_json()},
+            "measured_from": self.measured_from,
+            "measured_to": self.measured_to,
+            "borrowed": [b.to_json() for b in self.borrowed],
+            "assumptions": self.assumptions(),
+            "requests": [
+                {"trace_id": t, "measured_handoff_s": h, "predicted_handoff_s": p, "predicted_ttft_s": f}
+                for t, h, p, f in self.requests
+            ],
+        }
+
+
+def _figure(draws: "Any", point: "Any") -> Figure:
+    """p50 of the per-request ``point`` predictions; interval from each resample's p50; p10/p90 of all draws."""
+    import numpy as np
+
+    if np.isnan(point).all():
+        return Figure()
+    p50s = np.nanpercentile(draws, 50, axis=1)
+    lo, hi = np.nanpercentile(p50s, [2.5, 97.5])
+    p10, p90 = np.nanpercentile(draws, [10, 90])
+    return Figure(float(np.nanpercentile(point, 50)), float(lo), float(hi), float(p10), float(p90))
+
+
+def _measured(handoffs: Iterable[float | None], ttfts: Iterable[float | None]) -> dict[str, float | None]:
+    h, f = list(handoffs), list(ttfts)
+    return {
+        "n": sum(v is not None for v in h),
+        "handoff_p50_s": stats.percentile(h, 50),
+        "ttft_p50_s": stats.percentile(f, 50),
+    }
+
+
+def predict(
+    from_mode: str, traces: Iterable[Trace], others: Iterable[Trace] = (), *, resamples: int = RESAMPLES, seed: int = 0
+) -> WhatIf:
+    """The other mode's handoff and TTFT for each of ``traces`` (of
+    ``from_mode``); ``others``: measured traces of the other mode, if any,
+    for the comparison (``measured_to``, and whether it lies in the interval)."""
+
+    if from_mode not in (PUSH, PULL):
+        raise ValueError(f"from_mode must be push or pull, got {from_mode!r}")
+    to_mode = PULL if from_mode == PUSH else PUSH
+    traces = list(traces)
+    got = [(t, parts(from_mode, t)) for t in traces]
+    usable = [p for _, p in got if isinstance(p, Parts)]
+    skipped: dict[str, int] = {}
+    for _, p in got:
+        if isinstance(p, str):
+            skipped[p] = skipped.get(p, 0) + 1
+    ok_others = [t for t in others if t.mode == to_mode and t.outcome == sc.Outcome.OK.value]
+    base = dict(
+        from_mode=from_mode,
+        to_mode=to_mode,
+        used=len(usable),
+        skipped=skipped,
+        measured_from=_measured((p.handoff_s for p in usable), (p.ttft_s for p in usable)),
+        measured_to=_measured((t.handoff_s for t in ok_others), (t.ttft_s for t in ok_others)),
+    )
+    if len(usable) < MIN_REQUESTS:
+        why = f"{len(usable)} usable {from_mode} requests, {MIN_REQUESTS} needed"
+        return WhatIf(status=stats.NOT_ENOUGH, note=why, **base)
+    pools = borrowed(from_mode, [t for t, p in got if isinstance(p, Parts)])
+    base["borrowed"] = tuple(pools)
+    missing = [b.name for b in pools[:2] if not b.values]
+    if missing:
+        why = f"no {from_mode} trace gives {', '.join(missing)}"
+        return WhatIf(status=stats.NOT_ENOUGH, note=why, **base)
+    h, f, rows = _simulate(usable, pools, resamples, seed)
+    mt = dict(base.pop("measured_to"))
+    for key, fig in (("handoff", h), ("ttft", f)):
+        m = mt.get(f"{key}_p50_s")
+        mt[f"{key}_in_interval"] = None if m is None or fig.lo is None else bool(fig.lo <= m <= fig.hi)
+        mt[f"{key}_error"] = None if m is None or fig.p50 is None or m <= 0 else (fig.p50 - m) / m
+    return WhatIf(status="ok", handoff=h, ttft=f, requests=rows, measured_to=mt, **base)
+
+
+def _simulate(usable: Sequence[Parts], pools: Sequence[Borrowed], resamples: int, seed: int):
+    """(handoff :class:`Figure`, TTFT :class:`Figure`, per-request rows): the
+    point prediction per request with the borrowed figures' medians, and the
+    resamples (requests drawn with replacement, each borrowed figure drawn
+    from its measured values per drawn request)."""
+    import numpy as np
+
+    fixed = np.array([p.fixed_s for p in usable])
+    own_wire = np.array([p.own_wire_s for p in usable])
+    nbytes = np.array([np.nan if p.bytes is None else p.bytes for p in usable], dtype=float)
+    rest = np.array([np.nan if p.ttft_s is None else p.ttft_s - p.handoff_s for p in usable])
+    step, extra, bw = (np.asarray(b.values, dtype=float) for b in pools)
+    have_bw = bw.size > 0
+    med_bw = float(np.median(bw)) if have_bw else np.nan
+    wire = np.where(np.isnan(nbytes) | (not have_bw), own_wire, nbytes / med_bw)
+    point = fixed + np.median(step) + np.median(extra) + wire
+    gen = np.random.default_rng(seed)
+    n = len(usable)
+    idx = gen.integers(0, n, size=(resamples, n))
+    draw = step[gen.integers(0, step.size, size=idx.shape)] + extra[gen.integers(0, extra.size, size=idx.shape)]
+    bw_draw = bw[gen.integers(0, bw.size, size=idx.shape)] if have_bw else np.full(idx.shape, np.nan)
+    wire_draw = np.where(np.isnan(nbytes[idx]) | (not have_bw), own_wire[idx], nbytes[idx] / bw_draw)
+    handoff = fixed[idx] + draw + wire_draw
+    h, f = _figure(handoff, point), _figure(rest[idx] + handoff, rest + point)
+    rows = tuple(
+        (p.trace_id, p.handoff_s, float(x), None if np.isnan(r) else float(r + x))
+        for p, x, r in zip(usable, point, rest)
+    )
+    return h, f, rows
