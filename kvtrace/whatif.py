@@ -33,6 +33,8 @@ PUSH, PULL = sc.Mode.PUSH.value, sc.Mode.PULL.value
 #: Fewest usable requests of the measured mode for a prediction.
 MIN_REQUESTS = 5
 RESAMPLES = 1000
+#: The timestamps' resolution, seconds: a measured figure this close to an interval's end is inside it.
+_NS = 1e-9
 
 #: On the path in both modes, kept from the measured trace (its exclusive
 #: share of the handoff), by the measured mode; the transfer's wire is not
@@ -347,7 +349,7 @@ def predict(
     mt = dict(base.pop("measured_to"))
     for key, fig in (("handoff", h), ("ttft", f)):
         m = mt.get(f"{key}_p50_s")
-        mt[f"{key}_in_interval"] = None if m is None or fig.lo is None else bool(fig.lo <= m <= fig.hi)
+        mt[f"{key}_in_interval"] = None if m is None or fig.lo is None else bool(fig.lo - _NS <= m <= fig.hi + _NS)
         mt[f"{key}_error"] = None if m is None or fig.p50 is None or m <= 0 else (fig.p50 - m) / m
     return WhatIf(status="ok", handoff=h, ttft=f, requests=rows, measured_to=mt, **base)
 
