@@ -16,11 +16,8 @@ import json
 
 from kvlens.verdict import add_common, with_store
 from kvrecord import semconv as sc
-from kvtrace import stats, tracemodel
+from kvtrace import stats
 from kvtrace import whatif as kv_whatif
-
-#: Newest requests of each mode one prediction reads (their spans too).
-MAX_TRACES = 2000
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,18 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the mode whose traces are measured; the other is predicted",
     )
     add_common(p)
-
-
-def load(conn, since_ns: int | None, from_mode: str, limit: int = MAX_TRACES) -> kv_whatif.WhatIf:
-    """:func:`kvtrace.whatif.predict` over the window's newest ``limit``
-    completed requests of ``from_mode`` (with their spans), against the
-    other mode's measured ones in the same window."""
-    other = kv_whatif.PULL if from_mode == kv_whatif.PUSH else kv_whatif.PUSH
-    mine = tracemodel.slowest(conn, limit, order="start", since_ns=since_ns, mode=from_mode, completed=True)
-    theirs = tracemodel.slowest(
-        conn, limit, order="start", since_ns=since_ns, mode=other, completed=True, with_spans=False
-    )
-    return kv_whatif.predict(from_mode, mine, theirs)
 
 
 def _s(v: float | None) -> str:
@@ -79,7 +64,7 @@ def text(w: kv_whatif.WhatIf, window: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    rc, w = with_store("whatif", args, lambda conn, since: load(conn, since, args.from_mode))
+    rc, w = with_store("whatif", args, lambda conn, since: kv_whatif.from_store(conn, since, args.from_mode))
     if rc:
         return rc
     print(json.dumps({"window": args.window, **w.to_json()}) if args.json else text(w, args.window))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from kvrecord import semconv as sc
-from kvtrace import ranks, stats
+from kvtrace import ranks, stats, tracemodel
 from kvtrace.tracemodel import Trace
 
 P = sc.Phase
@@ -35,6 +35,8 @@ MIN_REQUESTS = 5
 RESAMPLES = 1000
 #: The timestamps' resolution, seconds: a measured figure this close to an interval's end is inside it.
 _NS = 1e-9
+#: Newest requests of each mode one prediction reads from a store (their spans too).
+MAX_TRACES = 2000
 
 #: On the path in both modes, kept from the measured trace (its exclusive
 #: share of the handoff), by the measured mode; the transfer's wire is not
@@ -383,3 +385,15 @@ def _simulate(usable: Sequence[Parts], pools: Sequence[Borrowed], resamples: int
         for p, x, r in zip(usable, point, rest)
     )
     return h, f, rows
+
+
+def from_store(conn, since_ns: int | None, from_mode: str, limit: int = MAX_TRACES) -> WhatIf:
+    """:func:`predict` over the window's newest ``limit`` completed requests of
+    ``from_mode`` (with their spans), against the other mode's measured ones
+    in the same window (runs on the caller's thread; three reads)."""
+    other = PULL if from_mode == PUSH else PUSH
+    mine = tracemodel.slowest(conn, limit, order="start", since_ns=since_ns, mode=from_mode, completed=True)
+    theirs = tracemodel.slowest(
+        conn, limit, order="start", since_ns=since_ns, mode=other, completed=True, with_spans=False
+    )
+    return predict(from_mode, mine, theirs)
