@@ -32,7 +32,7 @@ def test_a_true_ratio_of_1_is_no_resolvable_difference_in_about_95_percent_of_se
         den = {"short": _lognormal(gen, 0.1, 150), "long": _lognormal(gen, 0.4, 100)}
         r = stats.stratified_ratio(num, den, q=50, seed=seed, resamples=1000)
         hits += r.status == stats.NO_DIFFERENCE
-    assert 0.90 <= hits / 200 <= 0.99, hits  # measured: 0.975 (the median's percentile bootstrap is conservative)
+    assert 0.90 <= hits / 200 <= 0.99, hits  # measured: 0.98 (the median's percentile bootstrap is conservative)
 
 
 def test_a_ratio_of_2_is_resolved_and_its_interval_holds_2():
