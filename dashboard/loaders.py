@@ -130,7 +130,7 @@ def load_bench(path: StoreLocation, run_id: str | None) -> pd.DataFrame:
     return with_ratios(BD.bench_table(path, run_id))
 
 
-@st.cache_data(ttl=CACHE_TTL_S, max_entries=16, show_spinner=False)
+@st.cache_data(ttl=60, max_entries=4, show_spinner=False)
 def load_verdict(path: StoreLocation, since_ns: int | None):
     return D.verdict_of(path, since_ns)
 
