@@ -21,6 +21,10 @@ from kvtrace import whatif as kv_whatif
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Every borrowed figure is printed with its source, every assumption in words; "
+        "method and limits: docs/verdict.md."
+    )
     p.add_argument(
         "--from",
         dest="from_mode",

@@ -146,13 +146,6 @@ class Verdict:
             "ratios": {k: r.to_json() for k, r in self.ratios.items()},
         }
 
-    def headline(self) -> str:
-        """One line: the TTFT p50 ratio and its answer, or why there is none."""
-        if self.status != "ok":
-            return f"verdict: {self.message}"
-        r = self.ratios["ttft_p50"]
-        return f"verdict ({self.selection_words()}): TTFT p50 push/pull {ratio_words(r)}"
-
     def selection_words(self) -> str:
         return "canary: split-assigned requests" if self.selection == "split" else "all requests, no split"
 
