@@ -175,16 +175,18 @@ class WhatIf:
         }
 
 
-def _figure(draws: "Any", point: "Any") -> Figure:
-    """p50 of the per-request ``point`` predictions; interval from each resample's p50; p10/p90 of all draws."""
+def _figure(draws: "Any") -> Figure:
+    """From ``draws`` (resamples x requests): the p50 of each resample; their
+    median is the predicted p50, their 2.5/97.5 percentiles its interval;
+    p10/p90 of all draws (the predicted distribution)."""
     import numpy as np
 
-    if np.isnan(point).all():
+    if np.isnan(draws).all():
         return Figure()
     p50s = np.nanpercentile(draws, 50, axis=1)
-    lo, hi = np.nanpercentile(p50s, [2.5, 97.5])
+    mid, lo, hi = np.nanpercentile(p50s, [50, 2.5, 97.5])
     p10, p90 = np.nanpercentile(draws, [10, 90])
-    return Figure(float(np.nanpercentile(point, 50)), float(lo), float(hi), float(p10), float(p90))
+    return Figure(float(mid), float(lo), float(hi), float(p10), float(p90))
 
 
 def _measured(handoffs: Iterable[float | None], ttfts: Iterable[float | None]) -> dict[str, float | None]:
@@ -241,10 +243,11 @@ def predict(
 
 
 def _simulate(usable: Sequence[Parts], pools: Sequence[Borrowed], resamples: int, seed: int):
-    """(handoff :class:`Figure`, TTFT :class:`Figure`, per-request rows): the
-    point prediction per request with the borrowed figures' medians, and the
-    resamples (requests drawn with replacement, each borrowed figure drawn
-    from its measured values per drawn request)."""
+    """(handoff :class:`Figure`, TTFT :class:`Figure`, per-request rows).
+    Each draw is one request's kept phases plus each borrowed figure drawn
+    from its measured values and its bytes over a drawn bandwidth. The
+    resamples draw the requests with replacement; a request's own row is the
+    median of ``resamples`` draws for it alone."""
     import numpy as np
 
     fixed = np.array([p.fixed_s for p in usable])
@@ -252,21 +255,22 @@ def _simulate(usable: Sequence[Parts], pools: Sequence[Borrowed], resamples: int
     nbytes = np.array([np.nan if p.bytes is None else p.bytes for p in usable], dtype=float)
     rest = np.array([np.nan if p.ttft_s is None else p.ttft_s - p.handoff_s for p in usable])
     step, extra, bw = (np.asarray(b.values, dtype=float) for b in pools)
-    have_bw = bw.size > 0
-    med_bw = float(np.median(bw)) if have_bw else np.nan
-    wire = np.where(np.isnan(nbytes) | (not have_bw), own_wire, nbytes / med_bw)
-    point = fixed + np.median(step) + np.median(extra) + wire
     gen = np.random.default_rng(seed)
+
+    def draw(idx):
+        added = step[gen.integers(0, step.size, idx.shape)] + extra[gen.integers(0, extra.size, idx.shape)]
+        wire = own_wire[idx]
+        if bw.size:  # bytes over a drawn bandwidth where the request's bytes are known
+            wire = np.where(np.isnan(nbytes[idx]), wire, nbytes[idx] / bw[gen.integers(0, bw.size, idx.shape)])
+        return fixed[idx] + added + wire
+
     n = len(usable)
     idx = gen.integers(0, n, size=(resamples, n))
-    draw = step[gen.integers(0, step.size, size=idx.shape)] + extra[gen.integers(0, extra.size, size=idx.shape)]
-    bw_draw = bw[gen.integers(0, bw.size, size=idx.shape)] if have_bw else np.full(idx.shape, np.nan)
-    wire_draw = np.where(np.isnan(nbytes[idx]) | (not have_bw), own_wire[idx], nbytes[idx] / bw_draw)
-    handoff = fixed[idx] + draw + wire_draw
-    h, f = _figure(handoff, point), _figure(rest[idx] + handoff, rest + point)
+    handoff = draw(idx)
+    h, f = _figure(handoff), _figure(rest[idx] + handoff)
+    own = np.median(draw(np.broadcast_to(np.arange(n), (resamples, n))), axis=0)
     rows = tuple(
-        (p.trace_id, p.handoff_s, float(x), None if np.isnan(r) else float(r + x))
-        for p, x, r in zip(usable, point, rest)
+        (p.trace_id, p.handoff_s, float(x), None if np.isnan(r) else float(r + x)) for p, x, r in zip(usable, own, rest)
     )
     return h, f, rows
 
