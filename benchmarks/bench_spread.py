@@ -131,8 +131,8 @@ def report(rows: list[dict]) -> None:
 def report_ratio(rows: list[dict], num: str = "instrumented", den: str = "stock") -> None:
     """Per cell: ``num`` / ``den`` TTFT p50 over all their starts, with a
     hierarchical bootstrap 95 % interval (starts, then requests within a
-    start: :func:`kvlens.bench.stats.bootstrap_ratio`)."""
-    from kvlens.bench.stats import bootstrap_ratio, percentile
+    start: :func:`kvtrace.stats.bootstrap_ratio`)."""
+    from kvtrace.stats import bootstrap_ratio, percentile
 
     print(f"\n{num} / {den} TTFT p50 (95% bootstrap interval over starts and requests):")
     for tokens in sorted({r["input_len"] for r in rows}):

@@ -30,6 +30,8 @@ from urllib.parse import urlencode
 import pandas as pd
 
 from kvtrace import costs, ranks, store, tracemodel
+from kvtrace import verdict as kv_verdict
+from kvtrace import whatif as kv_whatif
 from kvrecord import semconv as sc
 
 MODES: tuple[str, ...] = tuple(m.value for m in sc.Mode)
@@ -383,3 +385,16 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
     rec["critical_ms"] = tuple((t - t0) / 1e6 for t in tr.window) if tr.window else None
     rec["decomposition"] = tr.decomposition()
     return rec, df
+
+
+# -------------------------------------------------------------------- verdict, what-if
+def verdict_of(path: str | Path, since_ns: int | None) -> kv_verdict.Verdict:
+    """:func:`kvtrace.verdict.from_store` on a short-lived read-only connection."""
+    with store.reading(path) as c:
+        return kv_verdict.from_store(c, since_ns=since_ns)
+
+
+def whatif_of(path: str | Path, since_ns: int | None, from_mode: str) -> kv_whatif.WhatIf:
+    """:func:`kvtrace.whatif.from_store` on a short-lived read-only connection."""
+    with store.reading(path) as c:
+        return kv_whatif.from_store(c, since_ns, from_mode)

@@ -128,3 +128,13 @@ def load_bench_runs(path: StoreLocation, _bucket: int) -> list[dict[str, Any]]:
 @st.cache_data(ttl=30, show_spinner=False)
 def load_bench(path: StoreLocation, run_id: str | None) -> pd.DataFrame:
     return with_ratios(BD.bench_table(path, run_id))
+
+
+@st.cache_data(ttl=60, max_entries=4, show_spinner=False)
+def load_verdict(path: StoreLocation, since_ns: int | None):
+    return D.verdict_of(path, since_ns)
+
+
+@st.cache_data(ttl=60, max_entries=16, show_spinner=False)
+def load_whatif(path: StoreLocation, since_ns: int | None, from_mode: str):
+    return D.whatif_of(path, since_ns, from_mode)

@@ -14,6 +14,8 @@ SUBCOMMANDS = {
     "proxy": ("kvlens.proxy", "OpenAI-compatible P/D router that emits the root span per request"),
     "bench": ("kvlens.bench", "push-vs-pull benchmark grid on a real stack"),
     "traces": ("kvlens.traces", "slowest requests by handoff, with a text waterfall"),
+    "verdict": ("kvlens.verdict", "push vs pull on the live traffic of a window, like with like, with intervals"),
+    "whatif": ("kvlens.whatif", "the other mode's handoff and TTFT, predicted from one mode's traces"),
     "dashboard": ("kvlens.dashboard_cmd", "start the Streamlit dashboard"),
     "collect": (
         "kvlens.collect",

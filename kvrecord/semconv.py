@@ -317,6 +317,15 @@ ATTR_BLOCK_SIZE: Final = "kvlens.block_size"
 """D: the engine's KV block size in tokens (what a partial last block is short of)."""
 ATTR_TTFT_S: Final = "kvlens.ttft_s"
 """Client-seen time to first token measured at the router, seconds."""
+ATTR_TPOT_S: Final = "kvlens.tpot_s"
+"""Router root span: the client-seen time per output token after the first,
+seconds (read by ``kvlens verdict``; a router that does not record it leaves
+the verdict's TPOT unknown)."""
+ATTR_SPLIT: Final = "kvlens.split"
+"""Router root span: the push weight of the split that assigned this
+request's mode at random (``kvlens proxy --split push=W``), so a canary's
+traces are told from a benchmark's or a single-mode stack's. Absent: the
+mode was the stack's, not a draw."""
 ATTR_TTFT_SOURCE: Final = "kvlens.ttft.source"
 """Where a trace's TTFT comes from (:class:`TtftSource`): ``router`` (kvlens'
 router, client-seen) or ``engines`` (P's arrival -> D's first token, on P's

@@ -15,7 +15,7 @@ from dashboard import charts
 from dashboard import benchdata as BD
 from dashboard import data as D
 from dashboard import loaders as L
-from dashboard import ui
+from dashboard import ui, verdictview
 from kvtrace import benchrows as B
 
 LABELS = {
@@ -36,6 +36,8 @@ def main() -> None:
         return
     st.header("Live window")
     live_window(cfg)
+    st.header("Predicted against measured (what-if)")
+    verdictview.whatif_compare(cfg, st.session_state.get("cmp_range", "1h"))
 
 
 def bench_grid(cfg: ui.Config) -> bool:

@@ -18,7 +18,7 @@ from dashboard import charts
 from dashboard import benchdata as BD
 from dashboard import data as D
 from dashboard import loaders as L
-from dashboard import pairs, prom, ui
+from dashboard import pairs, prom, ui, verdictview
 from kvrecord import semconv as sc
 
 REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
@@ -28,6 +28,7 @@ TRACES_PAGE = "pages/traces.py"
 
 def main() -> None:
     cfg = ui.parse_config()
+    verdictview.headline(cfg)  # the live verdict: the page's first line
     st.title("Overview: push vs pull, live")
     c1, c2, c3 = st.columns([2, 1, 1])
     range_key = c1.select_slider("Time range", options=list(D.TIME_RANGES), value="1h", key="ov_range")

@@ -32,7 +32,7 @@ chunk has no text, while the router's span TTFT starts on the first chunk
 with text: the cross-check would compare two definitions.
 
 Modules, bottom up: :mod:`.grid` (options, validation, run order),
-:mod:`.stats`, :mod:`.prompts`, :mod:`.results` (per-request results, the
+:mod:`.prompts` (statistics: :mod:`kvtrace.stats`), :mod:`.results` (per-request results, the
 store join, the row), :mod:`.probe` (what a router says about itself),
 :mod:`.load` (the HTTP load loop), :mod:`.report` (table, findings,
 cross-checks), :mod:`.rounds` (ABBA order, pooled rows, intervals),

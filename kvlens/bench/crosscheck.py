@@ -8,7 +8,7 @@ from typing import Sequence
 
 from kvlens.bench.probe import DECODE_TPOT_METRICS
 from kvlens.bench.results import Cell, tpot_figures
-from kvlens.bench.stats import percentile, rel_diff
+from kvtrace.stats import percentile, rel_diff
 
 TTFT_CROSSCHECK_WARN = 0.02  # median relative client-vs-router TTFT difference
 #: median relative client-vs-D TPOT difference: the client's figure also

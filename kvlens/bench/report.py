@@ -11,7 +11,7 @@ from typing import Iterable, Sequence
 from kvtrace import benchrows as B
 from kvtrace.benchrows import add_ratios, cell_key, pull_by_cell
 from kvlens.bench.crosscheck import CrossCheck, cross_check
-from kvlens.bench.stats import MIN_REQUESTS
+from kvtrace.stats import MIN_REQUESTS
 
 
 def variant(row: dict) -> str:

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from kvtrace import store
 from kvtrace.benchrows import INTERVAL_KEYS
 from kvlens.bench.grid import BenchOptions
-from kvlens.bench.stats import mean, percentile, rel_diff
+from kvtrace.stats import mean, percentile, rel_diff
 
 logger = logging.getLogger(__name__)
 

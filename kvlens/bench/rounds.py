@@ -10,7 +10,7 @@ can be compared when written), round 2 push then pull, and so on.
 Why intervals over rounds: on a small shared host, two starts of the same
 stack have differed by several times in TTFT p50, far more than requests
 within one start differ. An interval over requests alone would be far too
-narrow, so the bootstrap (:func:`kvlens.bench.stats.bootstrap_ratio`)
+narrow, so the bootstrap (:func:`kvtrace.stats.bootstrap_ratio`)
 resamples rounds and then requests within them. A single round's interval
 covers only request-to-request variation, and the report says so."""
 
@@ -22,7 +22,7 @@ from kvtrace.benchrows import CI_LEVEL, STORED_RATIOS, add_ratios, interval_keys
 from kvrecord.semconv import Mode
 from kvlens.bench.grid import BenchOptions
 from kvlens.bench.results import Cell, pool_cells, samples, summarize_cell
-from kvlens.bench.stats import bootstrap_ratio, percentile
+from kvtrace.stats import bootstrap_ratio, percentile
 
 T = TypeVar("T")
 

@@ -19,7 +19,7 @@ from kvlens.bench.crosscheck import TTFT_CROSSCHECK_WARN, cross_check
 from kvlens.bench.report import describe, format_table
 from kvlens.bench.results import Cell, RequestResult, Target, summarize_cell
 from kvlens.bench.runner import bench_routers, bench_stacks, new_run
-from kvlens.bench.stats import mean, percentile, rel_diff
+from kvtrace.stats import mean, percentile, rel_diff
 from fakes import FakeRouter
 
 

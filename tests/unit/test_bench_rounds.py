@@ -19,7 +19,7 @@ from kvlens.bench.report import describe, format_table
 from kvlens.bench.results import Cell, Target, summarize_cell
 from kvlens.bench.rounds import abba, add_intervals, pooled_rows, stack_plan
 from kvlens.bench.runner import bench_routers, bench_stacks, new_run
-from kvlens.bench.stats import bootstrap_ratio
+from kvtrace.stats import bootstrap_ratio
 
 
 def _rounds(rng, k, n, scale, level=None):

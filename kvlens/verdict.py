@@ -1,0 +1,103 @@
+"""``kvlens verdict``: push against pull on the live traffic of one window of
+the store, prompt length against prompt length (docs/verdict.md).
+
+Per figure (TTFT p50 and p90, handoff p50, TPOT p50): the push/pull ratio,
+stratified by prompt-length bucket, with its 95 % interval; "no resolvable
+difference" where the interval holds 1, "not enough data" below
+``kvtrace.stats.MIN_PER_STRATUM`` requests per mode and bucket; the counts
+per mode and bucket. Where the window holds requests a router's split
+assigned (a canary), only those are compared. The statistics are
+:mod:`kvtrace.verdict`'s, the same the dashboard's headline shows.
+
+Exit codes: 0 a verdict (whatever it says, "needs both modes" included);
+2 a bad ``--window`` or ``--store`` (no store there, not a store, a bad
+URL); 1 a store that cannot be reached now (PostgreSQL down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Callable
+
+from kvrecord import config
+from kvrecord.durations import parse_duration
+from kvtrace import store
+from kvtrace import verdict as kv_verdict
+
+#: The longest --window (a year): "everything recent" without an overflowing bound.
+MAX_WINDOW_S = 365 * 86400
+DEFAULT_WINDOW = "1h"
+
+
+def window_arg(text: str) -> str:
+    """argparse ``type=`` for --window: a duration in (0, 1 year] (``30m``, ``1h``, ``2d``); returned as given."""
+    try:
+        parse_duration(text, max_s=MAX_WINDOW_S)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """--window, --store, --json: what ``verdict`` and ``whatif`` share."""
+    p.add_argument(
+        "--window",
+        type=window_arg,
+        default=DEFAULT_WINDOW,
+        metavar="DUR",
+        help=f"the requests that started in the last DUR (30m, 1h, 1d; default {DEFAULT_WINDOW})",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        help="trace store: a SQLite file or a postgresql://user@host:port/db URL (default $KVLENS_HOME/traces.db)",
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Ratios are push/pull: below 1 push is faster. Needs push and pull requests in the same window, "
+        "ideally assigned at random by kvlens' router (--split), so both modes see the same traffic."
+    )
+    add_common(p)
+
+
+def with_store(cmd: str, args: argparse.Namespace, read: Callable[[Any, int], Any]) -> tuple[int, Any]:
+    """Check ``args``' window and store, then ``read(conn, since_ns)`` on a
+    read-only connection: (0, its result), or (exit code, None) after one
+    line on stderr naming the problem."""
+    try:
+        window_arg(args.window)
+        loc = store.StoreLocation.parse(args.store) if args.store else config.default_store()
+    except (argparse.ArgumentTypeError, store.StoreError) as e:
+        print(f"kvlens {cmd}: {e}", file=sys.stderr)
+        return 2, None
+    if not loc.is_postgres and loc.path.is_dir():
+        print(f"kvlens {cmd}: {loc} is a directory, not a trace store file", file=sys.stderr)
+        return 2, None
+    try:
+        with store.reading(loc) as conn:
+            return 0, read(conn, store.parse_since(args.window))
+    except store.StoreMissing as e:
+        print(f"kvlens {cmd}: {e} (run `kvlens up` and send requests, or pass --store)", file=sys.stderr)
+        return 2, None
+    except store.StoreUnavailable as e:
+        print(f"kvlens {cmd}: {e}", file=sys.stderr)
+        return 1, None
+    except store.StoreError as e:
+        print(f"kvlens {cmd}: {e}", file=sys.stderr)
+        return 2, None
+
+
+def run(args: argparse.Namespace) -> int:
+    rc, v = with_store("verdict", args, lambda conn, since: kv_verdict.from_store(conn, since_ns=since))
+    if rc:
+        return rc
+    if args.json:
+        print(json.dumps({"window": args.window, **v.to_json()}))
+    else:
+        print(kv_verdict.text(v, args.window))
+    return 0
