@@ -222,7 +222,7 @@ def bench_live(rounds: list[list[bytes]], path: "Path | str", extra: tuple = ())
     import httpx
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", str(path)]
+        [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--no-grpc", "--store", str(path)]
         + ["--queue-spans", str(10**7), *extra],
         stdout=subprocess.PIPE,
         text=True,

@@ -31,7 +31,7 @@ class Collector:
     """A ``kvlens collect`` subprocess on a free port, writing ``location``."""
 
     def __init__(self, location: str, extra: list[str]) -> None:
-        argv = [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", location, *extra]
+        argv = [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--no-grpc", "--store", location, *extra]
         self.child = ChildProcess(argv, pipes=True, death_signal=signal.SIGTERM).start()
         line = self._first_line(60.0)
         if "/v1/traces" not in line:

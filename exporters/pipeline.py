@@ -55,7 +55,7 @@ from kvtrace import store
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from exporters.metrics import PhaseMetricsProcessor
 from exporters.shipping import ShippingRecorder
-from kvrecord.config import SPAN_BUILDERS, Options, default_store
+from kvrecord.config import SPAN_BUILDERS, Options, client_token, default_store
 from kvrecord.ids import PinnedIdGenerator
 from kvrecord.logutil import log_once
 from kvrecord.recorder import DEFAULT_CAPACITY, DropReason, Recorder
@@ -187,6 +187,52 @@ def dropped_counts() -> dict[tuple[str, str], int]:
     return out
 
 
+# ------------------------------------------------------------------ OTLP
+def otlp_protocol(opts: Options, env: Mapping[str, str] = os.environ) -> str:
+    """``grpc`` or ``http/protobuf``: ``otlp_protocol`` in the options, else
+    ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``$OTEL_EXPORTER_OTLP_PROTOCOL``
+    (the standard variables), else ``http/protobuf``."""
+    p = opts.otlp_protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    return "grpc" if (p or "").strip().lower() == "grpc" else "http/protobuf"
+
+
+def otlp_headers(env: Mapping[str, str] = os.environ) -> dict[str, str] | None:
+    """Headers for the OTLP exporter: None when ``$KVLENS_TOKEN`` is not set
+    (the SDK then reads ``$OTEL_EXPORTER_OTLP_TRACES_HEADERS`` /
+    ``$OTEL_EXPORTER_OTLP_HEADERS`` itself); else those standard headers plus
+    ``authorization: Bearer $KVLENS_TOKEN`` (a standard ``authorization``
+    header, when given, wins). Keys lower-case: gRPC metadata wants them so.
+    The token comes from the environment only, never from
+    ``kv_connector_extra_config`` (that is vLLM's argv, which ``ps`` shows)."""
+    token = client_token(env)
+    if token is None:
+        return None
+    from opentelemetry.util.re import parse_env_headers
+
+    raw = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
+    headers = {k.lower(): v for k, v in parse_env_headers(raw, liberal=True).items()}
+    headers.setdefault("authorization", f"Bearer {token}")
+    return headers
+
+
+def otlp_exporter(endpoint: str, protocol: str = "http/protobuf"):
+    """The SDK's OTLP span exporter for ``endpoint``: OTLP/HTTP (``/v1/traces``
+    appended when missing) or, with ``protocol`` ``grpc``, OTLP/gRPC
+    (``http://HOST:4317`` plain, ``https://`` TLS; the CA in the standard
+    ``$OTEL_EXPORTER_OTLP_CERTIFICATE``). Headers: :func:`otlp_headers`.
+    Deferred imports for start-up cost: the exporters pull in protobuf and
+    requests or grpc, paid only by processes that export over OTLP."""
+    headers = otlp_headers()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=endpoint, timeout=OTLP_TIMEOUT_S, headers=headers)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
+    return OTLPSpanExporter(endpoint=url, timeout=OTLP_TIMEOUT_S, headers=headers)
+
+
 # ------------------------------------------------------------------ provider
 def provider_factory(
     *, role: str, mode: str, engine_id: str | None, config: Config, store_max_block_s: float | None = None
@@ -239,16 +285,11 @@ def _add_otlp(provider: BoundedTracerProvider, opts: Options, losses: LossCounte
     if not endpoint:
         return
     try:
-        # Deferred for start-up cost: the OTLP exporter pulls in protobuf and
-        # requests, paid only by processes that export over OTLP.
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-        url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
         # 0.5 s batches (the SDK's default is 5 s): a collector's handoff
         # resolver waits for the last end of a request, so export promptly.
         provider.add_span_processor(
             CountingBatchSpanProcessor(
-                OTLPSpanExporter(endpoint=url, timeout=OTLP_TIMEOUT_S),
+                otlp_exporter(endpoint, otlp_protocol(opts)),
                 losses=losses,
                 max_queue_size=MAX_QUEUE,
                 schedule_delay_s=0.5,

@@ -17,13 +17,17 @@ import socket
 import sqlite3
 import sys
 
+from kvlens import auth
 from kvlens.argtypes import add_keep_arguments, keep_rule
 from kvrecord.config import default_store
 from kvrecord.location import StoreLocation
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 4318
+DEFAULT_GRPC_PORT = 4317
 CLOSE_TIMEOUT_S = 10.0
+#: Seconds in-flight gRPC calls get to finish on shutdown (new ones are refused at once).
+GRPC_GRACE_S = 5.0
 
 DESCRIPTION = """\
 Receive OpenTelemetry spans over OTLP/HTTP and write them into one kvlens trace
@@ -59,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"port (default {DEFAULT_PORT}, OTLP/HTTP's; 0 picks a free one and prints it)",
     )
     p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=DEFAULT_GRPC_PORT,
+        help=f"OTLP/gRPC port on the same --host (default {DEFAULT_GRPC_PORT}; 0 picks a free one and prints it)",
+    )
+    p.add_argument("--no-grpc", action="store_true", help="do not receive OTLP/gRPC (OTLP/HTTP only)")
+    p.add_argument(
         "--store",
         default=None,
         help="trace store to write: a file, or postgresql://user@host:port/dbname (default: $KVLENS_HOME/traces.db)",
@@ -89,8 +100,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=(429, 503),
         default=429,
         help="answer when the queue is full (default 429; 503 for exporters that retry only 5xx, "
-        "e.g. older opentelemetry-python OTLP/HTTP exporters)",
+        "e.g. older opentelemetry-python OTLP/HTTP exporters; gRPC: RESOURCE_EXHAUSTED or UNAVAILABLE)",
     )
+    auth.add_arguments(p, client_certs=True)
 
 
 def _store_problem(path: StoreLocation) -> str | None:
@@ -135,6 +147,10 @@ def _listen(host: str, port: int) -> socket.socket:
 def _check_args(args: argparse.Namespace) -> str | None:
     if not 0 <= args.port < 65536:
         return f"invalid port {args.port}"
+    if not args.no_grpc and not 0 <= args.grpc_port < 65536:
+        return f"invalid --grpc-port {args.grpc_port}"
+    if not args.no_grpc and args.port and args.port == args.grpc_port:
+        return f"--port and --grpc-port are both {args.port}; give them different ports (or --no-grpc)"
     if not args.max_body_mb > 0:
         return f"--max-body-mb must be > 0, got {args.max_body_mb}"
     if args.queue_spans <= 0:
@@ -167,7 +183,13 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM/SIGINT, then flush and exit 0; 2 on a bad flag or
     store, 1 when the port cannot be had."""
     problem = _check_args(args)
-    store, bad = _store_arg(args)
+    security = None
+    if not problem:
+        try:
+            security = auth.from_args(args, args.host, warn=_warn)
+        except auth.SecurityError as e:
+            problem = str(e)
+    store, bad = (None, None) if problem else _store_arg(args)
     problem = problem or bad or _store_problem(store)
     if problem:
         print(f"kvlens collect: {problem}", file=sys.stderr, flush=True)
@@ -179,7 +201,23 @@ def run(args: argparse.Namespace) -> int:
             f"kvlens collect: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr, flush=True
         )
         return 1
-    return _serve(args, store, sock)
+    if not args.no_grpc and args.grpc_port:
+        try:  # a busy gRPC port is one clear line too (gRPC's own message is a log line)
+            _listen(args.host, args.grpc_port).close()
+        except OSError as e:
+            sock.close()
+            print(
+                f"kvlens collect: cannot listen on {args.host}:{args.grpc_port} (OTLP/gRPC; --grpc-port, or --no-grpc): "
+                f"{e.strerror or e}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+    return _serve(args, store, sock, security)
+
+
+def _warn(line: str) -> None:
+    print(f"kvlens collect: {line}", file=sys.stderr, flush=True)
 
 
 #: The collector's garbage collector: a young generation of 50,000 objects,
@@ -203,12 +241,63 @@ def _tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) -> int:
-    # start-up cost: uvicorn, starlette and protobuf load only when it serves
+def _start_grpc(args: argparse.Namespace, ingest, security: auth.Security, max_body_bytes: int):
+    """The OTLP/gRPC server, started, and its port; (None, None) with
+    --no-grpc. RuntimeError when its port cannot be bound."""
+    if args.no_grpc:
+        return None, None
+    from exporters.collector.grpc_receiver import add_port, grpc_server
+
+    authorized = None
+    if security.token is not None:
+
+        def authorized(header: str | None) -> bool:
+            return auth.token_ok(security, header)
+
+    server = grpc_server(ingest, authorized, max_body_bytes=max_body_bytes, busy_status=args.busy_status)
+    port = add_port(server, args.host, args.grpc_port, auth.grpc_credentials(security))
+    server.start()
+    return server, port
+
+
+def _http_app(args, ingest, registry, security: auth.Security, max_body: int, before_close):
+    """The collector's ASGI app, behind the bearer check when a token is set
+    (a refused export is counted ``unauthenticated``; a refused scrape is not an export)."""
+    from exporters.collector.app import TRACES_PATH, create_app
+
+    app = create_app(
+        ingest,
+        registry,
+        max_body_bytes=max_body,
+        close_timeout_s=CLOSE_TIMEOUT_S,
+        busy_status=args.busy_status,
+        before_close=before_close,
+    )
+    if security.token is None:
+        return app
+
+    def refused(scope: dict) -> None:
+        if scope.get("path") == TRACES_PATH:
+            ingest.reject("unauthenticated")
+
+    return auth.BearerAuthMiddleware(app, security, on_reject=refused)
+
+
+def _announce(sock: socket.socket, grpc_port: int | None, store, security: auth.Security, rule) -> None:
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    scheme = security.scheme
+    print(f"kvlens collect: receiving OTLP/HTTP on {scheme}://{shown}:{port}/v1/traces, writing {store}", flush=True)
+    if grpc_port is not None:
+        print(f"kvlens collect: receiving OTLP/gRPC on {scheme}://{shown}:{grpc_port}", flush=True)
+    print(f"kvlens collect: {security.describe()}; {rule.describe()}", flush=True)
+
+
+def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket, security: auth.Security) -> int:
+    # start-up cost: uvicorn, starlette, protobuf and grpc load only when it serves
     import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from exporters.collector.app import create_app
     from exporters.collector.ingest import collector_ingest
     from kvlens.signals import sigterm_as_interrupt
 
@@ -217,21 +306,29 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) 
     ingest = collector_ingest(
         store, registry, max_queue_spans=args.queue_spans, retention=getattr(args, "retention", None), keep=rule
     )
-    app = create_app(
-        ingest,
-        registry,
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        close_timeout_s=CLOSE_TIMEOUT_S,
-        busy_status=args.busy_status,
-    )
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5)
-    )
+    max_body = int(args.max_body_mb * 1024 * 1024)
+    try:
+        grpc_server, grpc_port = _start_grpc(args, ingest, security, max_body)
+    except RuntimeError as e:
+        ingest.close(CLOSE_TIMEOUT_S)
+        sock.close()
+        print(
+            f"kvlens collect: cannot serve OTLP/gRPC on {args.host}:{args.grpc_port}: {e}", file=sys.stderr, flush=True
+        )
+        return 1
+
+    def stop_grpc() -> None:  # before the queue is flushed: no call may find it closed
+        if grpc_server is not None:
+            grpc_server.stop(GRPC_GRACE_S).wait(GRPC_GRACE_S + 1)
+
+    app = _http_app(args, ingest, registry, security, max_body, stop_grpc)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5,
+        **auth.uvicorn_ssl_kwargs(security),
+    )  # fmt: skip
+    server = uvicorn.Server(config)
     _tune_gc()
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
-    print(f"kvlens collect: receiving OTLP/HTTP on http://{shown}:{port}/v1/traces, writing {store}", flush=True)
-    print(f"kvlens collect: {rule.describe()}", flush=True)
+    _announce(sock, grpc_port, store, security, rule)
     try:
         with sigterm_as_interrupt():
             try:
@@ -239,6 +336,7 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket) 
             except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on
                 pass
     finally:
+        stop_grpc()  # returns at once after the lifespan hook stopped it
         ingest.close(CLOSE_TIMEOUT_S)  # no-op after the lifespan hook closed it
         sock.close()
     c = ingest.counts()

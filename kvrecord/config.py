@@ -38,6 +38,9 @@ from kvrecord.keeprule import KeepRule
 from kvrecord.location import StoreLocation, is_url
 
 HOME_ENV = "KVLENS_HOME"
+#: The bearer token kvlens servers check and kvlens clients send (:mod:`kvlens.auth`; read here so the
+#: exporters below the CLI layer send it too).
+TOKEN_ENV = "KVLENS_TOKEN"
 DEFAULT_HOME = ".kvlens"
 STORE_FILE = "traces.db"
 
@@ -46,6 +49,7 @@ KNOWN_KEYS = frozenset(
         "kvlens_home",
         "kvlens_store",
         "otlp_endpoint",
+        "otlp_protocol",
         "kvlens_buffer_events",
         "kvlens_metrics",
         "kvlens_service_name",
@@ -62,7 +66,8 @@ KNOWN_KEYS = frozenset(
 #: keys score below 0.7 against every kvlens key).
 _OUR_PREFIXES = ("kvlens", "otlp")
 _TYPO_CUTOFF = 0.8
-_STR_KEYS = ("kvlens_home", "otlp_endpoint", "kvlens_service_name")
+_STR_KEYS = ("kvlens_home", "otlp_endpoint", "otlp_protocol", "kvlens_service_name")
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
 SPAN_BUILDERS = ("sidecar", "inline")
 
 _ON = ("on", "true")
@@ -73,6 +78,12 @@ def home(cfg: Mapping[str, Any] | None = None) -> Path:
     """The kvlens home directory, absolute (not created)."""
     h = (cfg or {}).get("kvlens_home") or os.environ.get(HOME_ENV) or DEFAULT_HOME
     return Path(h).expanduser().resolve()
+
+
+def client_token(env: Mapping[str, str] = os.environ) -> str | None:
+    """The bearer token a kvlens client sends: ``$KVLENS_TOKEN`` stripped, or None."""
+    tok = env.get(TOKEN_ENV, "").strip()
+    return tok or None
 
 
 def default_store(home_dir: Path | None = None) -> StoreLocation:
@@ -173,6 +184,9 @@ def _checked(cfg: Mapping[str, Any]) -> dict[str, Any]:
     ep = out.get("otlp_endpoint")
     if ep is not None and not str(ep).startswith(("http://", "https://")):
         raise ValueError(f"otlp_endpoint must be an http(s) URL, got {ep!r}")
+    proto = out.get("otlp_protocol")
+    if proto is not None and str(proto).strip().lower() not in OTLP_PROTOCOLS:
+        raise ValueError(f"otlp_protocol must be one of {', '.join(OTLP_PROTOCOLS)}, got {proto!r}")
     return out
 
 
@@ -188,7 +202,11 @@ class Options:
     recorder's default). ``span_builder``: ``"sidecar"`` / ``"inline"``, or
     None when not set (``$KVLENS_SPAN_BUILDER`` or the default decide).
     ``service_name``: the spans' ``service.name`` (None: ``kvlens-<role>``).
-    ``otlp_endpoint``: an OTLP/HTTP collector (None: the OTel environment)."""
+    ``otlp_endpoint``: an OTLP collector (None: the OTel environment).
+    ``otlp_protocol``: ``http/protobuf`` or ``grpc`` (None: the OTel
+    environment, else OTLP/HTTP). The bearer token a collector wants is never
+    an option (vLLM's argv shows them): ``$KVLENS_TOKEN`` or the standard
+    ``$OTEL_EXPORTER_OTLP_HEADERS`` (:func:`exporters.pipeline.otlp_headers`)."""
 
     home: Path
     store: StoreLocation | None
@@ -198,6 +216,7 @@ class Options:
     span_builder: str | None = None
     service_name: str | None = None
     otlp_endpoint: str | None = None
+    otlp_protocol: str | None = None
     #: which requests keep their spans in the store (``kvlens_keep``, ``kvlens_keep_ratio``, ``kvlens_keep_slow``)
     keep: KeepRule = KeepRule()
 
@@ -225,6 +244,7 @@ class Options:
             span_builder=None if builder is None else str(builder).strip().lower(),
             service_name=str(out["kvlens_service_name"]) if out.get("kvlens_service_name") else None,
             otlp_endpoint=str(out["otlp_endpoint"]) if out.get("otlp_endpoint") else None,
+            otlp_protocol=str(out["otlp_protocol"]).strip().lower() if out.get("otlp_protocol") else None,
             keep=out["kvlens_keep"],
         )
 
@@ -246,6 +266,7 @@ class Options:
             "kvlens_span_builder": self.span_builder,
             "kvlens_service_name": self.service_name,
             "otlp_endpoint": self.otlp_endpoint,
+            "otlp_protocol": self.otlp_protocol,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
         if self.keep.sampled:

@@ -26,7 +26,7 @@ app that also serves other routes (a small one on the loop:
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 from prometheus_client import CollectorRegistry, make_asgi_app
@@ -56,7 +56,7 @@ RETRY_AFTER_S = 1
 #: one GIL).
 INLINE_DECODE_BYTES = 64 * 1024
 #: google.rpc.Code values for the Status body.
-_RPC_CODE = {400: 3, 413: 8, 415: 3, 429: 8, 503: 14}
+_RPC_CODE = {400: 3, 401: 16, 413: 8, 415: 3, 429: 8, 503: 14}
 _OK_PROTOBUF = ExportTraceServiceResponse().SerializeToString()
 
 
@@ -187,11 +187,14 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     close_timeout_s: float = 10.0,
     busy_status: int = 429,
+    before_close: Callable[[], None] | None = None,
 ) -> Starlette:
     """The collector app: ``POST /v1/traces``, ``GET /metrics`` (``registry``
     in the exposition the scraper asks for: OpenMetrics carries exemplars),
-    ``GET /healthz`` (also ``/health``). Its lifespan shutdown flushes and closes ``ingest``
-    (``ingest.close(close_timeout_s)``)."""
+    ``GET /healthz`` (also ``/health``). Its lifespan shutdown calls
+    ``before_close`` (in a thread: the gRPC side stops taking calls), then
+    flushes and closes ``ingest`` (``ingest.close(close_timeout_s)``).
+    (``kvlens collect`` wraps it in :class:`kvlens.auth.BearerAuthMiddleware`.)"""
     import contextlib
 
     async def healthz(request: Request) -> Response:
@@ -209,7 +212,11 @@ def create_app(
         try:
             yield
         finally:
-            await run_in_threadpool(ingest.close, close_timeout_s)
+            try:
+                if before_close is not None:
+                    await run_in_threadpool(before_close)
+            finally:
+                await run_in_threadpool(ingest.close, close_timeout_s)
 
     routes = [
         Route(

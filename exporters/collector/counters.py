@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvrecord.keeprule import KEEP_REASONS, NOT_KEPT
 
 DROP_REASONS = ("store_error", "shutdown")
-REJECT_REASONS = ("too_large", "content_type", "decode", "invalid_span", "queue_full", "shutdown")
+REJECT_REASONS = ("too_large", "content_type", "decode", "invalid_span", "queue_full", "shutdown", "unauthenticated")
 
 
 class IngestMetrics:

@@ -179,8 +179,8 @@ class Ingest:
         }
 
     def reject(self, reason: str) -> None:
-        """Count a request the HTTP layer refused (``too_large``,
-        ``content_type``, ``decode``, ``invalid_span``)."""
+        """Count a request the HTTP or gRPC layer refused (``too_large``,
+        ``content_type``, ``decode``, ``invalid_span``, ``unauthenticated``). Any thread."""
         self.metrics.rejected.labels(reason if reason in REJECT_REASONS else "decode").inc()
 
     # --------------------------------------------------------------- writer

@@ -176,8 +176,10 @@ def vllm_argv(model: Path, host: str, port: int, ktc: dict, vllm_args: list[str]
 
 
 def collector_argv(host: str, port: int, store: StoreLocation) -> list[str]:
-    """Command line of one ``kvlens collect`` (OTLP/HTTP receiver -> ``store``, a file or a database)."""
-    return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--store", store.text]
+    """Command line of one ``kvlens collect`` (OTLP/HTTP receiver -> ``store``, a file or a database; its
+    stack's P, D and router speak OTLP/HTTP, so no gRPC port: two stacks on one host would both want 4317)."""
+    return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--no-grpc",
+            "--store", store.text]  # fmt: skip
 
 
 def router_argv(

@@ -605,7 +605,8 @@ def test_kvlens_collect_receives_the_sdk_exporter_and_flushes_on_sigterm(tmp_pat
     db = backend.store if backend.is_pg else tmp_path / "collected.db"
     env = {**os.environ, "KVLENS_HOME": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--store", str(db), "--retention", "30d"],
+        [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--no-grpc", "--store", str(db)]
+        + ["--retention", "30d"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

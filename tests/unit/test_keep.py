@@ -259,7 +259,7 @@ def test_kvlens_collect_sampled_end_to_end(tmp_path, backend, capsys):
     from kvlens.cli import main
 
     db = backend.store if backend.is_pg else tmp_path / "c.db"
-    argv = ["collect", "--port", "0", "--store", str(db), "--keep", "sampled", "--keep-ratio", "0"]
+    argv = ["collect", "--port", "0", "--no-grpc", "--store", str(db), "--keep", "sampled", "--keep-ratio", "0"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", *argv, "--keep-slow", "50ms"],
         stdout=subprocess.PIPE,

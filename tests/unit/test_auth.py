@@ -1,0 +1,272 @@
+"""kvlens/auth.py: the token and TLS settings every kvlens server shares.
+Real components: argparse, Starlette (in-process and served by uvicorn with
+TLS), httpx, certificates made here (``tlscerts``)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import ssl
+import threading
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route, WebSocketRoute
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from kvlens import auth
+from tlscerts import make_tls
+
+TOKEN = "s3cret-Token_0123456789"
+
+
+def _parse(argv: list[str], client_certs: bool = True) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    auth.add_arguments(p, client_certs=client_certs)
+    return p.parse_args(argv)
+
+
+def _token_file(tmp_path, text: str = TOKEN + "\n", mode: int = 0o600):
+    f = tmp_path / "token"
+    f.write_text(text)
+    f.chmod(mode)
+    return f
+
+
+# ------------------------------------------------------------ from_args
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"])
+def test_loopback_needs_no_token(host):
+    sec = auth.from_args(_parse([]), host, env={})
+    assert sec.token is None and not sec.tls and not sec.insecure
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "example.org", ""])
+def test_beyond_loopback_without_token_is_refused_with_one_line(host):
+    with pytest.raises(auth.SecurityError) as e:
+        auth.from_args(_parse([]), host, env={})
+    msg = str(e.value)
+    assert "\n" not in msg and auth.TOKEN_ENV in msg and "--token-file" in msg and "--insecure" in msg
+
+
+def test_insecure_or_a_token_lets_it_bind_beyond_loopback(tmp_path):
+    assert auth.from_args(_parse(["--insecure"]), "0.0.0.0", env={}).insecure
+    assert auth.from_args(_parse([]), "0.0.0.0", env={auth.TOKEN_ENV: TOKEN}).token == TOKEN.encode()
+    f = _token_file(tmp_path)
+    assert auth.from_args(_parse(["--token-file", str(f)]), "0.0.0.0", env={}).token == TOKEN.encode()
+
+
+def test_token_file_wins_over_the_environment(tmp_path):
+    f = _token_file(tmp_path, "from-file\n")
+    sec = auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={auth.TOKEN_ENV: "from-env"})
+    assert sec.token == b"from-file"
+    assert "wins over" in _help()
+
+
+def _help() -> str:
+    p = argparse.ArgumentParser()
+    auth.add_arguments(p, client_certs=True)
+    return p.format_help()
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [("", "is empty"), ("  \n", "is empty"), ("two words", "printable ASCII"), ("tab\there", "printable ASCII")],
+)
+def test_bad_token_files_are_refused(tmp_path, text, why):
+    f = _token_file(tmp_path, text)
+    with pytest.raises(auth.SecurityError, match=why):
+        auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={})
+
+
+def test_missing_or_directory_token_file_is_refused(tmp_path):
+    with pytest.raises(auth.SecurityError, match="cannot read --token-file .*nope"):
+        auth.from_args(_parse(["--token-file", str(tmp_path / "nope")]), "127.0.0.1", env={})
+    with pytest.raises(auth.SecurityError, match="is a directory"):
+        auth.from_args(_parse(["--token-file", str(tmp_path)]), "127.0.0.1", env={})
+
+
+def test_empty_environment_token_means_none_but_a_bad_one_is_refused():
+    assert auth.from_args(_parse([]), "127.0.0.1", env={auth.TOKEN_ENV: ""}).token is None
+    with pytest.raises(auth.SecurityError, match=auth.TOKEN_ENV):
+        auth.from_args(_parse([]), "127.0.0.1", env={auth.TOKEN_ENV: "a b"})
+
+
+def test_a_token_file_others_can_read_warns_and_is_used(tmp_path):
+    f = _token_file(tmp_path, mode=0o644)
+    warned: list[str] = []
+    sec = auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={}, warn=warned.append)
+    assert sec.token == TOKEN.encode()
+    assert len(warned) == 1 and "chmod 600" in warned[0] and str(f) in warned[0]
+    warned.clear()
+    f.chmod(0o600)
+    auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={}, warn=warned.append)
+    assert warned == []
+
+
+def test_tls_flags_come_in_pairs_and_must_be_readable(tmp_path):
+    tls = make_tls(tmp_path / "tls")
+    with pytest.raises(auth.SecurityError, match="--tls-cert needs --tls-key"):
+        auth.from_args(_parse(["--tls-cert", str(tls.cert)]), "127.0.0.1", env={})
+    with pytest.raises(auth.SecurityError, match="--tls-key needs --tls-cert"):
+        auth.from_args(_parse(["--tls-key", str(tls.key)]), "127.0.0.1", env={})
+    with pytest.raises(auth.SecurityError, match="--tls-client-ca needs --tls-cert"):
+        auth.from_args(_parse(["--tls-client-ca", str(tls.ca)]), "127.0.0.1", env={})
+    with pytest.raises(auth.SecurityError, match="cannot read --tls-key .*missing"):
+        auth.from_args(
+            _parse(["--tls-cert", str(tls.cert), "--tls-key", str(tmp_path / "missing")]), "127.0.0.1", env={}
+        )
+    sec = auth.from_args(
+        _parse(["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-client-ca", str(tls.ca)]),
+        "127.0.0.1",
+        env={},
+    )
+    assert sec.tls and sec.scheme == "https"
+    assert "client certificates required" in sec.describe()
+    kw = auth.uvicorn_ssl_kwargs(sec)
+    assert kw["ssl_certfile"] == str(tls.cert) and kw["ssl_cert_reqs"] == ssl.CERT_REQUIRED
+    assert auth.uvicorn_ssl_kwargs(auth.Security()) == {}
+    assert auth.grpc_credentials(auth.Security()) is None
+    assert auth.grpc_credentials(sec) is not None
+
+
+def test_without_client_certs_the_flag_is_absent():
+    with pytest.raises(SystemExit):
+        _parse(["--tls-client-ca", "x"], client_certs=False)
+
+
+def test_repr_and_str_never_show_the_token():
+    sec = auth.Security(token=TOKEN.encode())
+    for text in (repr(sec), str(sec), f"{sec}", repr([sec])):
+        assert TOKEN not in text
+    assert "token=set" in repr(sec)
+
+
+# ------------------------------------------------------------ token_ok
+def test_token_ok():
+    sec = auth.Security(token=TOKEN.encode())
+    assert auth.token_ok(sec, f"Bearer {TOKEN}")
+    assert auth.token_ok(sec, f"bearer {TOKEN}".encode())
+    assert auth.token_ok(sec, f"BEARER  {TOKEN} ")
+    for bad in (None, "", "Bearer", "Bearer ", f"Basic {TOKEN}", f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", TOKEN):
+        assert not auth.token_ok(sec, bad), bad
+    assert auth.token_ok(auth.Security(), None)  # no token configured: everything passes
+
+
+def test_client_headers():
+    assert auth.client_headers({}) == {}
+    assert auth.client_headers({auth.TOKEN_ENV: "  "}) == {}
+    assert auth.client_headers({auth.TOKEN_ENV: f"{TOKEN}\n"}) == {"Authorization": f"Bearer {TOKEN}"}
+
+
+# ------------------------------------------------------------ middleware
+def _app(security: auth.Security, rejected: list) -> Starlette:
+    async def hello(request):
+        return PlainTextResponse("hello")
+
+    async def ws(websocket):
+        await websocket.accept()
+        await websocket.send_text("hi")
+        await websocket.close()
+
+    inner = Starlette(
+        routes=[
+            Route("/data", hello, methods=["GET", "POST"]),
+            Route("/healthz", hello),
+            Route("/health", hello),
+            WebSocketRoute("/ws", ws),
+        ]
+    )
+    return auth.BearerAuthMiddleware(inner, security, on_reject=lambda scope: rejected.append(scope["path"]))
+
+
+def test_middleware_refuses_missing_and_wrong_tokens_and_exempts_health():
+    rejected: list[str] = []
+    client = TestClient(_app(auth.Security(token=TOKEN.encode()), rejected))
+    r = client.get("/data")
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    assert "missing bearer token" in r.json()["message"]
+    r = client.post("/data", headers={"Authorization": "Bearer nope"}, content=b"x")
+    assert r.status_code == 401 and "wrong bearer token" in r.json()["message"]
+    assert client.get("/data", headers={"Authorization": f"Bearer {TOKEN}"}).text == "hello"
+    assert client.get("/healthz").status_code == 200 and client.get("/health").status_code == 200
+    assert rejected == ["/data", "/data"]
+
+    with pytest.raises(WebSocketDisconnect) as e, client.websocket_connect("/ws"):
+        pass
+    assert e.value.code == 1008
+    with client.websocket_connect("/ws", headers={"Authorization": f"Bearer {TOKEN}"}) as ws:
+        assert ws.receive_text() == "hi"
+    assert rejected == ["/data", "/data", "/ws"]
+
+
+def test_middleware_without_a_token_passes_everything():
+    rejected: list[str] = []
+    client = TestClient(_app(auth.Security(), rejected))
+    assert client.get("/data").text == "hello"
+    with client.websocket_connect("/ws") as ws:
+        assert ws.receive_text() == "hi"
+    assert rejected == []
+
+
+def test_a_failing_on_reject_still_answers_401():
+    def boom(scope):
+        raise RuntimeError("counter broke")
+
+    async def inner(scope, receive, send):  # never reached
+        raise AssertionError
+
+    app = auth.BearerAuthMiddleware(inner, auth.Security(token=b"t"), on_reject=boom)
+    assert TestClient(app).get("/x").status_code == 401
+
+
+# ------------------------------------------------------------ real TLS
+@contextlib.contextmanager
+def _serve(app, security: auth.Security):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="off", **auth.uvicorn_ssl_kwargs(security))
+    )
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    try:
+        while not server.started:
+            if not t.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            threading.Event().wait(0.02)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        t.join(30)
+        sock.close()
+
+
+def test_uvicorn_serves_tls_and_requires_client_certs(tmp_path):
+    tls = make_tls(tmp_path / "tls")
+    sec = auth.Security(token=TOKEN.encode(), tls_cert=str(tls.cert), tls_key=str(tls.key))
+    with _serve(_app(sec, []), sec) as port:
+        url = f"https://127.0.0.1:{port}/data"
+        with pytest.raises(httpx.ConnectError):  # the default trust store does not know the test CA
+            httpx.get(url)
+        r = httpx.get(url, verify=ssl.create_default_context(cafile=str(tls.ca)))
+        assert r.status_code == 401
+        r = httpx.get(
+            url, verify=ssl.create_default_context(cafile=str(tls.ca)), headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        assert r.text == "hello"
+
+    mtls = auth.Security(tls_cert=str(tls.cert), tls_key=str(tls.key), tls_client_ca=str(tls.ca))
+    with _serve(_app(mtls, []), mtls) as port:
+        url = f"https://127.0.0.1:{port}/data"
+        ctx = ssl.create_default_context(cafile=str(tls.ca))
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(url, verify=ctx)
+        ctx.load_cert_chain(str(tls.client_cert), str(tls.client_key))
+        assert httpx.get(url, verify=ctx).text == "hello"
