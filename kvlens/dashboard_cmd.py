@@ -192,11 +192,7 @@ def command(args: argparse.Namespace, store: StoreLocation | str | os.PathLike) 
     if getattr(args, "tls_cert", None):  # paths, not secrets (auth.from_args checked them)
         cmd += ["--server.sslCertFile", str(Path(args.tls_cert).resolve())]
         cmd += ["--server.sslKeyFile", str(Path(args.tls_key).resolve())]
-    cmd += [
-        "--",
-        "--store",
-        _split_password(StoreLocation.parse(store))[0],
-    ]
+    cmd += ["--", "--store", _split_password(StoreLocation.parse(store))[0]]
     if args.prometheus:
         cmd += ["--prometheus", args.prometheus]
     return cmd

@@ -579,7 +579,9 @@ def test_router_key_is_required_and_sent_upstream(tmp_path, recorder):
             )
             health = httpx.get(url + "/health", timeout=20, trust_env=False)
             refused.append(httpx.get(url + "/metrics", timeout=20, trust_env=False))  # the key guards it too
-            metrics = httpx.get(url + "/metrics/", headers={"Authorization": "Bearer sk-1"}, timeout=20, trust_env=False)
+            metrics = httpx.get(
+                url + "/metrics/", headers={"Authorization": "Bearer sk-1"}, timeout=20, trust_env=False
+            )
     assert [r.status_code for r in refused] == [401, 401, 401, 401] and metrics.status_code == 200
     assert refused[0].json()["error"]["type"] == "authentication_error"
     assert ok.status_code == 200 and models.status_code == 200 and health.status_code == 200
