@@ -24,7 +24,8 @@ wall figures but much less in the CPU ones:
    resolved; its CPU split by thread (HTTP: the client and the event loop;
    decode: the worker threads; writer: store + metrics; resolver); 4s: the
    same under ``--keep sampled`` (1 %, p99: every summary, few spans);
-5. live: a real ``kvlens collect`` subprocess fed over HTTP (keep-alive);
+5. live: a real ``kvlens collect`` subprocess fed over HTTP (keep-alive;
+   5g: over OTLP/gRPC, one channel);
    its own CPU time per span from ``/proc/<pid>/stat``, until its queue is
    empty and every request's handoff observed or counted unresolved (the
    CPU of the benchmark's own /metrics scrapes, measured after the round,
@@ -216,13 +217,30 @@ def _settled(client, base: str) -> bool:
 SCRAPES: list[float] = []
 
 
-def bench_live(rounds: list[list[bytes]], path: "Path | str", extra: tuple = ()) -> list[tuple[int, float, float]]:
+def _grpc_sender(proc: subprocess.Popen):
+    """``send(body)`` over OTLP/gRPC to the collector's printed gRPC address
+    (one channel, kept open: as an exporter does), and its closer."""
+    import grpc
+
+    m = re.search(r"OTLP/gRPC on https?://(\S+)", proc.stdout.readline())
+    if not m:
+        raise SystemExit("kvlens collect printed no gRPC address")
+    channel = grpc.insecure_channel(m.group(1))
+    call = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export")
+    return (lambda body: call(body, timeout=60)), channel.close
+
+
+def bench_live(
+    rounds: list[list[bytes]], path: "Path | str", extra: tuple = (), transport: str = "http"
+) -> list[tuple[int, float, float]]:
     """(spans, collector CPU s, wall s) per round against a real ``kvlens
-    collect`` (``extra``: more of its arguments, e.g. ``--keep sampled``)."""
+    collect`` (``extra``: more of its arguments, e.g. ``--keep sampled``),
+    fed over OTLP/HTTP or (``transport="grpc"``) OTLP/gRPC."""
     import httpx
 
+    grpc_args = ["--grpc-port", "0"] if transport == "grpc" else ["--no-grpc"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", "--no-grpc", "--store", str(path)]
+        [sys.executable, "-m", "kvlens.cli", "collect", "--port", "0", *grpc_args, "--store", str(path)]
         + ["--queue-spans", str(10**7), *extra],
         stdout=subprocess.PIPE,
         text=True,
@@ -233,33 +251,47 @@ def bench_live(rounds: list[list[bytes]], path: "Path | str", extra: tuple = ())
         m = re.search(r"(http://\S+)/v1/traces", proc.stdout.readline())
         if not m:
             raise SystemExit("kvlens collect did not start")
-        base, out = m.group(1), []
-        with httpx.Client(timeout=60) as client:
-            for bodies in rounds:
-                c0, w0 = _proc_cpu(proc.pid), time.perf_counter()
-                before, scrapes = _received(client, base), 2
-                for b in bodies:
-                    r = client.post(base + "/v1/traces", content=b, headers=PB)
-                    r.raise_for_status()
-                while client.get(base + "/healthz").json()["queue_spans"]:
-                    time.sleep(0.01)
-                while not _settled(client, base):  # once a second: a scrape costs the collector CPU
-                    time.sleep(1.0)
-                    scrapes += 1
-                cpu, wall = _proc_cpu(proc.pid) - c0, time.perf_counter() - w0
-                got = _received(client, base) - before
-                # the scrapes this loop made are not the collector's work: their CPU,
-                # measured now (the same series), is taken out and shown on its own
-                s0 = _proc_cpu(proc.pid)
-                for _ in range(5):
-                    _received(client, base)
-                scrape = (_proc_cpu(proc.pid) - s0) / 5
-                out.append((got, cpu - scrapes * scrape, wall))
-                SCRAPES.append(scrape)
-        return out
+        base = m.group(1)
+        with httpx.Client(timeout=60) as client, contextlib.ExitStack() as stack:
+            if transport == "grpc":
+                send, close = _grpc_sender(proc)
+                stack.callback(close)
+            else:
+
+                def send(body: bytes) -> None:
+                    client.post(base + "/v1/traces", content=body, headers=PB).raise_for_status()
+
+            return _live_rounds(proc, client, base, rounds, send)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+
+
+def _live_rounds(proc, client, base: str, rounds: list[list[bytes]], send) -> list[tuple[int, float, float]]:
+    """Each round's bodies through ``send``, then wait for the store and the
+    handoffs; (spans, collector CPU s less the scrapes', wall s) per round."""
+    out = []
+    for bodies in rounds:
+        c0, w0 = _proc_cpu(proc.pid), time.perf_counter()
+        before, scrapes = _received(client, base), 2
+        for b in bodies:
+            send(b)
+        while client.get(base + "/healthz").json()["queue_spans"]:
+            time.sleep(0.01)
+        while not _settled(client, base):  # once a second: a scrape costs the collector CPU
+            time.sleep(1.0)
+            scrapes += 1
+        cpu, wall = _proc_cpu(proc.pid) - c0, time.perf_counter() - w0
+        got = _received(client, base) - before
+        # the scrapes this loop made are not the collector's work: their CPU,
+        # measured now (the same series), is taken out and shown on its own
+        s0 = _proc_cpu(proc.pid)
+        for _ in range(5):
+            _received(client, base)
+        scrape = (_proc_cpu(proc.pid) - s0) / 5
+        out.append((got, cpu - scrapes * scrape, wall))
+        SCRAPES.append(scrape)
+    return out
 
 
 # ------------------------------------------------------------------ report
@@ -363,12 +395,13 @@ def _live_stores(pg: bool, tmp: Path):
 
 def _live(rounds: list[list[bytes]], where) -> None:
     """Stages 5 and 5s, each on a fresh store ``where(name)``."""
-    for label, extra in (
-        ("5 live kvlens collect (its CPU)", ()),
-        ("5s the same, --keep sampled", ("--keep", "sampled")),  # defaults: 1 %, p99
+    for label, extra, transport in (
+        ("5 live kvlens collect (its CPU)", (), "http"),
+        ("5g the same, over OTLP/gRPC", (), "grpc"),
+        ("5s the same, --keep sampled", ("--keep", "sampled"), "http"),  # defaults: 1 %, p99
     ):
         SCRAPES.clear()
-        live = bench_live(rounds, where(f"live{len(extra)}"), extra)
+        live = bench_live(rounds, where(f"live{len(extra)}{transport}"), extra, transport)
         cpus, walls = [c for _, c, _ in live], [w for _, _, w in live]
         _line(label, live[0][0], cpus, walls)
         print(f"     (a /metrics scrape: {statistics.median(SCRAPES) * 1e3:.0f} ms CPU, taken out of the figure)")

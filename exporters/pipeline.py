@@ -189,10 +189,18 @@ def dropped_counts() -> dict[tuple[str, str], int]:
 
 # ------------------------------------------------------------------ OTLP
 def otlp_protocol(opts: Options, env: Mapping[str, str] = os.environ) -> str:
-    """``grpc`` or ``http/protobuf``: ``otlp_protocol`` in the options, else
-    ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``$OTEL_EXPORTER_OTLP_PROTOCOL``
-    (the standard variables), else ``http/protobuf``."""
-    p = opts.otlp_protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    """``grpc`` or ``http/protobuf``. ``otlp_endpoint`` and ``otlp_protocol``
+    in the options go together (an endpoint without a protocol: OTLP/HTTP);
+    an endpoint from the standard variables goes with the standard
+    ``$OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``$OTEL_EXPORTER_OTLP_PROTOCOL``,
+    so a variable set for vLLM's own exporter cannot turn kvlens' configured
+    OTLP/HTTP endpoint into a gRPC one."""
+    if opts.otlp_protocol:
+        p = opts.otlp_protocol
+    elif opts.otlp_endpoint:
+        p = "http/protobuf"
+    else:
+        p = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
     return "grpc" if (p or "").strip().lower() == "grpc" else "http/protobuf"
 
 
@@ -230,7 +238,28 @@ def otlp_exporter(endpoint: str, protocol: str = "http/protobuf"):
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
     url = endpoint if endpoint.rstrip("/").endswith("/v1/traces") else endpoint.rstrip("/") + "/v1/traces"
-    return OTLPSpanExporter(endpoint=url, timeout=OTLP_TIMEOUT_S, headers=headers)
+    ca = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE") or os.environ.get("OTEL_EXPORTER_OTLP_CERTIFICATE")
+    session = _ca_session() if ca else None
+    return OTLPSpanExporter(endpoint=url, timeout=OTLP_TIMEOUT_S, headers=headers, session=session)
+
+
+def _ca_session():
+    """A ``requests.Session`` that keeps the CA the exporter sets on it
+    (``session.verify``). A plain one drops it for ``$REQUESTS_CA_BUNDLE`` /
+    ``$CURL_CA_BUNDLE`` whenever either is set (requests merges the
+    environment over the session's own setting; many images set them), so
+    ``$OTEL_EXPORTER_OTLP_CERTIFICATE`` would be ignored and TLS to a
+    collector with a private CA fail."""
+    import requests
+
+    class CASession(requests.Session):
+        def merge_environment_settings(self, url, proxies, stream, verify, cert):
+            out = super().merge_environment_settings(url, proxies, stream, verify, cert)
+            if verify is None:
+                out["verify"] = self.verify
+            return out
+
+    return CASession()
 
 
 # ------------------------------------------------------------------ provider

@@ -74,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser, *, client_certs: bool = False) -> 
     own."""
     g = p.add_argument_group(
         "security",
-        f"A bearer token from ${TOKEN_ENV} or --token-file (never a flag value: ps shows argv) and TLS. "
-        "Binding an address other than loopback needs a token or --insecure.",
+        f"A bearer token from ${TOKEN_ENV} or --token-file (never a flag value: ps shows\n"
+        "argv), and TLS. Listening beyond loopback needs a token or --insecure.",
     )
     g.add_argument(
         "--token-file",

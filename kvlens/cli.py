@@ -15,7 +15,10 @@ SUBCOMMANDS = {
     "bench": ("kvlens.bench", "push-vs-pull benchmark grid on a real stack"),
     "traces": ("kvlens.traces", "slowest requests by handoff, with a text waterfall"),
     "dashboard": ("kvlens.dashboard_cmd", "start the Streamlit dashboard"),
-    "collect": ("kvlens.collect", "OTLP/HTTP span receiver writing the trace store (P, D, router on several hosts)"),
+    "collect": (
+        "kvlens.collect",
+        "OTLP/HTTP and OTLP/gRPC span receiver writing the trace store (P, D, router on several hosts)",
+    ),
     "demo": ("kvlens.demo", "the main job: model, push and pull runs, table, traces, dashboard"),
 }
 

@@ -1,13 +1,16 @@
-"""``kvlens collect``: an OTLP/HTTP trace receiver that writes the kvlens
+"""``kvlens collect``: an OTLP/HTTP and OTLP/gRPC trace receiver that writes the kvlens
 trace store, for P, D and the router on different hosts (each host's own
 ``traces.db`` only sees its own processes; one collector sees them all).
 
 Serves ``POST /v1/traces`` (protobuf or JSON, gzip), ``GET /metrics`` (its
 own counters plus the phase and handoff histograms of the spans it stores,
 with trace-id exemplars) and ``GET /healthz`` with uvicorn on a socket bound
-here first, so a busy port is one clear line. SIGTERM / SIGINT: uvicorn stops
-taking requests, the lifespan hook flushes the queue into the store
-(``Ingest.close``, bounded) and the command exits 0.
+here first, so a busy port is one clear line; ``TraceService/Export`` on the
+gRPC port (:mod:`exporters.collector.grpc_receiver`, its own bounded thread
+pool). Token and TLS: :mod:`kvlens.auth`, checked before anything binds.
+SIGTERM / SIGINT: uvicorn stops taking requests, the lifespan hook stops the
+gRPC server (in-flight calls get :data:`GRPC_GRACE_S`), flushes the queue
+into the store (``Ingest.close``, bounded) and the command exits 0.
 """
 
 from __future__ import annotations
@@ -30,23 +33,41 @@ CLOSE_TIMEOUT_S = 10.0
 GRPC_GRACE_S = 5.0
 
 DESCRIPTION = """\
-Receive OpenTelemetry spans over OTLP/HTTP and write them into one kvlens trace
-store, so traces whose router, P and D run on different hosts are whole in one
-place (kvlens traces, the dashboard and the handoff metrics read that store).
+Receive OpenTelemetry spans over OTLP/HTTP (port 4318) and OTLP/gRPC (port 4317)
+and write them into one kvlens trace store, so traces whose router, P and D run
+on different hosts are whole in one place (kvlens traces, the dashboard and the
+handoff metrics read that store). Both protocols go through the same decoding,
+limits, write queue and counters.
 
 The store is a file (default $KVLENS_HOME/traces.db) or a PostgreSQL database
 (--store postgresql://user@host:port/dbname) that several collectors, kvlens
 traces and the dashboard share. --retention 7d prunes older traces as it writes.
 
-Point every process at http://HOST:PORT:
-  P and D   "otlp_endpoint": "http://HOST:PORT" in kv_connector_extra_config
-            (add "kvlens_store": "off" to send spans only here)
-  router    OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:PORT kvlens proxy ...
+Point every process at it:
+  P and D   "otlp_endpoint": "http://HOST:4318" in kv_connector_extra_config
+            (add "kvlens_store": "off" to send spans only here; "otlp_protocol":
+            "grpc" with "http://HOST:4317" for gRPC)
+  router    OTEL_EXPORTER_OTLP_ENDPOINT=http://HOST:4318 kvlens proxy ...
+  OTel Collector (several kvlens collectors): its loadbalancing exporter
+            speaks OTLP/gRPC to HOST:4317, no relay needed
 
-Bounds: a request body over --max-body-mb is refused (413); when more than
---queue-spans spans wait for the store, requests get 429 with Retry-After and
+Security: listening beyond loopback (--host 0.0.0.0) needs a bearer token, or
+--insecure said out loud. The token comes from $KVLENS_TOKEN or --token-file
+(never a flag value: ps shows argv); clients send "Authorization: Bearer TOKEN"
+(gRPC: metadata authorization). kvlens' own exporters (P, D, router) send
+$KVLENS_TOKEN when it is set in their environment; other OTLP exporters take
+OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer%20TOKEN". /healthz needs no
+token; /metrics does (Prometheus: authorization.credentials_file). --tls-cert
+and --tls-key serve both protocols over TLS (clients trust the CA with
+OTEL_EXPORTER_OTLP_CERTIFICATE); --tls-client-ca also requires client
+certificates. A refused request writes nothing and is counted
+(kvlens_collector_requests_rejected_total{reason="unauthenticated"}).
+
+Bounds: a request over --max-body-mb is refused (HTTP 413, gRPC
+INVALID_ARGUMENT); when more than --queue-spans spans wait for the store,
+requests get 429 with Retry-After (gRPC RESOURCE_EXHAUSTED with RetryInfo) and
 OTLP exporters retry them. Counters on /metrics count every rejected request
-and every dropped span.
+and every dropped span. See docs/security.md and docs/fleet.md.
 """
 
 
@@ -54,7 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = DESCRIPTION
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument(
-        "--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 for other hosts)"
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to listen on (default {DEFAULT_HOST}; 0.0.0.0 for other hosts: needs a token or --insecure)",
     )
     p.add_argument(
         "--port",

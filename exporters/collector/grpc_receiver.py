@@ -37,9 +37,10 @@ from typing import Callable
 import grpc
 from google.protobuf.duration_pb2 import Duration
 from google.rpc.error_details_pb2 import RetryInfo
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from exporters.collector import otlp, wire
-from exporters.collector.app import _OK_PROTOBUF, DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S
+from exporters.collector.app import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S
 from exporters.collector.ingest import Ingest
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
@@ -48,6 +49,7 @@ METHOD = "Export"
 #: a few let a slow client's call wait without stalling the others.
 WORKERS = 4
 MAX_CONCURRENT_RPCS = 256
+_OK = ExportTraceServiceResponse().SerializeToString()
 _RETRY_INFO = RetryInfo(retry_delay=Duration(seconds=RETRY_AFTER_S)).SerializeToString()
 
 
@@ -97,7 +99,7 @@ def export_handler(
                 busy_code,
                 f"the write queue is full ({ingest.queued_spans} spans waiting for the trace store); retry later",
             )
-        return _OK_PROTOBUF
+        return _OK
 
     return export
 

@@ -18,7 +18,7 @@ the server is back. Nothing is dropped silently:
     kvlens_collector_spans_written_total               spans written to the store
     kvlens_collector_spans_dropped_total{reason}       store_error | shutdown
     kvlens_collector_requests_rejected_total{reason}   too_large | content_type | decode | invalid_span
-                                                        | queue_full | shutdown
+                                                        | queue_full | shutdown | unauthenticated
     kvlens_collector_queue_spans                       spans queued or being written
     kvlens_collector_spans_unkept_total                spans of requests kept as their summary only
     kvlens_collector_decision_buffer_spans             spans waiting for their request's keep decision

@@ -84,18 +84,37 @@ FLEET_CLOCK_SHIFT_S = {"push": 0.25, "pull": -0.25}
 _CLOCKSHIFT_DIR = Path(__file__).resolve().parent / "clockshift"
 
 
+#: The push fleet's collector token (``kvlens collect`` wants it; P, D and the router send it).
+FLEET_TOKEN = "e2e-fleet-token-7d41"
+
+
 def fleet_stack_kw(mode: str, collector_store: str | None = None) -> dict:
     """P, D and the router with their own homes, spans over OTLP to one
     collector (push: a ``kvlens collect`` process, writing ``collector_store``
     when given (a PostgreSQL URL); pull: hosted by the router, writing its
-    home's SQLite file), and D's clock shifted by FLEET_CLOCK_SHIFT_S[mode]."""
+    home's SQLite file), and D's clock shifted by FLEET_CLOCK_SHIFT_S[mode].
+
+    Push: the collector wants :data:`FLEET_TOKEN` (``$KVLENS_TOKEN``). P and
+    D send it from ``$KVLENS_TOKEN`` (the connector's exporter) and from the
+    standard ``$OTEL_EXPORTER_OTLP_HEADERS`` (vLLM's own ``llm_request``
+    exporter reads only that); the router from ``$OTEL_EXPORTER_OTLP_HEADERS``
+    alone (read by the SDK itself)."""
+    clock = {"PYTHONPATH": str(_CLOCKSHIFT_DIR), "KVLENS_TEST_CLOCK_SHIFT_S": str(FLEET_CLOCK_SHIFT_S[mode])}
+    role_env: dict[str, dict[str, str]] = {"decode": clock}
+    if mode == "push":
+        header = {"OTEL_EXPORTER_OTLP_HEADERS": f"authorization=Bearer%20{FLEET_TOKEN}"}
+        engine = {"KVLENS_TOKEN": FLEET_TOKEN, **header}
+        role_env = {
+            "collector": {"KVLENS_TOKEN": FLEET_TOKEN},
+            "prefill": engine,
+            "decode": {**clock, **engine},
+            "router": header,
+        }
     return {
         "separate_homes": True,
         "collector": "process" if mode == "push" else "router",
         **({"collector_store": collector_store} if collector_store else {}),
-        "role_env": {
-            "decode": {"PYTHONPATH": str(_CLOCKSHIFT_DIR), "KVLENS_TEST_CLOCK_SHIFT_S": str(FLEET_CLOCK_SHIFT_S[mode])}
-        },
+        "role_env": role_env,
     }
 
 

@@ -2,7 +2,8 @@
 router each with its own KVLENS_HOME, spans over OTLP/HTTP to one collector
 (push: a ``kvlens collect`` process; pull: the receiver hosted by the router),
 and D's wall clock shifted (+0.25 s push, -0.25 s pull; the monotonic clock
-untouched). Checked: every request has exactly one joined trace with both
+untouched); the push fleet's collector wants a bearer token, which P, D
+and the router send. Checked: every request has exactly one joined trace with both
 ends and a handoff; the corrected handoff is within its stated bound of the
 truth (the raw figure with the known shift removed) and the offset's interval
 contains the shift; the handoff metric counts what the store settled; vLLM's
@@ -23,7 +24,7 @@ import pytest
 from opentelemetry.trace import format_span_id
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import FLEET_CLOCK_SHIFT_S
+from conftest import FLEET_CLOCK_SHIFT_S, FLEET_TOKEN
 from kvtrace import store
 from kvrecord.ids import root_span_id
 
@@ -68,8 +69,9 @@ def _settled(db, ids, timeout=90.0):
         time.sleep(0.5)
 
 
-def _metric(url: str, name: str, **labels) -> float | None:
-    text = httpx.get(url + "/metrics", timeout=10, follow_redirects=True).text  # the router mounts /metrics/
+def _metric(url: str, name: str, headers: dict | None = None, **labels) -> float | None:
+    r = httpx.get(url + "/metrics", timeout=10, follow_redirects=True, headers=headers)  # the router mounts /metrics/
+    text = r.raise_for_status().text
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
@@ -124,18 +126,23 @@ def _check_fleet(stack, mode: str) -> None:
 
     # metrics where the handoff resolver runs: its count equals the store's settled rows
     murl = stack.collector_url if stack.collector == "process" else stack.router_url
+    m = {}
+    if stack.collector == "process":  # behind FLEET_TOKEN: every export carried it, none was refused
+        assert httpx.get(murl + "/metrics", timeout=10).status_code == 401
+        m = {"headers": {"Authorization": f"Bearer {FLEET_TOKEN}"}}
+        assert _metric(murl, "kvlens_collector_requests_rejected_total", reason="unauthenticated", **m) == 0
     deadline = time.monotonic() + 60
     while True:
         with store.reading(stack.store) as conn:
             n_store = len([r for r in store.slowest(conn, 10_000, mode=mode) if r["handoff_s"] is not None])
-        n_metric = _metric(murl, "kvlens_handoff_seconds_count", mode=mode)
+        n_metric = _metric(murl, "kvlens_handoff_seconds_count", mode=mode, **m)
         if n_metric == n_store or time.monotonic() > deadline:
             break
         time.sleep(1)
     assert n_metric == n_store and n_store >= N
-    assert not _metric(murl, "kvlens_handoff_unresolved_total", mode=mode, reason="clock_unknown")
-    off = _metric(murl, "kvlens_clock_offset_seconds", p_engine="p0", d_engine="d0")
-    width = _metric(murl, "kvlens_clock_offset_width_seconds", p_engine="p0", d_engine="d0")
+    assert not _metric(murl, "kvlens_handoff_unresolved_total", mode=mode, reason="clock_unknown", **m)
+    off = _metric(murl, "kvlens_clock_offset_seconds", p_engine="p0", d_engine="d0", **m)
+    width = _metric(murl, "kvlens_clock_offset_width_seconds", p_engine="p0", d_engine="d0", **m)
     assert off is not None and off - width / 2 - EPS <= shift <= off + width / 2 + EPS
 
     # vLLM's own request spans joined the same traces (router's traceparent);
