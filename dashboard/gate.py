@@ -6,8 +6,8 @@ Why a middleware and not a check inside the page: a Streamlit script runs
 only once the browser has loaded Streamlit's JavaScript and opened its
 websocket (``/_stcore/stream``); a check there (``st.context.headers``,
 cookies) would still serve the static files, the host config, media and the
-websocket itself to anyone, and would rely on every page calling it. Since
-Streamlit 1.67 ``st.App(..., middleware=[...])`` runs our ASGI middleware in
+websocket itself to anyone, and would rely on every page calling it. Streamlit's
+``st.App(..., middleware=[...])`` (1.67, the version pyproject requires) runs our ASGI middleware in
 front of every route Streamlit serves, the websocket included, on
 Streamlit's own server (its TLS, ``server.sslCertFile``). So nothing is
 served without the token: not a page, not a script, not the websocket.

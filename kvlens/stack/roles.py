@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Mapping
 from urllib.parse import quote
 
 from kvlens.stack import pinning
@@ -31,14 +32,16 @@ from kvlens.stack.tp import tp_args
 from kvrecord import config as kvconfig
 
 
-def otlp_token_env(topo) -> dict[str, str]:
+def otlp_token_env(topo, given: Mapping[str, str]) -> dict[str, str]:
     """With separate homes and ``$KVLENS_TOKEN`` set: the header vLLM's own
     OTLP exporter (``--otlp-traces-endpoint``) sends to the collector, which
     asks for the token (the connector's exporter sends ``$KVLENS_TOKEN``
     itself). In the environment, as the OpenTelemetry SDK reads it, never on a
-    command line. A value the caller set wins."""
+    command line. Headers the caller set (either variable, in ``given``: our
+    environment and the role's) win: they are left as they are."""
     token = kvconfig.client_token()
-    if not topo.separate or not token or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
+    mine = ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
+    if not topo.separate or not token or any(given.get(k) for k in mine):
         return {}
     return {"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "authorization=" + quote(f"Bearer {token}", safe="")}
 
@@ -69,7 +72,14 @@ class StackRoles:
             self.host,
             inst.side_port,
             prom,
-            self._env(role, {**topo.server_env(role), **otlp_token_env(topo), **api_key_env(self.api_key)}),
+            self._env(
+                role,
+                {
+                    **topo.server_env(role),
+                    **otlp_token_env(topo, {**os.environ, **self._env(role)}),
+                    **api_key_env(self.api_key),
+                },
+            ),
             cpus,
         )
         ktc = kv_transfer_config(
