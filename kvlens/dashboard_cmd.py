@@ -220,7 +220,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlens dashboard: {problem}", file=sys.stderr)
         return 2
     env = child_env(store, security)
-    child = ChildProcess(command(args, store), env=env, cwd=workdir(), group="session").start()
+    # death_signal: a kvlens dashboard killed outright (SIGKILL) takes Streamlit with it
+    child = ChildProcess(
+        command(args, store), env=env, cwd=workdir(), group="session", death_signal=signal.SIGTERM
+    ).start()
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
     how = "; sign in with the token, or open the URL with ?token=TOKEN once" if security.token else ""
     print(

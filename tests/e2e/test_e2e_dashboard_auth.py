@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvrecord.guard import parent_death_signal
 from kvrecord.ports import free_port
 from store_fixture import make_store
 from tlscerts import make_tls
@@ -26,6 +27,12 @@ from test_e2e_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUT, alive, brow
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "e2e-" + secrets.token_hex(16)
+
+
+def _dies_with_us() -> None:
+    """In the child: SIGTERM when this test process dies, so an interrupted run leaves no server behind."""
+    parent_death_signal(signal.SIGTERM)
+
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} not installed")
 
@@ -40,7 +47,15 @@ def _start(tmp_path: Path):
         "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
     ]  # fmt: skip
     logf = open(tmp_path / "dashboard.log", "wb")
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=env,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=_dies_with_us,
+    )
     url = f"https://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:

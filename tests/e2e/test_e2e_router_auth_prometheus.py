@@ -19,11 +19,17 @@ import pytest
 
 from exporters.prometheus_server import PrometheusServer
 from fakes import FakeVllm, d_answers, p_ok
+from kvrecord.guard import parent_death_signal
 from kvrecord.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS = Path("/usr/bin/prometheus")
 TOKEN = "prom-" + secrets.token_hex(16)
+
+
+def _dies_with_us() -> None:
+    """In the child: SIGTERM when this test process dies, so an interrupted run leaves no server behind."""
+    parent_death_signal(signal.SIGTERM)
 
 
 @pytest.mark.skipif(not PROMETHEUS.exists(), reason="install Debian package prometheus: apt-get install prometheus")
@@ -36,7 +42,7 @@ def test_prometheus_scrapes_the_router_with_its_token_file(tmp_path):
     router = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", "pull", "--prefill", p.url, "--decode", d.url,
          "--port", str(port)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_dies_with_us,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     target = f"127.0.0.1:{port}"

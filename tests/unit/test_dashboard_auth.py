@@ -27,11 +27,17 @@ from starlette.websockets import WebSocketDisconnect
 
 from dashboard.gate import COOKIE, LOGIN_PATH, TokenGate, session_value
 from kvlens import auth, dashboard_cmd
+from kvrecord.guard import parent_death_signal
 from kvrecord.ports import free_port
 from tlscerts import make_tls
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "dash-" + secrets.token_hex(16)
+
+
+def _dies_with_us() -> None:
+    """In the child: SIGTERM when this test process dies, so an interrupted run leaves no server behind."""
+    parent_death_signal(signal.SIGTERM)
 
 
 # ------------------------------------------------------------ the gate alone
@@ -163,7 +169,9 @@ def dashboard(tmp_path):
         "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
     ]  # fmt: skip
     log = open(tmp_path / "dashboard.log", "w+")
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_dies_with_us
+    )
     url = f"https://127.0.0.1:{port}"
     ctx = ssl.create_default_context(cafile=str(tls.ca))
     try:

@@ -30,6 +30,7 @@ from fakes import FakeVllm, d_answers, p_ok
 from kvlens import auth
 from kvlens.proxy import cli
 from kvrecord import semconv as sc
+from kvrecord.guard import parent_death_signal
 from kvrecord.ports import free_port
 from kvrecord.recorder import Recorder
 from kvtrace import store
@@ -37,6 +38,11 @@ from tlscerts import make_tls
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "tok-" + secrets.token_hex(16)
+
+
+def _dies_with_us() -> None:
+    """In the child: SIGTERM when this test process dies, so an interrupted run leaves no server behind."""
+    parent_death_signal(signal.SIGTERM)
 
 
 def _spans(n: int = 3) -> list:
@@ -95,7 +101,9 @@ def router_proc(tmp_path):
         sys.executable, "-m", "kvlens.cli", "proxy", "--mode", "pull", "--prefill", p.url, "--decode", d.url,
         "--port", str(port), "--collect", "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
     ]  # fmt: skip
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=_dies_with_us
+    )
     url = f"https://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
