@@ -73,6 +73,7 @@ class PrometheusServer:
         *,
         binary: str | Path = DEFAULT_BINARY,
         retention: str = "1d",
+        credentials: Mapping[str, str] | None = None,
     ) -> None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
             raise ValueError(f"port must be an integer in 0..65535 (0: pick a free one), got {port!r}")
@@ -98,6 +99,11 @@ class PrometheusServer:
         self.scrape_interval = str(scrape_interval)
         self.binary = Path(binary)
         self.retention = retention
+        unknown = set(credentials or {}) - set(clean)
+        if unknown:
+            raise ValueError(f"credentials for jobs that are not scraped: {sorted(unknown)}")
+        #: job -> bearer token its targets ask for on /metrics (never in repr or in prometheus.yml)
+        self._credentials = dict(credentials or {})
         self.proc: ChildProcess | None = None
 
     # ------------------------------------------------------------- config
@@ -113,21 +119,37 @@ class PrometheusServer:
     def log_path(self) -> Path:
         return self.data_dir / "prometheus.log"
 
+    def credentials_path(self, job: str) -> Path:
+        """Where a job's bearer token is kept while Prometheus runs (mode 0600)."""
+        return self.data_dir / f"{job}.token"
+
+    def _scrape_config(self, job: str, targets: list[str]) -> dict[str, Any]:
+        sc: dict[str, Any] = {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": targets}]}
+        if job in self._credentials:  # the file, not the token: prometheus.yml stays free of secrets
+            sc["authorization"] = {"type": "Bearer", "credentials_file": str(self.credentials_path(job))}
+        return sc
+
     def config(self) -> dict[str, Any]:
         """The ``prometheus.yml`` content (a dict; written as JSON, which is YAML)."""
         cfg: dict[str, Any] = {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-            "scrape_configs": [
-                {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": tl}]}
-                for job, tl in self.targets.items()
-            ],
+            "scrape_configs": [self._scrape_config(job, tl) for job, tl in self.targets.items()],
         }
         if self.rules:
             cfg["rule_files"] = [RULES_FILE]
         return cfg
 
     def write_config(self) -> Path:
+        """``prometheus.yml`` (and the rules); each job's token in its own file
+        only the owner can read (Prometheus has no other way to take one
+        than a file or the config itself; removed by :meth:`stop`)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        for job, token in self._credentials.items():
+            path = self.credentials_path(job)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o600)  # an older file may have had another mode
+                f.write(token)
         if self.rules:
             shutil.copyfile(rules_path(), self.data_dir / RULES_FILE)
         self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
@@ -170,9 +192,11 @@ class PrometheusServer:
         raise PrometheusError(f"prometheus not ready on {self.url} after {timeout:.0f}s:\n{tail}")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, wait ``timeout``, SIGKILL. Idempotent."""
+        """SIGTERM, wait ``timeout``, SIGKILL; the token files removed. Idempotent."""
         if self.proc is not None:
             self.proc.stop(timeout)
+        for job in self._credentials:
+            self.credentials_path(job).unlink(missing_ok=True)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.alive()

@@ -5,8 +5,10 @@
 :mod:`kvlens.proxy.intake` accepted them, to the P and D the
 :class:`~kvlens.proxy.balancer.Balancer` picks; ``GET /health`` asks every
 P and D; ``GET /v1/models`` is the first D's; ``/metrics`` serves the router's span-derived
-Prometheus metrics. With an API key (``ProxyConfig.api_key``) the ``/v1/*``
-routes require it; ``/health`` and ``/metrics`` stay open, as on vLLM.
+Prometheus metrics. With a token or an API key (``ProxyConfig.client_key``)
+every route but ``/health`` requires it (:class:`~kvlens.proxy.intake.ClientAuth`):
+``/v1/*``, ``/metrics`` (a Prometheus scrape job sends it with
+``authorization: {credentials_file: ...}``) and, with ``--collect``, ``POST /v1/traces``.
 All handlers run on the event loop.
 """
 
@@ -30,7 +32,7 @@ from kvlens.proxy.config import ProxyConfig
 from kvlens.proxy.dispatch import dispatcher
 from kvlens.proxy.errors import Upstream, from_http_error
 from kvlens.proxy.exchange import Exchange
-from kvlens.proxy.intake import UNAUTHORIZED, Refused, authorized, check_fields, parse_object, read_limited
+from kvlens.proxy.intake import ClientAuth, Refused, check_fields, parse_object, read_limited
 from kvlens.proxy.isolation import TraceIds
 from kvlens.proxy.telemetry import RouterTelemetry
 
@@ -101,11 +103,15 @@ class Router:
             self.tel.close()
 
     def upstream_auth(self, request: Request | None) -> str | None:
-        """Authorization for every call to P and D: the router's own key when
-        it has one (the client proved it knows it), else the client's header
+        """Authorization for every call to P and D: the API key when the
+        router has one (the client proved it knows the router's key), none
+        when the router has only its own token (the client's header holds
+        that token, which is not P's or D's to see), else the client's header
         as it came (P and D may have a key the router does not know)."""
         if self.cfg.api_key:
             return f"Bearer {self.cfg.api_key}"
+        if self.cfg.token:
+            return None
         return request.headers.get("authorization") if request is not None else None
 
     def _auth_headers(self, request: Request | None) -> dict[str, str]:
@@ -171,8 +177,6 @@ class Router:
         )
 
     async def models(self, request: Request) -> Response:
-        if not authorized(request.headers, self.cfg.api_key):
-            return UNAUTHORIZED.response(None)
         try:
             r = await self.client.get(
                 self.cfg.decode_url + "/v1/models", timeout=10, headers=self._auth_headers(request)
@@ -206,9 +210,8 @@ class Router:
         return relay.streamed(ex, d_resp)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
-        """One completion request: key, trace id, body, P and D, relay."""
-        if not authorized(request.headers, self.cfg.api_key):
-            return UNAUTHORIZED.response(None)  # no trace id, no span: nothing spent
+        """One completion request (its key checked already: :class:`ClientAuth`):
+        trace id, body, P and D, relay."""
         t0 = time.time_ns()
         tid, parent, client_ids = self.ids.claim(request.headers)
         ex = Exchange(
@@ -273,6 +276,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="kvlens proxy", lifespan=lifespan)
     app.state.kvlens_config = config
+    if config.client_key:  # every route but /health, the receiver and /metrics included
+        app.add_middleware(ClientAuth, key=config.client_key)
     if ingest is not None:
         from exporters.collector.app import mount_receiver
         from prometheus_client import REGISTRY

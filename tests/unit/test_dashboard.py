@@ -430,7 +430,7 @@ def test_dashboard_cmd_arguments(tmp_path, monkeypatch):
     assert (args.port, args.host, args.store, args.prometheus) == (8501, "127.0.0.1", None, None)
     args = p.parse_args(["--store", str(tmp_path / "t.db"), "--prometheus", "http://x:9090", "--port", "9999"])
     cmd = dashboard_cmd.command(args, tmp_path / "t.db")
-    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("dashboard/app.py")
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4].endswith("dashboard/serve.py")
     i = cmd.index("--")
     assert cmd[i + 1 :] == ["--store", str(tmp_path / "t.db"), "--prometheus", "http://x:9090"]
     for flag, val in (
