@@ -19,6 +19,12 @@ P = sc.Phase
 OP = sc.OpenPhase
 _PREFILL, _DECODE = sc.Role.PREFILL.value, sc.Role.DECODE.value
 _STALE = sc.Outcome.STALE.value
+# phase values, not members: the table's dict look-ups stay in C (an enum hashes in Python)
+_AWAITING_REGISTRATION, _AWAITING_PREFILL, _WRITING = (
+    OP.AWAITING_REGISTRATION.value,
+    OP.AWAITING_PREFILL.value,
+    OP.WRITING.value,
+)
 
 
 class WorkerHealth:
@@ -109,7 +115,7 @@ class PushWorkerHealth(WorkerHealth):
         table = self._kvl_table
         if table is not None:
             for rid, blocks in finished.items():
-                table.open(rid, OP.AWAITING_REGISTRATION, t, nblocks(blocks))
+                table.open(rid, _AWAITING_REGISTRATION, t, nblocks(blocks))
 
     def _kvl_registration_open(self, d_rid: str, res, t: int) -> None:
         """Writer thread: D's registration reached P; ``res``: the finished
@@ -118,9 +124,9 @@ class PushWorkerHealth(WorkerHealth):
         if table is None:
             return
         if res is not None:
-            table.open(res[0], OP.WRITING, t)
+            table.open(res[0], _WRITING, t)
         else:
-            table.open(d_rid, OP.AWAITING_PREFILL, t, attempt=False)  # not a P handoff until blocks come
+            table.open(d_rid, _AWAITING_PREFILL, t, attempt=False)  # not a P handoff until blocks come
 
     def _kvl_blocks_matched(self, rid: str, reg, t: int) -> None:
         """Writer thread: P's blocks matched a waiting registration ``reg``:
@@ -130,7 +136,7 @@ class PushWorkerHealth(WorkerHealth):
             return
         d_rid = reg.get("request_id") if isinstance(reg, dict) else None
         e = table.close(d_rid, None) if d_rid and d_rid != rid else None
-        table.open(rid, OP.WRITING, t, start_ns=entry_fields(e)["start_ns"] if e else None)
+        table.open(rid, _WRITING, t, start_ns=entry_fields(e)["start_ns"] if e else None)
 
     def _kvl_d_notif(self, notif: bytes) -> None:
         """D's engine thread took a completion notification off the writer's

@@ -133,7 +133,7 @@ class _WorkerHooks(WorkerHealth):
                 t = self._kvl_table
                 for rid in results.finished_recving:
                     # D: the watchdog's flag, and how long D waited after it
-                    flags = t.flags(rid) if t is not None else None
+                    flags = t.flags(rid) if t is not None and t.is_flagged(rid) else None
                     attrs = timeout_attrs(flags, now()) if flags else None
                     self._kvl.point(P.KV_READY, rid, "failed" if rid in failed else "ok", attrs or None)
             except Exception:
