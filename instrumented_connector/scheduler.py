@@ -49,6 +49,7 @@ class _SchedulerHooks:
         # All hook state exists before vLLM can call a hook.
         self._kvl_loaded = Pending()  # D: rid whose KV arrived, not yet scheduled -> None
         self._kvl_sched = Pending()  # D: rid -> (ns its first step after the KV was scheduled, tokens recomputed)
+        self._kvl_flagged = Pending()  # D: rid whose KV came after the registration watchdog -> its span attributes
 
     def _kvl_setup(self, rec) -> None:
         """Connect the recorder and this side's open-handoff table (called once, after ``__init__``)."""
@@ -111,14 +112,10 @@ class _SchedulerHooks:
             if sched:
                 t = now()
                 for rid, (t0, recomputed) in sched.items():
-                    self._kvl.record(
-                        P.DECODE_FIRST_STEP,
-                        rid,
-                        t0,
-                        max(t, t0),
-                        "ok",
-                        {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size},
-                    )
+                    attrs = {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size}
+                    if self._kvl_flagged:  # the KV came after push's registration watchdog fired
+                        attrs.update(self._kvl_flagged.pop(rid, None) or ())
+                    self._kvl.record(P.DECODE_FIRST_STEP, rid, t0, max(t, t0), "ok", attrs)
                 sched.clear()
             for rid in connector_output.finished_recving or ():
                 self._kvl_loaded.put(rid, None)
@@ -126,6 +123,8 @@ class _SchedulerHooks:
             if t is not None:
                 failed = connector_output.failed_recving or ()
                 for rid in connector_output.finished_recving or ():
+                    if t.is_flagged(rid):  # the worker's kv.ready may be in another process: flag D's first step
+                        self._kvl_flagged.put(rid, timeout_attrs(t.flags(rid), now()))
                     t.close(rid, sc.Outcome.FAILED.value if rid in failed else sc.Outcome.OK.value)
                 # vLLM freed these blocks: nothing is pinned any more (the
                 # worker counted the outcome where it runs in this process)

@@ -119,7 +119,7 @@ class _WorkerHooks(WorkerHealth):
                 t = self._kvl_table
                 for rid in set(done_sending) - (snapshot or set()):
                     if t is not None:
-                        t.close(rid, sc.Outcome.EXPIRED.value)
+                        t.close(rid, sc.Outcome.EXPIRED.value, count_anyway=True)
                     self._kvl.point(self._KVL_COMPLETE, rid, "expired", {sc.ATTR_ERROR: "KV lease expired"})
             except Exception:
                 fail("_reap_expired_send_leases")
@@ -375,8 +375,8 @@ class InstrumentedNixlPullConnectorWorker(PullWorkerHealth, _WorkerHooks, NixlPu
                 table = self._kvl_table
                 for rid in done:
                     self._kvl.record(P.KV_RELEASED, rid, t, t)
-                    if table is not None:
-                        table.close(rid, sc.Outcome.OK.value)
+                    if table is not None:  # pull P's handoff is open in the scheduler's process
+                        table.close(rid, sc.Outcome.OK.value, count_anyway=True)
             except Exception:
                 fail("_get_new_notifs")
         return done

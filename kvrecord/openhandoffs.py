@@ -131,21 +131,24 @@ class HandoffTable:
             self._where[rid] = ph
             return True
 
-    def close(self, rid: str, outcome: str | None) -> list | None:
+    def close(self, rid: str, outcome: str | None, count_anyway: bool = False) -> list | None:
         """End ``rid``'s handoff; count ``outcome`` (None: ended without one,
-        e.g. merged into another entry). Returns the entry, or None if it
-        was not open."""
+        e.g. merged into another entry) if it was open here, or in any case
+        with ``count_anyway``: the hook that sees the end may run in another
+        process than the one that opened it (vLLM's worker and scheduler;
+        counters add up across an instance's processes, gauges do not).
+        Returns the entry, or None if it was not open here."""
         with self._lock:
             ph = self._where.pop(rid, None)
-            if ph is None:
-                return None
-            e = self._by_phase[ph].pop(rid)
-            if e[_BLOCKS]:
-                self._blocks[ph] -= e[_BLOCKS]
-            if e[_FLAGS] is not None:
-                self._flagged.discard(rid)
-            self._n -= 1
-            if outcome is not None:
+            e = None
+            if ph is not None:
+                e = self._by_phase[ph].pop(rid)
+                if e[_BLOCKS]:
+                    self._blocks[ph] -= e[_BLOCKS]
+                if e[_FLAGS] is not None:
+                    self._flagged.discard(rid)
+                self._n -= 1
+            if outcome is not None and (e is not None or count_anyway):
                 self.outcomes[outcome if outcome in self.outcomes else sc.Outcome.FAILED.value] += 1
             return e
 
