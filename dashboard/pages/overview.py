@@ -331,7 +331,7 @@ def mode_charts(
 HEALTH_HELP = (
     "Handoffs that have not ended, and those that ended badly (docs/health.md). Open now and the oldest "
     "open age are live; the others count over the time range. A figure kvlens cannot know says "
-    "\u201cunknown\u201d and why, never 0. Alert rules on the same metrics: docs/alerts.md."
+    "\u201cunknown\u201d and why, never 0. Alert rules on the same metrics: docs/health.md."
 )
 #: Most stuck requests listed as links (the rest: ``kvlens traces --open``).
 STUCK_SHOWN = 20
