@@ -17,6 +17,7 @@ import streamlit as st
 
 from dashboard import benchdata as BD
 from dashboard import data as D
+from dashboard import health as H
 from dashboard import pairs, prom
 from kvtrace import benchrows
 from kvtrace.store import StoreLocation
@@ -131,10 +132,10 @@ def load_bench(path: StoreLocation, run_id: str | None) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def load_prom_health(url: str, range_key: str, _bucket: int) -> dict[str, D.Figure]:
+def load_prom_health(url: str, range_key: str, _bucket: int) -> dict[str, H.Figure]:
     return prom.prom_health(url, range_key)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def load_stuck(path: StoreLocation, now_s: int) -> pd.DataFrame:
-    return D.stuck_table(path, now_s * 1_000_000_000)
+    return H.stuck_table(path, now_s * 1_000_000_000)

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from dashboard import data as D
+from dashboard import health as H
 from exporters import promapi
 from kvtrace import tracemodel
 from exporters.promapi import PrometheusError
@@ -200,14 +201,14 @@ def _absent(metric: str) -> str:
     return f"Prometheus has no {metric} series (P and D not scraped, or a kvlens connector from before handoff health)"
 
 
-def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str, D.Figure]:
+def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str, H.Figure]:
     """The Overview's health strip (:data:`dashboard.data.HEALTH_FIGURES`) from
     Prometheus: open now and the oldest open age from the gauges (summed over
     every instance; NaN "oldest" gauges of idle sides dropped), the rest as
     ``increase()`` over the range (extrapolated, so rounded). A figure whose
     metric has no series is unknown, with the reason; never 0."""
     w = prom_range(range_key)
-    out: dict[str, D.Figure] = {}
+    out: dict[str, H.Figure] = {}
     with promapi.client(timeout_s) as c:
 
         def q(expr: str) -> list[tuple[dict[str, str], float]]:
@@ -215,7 +216,7 @@ def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str
 
         def count(key: str, metric: str, expr: str, help_: str) -> None:
             v = _one(q(expr))
-            out[key] = D.Figure(None, help_, unknown=_absent(metric)) if v is None else D.Figure(round(v), help_)
+            out[key] = H.Figure(None, help_, unknown=_absent(metric)) if v is None else H.Figure(round(v), help_)
 
         count(
             "open",
@@ -227,13 +228,13 @@ def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str
         oldest = _one(q("time() - min(kvlens_handoff_oldest_open_start_timestamp_seconds > 0)"))
         help_ = "Age of the oldest open handoff on any instance (time() - kvlens_handoff_oldest_open_start_timestamp_seconds)."
         if oldest is not None:
-            out["oldest_s"] = D.Figure(max(oldest, 0.0), help_)
+            out["oldest_s"] = H.Figure(max(oldest, 0.0), help_)
         elif out["open"].unknown:
-            out["oldest_s"] = D.Figure(
+            out["oldest_s"] = H.Figure(
                 None, help_, unknown=_absent("kvlens_handoff_oldest_open_start_timestamp_seconds")
             )
         else:
-            out["oldest_s"] = D.Figure(None, help_)
+            out["oldest_s"] = H.Figure(None, help_)
         count(
             "stale",
             "kvlens_kv_stale_total",

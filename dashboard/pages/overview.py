@@ -12,7 +12,6 @@ reruns on its own every few seconds while auto-refresh is on.
 
 from __future__ import annotations
 
-import time
 from datetime import datetime
 
 import pandas as pd
@@ -22,7 +21,7 @@ from dashboard import charts
 from dashboard import benchdata as BD
 from dashboard import data as D
 from dashboard import loaders as L
-from dashboard import pairs, prom, ui
+from dashboard import healthview, pairs, prom, ui
 from kvrecord import semconv as sc
 
 REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
@@ -94,7 +93,7 @@ def add_bench_tpot(cfg: ui.Config, stats: dict[str, D.ModeStats]) -> None:
 
 
 def body(cfg: ui.Config, range_key: str) -> None:
-    health_strip(cfg, range_key)
+    healthview.health_strip(cfg, range_key, TRACES_PAGE)
     got = from_prometheus(cfg, range_key) or from_store(cfg, range_key)
     if got is None:
         return
@@ -325,98 +324,6 @@ def mode_charts(
         )
     else:
         st.caption("Nothing overlaps prefill: every phase starts after prefill.finished.")
-
-
-# ------------------------------------------------------------ handoff health
-HEALTH_HELP = (
-    "Handoffs that have not ended, and those that ended badly (docs/health.md). Open now and the oldest "
-    "open age are live; the others count over the time range. A figure kvlens cannot know says "
-    "\u201cunknown\u201d and why, never 0. Alert rules on the same metrics: docs/health.md."
-)
-#: Most stuck requests listed as links (the rest: ``kvlens traces --open``).
-STUCK_SHOWN = 20
-
-
-def health_figures(cfg: ui.Config, range_key: str, stuck_df: pd.DataFrame | None, stuck_why: str) -> tuple:
-    """(figures, source): from Prometheus when ``--prometheus`` is set and answers,
-    else from the trace store; every figure unknown (with the reason) when neither can say."""
-    if cfg.prometheus:
-        try:
-            return L.load_prom_health(cfg.prometheus, range_key, L.now_bucket()), f"Prometheus at `{cfg.prometheus}`"
-        except prom.PrometheusError as e:
-            st.warning(f"Handoff health: Prometheus is unreachable or refused the query ({e}); from the trace store.")
-    try:
-        window = L.load_window(cfg.store, range_key, L.now_bucket(range_key))
-    except (D.StoreMissing, D.StoreError) as e:
-        why = f"no readable trace store ({e})"
-        return {k: D.Figure(None, unknown=why) for k in D.HEALTH_FIGURES}, "nothing"
-    figs = D.health_from_store(
-        window, stuck_df if stuck_df is not None else pd.DataFrame(columns=D.STUCK_COLUMNS), range_key
-    )
-    if stuck_df is None:
-        for k in ("open", "oldest_s"):
-            figs[k] = D.Figure(None, figs[k].help, unknown=stuck_why)
-    return figs, f"trace store `{cfg.store}`"
-
-
-def health_value(key: str, f: D.Figure) -> str:
-    """A strip card's value: ``unknown``, ``none`` (an age with nothing open), seconds, or a count."""
-    if f.unknown:
-        return "unknown"
-    if f.value is None:
-        return "none"
-    return ui.fmt_short(f.value) if key == "oldest_s" else ui.fmt_n(f.value)
-
-
-def health_strip(cfg: ui.Config, range_key: str) -> None:
-    """The health strip for the window, then the requests stuck now (from the
-    store: Prometheus holds no request ids), each a link to its partial trace."""
-    stuck_df, stuck_why = None, ""
-    try:
-        stuck_df = L.load_stuck(cfg.store, L.now_bucket())
-    except (D.StoreMissing, D.StoreError) as e:
-        stuck_why = f"the trace store cannot be read ({e})"
-    figs, source = health_figures(cfg, range_key, stuck_df, stuck_why)
-    with st.container(border=True, key="ov_health"):
-        st.subheader("Handoff health", help=HEALTH_HELP)
-        for col, (key, label) in zip(st.columns(len(D.HEALTH_FIGURES)), D.HEALTH_FIGURES.items()):
-            f = figs[key]
-            unit = " (s)" if key == "oldest_s" else ""
-            col.metric(
-                label + unit, health_value(key, f), help=f.help + (f" Unknown: {f.unknown}." if f.unknown else "")
-            )
-            if f.unknown:
-                col.caption(f"unknown: {f.unknown}")
-        st.caption(f"Source: {source}; stuck requests: the trace store.")
-        stuck_list(stuck_df, stuck_why)
-
-
-def stuck_list(df: pd.DataFrame | None, why: str) -> None:
-    """One link per handoff side stuck now, oldest first (to its partial trace on the Traces page)."""
-    with st.container(key="ov_stuck"):
-        st.markdown("**Stuck now**", help=D.STUCK_HELP)
-        if df is None:
-            st.caption(f"Unavailable: {why}.")
-            return
-        if not len(df):
-            st.caption(f"No handoff is stuck now (none open and reported in the last {D.STUCK_FRESH_S} s).")
-            return
-        now = time.time_ns()  # the table may be a few seconds old (cached): ages from now
-        for r in df.head(STUCK_SHOWN).itertuples():
-            since = datetime.fromtimestamp(r.since_ns / 1e9).strftime("%H:%M:%S")
-            age_s = max(now - r.since_ns, 0) / 1e9
-            note = ", registration timed out" if r.registration_timeout else ""
-            st.page_link(
-                TRACES_PAGE,
-                label=f"{r.trace_id[:12]}… {r.mode}: {r.waiting} waiting in {r.phase} since {since} "
-                f"({age_s:.1f} s{note})",
-                icon=":material/hourglass_top:",
-                help=f"request {r.request_id}; last reported {max(now - r.seen_ns, 0) / 1e9:.1f} s ago. "
-                "Opens its partial trace.",
-                query_params={"trace": r.trace_id},
-            )
-        if len(df) > STUCK_SHOWN:
-            st.caption(f"{len(df) - STUCK_SHOWN} more: `kvlens traces --open` lists them all.")
 
 
 if __name__ == "__main__":

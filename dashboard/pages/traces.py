@@ -17,10 +17,9 @@ import streamlit as st
 from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
-from dashboard import ui
+from dashboard import healthview, ui
 from dashboard.pairs import pair_label
 from kvrecord import semconv as sc
-from kvtrace import stuck
 
 #: How a side is named next to its ranks.
 ROLE_WORD = {sc.Role.PREFILL.value: "P", sc.Role.DECODE.value: "D"}
@@ -284,7 +283,7 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
         st.info("This trace has no spans in the store.")
         return
     trace_cards(rec)
-    health_notes(rec)
+    healthview.health_notes(rec)
     st.caption(
         f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
         f"P → D `{pair_label(rec.get('p_engine'), rec.get('d_engine'))}` · {ui.clock_caption(rec)} "
@@ -324,28 +323,6 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
             ),
         },
     )
-
-
-def health_notes(rec: dict[str, Any]) -> None:
-    """A partial trace says which side waits, in which phase, since when; a
-    stale one that its answer is possibly served from reused memory."""
-    for o in rec.get("open") or ():
-        side = ROLE_WORD.get(o["waiting"], o["waiting"])
-        flag = (
-            " D's push registration timed out (vLLM's soft watchdog); the request kept waiting."
-            if o.get("registration_timeout")
-            else ""
-        )
-        st.warning(
-            f"**Partial trace: the handoff has not ended.** {side} ({o['waiting']}) waiting in "
-            f"`{o['phase']}` since {ui.fmt_ts(o['since_ns'])}, {o['waited_s']:.1f} s at its last report "
-            f"({ui.fmt_ts(o['last_seen_ns'])}).{flag} The complete trace replaces this one when it ends.",
-            icon=":material/hourglass_top:",
-        )
-    if rec.get("stale"):
-        st.error(
-            f"**Possibly served from reused memory**: {stuck.STALE_WHY} (kvlens.kv.stale).", icon=":material/warning:"
-        )
 
 
 def rank_controls(rec: dict[str, Any]) -> bool:

@@ -18,6 +18,7 @@ from health_store import add_health_traces
 from store_fixture import make_store
 
 from dashboard import data as D
+from dashboard import health as H
 from dashboard import prom as P
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,7 +51,7 @@ def app(monkeypatch):
 
 
 def cards(at) -> dict[str, str]:
-    labels = {lab: lab for lab in D.HEALTH_FIGURES.values()} | {"oldest open": "oldest open (s)"}
+    labels = {lab: lab for lab in H.HEALTH_FIGURES.values()} | {"oldest open": "oldest open (s)"}
     got = {m.label: m for m in at.metric}
     return {k: got[v].value for k, v in labels.items() if v in got}
 
