@@ -138,6 +138,21 @@ def _filters(args: argparse.Namespace) -> dict:
     }
 
 
+def _health_lines(trace: Trace) -> list[str]:
+    """A partial trace's ``OPEN:`` line per waiting side, a stale one's ``STALE:`` line."""
+    lines = []
+    for o in trace.open:
+        flag = ", push registration timed out" if o.registration_timeout else ""
+        lines.append(
+            f"  OPEN: {o.side} ({o.role}) waiting in {o.phase or '?'} since {_clock(o.since_ns)} UTC, "
+            f"{_fmt_age(o.waited_s)} at its last report ({_clock(o.seen_ns)}){flag}: a partial trace, "
+            "as far as the handoff got"
+        )
+    if trace.stale:
+        lines.append(f"  STALE: {stuck.STALE_WHY}: {stuck.STALE_WORDS}")
+    return lines
+
+
 def waterfall(trace: Trace, width: int = 60) -> str:
     """A text waterfall for one trace (pure function; tested). ``width`` is
     clamped to MIN_WIDTH..MAX_WIDTH."""
@@ -148,15 +163,7 @@ def waterfall(trace: Trace, width: int = 60) -> str:
         f"handoff={_fmt_handoff(trace)}  ttft={_fmt_ttft(trace)}  P={trace.p_engine or '-'}  "
         f"D={trace.d_engine or '-'}  request={trace.request_id}"
     ]
-    for o in trace.open:
-        flag = ", push registration timed out" if o.registration_timeout else ""
-        lines.append(
-            f"  OPEN: {o.side} ({o.role}) waiting in {o.phase or '?'} since {_clock(o.since_ns)} UTC, "
-            f"{_fmt_age(o.waited_s)} at its last report ({_clock(o.seen_ns)}){flag}: a partial trace, "
-            "as far as the handoff got"
-        )
-    if trace.stale:
-        lines.append(f"  STALE: {stuck.STALE_WHY}: {stuck.STALE_WORDS}")
+    lines += _health_lines(trace)
     if trace.half:
         other = "D" if trace.half == sc.Role.PREFILL.value else "P"
         lines.append(

@@ -191,8 +191,7 @@ class Trace:
         D's spans and ``kv_ready_ns`` are moved onto P's clock by the store's
         ``clock_offset_s`` (0 when P's and D's clocks could not be told apart),
         so positions against the handoff window compare like with like.
-        Partial-trace spans (``handoff.open``) of a side that ended are hidden,
-        and of a side still open only the latest is kept (:mod:`kvtrace.stuck`)."""
+        Partial-trace spans: those :func:`kvtrace.stuck.visible_spans` keeps."""
         spans = stuck.visible_spans(spans)
         open_sides = stuck.open_sides(summary["trace_id"], spans, summary.get("request_id"))
         off = d_shift_ns(summary.get("clock_offset_s"))
