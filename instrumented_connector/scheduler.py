@@ -21,6 +21,7 @@ from instrumented_connector.hooks import TIMEOUT_AT, NullRecorder, Pending, fail
 
 P = sc.Phase
 OP = sc.OpenPhase
+_AWAITING_READ, _READING, _AWAITING_KV = OP.AWAITING_READ.value, OP.READING.value, OP.AWAITING_KV.value
 
 
 def _recomputed(scheduler_output, rid: str, scheduled: int) -> int:
@@ -68,6 +69,8 @@ class _SchedulerHooks:
         the registration watchdog had fired, else ``failed``."""
         t = self._kvl_table
         rid = request.request_id
+        if not t.is_open(rid):
+            return  # the usual case: its KV arrived
         flags = t.flags(rid)
         timed_out = bool(flags and flags.get(sc.ATTR_REGISTRATION_TIMEOUT))
         outcome = sc.Outcome.TIMEOUT.value if timed_out else sc.Outcome.FAILED.value
@@ -148,7 +151,7 @@ class _SchedulerHooks:
                     self._kvl.record(P.PREFILL, rid, min(int(arrival * 1e9), t), t, "ok", attrs)
                 self._kvl.record(P.PREFILL_FINISHED, rid, t, t, "ok" if delay else "failed", attrs)
                 if delay and self._kvl_table is not None:
-                    self._kvl_table.open(rid, OP.AWAITING_READ, t, attrs[sc.ATTR_BLOCKS])
+                    self._kvl_table.open(rid, _AWAITING_READ, t, attrs[sc.ATTR_BLOCKS])
             except Exception:
                 fail("request_finished")
         elif self._kvl_table is not None:
@@ -200,11 +203,7 @@ class _SchedulerHooks:
             self._kvl.record(phase, rid, t, t, "ok", attrs)
             if self._kvl_table is not None:
                 self._kvl_table.open(
-                    rid,
-                    OP.READING if phase is P.ALLOC else OP.AWAITING_KV,
-                    t,
-                    attrs.get(sc.ATTR_BLOCKS) or 0,
-                    join=join,
+                    rid, _READING if phase is P.ALLOC else _AWAITING_KV, t, attrs.get(sc.ATTR_BLOCKS) or 0, join=join
                 )
         except Exception:
             fail("update_state_after_alloc")
@@ -220,7 +219,12 @@ class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorS
         )
 
     def build_connector_meta(self, scheduler_output):
-        """D: registrations the watchdog drops. The request keeps waiting in
+        """D: registrations the watchdog drops (:meth:`_kvl_watchdog`)."""
+        return self._kvl_watchdog(super().build_connector_meta, scheduler_output)
+
+    def _kvl_watchdog(self, host, scheduler_output):
+        """Call vLLM's ``host`` (push ``build_connector_meta``) and flag the
+        registrations its soft watchdog drops. The request keeps waiting in
         vLLM, so its handoff stays open, flagged ``registration_timeout``:
         its kv.ready comes when the KV arrives or the request ends
         (:meth:`_kvl_d_ended`). Untracked (no table): kv.ready ``timeout`` now."""
@@ -236,7 +240,7 @@ class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorS
                     expired = [rid for rid, dl in d.items() if dl <= t]
         except Exception:
             fail("build_connector_meta")
-        meta = super().build_connector_meta(scheduler_output)
+        meta = host(scheduler_output)
         if expired:
             try:
                 t, at = self._kvl_table, now()
