@@ -82,6 +82,9 @@ def test_partial_trace_in_the_trace_model(health):
     assert js["open"][0]["waiting"] == "decode" and js["open"][0]["registration_timeout"] is True
     assert js["stale"] is False
 
+    # the summary's outcome is its spans' worst (P's lease expired); readers say "open" while a side waits
+    assert push.outcome == "expired" and "outcome=open" in traces_cmd.waterfall(push)
+
     stale = got[ids["pull_stale"]]
     assert stale.open == () and stale.stale
     assert not [s for s in stale.spans if s.name == sc.SPAN_HANDOFF_OPEN]  # the complete trace replaced them
