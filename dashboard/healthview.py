@@ -22,7 +22,7 @@ from kvtrace.stuck import SIDE
 HEALTH_HELP = (
     "Handoffs that have not ended, and those that ended badly (docs/health.md). Open now and the oldest "
     "open age are live; the others count over the time range. A figure kvlens cannot know says "
-    "\u201cunknown\u201d and why, never 0. Alert rules on the same metrics: docs/health.md."
+    "\u201cunknown\u201d and why, never 0. Alert rules on the same metrics: docs/health.md, \u201cAlerts\u201d."
 )
 #: Most stuck requests listed as links (the rest: ``kvlens traces --open``).
 STUCK_SHOWN = 20
