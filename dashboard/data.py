@@ -388,7 +388,6 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
     return rec, df
 
 
-# -------------------------------------------------------------------- verdict, what-if
 def verdict_of(path: str | Path, since_ns: int | None) -> kv_verdict.Verdict:
     """:func:`kvtrace.verdict.from_store` on a short-lived read-only connection."""
     with store.reading(path) as c:
