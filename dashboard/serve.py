@@ -22,7 +22,7 @@ import streamlit as st
 from starlette.middleware import Middleware
 
 from dashboard.gate import TokenGate
-from kvlens.auth import TOKEN_ENV
+from kvrecord.config import TOKEN_ENV
 
 _token = os.environ.pop(TOKEN_ENV, "").strip().encode() or None
 
