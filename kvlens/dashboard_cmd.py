@@ -42,7 +42,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import dashboard
 from kvrecord.children import ChildProcess
@@ -91,22 +90,7 @@ def child_env(store: StoreLocation | None = None) -> dict[str, str]:
     """The child's environment: ours, with ``KVLENS_HOME`` absolute (the
     child's working directory is not ours), and a store URL's password as
     ``PGPASSWORD``."""
-    env = {**os.environ, HOME_ENV: str(home())}
-    password = None if store is None else _split_password(store)[1]
-    if password is not None:
-        env["PGPASSWORD"] = password
-    return env
-
-
-def _split_password(store: StoreLocation) -> tuple[str, str | None]:
-    """(the store's name without a URL's password, the password or None)."""
-    if not store.is_postgres:
-        return store.text, None
-    parts = urlsplit(store.text)
-    if parts.password is None:
-        return store.text, None
-    user, host = parts.netloc.rsplit("@", 1)
-    return parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}").geturl(), unquote(parts.password)
+    return {**os.environ, HOME_ENV: str(home()), **(store.password_env() if store is not None else {})}
 
 
 def _check_store(store: StoreLocation) -> str | None:
@@ -160,7 +144,7 @@ def command(args: argparse.Namespace, store: StoreLocation | str | os.PathLike) 
         "viewer",
         "--",
         "--store",
-        _split_password(StoreLocation.parse(store))[0],
+        StoreLocation.parse(store).without_password().text,
     ]
     if args.prometheus:
         cmd += ["--prometheus", args.prometheus]

@@ -23,6 +23,7 @@ from kvlens.stack.commands import (
     server_env,
     vllm_argv,
     vllm_router_argv,
+    without_store_password,
 )
 from kvlens.stack.supervise import Child
 from kvlens.stack.tp import tp_args
@@ -48,13 +49,14 @@ class StackRoles:
         home = topo.home_for(role)
         tps = {"prefill": self.prefill_tp, "decode": self.decode_tp}
         cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances, tps=tps)
+        options, secret = without_store_password(self.connector_options)  # a password in the environment only
         env = server_env(
             base_env(home),
             role == "prefill",
             self.host,
             inst.side_port,
             prom,
-            self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}),
+            self._env(role, {**topo.server_env(role), **api_key_env(self.api_key), **secret}),
             cpus,
         )
         ktc = kv_transfer_config(
@@ -67,7 +69,7 @@ class StackRoles:
             self.push_registration_timeout_s,
             topo.traces_url,
             self.kv_load_failure_policy,
-            self.connector_options,
+            options,
         )
         argv = vllm_argv(
             Path(self.model), self.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
@@ -114,6 +116,7 @@ class StackRoles:
     def _collector(self) -> Child:
         topo = self.topology
         env = base_env(topo.home_for("collector"))
-        env.update(self._env("collector", topo.collector_env()))
+        # the store's password (if its URL has one) in the environment: ps shows argv
+        env.update(self._env("collector", {**topo.collector_env(), **topo.store.password_env()}))
         argv = collector_argv(self.host, int(self.collector_port), topo.store)
         return self._child("collector", argv, env, str(topo.collector_url))
