@@ -83,13 +83,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "stack keeps serving a gentle load, a real Prometheus scrapes it, and the dashboard shows it "
         "until Ctrl-C."
     )
-    p.add_argument("--no-dashboard", action="store_true", help="exit after the report instead of serving the dashboard")
+    p.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="exit after the report instead of the live part (Prometheus, a gentle load, the dashboard)",
+    )
     p.add_argument("--dashboard-port", type=int, default=8501, help="dashboard port (default 8501)")
     p.add_argument(
         "--prometheus-port",
         type=int,
         default=None,
-        help=f"the live part's Prometheus port (default {DEFAULT_PROMETHEUS_PORT}, or a free one when it is busy)",
+        help=f"the live part's Prometheus port (default {DEFAULT_PROMETHEUS_PORT}, or a free one when it is busy; "
+        "0: a free one)",
     )
     p.add_argument(
         "--live-interval",
