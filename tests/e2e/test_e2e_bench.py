@@ -339,9 +339,17 @@ def _check_live_dashboard(prom_url: str, mode: str, dash_url: str) -> None:
         page = b.new_page(viewport={"width": 1600, "height": 1400})
         chromium.open_page(page, dash_url + "/overview", chromium.PAGE_URLS["/overview"])
         _poll("the Overview reading Prometheus", lambda: f"Source: Prometheus at {prom_url}" in page.inner_text("body"))
-        cards = _poll("the live cards drawn", lambda: {c["label"]: c["value"] for c in page.evaluate(CARDS_JS)})
-        for label in ("req/s", "lost spans"):
-            assert cards.get(label) not in (None, "", "-"), cards
+        cards: dict[str, str] = {}
+
+        def drawn() -> bool:  # the fragment redraws every 5 s: read until the live cards are there
+            cards.clear()
+            cards.update({c["label"]: c["value"] for c in page.evaluate(CARDS_JS)})
+            return all(cards.get(label) not in (None, "", "-") for label in ("req/s", "lost spans"))
+
+        try:
+            _poll("the live cards drawn with figures", drawn, timeout_s=60)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {cards}") from None
         page.wait_for_timeout(3000)  # let the charts finish
         chromium.screenshot_if_asked(page)
         page.close()

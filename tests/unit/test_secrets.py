@@ -166,3 +166,32 @@ def test_messages_never_show_the_password():
     msg = str(pgerrors.translate(Refused('password authentication failed for user "kvlens"'), URL))
     assert "s3cr" not in msg and "***" in msg
     assert os.environ.get("PGPASSWORD") != PW  # nothing above leaked into this process's environment
+
+
+def test_a_store_that_needs_a_password_takes_it_from_pgpassword(pg_server, monkeypatch):
+    """A real server that asks this role for its password (tests/pg_server.py):
+    refused without it (the message names the user, never a password), and
+    reached with it in PGPASSWORD (libpq reads it: the URL stays bare) or in
+    the URL."""
+    from kvtrace import store
+    from kvtrace.store import pg
+
+    bare, password = pg_server.new_password_database()
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    monkeypatch.setenv("PGPASSFILE", "/nonexistent")  # no ~/.pgpass of this host's user either
+    try:
+        with pytest.raises(store.StoreAccessDenied, match="refused user 'kvlens_pw'") as e:
+            store.connect(bare).close()
+        assert password not in str(e.value)
+        pg.close_pool(bare)
+        monkeypatch.setenv("PGPASSWORD", password)
+        store.connect(bare).close()  # creates the tables: the role owns the database
+        with store.reading(bare) as c:
+            assert store.info(c)["traces"] == 0
+        pg.close_pool(bare)
+        monkeypatch.setenv("PGPASSWORD", "wrong")
+        with_pw = StoreLocation.parse(bare.replace("kvlens_pw@", f"kvlens_pw:{password}@"))
+        with store.reading(with_pw) as c:  # the URL's password wins over the environment's
+            assert store.info(c)["traces"] == 0
+    finally:
+        pg.close_pools()
