@@ -180,25 +180,35 @@ def _live(stack, store: StoreLocation, args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():
             print("\nkvlens demo: live part: starting Prometheus on the last stack", flush=True)
+            prom = None
             try:
                 prom = stack.start_prometheus(_prometheus_port(args.prometheus_port))
-            except (PrometheusError, ValueError) as e:
-                print(f"kvlens demo: error: could not start Prometheus: {e}", file=sys.stderr, flush=True)
-                return 1
+            except (PrometheusError, ValueError) as e:  # the dashboard still shows the store
+                print(
+                    f"kvlens demo: warning: could not start Prometheus ({e}); the dashboard's figures come from "
+                    "the trace store only (no lost spans, no TPOT)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             load = GentleLoad(stack.router_url, getattr(stack, "api_key", None), args.live_interval)
             load.start()
-            jobs = ", ".join(f"{job} ({len(t)})" for job, t in prom.targets.items())
+            if prom is not None:
+                jobs = ", ".join(f"{job} ({len(t)})" for job, t in prom.targets.items())
+                where = f"  Prometheus:          {prom.url}  (scraping {jobs}; kvlens recording rules loaded)\n"
+            else:
+                where = "  Prometheus:          not running (see the warning above)\n"
             print(
                 f"\nkvlens demo: live. The {stack.mode} stack keeps serving one request every "
                 f"{args.live_interval:g} s:\n"
                 f"  router (OpenAI API): {stack.router_url}/v1\n"
-                f"  Prometheus:          {prom.url}  (scraping {jobs}; kvlens recording rules loaded)\n"
-                f"  dashboard:           http://localhost:{args.dashboard_port}  (live figures from Prometheus, "
-                f"traces from {store})\n"
+                + where
+                + f"  dashboard:           http://localhost:{args.dashboard_port}  (live figures from "
+                f"{'Prometheus' if prom is not None else 'the trace store'}, traces from {store})\n"
                 "Ctrl-C stops the dashboard, the load, Prometheus and the stack.",
                 flush=True,
             )
-            ns = argparse.Namespace(store=store, prometheus=prom.url, port=args.dashboard_port, host="127.0.0.1")
+            url = prom.url if prom is not None else None
+            ns = argparse.Namespace(store=store, prometheus=url, port=args.dashboard_port, host="127.0.0.1")
             return int(dashboard_cmd.run(ns) or 0)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM before the dashboard took the signals over
         return 0
