@@ -218,21 +218,13 @@ class PgServer:
         """A new empty database owned by :data:`PW_USER`, who must give a
         password: (its URL without the password, the password). The role is
         created on first use, with a random password (this server's)."""
-        import psycopg
-
         from kvtrace.store import testing
 
         password = self.pw_password
-        with psycopg.connect(self.url("postgres"), autocommit=True) as c:
-            if not c.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (PW_USER,)).fetchone():
-                # a literal (no parameters in utility statements); uuid hex needs no quoting
-                c.execute(f"CREATE ROLE {PW_USER} LOGIN PASSWORD '{password}'")
+        testing.create_login_role(self.url("postgres"), PW_USER, password)
         name = f"{prefix}_{uuid.uuid4().hex[:12]}"
         testing.create_database(self.url("postgres"), name)
-        with psycopg.connect(self.url("postgres"), autocommit=True) as c:
-            c.execute(f"ALTER DATABASE {name} OWNER TO {PW_USER}")
-        with psycopg.connect(self.url(name), autocommit=True) as c:  # PostgreSQL 15+: public is the owner's
-            c.execute(f"ALTER SCHEMA public OWNER TO {PW_USER}")
+        testing.give_database(self.url("postgres"), name, PW_USER)
         return f"postgresql://{PW_USER}@{self.host}:{self.port}/{name}", password
 
     def drop_database(self, url: str) -> None:
