@@ -21,8 +21,9 @@ file.
 This file is the entry only: the page navigation and the sidebar. Each page
 is a module in ``dashboard/pages/``; loads go through the cached loaders of
 ``dashboard/loaders.py`` (over ``data.py`` and ``prom.py``), charts are in
-``charts.py``. ``?page=<name>`` on the root URL opens that page with the other
-query params (the Overview links use it).
+``charts.py``. Each page has its URL (``/overview``, ``/compare``,
+``/traces``); the root URL opens the Overview, and ``?page=<name>`` opens that
+page with the other query params (the Overview links use it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import streamlit as st
 
 from dashboard.ui import NAV_KEY, Config, parse_config
 
-__all__ = ["Config", "PAGES", "main", "parse_config"]
+__all__ = ["Config", "DEFAULT_PAGE", "PAGES", "main", "parse_config"]
 
 #: url path -> (title, icon, page script relative to this file); the first is the default page.
 PAGES = {
@@ -39,20 +40,39 @@ PAGES = {
     "compare": ("Compare", ":material/compare_arrows:", "pages/compare.py"),
     "traces": ("Traces", ":material/timeline:", "pages/traces.py"),
 }
+DEFAULT_PAGE = next(iter(PAGES))
+#: The root URL's own page (hidden from the menu): it opens :data:`DEFAULT_PAGE` or ``?page=``.
+ROOT_PATH = "home"
+
+
+def _pages() -> dict:
+    """``st.Page`` per :data:`PAGES` key, each at ``/<key>``, none the default.
+
+    Streamlit serves its default page at ``/`` only (its ``url_path`` is
+    ignored: ``/overview`` would answer "Page not found"), so the default
+    page is a hidden one (:func:`_root`) that switches to the Overview; every
+    listed page keeps its own URL."""
+    return {key: st.Page(script, title=title, icon=icon, url_path=key) for key, (title, icon, script) in PAGES.items()}
+
+
+def _target(pages: dict, at_root: bool):
+    """The page to switch to before running ``nav``: ``?page=<name>`` (on
+    any URL), else the Overview when at the root; None: run what was asked."""
+    want = st.query_params.get("page")
+    if want in pages:
+        return pages[want]
+    return pages[DEFAULT_PAGE] if at_root else None
 
 
 def main() -> None:
     st.set_page_config(page_title="kvlens", page_icon=":material/swap_horiz:", layout="wide")
     cfg = parse_config()
-    want = st.query_params.get("page")
-    default = want if want in PAGES else next(iter(PAGES))
-    pages = {
-        key: st.Page(script, title=title, icon=icon, url_path=key, default=(key == default))
-        for key, (title, icon, script) in PAGES.items()
-    }
-    nav = st.navigation(list(pages.values()), position="top")
-    if want in pages and nav is not pages[want]:
-        st.switch_page(pages[want], query_params={k: v for k, v in st.query_params.to_dict().items() if k != "page"})
+    pages = _pages()
+    root = st.Page(lambda: None, title="kvlens", url_path=ROOT_PATH, default=True, visibility="hidden")
+    nav = st.navigation([root, *pages.values()], position="top")
+    target = _target(pages, nav is root)
+    if target is not None and nav is not target:
+        st.switch_page(target, query_params={k: v for k, v in st.query_params.to_dict().items() if k != "page"})
     with st.sidebar:
         st.markdown("**kvlens** · KV handoff, push vs pull")
         st.caption(f"store: `{cfg.store}`")  # a URL's password is never shown

@@ -316,13 +316,15 @@ class PhaseMetricsProcessor(SpanProcessor):
             deltas = []
             for key, total in src.items():
                 seen = (fn, key)
-                last = fam.drop_seen.get(seen, 0)
+                last = fam.drop_seen.get(seen)
                 total = int(total)
-                if total > last:
-                    deltas.append((key, total - last))
+                if last is None or total > last:  # a new key at 0: its series exists, reading 0
+                    deltas.append((key, total - (last or 0)))
                     fam.drop_seen[seen] = total
         for key, delta in deltas:
-            fam.child(fam.dropped, _drop_key(key)).inc(delta)
+            child = fam.child(fam.dropped, _drop_key(key))
+            if delta > 0:
+                child.inc(delta)
 
 
 # ---------------------------------------------------------------- /metrics

@@ -164,24 +164,34 @@ def dropped_counts() -> dict[tuple[str, str], int]:
     :func:`report_remote_drops`),
     the rest from every provider :func:`provider_factory` built here.
 
+    Every reason of every role recording here is in it, 0 before its first
+    loss, so ``kvlens_telemetry_dropped_total`` reads 0, not "no data", when
+    nothing was lost (a dashboard then shows 0 lost spans, not unknown).
+
     Monotonic per key. Any thread; never blocks on I/O."""
     out: dict[tuple[str, str], int] = {}
     pid = os.getpid()
 
     def add(role: str, reason: str, n: int) -> None:
-        if n:
-            out[(role, reason)] = out.get((role, reason), 0) + int(n)
+        out[(role, reason)] = out.get((role, reason), 0) + int(n or 0)
+
+    def seed(role: str) -> None:
+        for reason in DropReason:
+            out.setdefault((role, reason.value), 0)
 
     for key, r in list(_recorders.items()):
         if key[0] == pid:
+            seed(r.role)
             for reason, n in r.unreported_drops().items():
                 add(r.role, reason, n)
     for (rpid, role), totals in list(_remote.items()):
         if rpid == pid:
+            seed(role)
             for reason, n in totals.items():
                 add(role, reason, n)
     for lpid, role, losses in list(_ledgers):
         if lpid == pid:
+            seed(role)
             for reason, n in losses.counts().items():
                 add(role, reason, n)
     return out

@@ -44,9 +44,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def warn_password_in_argv(command: str, argv: list[str]) -> bool:
+    """One warning on stderr when a PostgreSQL URL on this command line holds
+    a password (``ps`` shows a command line to every user of the host); True
+    when it warned. It still works: the processes kvlens starts get the URL
+    without it and the password in ``PGPASSWORD``."""
+    from kvrecord.location import redact_text
+
+    if not any(redact_text(a) != a for a in argv):
+        return False
+    print(
+        f"kvlens {command}: warning: a store URL on this command line holds a password, which `ps` shows "
+        "to every user of this host; give it as PGPASSWORD or in ~/.pgpass instead and leave it out of the "
+        "URL (the processes kvlens starts get it in their environment, never on their command line)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "command", None):
+        warn_password_in_argv(args.command, sys.argv[1:] if argv is None else list(argv))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

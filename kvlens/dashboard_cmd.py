@@ -54,7 +54,6 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import dashboard
 from kvlens import auth
@@ -122,21 +121,9 @@ def child_env(store: StoreLocation | None = None, security: auth.Security | None
     env.pop(auth.TOKEN_ENV, None)
     if security is not None and security.token:
         env[auth.TOKEN_ENV] = security.token.decode()
-    password = None if store is None else _split_password(store)[1]
-    if password is not None:
-        env["PGPASSWORD"] = password
+    if store is not None:
+        env.update(store.password_env())
     return env
-
-
-def _split_password(store: StoreLocation) -> tuple[str, str | None]:
-    """(the store's name without a URL's password, the password or None)."""
-    if not store.is_postgres:
-        return store.text, None
-    parts = urlsplit(store.text)
-    if parts.password is None:
-        return store.text, None
-    user, host = parts.netloc.rsplit("@", 1)
-    return parts._replace(netloc=f"{user.split(':', 1)[0]}@{host}").geturl(), unquote(parts.password)
 
 
 def _check_store(store: StoreLocation) -> str | None:
@@ -192,7 +179,7 @@ def command(args: argparse.Namespace, store: StoreLocation | str | os.PathLike) 
     if getattr(args, "tls_cert", None):  # paths, not secrets (auth.from_args checked them)
         cmd += ["--server.sslCertFile", str(Path(args.tls_cert).resolve())]
         cmd += ["--server.sslKeyFile", str(Path(args.tls_key).resolve())]
-    cmd += ["--", "--store", _split_password(StoreLocation.parse(store))[0]]
+    cmd += ["--", "--store", StoreLocation.parse(store).without_password().text]
     if args.prometheus:
         cmd += ["--prometheus", args.prometheus]
     return cmd

@@ -17,12 +17,16 @@ layer; the store (:mod:`kvtrace.store`) re-exports these names.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 URL_SCHEMES = ("postgresql", "postgres")
+#: Where libpq (and so psycopg) reads a password the URL does not hold; the
+#: processes kvlens starts get a URL's password here, never on their command line.
+PASSWORD_ENV = "PGPASSWORD"
 SQLITE = "sqlite"
 POSTGRESQL = "postgresql"
 _USE = "(use postgresql://user@host:port/dbname)"
@@ -101,6 +105,26 @@ class StoreLocation:
         """The name for messages and logs: a URL's password as ``***``."""
         return redact(self.url) if self.url is not None else str(self.path)
 
+    @property
+    def password(self) -> str | None:
+        """A URL's password (from ``user:password@`` or ``?password=``), or None."""
+        return None if self.url is None else split_password(self.url)[1]
+
+    def without_password(self) -> "StoreLocation":
+        """This location with a URL's password taken out: what may go on a
+        command line or into a file (``stack.json``). libpq finds the password
+        in ``$PGPASSWORD`` (:meth:`password_env`) or ``~/.pgpass`` instead."""
+        if self.url is None or self.password is None:
+            return self
+        return StoreLocation(POSTGRESQL, url=split_password(self.url)[0])
+
+    def password_env(self) -> dict[str, str]:
+        """The environment that gives a child process this URL's password
+        (``{"PGPASSWORD": ...}``), empty when the URL holds none (the child
+        then inherits ours: ``$PGPASSWORD`` or ``~/.pgpass`` as the user set them)."""
+        pw = self.password
+        return {} if pw is None else {PASSWORD_ENV: pw}
+
     def __str__(self) -> str:
         return self.display
 
@@ -146,14 +170,57 @@ def check_url(url: str) -> str:
     return text
 
 
+def _query_without_password(query: str) -> tuple[str, str | None]:
+    """(the query without ``password=``, the last password given there or None)."""
+    if "password" not in query.lower():
+        return query, None
+    pairs = parse_qsl(query, keep_blank_values=True)
+    pw = [v for k, v in pairs if k.lower() == "password"]
+    rest = [(k, v) for k, v in pairs if k.lower() != "password"]
+    return urlencode(rest, quote_via=quote), (pw[-1] if pw else None)
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """(``url`` without its password, the password or None). libpq takes a
+    password from the user part (``user:pw@host``) or the query
+    (``?password=pw``); the query's wins there, so it wins here."""
+    parts = urlsplit(url)
+    query, in_query = _query_without_password(parts.query)
+    in_netloc = parts.password
+    if in_netloc is None and in_query is None:
+        return url, None
+    netloc = parts.netloc
+    if in_netloc is not None:
+        user, host = netloc.rsplit("@", 1)
+        netloc = f"{user.split(':', 1)[0]}@{host}"
+    pw = in_query if in_query is not None else unquote(in_netloc or "")
+    return parts._replace(netloc=netloc, query=query).geturl(), pw
+
+
 def redact(url: str) -> str:
     """``url`` with any password replaced by ``***`` (for messages and logs)."""
     parts = urlsplit(url)
-    if parts.password is None:
+    query, in_query = _query_without_password(parts.query)
+    if parts.password is None and in_query is None:
         return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return parts._replace(netloc=f"{user}:***@{netloc[1]}").geturl()
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, host = netloc.rsplit("@", 1)
+        netloc = f"{user.split(':', 1)[0]}:***@{host}"
+    if in_query is not None:
+        query = "&".join(x for x in (query, "password=***") if x)
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
+_URL_IN_TEXT = re.compile(r"postgres(?:ql)?://[^\s\"'<>,;]+", re.IGNORECASE)
+
+
+def redact_text(text: str) -> str:
+    """``text`` with the password of every PostgreSQL URL in it as ``***``
+    (a command-line argument, a JSON value, a log line)."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
 
 
 def endpoint(url: str) -> tuple[str, int, str, str]:

@@ -13,6 +13,10 @@ The cluster is tuned for tests, not durability (``fsync=off``,
 ``synchronous_commit=off``, ``full_page_writes=off``): a crash loses the
 test's data and nothing else.
 
+A store that needs a password (:meth:`PgServer.new_password_database`):
+a database owned by the role :data:`PW_USER`, which ``pg_hba.conf`` makes
+give its password over TCP, so a process that lacks it is refused.
+
 Each test gets its own database (:meth:`PgServer.new_database`, a copy of
 ``template0``, a few tens of ms), so tests never see each other's rows. :meth:`PgServer.stop` / :meth:`PgServer.start` stop and
 restart the same cluster on the same port (the "server goes away while the
@@ -39,6 +43,9 @@ from pathlib import Path
 from kvrecord.ports import free_port
 
 PG_USER = "postgres"
+#: A role that must give its password over TCP (scram-sha-256; every other
+#: role is trusted): :meth:`PgServer.new_password_database`'s owner.
+PW_USER = "kvlens_pw"
 
 
 def pg_bindir() -> Path | None:
@@ -83,6 +90,7 @@ class PgServer:
         self.dir = Path(tempfile.mkdtemp(prefix="kvlens-pg-"))
         self.data = self.dir / "data"
         self.log = self.dir / "server.log"
+        self.pw_password = "pw-" + uuid.uuid4().hex  #: PW_USER's (new_password_database)
         self._pid: int | None = None
         self._proc: subprocess.Popen | None = None
 
@@ -133,6 +141,12 @@ class PgServer:
                 f"listen_addresses = '{self.host}'\nunix_socket_directories = '{self.dir}'\n"
                 f"max_connections = 200\nshared_buffers = {self.shared_buffers}\n"
             )
+        # the first matching line wins: PW_USER's password, then initdb's "trust" lines
+        hba = self.data / "pg_hba.conf"
+        hba.write_text(
+            f"host all {PW_USER} {self.host}/32 scram-sha-256\nhost all {PW_USER} ::1/128 scram-sha-256\n"
+            + hba.read_text()
+        )
         return self
 
     def start(self) -> "PgServer":
@@ -199,6 +213,19 @@ class PgServer:
         name = f"{prefix}_{uuid.uuid4().hex[:12]}"
         testing.create_database(self.url("postgres"), name)
         return self.url(name)
+
+    def new_password_database(self, prefix: str = "pw") -> tuple[str, str]:
+        """A new empty database owned by :data:`PW_USER`, who must give a
+        password: (its URL without the password, the password). The role is
+        created on first use, with a random password (this server's)."""
+        from kvtrace.store import testing
+
+        password = self.pw_password
+        testing.create_login_role(self.url("postgres"), PW_USER, password)
+        name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+        testing.create_database(self.url("postgres"), name)
+        testing.give_database(self.url("postgres"), name, PW_USER)
+        return f"postgresql://{PW_USER}@{self.host}:{self.port}/{name}", password
 
     def drop_database(self, url: str) -> None:
         """Drop the database of ``url`` (a :meth:`new_database`), cutting its connections."""

@@ -53,6 +53,8 @@ class BenchRun:
     repeat: int = 1
     fresh_stacks: bool = False
     started_stacks: bool = False  # set by bench_stacks
+    #: the last stack, still running, when ``bench_stacks(keep_last=True)`` finished: the caller stops it
+    kept_stack: Any = field(default=None, repr=False)
     opts: BenchOptions | None = field(default=None, repr=False)
     _sink: Any = None
     _pooled: list[dict] | None = None
@@ -273,10 +275,13 @@ def bench_stacks(
     opts: BenchOptions,
     run: BenchRun | None = None,
     stack_factory: Callable[..., Any] | None = None,
+    keep_last: bool = False,
 ) -> BenchRun:
     """Start one stack per mode (pull first), bench it, stop it (also on
     Ctrl-C / SIGTERM, which propagate as KeyboardInterrupt with the finished
-    cells kept in ``run``). ``stack_factory``: ``kvlens.stack.launch.Stack`` or a stand-in."""
+    cells kept in ``run``). ``stack_factory``: ``kvlens.stack.launch.Stack`` or a stand-in.
+    ``keep_last``: leave the last stack running in ``run.kept_stack`` when every
+    cell finished (the demo serves it live); the caller stops it."""
     model_dir = Path(opts.model).expanduser().resolve() if opts.model else ensure_model(config.model_dir())
     max_len = model_max_len(model_dir) or DEFAULT_MAX_MODEL_LEN  # never above what the stacks serve
     maker = _prepare(opts, modes, dispatches, model_dir, max_len)
@@ -291,6 +296,7 @@ def bench_stacks(
     run.started_stacks = True
     groups = plan_groups(modes, dispatches)
     stack = targets = model_name = None
+    done = False
     try:
         for r, gi, start in stack_plan(len(groups), opts.repeat, opts.fresh_stacks):
             if start:
@@ -311,8 +317,12 @@ def bench_stacks(
                 round_=r,
                 warm=start,
             )
+        done = True
     finally:
-        _stop(stack)
+        if done and keep_last:
+            run.kept_stack = stack
+        else:
+            _stop(stack)
     run.finish()
     return run
 

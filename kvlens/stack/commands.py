@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from kvlens.stack.errors import StackError
-from kvrecord.location import StoreLocation
+from kvrecord.location import StoreLocation, is_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Where a stack's API key comes from when none is given, the first one set
@@ -177,9 +177,26 @@ def vllm_argv(model: Path, host: str, port: int, ktc: dict, vllm_args: list[str]
 
 def collector_argv(host: str, port: int, store: StoreLocation) -> list[str]:
     """Command line of one ``kvlens collect`` (OTLP/HTTP receiver -> ``store``, a file or a database; its
-    stack's P, D and router speak OTLP/HTTP, so no gRPC port: two stacks on one host would both want 4317)."""
+    stack's P, D and router speak OTLP/HTTP, so no gRPC port: two stacks on one host would both want 4317).
+    A URL's password is not in it: the child gets it from :meth:`StoreLocation.password_env`."""
+    public = store.without_password().text
     return [sys.executable, "-m", "kvlens.cli", "collect", "--host", host, "--port", str(port), "--no-grpc",
-            "--store", store.text]  # fmt: skip
+            "--store", public]  # fmt: skip
+
+
+def without_store_password(options: Mapping[str, Any] | None) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """(connector ``options`` with a ``kvlens_store`` URL's password taken
+    out, the environment that gives it to the engine: ``PGPASSWORD``). vLLM
+    logs its ``--kv-transfer-config`` and ``ps`` shows it, so a password
+    must not be in it. A malformed URL passes as it is: the connector names
+    the problem at start-up."""
+    if not options or not is_url(options.get("kvlens_store")):
+        return (dict(options) if options else None), {}
+    try:
+        loc = StoreLocation.parse(options["kvlens_store"])
+    except ValueError:
+        return dict(options), {}
+    return {**options, "kvlens_store": loc.without_password().text}, loc.password_env()
 
 
 def router_argv(

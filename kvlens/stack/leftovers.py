@@ -23,15 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
+from kvrecord.location import redact_text
+
 
 def cmdline(pid: int) -> list[str] | None:
-    """A live process's command line (``/proc``); None when it is gone, a
-    zombie or unreadable (not Linux)."""
+    """A live process's command line (``/proc``), any PostgreSQL URL's
+    password in it as ``***`` (it is written to ``stack.json``, and compared
+    in that form); None when it is gone, a zombie or unreadable (not Linux)."""
     try:
         raw = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
     except (OSError, ValueError):
         return None
-    return raw.rstrip(b"\0").decode("utf-8", "replace").split("\0") if raw else None
+    return [redact_text(a) for a in raw.rstrip(b"\0").decode("utf-8", "replace").split("\0")] if raw else None
 
 
 def process_groups() -> dict[int, list[int]]:

@@ -54,7 +54,7 @@ def manifest(stack) -> dict:
         "ports": _ports(stack),
         "engine_ids": {"prefill": "p0", "decode": "d0"},
         "instances": {"prefill": [i.record() for i in stack.prefills], "decode": [i.record() for i in stack.decodes]},
-        "store": stack.store.text,
+        "store": stack.store.without_password().text,  # a URL's password never in a file
         "collector_url": stack.collector_url,
         "homes": {r: str(stack.topology.home_for(r)) for r in ("prefill", "decode", "router", "collector")},
         "pids": {c.name: c.proc.pid for c in stack.children if c.proc is not None},

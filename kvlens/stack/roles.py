@@ -26,6 +26,7 @@ from kvlens.stack.commands import (
     server_env,
     vllm_argv,
     vllm_router_argv,
+    without_store_password,
 )
 from kvlens.stack.supervise import Child
 from kvlens.stack.tp import tp_args
@@ -66,6 +67,7 @@ class StackRoles:
         home = topo.home_for(role)
         tps = {"prefill": self.prefill_tp, "decode": self.decode_tp}
         cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances, tps=tps)
+        options, secret = without_store_password(self.connector_options)  # a password in the environment only
         env = server_env(
             base_env(home),
             role == "prefill",
@@ -78,6 +80,7 @@ class StackRoles:
                     **topo.server_env(role),
                     **otlp_token_env(topo, {**os.environ, **self._env(role)}),
                     **api_key_env(self.api_key),
+                    **secret,
                 },
             ),
             cpus,
@@ -92,7 +95,7 @@ class StackRoles:
             self.push_registration_timeout_s,
             topo.traces_url,
             self.kv_load_failure_policy,
-            self.connector_options,
+            options,
         )
         argv = vllm_argv(
             Path(self.model), self.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
@@ -141,7 +144,8 @@ class StackRoles:
     def _collector(self) -> Child:
         topo = self.topology
         env = base_env(topo.home_for("collector"))
-        env.update(self._env("collector", topo.collector_env()))
+        # the store's password (if its URL has one) in the environment: ps shows argv
+        env.update(self._env("collector", {**topo.collector_env(), **topo.store.password_env()}))
         argv = collector_argv(self.host, int(self.collector_port), topo.store)
         if self.insecure:
             argv.append("--insecure")

@@ -228,6 +228,25 @@ def drop_database(server_url: str, name: str) -> None:
     _admin(server_url, f"DROP DATABASE IF EXISTS {_ident(name)} WITH (FORCE)")
 
 
+def create_login_role(server_url: str, role: str, password: str) -> None:
+    """Create the role ``role`` that logs in with ``password`` (there already: nothing)."""
+    import psycopg
+
+    if any(ch in password for ch in "'\\"):
+        raise ValueError("a test role's password must not hold quotes or backslashes")
+    with psycopg.connect(server_url, autocommit=True) as c:
+        if not c.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone():
+            # a literal: utility statements take no parameters (checked above)
+            c.execute(f"CREATE ROLE {_ident(role)} LOGIN PASSWORD '{password}'")
+
+
+def give_database(server_url: str, name: str, owner: str) -> None:
+    """Make ``owner`` the owner of database ``name`` and of its ``public``
+    schema (PostgreSQL 15+ lets only the schema's owner create tables there)."""
+    _admin(server_url, f"ALTER DATABASE {_ident(name)} OWNER TO {_ident(owner)}")
+    _admin(server_url.rsplit("/", 1)[0] + f"/{_ident(name)}", f"ALTER SCHEMA public OWNER TO {_ident(owner)}")
+
+
 def _ident(name: str) -> str:
     if not name.replace("_", "").isalnum():
         raise ValueError(f"not a plain database name: {name!r}")

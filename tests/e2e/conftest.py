@@ -168,8 +168,13 @@ def fault_push_stack(stack_factory):
 def fleet_pg_url(pg_server) -> str:
     """The fleet's shared store: one database on the session's real
     PostgreSQL server, for the push fleet stack's collector (one per session:
-    the URL is part of the stack's key)."""
-    return pg_server.new_database("fleet")
+    the URL is part of the stack's key). Its owner must give a password
+    (``pg_server.PW_USER``), and the URL holds it, as a user may type it:
+    the stack must pass it on without showing it (tests/e2e/test_e2e_fleet.py)."""
+    from pg_server import PW_USER
+
+    url, password = pg_server.new_password_database("fleet")
+    return url.replace(f"//{PW_USER}@", f"//{PW_USER}:{password}@", 1)
 
 
 @pytest.fixture

@@ -3,7 +3,9 @@ system's headless Chromium through Playwright, screenshots saved, then
 stopped with a signal and checked for orphans.
 
 Never downloads a browser: skips when /usr/bin/chromium (or playwright) is
-missing. Screenshots: the test's tmp_path and ``test-output/`` (git-ignored).
+missing. Screenshots: the test's tmp_path and ``test-output/`` (git-ignored);
+with ``KVLENS_SCREENSHOT=docs/dashboard.png`` the Overview also goes there
+(tests/e2e/chromium.py).
 """
 
 from __future__ import annotations
@@ -27,17 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 from pair_store import Pair, make_pair_store  # noqa: E402
 from store_fixture import make_store  # noqa: E402
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from chromium import CHROMIUM, CHROMIUM_ARGS, PAGE_URLS, open_page, screenshot_if_asked  # noqa: E402
+
 OUT = REPO / "test-output"
 
 pytestmark = pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} not installed")
@@ -271,6 +264,18 @@ def test_dashboard_in_chromium(tmp_path, browser):
             assert check_page(page, dash.url, "traces", width, tmp_path) >= 6
             assert "write.complete" in page.inner_text("body") or page.locator(".vega-embed").count() >= 1
             check_page(page, dash.url, "compare", width, tmp_path)
+        # every page at its own URL (Streamlit serves its default page at "/" only)
+        for path, heading in PAGE_URLS.items():
+            open_page(page, dash.url + path, heading)
+            assert page.url.split("?")[0].rstrip("/").endswith(path), (path, page.url)
+        open_page(page, dash.url + "/", PAGE_URLS["/overview"])  # the root opens the Overview, at its URL
+        assert page.url.split("?")[0].endswith("/overview"), page.url
+        open_page(page, dash.url + "/overview?page=traces&mode=pull", PAGE_URLS["/traces"])  # ?page= wins
+        open_page(page, dash.url + "/overview", PAGE_URLS["/overview"])
+        page.get_by_text("Push (NixlPushConnector)").wait_for(timeout=45_000)
+        wait_charts(page, 4)
+        page.wait_for_timeout(1500)
+        screenshot_if_asked(page)
         page.close()
     finally:
         rc = dash.stop(signal.SIGINT)
@@ -301,7 +306,8 @@ def test_dashboard_missing_store_and_sigterm(tmp_path, browser):
     try:
         dash.wait_ready()
         page = browser.new_page(viewport={"width": 1400, "height": 900})
-        page.goto(dash.url, wait_until="domcontentloaded")
+        # a fresh server's first request at a page's own URL (Streamlit's legacy pages/ runner answers it)
+        open_page(page, dash.url + "/overview", PAGE_URLS["/overview"])
         page.get_by_text("No trace store at").first.wait_for(timeout=45_000)
         assert "Traceback" not in page.inner_text("body")
         page.close()

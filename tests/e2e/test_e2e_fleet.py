@@ -12,7 +12,9 @@ own ``llm_request`` spans land in the same traces.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 from pathlib import Path
 import sys
@@ -106,12 +108,16 @@ def _check_fleet(stack, mode: str) -> None:
         assert sorted(own) == sorted(ids) and all(own[t][end] is None for t in ids), role
 
     # `kvlens traces --json` on the collector's store shows the corrected figure
+    # (a PostgreSQL password as a user should give it: PGPASSWORD, not in the URL on the command line)
     out = subprocess.run(
-        [sys.executable, "-m", "kvlens.cli", "traces", "--store", stack.store.text, "--json", "--slowest", "1000"],
+        [sys.executable, "-m", "kvlens.cli", "traces", "--store", stack.store.without_password().text, "--json"]
+        + ["--slowest", "1000"],
         capture_output=True,
         text=True,
         timeout=120,
+        env={**os.environ, **stack.store.password_env()},
     )
+    assert "warning" not in out.stderr, out.stderr
     assert out.returncode == 0, out.stderr
     by_id = {d["trace_id"]: d for d in map(json.loads, out.stdout.splitlines()) if d["trace_id"] in ids}
     assert sorted(by_id) == sorted(ids)
@@ -163,10 +169,44 @@ def _check_fleet(stack, mode: str) -> None:
 
 
 def test_three_hosts_push_collector_process_d_clock_ahead(fleet_push_stack):
-    """The push fleet's collector writes PostgreSQL (a store the fleet shares)."""
-    assert fleet_push_stack.store.text.startswith("postgresql://")
+    """The push fleet's collector writes PostgreSQL (a store the fleet shares)
+    as a user the server asks for a password, given in the URL: the spans
+    reach it, and the password shows in no process's command line, no log,
+    not in stack.json and not in the dashboard."""
+    assert fleet_push_stack.store.is_postgres and fleet_push_stack.store.password
     _check_fleet(fleet_push_stack, "push")
     _check_dashboard(fleet_push_stack, "push")
+    _check_no_password(fleet_push_stack)
+
+
+def _check_no_password(stack) -> None:
+    """Every process of the running stack (stack.json's groups and pids, and
+    their descendants: vLLM's engine cores, workers, sidecars), read from
+    /proc/<pid>/cmdline as ``ps`` reads it; stack.json; every log."""
+    import psutil
+
+    pw = stack.store.password
+    text = (Path(stack.log_dir) / "stack.json").read_text()
+    assert pw not in text, "password in stack.json"
+    m = json.loads(text)
+    assert m["store"] == stack.store.without_password().text
+    pids = {x["pid"] for rec in m["processes"] for x in rec["members"]} | set(m["pids"].values())
+    for pid in list(pids):
+        with contextlib.suppress(psutil.Error):
+            pids |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    read = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            read[pid] = Path(f"/proc/{pid}/cmdline").read_bytes()
+    leaks = {pid: raw.split(b"\0")[:4] for pid, raw in read.items() if pw.encode() in raw}
+    assert not leaks, f"password on the command line of {leaks}"
+    collector = [raw.split(b"\0") for raw in read.values() if b"collect" in raw and b"--store" in raw]
+    assert collector and all(
+        argv[argv.index(b"--store") + 1].decode() == stack.store.without_password().text for argv in collector
+    )
+    assert len(read) >= 5, read.keys()  # the collector, P, D, the router, and vLLM's own processes
+    for name, log in m["logs"].items():
+        assert pw not in Path(log).read_text(errors="replace"), f"password in {name}'s log"
 
 
 def _check_dashboard(stack, mode: str) -> None:
@@ -190,6 +230,10 @@ def _check_dashboard(stack, mode: str) -> None:
     finally:
         sys.argv = saved
     assert not at.exception, [e.value for e in at.exception]
+    pw = stack.store.password
+    if pw:  # the sidebar names the store: never with its password
+        shown = [c.value for c in at.sidebar.caption] + [x.value for x in at.markdown]
+        assert any("store:" in v for v in shown) and not [v for v in shown if pw in v], shown
     p50 = [m.value for m in at.metric if m.label.startswith("handoff p50 (")]
     assert p50 and p50[0] not in ("-", "None"), p50  # push first; this store holds no pull traces
 

@@ -559,3 +559,28 @@ def test_bench_sends_the_api_key(tmp_path, tiny_tokenizer_dir, monkeypatch):
     args = p.parse_args(["--api-key", "sk-flag", "--proxy", "http://x:1", "--decode-url", "http://d:2/"])
     o = options_from_args(args)
     assert (o.api_key, o.decode_url) == ("sk-flag", "http://d:2") and "sk-flag" not in repr(o)
+
+
+def test_demo_live_load_is_gentle_bounded_and_stops():
+    """The live part's load: one request at a time through the router (its
+    key as a bearer token, a fresh request id each), counted, and stopped
+    at once (it waits on an event, not a sleep)."""
+    from fakes import FakeVllm, p_fails, p_ok, wait_for
+
+    from kvlens.demo import GentleLoad
+
+    for answer, field in ((p_ok, "ok"), (p_fails, "failed")):
+        fake = FakeVllm(answer)
+        try:
+            load = GentleLoad(fake.url, "sk-demo", interval_s=0.05)
+            load.start()
+            wait_for(lambda: getattr(load, field) >= 3)
+            load.stop(timeout_s=10)
+            assert not load.is_alive()
+            n = len(fake.requests)
+            assert n >= 3 and {r["path"] for r in fake.requests} == {"/v1/completions"}
+            assert {r["headers"]["Authorization"] for r in fake.requests} == {"Bearer sk-demo"}
+            assert len({r["headers"]["X-Request-Id"] for r in fake.requests}) == n
+            assert load.ok + load.failed == n and getattr(load, field) == n
+        finally:
+            fake.close()

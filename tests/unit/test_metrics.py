@@ -584,3 +584,31 @@ def test_dashboard_reads_dropped_telemetry_by_reason():
     assert total == 15 and by == {"store": 12.0, "queue_full": 3.0}
     assert asked == ["sum by (reason) (increase(kvlens_telemetry_dropped_total[15m]))"]
     assert P._dropped(lambda e: [], "5m") == (None, {})  # no series: n/a, not 0
+
+
+def test_dropped_counter_reads_zero_before_the_first_loss(reg):
+    """Every reason of a recording role is a series at 0 once its processor
+    syncs, so Prometheus (and the dashboard's lost-spans card) reads 0, not
+    "no data", when nothing was lost; a loss then counts from there."""
+    from kvrecord.recorder import DropReason
+
+    r = pipeline.get_recorder(
+        "prefill", "push", "zero-drops", {"kvlens_store": "off", "kvlens_metrics": "off", "kvlens_buffer_events": 1}
+    )
+    try:
+        counts = pipeline.dropped_counts()
+        assert {("prefill", x.value) for x in DropReason} <= set(counts)
+        proc = PhaseMetricsProcessor(reg, handoff_from="off", dropped_source=pipeline.dropped_counts)
+        proc.sync_dropped()
+        for reason in DropReason:
+            assert val(reg, "kvlens_telemetry_dropped_total", role="prefill", reason=reason.value) == counts[
+                ("prefill", reason.value)
+            ]
+        before = counts[("prefill", "buffer_full")]
+        r._thread = object()  # keep the buffer full: no drain thread
+        r.record(sc.Phase.ALLOC, "x", 1, 1)
+        r.record(sc.Phase.ALLOC, "y", 1, 1)
+        proc.sync_dropped()
+        assert val(reg, "kvlens_telemetry_dropped_total", role="prefill", reason="buffer_full") == before + 1
+    finally:
+        pipeline._recorders.pop(next(k for k, v in pipeline._recorders.items() if v is r), None)

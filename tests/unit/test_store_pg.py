@@ -310,8 +310,10 @@ def test_a_server_that_is_down_at_start_is_one_line_and_a_non_zero_exit(capsys):
     ):
         assert main(argv) == rc, argv
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and f"127.0.0.1:{port} is not reachable" in err[0], err
-        assert "secret" not in err[0]  # the password is never printed
+        # one warning (the password is on the command line), then the one line that says why
+        assert len(err) == 2 and "warning" in err[0] and "PGPASSWORD" in err[0], err
+        assert f"127.0.0.1:{port} is not reachable" in err[1], err
+        assert not [e for e in err if "secret" in e]  # the password is never printed
 
 
 def test_a_missing_database_or_user_is_named(pg_server, capsys):
