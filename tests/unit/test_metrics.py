@@ -601,9 +601,10 @@ def test_dropped_counter_reads_zero_before_the_first_loss(reg):
         proc = PhaseMetricsProcessor(reg, handoff_from="off", dropped_source=pipeline.dropped_counts)
         proc.sync_dropped()
         for reason in DropReason:
-            assert val(reg, "kvlens_telemetry_dropped_total", role="prefill", reason=reason.value) == counts[
-                ("prefill", reason.value)
-            ]
+            assert (
+                val(reg, "kvlens_telemetry_dropped_total", role="prefill", reason=reason.value)
+                == counts[("prefill", reason.value)]
+            )
         before = counts[("prefill", "buffer_full")]
         r._thread = object()  # keep the buffer full: no drain thread
         r.record(sc.Phase.ALLOC, "x", 1, 1)
