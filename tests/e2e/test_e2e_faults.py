@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 import uuid
 
@@ -27,7 +28,8 @@ import pytest
 from kvtrace import store
 from kvrecord import semconv as sc
 from kvlens import proxy
-from stack_settings import FAULT_KV_LEASE_S, FAULT_REGISTRATION_TIMEOUT_S
+import fault_harness as fh
+from stack_settings import FAULT_FREEZE_S, FAULT_KV_LEASE_S, FAULT_REGISTRATION_TIMEOUT_S
 
 pytestmark = pytest.mark.e2e
 
@@ -159,6 +161,136 @@ def test_registration_that_never_matches_ends_timeout(fault_push_stack):
         r = c.post(stack.router_url + ENDPOINT, json=_body("after-timeout"))
         assert r.status_code == 200, r.text
     assert stack.dead_child() is None
+    _assert_no_hook_failures(stack)
+
+
+# ---------------------------------------------------------------- handoff health (issue 37)
+# Each fault is timed from its injection to the first scrape that shows it on
+# an instance's /metrics and to the alert firing in a real Prometheus loaded
+# with the shipped alert rules (fault_harness.Detect; recorded, never
+# asserted). Healthy requests sent around each fault must carry no flag.
+
+
+def _child(stack, name: str):
+    return next(c for c in stack.children if c.name == name)
+
+
+def _targets(stack) -> dict[str, str]:
+    return {"prefill": stack.prefill_url, "decode": stack.decode_url}
+
+
+def test_push_decode_frozen_past_the_lease_shows_open_expired_and_registration_timeout(
+    fault_push_stack, fault_prometheus, fault_table
+):
+    """D's whole process tree frozen (SIGSTOP) for FAULT_FREEZE_S > the lease
+    while one overlapped request is in flight. vLLM: P finishes the prefill,
+    holds the KV without a registration, releases it at the lease; D resumes,
+    registers, its watchdog fires after the registration timeout and the
+    request waits on until the client gives up. kvlens: P's open handoff and
+    its unregistered prefill show while D is frozen, ``expired`` on P at the
+    lease, ``registration_timeout`` on D, the alerts fire, ``kvlens traces
+    --open`` lists the request while it waits, and nothing else is flagged."""
+    stack = fault_push_stack
+    prom = fault_prometheus(stack)
+    before = fh.healthy(stack.router_url, 2, "health-push-before")
+    decode = _child(stack, "decode")
+    tid = uuid.uuid4().hex
+    det = fh.Detect("push: D frozen past the lease")
+    with fh.Watcher(det, _targets(stack), "push", prom.url) as w:
+        with fh.frozen(decode):
+            det.start = time.time()
+            req = fh.InFlight(stack.router_url + ENDPOINT, _body("frozen-d"), tid)
+            fh.poll(lambda: det.after("prefill:expired") is not None, FAULT_FREEZE_S)
+            time.sleep(max(0.0, FAULT_FREEZE_S - (time.time() - det.start)))
+        det.mark("resumed")
+        # D registers now; P released the KV: D waits until its watchdog, then on
+        fh.poll(lambda: det.after("decode:registration_timeouts") is not None, FAULT_REGISTRATION_TIMEOUT_S + SLACK_S)
+        if fh.poll(lambda: tid in fh.traces_open(stack.store.text), 30):
+            det.mark("traces --open")
+        listed_open = det.after("traces --open")
+        fh.poll(lambda: det.after("alert:KvlensHandoffStuck") is not None, 30)
+        still_waiting = not req.done()
+        req.cancel()  # the client gives up
+        req.wait(30)
+        det.mark("client gave up")
+        if fh.poll(lambda: not w.last["decode"].get("open"), 30):
+            det.mark("decode open back to 0")
+    gone_from_open = tid not in fh.traces_open(stack.store.text)
+    after = fh.healthy(stack.router_url, 2, "health-push-after")
+    spans = fh.wait_trace(stack.store, tid, lambda s: fh.flags(s)["registration_timeout"], SLACK_S)
+    ff = fh.false_flags(stack.store, before + after)
+    det.notes.update(
+        {
+            "detected_on": sorted(w.phases),
+            "alerts": sorted(w.alerts),
+            "false_flags": len(ff),
+            "peak": {k: v for k, v in w.peak.items() if "open" in k or "pinned" in k},
+        }
+    )
+    fault_table.append(det.row())
+
+    assert still_waiting, "vLLM 0.32 keeps D's request waiting after its registration timeout"
+    assert det.after("prefill:open") is not None, ("P showed no open handoff while D was frozen", w.peak)
+    assert det.after("prefill:oldest_open") is not None, w.peak
+    assert det.after("prefill:pinned:unregistered_prefill") is not None, w.peak
+    assert w.delta("prefill", "expired") == 1, w.last["prefill"]
+    assert det.after("decode:open") is not None, w.peak
+    assert w.delta("decode", "registration_timeouts") == 1, w.last["decode"]
+    assert listed_open is not None, "kvlens traces --open did not list the stuck request"
+    assert gone_from_open, "the request was still listed open after it ended"
+    assert {"KvlensHandoffStuck", "KvlensRegistrationTimeouts"} <= set(w.alerts), w.alerts
+    fl = fh.flags(spans)
+    assert fl["registration_timeout"], fl
+    assert any(x.startswith("prefill:") and x.endswith("=expired") for x in fl["not_ok"]), fl
+    assert not fl["open"], ("the complete trace must replace the partial one", fl)
+    assert not ff, ff
+    _assert_no_hook_failures(stack)
+
+
+def test_push_registration_that_cannot_reach_p(fault_push_stack, fault_prometheus, fault_table):
+    """D is given a side channel (host, port, engine id) that accepts TCP and
+    never answers; P gets the request as usual. vLLM 0.32: D's handshake
+    times out after 5 s (zmq receive timeout) and D fails the request
+    (HTTP 500, ``push_reg_handshake_failed``) before its registration
+    watchdog; P holds the finished prefill without a registration until the
+    lease. kvlens: D's open handoff then ``failed``; P's unregistered prefill
+    on its pinned gauges, then ``expired``; nothing else flagged."""
+    stack = fault_push_stack
+    prom = fault_prometheus(stack)
+    before = fh.healthy(stack.router_url, 2, "health-unreach-before")
+    tid = uuid.uuid4().hex
+    det = fh.Detect("push: D's registration cannot reach P")
+    with socket.socket() as hole, fh.Watcher(det, _targets(stack), "push", prom.url) as w:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)  # accepts, never answers
+        body = _body("unreachable")
+        body["kv_transfer_params"] = {
+            **proxy.overlapped_d_params(_cfg(stack), ENDPOINT, tid),
+            "remote_engine_id": "p-unreachable",
+            "remote_port": hole.getsockname()[1],
+        }
+        det.start = time.time()
+        d = fh.InFlight(stack.decode_url + ENDPOINT, body, tid)
+        with httpx.Client(timeout=180) as c:
+            r = c.post(stack.prefill_url + ENDPOINT, json=proxy.prefill_body(_body(tid)), headers={"X-Request-Id": tid})
+            assert r.status_code == 200, r.text
+        d_status = d.wait(SLACK_S)
+        det.mark("D answered")
+        fh.poll(lambda: det.after("prefill:expired") is not None, FAULT_KV_LEASE_S + SLACK_S)
+        fh.poll(lambda: det.after("alert:KvlensHandoffsFailing") is not None, 30)
+    after = fh.healthy(stack.router_url, 2, "health-unreach-after")
+    ff = fh.false_flags(stack.store, before + after)
+    det.notes.update(
+        {"D status": d_status, "detected_on": sorted(w.phases), "alerts": sorted(w.alerts), "false_flags": len(ff)}
+    )
+    fault_table.append(det.row())
+
+    assert d_status not in (200, None), d_status
+    assert det.after("decode:open") is not None, ("D showed no open handoff while it waited", w.peak)
+    assert det.after("prefill:pinned:unregistered_prefill") is not None, w.peak
+    assert w.delta("prefill", "expired") == 1, w.last["prefill"]
+    assert (w.delta("decode", "failed") or 0) + (w.delta("decode", "timeout") or 0) == 1, w.last["decode"]
+    assert not ff, ff
     _assert_no_hook_failures(stack)
 
 

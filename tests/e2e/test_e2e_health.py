@@ -1,0 +1,158 @@
+"""Handoff health on a real pull pair (issue 37, item 8): faults injected on
+real vLLM, and what kvlens shows while and after they happen.
+
+One pull pair with a short KV lease (conftest ``fault_pull_stack``), a real
+Prometheus per test loaded with the shipped alert rules (``for:`` cut to 5 s
+for the test; bounds as shipped), and healthy requests sent around each
+fault, which must carry no flag. Each fault is timed from its injection to
+the first scrape of an instance's ``/metrics`` that shows it and to the
+alert firing (fault_harness.Detect: recorded in the fault table, never
+asserted; the box is shared).
+
+1. D's process tree frozen (SIGSTOP) past P's lease with a request in
+   flight, then resumed (SIGCONT). vLLM 0.32: P releases the KV at the lease
+   ("Releasing expired KV blocks ... retrieved by 0 remote worker(s)"); D,
+   resumed, READs the released blocks anyway (P: ERROR "Potentially invalid
+   KV blocks for unrecognized request"); the client gets HTTP 200.
+2. P killed in the middle of a handoff: D's engine worker frozen while the
+   router relays P's answer to D, P SIGKILLed, D resumed: D's READ meets a
+   dead peer (NIXL_ERR_REMOTE_DISCONNECT), vLLM fails the request (HTTP
+   500). Killing P ends the pair: keep it last in this module.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+import fault_harness as fh
+from stack_settings import FAULT_FREEZE_S
+
+pytestmark = pytest.mark.e2e
+
+ENDPOINT = "/v1/completions"
+#: time for spans to reach the store from three processes on a loaded box
+SLACK_S = 90.0
+
+
+def _body(tag: str) -> dict:
+    return {"prompt": f"kvlens health {tag} " + "tokens " * 60, "max_tokens": 4, "temperature": 0}
+
+
+def _child(stack, name: str):
+    return next(c for c in stack.children if c.name == name)
+
+
+def _targets(stack) -> dict[str, str]:
+    return {"prefill": stack.prefill_url, "decode": stack.decode_url}
+
+
+def test_pull_decode_frozen_past_the_lease_reads_released_kv(fault_pull_stack, fault_prometheus, fault_table):
+    """The open handoff and its oldest start show on P while D is frozen;
+    ``expired`` on P at the lease; D's late READ after resume is ``stale``
+    on the trace and in ``kvlens_kv_stale_total``; the stale alert fires;
+    the client still gets 200; the healthy requests carry no flag."""
+    stack = fault_pull_stack
+    prom = fault_prometheus(stack)
+    before = fh.healthy(stack.router_url, 2, "health-pull-before")
+    decode = _child(stack, "decode")
+    tid = uuid.uuid4().hex
+    det = fh.Detect("pull: D frozen past the lease")
+    listed = []
+    with fh.Watcher(det, _targets(stack), "pull", prom.url) as w:
+        with fh.frozen(decode):
+            det.start = time.time()
+            req = fh.InFlight(stack.router_url + ENDPOINT, _body("frozen-d"), tid)
+            # P holds the KV for D until the lease; kvlens writes the partial trace at 5 s
+            while time.time() - det.start < FAULT_FREEZE_S:
+                try:
+                    if tid in fh.traces_open(stack.store.text):
+                        listed.append(time.time())
+                        det.mark("traces --open")
+                except Exception:
+                    pass
+                time.sleep(0.5)
+        det.mark("resumed")
+        status = req.wait(SLACK_S)
+        det.mark("client answered")
+        fh.poll(lambda: det.after("prefill:stale") is not None, 30)
+        fh.poll(lambda: det.after("alert:KvlensStaleKV") is not None, 30)
+        fh.poll(lambda: det.after("alert:KvlensHandoffsFailing") is not None, 20)
+    after = fh.healthy(stack.router_url, 2, "health-pull-after")
+    spans = fh.wait_trace(stack.store, tid, lambda s: fh.flags(s)["stale"], SLACK_S)
+    ff = fh.false_flags(stack.store, before + after)
+    det.notes.update(
+        {
+            "client": status,
+            "detected_on": sorted(w.phases),
+            "alerts": sorted(w.alerts),
+            "false_flags": len(ff),
+            "peak": {k: v for k, v in w.peak.items() if "open" in k or "pinned" in k},
+        }
+    )
+    fault_table.append(det.row())
+
+    assert status == 200, "vLLM 0.32 serves the request from the released KV"
+    assert det.after("prefill:open") is not None, ("P showed no open handoff while D was frozen", w.peak)
+    assert det.after("prefill:oldest_open") is not None, w.peak
+    assert det.after("prefill:pinned:awaiting_read") is not None, w.peak
+    assert w.delta("prefill", "expired") == 1, w.last["prefill"]
+    assert w.delta("prefill", "stale") == 1, w.last["prefill"]
+    assert "KvlensStaleKV" in w.alerts, w.alerts
+    fl = fh.flags(spans)
+    assert fl["stale"], fl
+    assert any(x.endswith("=expired") for x in fl["not_ok"]), fl
+    assert not fl["open"], ("the complete trace must replace the partial one", fl)
+    assert not ff, ff
+
+
+def test_pull_prefill_killed_mid_handoff_fails_on_d_without_orphans(
+    fault_pull_stack, fault_prometheus, fault_table, stack_factory
+):
+    """D's engine worker frozen, the request relayed to D, P killed
+    (SIGKILL to its whole process group), D resumed: D's open handoff shows
+    while it waits, then ends ``failed``; P leaves no process behind, and the
+    stack stops cleanly without its P. Ends the pair: last in this module."""
+    stack = fault_pull_stack
+    prom = fault_prometheus(stack)
+    before = fh.healthy(stack.router_url, 2, "health-killp-before")
+    decode, prefill = _child(stack, "decode"), _child(stack, "prefill")
+    tid = uuid.uuid4().hex
+    det = fh.Detect("pull: P killed mid-handoff")
+    p_pids = fh.group_pids(prefill)
+    with fh.Watcher(det, _targets(stack), "pull", prom.url) as w:
+        with fh.frozen(decode, only=fh.is_engine_worker):
+            req = fh.InFlight(stack.router_url + ENDPOINT, _body("kill-p"), tid)
+            # D's API server and scheduler take the request; its worker cannot READ
+            fh.poll(lambda: det.after("decode:open") is not None, SLACK_S)
+            det.start = time.time()
+            fh.kill(prefill)
+            det.mark("P killed")
+            fh.poll(lambda: not fh.alive_pids(p_pids), 30)
+            det.mark("P's processes gone")
+        det.mark("resumed")
+        status = req.wait(SLACK_S)
+        det.mark("client answered")
+        fh.poll(lambda: det.after("decode:failed") or det.after("decode:timeout"), 30)
+        fh.poll(lambda: det.after("alert:KvlensHandoffsFailing") is not None, 20)
+    spans = fh.wait_trace(stack.store, tid, lambda s: fh.flags(s)["not_ok"], SLACK_S)
+    ff = fh.false_flags(stack.store, before)
+    det.notes.update(
+        {"client": status, "detected_on": sorted(w.phases), "alerts": sorted(w.alerts), "false_flags": len(ff)}
+    )
+    fault_table.append(det.row())
+    all_pids = [p for c in stack.children if c.proc is not None for p in fh.group_pids(c)]
+    stack_factory.stop()  # the pair is done; the factory must stop what is left of it
+    leftover = fh.poll(lambda: not fh.alive_pids(all_pids + p_pids), 30)
+
+    assert status != 200, status
+    assert not fh.alive_pids(p_pids), f"P's processes left running: {fh.alive_pids(p_pids)}"
+    assert det.after("decode:open") is not None, ("D showed no open handoff", w.peak)
+    assert (w.delta("decode", "failed") or 0) + (w.delta("decode", "timeout") or 0) == 1, w.last["decode"]
+    fl = fh.flags(spans)
+    assert any(x.startswith("decode:") for x in fl["not_ok"]), fl
+    assert not fl["open"], ("the complete trace must replace the partial one", fl)
+    assert leftover, f"processes left after the stack stopped: {fh.alive_pids(all_pids + p_pids)}"
+    assert not ff, ff
