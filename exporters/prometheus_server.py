@@ -1,5 +1,5 @@
-"""A real Prometheus server for kvlens: writes its config and the kvlens
-recording rules, runs ``/usr/bin/prometheus`` (Debian package ``prometheus``,
+"""A real Prometheus server for kvlens: writes its config, the kvlens
+recording rules and alert rules, runs ``/usr/bin/prometheus`` (Debian package ``prometheus``,
 2.42) with exemplar storage, and queries it over the HTTP API (through
 :mod:`exporters.promapi`, the one client).
 
@@ -32,10 +32,13 @@ from exporters.promapi import PrometheusError
 from kvrecord.children import ChildProcess
 from kvrecord.ports import free_port, port_in_use
 
-__all__ = ["PrometheusError", "PrometheusServer", "rules_path"]
+__all__ = ["PrometheusError", "PrometheusServer", "alert_rules_path", "rules_path"]
 
 DEFAULT_BINARY = "/usr/bin/prometheus"
 RULES_FILE = "recording_rules.yml"
+ALERTS_FILE = "alert_rules.yml"
+#: What ``rules=True`` loads, in this order (files under ``exporters/assets``).
+RULE_FILES = (RULES_FILE, ALERTS_FILE)
 _JOB_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DURATION_RE = re.compile(r"^[0-9]+(ms|s|m|h|d|w|y)$")
 _API_TIMEOUT_S = 10.0
@@ -45,6 +48,11 @@ _INSTALL_HINT = "install Debian package prometheus: apt-get install prometheus (
 def rules_path() -> Path:
     """The packaged recording rules (``exporters/assets/recording_rules.yml``)."""
     return Path(str(resources.files("exporters") / "assets" / RULES_FILE))
+
+
+def alert_rules_path() -> Path:
+    """The packaged alert rules (``exporters/assets/alert_rules.yml``; docs/alerts.md)."""
+    return Path(str(resources.files("exporters") / "assets" / ALERTS_FILE))
 
 
 def _check_target(job: str, target: str) -> None:
@@ -59,7 +67,8 @@ class PrometheusServer:
     """One local Prometheus process scraping ``targets`` (job -> ``host:port`` list).
 
     ``port=0`` picks a free port. ``rules=True`` loads the kvlens recording
-    rules (evaluated every ``scrape_interval``). Strict at construction:
+    rules and alert rules (:data:`RULE_FILES`, evaluated every
+    ``scrape_interval``; alerts show on ``/api/v1/alerts``, no Alertmanager). Strict at construction:
     bad ports, empty targets or intervals raise ``ValueError``.
     """
 
@@ -123,13 +132,14 @@ class PrometheusServer:
             ],
         }
         if self.rules:
-            cfg["rule_files"] = [RULES_FILE]
+            cfg["rule_files"] = list(RULE_FILES)
         return cfg
 
     def write_config(self) -> Path:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if self.rules:
-            shutil.copyfile(rules_path(), self.data_dir / RULES_FILE)
+            for name in RULE_FILES:
+                shutil.copyfile(rules_path().parent / name, self.data_dir / name)
         self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
         return self.config_path
 
@@ -198,6 +208,11 @@ class PrometheusServer:
     def query_exemplars(self, promql: str, start_s: float, end_s: float) -> list[dict[str, Any]]:
         """Exemplars of the series selected by ``promql`` in [start, end]."""
         return promapi.query_exemplars(self.url, promql, start_s, end_s, timeout_s=_API_TIMEOUT_S)
+
+    def rule_groups(self) -> list[dict[str, Any]]:
+        """Loaded rule groups (``/api/v1/rules``): each with ``name``, ``file`` and ``rules``
+        (an alert rule with its ``state``: inactive, pending or firing, and its ``alerts``)."""
+        return promapi.rule_groups(self.url, timeout_s=_API_TIMEOUT_S)
 
     def targets_health(self) -> list[dict[str, Any]]:
         """Active targets with ``labels``, ``health`` and ``lastError``."""

@@ -125,6 +125,7 @@ class Recorder:
         self._pipeline_failed = False
         self.thread_name = "kvlens-recorder"
         self.losses = None  # the provider's processors' loss counter (exporters.batching.LossCounter), once built
+        self._periodic: list[list] = []  # [fn, every_s, next due (monotonic)]: add_periodic
 
     # ------------------------------------------------------------------ hot path
     def record(
@@ -238,6 +239,27 @@ class Recorder:
         return self._stop.is_set()  # close has begun
 
     # --------------------------------------------------------------- background
+    def add_periodic(self, fn: Callable[[], None], every_s: float = 1.0) -> None:
+        """Run ``fn()`` on the background thread about every ``every_s``
+        (at its next wake after that; it wakes at least once a second). For
+        work that must stay off vLLM's threads (:mod:`exporters.health`).
+        ``fn`` must not block; an exception is logged once and skipped."""
+        self._periodic.append([fn, float(every_s), 0.0])
+        self.start()
+
+    def _run_periodic(self) -> None:
+        """Background thread: the periodic calls that are due."""
+        if not self._periodic:
+            return
+        now = time.monotonic()
+        for p in list(self._periodic):
+            if now >= p[2]:
+                p[2] = now + p[1]
+                try:
+                    p[0]()
+                except Exception:
+                    log_once("periodic", "kvlens periodic task failed; skipped", exc_info=True)
+
     def start(self) -> "Recorder":
         """Start the background thread now (at engine start-up), so building
         the OTel pipeline - SQLite schema, exporters - never competes with
@@ -288,6 +310,7 @@ class Recorder:
             self._wake.wait(self._interval)
             self._wake.clear()
             self.drain()
+            self._run_periodic()
             write_stats(self)
         self.drain()
 

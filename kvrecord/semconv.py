@@ -230,6 +230,9 @@ class Outcome(str, enum.Enum):
     TIMEOUT = "timeout"
     FAILED = "failed"
     EXPIRED = "expired"
+    STALE = "stale"
+    """KV read (pull) or written / notified (push) after P released its blocks
+    (P's lease ran out first): the answer may come from reused memory (docs/health.md)."""
 
 
 class TtftSource(str, enum.Enum):
@@ -347,3 +350,81 @@ ATTR_DERIVED: Final = "kvlens.derived"
 timestamps (:data:`DERIVED_PHASES`); never on a recorded span."""
 ATTR_ERROR: Final = "kvlens.error"
 """Short error text for failed outcomes (exception class and message)."""
+
+
+# --- handoff health (docs/health.md) -----------------------------------------
+SPAN_HANDOFF_OPEN: Final = "handoff.open"
+"""Span name of a partial trace: a handoff still open on one side, written
+out by that process's background thread once it has been open longer than
+``open_trace_after_s``; start = the handoff's start on that side, end = the
+snapshot time. Re-emitted (a new span) while it stays open; readers take the
+latest and hide them once the trace has ended on that side. Never a phase
+(no ``kvlens_phase_duration_seconds`` series)."""
+ATTR_OPEN: Final = "kvlens.open"
+"""True on a ``handoff.open`` span: the handoff had not ended at its end time."""
+ATTR_OPEN_PHASE: Final = "kvlens.open.phase"
+"""``handoff.open``: the phase the handoff waits in (:class:`OpenPhase` value). Cardinality 6."""
+ATTR_KV_STALE: Final = "kvlens.kv.stale"
+"""True where KV moved after P released its blocks (outcome ``stale``)."""
+ATTR_KV_STALE_SEEN_BY: Final = "kvlens.kv.stale.seen_by"
+"""``prefill`` | ``decode``: the side that saw the late read / write / notification."""
+ATTR_REGISTRATION_TIMEOUT: Final = "kvlens.registration_timeout"
+"""True on D's ``kv.ready`` (and ``handoff.open``) of a push request whose
+registration hit vLLM's soft watchdog (``push_registration_timeout``) while
+the request kept waiting."""
+ATTR_REGISTRATION_TIMEOUT_WAIT_S: Final = "kvlens.registration_timeout.wait_after_s"
+"""Seconds D kept waiting after the watchdog fired, to ``kv.ready`` (or the snapshot of ``handoff.open``)."""
+ATTR_OPEN_BLOCKS: Final = "kvlens.open.blocks"
+"""``handoff.open``: KV blocks the open handoff holds on this side (0: unknown)."""
+
+
+class OpenPhase(str, enum.Enum):
+    """Where an open handoff waits, per (mode, side): the ``phase`` label of
+    ``kvlens_handoffs_open`` and ``kvlens_handoff_oldest_open_start_timestamp_seconds``."""
+
+    AWAITING_KV = "awaiting_kv"
+    """Push D: blocks staged (``registration.stage``) -> P's WRITE reported done (``kv.ready``)."""
+    READING = "reading"
+    """Pull D: blocks allocated (``alloc``) -> D's READ done (``kv.ready``)."""
+    AWAITING_READ = "awaiting_read"
+    """Pull P: prefill finished, blocks held (``prefill.finished``) -> D's read-done notification or the lease."""
+    AWAITING_REGISTRATION = "awaiting_registration"
+    """Push P: finished blocks reached the worker -> D's registration matched them (or the lease)."""
+    AWAITING_PREFILL = "awaiting_prefill"
+    """Push P: D's registration received -> P's finished blocks matched it."""
+    WRITING = "writing"
+    """Push P: matched (WRITE posted or waiting for the handshake) -> WRITE done (or the lease)."""
+
+
+#: The phases each (mode, role) side waits in.
+OPEN_PHASES: Final = {
+    ("push", "decode"): (OpenPhase.AWAITING_KV,),
+    ("pull", "decode"): (OpenPhase.READING,),
+    ("pull", "prefill"): (OpenPhase.AWAITING_READ,),
+    ("push", "prefill"): (OpenPhase.AWAITING_REGISTRATION, OpenPhase.AWAITING_PREFILL, OpenPhase.WRITING),
+}
+
+
+class PinnedState(str, enum.Enum):
+    """The ``state`` label of the pinned-KV gauges (KV held on P waiting for D)."""
+
+    AWAITING_READ = "awaiting_read"
+    """Pull: finished, blocks held for D's READ."""
+    UNREGISTERED_PREFILL = "unregistered_prefill"
+    """Push: finished blocks without a D registration."""
+    UNMATCHED_REGISTRATION = "unmatched_registration"
+    """Push: a D registration without finished blocks (the blocks counted are D's, staged for the WRITE)."""
+
+
+#: Open phase -> the pinned state it is.
+PINNED_OF: Final = {
+    OpenPhase.AWAITING_READ: PinnedState.AWAITING_READ,
+    OpenPhase.AWAITING_REGISTRATION: PinnedState.UNREGISTERED_PREFILL,
+    OpenPhase.AWAITING_PREFILL: PinnedState.UNMATCHED_REGISTRATION,
+}
+#: Pinned state -> its mode.
+PINNED_MODE: Final = {
+    PinnedState.AWAITING_READ: "pull",
+    PinnedState.UNREGISTERED_PREFILL: "push",
+    PinnedState.UNMATCHED_REGISTRATION: "push",
+}
