@@ -436,6 +436,14 @@ def start_prometheus(targets: Mapping[str, list[str]], data_dir, alert_rules, ma
     return server, shortened
 
 
+def listed_open(store_text: str, tid: str) -> bool:
+    """Whether ``kvlens traces --open`` lists ``tid`` now (False when it fails)."""
+    try:
+        return tid in traces_open(store_text)
+    except Exception:
+        return False
+
+
 def traces_open(store_text: str, timeout: float = 60.0) -> str:
     """``kvlens traces --open --store STORE`` run as a user runs it; its stdout
     (raises on a non-zero exit, with stderr)."""
@@ -454,16 +462,22 @@ def traces_open(store_text: str, timeout: float = 60.0) -> str:
 
 
 # ------------------------------------------------------------ traces
-#: the contract's span and attribute names (issue 37)
+#: the contract's span and attribute names (issue 37; kvrecord.semconv)
 SPAN_OPEN = "handoff.open"
+ATTR_OPEN = "kvlens.open"
 ATTR_STALE = "kvlens.kv.stale"
 ATTR_REG_TIMEOUT = "kvlens.registration_timeout"
 
 
 def spans_of(store_loc, tid: str) -> list[dict]:
+    """The trace's stored spans ([] while the store does not exist yet)."""
     from kvtrace import store
+    from kvtrace.store.errors import StoreMissing
 
-    conn = store.connect(store_loc, readonly=True)
+    try:
+        conn = store.connect(store_loc, readonly=True)
+    except StoreMissing:
+        return []
     try:
         return store.spans_for(conn, [tid]).get(tid, [])
     finally:
@@ -472,13 +486,22 @@ def spans_of(store_loc, tid: str) -> list[dict]:
 
 def trace_row(store_loc, tid: str) -> dict | None:
     from kvtrace import store
+    from kvtrace.store.errors import StoreMissing
 
-    conn = store.connect(store_loc, readonly=True)
+    try:
+        conn = store.connect(store_loc, readonly=True)
+    except StoreMissing:
+        return None
     try:
         rows = store.slowest(conn, 1, trace_ids=[tid])
         return dict(rows[0]) if rows else None
     finally:
         conn.close()
+
+
+def summary(spans: list[dict]) -> list[str]:
+    """``role:name=outcome`` per span, in start order (for messages and the table)."""
+    return [f"{s['role']}:{s['name']}={s['outcome']}" for s in sorted(spans, key=lambda s: s["start_ns"])]
 
 
 def flags(spans: list[dict]) -> dict[str, list[str]]:
@@ -488,7 +511,7 @@ def flags(spans: list[dict]) -> dict[str, list[str]]:
     for s in spans:
         a = s.get("attributes") or {}
         tag = f"{s['role']}:{s['name']}"
-        if s["name"] == SPAN_OPEN or a.get("kvlens.open"):
+        if s["name"] == SPAN_OPEN or a.get(ATTR_OPEN):
             out["open"].append(tag)
         if a.get(ATTR_STALE):
             out["stale"].append(tag)
@@ -524,3 +547,25 @@ def false_flags(store_loc, tids: list[str], timeout: float = 60.0) -> dict[str, 
         if fl:
             out[tid] = fl
     return out
+
+
+class Checks:
+    """Every check of a fault test evaluated, then failed together: one run
+    tells which of a fault's signals kvlens shows and which it misses."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, bool] = {}
+        self.details: dict[str, object] = {}
+
+    def that(self, name: str, ok: object, detail: object = None) -> bool:
+        self.results[name] = bool(ok)
+        if not ok:
+            self.details[name] = detail
+        return bool(ok)
+
+    def failed(self) -> list[str]:
+        return [k for k, v in self.results.items() if not v]
+
+    def done(self) -> None:
+        bad = self.failed()
+        assert not bad, "failed checks:\n" + "\n".join(f"- {k}: {self.details.get(k)!r}"[:1500] for k in bad)

@@ -25,7 +25,6 @@ import uuid
 import httpx
 import pytest
 
-from kvtrace import store
 from kvrecord import semconv as sc
 from kvlens import proxy
 import fault_harness as fh
@@ -62,20 +61,11 @@ def _d_body(stack, tid: str) -> dict:
 
 
 def _spans(db, tid: str) -> list[dict]:
-    conn = store.connect(db, readonly=True)
-    try:
-        return store.spans_for(conn, [tid]).get(tid, [])
-    finally:
-        conn.close()
+    return fh.spans_of(db, tid)  # [] until the store exists (a fresh session's first stack)
 
 
 def _row(db, tid: str) -> dict | None:
-    conn = store.connect(db, readonly=True)
-    try:
-        rows = store.slowest(conn, 1, trace_ids=[tid])
-        return dict(rows[0]) if rows else None
-    finally:
-        conn.close()
+    return fh.trace_row(db, tid)
 
 
 async def _wait_span(db, tid: str, pred, timeout: float, what: str) -> dict:
@@ -211,51 +201,57 @@ def test_push_decode_frozen_past_the_lease_shows_open_expired_and_registration_t
         with fh.frozen(decode):
             det.start = time.time()
             req = fh.InFlight(stack.router_url + ENDPOINT, _body("frozen-d"), tid)
-            fh.poll(lambda: det.after("prefill:expired") is not None, FAULT_FREEZE_S)
-            time.sleep(max(0.0, FAULT_FREEZE_S - (time.time() - det.start)))
+            while time.time() - det.start < FAULT_FREEZE_S:
+                if fh.listed_open(stack.store.text, tid):
+                    det.mark("traces --open")
+                time.sleep(0.5)
         det.mark("resumed")
         # D registers now; P released the KV: D waits until its watchdog, then on
         fh.poll(lambda: det.after("decode:registration_timeouts") is not None, FAULT_REGISTRATION_TIMEOUT_S + SLACK_S)
-        if fh.poll(lambda: tid in fh.traces_open(stack.store.text), 30):
+        if fh.poll(lambda: fh.listed_open(stack.store.text, tid), 30):
             det.mark("traces --open")
-        listed_open = det.after("traces --open")
         fh.poll(lambda: det.after("alert:KvlensHandoffStuck") is not None, 30)
+        fh.poll(lambda: det.after("alert:KvlensRegistrationTimeouts") is not None, 15)
         still_waiting = not req.done()
         req.cancel()  # the client gives up
         req.wait(30)
         det.mark("client gave up")
         if fh.poll(lambda: not w.last["decode"].get("open"), 30):
             det.mark("decode open back to 0")
-    gone_from_open = tid not in fh.traces_open(stack.store.text)
+    gone_from_open = fh.poll(lambda: not fh.listed_open(stack.store.text, tid), 30)
     after = fh.healthy(stack.router_url, 2, "health-push-after")
     spans = fh.wait_trace(stack.store, tid, lambda s: fh.flags(s)["registration_timeout"], SLACK_S)
     ff = fh.false_flags(stack.store, before + after)
+    fl = fh.flags(spans)
+    c = fh.Checks()
+    c.that("the request still waits after D's watchdog (vLLM 0.32)", still_waiting)
+    c.that("P: open handoff while D is frozen", det.after("prefill:open") is not None, w.peak)
+    c.that("P: oldest open start while D is frozen", det.after("prefill:oldest_open") is not None, w.peak)
+    c.that("P: pinned unregistered_prefill", det.after("prefill:pinned:unregistered_prefill") is not None, w.peak)
+    c.that("P: expired counted once", w.delta("prefill", "expired") == 1, w.last["prefill"])
+    c.that("D: open handoff after resume", det.after("decode:open") is not None, w.peak)
+    c.that("D: registration timeout counted once", w.delta("decode", "registration_timeouts") == 1, w.last["decode"])
+    c.that("kvlens traces --open lists it while stuck", det.after("traces --open") is not None)
+    c.that("kvlens traces --open drops it once ended", gone_from_open)
+    c.that("alert KvlensHandoffStuck fired", "KvlensHandoffStuck" in w.alerts, sorted(w.alerts))
+    c.that("alert KvlensRegistrationTimeouts fired", "KvlensRegistrationTimeouts" in w.alerts, sorted(w.alerts))
+    c.that("trace: registration_timeout flag", fl["registration_timeout"], fh.summary(spans))
+    c.that("trace: P expired", any(x.startswith("prefill:") and x.endswith("=expired") for x in fl["not_ok"]), fl)
+    c.that("trace: partial handoff.open written while stuck", fl["open"], fh.summary(spans))
+    c.that("no healthy request flagged", not ff, ff)
     det.notes.update(
         {
             "detected_on": sorted(w.phases),
             "alerts": sorted(w.alerts),
             "false_flags": len(ff),
+            "failed_checks": c.failed(),
+            "trace": fh.summary(spans),
             "peak": {k: v for k, v in w.peak.items() if "open" in k or "pinned" in k},
         }
     )
     fault_table.append(det.row())
-
-    assert still_waiting, "vLLM 0.32 keeps D's request waiting after its registration timeout"
-    assert det.after("prefill:open") is not None, ("P showed no open handoff while D was frozen", w.peak)
-    assert det.after("prefill:oldest_open") is not None, w.peak
-    assert det.after("prefill:pinned:unregistered_prefill") is not None, w.peak
-    assert w.delta("prefill", "expired") == 1, w.last["prefill"]
-    assert det.after("decode:open") is not None, w.peak
-    assert w.delta("decode", "registration_timeouts") == 1, w.last["decode"]
-    assert listed_open is not None, "kvlens traces --open did not list the stuck request"
-    assert gone_from_open, "the request was still listed open after it ended"
-    assert {"KvlensHandoffStuck", "KvlensRegistrationTimeouts"} <= set(w.alerts), w.alerts
-    fl = fh.flags(spans)
-    assert fl["registration_timeout"], fl
-    assert any(x.startswith("prefill:") and x.endswith("=expired") for x in fl["not_ok"]), fl
-    assert not fl["open"], ("the complete trace must replace the partial one", fl)
-    assert not ff, ff
     _assert_no_hook_failures(stack)
+    c.done()
 
 
 def test_push_registration_that_cannot_reach_p(fault_push_stack, fault_prometheus, fault_table):
@@ -291,18 +287,31 @@ def test_push_registration_that_cannot_reach_p(fault_push_stack, fault_prometheu
         fh.poll(lambda: det.after("alert:KvlensHandoffsFailing") is not None, 30)
     after = fh.healthy(stack.router_url, 2, "health-unreach-after")
     ff = fh.false_flags(stack.store, before + after)
+    spans = fh.spans_of(stack.store, tid)
+    c = fh.Checks()
+    c.that("D fails the request (vLLM 0.32: handshake timeout)", d_status not in (200, None), d_status)
+    c.that("D: open handoff while it waits", det.after("decode:open") is not None, w.peak)
+    c.that("P: pinned unregistered_prefill", det.after("prefill:pinned:unregistered_prefill") is not None, w.peak)
+    c.that("P: expired counted once", w.delta("prefill", "expired") == 1, w.last["prefill"])
+    c.that(
+        "D: failed or timeout counted once",
+        (w.delta("decode", "failed") or 0) + (w.delta("decode", "timeout") or 0) == 1,
+        w.last["decode"],
+    )
+    c.that("no healthy request flagged", not ff, ff)
     det.notes.update(
-        {"D status": d_status, "detected_on": sorted(w.phases), "alerts": sorted(w.alerts), "false_flags": len(ff)}
+        {
+            "D status": d_status,
+            "detected_on": sorted(w.phases),
+            "alerts": sorted(w.alerts),
+            "false_flags": len(ff),
+            "failed_checks": c.failed(),
+            "trace": fh.summary(spans),
+        }
     )
     fault_table.append(det.row())
-
-    assert d_status not in (200, None), d_status
-    assert det.after("decode:open") is not None, ("D showed no open handoff while it waited", w.peak)
-    assert det.after("prefill:pinned:unregistered_prefill") is not None, w.peak
-    assert w.delta("prefill", "expired") == 1, w.last["prefill"]
-    assert (w.delta("decode", "failed") or 0) + (w.delta("decode", "timeout") or 0) == 1, w.last["decode"]
-    assert not ff, ff
     _assert_no_hook_failures(stack)
+    c.done()
 
 
 def test_decode_killed_before_the_write_fails_on_p_and_p_keeps_serving(fault_push_stack):
