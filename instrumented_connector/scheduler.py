@@ -220,7 +220,12 @@ class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorS
         )
 
     def build_connector_meta(self, scheduler_output):
-        """D: registrations the watchdog drops. The request keeps waiting in
+        """D: registrations the watchdog drops (:meth:`_kvl_watchdog`)."""
+        return self._kvl_watchdog(super().build_connector_meta, scheduler_output)
+
+    def _kvl_watchdog(self, host, scheduler_output):
+        """Call vLLM's ``host`` (push ``build_connector_meta``) and flag the
+        registrations its soft watchdog drops. The request keeps waiting in
         vLLM, so its handoff stays open, flagged ``registration_timeout``:
         its kv.ready comes when the KV arrives or the request ends
         (:meth:`_kvl_d_ended`). Untracked (no table): kv.ready ``timeout`` now."""
@@ -236,7 +241,7 @@ class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorS
                     expired = [rid for rid, dl in d.items() if dl <= t]
         except Exception:
             fail("build_connector_meta")
-        meta = super().build_connector_meta(scheduler_output)
+        meta = host(scheduler_output)
         if expired:
             try:
                 t, at = self._kvl_table, now()

@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from kvlens.argtypes import int_in
 from kvrecord import config
 from kvrecord import semconv as sc
 from kvrecord.durations import parse_duration
-from kvtrace import costs, kvuse, perfetto, ranks, store, tracemodel
+from kvtrace import costs, kvuse, perfetto, ranks, store, stuck, tracemodel
 from kvrecord.keeprule import NOT_KEPT
 from kvtrace.tracemodel import NOT_KEPT_NOTE, Trace
 
@@ -35,6 +36,9 @@ MAX_SLOWEST = 10_000
 MIN_WIDTH, MAX_WIDTH = 20, 1000
 #: Longest --since (100 years): "everything" without an overflowing bound.
 MAX_SINCE_S = 100 * 365 * 86400
+#: --open's default --since: an open handoff's process re-reports it every few
+#: seconds, so one not reported for a minute is no longer "stuck now".
+OPEN_SINCE_DEFAULT = "1m"
 
 
 def since_arg(text: str) -> str:
@@ -73,6 +77,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="only half traces: requests whose other side never joined (docs/phases.md, 'Trace correlation')",
     )
     p.add_argument("--trace", metavar="ID", help="one trace by id (32 hex)")
+    p.add_argument(
+        "--open",
+        action="store_true",
+        help="instead of waterfalls: the handoffs stuck now, from their partial traces (trace id, request id, "
+        "mode, the side that waits, phase, since when, age, last report); only those reported within --since "
+        f"(default {OPEN_SINCE_DEFAULT}); with --mode, one mode (docs/health.md)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
     p.add_argument(
         "--width",
@@ -134,11 +145,21 @@ def waterfall(trace: Trace, width: int = 60) -> str:
     """A text waterfall for one trace (pure function; tested). ``width`` is
     clamped to MIN_WIDTH..MAX_WIDTH."""
     width = min(MAX_WIDTH, max(MIN_WIDTH, int(width)))
+    outcome = "open" if trace.open else trace.outcome
     lines = [
-        f"trace {trace.trace_id}  mode={trace.mode}  outcome={trace.outcome}  "
+        f"trace {trace.trace_id}  mode={trace.mode}  outcome={outcome}  "
         f"handoff={_fmt_handoff(trace)}  ttft={_fmt_ttft(trace)}  P={trace.p_engine or '-'}  "
         f"D={trace.d_engine or '-'}  request={trace.request_id}"
     ]
+    for o in trace.open:
+        flag = ", push registration timed out" if o.registration_timeout else ""
+        lines.append(
+            f"  OPEN: {o.side} ({o.role}) waiting in {o.phase or '?'} since {_clock(o.since_ns)} UTC, "
+            f"{_fmt_age(o.waited_s)} at its last report ({_clock(o.seen_ns)}){flag}: a partial trace, "
+            "as far as the handoff got"
+        )
+    if trace.stale:
+        lines.append(f"  STALE: {stuck.STALE_WHY}: {stuck.STALE_WORDS}")
     if trace.half:
         other = "D" if trace.half == sc.Role.PREFILL.value else "P"
         lines.append(
@@ -200,6 +221,58 @@ def _waterfall_notes(spans) -> list[str]:
             "(more than the last partial block): the KV that moved was not used"
         )
     return lines
+
+
+def _clock(ns: int) -> str:
+    t = time.gmtime(ns / 1e9)
+    return time.strftime("%H:%M:%S", t) + f".{int(ns % 1_000_000_000) // 100_000_000}"
+
+
+def _fmt_age(s: float) -> str:
+    return f"{s:.1f}s" if s < 120 else f"{s / 60:.1f}m"
+
+
+def open_text(sides: list[stuck.OpenSide], now_ns: int, where: str, since: str) -> str:
+    """``--open``'s table (pure; tested): one line per side stuck now, oldest first,
+    or one line saying there is none."""
+    if not sides:
+        return f"no handoff stuck now in {where} (none open and reported in the last {since})"
+    head = ("TRACE", "REQUEST", "MODE", "WAITING", "PHASE", "SINCE (UTC)", "AGE", "LAST REPORT", "NOTE")
+    rows = []
+    for o in sides:
+        note = "registration timed out" if o.registration_timeout else ""
+        rows.append(
+            (
+                o.trace_id,
+                o.request_id or "-",
+                o.mode or "-",
+                f"{o.side} ({o.role})",
+                o.phase or "-",
+                _clock(o.since_ns),
+                _fmt_age(o.age_s(now_ns)),
+                f"{_fmt_age(max(now_ns - o.seen_ns, 0) / 1e9)} ago",
+                note,
+            )
+        )
+    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+    lines = [f"{len(sides)} handoff side(s) stuck now in {where} (open, reported in the last {since}):"]
+    for r in (head, *rows):
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    lines.append("each is a partial trace: `kvlens traces --trace ID` shows it as far as it got")
+    return "\n".join(lines)
+
+
+def _run_open(path: store.StoreLocation, args: argparse.Namespace) -> int:
+    since = args.since or OPEN_SINCE_DEFAULT
+    with store.reading(path) as conn:
+        sides = stuck.stuck(conn, since_ns=store.parse_since(since), mode=args.mode)
+    now = time.time_ns()
+    if args.json:
+        for o in sides:
+            print(json.dumps(o.to_json(now)))
+        return 0
+    print(open_text(sides, now, str(path), since))
+    return 0
 
 
 def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> str:
@@ -302,6 +375,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlens traces: {path} is a directory, not a trace store file", file=sys.stderr)
         return 1
     try:
+        if getattr(args, "open", False):
+            return _run_open(path, args)
         if getattr(args, "breakdown", False):
             print(breakdown_text(_load_breakdown(path, args)))
             with store.reading(path) as conn:

@@ -28,6 +28,8 @@ from kvrecord import semconv as sc
 
 #: Default bound of one table (open handoffs tracked at once).
 DEFAULT_CAP = 8192
+#: :meth:`HandoffTable.due` looks at most this many entries per phase (bounded time under the lock).
+SCAN_LIMIT = 1024
 
 OUTCOMES = tuple(o.value for o in sc.Outcome)
 
@@ -190,8 +192,10 @@ class HandoffTable:
         cutoff = now_ns - after_ns
         with self._lock:
             for ph in self.owned:
-                for rid, e in self._by_phase[ph].items():
-                    if e[_PHASE_T] > cutoff or len(out) >= limit:
+                # the lock is held for at most SCAN_LIMIT entries per phase:
+                # with more stuck than that, the oldest get the partial traces
+                for n, (rid, e) in enumerate(self._by_phase[ph].items()):
+                    if e[_PHASE_T] > cutoff or len(out) >= limit or n >= SCAN_LIMIT:
                         break
                     if e[_START] <= cutoff and now_ns - e[_EMITTED] >= every_ns:
                         e[_EMITTED] = now_ns

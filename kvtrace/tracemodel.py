@@ -39,7 +39,7 @@ from itertools import groupby
 from operator import itemgetter
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvtrace import kvuse, ranks, store
+from kvtrace import kvuse, ranks, store, stuck
 from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
     _DERIVED,
     DERIVATION_ATTRIBUTES,
@@ -185,6 +185,10 @@ class Trace:
     #: Each recorded phase's longest duration in seconds, from the summary
     #: row: there whether the spans were kept or not.
     phases: Mapping[str, float] = field(default_factory=dict)
+    #: The sides still waiting (a partial trace: :mod:`kvtrace.stuck`), oldest first; () when none.
+    open: tuple[stuck.OpenSide, ...] = ()
+    #: A span says its KV moved after P released it: possibly served from reused memory.
+    stale: bool = False
 
     @classmethod
     def from_rows(cls, summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]] = ()) -> Trace:
@@ -192,7 +196,11 @@ class Trace:
 
         D's spans and ``kv_ready_ns`` are moved onto P's clock by the store's
         ``clock_offset_s`` (0 when P's and D's clocks could not be told apart),
-        so positions against the handoff window compare like with like."""
+        so positions against the handoff window compare like with like.
+        Partial-trace spans (``handoff.open``) of a side that ended are hidden,
+        and of a side still open only the latest is kept (:mod:`kvtrace.stuck`)."""
+        spans = stuck.visible_spans(spans)
+        open_sides = stuck.open_sides(summary["trace_id"], spans, summary.get("request_id"))
         off = d_shift_ns(summary.get("clock_offset_s"))
         pf, kv = summary.get("prefill_finished_ns"), summary.get("kv_ready_ns")
         if kv is not None:
@@ -235,7 +243,15 @@ class Trace:
         skip = {"n_spans", "kv_ready_ns", *phase_cols.values()}
         fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in skip}
         phases = {p: summary[c] for p, c in phase_cols.items() if summary.get(c) is not None}
-        return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, phases=phases, **fields)
+        return cls(
+            spans=tuple(marked),
+            kv_ready_ns=kv,
+            n_spans=summary.get("n_spans") or 0,
+            phases=phases,
+            open=open_sides,
+            stale=stuck.is_stale(spans) or summary.get("outcome") == sc.Outcome.STALE.value,
+            **fields,
+        )
 
     @property
     def half(self) -> str | None:
@@ -313,6 +329,8 @@ class Trace:
             "release": release_json(self.spans, self.kv_ready_ns),
             "kv_use": kvuse.trace_kv_use(self.spans),
             "keep": self.keep,
+            "open": [o.to_json() for o in self.open],
+            "stale": self.stale,
             "phases_s": dict(self.phases),
             "spans": [s.to_json() for s in self.spans],
             **({"spans_note": NOT_KEPT_NOTE} if self.keep == NOT_KEPT else {}),

@@ -52,10 +52,12 @@ def named_spans(
     names, decode, ids = sorted(names), sorted(decode), list(trace_ids)
     for i in range(0, len(ids), 500):
         chunk = ids[i : i + 500]
+        # no attributes to decode: NULL (PostgreSQL refuses an empty ``IN ()``)
+        attrs = f"CASE WHEN name IN ({params(len(decode))}) THEN attributes END" if decode else "NULL"
         sql = (
-            f"SELECT trace_id, name, role, start_ns, end_ns, outcome, CASE WHEN name IN ({params(len(decode))}) "
-            f"THEN attributes END FROM spans WHERE trace_id IN ({params(len(chunk))}) "
-            f"AND name IN ({params(len(names))}) ORDER BY trace_id, start_ns, end_ns"
+            f"SELECT trace_id, name, role, start_ns, end_ns, outcome, {attrs} FROM spans "
+            f"WHERE trace_id IN ({params(len(chunk))}) AND name IN ({params(len(names))}) "
+            "ORDER BY trace_id, start_ns, end_ns"
         )
         for r in _tuples(conn, sql, [*decode, *chunk, *names]):
             yield r if r[6] is None else (*r[:6], json.loads(r[6]))  # most rows: as read, no copy
