@@ -506,8 +506,15 @@ def summary(spans: list[dict]) -> list[str]:
 
 def flags(spans: list[dict]) -> dict[str, list[str]]:
     """What marks a trace as unhealthy, by kind: spans that are partial
-    (``handoff.open``), stale, registration timeouts, and non-ok outcomes."""
-    out: dict[str, list[str]] = {"open": [], "stale": [], "registration_timeout": [], "not_ok": []}
+    (``handoff.open``; ``open_shown``: those a reader still shows), stale,
+    registration timeouts, and non-ok outcomes."""
+    out: dict[str, list[str]] = {"open": [], "stale": [], "registration_timeout": [], "not_ok": [], "open_shown": []}
+    try:  # what a reader still shows as open (kvtrace.stuck hides the partials of a side that ended)
+        from kvtrace import stuck
+
+        out["open_shown"] = [f"{s['role']}:{s['name']}" for s in stuck.visible_spans(spans) if s["name"] == SPAN_OPEN]
+    except ImportError:
+        out["open_shown"] = ["(kvtrace.stuck missing)"]
     for s in spans:
         a = s.get("attributes") or {}
         tag = f"{s['role']}:{s['name']}"

@@ -238,6 +238,7 @@ def test_push_decode_frozen_past_the_lease_shows_open_expired_and_registration_t
     c.that("trace: registration_timeout flag", fl["registration_timeout"], fh.summary(spans))
     c.that("trace: P expired", any(x.startswith("prefill:") and x.endswith("=expired") for x in fl["not_ok"]), fl)
     c.that("trace: partial handoff.open written while stuck", fl["open"], fh.summary(spans))
+    c.that("trace: the complete trace replaces the partial one", not fl["open_shown"], fl["open_shown"])
     c.that("no healthy request flagged", not ff, ff)
     det.notes.update(
         {

@@ -96,6 +96,7 @@ def test_pull_decode_frozen_past_the_lease_reads_released_kv(fault_pull_stack, f
     c.that("trace: stale flag", fl["stale"], fh.summary(spans))
     c.that("trace: P expired", any(x.endswith("=expired") for x in fl["not_ok"]), fl)
     c.that("trace: partial handoff.open written while stuck", fl["open"], fh.summary(spans))
+    c.that("trace: the complete trace replaces the partial one", not fl["open_shown"], fl["open_shown"])
     c.that("no healthy request flagged", not ff, ff)
     det.notes.update(
         {
@@ -165,6 +166,7 @@ def test_pull_prefill_killed_mid_handoff_fails_on_d_without_orphans(
     c.that("kvlens traces --open lists it while stuck", det.after("traces --open") is not None)
     c.that("trace: D's handoff not ok", any(x.startswith("decode:") for x in fl["not_ok"]), fh.summary(spans))
     c.that("trace: partial handoff.open written while stuck", fl["open"], fh.summary(spans))
+    c.that("trace: the complete trace replaces the partial one", not fl["open_shown"], fl["open_shown"])
     c.that("no process left once the stack stopped", no_leftover, fh.alive_pids(all_pids + p_pids))
     c.that("no healthy request flagged", not ff, ff)
     det.notes.update(
