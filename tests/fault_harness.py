@@ -299,12 +299,24 @@ def firing_alerts(prom_url: str) -> list[dict]:
     return [a for a in data.get("alerts") or [] if a.get("state") == "firing"]
 
 
+def _active_at(alert: dict) -> float:
+    """An alert's ``activeAt`` (RFC 3339) as a Unix time; +inf when unreadable."""
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(str(alert.get("activeAt")).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return math.inf
+
+
 class Watcher:
     """Scrapes every instance's ``/metrics`` (and Prometheus' alerts) on a
     thread, from construction to :meth:`stop`, and records into ``detect``
     when each signal first shows: ``<role>:open`` (a handoff open),
     ``<role>:pinned:<state>``, ``<role>:<counter>`` (the counter rose over its
-    value at the start), ``alert:<name>`` (firing). ``peak`` keeps each
+    value at the start), ``alert:<name>`` (firing, and active since the
+    fault: an alert an earlier fault left firing is kept apart in
+    ``before``). Gauges count from their value at the start. ``peak`` keeps each
     figure's largest value, ``phases`` the open handoffs' role/phase seen.
     A frozen or dead instance's failed scrapes are skipped."""
 
@@ -319,6 +331,7 @@ class Watcher:
         self.peak: dict[str, float] = {}
         self.phases: set[str] = set()
         self.alerts: dict[str, dict] = {}
+        self.before: dict[str, dict] = {}  #: alerts already active before the fault
         self._stop = threading.Event()
         self._every = every_s
         self._thread = threading.Thread(target=self._run, daemon=True, name="fault-watcher")
@@ -345,15 +358,19 @@ class Watcher:
                     if v is None or k == "oldest_open_start":
                         continue
                     self.peak[f"{role}:{k}"] = max(self.peak.get(f"{role}:{k}", v), v)
-                if sig["open"]:
+                base = self.base[role]
+                # above what was there before the fault (an earlier fault may leave state behind)
+                if (sig["open"] or 0) > (base["open"] or 0):
                     self.detect.mark(f"{role}:open")
-                if sig["oldest_open_start"] is not None:
+                o = sig["oldest_open_start"]
+                if o is not None and o >= self.detect.start - 1.0:
                     self.detect.mark(f"{role}:oldest_open")
+                if o is not None:
                     self.peak[f"{role}:oldest_open_age_s"] = max(
-                        self.peak.get(f"{role}:oldest_open_age_s", 0.0), time.time() - sig["oldest_open_start"]
+                        self.peak.get(f"{role}:oldest_open_age_s", 0.0), time.time() - o
                     )
                 for st in PINNED_STATES:
-                    if sig[f"pinned:{st}"]:
+                    if (sig[f"pinned:{st}"] or 0) > (base[f"pinned:{st}"] or 0):
                         self.detect.mark(f"{role}:pinned:{st}")
                 for k in COUNTERS:
                     d = self.delta(role, k)
@@ -362,9 +379,16 @@ class Watcher:
             if self.prom_url and n % 2 == 0:
                 try:
                     for a in firing_alerts(self.prom_url):
-                        name = a["labels"].get("alertname", "?")
-                        self.alerts.setdefault(name, a["labels"])
+                        lab = a["labels"]
+                        name = lab.get("alertname", "?")
+                        if _active_at(a) < self.detect.start - 1.0:
+                            self.before.setdefault(name, lab)  # pending before this fault: not its alert
+                            continue
+                        self.alerts.setdefault(name, lab)
                         self.detect.mark(f"alert:{name}")
+                        self.detect.mark(
+                            f"alert:{name}@{lab.get('job', '?')}/{lab.get('phase', lab.get('outcome', ''))}"
+                        )
                 except Exception:
                     pass
             n += 1
@@ -527,6 +551,16 @@ def flags(spans: list[dict]) -> dict[str, list[str]]:
         if s.get("outcome") not in (None, "ok"):
             out["not_ok"].append(f"{tag}={s['outcome']}")
     return out
+
+
+def mark_trace(
+    det: "Detect", spans: list[dict], names: tuple[str, ...] = ("prefill.finished", "registration.stage")
+) -> None:
+    """Record in ``det`` when the trace says the handoff began on each side
+    (``trace:<role>:<name>``), so a gauge's delay reads against it."""
+    for s in sorted(spans, key=lambda s: s["start_ns"]):
+        if s["name"] in names:
+            det.mark(f"trace:{s['role']}:{s['name']}", at=s["start_ns"] / 1e9)
 
 
 def wait_trace(store_loc, tid: str, pred: Callable[[list[dict]], object], timeout: float) -> list[dict]:

@@ -250,6 +250,8 @@ def test_push_decode_frozen_past_the_lease_shows_open_expired_and_registration_t
             "peak": {k: v for k, v in w.peak.items() if "open" in k or "pinned" in k},
         }
     )
+    fh.mark_trace(det, spans)
+    det.notes["alerts_before"] = sorted(w.before)
     fault_table.append(det.row())
     _assert_no_hook_failures(stack)
     c.done()
@@ -310,6 +312,8 @@ def test_push_registration_that_cannot_reach_p(fault_push_stack, fault_prometheu
             "trace": fh.summary(spans),
         }
     )
+    fh.mark_trace(det, spans)
+    det.notes["alerts_before"] = sorted(w.before)
     fault_table.append(det.row())
     _assert_no_hook_failures(stack)
     c.done()

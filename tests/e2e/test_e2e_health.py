@@ -109,6 +109,8 @@ def test_pull_decode_frozen_past_the_lease_reads_released_kv(fault_pull_stack, f
             "peak": {k: v for k, v in w.peak.items() if "open" in k or "pinned" in k},
         }
     )
+    fh.mark_trace(det, spans)
+    det.notes["alerts_before"] = sorted(w.before)
     fault_table.append(det.row())
     c.done()
 
@@ -179,5 +181,7 @@ def test_pull_prefill_killed_mid_handoff_fails_on_d_without_orphans(
             "trace": fh.summary(spans),
         }
     )
+    fh.mark_trace(det, spans)
+    det.notes["alerts_before"] = sorted(w.before)
     fault_table.append(det.row())
     c.done()
