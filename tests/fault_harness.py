@@ -203,7 +203,11 @@ class Detect:
         return None if t is None else t - self.start
 
     def row(self) -> dict:
-        return {"fault": self.fault, **{k: round(v - self.start, 2) for k, v in self.seen.items()}, **self.notes}
+        return {
+            "fault": self.fault,
+            **{k: round(v - self.start, 2) for k, v in sorted(self.seen.items(), key=lambda kv: kv[1])},
+            **self.notes,
+        }
 
 
 # ------------------------------------------------------------ requests in flight
