@@ -313,6 +313,18 @@ def _active_at(alert: dict) -> float:
         return math.inf
 
 
+def _older_than(alert: dict, since_fault_s: float) -> bool:
+    """A stuck-handoff alert whose value (the open handoff's age, s) says it
+    began before the fault: Prometheus started with the test, so ``activeAt``
+    alone cannot tell an earlier fault's leftover."""
+    if alert["labels"].get("alertname") != "KvlensHandoffStuck":
+        return False
+    try:
+        return float(alert.get("value")) > since_fault_s + 2.0
+    except (TypeError, ValueError):
+        return False
+
+
 class Watcher:
     """Scrapes every instance's ``/metrics`` (and Prometheus' alerts) on a
     thread, from construction to :meth:`stop`, and records into ``detect``
@@ -367,8 +379,9 @@ class Watcher:
                 if (sig["open"] or 0) > (base["open"] or 0):
                     self.detect.mark(f"{role}:open")
                 o = sig["oldest_open_start"]
-                if o is not None and o >= self.detect.start - 1.0:
-                    self.detect.mark(f"{role}:oldest_open")
+                starts = select(s, "kvlens_handoff_oldest_open_start_timestamp_seconds", mode=self.mode)
+                if any(not math.isnan(v) and v >= self.detect.start - 1.0 for _, v in starts):
+                    self.detect.mark(f"{role}:oldest_open")  # a series whose oldest began with this fault
                 if o is not None:
                     self.peak[f"{role}:oldest_open_age_s"] = max(
                         self.peak.get(f"{role}:oldest_open_age_s", 0.0), time.time() - o
@@ -385,7 +398,7 @@ class Watcher:
                     for a in firing_alerts(self.prom_url):
                         lab = a["labels"]
                         name = lab.get("alertname", "?")
-                        if _active_at(a) < self.detect.start - 1.0:
+                        if _active_at(a) < self.detect.start - 1.0 or _older_than(a, time.time() - self.detect.start):
                             self.before.setdefault(name, lab)  # pending before this fault: not its alert
                             continue
                         self.alerts.setdefault(name, lab)
