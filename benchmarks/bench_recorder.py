@@ -35,7 +35,7 @@ from kvrecord.recorder import Recorder
 from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 
 BATCH = 2001  # a multiple of 3: the three-event handoff loop
-_AWAITING_REGISTRATION, _WRITING = sc.OpenPhase.AWAITING_REGISTRATION, sc.OpenPhase.WRITING
+_AWAITING_REGISTRATION, _WRITING = sc.OpenPhase.AWAITING_REGISTRATION.value, sc.OpenPhase.WRITING.value
 CHUNK = 2000  # events per burst in the background figures
 REPEATS = 25
 

@@ -70,7 +70,20 @@ class HealthFamilies:
     """The health metric families of one registry (created once per process and registry)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
+        self._handoffs(registry)
+        self._pinned_and_more(registry)
+        # every counter at 0 for every label value from the start
+        for mode in _MODES:
+            self.stale.labels(mode)
+            self.reg_timeouts.labels(mode)
+            for role in _SIDES:
+                self.attempts.labels(mode, role)
+                self.untracked.labels(mode, role)
+                for outcome in openhandoffs.OUTCOMES:
+                    self.outcomes.labels(mode, role, outcome)
+
+    def _handoffs(self, r: CollectorRegistry) -> None:
+        """Open handoffs, attempts and outcomes."""
         self.open = Gauge(
             "kvlens_handoffs_open",
             "Handoffs open on this instance, by the phase they wait in (docs/health.md).",
@@ -99,6 +112,9 @@ class HealthFamilies:
             ("mode",),
             registry=r,
         )
+
+    def _pinned_and_more(self, r: CollectorRegistry) -> None:
+        """Pinned KV on P, stale, registration timeouts, untracked handoffs."""
         self.pinned_requests = Gauge(
             "kvlens_kv_pinned_requests",
             "Requests holding KV on P while waiting for D, by state.",
@@ -132,15 +148,6 @@ class HealthFamilies:
             ("mode", "role"),
             registry=r,
         )
-        # every counter at 0 for every label value from the start
-        for mode in _MODES:
-            self.stale.labels(mode)
-            self.reg_timeouts.labels(mode)
-            for role in _SIDES:
-                self.attempts.labels(mode, role)
-                self.untracked.labels(mode, role)
-                for outcome in openhandoffs.OUTCOMES:
-                    self.outcomes.labels(mode, role, outcome)
 
 
 _families: dict[int, tuple[CollectorRegistry, HealthFamilies]] = {}

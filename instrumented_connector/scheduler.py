@@ -21,6 +21,7 @@ from instrumented_connector.hooks import TIMEOUT_AT, NullRecorder, Pending, fail
 
 P = sc.Phase
 OP = sc.OpenPhase
+_AWAITING_READ, _READING, _AWAITING_KV = OP.AWAITING_READ.value, OP.READING.value, OP.AWAITING_KV.value
 
 
 def _recomputed(scheduler_output, rid: str, scheduled: int) -> int:
@@ -48,6 +49,7 @@ class _SchedulerHooks:
         # All hook state exists before vLLM can call a hook.
         self._kvl_loaded = Pending()  # D: rid whose KV arrived, not yet scheduled -> None
         self._kvl_sched = Pending()  # D: rid -> (ns its first step after the KV was scheduled, tokens recomputed)
+        self._kvl_flagged = Pending()  # D: rid whose KV came after the registration watchdog -> its span attributes
 
     def _kvl_setup(self, rec) -> None:
         """Connect the recorder and this side's open-handoff table (called once, after ``__init__``)."""
@@ -68,6 +70,8 @@ class _SchedulerHooks:
         the registration watchdog had fired, else ``failed``."""
         t = self._kvl_table
         rid = request.request_id
+        if not t.is_open(rid):
+            return  # the usual case: its KV arrived
         flags = t.flags(rid)
         timed_out = bool(flags and flags.get(sc.ATTR_REGISTRATION_TIMEOUT))
         outcome = sc.Outcome.TIMEOUT.value if timed_out else sc.Outcome.FAILED.value
@@ -108,14 +112,10 @@ class _SchedulerHooks:
             if sched:
                 t = now()
                 for rid, (t0, recomputed) in sched.items():
-                    self._kvl.record(
-                        P.DECODE_FIRST_STEP,
-                        rid,
-                        t0,
-                        max(t, t0),
-                        "ok",
-                        {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size},
-                    )
+                    attrs = {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size}
+                    if self._kvl_flagged:  # the KV came after push's registration watchdog fired
+                        attrs.update(self._kvl_flagged.pop(rid, None) or ())
+                    self._kvl.record(P.DECODE_FIRST_STEP, rid, t0, max(t, t0), "ok", attrs)
                 sched.clear()
             for rid in connector_output.finished_recving or ():
                 self._kvl_loaded.put(rid, None)
@@ -123,6 +123,8 @@ class _SchedulerHooks:
             if t is not None:
                 failed = connector_output.failed_recving or ()
                 for rid in connector_output.finished_recving or ():
+                    if t.is_flagged(rid):  # the worker's kv.ready may be in another process: flag D's first step
+                        self._kvl_flagged.put(rid, timeout_attrs(t.flags(rid), now()))
                     t.close(rid, sc.Outcome.FAILED.value if rid in failed else sc.Outcome.OK.value)
                 # vLLM freed these blocks: nothing is pinned any more (the
                 # worker counted the outcome where it runs in this process)
@@ -148,7 +150,7 @@ class _SchedulerHooks:
                     self._kvl.record(P.PREFILL, rid, min(int(arrival * 1e9), t), t, "ok", attrs)
                 self._kvl.record(P.PREFILL_FINISHED, rid, t, t, "ok" if delay else "failed", attrs)
                 if delay and self._kvl_table is not None:
-                    self._kvl_table.open(rid, OP.AWAITING_READ, t, attrs[sc.ATTR_BLOCKS])
+                    self._kvl_table.open(rid, _AWAITING_READ, t, attrs[sc.ATTR_BLOCKS])
             except Exception:
                 fail("request_finished")
         elif self._kvl_table is not None:
@@ -200,11 +202,7 @@ class _SchedulerHooks:
             self._kvl.record(phase, rid, t, t, "ok", attrs)
             if self._kvl_table is not None:
                 self._kvl_table.open(
-                    rid,
-                    OP.READING if phase is P.ALLOC else OP.AWAITING_KV,
-                    t,
-                    attrs.get(sc.ATTR_BLOCKS) or 0,
-                    join=join,
+                    rid, _READING if phase is P.ALLOC else _AWAITING_KV, t, attrs.get(sc.ATTR_BLOCKS) or 0, join=join
                 )
         except Exception:
             fail("update_state_after_alloc")

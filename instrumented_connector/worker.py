@@ -12,7 +12,6 @@ dicts.
 
 from __future__ import annotations
 
-import queue
 import threading
 from typing import Any
 
@@ -23,28 +22,19 @@ from kvrecord import semconv as sc
 from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now, timeout_attrs
 from kvrecord.ids import base_request_id
 from instrumented_connector.taps import NixlTap as _NixlTap
-from instrumented_connector.taps import NotifQueueTap
-from kvrecord.openhandoffs import table_for
+from instrumented_connector.healthhooks import PullWorkerHealth, PushWorkerHealth, WorkerHealth
 from instrumented_connector.taps import RankedRecorder
 from instrumented_connector.taps import XferTimes as _XferTimes
 
 P = sc.Phase
-OP = sc.OpenPhase
-_PREFILL, _DECODE = sc.Role.PREFILL.value, sc.Role.DECODE.value
-_STALE = sc.Outcome.STALE.value
+_PREFILL = sc.Role.PREFILL.value
 
 
-class _WorkerHooks:
+class _WorkerHooks(WorkerHealth):
     """Worker-side hooks common to push and pull."""
 
     _kvl: Any = NullRecorder()
-    _kvl_table: Any = None  # this side's open-handoff table (rank 0 only), None: not tracked
-    _kvl_stale_on = False  # the stale signal's vLLM attributes exist (hooks.HEALTH_ATTRS)
-    _kvl_role = None
     _KVL_COMPLETE: P = P.WRITE_COMPLETE
-    _KVL_MODE = sc.Mode.PUSH.value
-    _KVL_BASE = ""  # the vLLM class name in hooks.HEALTH_ATTRS
-    _KVL_OWN: dict[str, tuple[sc.OpenPhase, ...]] = {}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -75,46 +65,6 @@ class _WorkerHooks:
             self.nixl_wrapper = _NixlTap(self.nixl_wrapper, self._kvl_xfer, self._kvl_notifs_cb())
         except Exception:
             fail("nixl_wrapper")
-
-    # -- open handoffs (docs/health.md) -----------------------------------------
-    def _kvl_health_setup(self, rec, rank: int) -> None:
-        """This side's open-handoff table, on TP rank 0 only (every rank sees
-        the same requests: one counts them); the stale signal where this
-        vLLM has what it reads (one warning otherwise)."""
-        try:
-            role = getattr(rec, "role", None)
-            if rank != 0 or role not in (_PREFILL, _DECODE) or not hasattr(rec, "add_periodic"):
-                return
-            t = table_for(self._KVL_MODE, role)
-            t.own(self._KVL_OWN.get(role, ()))
-            self._kvl_table, self._kvl_role = t, role
-            off = hooks.missing_attrs(self, hooks.HEALTH_ATTRS.get(self._KVL_BASE, {}))
-            self._kvl_stale_on = "stale" not in off
-            self._kvl_health_extra(t, role, off)
-        except Exception:
-            fail("open-handoff table")
-
-    def _kvl_health_extra(self, table, role: str, off: set[str]) -> None:
-        """Mode-specific health set-up (subclasses)."""
-
-    def _kvl_notifs_cb(self):
-        """The NIXL tap's look at notifications (pull P), or None."""
-        return None
-
-    def _kvl_released(self, rid: str) -> bool:
-        """vLLM no longer tracks ``rid`` as a send: P released (or never
-        held) its blocks. vLLM's own "unrecognized request" test."""
-        return rid not in self._reqs_to_send and rid not in self._reqs_to_process
-
-    def _kvl_stale(self, phase: P, rid: str, seen_by: str, error: str, attrs: dict | None = None) -> None:
-        """Count a stale request and flag its trace (a point of ``phase``)."""
-        t = self._kvl_table
-        if t is not None:
-            t.count_stale()
-        a = {sc.ATTR_KV_STALE: True, sc.ATTR_KV_STALE_SEEN_BY: seen_by, sc.ATTR_ERROR: error}
-        if attrs:
-            a.update(attrs)
-        self._kvl.point(phase, rid, _STALE, a)
 
     # -- engine thread -------------------------------------------------------
     def _pop_done_transfers(self, transfers):
@@ -156,17 +106,8 @@ class _WorkerHooks:
                 sc.ATTR_NIXL_XFER_S: xfer_us / 1e6,
                 sc.ATTR_REMOTE_ENGINE_ID: posted[1],
             }
-            table = self._kvl_table
-            if not recv and table is not None:
-                # push P: vLLM reports a WRITE done after the lease as already
-                # expired; the WRITE read blocks P had released: stale
-                if self._kvl_stale_on and self._kvl_released(rid):
-                    outcome = _STALE
-                    table.count_stale()
-                    attrs[sc.ATTR_KV_STALE] = True
-                    attrs[sc.ATTR_KV_STALE_SEEN_BY] = _PREFILL
-                    attrs[sc.ATTR_ERROR] = "WRITE completed after P's lease released the blocks"
-                table.close(rid, outcome)
+            if not recv and self._kvl_table is not None:
+                outcome = self._kvl_write_done(rid, outcome, attrs)
             self._kvl.record(phase, rid, posted[0], max(t, posted[0]), outcome, attrs)
 
     def _reap_expired_send_leases(self, done_sending):
@@ -178,7 +119,7 @@ class _WorkerHooks:
                 t = self._kvl_table
                 for rid in set(done_sending) - (snapshot or set()):
                     if t is not None:
-                        t.close(rid, sc.Outcome.EXPIRED.value)
+                        t.close(rid, sc.Outcome.EXPIRED.value, count_anyway=True)
                     self._kvl.point(self._KVL_COMPLETE, rid, "expired", {sc.ATTR_ERROR: "KV lease expired"})
             except Exception:
                 fail("_reap_expired_send_leases")
@@ -192,7 +133,7 @@ class _WorkerHooks:
                 t = self._kvl_table
                 for rid in results.finished_recving:
                     # D: the watchdog's flag, and how long D waited after it
-                    flags = t.flags(rid) if t is not None else None
+                    flags = t.flags(rid) if t is not None and t.is_flagged(rid) else None
                     attrs = timeout_attrs(flags, now()) if flags else None
                     self._kvl.point(P.KV_READY, rid, "failed" if rid in failed else "ok", attrs or None)
             except Exception:
@@ -252,47 +193,8 @@ class _WorkerHooks:
             self._kvl_post_end.put(rid, (last, engine))
 
 
-class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker):
+class InstrumentedNixlPushConnectorWorker(PushWorkerHealth, _WorkerHooks, NixlPushConnectorWorker):
     _KVL_COMPLETE = P.WRITE_COMPLETE
-    _KVL_MODE = sc.Mode.PUSH.value
-    _KVL_BASE = "NixlPushConnectorWorker"
-    _KVL_OWN = {_PREFILL: (OP.AWAITING_REGISTRATION, OP.AWAITING_PREFILL, OP.WRITING)}
-
-    def _kvl_health_extra(self, table, role: str, off: set[str]) -> None:
-        if role == _DECODE and "stale" not in off:
-            q = self._pending_completion_notifs
-            if type(q) is queue.Queue and q.empty():  # before the writer thread starts
-                self._pending_completion_notifs = NotifQueueTap(self._kvl_d_notif)
-            else:
-                self._kvl_stale_on = False
-        if role == _PREFILL and "unmatched_registration" not in off:
-            table.reconcilers.append(self._kvl_reconcile_registrations)
-
-    def _kvl_d_notif(self, notif: bytes) -> None:
-        """D's engine thread took a completion notification off the writer's
-        queue; vLLM's next test is whether it still knows the request. If not
-        (its lease or its request ended first), P wrote into blocks D no
-        longer holds for it: stale, seen by D."""
-        msg = notif.decode("utf-8")
-        if msg.startswith("HB:"):
-            return
-        rid = msg.rsplit(":", 1)[0]
-        if self._kvl_released(rid) and rid not in self._recving_metadata:
-            self._kvl_stale(
-                P.KV_READY, rid, _DECODE, "P's completion notification reached D after D stopped tracking the request"
-            )
-
-    def _kvl_reconcile_registrations(self) -> None:
-        """Background thread: registrations waiting on P that vLLM no longer
-        holds leave the table; the blocks of those it holds are filled in."""
-        t = self._kvl_table
-        regs = self._pending_d_registrations
-        for rid in t.open_ids(OP.AWAITING_PREFILL, now() - 1_000_000_000):
-            reg = regs.get(rid)
-            if reg is None:
-                t.close(rid, None)
-            elif isinstance(reg, dict):
-                t.set_blocks(rid, nblocks(reg.get("local_block_ids")))
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -315,10 +217,7 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
                 with self._kvl_enq_lock:
                     for rid in fin:
                         self._kvl_enq.put(rid, t)
-                table = self._kvl_table
-                if table is not None:
-                    for rid, blocks in fin.items():
-                        table.open(rid, OP.AWAITING_REGISTRATION, t, nblocks(blocks))
+                self._kvl_finished_open(fin, t)
         except Exception:
             fail("start_load_kv")
         return super().start_load_kv(metadata)
@@ -365,16 +264,12 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
         res = super()._pop_matching_finished_blocks(request_id)
         try:
             self._kvl.record(P.REGISTRATION_RECEIVE, request_id, t, t)
-            table = self._kvl_table
             if res is not None:
                 t_fin = self._kvl_fin_seen.pop(base_request_id(res[0]), t)
                 self._kvl.record(P.MATCH, res[0], t_fin, now(), "ok", {sc.ATTR_MATCH_FIRST: "prefill"})
-                if table is not None:
-                    table.open(res[0], OP.WRITING, t)
             else:
                 self._kvl_reg_seen.put(base_request_id(request_id), t)
-                if table is not None:
-                    table.open(request_id, OP.AWAITING_PREFILL, t, attempt=False)
+            self._kvl_registration_open(request_id, res, t)
         except Exception:
             fail("_pop_matching_finished_blocks")
         return res
@@ -391,17 +286,12 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
             if t_enq is not None:
                 self._kvl.record(P.WRITER_WAKE, request_id, min(t_enq, t), t)
             arrived = t if t_enq is None else min(t_enq, t)  # the blocks reached P's worker
-            table = self._kvl_table
             if res is not None:
                 t_reg = self._kvl_reg_seen.pop(base_request_id(request_id), arrived)
                 self._kvl.record(
                     P.MATCH, request_id, min(t_reg, arrived), arrived, "ok", {sc.ATTR_MATCH_FIRST: "registration"}
                 )
-                if table is not None:
-                    # D's registration (keyed by D's id) and P's blocks are one handoff from here
-                    d_rid = res.get("request_id") if isinstance(res, dict) else None
-                    reg = table.close(d_rid, None) if d_rid and d_rid != request_id else None
-                    table.open(request_id, OP.WRITING, t, start_ns=reg[2] if reg else None)
+                self._kvl_blocks_matched(request_id, res, t)
             else:
                 self._kvl_fin_seen.put(base_request_id(request_id), arrived)
         except Exception:
@@ -444,26 +334,8 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
         return NixlPushConnectorWorker._xfer_blocks(self, *args, **kwargs)
 
 
-class InstrumentedNixlPullConnectorWorker(_WorkerHooks, NixlPullConnectorWorker):
+class InstrumentedNixlPullConnectorWorker(PullWorkerHealth, _WorkerHooks, NixlPullConnectorWorker):
     _KVL_COMPLETE = P.READ_COMPLETE
-    _KVL_MODE = sc.Mode.PULL.value
-    _KVL_BASE = "NixlPullConnectorWorker"
-
-    def _kvl_notifs_cb(self):
-        return self._kvl_p_notifs if self._kvl_role == _PREFILL and self._kvl_stale_on else None
-
-    def _kvl_p_notifs(self, notifs) -> None:
-        """P's worker fetched D's notifications; vLLM tests each next: a
-        read-done for a request it no longer tracks means D READ blocks P's
-        lease had released ("Potentially invalid KV blocks"): stale, seen by P."""
-        for msgs in notifs.values():
-            for notif in msgs:
-                msg = notif.decode("utf-8")
-                if msg.startswith("HB:"):
-                    continue
-                rid = msg.rsplit(":", 1)[0]
-                if self._kvl_released(rid):
-                    self._kvl_stale(P.KV_RELEASED, rid, _PREFILL, "D read the KV after P's lease released the blocks")
 
     def _background_nixl_handshake(self, req_id, remote_engine_id, meta):
         try:
@@ -503,8 +375,8 @@ class InstrumentedNixlPullConnectorWorker(_WorkerHooks, NixlPullConnectorWorker)
                 table = self._kvl_table
                 for rid in done:
                     self._kvl.record(P.KV_RELEASED, rid, t, t)
-                    if table is not None:
-                        table.close(rid, sc.Outcome.OK.value)
+                    if table is not None:  # pull P's handoff is open in the scheduler's process
+                        table.close(rid, sc.Outcome.OK.value, count_anyway=True)
             except Exception:
                 fail("_get_new_notifs")
         return done

@@ -51,6 +51,8 @@ class HandoffTable:
         self.phases: tuple[sc.OpenPhase, ...] = sc.OPEN_PHASES.get((mode, role), ())
         self._by_phase: dict[str, dict[str, list]] = {p.value: {} for p in self.phases}
         self._blocks: dict[str, int] = {p.value: 0 for p in self.phases}
+        self._where: dict[str, str] = {}  # open request id -> its phase
+        self._flagged: set[str] = set()  # open request ids with flags
         self._n = 0
         self._lock = threading.Lock()
         # plain counters, read (never reset) by the publisher
@@ -73,7 +75,7 @@ class HandoffTable:
     def open(
         self,
         rid: str,
-        phase: sc.OpenPhase,
+        phase: sc.OpenPhase | str,
         t_ns: int,
         blocks: int = 0,
         start_ns: int | None = None,
@@ -82,50 +84,71 @@ class HandoffTable:
     ) -> None:
         """``rid`` waits in ``phase`` from ``t_ns`` on. A handoff already open
         moves there (keeping its start and flags); a new one counts an
-        attempt (``attempt``) unless the table is full (counted dropped)."""
-        ph = phase.value
+        attempt (``attempt``) unless the table is full (counted dropped).
+        ``phase``: hooks pass its value (a str: an enum member costs a
+        Python ``__hash__`` per look-up)."""
+        ph = phase if type(phase) is str else phase.value
         with self._lock:
             d = self._by_phase.get(ph)
             if d is None:
                 return
-            e = self._pop(rid)
-            if e is None:
+            old = self._where.get(rid)
+            if old is None:
                 if self._n >= self.cap:
                     self.dropped += 1
                     return
                 e = [ph, t_ns, t_ns if start_ns is None else start_ns, blocks, None, 0, join]
+                self._n += 1
                 if attempt:
                     self.attempts += 1
             else:
+                e = self._by_phase[old].pop(rid)
+                if e[_BLOCKS]:
+                    self._blocks[old] -= e[_BLOCKS]
                 e[_PHASE], e[_PHASE_T] = ph, t_ns
                 if blocks:
                     e[_BLOCKS] = blocks
-                if start_ns is not None:
-                    e[_START] = min(e[_START], start_ns)
+                if start_ns is not None and start_ns < e[_START]:
+                    e[_START] = start_ns
             d[rid] = e
-            self._blocks[ph] += e[_BLOCKS]
-            self._n += 1
+            self._where[rid] = ph
+            if e[_BLOCKS]:
+                self._blocks[ph] += e[_BLOCKS]
 
-    def move(self, rid: str, phase: sc.OpenPhase, t_ns: int) -> bool:
+    def move(self, rid: str, phase: sc.OpenPhase | str, t_ns: int) -> bool:
         """Move an open ``rid`` to ``phase``; False (nothing done) if it is not open."""
+        ph = phase if type(phase) is str else phase.value
         with self._lock:
-            e = self._pop(rid)
-            if e is None:
+            old = self._where.get(rid)
+            if old is None or ph not in self._by_phase:
                 return False
-            ph = phase.value
+            e = self._by_phase[old].pop(rid)
+            if e[_BLOCKS]:
+                self._blocks[old] -= e[_BLOCKS]
+                self._blocks[ph] += e[_BLOCKS]
             e[_PHASE], e[_PHASE_T] = ph, t_ns
             self._by_phase[ph][rid] = e
-            self._blocks[ph] += e[_BLOCKS]
-            self._n += 1
+            self._where[rid] = ph
             return True
 
-    def close(self, rid: str, outcome: str | None) -> list | None:
+    def close(self, rid: str, outcome: str | None, count_anyway: bool = False) -> list | None:
         """End ``rid``'s handoff; count ``outcome`` (None: ended without one,
-        e.g. merged into another entry). Returns the entry, or None if it
-        was not open."""
+        e.g. merged into another entry) if it was open here, or in any case
+        with ``count_anyway``: the hook that sees the end may run in another
+        process than the one that opened it (vLLM's worker and scheduler;
+        counters add up across an instance's processes, gauges do not).
+        Returns the entry, or None if it was not open here."""
         with self._lock:
-            e = self._pop(rid)
-            if e is not None and outcome is not None:
+            ph = self._where.pop(rid, None)
+            e = None
+            if ph is not None:
+                e = self._by_phase[ph].pop(rid)
+                if e[_BLOCKS]:
+                    self._blocks[ph] -= e[_BLOCKS]
+                if e[_FLAGS] is not None:
+                    self._flagged.discard(rid)
+                self._n -= 1
+            if outcome is not None and (e is not None or count_anyway):
                 self.outcomes[outcome if outcome in self.outcomes else sc.Outcome.FAILED.value] += 1
             return e
 
@@ -139,6 +162,7 @@ class HandoffTable:
             if e[_FLAGS] is None:
                 e[_FLAGS] = {}
             e[_FLAGS][key] = value
+            self._flagged.add(rid)
             return True
 
     def flags(self, rid: str) -> dict | None:
@@ -148,8 +172,12 @@ class HandoffTable:
             return dict(e[_FLAGS]) if e is not None and e[_FLAGS] else None
 
     def is_open(self, rid: str) -> bool:
-        with self._lock:
-            return self._get(rid) is not None
+        """Whether ``rid`` is open (one dict look-up, no lock: a hook's cheap test)."""
+        return rid in self._where
+
+    def is_flagged(self, rid: str) -> bool:
+        """Whether an open ``rid`` carries flags (no lock: a hook's cheap test)."""
+        return rid in self._flagged
 
     def count_stale(self) -> None:
         """One request's KV moved after P released it (also an outcome ``stale``)."""
@@ -222,20 +250,8 @@ class HandoffTable:
 
     # ---------------------------------------------------------------- inside
     def _get(self, rid: str) -> list | None:
-        for d in self._by_phase.values():
-            e = d.get(rid)
-            if e is not None:
-                return e
-        return None
-
-    def _pop(self, rid: str) -> list | None:
-        for ph, d in self._by_phase.items():
-            e = d.pop(rid, None)
-            if e is not None:
-                self._blocks[ph] -= e[_BLOCKS]
-                self._n -= 1
-                return e
-        return None
+        ph = self._where.get(rid)
+        return None if ph is None else self._by_phase[ph].get(rid)
 
 
 def entry_fields(e: list) -> dict[str, Any]:

@@ -17,16 +17,14 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
   events to a sidecar that builds the spans (a span costs ~43 µs of the
   engine's GIL, shipping an event ~1-2 µs); the hot path is this class's.
 
-Memory stays bounded when an exporter stalls: the event buffer holds at most
-``capacity`` events and the span processors' queues are bounded too.
+Memory stays bounded when an exporter stalls: the event buffer holds at most ``capacity`` events and the
+span processors' queues are bounded too. The thread also runs ``add_periodic`` work (:mod:`kvrecord.periodic`).
 
-Every event lost is counted, by :class:`DropReason`: the recorder counts
-``buffer_full`` (:attr:`Recorder.dropped`, the one hot-path counter),
-``shutdown`` (events still buffered when :meth:`Recorder.close` gave up) and
-``export_failed`` for events that never became a span (pipeline setup
-failed, or building the span raised); the pipeline's processors count the
-rest (:mod:`exporters.batching`), and :func:`exporters.pipeline.dropped_counts`
-adds them up by (role, reason).
+Every event lost is counted, by :class:`DropReason`: the recorder counts ``buffer_full``
+(:attr:`Recorder.dropped`, the one hot-path counter), ``shutdown`` (events still buffered when
+:meth:`Recorder.close` gave up) and ``export_failed`` for events that never became a span (pipeline
+setup failed, or building the span raised); the pipeline's processors count the rest
+(:mod:`exporters.batching`), and :func:`exporters.pipeline.dropped_counts` adds them up by (role, reason).
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ from kvrecord import ids
 from kvrecord import semconv as sc
 from kvrecord.events import Event, EventFields, Kind, as_event
 from kvrecord.logutil import log_once
+from kvrecord.periodic import Periodic
 from kvrecord.procstats import name_native_thread, write_stats
 from kvrecord.spanbuilder import SpanBuilder
 
@@ -74,7 +73,7 @@ PipelineFactory = Callable[[ids.PinnedIdGenerator], Any]
 _SPAN, _ROOT, _REQUEST = Kind.SPAN, Kind.ROOT, sc.Phase.REQUEST  # module globals: the hot path reads them
 
 
-class Recorder:
+class Recorder(Periodic):
     """Bounded event buffer + background span builder for one process/role.
 
     ``pipeline_factory`` (see :data:`PipelineFactory`) runs on the background
@@ -125,7 +124,6 @@ class Recorder:
         self._pipeline_failed = False
         self.thread_name = "kvlens-recorder"
         self.losses = None  # the provider's processors' loss counter (exporters.batching.LossCounter), once built
-        self._periodic: list[list] = []  # [fn, every_s, next due (monotonic)]: add_periodic
 
     # ------------------------------------------------------------------ hot path
     def record(
@@ -239,27 +237,6 @@ class Recorder:
         return self._stop.is_set()  # close has begun
 
     # --------------------------------------------------------------- background
-    def add_periodic(self, fn: Callable[[], None], every_s: float = 1.0) -> None:
-        """Run ``fn()`` on the background thread about every ``every_s``
-        (at its next wake after that; it wakes at least once a second). For
-        work that must stay off vLLM's threads (:mod:`exporters.health`).
-        ``fn`` must not block; an exception is logged once and skipped."""
-        self._periodic.append([fn, float(every_s), 0.0])
-        self.start()
-
-    def _run_periodic(self) -> None:
-        """Background thread: the periodic calls that are due."""
-        if not self._periodic:
-            return
-        now = time.monotonic()
-        for p in list(self._periodic):
-            if now >= p[2]:
-                p[2] = now + p[1]
-                try:
-                    p[0]()
-                except Exception:
-                    log_once("periodic", "kvlens periodic task failed; skipped", exc_info=True)
-
     def start(self) -> "Recorder":
         """Start the background thread now (at engine start-up), so building
         the OTel pipeline - SQLite schema, exporters - never competes with

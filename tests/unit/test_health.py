@@ -563,7 +563,7 @@ def test_build_connector_meta_override_matches_the_watchdog_it_wraps():
 
 def _d_sched(t):
     d = _D()
-    d._kvl_loaded, d._kvl_sched = hooks.Pending(), hooks.Pending()
+    d._kvl_loaded, d._kvl_sched, d._kvl_flagged = hooks.Pending(), hooks.Pending(), hooks.Pending()
     d._kvl = ListRecorder(role="decode")
     d._kvl_table = t
     return d
@@ -616,6 +616,13 @@ def test_kv_arriving_after_the_watchdog_ends_ok_and_flagged():
         types.SimpleNamespace(finished_recving={D_RID}, failed_recving=set(), finished_sending=())
     )
     assert t.outcomes["ok"] == 1 and not t.is_open(D_RID)
+    # the worker may run in another process (vLLM's default here): the scheduler
+    # flags D's first step after the KV arrived too
+    d.block_size = 16
+    d._kvl_sched.put(D_RID, (time.time_ns(), 0))
+    d.update_connector_output(types.SimpleNamespace(finished_recving=None, failed_recving=set(), finished_sending=()))
+    (first,) = d._kvl.named(sc.Phase.DECODE_FIRST_STEP)
+    assert first[5][sc.ATTR_REGISTRATION_TIMEOUT] is True and first[5][sc.ATTR_REGISTRATION_TIMEOUT_WAIT_S] >= 0
 
 
 def test_untracked_registration_timeout_records_kv_ready_timeout_as_before():
@@ -699,3 +706,22 @@ def test_a_failing_table_leaves_vllm_untouched():
     done: set[str] = set()
     w._reap_expired_send_leases(done)
     assert done == {P_RID} and P_RID not in w._reqs_to_send
+
+
+def test_pull_p_outcome_counts_where_the_worker_runs_apart_from_the_scheduler():
+    """vLLM runs the worker in its own process: pull P's handoff is open in
+    the scheduler's table, its end seen by the worker. The worker counts the
+    outcome (counters add up across the instance's processes); the
+    scheduler's table closes it when vLLM frees the blocks."""
+    worker_table = HandoffTable("pull", "prefill")  # the worker process's: nothing open in it
+    w = _worker(worker.InstrumentedNixlPullConnectorWorker, "prefill", worker_table)
+    w.nixl_wrapper = NixlTap(_Wrapper({"d": [f"{P_RID}:1".encode()]}), hooks.Pending(), w._kvl_notifs_cb())
+    w._reqs_to_send[P_RID] = time.perf_counter() + 60
+    w._reqs_to_process.add(P_RID)
+    late = "cmpl-" + "cd" * 16 + "-0-33333333"
+    w._reqs_to_send[late] = time.perf_counter() - 1
+    w._reqs_to_process.add(late)
+    assert w._get_new_notifs() == {P_RID}
+    w._reap_expired_send_leases(set())
+    assert worker_table.outcomes["ok"] == 1 and worker_table.outcomes["expired"] == 1 and len(worker_table) == 0
+    assert worker_table.attempts == 0  # counted by the scheduler's process, where it opened
