@@ -99,9 +99,10 @@ _PALETTE = (
 
 
 def phase_colors() -> tuple[list[str], list[str]]:
-    """(domain, range) for altair's colour scale: every Phase in display order, then ``unattributed``."""
-    domain = sorted(sc.PHASE_ORDER, key=sc.PHASE_ORDER.get) + [UNATTRIBUTED]
-    rng = [_PALETTE[i % len(_PALETTE)] for i in range(len(domain) - 1)] + ["#c7c7c7"]
+    """(domain, range) for altair's colour scale: every Phase in display order, then ``unattributed``,
+    then a partial trace's ``handoff.open`` (red: still waiting)."""
+    domain = sorted(sc.PHASE_ORDER, key=sc.PHASE_ORDER.get) + [UNATTRIBUTED, sc.SPAN_HANDOFF_OPEN]
+    rng = [_PALETTE[i % len(_PALETTE)] for i in range(len(domain) - 2)] + ["#c7c7c7", "#d62728"]
     return domain, rng
 
 

@@ -17,6 +17,7 @@ import streamlit as st
 
 from dashboard import benchdata as BD
 from dashboard import data as D
+from dashboard import health as H
 from dashboard import pairs, prom
 from kvtrace import benchrows
 from kvtrace.store import StoreLocation
@@ -128,3 +129,13 @@ def load_bench_runs(path: StoreLocation, _bucket: int) -> list[dict[str, Any]]:
 @st.cache_data(ttl=30, show_spinner=False)
 def load_bench(path: StoreLocation, run_id: str | None) -> pd.DataFrame:
     return with_ratios(BD.bench_table(path, run_id))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def load_prom_health(url: str, range_key: str, _bucket: int) -> dict[str, H.Figure]:
+    return prom.prom_health(url, range_key)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def load_stuck(path: StoreLocation, now_s: int) -> pd.DataFrame:
+    return H.stuck_table(path, now_s * 1_000_000_000)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from kvlens.argtypes import int_in
@@ -21,6 +20,7 @@ from kvrecord import config
 from kvrecord import semconv as sc
 from kvrecord.durations import parse_duration
 from kvtrace import costs, kvuse, perfetto, ranks, store, stuck, tracemodel
+from kvlens.stuckcmd import OPEN_SINCE_DEFAULT, _clock, _fmt_age, run_open
 from kvrecord.keeprule import NOT_KEPT
 from kvtrace.tracemodel import NOT_KEPT_NOTE, Trace
 
@@ -36,9 +36,6 @@ MAX_SLOWEST = 10_000
 MIN_WIDTH, MAX_WIDTH = 20, 1000
 #: Longest --since (100 years): "everything" without an overflowing bound.
 MAX_SINCE_S = 100 * 365 * 86400
-#: --open's default --since: an open handoff's process re-reports it every few
-#: seconds, so one not reported for a minute is no longer "stuck now".
-OPEN_SINCE_DEFAULT = "1m"
 
 
 def since_arg(text: str) -> str:
@@ -141,6 +138,21 @@ def _filters(args: argparse.Namespace) -> dict:
     }
 
 
+def _health_lines(trace: Trace) -> list[str]:
+    """A partial trace's ``OPEN:`` line per waiting side, a stale one's ``STALE:`` line."""
+    lines = []
+    for o in trace.open:
+        flag = ", push registration timed out" if o.registration_timeout else ""
+        lines.append(
+            f"  OPEN: {o.side} ({o.role}) waiting in {o.phase or '?'} since {_clock(o.since_ns)} UTC, "
+            f"{_fmt_age(o.waited_s)} at its last report ({_clock(o.seen_ns)}){flag}: a partial trace, "
+            "as far as the handoff got"
+        )
+    if trace.stale:
+        lines.append(f"  STALE: {stuck.STALE_WHY}: {stuck.STALE_WORDS}")
+    return lines
+
+
 def waterfall(trace: Trace, width: int = 60) -> str:
     """A text waterfall for one trace (pure function; tested). ``width`` is
     clamped to MIN_WIDTH..MAX_WIDTH."""
@@ -151,15 +163,7 @@ def waterfall(trace: Trace, width: int = 60) -> str:
         f"handoff={_fmt_handoff(trace)}  ttft={_fmt_ttft(trace)}  P={trace.p_engine or '-'}  "
         f"D={trace.d_engine or '-'}  request={trace.request_id}"
     ]
-    for o in trace.open:
-        flag = ", push registration timed out" if o.registration_timeout else ""
-        lines.append(
-            f"  OPEN: {o.side} ({o.role}) waiting in {o.phase or '?'} since {_clock(o.since_ns)} UTC, "
-            f"{_fmt_age(o.waited_s)} at its last report ({_clock(o.seen_ns)}){flag}: a partial trace, "
-            "as far as the handoff got"
-        )
-    if trace.stale:
-        lines.append(f"  STALE: {stuck.STALE_WHY}: {stuck.STALE_WORDS}")
+    lines += _health_lines(trace)
     if trace.half:
         other = "D" if trace.half == sc.Role.PREFILL.value else "P"
         lines.append(
@@ -221,58 +225,6 @@ def _waterfall_notes(spans) -> list[str]:
             "(more than the last partial block): the KV that moved was not used"
         )
     return lines
-
-
-def _clock(ns: int) -> str:
-    t = time.gmtime(ns / 1e9)
-    return time.strftime("%H:%M:%S", t) + f".{int(ns % 1_000_000_000) // 100_000_000}"
-
-
-def _fmt_age(s: float) -> str:
-    return f"{s:.1f}s" if s < 120 else f"{s / 60:.1f}m"
-
-
-def open_text(sides: list[stuck.OpenSide], now_ns: int, where: str, since: str) -> str:
-    """``--open``'s table (pure; tested): one line per side stuck now, oldest first,
-    or one line saying there is none."""
-    if not sides:
-        return f"no handoff stuck now in {where} (none open and reported in the last {since})"
-    head = ("TRACE", "REQUEST", "MODE", "WAITING", "PHASE", "SINCE (UTC)", "AGE", "LAST REPORT", "NOTE")
-    rows = []
-    for o in sides:
-        note = "registration timed out" if o.registration_timeout else ""
-        rows.append(
-            (
-                o.trace_id,
-                o.request_id or "-",
-                o.mode or "-",
-                f"{o.side} ({o.role})",
-                o.phase or "-",
-                _clock(o.since_ns),
-                _fmt_age(o.age_s(now_ns)),
-                f"{_fmt_age(max(now_ns - o.seen_ns, 0) / 1e9)} ago",
-                note,
-            )
-        )
-    widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
-    lines = [f"{len(sides)} handoff side(s) stuck now in {where} (open, reported in the last {since}):"]
-    for r in (head, *rows):
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    lines.append("each is a partial trace: `kvlens traces --trace ID` shows it as far as it got")
-    return "\n".join(lines)
-
-
-def _run_open(path: store.StoreLocation, args: argparse.Namespace) -> int:
-    since = args.since or OPEN_SINCE_DEFAULT
-    with store.reading(path) as conn:
-        sides = stuck.stuck(conn, since_ns=store.parse_since(since), mode=args.mode)
-    now = time.time_ns()
-    if args.json:
-        for o in sides:
-            print(json.dumps(o.to_json(now)))
-        return 0
-    print(open_text(sides, now, str(path), since))
-    return 0
 
 
 def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> str:
@@ -376,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         if getattr(args, "open", False):
-            return _run_open(path, args)
+            return run_open(path, args)
         if getattr(args, "breakdown", False):
             print(breakdown_text(_load_breakdown(path, args)))
             with store.reading(path) as conn:

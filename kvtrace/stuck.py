@@ -47,6 +47,8 @@ HANDOFF_ENDS: Mapping[str, frozenset[str]] = {
     ),
 }
 _END_NAMES = frozenset().union(*HANDOFF_ENDS.values())
+#: The summary column that says push P's WRITE (or its lease) ended P's side.
+_WRITE_COMPLETE_COL = store.PHASE_COLUMNS[sc.Phase.WRITE_COMPLETE.value]
 
 #: How the lanes name a side.
 SIDE = {sc.Role.PREFILL.value: "P", sc.Role.DECODE.value: "D"}
@@ -189,7 +191,9 @@ def stuck(
 ) -> list[OpenSide]:
     """The handoffs stuck now (see the module docstring): open on a side and
     reported at or after ``since_ns``, oldest wait first; ``mode``: only
-    push or pull. Reads the partial index and the stuck traces' end spans."""
+    push or pull. Reads the partial index, the stuck traces' end spans and
+    their summaries (which know D's end and push P's even where the spans
+    were not kept)."""
     rows = store.open_spans(conn, since_ns=since_ns, limit=limit)
     if mode:
         rows = [r for r in rows if (r.get("mode") or r["attributes"].get(sc.ATTR_MODE)) == mode]
@@ -202,6 +206,13 @@ def stuck(
     for tid, name, role, *_ in store.named_spans(conn, list(by_trace), _END_NAMES):
         if name in HANDOFF_ENDS.get(role, ()):
             ended.setdefault(tid, set()).add(role)
+    # the summary row folds every span, stored or not (--keep sampled keeps the
+    # spans of some requests only): D's kv.ready, push P's write.complete
+    for row in store.slowest(conn, len(by_trace), order="start", trace_ids=list(by_trace)):
+        if row.get("kv_ready_ns") is not None:
+            ended.setdefault(row["trace_id"], set()).add(sc.Role.DECODE.value)
+        if row.get(_WRITE_COMPLETE_COL) is not None:
+            ended.setdefault(row["trace_id"], set()).add(sc.Role.PREFILL.value)
     out = [
         side_of(tid, s) for tid, spans in by_trace.items() for s in latest_open(spans, ended.get(tid, set())).values()
     ]

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from kvrecord.durations import parse_duration
-from kvtrace.store.ddl import OPEN_SPAN_NAME, PHASE_COLUMNS
+from kvtrace.store.ddl import PHASE_COLUMNS
 from kvtrace.store.dialect import POSTGRES, dialect_of
 from kvtrace.store.partitions import day_of
 from kvtrace.store.spanrows import _tuples, named_spans, span_dict, spans_for  # noqa: F401 (the store API)
-from kvtrace.store.schema import PARAM, SPAN_COLUMNS, params, read_tx, write_tx
+from kvtrace.store.spanrows import OPEN_SPANS_LIMIT, open_spans, open_spans_plan  # noqa: F401 (the store API)
+from kvtrace.store.schema import PARAM, params, read_tx, write_tx
 
 #: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
 SUMMARY_COLUMNS = (
@@ -254,37 +255,6 @@ def attributes_of(
         for tid, role, name, t0, t1, attrs in _tuples(conn, sql, [*chunk, *names]):
             out[(tid, role, name, t0, t1)] = json.loads(attrs or "{}")
     return out
-
-
-#: Most partial-trace spans :func:`open_spans` reads (re-emitted every few
-#: seconds while a handoff stays open: a minute of 1000 stuck handoffs is ~12k).
-OPEN_SPANS_LIMIT = 50_000
-_OPEN_SPANS_SQL = (
-    f"SELECT {', '.join(SPAN_COLUMNS)} FROM spans WHERE name = '{OPEN_SPAN_NAME}' AND end_ns >= {PARAM} "
-    f"ORDER BY end_ns DESC LIMIT {PARAM}"
-)
-
-
-def open_spans(
-    conn: sqlite3.Connection, *, since_ns: int | None, limit: int = OPEN_SPANS_LIMIT
-) -> list[dict[str, Any]]:
-    """The partial-trace spans (``handoff.open``, docs/health.md) whose snapshot
-    (their end) is at or after ``since_ns`` (None: all), newest snapshot first,
-    at most ``limit``: dicts keyed :data:`SPAN_COLUMNS`, attributes decoded.
-    Walks the partial index ``spans_open`` (the span name is a literal so
-    both backends use it), whatever the size of the store."""
-    out = []
-    for r in conn.execute(_OPEN_SPANS_SQL, (int(since_ns or 0), int(limit))):
-        d = dict(r)
-        d["attributes"] = json.loads(d["attributes"] or "{}")
-        out.append(d)
-    return out
-
-
-def open_spans_plan(conn: sqlite3.Connection, *, since_ns: int | None) -> str:
-    """How the backend runs :func:`open_spans`, as one line (tests check the index is walked)."""
-    args = (int(since_ns or 0), OPEN_SPANS_LIMIT)
-    return " | ".join(str(r[-1]).strip() for r in conn.execute(dialect_of(conn).explain + _OPEN_SPANS_SQL, args))
 
 
 def info(conn: sqlite3.Connection) -> dict[str, Any]:

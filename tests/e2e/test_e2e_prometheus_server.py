@@ -99,15 +99,18 @@ def target(tmp_path):
 @pytest.fixture
 def health_target():
     """A second scrape target with handoff-health series as the connector exports
-    them (names: docs/alerts.md), in a registry of their own: one stuck decode
+    them (names: docs/health.md), in a registry of their own: one stuck decode
     handoff (oldest open started a minute ago), an idle prefill side (NaN), a
     stale counter at 0 that the test then increments."""
     reg = CollectorRegistry()
     oldest = Gauge(
         "kvlens_handoff_oldest_open_start_timestamp_seconds", "oldest open", ("mode", "role", "phase"), registry=reg
     )
-    oldest.labels("push", "decode", "kv.ready").set(time.time() - 60)
-    oldest.labels("pull", "prefill", "kv.released").set(math.nan)
+    oldest.labels("push", "decode", "awaiting_kv").set(time.time() - 60)
+    oldest.labels("pull", "prefill", "awaiting_read").set(math.nan)
+    opened = Gauge("kvlens_handoffs_open", "open", ("mode", "role", "phase"), registry=reg)
+    opened.labels("push", "decode", "awaiting_kv").set(1)
+    opened.labels("pull", "prefill", "awaiting_read").set(0)
     stale = Counter("kvlens_kv_stale", "stale", ("mode",), registry=reg)
     stale.labels("pull")  # 0 before the first event
     port = free_port()
@@ -259,12 +262,22 @@ def test_real_prometheus_scrapes_rules_and_exemplars(target, health_target, tmp_
         stuck = [a for a in states["KvlensHandoffStuck"] if a["state"] == "firing"]
         assert [a["labels"]["role"] for a in stuck] == ["decode"], states["KvlensHandoffStuck"]
         labels = stuck[0]["labels"]
-        assert (labels["instance"], labels["mode"], labels["phase"]) == (health_addr, "push", "kv.ready")
-        assert stuck[0]["annotations"]["runbook_url"] == "docs/alerts.md#kvlenshandoffstuck"
+        assert (labels["instance"], labels["mode"], labels["phase"]) == (health_addr, "push", "awaiting_kv")
+        assert stuck[0]["annotations"]["runbook_url"] == "docs/health.md#kvlenshandoffstuck"
         assert health_addr in stuck[0]["annotations"]["summary"]
         st = [a for a in states["KvlensStaleKV"] if a["state"] == "firing"]
         assert [a["labels"]["mode"] for a in st] == ["pull"], states["KvlensStaleKV"]
         assert not states["KvlensHandoffsFailing"] and not states["KvlensPinnedKVGrowing"]
+
+        # the dashboard's health strip reads the same series (its PromQL on a real Prometheus)
+        from dashboard import prom as dash_prom
+
+        figs = dash_prom.prom_health(prom.url, "5m")
+        assert figs["open"].value == 1 and figs["oldest_s"].value >= 60
+        assert figs["stale"].value >= 1
+        # no outcome or registration-timeout series here: unknown, with the metric named, never 0
+        assert figs["expired"].value is None and "kvlens_handoff_outcomes_total" in figs["expired"].unknown
+        assert figs["reg_timeouts"].value is None and figs["reg_timeouts"].unknown
     assert not prom.running()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # gone: reaped, no orphan

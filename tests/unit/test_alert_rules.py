@@ -22,7 +22,7 @@ from exporters.prometheus_server import RULE_FILES, alert_rules_path, rules_path
 
 ASSETS = rules_path().parent
 TESTS_FILE = ASSETS / "alert_rules_test.yml"
-RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "alerts.md"
+RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "health.md"
 
 
 def promtool() -> str:
@@ -115,5 +115,35 @@ def test_every_alert_says_where_what_and_links_its_runbook():
                 f"{name} does not say its {label}"
             )
         path, _, anchor = notes["runbook_url"].partition("#")
-        assert path == "docs/alerts.md", name
-        assert anchor in anchors, f"{name}: runbook section #{anchor} missing from docs/alerts.md"
+        assert path == "docs/health.md", name
+        assert anchor in anchors, f"{name}: runbook section #{anchor} missing from docs/health.md"
+
+
+def test_every_metric_an_alert_reads_is_one_kvlens_exports_with_those_labels():
+    from prometheus_client import CollectorRegistry
+
+    from exporters.health import HealthFamilies
+
+    reg = CollectorRegistry()
+    fams = HealthFamilies(reg)
+    exported = set()
+    for fam in reg.collect():
+        exported.add(fam.name + ("_total" if fam.type == "counter" else ""))
+    for a in alerts():
+        used = set(re.findall(r"\bkvlens_[a-z_]+", a["expr"]))
+        assert used, a["alert"]
+        for name in used:
+            assert name in exported, f"{a['alert']} reads {name}, which kvlens does not export"
+    # the labels the rules group, match and describe by (a wrong label name raises ValueError)
+    fams.oldest.labels(mode="push", role="decode", phase="awaiting_kv")
+    fams.outcomes.labels(mode="pull", role="prefill", outcome="expired")
+    fams.attempts.labels(mode="pull", role="prefill")
+    fams.pinned_blocks.labels(mode="push", state="unregistered_prefill")
+    fams.pinned_oldest.labels(mode="push", state="unregistered_prefill")
+    fams.stale.labels(mode="pull")
+    fams.reg_timeouts.labels(mode="push")
+    # the outcomes the failure alert matches are ones the connector counts (exported at 0 from the start)
+    outcomes = {
+        x.labels["outcome"] for f in reg.collect() for x in f.samples if x.name == "kvlens_handoff_outcomes_total"
+    }
+    assert {"failed", "timeout", "expired"} <= outcomes

@@ -82,6 +82,9 @@ def test_partial_trace_in_the_trace_model(health):
     assert js["open"][0]["waiting"] == "decode" and js["open"][0]["registration_timeout"] is True
     assert js["stale"] is False
 
+    # the summary's outcome is its spans' worst (P's lease expired); readers say "open" while a side waits
+    assert push.outcome == "expired" and "outcome=open" in traces_cmd.waterfall(push)
+
     stale = got[ids["pull_stale"]]
     assert stale.open == () and stale.stale
     assert not [s for s in stale.spans if s.name == sc.SPAN_HANDOFF_OPEN]  # the complete trace replaced them
@@ -156,3 +159,17 @@ def test_visible_spans_rule_on_plain_rows():
     assert [x.role for x in stuck.open_sides("t", rows)] == ["decode"]
     rows.append({"name": "kv.ready", "role": "decode", "start_ns": 10, "end_ns": 10})
     assert stuck.open_sides("t", rows) == () and all(r["name"] != o for r in stuck.visible_spans(rows))
+
+
+def test_partial_traces_and_stale_ones_are_stored_under_keep_sampled(tmp_path):
+    # --keep sampled holds a request's spans until it is decided: a partial trace
+    # is written at once (it is for a request still undecided), a stale one is kept
+    now = time.time_ns()
+    cfg = {"kvlens_home": str(tmp_path), "kvlens_metrics": "off", "kvlens_keep": "sampled", "kvlens_keep_ratio": 0}
+    ids = add_health_traces(cfg, now)
+    path = tmp_path / "traces.db"
+    with store.reading(path) as conn:
+        got = stuck.stuck(conn, since_ns=now - 60 * S)
+        traces = tracemodel.find(conn, ids.values())
+    assert {(o.trace_id, o.role) for o in got} == {(ids["pull_stuck"], "prefill"), (ids["push_stuck"], "decode")}
+    assert traces[ids["pull_stale"]].keep == "stale" and traces[ids["pull_stale"]].stale
