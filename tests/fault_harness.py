@@ -337,12 +337,18 @@ class Watcher:
     A frozen or dead instance's failed scrapes are skipped."""
 
     def __init__(
-        self, detect: Detect, targets: Mapping[str, str], mode: str, prom_url: str | None = None, every_s: float = 0.5
+        self,
+        detect: Detect,
+        targets: Mapping[str, str],
+        mode: str,
+        prom_url: str | None = None,
+        every_s: float = 0.5,
+        settle_s: float = 15.0,
     ) -> None:
         import threading
 
         self.detect, self.targets, self.mode, self.prom_url = detect, dict(targets), mode, prom_url
-        self.base: dict[str, dict] = {r: signals(scrape(u), mode) for r, u in self.targets.items()}
+        self.base: dict[str, dict] = self._settled(settle_s)
         self.last: dict[str, dict] = dict(self.base)
         self.peak: dict[str, float] = {}
         self.phases: set[str] = set()
@@ -352,6 +358,19 @@ class Watcher:
         self._every = every_s
         self._thread = threading.Thread(target=self._run, daemon=True, name="fault-watcher")
         self._thread.start()
+
+    def _settled(self, settle_s: float) -> dict[str, dict]:
+        """Every instance's signals once two scrapes 1.2 s apart agree (the
+        gauges are published once a second: a handoff that ended just before
+        may still show), or the last ones after ``settle_s``."""
+        deadline = time.monotonic() + settle_s
+        prev = None
+        while True:
+            cur = {r: signals(scrape(u), self.mode) for r, u in self.targets.items()}
+            if cur == prev or time.monotonic() > deadline:
+                return cur
+            prev = cur
+            time.sleep(1.2)
 
     def delta(self, role: str, counter: str) -> float | None:
         """How much ``counter`` on ``role`` rose since the start (None: metric absent)."""
