@@ -164,6 +164,59 @@ def fault_push_stack(stack_factory):
     )
 
 
+@pytest.fixture
+def fault_pull_stack(stack_factory):
+    """Instrumented pull pair with the fault tests' short KV lease
+    (tests/e2e/test_e2e_health.py freezes D past it, then kills P: the
+    pair ends with that module, so nothing else shares it)."""
+    return stack_factory.get("pull", kv_lease_s=FAULT_KV_LEASE_S)
+
+
+@pytest.fixture
+def fault_prometheus(tmp_path, fault_table):
+    """``start(stack)``: a real Prometheus scraping the stack's P and D every
+    second, with the recording rules and a test copy of the shipped alert
+    rules (``for:`` cut to 5 s, bounds as shipped; fault_harness). Stopped
+    after the test."""
+    import fault_harness as fh
+    from exporters.prometheus_server import rules_path
+
+    started = []
+
+    def start(stack):
+        alerts = rules_path().parent / "alert_rules.yml"
+        if not alerts.is_file():
+            pytest.fail(f"no alert rules at {alerts} (issue 37, item 6)")
+        targets = {
+            "vllm-prefill": [stack.prefill_url.split("://")[1]],
+            "vllm-decode": [stack.decode_url.split("://")[1]],
+        }
+        server, shortened = fh.start_prometheus(targets, tmp_path / f"prometheus-{len(started)}", alerts)
+        started.append(server)
+        fault_table.append({"fault": "(prometheus)", "shortened": shortened})
+        return server
+
+    yield start
+    for s in started:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def fault_table(kvlens_home):
+    """Rows of the fault-detection table (fault_harness.Detect.row), written
+    to ``$KVLENS_HOME/fault-detection.json`` and printed at the end."""
+    import json
+
+    rows: list[dict] = []
+    yield rows
+    faults = [r for r in rows if r.get("fault") != "(prometheus)"]
+    if faults:
+        (kvlens_home / "fault-detection.json").write_text(json.dumps(rows, indent=1) + "\n")
+        print("\nfault detection (s after the fault):")
+        for r in faults:
+            print("  " + json.dumps(r))
+
+
 @pytest.fixture(scope="session")
 def fleet_pg_url(pg_server) -> str:
     """The fleet's shared store: one database on the session's real
@@ -227,7 +280,8 @@ def tp_stack(request, stack_factory):
 
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
 # the e2e tests grouped by the stack they need, so each pair starts once:
-# stock push, instrumented push, fleet push, stock pull, the fault pair,
+# stock push, instrumented push, fleet push, stock pull, the fault pairs
+# (push, then pull),
 # fleet pull, instrumented pull,
 # then the tests that drive stacks themselves (bench grid: pull, reusing the
 # pull pair, then push; demo; SIGTERM).
@@ -237,6 +291,7 @@ _STACK_ORDER = (
     "fleet_push_stack",
     "stock_pull_stack",
     "fault_push_stack",
+    "fault_pull_stack",
     "fleet_pull_stack",
     "pull_stack",
     "xpyd_stacks",
