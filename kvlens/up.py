@@ -25,6 +25,7 @@ from kvlens.stack.commands import (
     env_api_key,
 )
 from kvlens.stack.errors import StackError
+from kvlens.proxy.split import parse_split
 from kvlens.stack.instances import MAX_INSTANCES, ROUTERS, check_routers, parse_modes, parse_routers
 from kvlens.stack.launch import Stack
 from kvlens.stack.ports import is_loopback, port_arg
@@ -49,6 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["overlapped", "sequential"],
         default="overlapped",
         help="push only: send D its request at once (overlapped) or after P answers (sequential)",
+    )
+    p.add_argument(
+        "--split",
+        type=_SPLIT,
+        default=None,
+        metavar="push=W",
+        help="with --mode push,pull: the router's push weight at start (pull=W: pull's; default push=0.5); "
+        "change it live with POST /admin/split on the router",
     )
     p.add_argument(
         "--model", type=Path, default=None, help="model dir (default: generated tiny model in $KVLENS_HOME/model)"
@@ -193,6 +202,7 @@ def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
 
 _STORE = from_parser(StoreLocation.parse, ValueError)  #: argparse ``type=`` of ``--collector-store``
 _ROUTERS = from_parser(parse_routers, StackError)
+_SPLIT = from_parser(parse_split, ValueError)  #: argparse ``type=`` of ``--split``
 _MODES = from_parser(
     lambda text: ",".join(parse_modes(text)), StackError
 )  #: argparse ``type=`` of ``--mode``  #: argparse ``type=`` of ``--router``
@@ -301,6 +311,7 @@ def _stack(args: argparse.Namespace) -> Stack:
         decode_tp=getattr(args, "decode_tp", None) or getattr(args, "tp", 1),
         nixl_progress=getattr(args, "nixl_progress", "auto"),
         kv_load_failure_policy=getattr(args, "kv_load_failure_policy", None),
+        split=getattr(args, "split", None),
     )
 
 
@@ -324,7 +335,8 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
         "\nkvlens stack is up "
         f"({args.mode}{', push ' + args.dispatch if 'push' in stack.modes else ''}, "
         + (
-            f"{stack.per_mode[0]}P x {stack.per_mode[1]}D per mode, split push=0.5 (POST /admin/split), "
+            f"{stack.per_mode[0]}P x {stack.per_mode[1]}D per mode, split push="
+            f"{0.5 if stack.split is None else stack.split:g} (POST /admin/split), "
             if stack.mixed
             else f"{stack.prefill_instances}P x {stack.decode_instances}D"
         )

@@ -190,6 +190,7 @@ def router_argv(
     host: str,
     port: int,
     modes: tuple[Sequence[str], Sequence[str]] | None = None,
+    split: float | None = None,
 ) -> list[str]:
     """Command line of one ``kvlens proxy`` in front of ``prefills`` ((URL,
     engine id, side-channel port[, TP size]) each, on ``host``) and
@@ -197,7 +198,8 @@ def router_argv(
     ``--prefill`` by position. ``--prefill-tp-size`` goes to every P once any
     P runs more than one rank: overlapped push tells D each P's TP size.
     ``modes``: a mixed fleet's mode of each P and each D (every URL tagged
-    ``push=`` / ``pull=``, no ``--mode``; the split at its default)."""
+    ``push=`` / ``pull=``, no ``--mode``); ``split``: its push weight (None:
+    the router's default)."""
     tag_p = list(modes[0]) if modes else [""] * len(prefills)
     tag_d = list(modes[1]) if modes else [""] * len(decodes)
     argv = [
@@ -206,6 +208,7 @@ def router_argv(
         "kvlens.cli",
         "proxy",
         *([] if modes else ["--mode", mode]),
+        *(["--split", f"push={split:g}"] if modes and split is not None else []),
         "--dispatch",
         dispatch,
         "--host",

@@ -116,6 +116,8 @@ class Stack(StackRoles, StackExtras):
     kv_load_failure_policy: str | None = None
     #: more ``kvlens_*`` keys for kvlens' connector (benchmarks: e.g. the store off)
     connector_options: Mapping[str, Any] | None = None
+    #: a mixed fleet's push weight at start (None: the router's default, 0.5)
+    split: float | None = None
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
@@ -144,6 +146,8 @@ class Stack(StackRoles, StackExtras):
         check_count("--prefill-instances", self.prefill_instances)
         check_count("--decode-instances", self.decode_instances)
         self.per_mode = (self.prefill_instances, self.decode_instances)
+        if self.split is not None and not self.mixed:
+            raise StackError("--split needs --mode push,pull (a mixed fleet)")
         if self.mixed:  # the TP sizes given per mode's instances count for each mode
             k = len(self.modes)
             self.prefill_tp = _per_mode_tp(self.prefill_tp, self.prefill_instances, k)

@@ -84,6 +84,7 @@ class StackRoles:
             self.host,
             port,
             modes=([p.mode for p in self.prefills], [d.mode for d in self.decodes]) if self.mixed else None,
+            split=self.split,
         )
         # only the main router hosts the receiver (``--collect``); extra routers export to it
         hosts_receiver = name == "router"
