@@ -401,7 +401,7 @@ def test_up_split_reaches_the_router_and_needs_a_mixed_fleet(tmp_path):
     s.more_ports = {"p1 port": 8101, "p1 side-channel port": 5601, "d1 port": 8201}
     argv = s._router("overlapped", 8000).argv
     assert argv[argv.index("--split") + 1] == "push=0.25"
-    assert proxy_cli.config(_args(*argv[argv.index("--dispatch") :])).split == 0.25
+    assert proxy_cli.config(_args(*argv[argv.index("proxy") + 1 :])).split == 0.25
     with pytest.raises(StackError, match="--split needs --mode push,pull"):
         Stack(mode="push", kvlens_home=tmp_path, split=0.3)
     p = _argparse.ArgumentParser()
