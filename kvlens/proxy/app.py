@@ -42,7 +42,7 @@ from kvlens.proxy.errors import Upstream, from_http_error
 from kvlens.proxy.exchange import Exchange
 from kvlens.proxy.intake import UNAUTHORIZED, Refused, authorized, check_fields, parse_object, read_limited
 from kvlens.proxy.isolation import TraceIds
-from kvlens.proxy.split import Split
+from kvlens.proxy.split import Split, push_of_pull
 from kvlens.proxy.telemetry import RouterTelemetry
 
 logger = logging.getLogger("kvlens.proxy")
@@ -314,10 +314,10 @@ class Router:
         w = body[keys[0]]
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
             return Refused(400, f"{keys[0]} weight must be a number in [0, 1], got {w!r}", param=keys[0]).response(None)
-        push = float(w) if keys[0] == "push" else 1.0 - float(w)
+        push = float(w) if keys[0] == "push" else push_of_pull(w)
         old = self.split.set(push)
         logger.info("kvlens proxy: split push=%.3g (was %.3g)", push, old)
-        return JSONResponse({**self.split_state(), "previous": {"push": old, "pull": 1.0 - old}})
+        return JSONResponse({**self.split_state(), "previous": {"push": old, "pull": push_of_pull(old)}})
 
 
 def _receiver_ingest(config: ProxyConfig):

@@ -41,7 +41,12 @@ def parse_split(text: str) -> float:
         raise ValueError(f"split must be push=W or pull=W with W in [0, 1], got {text!r}") from None
     if not 0.0 <= w <= 1.0:
         raise ValueError(f"split weight must lie in [0, 1], got {text!r}")
-    return w if mode == "push" else 1.0 - w
+    return w if mode == "push" else push_of_pull(w)
+
+
+def push_of_pull(w: float) -> float:
+    """The push weight of pull weight ``w`` (rounded: ``pull=0.7`` is push 0.3, not 0.30000000000000004)."""
+    return round(1.0 - float(w), 12)
 
 
 class Split:
@@ -92,7 +97,7 @@ class Split:
         requests per mode and outcome since the router started."""
         with self._lock:
             return {
-                "split": {"push": self._w, "pull": 1.0 - self._w},
+                "split": {"push": self._w, "pull": push_of_pull(self._w)},
                 "drawn": dict(self._drawn),
                 "requests": {m: dict(c) for m, c in self._counts.items()},
             }
