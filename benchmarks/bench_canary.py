@@ -40,6 +40,7 @@ from kvlens.stack.launch import Stack
 from kvlens.stack.supervise import signals_ignored
 from kvtrace import store, tracemodel
 from kvtrace import whatif as kv_whatif
+from kvtrace.borrowed import tiled_phases
 
 
 def _ints(text: str) -> list[int]:
@@ -61,6 +62,17 @@ def _settled(db, tids: list[str], timeout_s: float = 120.0) -> dict[str, tracemo
         if time.time() > deadline:
             return got
         time.sleep(1.0)
+
+
+def phase_medians(traces: list[tracemodel.Trace], top: int = 6) -> dict[str, float]:
+    """The median of each phase's tiled share of the handoff over ``traces``
+    (seconds; a phase a request lacks counts 0), the ``top`` largest: which
+    phases a mode's measured handoff is made of, to name what breaks a
+    prediction."""
+    tiles = [tiled_phases(t) for t in traces if t.spans and t.handoff_s is not None]
+    names = {n for tl in tiles for n in tl}
+    med = {n: statistics.median([tl.get(n, 0.0) for tl in tiles]) for n in names} if tiles else {}
+    return dict(sorted(med.items(), key=lambda kv: -kv[1])[:top])
 
 
 def _ms(v: float | None) -> str:
@@ -125,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         mode="push,pull", model=a.model, port=0, kvlens_home=home, log_dir=a.keep_logs or home / "logs", quiet=True
     )
     rows: list[dict] = []
+    phases: list[dict] = []
     with sigterm_as_interrupt():
         try:
             t0 = time.monotonic()
@@ -147,6 +160,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"push {sum(t.mode == 'push' for t in traces)}, pull {sum(t.mode == 'pull' for t in traces)}",
                         flush=True,
                     )
+                    for mode in ("push", "pull"):
+                        med = phase_medians([t for t in traces if t.mode == mode])
+                        print(
+                            f"  {mode} handoff, median tiled share: "
+                            + ", ".join(f"{n} {_ms(v)}" for n, v in med.items())
+                        )
+                        phases.append({"cell": cell, "mode": mode, "median_share_s": med})
                     for frm, to in (("pull", "push"), ("push", "pull")):
                         w = kv_whatif.predict(
                             frm, [t for t in traces if t.mode == frm], [t for t in traces if t.mode == to]
@@ -174,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             f"p50 {'-' if mae is None else f'{mae * 100:.0f} %'} (target <= 25 %)"
         )
     if a.out:
-        a.out.write_text(json.dumps(rows, indent=2) + "\n")
+        a.out.write_text(json.dumps({"rows": rows, "phases": phases}, indent=2) + "\n")
     return 0
 
 
