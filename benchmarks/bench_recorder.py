@@ -30,10 +30,12 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from exporters import pipeline
 from exporters.shipping import ShippingRecorder
 from kvrecord import semconv as sc
+from kvrecord.openhandoffs import HandoffTable
 from kvrecord.recorder import Recorder
 from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 
-BATCH = 2000
+BATCH = 2001  # a multiple of 3: the three-event handoff loop
+_AWAITING_REGISTRATION, _WRITING = sc.OpenPhase.AWAITING_REGISTRATION.value, sc.OpenPhase.WRITING.value
 CHUNK = 2000  # events per burst in the background figures
 REPEATS = 25
 
@@ -43,22 +45,76 @@ class _Null(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def bench_recorder(shipping: bool = False) -> list[float]:
+def bench_recorder(shipping: bool = False, table: bool = False) -> list[float]:
     """``record`` on the caller's thread; ``shipping``: the sidecar path's
-    recorder (vLLM's processes), whose ``record`` also checks the idle flag."""
+    recorder (vLLM's processes), whose ``record`` also checks the idle flag.
+    ``table``: each event also does one open-handoff table operation
+    (:mod:`kvrecord.openhandoffs`: open, move, close in turn, as push P's
+    hooks do per handoff): an upper bound, the hooks do about 3 of them per
+    ~8 events of a handoff side (docs/health.md)."""
     kw = dict(role="prefill", mode="push", capacity=BATCH * 4, pipeline_factory=None)
     r = ShippingRecorder(sidecar_spec={}, **kw) if shipping else Recorder(**kw)
     r._thread = object()  # measure the caller's cost only; nothing drains
     out = []
     rid = "cmpl-4bf92f3577b34da6a3ce929d0e0e4736-0-deadbeef"
+    if table:
+        tab = HandoffTable("push", "prefill")
+        tab.own(sc.OPEN_PHASES[("push", "prefill")])
+        rids = [f"cmpl-{i:032x}-0-deadbeef" for i in range(BATCH)]
+        for _ in range(REPEATS):
+            r._q.clear()
+            t0 = time.perf_counter_ns()
+            for i in range(0, BATCH - 2, 3):
+                rid = rids[i]
+                t = time.time_ns()
+                r.record(sc.Phase.WRITER_WAKE, rid, t, time.time_ns(), "ok", {sc.ATTR_BLOCKS: 12})
+                tab.open(rid, _AWAITING_REGISTRATION, t, 12)
+                t = time.time_ns()
+                r.record(sc.Phase.MATCH, rid, t, time.time_ns(), "ok", {sc.ATTR_MATCH_FIRST: "prefill"})
+                tab.open(rid, _WRITING, t)
+                t = time.time_ns()
+                r.record(sc.Phase.WRITE_COMPLETE, rid, t, time.time_ns(), "ok", {sc.ATTR_BYTES: 4096})
+                tab.close(rid, "ok")
+            out.append((time.perf_counter_ns() - t0) / (BATCH - BATCH % 3))
+        return out
     for _ in range(REPEATS):
         r._q.clear()
         t0 = time.perf_counter_ns()
-        for _ in range(BATCH):
+        for i in range(0, BATCH - 2, 3):  # the same three events, without the table
             t = time.time_ns()
-            r.record(sc.Phase.WRITE_POST, rid, t, time.time_ns(), "ok", {sc.ATTR_BLOCKS: 12, sc.ATTR_REMOTE_RANK: 0})
-        out.append((time.perf_counter_ns() - t0) / BATCH)
+            r.record(sc.Phase.WRITER_WAKE, rid, t, time.time_ns(), "ok", {sc.ATTR_BLOCKS: 12})
+            t = time.time_ns()
+            r.record(sc.Phase.MATCH, rid, t, time.time_ns(), "ok", {sc.ATTR_MATCH_FIRST: "prefill"})
+            t = time.time_ns()
+            r.record(sc.Phase.WRITE_COMPLETE, rid, t, time.time_ns(), "ok", {sc.ATTR_BYTES: 4096})
+        out.append((time.perf_counter_ns() - t0) / (BATCH - BATCH % 3))
     return out
+
+
+def bench_health_tick(open_n: int = 1000) -> float:
+    """The background side of the open table: one publisher tick (gauges,
+    counters, partial traces) with ``open_n`` handoffs open, µs (recorder
+    thread, once a second; never on vLLM's threads)."""
+    from prometheus_client import CollectorRegistry
+
+    from exporters.health import HealthPublisher
+
+    tab = HandoffTable("push", "decode")
+    tab.own(sc.OPEN_PHASES[("push", "decode")])
+    t = time.time_ns() - 60_000_000_000
+    for i in range(open_n):
+        tab.open(f"cmpl-{i:032x}-0-deadbeef", sc.OpenPhase.AWAITING_KV, t + i, 12)
+    r = Recorder(role="decode", mode="push", capacity=100_000, pipeline_factory=None)
+    r._thread = object()
+    pub = HealthPublisher(r, CollectorRegistry(), open_trace_after_s=5.0, tables=lambda: [tab])
+    times = []
+    for _ in range(REPEATS):
+        pub.every_ns = 0  # every open handoff due each time: the worst tick (64 partial traces)
+        t0 = time.perf_counter_ns()
+        pub.tick()
+        times.append((time.perf_counter_ns() - t0) / 1000)
+        r._q.clear()
+    return statistics.median(times)
 
 
 def bench_inline_otel() -> list[float]:
@@ -187,6 +243,9 @@ if __name__ == "__main__":
     inline_us = statistics.median(bench_recorder(shipping=True)) / 1000
     print(f"inline: Recorder.record per event (median of {REPEATS}x{BATCH}): {statistics.median(rec) / 1000:.3f} us")
     print(f"inline: ShippingRecorder.record (sidecar path) per event:     {inline_us:.3f} us")
+    table_us = statistics.median(bench_recorder(shipping=True, table=True)) / 1000
+    print(f"inline: the same + one open-handoff table op per event:       {table_us:.3f} us (upper bound)")
+    print(f"background: one health tick, 1000 handoffs open:     {bench_health_tick():.0f} us (once a second)")
     print(f"inline OTel span per event (median):                 {statistics.median(otel) / 1000:.3f} us")
     print(f"ratio inline OTel / Recorder.record: {statistics.median(otel) / statistics.median(rec):.1f}x")
     print(f"background, in-process span build, null exporter:    {bench_drain():.1f} us/event (wall)")

@@ -101,9 +101,10 @@ _PALETTE = (
 
 
 def phase_colors() -> tuple[list[str], list[str]]:
-    """(domain, range) for altair's colour scale: every Phase in display order, then ``unattributed``."""
-    domain = sorted(sc.PHASE_ORDER, key=sc.PHASE_ORDER.get) + [UNATTRIBUTED]
-    rng = [_PALETTE[i % len(_PALETTE)] for i in range(len(domain) - 1)] + ["#c7c7c7"]
+    """(domain, range) for altair's colour scale: every Phase in display order, then ``unattributed``,
+    then a partial trace's ``handoff.open`` (red: still waiting)."""
+    domain = sorted(sc.PHASE_ORDER, key=sc.PHASE_ORDER.get) + [UNATTRIBUTED, sc.SPAN_HANDOFF_OPEN]
+    rng = [_PALETTE[i % len(_PALETTE)] for i in range(len(domain) - 2)] + ["#c7c7c7", "#d62728"]
     return domain, rng
 
 
@@ -387,7 +388,6 @@ def trace_detail(path: str | Path, trace_id: str) -> tuple[dict[str, Any] | None
     return rec, df
 
 
-# -------------------------------------------------------------------- verdict, what-if
 def verdict_of(path: str | Path, since_ns: int | None) -> kv_verdict.Verdict:
     """:func:`kvtrace.verdict.from_store` on a short-lived read-only connection."""
     with store.reading(path) as c:

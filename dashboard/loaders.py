@@ -17,6 +17,7 @@ import streamlit as st
 
 from dashboard import benchdata as BD
 from dashboard import data as D
+from dashboard import health as H
 from dashboard import pairs, prom
 from kvtrace import benchrows
 from kvtrace.store import StoreLocation
@@ -138,3 +139,13 @@ def load_verdict(path: StoreLocation, since_ns: int | None):
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
 def load_whatif(path: StoreLocation, since_ns: int | None, from_mode: str):
     return D.whatif_of(path, since_ns, from_mode)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def load_prom_health(url: str, range_key: str, _bucket: int) -> dict[str, H.Figure]:
+    return prom.prom_health(url, range_key)
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def load_stuck(path: StoreLocation, now_s: int) -> pd.DataFrame:
+    return H.stuck_table(path, now_s * 1_000_000_000)

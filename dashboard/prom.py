@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from dashboard import data as D
+from dashboard import health as H
 from exporters import promapi
 from kvtrace import tracemodel
 from exporters.promapi import PrometheusError
@@ -23,7 +24,7 @@ from kvrecord import semconv as sc
 
 __all__ = [
     "PROM_ALL_RANGE", "PrometheusError", "escape_label_value", "selector", "prom_range", "prom_query",
-    "prom_overview",
+    "prom_overview", "prom_health",
 ]  # fmt: skip
 
 #: PromQL range used when the picker says "all" (Prometheus keeps ~15 d).
@@ -194,3 +195,68 @@ def prom_overview(
         ph_df["rank"] = ph_df["phase"].map(D.phase_rank)
         ph_df = ph_df.sort_values(["mode", "path", "rank"]).reset_index(drop=True)
     return stats, ph_df, pd.DataFrame(hist, columns=_HIST_COLS)
+
+
+def _absent(metric: str) -> str:
+    return f"Prometheus has no {metric} series (P and D not scraped, or a kvlens connector from before handoff health)"
+
+
+def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str, H.Figure]:
+    """The Overview's health strip (:data:`dashboard.data.HEALTH_FIGURES`) from
+    Prometheus: open now and the oldest open age from the gauges (summed over
+    every instance; NaN "oldest" gauges of idle sides dropped), the rest as
+    ``increase()`` over the range (extrapolated, so rounded). A figure whose
+    metric has no series is unknown, with the reason; never 0."""
+    w = prom_range(range_key)
+    out: dict[str, H.Figure] = {}
+    with promapi.client(timeout_s) as c:
+
+        def q(expr: str) -> list[tuple[dict[str, str], float]]:
+            return prom_query(url, expr, client=c)
+
+        def count(key: str, metric: str, expr: str, help_: str) -> None:
+            v = _one(q(expr))
+            out[key] = H.Figure(None, help_, unknown=_absent(metric)) if v is None else H.Figure(round(v), help_)
+
+        count(
+            "open",
+            "kvlens_handoffs_open",
+            "sum(kvlens_handoffs_open)",
+            "Handoffs open now on every scraped instance, both sides (sum of kvlens_handoffs_open).",
+        )
+        # time() - oldest start; "> 0" drops the NaN of sides with nothing open
+        oldest = _one(q("time() - min(kvlens_handoff_oldest_open_start_timestamp_seconds > 0)"))
+        help_ = "Age of the oldest open handoff on any instance (time() - kvlens_handoff_oldest_open_start_timestamp_seconds)."
+        if oldest is not None:
+            out["oldest_s"] = H.Figure(max(oldest, 0.0), help_)
+        elif out["open"].unknown:
+            out["oldest_s"] = H.Figure(
+                None, help_, unknown=_absent("kvlens_handoff_oldest_open_start_timestamp_seconds")
+            )
+        else:
+            out["oldest_s"] = H.Figure(None, help_)
+        count(
+            "stale",
+            "kvlens_kv_stale_total",
+            f"sum(increase(kvlens_kv_stale_total[{w}]))",
+            f"Requests whose KV moved after P released it at the lease, over {w}: possibly served from reused memory.",
+        )
+        count(
+            "expired",
+            "kvlens_handoff_outcomes_total",
+            f'sum(increase(kvlens_handoff_outcomes_total{{role="prefill",outcome="expired"}}[{w}]))',
+            f"Handoffs whose KV lease ran out on P, over {w} (P's outcomes).",
+        )
+        count(
+            "failed",
+            "kvlens_handoff_outcomes_total",
+            f'sum(increase(kvlens_handoff_outcomes_total{{role="decode",outcome=~"failed|timeout"}}[{w}]))',
+            f"Handoffs that failed or timed out on D (the KV never arrived, or failed), over {w}.",
+        )
+        count(
+            "reg_timeouts",
+            "kvlens_registration_timeouts_total",
+            f"sum(increase(kvlens_registration_timeouts_total[{w}]))",
+            f"Push registrations that hit vLLM's soft watchdog on D, over {w}.",
+        )
+    return out

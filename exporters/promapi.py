@@ -134,3 +134,12 @@ def targets_health(
     """Active scrape targets, each with ``labels``, ``health`` and ``lastError``."""
     data = get(url, "/api/v1/targets", {"state": "active"}, client=client, timeout_s=timeout_s) or {}
     return data.get("activeTargets") or []
+
+
+def rule_groups(
+    url: str, *, client: httpx.Client | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> list[dict[str, Any]]:
+    """Loaded rule groups (``/api/v1/rules``): ``name``, ``file``, ``rules`` (recording and alerting;
+    an alerting rule carries ``state`` and its ``alerts``, each with ``labels`` and ``annotations``)."""
+    data = get(url, "/api/v1/rules", client=client, timeout_s=timeout_s) or {}
+    return data.get("groups") or []

@@ -1,5 +1,5 @@
-"""A real Prometheus server for kvlens: writes its config and the kvlens
-recording rules, runs ``/usr/bin/prometheus`` (Debian package ``prometheus``,
+"""A real Prometheus server for kvlens: writes its config, the kvlens
+recording rules and alert rules, runs ``/usr/bin/prometheus`` (Debian package ``prometheus``,
 2.42) with exemplar storage, and queries it over the HTTP API (through
 :mod:`exporters.promapi`, the one client).
 
@@ -32,10 +32,13 @@ from exporters.promapi import PrometheusError
 from kvrecord.children import ChildProcess
 from kvrecord.ports import free_port, port_in_use
 
-__all__ = ["PrometheusError", "PrometheusServer", "rules_path"]
+__all__ = ["PrometheusError", "PrometheusServer", "alert_rules_path", "rules_path"]
 
 DEFAULT_BINARY = "/usr/bin/prometheus"
 RULES_FILE = "recording_rules.yml"
+ALERTS_FILE = "alert_rules.yml"
+#: What ``rules=True`` loads, in this order (files under ``exporters/assets``).
+RULE_FILES = (RULES_FILE, ALERTS_FILE)
 _JOB_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _DURATION_RE = re.compile(r"^[0-9]+(ms|s|m|h|d|w|y)$")
 _API_TIMEOUT_S = 10.0
@@ -45,6 +48,11 @@ _INSTALL_HINT = "install Debian package prometheus: apt-get install prometheus (
 def rules_path() -> Path:
     """The packaged recording rules (``exporters/assets/recording_rules.yml``)."""
     return Path(str(resources.files("exporters") / "assets" / RULES_FILE))
+
+
+def alert_rules_path() -> Path:
+    """The packaged alert rules (``exporters/assets/alert_rules.yml``; docs/health.md)."""
+    return Path(str(resources.files("exporters") / "assets" / ALERTS_FILE))
 
 
 def _check_target(job: str, target: str) -> None:
@@ -59,7 +67,8 @@ class PrometheusServer:
     """One local Prometheus process scraping ``targets`` (job -> ``host:port`` list).
 
     ``port=0`` picks a free port. ``rules=True`` loads the kvlens recording
-    rules (evaluated every ``scrape_interval``). Strict at construction:
+    rules and alert rules (:data:`RULE_FILES`, evaluated every
+    ``scrape_interval``; alerts show on ``/api/v1/alerts``, no Alertmanager). Strict at construction:
     bad ports, empty targets or intervals raise ``ValueError``.
     """
 
@@ -73,6 +82,7 @@ class PrometheusServer:
         *,
         binary: str | Path = DEFAULT_BINARY,
         retention: str = "1d",
+        credentials: Mapping[str, str] | None = None,
     ) -> None:
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
             raise ValueError(f"port must be an integer in 0..65535 (0: pick a free one), got {port!r}")
@@ -98,6 +108,11 @@ class PrometheusServer:
         self.scrape_interval = str(scrape_interval)
         self.binary = Path(binary)
         self.retention = retention
+        unknown = set(credentials or {}) - set(clean)
+        if unknown:
+            raise ValueError(f"credentials for jobs that are not scraped: {sorted(unknown)}")
+        #: job -> bearer token its targets ask for on /metrics (never in repr or in prometheus.yml)
+        self._credentials = dict(credentials or {})
         self.proc: ChildProcess | None = None
 
     # ------------------------------------------------------------- config
@@ -113,23 +128,40 @@ class PrometheusServer:
     def log_path(self) -> Path:
         return self.data_dir / "prometheus.log"
 
+    def credentials_path(self, job: str) -> Path:
+        """Where a job's bearer token is kept while Prometheus runs (mode 0600)."""
+        return self.data_dir / f"{job}.token"
+
+    def _scrape_config(self, job: str, targets: list[str]) -> dict[str, Any]:
+        sc: dict[str, Any] = {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": targets}]}
+        if job in self._credentials:  # the file, not the token: prometheus.yml stays free of secrets
+            sc["authorization"] = {"type": "Bearer", "credentials_file": str(self.credentials_path(job))}
+        return sc
+
     def config(self) -> dict[str, Any]:
         """The ``prometheus.yml`` content (a dict; written as JSON, which is YAML)."""
         cfg: dict[str, Any] = {
             "global": {"scrape_interval": self.scrape_interval, "evaluation_interval": self.scrape_interval},
-            "scrape_configs": [
-                {"job_name": job, "metrics_path": "/metrics", "static_configs": [{"targets": tl}]}
-                for job, tl in self.targets.items()
-            ],
+            "scrape_configs": [self._scrape_config(job, tl) for job, tl in self.targets.items()],
         }
         if self.rules:
-            cfg["rule_files"] = [RULES_FILE]
+            cfg["rule_files"] = list(RULE_FILES)
         return cfg
 
     def write_config(self) -> Path:
+        """``prometheus.yml`` (and the rules); each job's token in its own file
+        only the owner can read (Prometheus has no other way to take one
+        than a file or the config itself; removed by :meth:`stop`)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        for job, token in self._credentials.items():
+            path = self.credentials_path(job)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o600)  # an older file may have had another mode
+                f.write(token)
         if self.rules:
-            shutil.copyfile(rules_path(), self.data_dir / RULES_FILE)
+            for name in RULE_FILES:
+                shutil.copyfile(rules_path().parent / name, self.data_dir / name)
         self.config_path.write_text(json.dumps(self.config(), indent=2) + "\n")
         return self.config_path
 
@@ -170,9 +202,11 @@ class PrometheusServer:
         raise PrometheusError(f"prometheus not ready on {self.url} after {timeout:.0f}s:\n{tail}")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM, wait ``timeout``, SIGKILL. Idempotent."""
+        """SIGTERM, wait ``timeout``, SIGKILL; the token files removed. Idempotent."""
         if self.proc is not None:
             self.proc.stop(timeout)
+        for job in self._credentials:
+            self.credentials_path(job).unlink(missing_ok=True)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.alive()
@@ -198,6 +232,11 @@ class PrometheusServer:
     def query_exemplars(self, promql: str, start_s: float, end_s: float) -> list[dict[str, Any]]:
         """Exemplars of the series selected by ``promql`` in [start, end]."""
         return promapi.query_exemplars(self.url, promql, start_s, end_s, timeout_s=_API_TIMEOUT_S)
+
+    def rule_groups(self) -> list[dict[str, Any]]:
+        """Loaded rule groups (``/api/v1/rules``): each with ``name``, ``file`` and ``rules``
+        (an alert rule with its ``state``: inactive, pending or firing, and its ``alerts``)."""
+        return promapi.rule_groups(self.url, timeout_s=_API_TIMEOUT_S)
 
     def targets_health(self) -> list[dict[str, Any]]:
         """Active targets with ``labels``, ``health`` and ``lastError``."""

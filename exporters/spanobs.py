@@ -61,10 +61,16 @@ def _rank_label(rank: object) -> str:
 Plan = tuple  # (mode, observe, more | None, the FastHistogram child | None)
 
 
+def _observe_nothing(d: float, tid: Any) -> None:
+    pass
+
+
 def plan(fam: _Families, owner: Any, name: Any, mode: Any, role: Any, outcome: Any) -> Plan:
     """``(mode, observe, more)`` of a span named ``name`` whose mode, role and
     outcome attributes are these (as they came: they are closed here).
     ``owner``: the processor, whose ``link_gbps`` is read at each transfer."""
+    if name == sc.SPAN_HANDOFF_OPEN:  # a partial trace, not a phase: no duration series (exporters.health)
+        return _label(mode, _MODES, sc.Mode), _observe_nothing, None, None
     phase = _label(name, _PHASES, sc.Phase)
     mode = _label(mode, _MODES, sc.Mode)
     role = _label(role, _ROLES, sc.Role)

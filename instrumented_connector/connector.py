@@ -18,6 +18,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlPullConnector, NixlPushConnector
 
+from exporters import health
 from exporters.pipeline import get_recorder
 from instrumented_connector import hooks, scheduler, worker
 from kvrecord import semconv as sc
@@ -52,14 +53,20 @@ def _role(vllm_config) -> str:
 
 
 def _make_recorder(vllm_config, mode: str, engine_id: str) -> Recorder | NullRecorder:
-    """The process's started recorder. A bad kvlens option raises (strict at
-    start); any other setup failure disables telemetry with one warning."""
+    """The process's started recorder, its handoff-health publisher attached
+    (:mod:`exporters.health`). A bad kvlens option raises (strict at start);
+    any other setup failure disables telemetry with one warning."""
     options = Options.from_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     try:
-        return get_recorder(_role(vllm_config), mode, engine_id, options).start()
+        rec = get_recorder(_role(vllm_config), mode, engine_id, options).start()
     except Exception:
         log_once("recorder-init", "telemetry disabled: recorder setup failed", exc_info=True)
         return NullRecorder()
+    try:
+        health.attach(rec, options.open_trace_after_s)
+    except Exception:
+        log_once("health-init", "handoff health disabled: setup failed", exc_info=True)
+    return rec
 
 
 def _warn_disabled() -> None:

@@ -17,6 +17,7 @@ import time
 from typing import Final
 
 from kvrecord.logutil import log_once
+from kvrecord import semconv as sc
 from kvrecord.semconv import Phase
 
 SUPPORTED_VLLM: Final = ("0.32", "0.33")
@@ -69,6 +70,37 @@ WORKER_HOOKS: Final[dict[str, dict[str, tuple[Phase, ...]]]] = {
 #: Instance attributes read (never written) by the hooks, per base class.
 WORKER_ATTRS: Final = ("nixl_wrapper", "_recving_transfers")
 PUSH_SCHEDULER_ATTRS: Final = ("_push_registration_deadlines",)
+
+#: Handoff-health signals (docs/health.md) -> the vLLM worker instance
+#: attributes they read, checked once at set-up: a missing one disables that
+#: signal with one warning. ``stale`` replays vLLM's own "unrecognized
+#: request" test (``req_id not in _reqs_to_send and not in _reqs_to_process``)
+#: at the moment vLLM makes it; push D also wraps ``_pending_completion_notifs``
+#: (a ``queue.Queue``) to see which notification vLLM just took.
+HEALTH_ATTRS: Final[dict[str, dict[str, tuple[str, ...]]]] = {
+    "NixlPullConnectorWorker": {"stale": ("_reqs_to_send", "_reqs_to_process", "nixl_wrapper")},
+    "NixlPushConnectorWorker": {
+        "stale": ("_reqs_to_send", "_reqs_to_process", "_recving_metadata", "_pending_completion_notifs"),
+        "unmatched_registration": ("_pending_d_registrations",),
+    },
+}
+
+
+def missing_attrs(obj, signals: dict[str, tuple[str, ...]]) -> set[str]:
+    """The signals of ``signals`` that ``obj`` lacks an attribute for (one warning each)."""
+    off = set()
+    for signal, attrs in signals.items():
+        gone = [a for a in attrs if not hasattr(obj, a)]
+        if gone:
+            off.add(signal)
+            log_once(
+                "health-attr:" + signal,
+                "this vLLM lacks %s; handoff-health signal %r is disabled (supported vLLM: %s)",
+                ", ".join(gone),
+                signal,
+                ", ".join(SUPPORTED_VLLM),
+            )
+    return off
 
 
 def all_hooks() -> dict[str, dict[str, tuple[Phase, ...]]]:
@@ -129,6 +161,8 @@ class NullRecorder:
     def point(self, *a, **k) -> None:
         pass
 
+    # no add_periodic: no background thread, so no health publisher either
+
 
 def nblocks(block_ids) -> int:
     """Logical block count over cache groups (BlockIds or a flat list)."""
@@ -138,6 +172,20 @@ def nblocks(block_ids) -> int:
     if isinstance(first, (list, tuple)):
         return sum(len(g) for g in block_ids)
     return len(block_ids)
+
+
+#: Flag key of an open handoff (not a span attribute): when push's
+#: registration watchdog fired, wall-clock ns (exporters.health reads it too).
+TIMEOUT_AT: Final = "_registration_timeout_at_ns"
+
+
+def timeout_attrs(flags: dict | None, t_ns: int) -> dict:
+    """Span attributes of an open handoff's registration-timeout flags at
+    ``t_ns``: the flag, and how long D has waited since the watchdog fired."""
+    if not flags or not flags.get(sc.ATTR_REGISTRATION_TIMEOUT):
+        return {}
+    at = flags.get(TIMEOUT_AT) or t_ns
+    return {sc.ATTR_REGISTRATION_TIMEOUT: True, sc.ATTR_REGISTRATION_TIMEOUT_WAIT_S: max(t_ns - at, 0) / 1e9}
 
 
 def fail(key: str) -> None:

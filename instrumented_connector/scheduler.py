@@ -16,9 +16,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorS
 
 from instrumented_connector import hooks
 from kvrecord import semconv as sc
-from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now
+from kvrecord.openhandoffs import table_for
+from instrumented_connector.hooks import TIMEOUT_AT, NullRecorder, Pending, fail, nblocks, now, timeout_attrs
 
 P = sc.Phase
+OP = sc.OpenPhase
+_AWAITING_READ, _READING, _AWAITING_KV = OP.AWAITING_READ.value, OP.READING.value, OP.AWAITING_KV.value
 
 
 def _recomputed(scheduler_output, rid: str, scheduled: int) -> int:
@@ -37,16 +40,50 @@ class _SchedulerHooks:
     """Scheduler-side hooks common to push and pull. Thread: the EngineCore busy loop."""
 
     _kvl: Any = NullRecorder()
+    _kvl_table: Any = None  # this side's open-handoff table (kvrecord.openhandoffs), None: not tracked
+    #: open phases the scheduler tracks, by role (the worker tracks push P's)
+    _KVL_OWN: dict[str, tuple[sc.OpenPhase, ...]] = {}
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # All hook state exists before vLLM can call a hook.
         self._kvl_loaded = Pending()  # D: rid whose KV arrived, not yet scheduled -> None
         self._kvl_sched = Pending()  # D: rid -> (ns its first step after the KV was scheduled, tokens recomputed)
+        self._kvl_flagged = Pending()  # D: rid whose KV came after the registration watchdog -> its span attributes
 
     def _kvl_setup(self, rec) -> None:
-        """Connect the recorder (called once, after ``__init__``)."""
+        """Connect the recorder and this side's open-handoff table (called once, after ``__init__``)."""
         self._kvl = rec
+        try:
+            own = self._KVL_OWN.get(getattr(rec, "role", None), ())
+            if own and hasattr(rec, "add_periodic"):
+                t = table_for(rec.mode, rec.role)
+                t.own(own)
+                self._kvl_table = t
+        except Exception:
+            fail("open-handoff table")
+
+    # -- open handoffs (docs/health.md) ---------------------------------------
+    def _kvl_d_ended(self, request) -> None:
+        """D's request finished (or was aborted) while its handoff was still
+        open: the KV never arrived. Its kv.ready ends now, ``timeout`` when
+        the registration watchdog had fired, else ``failed``."""
+        t = self._kvl_table
+        rid = request.request_id
+        if not t.is_open(rid):
+            return  # the usual case: its KV arrived
+        flags = t.flags(rid)
+        timed_out = bool(flags and flags.get(sc.ATTR_REGISTRATION_TIMEOUT))
+        outcome = sc.Outcome.TIMEOUT.value if timed_out else sc.Outcome.FAILED.value
+        if t.close(rid, outcome) is None:
+            return
+        attrs = timeout_attrs(flags, now())
+        attrs[sc.ATTR_ERROR] = (
+            "push registration timed out; the request ended before its KV arrived"
+            if timed_out
+            else "the request ended before its KV arrived"
+        )
+        self._kvl.point(P.KV_READY, rid, outcome, attrs)
 
     # -- D's first decode step (the end of the TTFT the engines prove) -------
     # A step: schedule() ends with build_connector_meta, the model runs, then
@@ -75,17 +112,24 @@ class _SchedulerHooks:
             if sched:
                 t = now()
                 for rid, (t0, recomputed) in sched.items():
-                    self._kvl.record(
-                        P.DECODE_FIRST_STEP,
-                        rid,
-                        t0,
-                        max(t, t0),
-                        "ok",
-                        {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size},
-                    )
+                    attrs = {sc.ATTR_KV_RECOMPUTED_TOKENS: recomputed, sc.ATTR_BLOCK_SIZE: self.block_size}
+                    if self._kvl_flagged:  # the KV came after push's registration watchdog fired
+                        attrs.update(self._kvl_flagged.pop(rid, None) or ())
+                    self._kvl.record(P.DECODE_FIRST_STEP, rid, t0, max(t, t0), "ok", attrs)
                 sched.clear()
             for rid in connector_output.finished_recving or ():
                 self._kvl_loaded.put(rid, None)
+            t = self._kvl_table
+            if t is not None:
+                failed = connector_output.failed_recving or ()
+                for rid in connector_output.finished_recving or ():
+                    if t.is_flagged(rid):  # the worker's kv.ready may be in another process: flag D's first step
+                        self._kvl_flagged.put(rid, timeout_attrs(t.flags(rid), now()))
+                    t.close(rid, sc.Outcome.FAILED.value if rid in failed else sc.Outcome.OK.value)
+                # vLLM freed these blocks: nothing is pinned any more (the
+                # worker counted the outcome where it runs in this process)
+                for rid in connector_output.finished_sending or ():
+                    t.close(rid, None)
         except Exception:
             fail("update_connector_output")
         return res
@@ -105,6 +149,13 @@ class _SchedulerHooks:
                 if arrival:
                     self._kvl.record(P.PREFILL, rid, min(int(arrival * 1e9), t), t, "ok", attrs)
                 self._kvl.record(P.PREFILL_FINISHED, rid, t, t, "ok" if delay else "failed", attrs)
+                if delay and self._kvl_table is not None:
+                    self._kvl_table.open(rid, _AWAITING_READ, t, attrs[sc.ATTR_BLOCKS])
+            except Exception:
+                fail("request_finished")
+        elif self._kvl_table is not None:
+            try:
+                self._kvl_d_ended(request)
             except Exception:
                 fail("request_finished")
         return res
@@ -149,11 +200,17 @@ class _SchedulerHooks:
                     {sc.ATTR_TOKENS: request.num_prompt_tokens, sc.ATTR_JOIN_REQUEST_ID: join},
                 )
             self._kvl.record(phase, rid, t, t, "ok", attrs)
+            if self._kvl_table is not None:
+                self._kvl_table.open(
+                    rid, _READING if phase is P.ALLOC else _AWAITING_KV, t, attrs.get(sc.ATTR_BLOCKS) or 0, join=join
+                )
         except Exception:
             fail("update_state_after_alloc")
 
 
 class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorScheduler):
+    _KVL_OWN = {sc.Role.DECODE.value: (OP.AWAITING_KV,)}
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         """D: registration.stage point (and decode.queue up to it) once destination blocks are staged."""
         return self._kvl_alloc(
@@ -161,7 +218,15 @@ class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorS
         )
 
     def build_connector_meta(self, scheduler_output):
-        """D: kv.ready with outcome timeout for registrations the watchdog drops."""
+        """D: registrations the watchdog drops (:meth:`_kvl_watchdog`)."""
+        return self._kvl_watchdog(super().build_connector_meta, scheduler_output)
+
+    def _kvl_watchdog(self, host, scheduler_output):
+        """Call vLLM's ``host`` (push ``build_connector_meta``) and flag the
+        registrations its soft watchdog drops. The request keeps waiting in
+        vLLM, so its handoff stays open, flagged ``registration_timeout``:
+        its kv.ready comes when the KV arrives or the request ends
+        (:meth:`_kvl_d_ended`). Untracked (no table): kv.ready ``timeout`` now."""
         # The stock watchdog drops registrations past their deadline inside
         # this call; find them first (the dict is deadline-ordered, so the
         # head tells whether anything expired: O(1) on the common path).
@@ -174,16 +239,25 @@ class InstrumentedNixlPushConnectorScheduler(_SchedulerHooks, NixlPushConnectorS
                     expired = [rid for rid, dl in d.items() if dl <= t]
         except Exception:
             fail("build_connector_meta")
-        meta = super().build_connector_meta(scheduler_output)
-        for rid in expired:
+        meta = host(scheduler_output)
+        if expired:
             try:
-                self._kvl.point(P.KV_READY, rid, "timeout", {sc.ATTR_ERROR: "push registration timed out"})
+                t, at = self._kvl_table, now()
+                for rid in expired:
+                    if t is not None:
+                        t.count_registration_timeout()
+                        if t.flag(rid, sc.ATTR_REGISTRATION_TIMEOUT, True):
+                            t.flag(rid, TIMEOUT_AT, at)
+                            continue
+                    self._kvl.point(P.KV_READY, rid, "timeout", {sc.ATTR_ERROR: "push registration timed out"})
             except Exception:
                 fail("build_connector_meta")
         return meta
 
 
 class InstrumentedNixlPullConnectorScheduler(_SchedulerHooks, NixlPullConnectorScheduler):
+    _KVL_OWN = {sc.Role.DECODE.value: (OP.READING,), sc.Role.PREFILL.value: (OP.AWAITING_READ,)}
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         """D: alloc point (and decode.queue up to it) once blocks for the remote prefill are allocated."""
         return self._kvl_alloc(P.ALLOC, super().update_state_after_alloc, request, blocks, num_external_tokens)

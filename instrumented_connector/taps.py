@@ -5,6 +5,7 @@ telemetry, and the per-thread record of one request's transfer posts
 
 from __future__ import annotations
 
+import queue
 import threading
 
 from instrumented_connector.hooks import Pending, fail
@@ -15,11 +16,24 @@ class NixlTap:
     per-transfer telemetry (bytes, descriptors, duration) by handle, so the
     completion span can carry it. Everything else is forwarded untouched."""
 
-    __slots__ = ("_inner", "_telemetry")
+    __slots__ = ("_inner", "_telemetry", "_on_notifs")
 
-    def __init__(self, inner, telemetry: Pending):
+    def __init__(self, inner, telemetry: Pending, on_notifs=None):
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_telemetry", telemetry)
+        object.__setattr__(self, "_on_notifs", on_notifs)
+
+    def get_new_notifs(self):
+        """NIXL's notifications, unchanged; ``on_notifs`` sees them first
+        (pull P: D's read-done notifications, before vLLM matches them)."""
+        res = self._inner.get_new_notifs()
+        cb = self._on_notifs
+        if cb is not None and res:
+            try:
+                cb(res)
+            except Exception:
+                fail("get_new_notifs")
+        return res
 
     def get_xfer_telemetry(self, handle):
         res = self._inner.get_xfer_telemetry(handle)
@@ -35,6 +49,24 @@ class NixlTap:
 
     def __setattr__(self, name, value):
         setattr(self._inner, name, value)
+
+
+class NotifQueueTap(queue.Queue):
+    """vLLM's push ``_pending_completion_notifs`` queue, unchanged, except that
+    ``on_get`` sees each notification the engine thread takes, just before
+    vLLM looks it up (push D: a completion for a request it no longer knows)."""
+
+    def __init__(self, on_get) -> None:
+        super().__init__()
+        self._on_get = on_get
+
+    def get_nowait(self):
+        item = super().get_nowait()
+        try:
+            self._on_get(item)
+        except Exception:
+            fail("_pending_completion_notifs")
+        return item
 
 
 class XferTimes(threading.local):

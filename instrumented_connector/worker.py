@@ -19,16 +19,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorW
 
 from instrumented_connector import hooks
 from kvrecord import semconv as sc
-from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now
+from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now, timeout_attrs
 from kvrecord.ids import base_request_id
 from instrumented_connector.taps import NixlTap as _NixlTap
+from instrumented_connector.healthhooks import PullWorkerHealth, PushWorkerHealth, WorkerHealth
 from instrumented_connector.taps import RankedRecorder
 from instrumented_connector.taps import XferTimes as _XferTimes
 
 P = sc.Phase
+_PREFILL = sc.Role.PREFILL.value
 
 
-class _WorkerHooks:
+class _WorkerHooks(WorkerHealth):
     """Worker-side hooks common to push and pull."""
 
     _kvl: Any = NullRecorder()
@@ -51,14 +53,16 @@ class _WorkerHooks:
         # rank engine's hot path stays one call (a span without kvlens.rank
         # is the only rank; the wrapper costs ~1.5x per event).
         self._kvl = rec
+        rank = 0
         try:
             rank, size = int(getattr(self, "tp_rank", 0) or 0), int(getattr(self, "world_size", 1) or 1)
             if size > 1:
                 self._kvl = RankedRecorder(rec, rank, size)
         except Exception:
             fail("tp_rank")
+        self._kvl_health_setup(rec, rank)
         try:
-            self.nixl_wrapper = _NixlTap(self.nixl_wrapper, self._kvl_xfer)
+            self.nixl_wrapper = _NixlTap(self.nixl_wrapper, self._kvl_xfer, self._kvl_notifs_cb())
         except Exception:
             fail("nixl_wrapper")
 
@@ -96,19 +100,15 @@ class _WorkerHooks:
                     xfer_us += tel[2]
             outcome = "failed" if rid in self._kvl_failed else "ok"
             self._kvl_failed.discard(rid)
-            self._kvl.record(
-                phase,
-                rid,
-                posted[0],
-                max(t, posted[0]),
-                outcome,
-                {
-                    sc.ATTR_BYTES: nbytes,
-                    sc.ATTR_DESCRIPTORS: ndesc,
-                    sc.ATTR_NIXL_XFER_S: xfer_us / 1e6,
-                    sc.ATTR_REMOTE_ENGINE_ID: posted[1],
-                },
-            )
+            attrs = {
+                sc.ATTR_BYTES: nbytes,
+                sc.ATTR_DESCRIPTORS: ndesc,
+                sc.ATTR_NIXL_XFER_S: xfer_us / 1e6,
+                sc.ATTR_REMOTE_ENGINE_ID: posted[1],
+            }
+            if not recv and self._kvl_table is not None:
+                outcome = self._kvl_write_done(rid, outcome, attrs)
+            self._kvl.record(phase, rid, posted[0], max(t, posted[0]), outcome, attrs)
 
     def _reap_expired_send_leases(self, done_sending):
         before = len(done_sending)
@@ -116,7 +116,10 @@ class _WorkerHooks:
         res = super()._reap_expired_send_leases(done_sending)
         if len(done_sending) != before:
             try:
+                t = self._kvl_table
                 for rid in set(done_sending) - (snapshot or set()):
+                    if t is not None:
+                        t.close(rid, sc.Outcome.EXPIRED.value, count_anyway=True)
                     self._kvl.point(self._KVL_COMPLETE, rid, "expired", {sc.ATTR_ERROR: "KV lease expired"})
             except Exception:
                 fail("_reap_expired_send_leases")
@@ -127,8 +130,12 @@ class _WorkerHooks:
         if results.finished_recving:
             try:
                 failed = results.failed_recving or ()
+                t = self._kvl_table
                 for rid in results.finished_recving:
-                    self._kvl.point(P.KV_READY, rid, "failed" if rid in failed else "ok")
+                    # D: the watchdog's flag, and how long D waited after it
+                    flags = t.flags(rid) if t is not None and t.is_flagged(rid) else None
+                    attrs = timeout_attrs(flags, now()) if flags else None
+                    self._kvl.point(P.KV_READY, rid, "failed" if rid in failed else "ok", attrs or None)
             except Exception:
                 fail("get_transfer_results")
         return results
@@ -186,7 +193,7 @@ class _WorkerHooks:
             self._kvl_post_end.put(rid, (last, engine))
 
 
-class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker):
+class InstrumentedNixlPushConnectorWorker(PushWorkerHealth, _WorkerHooks, NixlPushConnectorWorker):
     _KVL_COMPLETE = P.WRITE_COMPLETE
 
     def __init__(self, *args, **kwargs):
@@ -210,6 +217,7 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
                 with self._kvl_enq_lock:
                     for rid in fin:
                         self._kvl_enq.put(rid, t)
+                self._kvl_finished_open(fin, t)
         except Exception:
             fail("start_load_kv")
         return super().start_load_kv(metadata)
@@ -261,6 +269,7 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
                 self._kvl.record(P.MATCH, res[0], t_fin, now(), "ok", {sc.ATTR_MATCH_FIRST: "prefill"})
             else:
                 self._kvl_reg_seen.put(base_request_id(request_id), t)
+            self._kvl_registration_open(request_id, res, t)
         except Exception:
             fail("_pop_matching_finished_blocks")
         return res
@@ -282,6 +291,7 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
                 self._kvl.record(
                     P.MATCH, request_id, min(t_reg, arrived), arrived, "ok", {sc.ATTR_MATCH_FIRST: "registration"}
                 )
+                self._kvl_blocks_matched(request_id, res, t)
             else:
                 self._kvl_fin_seen.put(base_request_id(request_id), arrived)
         except Exception:
@@ -324,7 +334,7 @@ class InstrumentedNixlPushConnectorWorker(_WorkerHooks, NixlPushConnectorWorker)
         return NixlPushConnectorWorker._xfer_blocks(self, *args, **kwargs)
 
 
-class InstrumentedNixlPullConnectorWorker(_WorkerHooks, NixlPullConnectorWorker):
+class InstrumentedNixlPullConnectorWorker(PullWorkerHealth, _WorkerHooks, NixlPullConnectorWorker):
     _KVL_COMPLETE = P.READ_COMPLETE
 
     def _background_nixl_handshake(self, req_id, remote_engine_id, meta):
@@ -362,8 +372,11 @@ class InstrumentedNixlPullConnectorWorker(_WorkerHooks, NixlPullConnectorWorker)
         if done:
             try:
                 t = now()
+                table = self._kvl_table
                 for rid in done:
                     self._kvl.record(P.KV_RELEASED, rid, t, t)
+                    if table is not None:  # pull P's handoff is open in the scheduler's process
+                        table.close(rid, sc.Outcome.OK.value, count_anyway=True)
             except Exception:
                 fail("_get_new_notifs")
         return done

@@ -1,6 +1,18 @@
-"""``kvlens dashboard``: run the Streamlit app (``dashboard/app.py``) as a
-child process bound to 127.0.0.1 unless ``--host`` says otherwise, print its
-URL, forward SIGINT/SIGTERM to it and exit with it.
+"""``kvlens dashboard``: run the Streamlit app (``dashboard/app.py``, served
+through ``dashboard/serve.py``) as a child process bound to 127.0.0.1 unless
+``--host`` says otherwise, print its URL, forward SIGINT/SIGTERM to it and
+exit with it.
+
+Token and TLS (:mod:`kvlens.auth`): a token from ``$KVLENS_TOKEN`` or
+``--token-file`` makes every request need it (:class:`dashboard.gate.TokenGate`,
+ASGI middleware on Streamlit's own server: a login form or ``?token=`` once
+sets a session cookie; see that module for why the check is there and not
+in the page). The token reaches the child in its environment, never on its
+command line (``ps`` shows every process's to every user); the child takes
+it out of its environment once read. ``--tls-cert/--tls-key`` become
+Streamlit's ``server.sslCertFile``/``server.sslKeyFile`` (file paths, not
+secrets). A host other than loopback without a token is refused (exit 2)
+unless ``--insecure``.
 
 Streamlit's own safety settings are passed as its command-line flags, which
 win over every config file: ``server.address`` (127.0.0.1 by default),
@@ -45,6 +57,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import dashboard
+from kvlens import auth
 from kvrecord.children import ChildProcess
 from kvrecord.config import HOME_ENV, default_store, home
 from kvrecord.location import StoreLocation
@@ -67,17 +80,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Prometheus base URL (e.g. http://127.0.0.1:9090); live figures come from it",
     )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    p.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to bind (default {DEFAULT_HOST}); any other needs a token (${auth.TOKEN_ENV} or "
+        "--token-file) or --insecure",
+    )
     p.add_argument(
         "--show-error-details",
         action="store_true",
         help="show exceptions with their traceback in the page (default: a short message only)",
     )
+    auth.add_arguments(p)
+    p.epilog = (
+        f"With a token (${auth.TOKEN_ENV} or --token-file) every page needs it: a browser signs in once, "
+        "with the form the dashboard shows or by opening any URL with ?token=TOKEN (the dashboard moves it "
+        "into a session cookie and strips it from the URL), and scripts send Authorization: Bearer TOKEN. "
+        "TLS (--tls-cert/--tls-key) is Streamlit's own (server.sslCertFile/sslKeyFile)."
+    )
 
 
 def app_path() -> Path:
-    """The Streamlit entry script, ``dashboard/app.py`` of the installed package."""
-    return Path(dashboard.__file__).resolve().parent / "app.py"
+    """The Streamlit script ``kvlens dashboard`` runs: ``dashboard/serve.py`` of
+    the installed package (``dashboard/app.py`` behind the token gate)."""
+    return Path(dashboard.__file__).resolve().parent / "serve.py"
 
 
 def workdir() -> Path:
@@ -87,11 +113,15 @@ def workdir() -> Path:
     return app_path().parent.parent
 
 
-def child_env(store: StoreLocation | None = None) -> dict[str, str]:
+def child_env(store: StoreLocation | None = None, security: auth.Security | None = None) -> dict[str, str]:
     """The child's environment: ours, with ``KVLENS_HOME`` absolute (the
-    child's working directory is not ours), and a store URL's password as
-    ``PGPASSWORD``."""
+    child's working directory is not ours), a store URL's password as
+    ``PGPASSWORD``, and ``security``'s token as ``$KVLENS_TOKEN`` (none
+    inherited otherwise: the gate's token is the one checked here)."""
     env = {**os.environ, HOME_ENV: str(home())}
+    env.pop(auth.TOKEN_ENV, None)
+    if security is not None and security.token:
+        env[auth.TOKEN_ENV] = security.token.decode()
     password = None if store is None else _split_password(store)[1]
     if password is not None:
         env["PGPASSWORD"] = password
@@ -158,10 +188,11 @@ def command(args: argparse.Namespace, store: StoreLocation | str | os.PathLike) 
         # a viewer's toolbar: no Deploy button, no rerun / clear-cache developer entries
         "--client.toolbarMode",
         "viewer",
-        "--",
-        "--store",
-        _split_password(StoreLocation.parse(store))[0],
     ]
+    if getattr(args, "tls_cert", None):  # paths, not secrets (auth.from_args checked them)
+        cmd += ["--server.sslCertFile", str(Path(args.tls_cert).resolve())]
+        cmd += ["--server.sslKeyFile", str(Path(args.tls_key).resolve())]
+    cmd += ["--", "--store", _split_password(StoreLocation.parse(store))[0]]
     if args.prometheus:
         cmd += ["--prometheus", args.prometheus]
     return cmd
@@ -179,13 +210,27 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvlens dashboard: --store: {e}", file=sys.stderr)
         return 2
+    try:
+        security = auth.from_args(args, args.host)
+    except auth.SecurityError as e:
+        print(f"kvlens dashboard: {e}", file=sys.stderr)
+        return 2
     problem = _check_store(store)
     if problem:
         print(f"kvlens dashboard: {problem}", file=sys.stderr)
         return 2
-    child = ChildProcess(command(args, store), env=child_env(store), cwd=workdir(), group="session").start()
+    env = child_env(store, security)
+    # death_signal: a kvlens dashboard killed outright (SIGKILL) takes Streamlit with it
+    child = ChildProcess(
+        command(args, store), env=env, cwd=workdir(), group="session", death_signal=signal.SIGTERM
+    ).start()
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
-    print(f"kvlens dashboard: http://{shown}:{args.port}  (store {store}; Ctrl-C to stop)", flush=True)
+    how = "; sign in with the token, or open the URL with ?token=TOKEN once" if security.token else ""
+    print(
+        f"kvlens dashboard: {security.scheme}://{shown}:{args.port}  ({security.describe()}{how}; store {store}; "
+        "Ctrl-C to stop)",
+        flush=True,
+    )
 
     stopping: list[int] = []
 

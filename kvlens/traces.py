@@ -19,7 +19,8 @@ from kvlens.argtypes import int_in
 from kvrecord import config
 from kvrecord import semconv as sc
 from kvrecord.durations import parse_duration
-from kvtrace import costs, kvuse, perfetto, ranks, store, tracemodel
+from kvtrace import costs, kvuse, perfetto, ranks, store, stuck, tracemodel
+from kvlens.stuckcmd import OPEN_SINCE_DEFAULT, _clock, _fmt_age, run_open
 from kvrecord.keeprule import NOT_KEPT
 from kvtrace.tracemodel import NOT_KEPT_NOTE, Trace
 
@@ -73,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="only half traces: requests whose other side never joined (docs/phases.md, 'Trace correlation')",
     )
     p.add_argument("--trace", metavar="ID", help="one trace by id (32 hex)")
+    p.add_argument(
+        "--open",
+        action="store_true",
+        help="instead of waterfalls: the handoffs stuck now, from their partial traces (trace id, request id, "
+        "mode, the side that waits, phase, since when, age, last report); only those reported within --since "
+        f"(default {OPEN_SINCE_DEFAULT}); with --mode, one mode (docs/health.md)",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
     p.add_argument(
         "--width",
@@ -130,15 +138,32 @@ def _filters(args: argparse.Namespace) -> dict:
     }
 
 
+def _health_lines(trace: Trace) -> list[str]:
+    """A partial trace's ``OPEN:`` line per waiting side, a stale one's ``STALE:`` line."""
+    lines = []
+    for o in trace.open:
+        flag = ", push registration timed out" if o.registration_timeout else ""
+        lines.append(
+            f"  OPEN: {o.side} ({o.role}) waiting in {o.phase or '?'} since {_clock(o.since_ns)} UTC, "
+            f"{_fmt_age(o.waited_s)} at its last report ({_clock(o.seen_ns)}){flag}: a partial trace, "
+            "as far as the handoff got"
+        )
+    if trace.stale:
+        lines.append(f"  STALE: {stuck.STALE_WHY}: {stuck.STALE_WORDS}")
+    return lines
+
+
 def waterfall(trace: Trace, width: int = 60) -> str:
     """A text waterfall for one trace (pure function; tested). ``width`` is
     clamped to MIN_WIDTH..MAX_WIDTH."""
     width = min(MAX_WIDTH, max(MIN_WIDTH, int(width)))
+    outcome = "open" if trace.open else trace.outcome
     lines = [
-        f"trace {trace.trace_id}  mode={trace.mode}  outcome={trace.outcome}  "
+        f"trace {trace.trace_id}  mode={trace.mode}  outcome={outcome}  "
         f"handoff={_fmt_handoff(trace)}  ttft={_fmt_ttft(trace)}  P={trace.p_engine or '-'}  "
         f"D={trace.d_engine or '-'}  request={trace.request_id}"
     ]
+    lines += _health_lines(trace)
     if trace.half:
         other = "D" if trace.half == sc.Role.PREFILL.value else "P"
         lines.append(
@@ -302,6 +327,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlens traces: {path} is a directory, not a trace store file", file=sys.stderr)
         return 1
     try:
+        if getattr(args, "open", False):
+            return run_open(path, args)
         if getattr(args, "breakdown", False):
             print(breakdown_text(_load_breakdown(path, args)))
             with store.reading(path) as conn:

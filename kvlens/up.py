@@ -32,6 +32,7 @@ from kvlens.stack.ports import is_loopback, port_arg
 from kvlens.stack.supervise import signals_ignored
 from kvlens.stack.spinners import MODES as SPIN_MODES
 from kvlens.stack.tp import MAX_TP, STARTUP_S_PER_EXTRA_PROCESS, parse_tp, tp_note
+from kvrecord.config import TOKEN_ENV, client_token
 from kvrecord.location import StoreLocation
 
 
@@ -118,9 +119,14 @@ def _add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host",
         default=DEFAULT_HOST,
-        help="bind address for all three servers (default loopback; any other address opens P, D, the "
-        "router and P's NIXL side channel to everyone who can reach the host unless --api-key or "
-        "VLLM_API_KEY is set, and even then for the side channel)",
+        help="bind address for all servers (default loopback). Any other address needs $KVLENS_TOKEN "
+        "(the router and the collector ask for it) or an API key (--api-key: P, D and the router; not the "
+        "collector), or --insecure; P's NIXL side channel stays open to everyone who can reach the host",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow --host beyond loopback with no token and no API key (anyone who reaches it may use it)",
     )
     _add_engine_arguments(p)
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")
@@ -268,19 +274,41 @@ def check_args(args: argparse.Namespace) -> None:
     )
     if getattr(args, "vllm_router_port", None) and "vllm-router" not in routers:
         raise StackError("--vllm-router-port needs --router vllm-router or kvlens,vllm-router")
-
-
-def _warn_if_open(host: str, api_key: str | None = None) -> None:
-    """One warning when the stack binds beyond loopback with no API key
-    (``--api-key``, or VLLM_API_KEY / KVLENS_API_KEY in the environment)."""
-    if is_loopback(host) or api_key or env_api_key():
-        return
-    print(
-        f"kvlens up: warning: --host {host} without an API key (--api-key or VLLM_API_KEY): P, D, the router "
-        "and P's NIXL side channel accept requests from anyone who can reach this host",
-        file=sys.stderr,
-        flush=True,
+    check_open(
+        args.host, getattr(args, "api_key", None), getattr(args, "insecure", False), args.separate_homes, args.collector
     )
+
+
+def check_open(
+    host: str, api_key: str | None, insecure: bool, separate: bool = False, collector: str = "process"
+) -> None:
+    """Refuse (StackError) a host beyond loopback that the router (token or
+    API key) or the collector process (token) would leave open, unless
+    ``insecure``; warn once when ``insecure`` does open it. The token is
+    ``$KVLENS_TOKEN``: every child inherits it (never a command line)."""
+    if is_loopback(host):
+        return
+    token = client_token()
+    if insecure:
+        if not token and not (api_key or env_api_key()):
+            print(
+                f"kvlens up: warning: --host {host} with --insecure and no token: the router"
+                f"{' and the collector' if separate and collector == 'process' else ''} accept anyone who can "
+                "reach this host",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    if not token and not (api_key or env_api_key()):
+        raise StackError(
+            f"refusing --host {host} (beyond loopback) with no token and no API key: set ${TOKEN_ENV} "
+            "(or --api-key), or pass --insecure to let anyone who reaches it in"
+        )
+    if not token and separate and collector == "process":
+        raise StackError(
+            f"refusing --host {host} with --separate-homes: the collector asks for ${TOKEN_ENV} (an API key "
+            "is P's, D's and the router's only); set it, or pass --insecure"
+        )
 
 
 def _stack(args: argparse.Namespace) -> Stack:
@@ -303,6 +331,7 @@ def _stack(args: argparse.Namespace) -> Stack:
         collector_port=args.collector_port or None,
         collector_store=getattr(args, "collector_store", None) or None,
         api_key=getattr(args, "api_key", None) or None,
+        insecure=getattr(args, "insecure", False),
         prefill_instances=getattr(args, "prefill_instances", 1),
         decode_instances=getattr(args, "decode_instances", 1),
         routers=getattr(args, "router", ("kvlens",)),
@@ -345,6 +374,12 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
         + _endpoints(stack)
         + f"  model:                {stack.model}\n"
         f"  logs:                 {stack.log_dir}\n"
+        + (
+            f"  token:                ${TOKEN_ENV} required by the router on every route but /health"
+            f"{' (and by the collector)' if stack.separate_homes and stack.collector == 'process' else ''}\n"
+            if client_token()
+            else ""
+        )
         + ("  API key:              required on /v1/* by P, D and the router\n" if stack.api_key else "")
         + (
             f"  collector (OTLP):     {stack.collector_url}/v1/traces ({stack.collector})\n"
@@ -376,7 +411,6 @@ def run(args: argparse.Namespace) -> int:
     except StackError as e:
         print(f"kvlens up: error: {e}", file=sys.stderr, flush=True)
         return 2
-    _warn_if_open(args.host, getattr(args, "api_key", None))
     with sigterm_as_interrupt():
         try:
             stack = _stack(args)

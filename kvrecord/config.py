@@ -58,8 +58,12 @@ KNOWN_KEYS = frozenset(
         "kvlens_keep",
         "kvlens_keep_ratio",
         "kvlens_keep_slow",
+        "open_trace_after_s",
     }
 )
+
+#: Default of ``open_trace_after_s``: a handoff open this long is written out as a partial trace.
+DEFAULT_OPEN_TRACE_AFTER_S = 5.0
 
 #: An unknown key is taken for a misspelled kvlens option when it starts with
 #: one of these, or is this similar to a known key (difflib ratio; vLLM's own
@@ -131,6 +135,21 @@ def _retention(v: Any) -> float | None:
         raise ValueError(f"kvlens_retention: {e}") from None
 
 
+def _seconds_or_off(key: str, v: Any) -> float:
+    """A number of seconds >= 0 (0: off), or a string of one; ValueError naming ``key`` otherwise."""
+    n = None
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        n = float(v)
+    elif isinstance(v, str):
+        try:
+            n = float(v.strip())
+        except ValueError:
+            n = None
+    if n is None or not n >= 0 or n == float("inf"):
+        raise ValueError(f"{key} must be a number of seconds >= 0 (0: off), got {v!r}")
+    return n
+
+
 def _unknown_key_error(key: str) -> ValueError | None:
     """The error for ``key`` when it looks like a misspelled kvlens option, else None."""
     k = key.strip().lower()
@@ -175,6 +194,8 @@ def _checked(cfg: Mapping[str, Any]) -> dict[str, Any]:
     out["kvlens_keep"] = KeepRule.parse(
         out.get("kvlens_keep"), out.get("kvlens_keep_ratio"), out.get("kvlens_keep_slow"), prefix="kvlens_keep"
     )
+    if "open_trace_after_s" in out:
+        out["open_trace_after_s"] = _seconds_or_off("open_trace_after_s", out["open_trace_after_s"])
     builder = out.get("kvlens_span_builder")
     if "kvlens_span_builder" in out and str(builder).strip().lower() not in SPAN_BUILDERS:
         raise ValueError(f"kvlens_span_builder must be 'sidecar' or 'inline', got {builder!r}")
@@ -219,6 +240,8 @@ class Options:
     otlp_protocol: str | None = None
     #: which requests keep their spans in the store (``kvlens_keep``, ``kvlens_keep_ratio``, ``kvlens_keep_slow``)
     keep: KeepRule = KeepRule()
+    #: a handoff open this long (s) is written out as a ``handoff.open`` partial trace; 0: never (docs/health.md)
+    open_trace_after_s: float = DEFAULT_OPEN_TRACE_AFTER_S
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None = None) -> "Options":
@@ -246,6 +269,7 @@ class Options:
             otlp_endpoint=str(out["otlp_endpoint"]) if out.get("otlp_endpoint") else None,
             otlp_protocol=str(out["otlp_protocol"]).strip().lower() if out.get("otlp_protocol") else None,
             keep=out["kvlens_keep"],
+            open_trace_after_s=out.get("open_trace_after_s", DEFAULT_OPEN_TRACE_AFTER_S),
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -269,6 +293,8 @@ class Options:
             "otlp_protocol": self.otlp_protocol,
         }
         out.update({k: v for k, v in optional.items() if v is not None})
+        if self.open_trace_after_s != DEFAULT_OPEN_TRACE_AFTER_S:
+            out["open_trace_after_s"] = self.open_trace_after_s
         if self.keep.sampled:
             out.update(self.keep.to_config())
         return out

@@ -6,7 +6,8 @@ TTFT, outcome, one duration per phase). Its spans are stored too when
 
 * ``--keep all`` (the default: today's behaviour, what a single host wants), or
 * ``--keep sampled`` and the request is kept, for the first reason that holds:
-  ``failed`` / ``timeout`` / ``expired`` (its outcome), ``clock_unknown``
+  ``failed`` / ``timeout`` / ``expired`` / ``stale`` (its outcome; stale: its
+  KV moved after P released it, docs/health.md), ``clock_unknown``
   (both ends of its handoff recorded, the clocks not bounded), ``slow``
   (handoff or TTFT above ``--keep-slow``: a fixed duration, or a live
   percentile ``pNN`` of its (mode, dispatch, P/D pair) window; ``warmup``
@@ -29,7 +30,7 @@ from kvrecord.durations import parse_duration
 
 KEEP_MODES = ("all", "sampled")
 #: Why a request's spans are kept, first match wins (then ``no``: summary only).
-KEEP_REASONS = ("failed", "timeout", "expired", "clock_unknown", "slow", "warmup", "ratio")
+KEEP_REASONS = ("failed", "timeout", "expired", "stale", "clock_unknown", "slow", "warmup", "ratio")
 #: The decision of a request kept only as its summary.
 NOT_KEPT = "no"
 

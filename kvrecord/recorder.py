@@ -17,16 +17,14 @@ Contract (docs/architecture.md, "the hot path only enqueues"):
   events to a sidecar that builds the spans (a span costs ~43 µs of the
   engine's GIL, shipping an event ~1-2 µs); the hot path is this class's.
 
-Memory stays bounded when an exporter stalls: the event buffer holds at most
-``capacity`` events and the span processors' queues are bounded too.
+Memory stays bounded when an exporter stalls: the event buffer holds at most ``capacity`` events and the
+span processors' queues are bounded too. The thread also runs ``add_periodic`` work (:mod:`kvrecord.periodic`).
 
-Every event lost is counted, by :class:`DropReason`: the recorder counts
-``buffer_full`` (:attr:`Recorder.dropped`, the one hot-path counter),
-``shutdown`` (events still buffered when :meth:`Recorder.close` gave up) and
-``export_failed`` for events that never became a span (pipeline setup
-failed, or building the span raised); the pipeline's processors count the
-rest (:mod:`exporters.batching`), and :func:`exporters.pipeline.dropped_counts`
-adds them up by (role, reason).
+Every event lost is counted, by :class:`DropReason`: the recorder counts ``buffer_full``
+(:attr:`Recorder.dropped`, the one hot-path counter), ``shutdown`` (events still buffered when
+:meth:`Recorder.close` gave up) and ``export_failed`` for events that never became a span (pipeline
+setup failed, or building the span raised); the pipeline's processors count the rest
+(:mod:`exporters.batching`), and :func:`exporters.pipeline.dropped_counts` adds them up by (role, reason).
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ from kvrecord import ids
 from kvrecord import semconv as sc
 from kvrecord.events import Event, EventFields, Kind, as_event
 from kvrecord.logutil import log_once
+from kvrecord.periodic import Periodic
 from kvrecord.procstats import name_native_thread, write_stats
 from kvrecord.spanbuilder import SpanBuilder
 
@@ -74,7 +73,7 @@ PipelineFactory = Callable[[ids.PinnedIdGenerator], Any]
 _SPAN, _ROOT, _REQUEST = Kind.SPAN, Kind.ROOT, sc.Phase.REQUEST  # module globals: the hot path reads them
 
 
-class Recorder:
+class Recorder(Periodic):
     """Bounded event buffer + background span builder for one process/role.
 
     ``pipeline_factory`` (see :data:`PipelineFactory`) runs on the background
@@ -288,6 +287,7 @@ class Recorder:
             self._wake.wait(self._interval)
             self._wake.clear()
             self.drain()
+            self._run_periodic()
             write_stats(self)
         self.drain()
 

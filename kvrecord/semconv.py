@@ -230,6 +230,9 @@ class Outcome(str, enum.Enum):
     TIMEOUT = "timeout"
     FAILED = "failed"
     EXPIRED = "expired"
+    STALE = "stale"
+    """KV read (pull) or written / notified (push) after P released its blocks
+    (P's lease ran out first): the answer may come from reused memory (docs/health.md)."""
 
 
 class TtftSource(str, enum.Enum):
@@ -356,3 +359,32 @@ ATTR_DERIVED: Final = "kvlens.derived"
 timestamps (:data:`DERIVED_PHASES`); never on a recorded span."""
 ATTR_ERROR: Final = "kvlens.error"
 """Short error text for failed outcomes (exception class and message)."""
+
+
+# --- handoff health (docs/health.md) -----------------------------------------
+SPAN_HANDOFF_OPEN: Final = "handoff.open"
+"""Span name of a partial trace: a handoff still open on one side, written
+out by that process's background thread once it has been open longer than
+``open_trace_after_s``; start = the handoff's start on that side, end = the
+snapshot time. Re-emitted (a new span) while it stays open; readers take the
+latest and hide them once the trace has ended on that side. Never a phase
+(no ``kvlens_phase_duration_seconds`` series)."""
+ATTR_OPEN: Final = "kvlens.open"
+"""True on a ``handoff.open`` span: the handoff had not ended at its end time."""
+ATTR_OPEN_PHASE: Final = "kvlens.open.phase"
+"""``handoff.open``: the phase the handoff waits in (:class:`OpenPhase` value). Cardinality 6."""
+ATTR_KV_STALE: Final = "kvlens.kv.stale"
+"""True where KV moved after P released its blocks (outcome ``stale``)."""
+ATTR_KV_STALE_SEEN_BY: Final = "kvlens.kv.stale.seen_by"
+"""``prefill`` | ``decode``: the side that saw the late read / write / notification."""
+ATTR_REGISTRATION_TIMEOUT: Final = "kvlens.registration_timeout"
+"""True on D's ``kv.ready`` (and ``handoff.open``) of a push request whose
+registration hit vLLM's soft watchdog (``push_registration_timeout``) while
+the request kept waiting."""
+ATTR_REGISTRATION_TIMEOUT_WAIT_S: Final = "kvlens.registration_timeout.wait_after_s"
+"""Seconds D kept waiting after the watchdog fired, to ``kv.ready`` (or the snapshot of ``handoff.open``)."""
+ATTR_OPEN_BLOCKS: Final = "kvlens.open.blocks"
+"""``handoff.open``: KV blocks the open handoff holds on this side (0: unknown)."""
+
+# the open phases and pinned states (closed label sets), defined beside their use:
+from kvrecord.healthnames import OPEN_PHASES, PINNED_MODE, PINNED_OF, OpenPhase, PinnedState  # noqa: E402,F401

@@ -35,11 +35,10 @@ Tiling the handoff, the derived phases and the breakdown in words live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import groupby
-from operator import itemgetter
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvtrace import kvuse, ranks, store
+from kvtrace import kvuse, ranks, store, stuck
+from kvtrace.derivedread import d_shift_ns, derived_of  # noqa: F401 (re-exported: the one trace model's API)
 from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
     _DERIVED,
     DERIVATION_ATTRIBUTES,
@@ -107,11 +106,6 @@ def static_path(mode: str, phase: str) -> str | None:
     if phase in NOT_HANDOFF_PHASES or phase in _POINTS:
         return None
     return OVERLAP if mode == sc.Mode.PUSH.value and phase in _PUSH_OVERLAP else CRITICAL
-
-
-def d_shift_ns(clock_offset_s: float | None) -> int:
-    """Nanoseconds to subtract from D's timestamps to put them on P's clock."""
-    return round(clock_offset_s * 1e9) if clock_offset_s else 0
 
 
 # ------------------------------------------------------------------ records
@@ -185,6 +179,10 @@ class Trace:
     #: Each recorded phase's longest duration in seconds, from the summary
     #: row: there whether the spans were kept or not.
     phases: Mapping[str, float] = field(default_factory=dict)
+    #: The sides still waiting (a partial trace: :mod:`kvtrace.stuck`), oldest first; () when none.
+    open: tuple[stuck.OpenSide, ...] = ()
+    #: A span says its KV moved after P released it: possibly served from reused memory.
+    stale: bool = False
 
     @classmethod
     def from_rows(cls, summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]] = ()) -> Trace:
@@ -192,7 +190,10 @@ class Trace:
 
         D's spans and ``kv_ready_ns`` are moved onto P's clock by the store's
         ``clock_offset_s`` (0 when P's and D's clocks could not be told apart),
-        so positions against the handoff window compare like with like."""
+        so positions against the handoff window compare like with like.
+        Partial-trace spans: those :func:`kvtrace.stuck.visible_spans` keeps."""
+        spans = stuck.visible_spans(spans)
+        open_sides = stuck.open_sides(summary["trace_id"], spans, summary.get("request_id"))
         off = d_shift_ns(summary.get("clock_offset_s"))
         pf, kv = summary.get("prefill_finished_ns"), summary.get("kv_ready_ns")
         if kv is not None:
@@ -235,7 +236,15 @@ class Trace:
         skip = {"n_spans", "kv_ready_ns", *phase_cols.values()}
         fields = {k: summary.get(k) for k in store.SUMMARY_COLUMNS if k not in skip}
         phases = {p: summary[c] for p, c in phase_cols.items() if summary.get(c) is not None}
-        return cls(spans=tuple(marked), kv_ready_ns=kv, n_spans=summary.get("n_spans") or 0, phases=phases, **fields)
+        return cls(
+            spans=tuple(marked),
+            kv_ready_ns=kv,
+            n_spans=summary.get("n_spans") or 0,
+            phases=phases,
+            open=open_sides,
+            stale=stuck.is_stale(spans) or summary.get("outcome") == sc.Outcome.STALE.value,
+            **fields,
+        )
 
     @property
     def half(self) -> str | None:
@@ -313,6 +322,8 @@ class Trace:
             "release": release_json(self.spans, self.kv_ready_ns),
             "kv_use": kvuse.trace_kv_use(self.spans),
             "keep": self.keep,
+            "open": [o.to_json() for o in self.open],
+            "stale": self.stale,
             "phases_s": dict(self.phases),
             "spans": [s.to_json() for s in self.spans],
             **({"spans_note": NOT_KEPT_NOTE} if self.keep == NOT_KEPT else {}),
@@ -348,53 +359,3 @@ def find(conn, trace_ids: Iterable[str], *, with_spans: bool = True) -> dict[str
     bench joins its requests to the store with this)."""
     ids = list(trace_ids)
     return {t.trace_id: t for t in slowest(conn, len(ids), trace_ids=ids, with_spans=with_spans)}
-
-
-#: Where a held row (``store.SPAN_COLUMNS`` tuple) keeps what :func:`derived_of` reads.
-_NAME, _ROLE, _START, _END, _OUTCOME, _ATTRS = map(
-    store.SPAN_COLUMNS.index, ("name", "role", "start_ns", "end_ns", "outcome", "attributes")
-)
-
-
-def derived_of(
-    conn, clock_offsets: Mapping[str, float | None], held: Mapping[str, Sequence[tuple]] | None = None
-) -> dict[str, list[Derived]]:
-    """The derived phases of each trace in ``clock_offsets`` (trace id -> its ``clock_offset_s``), as
-    :meth:`Trace.from_rows` derives them (D's spans moved onto P's clock) but from the few spans they need
-    (:data:`DERIVATION_INPUTS`), only the split phases' attributes decoded: the metrics' once-per-request
-    read, a fraction of :func:`find`'s cost. ``held``: span rows (``store.SPAN_COLUMNS`` tuples) of requests
-    whose spans the store does not keep (:meth:`kvtrace.store.Keeper.unkept_rows`), read instead for those."""
-    held = held or {}
-    decode = sc.Role.DECODE.value
-    in_store = [t for t in clock_offsets if t not in held]
-    stored: dict[str, list[Derived]] = {}
-    rows = store.named_spans(conn, in_store, DERIVATION_INPUTS, DERIVATION_ATTRIBUTES) if in_store else ()
-    for tid, spans in groupby(rows, itemgetter(0)):  # one trace after another, each by start, end
-        shift, groups = d_shift_ns(clock_offsets[tid]), {}
-        for _, name, role, t0, t1, outcome, attrs in spans:
-            d = shift if role == decode else 0
-            groups.setdefault((role, name), []).append((t0 - d, t1 - d, outcome, attrs))
-        stored[tid] = derived_from(groups)
-    return {  # each trace grouped and derived in its turn: none of that outlives it (fewer objects for the GC)
-        t: derived_from(_held_groups(held[t], d_shift_ns(off))) if t in held else stored.get(t, [])
-        for t, off in clock_offsets.items()
-    }
-
-
-def _held_groups(rows: Sequence[tuple], shift: int) -> dict[tuple, list[tuple]]:
-    """One trace's held rows grouped as :func:`derived_of` groups a store read's, ordered like it."""
-    decode = sc.Role.DECODE.value
-    groups: dict[tuple, list[tuple]] = {}
-    for r in rows:
-        name = r[_NAME]
-        if name in DERIVATION_INPUTS:
-            role = r[_ROLE]
-            d = shift if role == decode else 0
-            attrs = None
-            if name in DERIVATION_ATTRIBUTES:  # not yet encoded while held; decoded as the store reads it if it is
-                attrs = r[_ATTRS] if type(r[_ATTRS]) is dict else store.span_dict(r)["attributes"]
-            groups.setdefault((role, name), []).append((r[_START] - d, r[_END] - d, r[_OUTCOME], attrs))
-    for g in groups.values():
-        if len(g) > 1:
-            g.sort(key=itemgetter(0, 1))  # stable, as the store's ORDER BY start_ns, end_ns (one role: one shift)
-    return groups

@@ -1,6 +1,9 @@
 """Overview page: push vs pull side by side, live — handoff and TTFT
 percentiles, request rate and outcomes, the handoff distribution (a bar links
-to its traces) and where the handoff time goes, per phase.
+to its traces) and where the handoff time goes, per phase. At the top, the
+handoff health strip (open now, oldest open, stale, expired, failed,
+registration timeouts) and the requests stuck now, each linking to its
+partial trace.
 
 Figures come from Prometheus when ``--prometheus`` is given and it has kvlens
 samples in the range, else from the trace store. The body is a fragment that
@@ -18,7 +21,7 @@ from dashboard import charts
 from dashboard import benchdata as BD
 from dashboard import data as D
 from dashboard import loaders as L
-from dashboard import pairs, prom, ui, verdictview
+from dashboard import healthview, pairs, prom, ui, verdictview
 from kvrecord import semconv as sc
 
 REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
@@ -91,6 +94,7 @@ def add_bench_tpot(cfg: ui.Config, stats: dict[str, D.ModeStats]) -> None:
 
 
 def body(cfg: ui.Config, range_key: str) -> None:
+    healthview.health_strip(cfg, range_key, TRACES_PAGE)
     got = from_prometheus(cfg, range_key) or from_store(cfg, range_key)
     if got is None:
         return

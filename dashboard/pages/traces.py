@@ -17,7 +17,7 @@ import streamlit as st
 from dashboard import charts
 from dashboard import data as D
 from dashboard import loaders as L
-from dashboard import ui
+from dashboard import healthview, ui
 from dashboard.pairs import pair_label
 from kvrecord import semconv as sc
 
@@ -283,6 +283,7 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
         st.info("This trace has no spans in the store.")
         return
     trace_cards(rec)
+    healthview.health_notes(rec)
     st.caption(
         f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
         f"P → D `{pair_label(rec.get('p_engine'), rec.get('d_engine'))}` · {ui.clock_caption(rec)} "
@@ -377,7 +378,7 @@ def trace_cards(rec: dict[str, Any]) -> None:
     unit, k = ui.time_unit(times.values())
     m = st.columns(6)
     m[0].metric("mode", rec["mode"] or ui.MISSING)
-    m[1].metric("outcome", rec["outcome"] or ui.MISSING)
+    m[1].metric("outcome", "open" if rec.get("open") else rec["outcome"] or ui.MISSING)
     helps = {
         "handoff": note
         or "prefill.finished (P) → kv.ready (D), on P's clock; the exact figure and its clock bound below",

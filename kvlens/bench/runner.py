@@ -335,7 +335,8 @@ def _start(
     )
     try:
         stack.start()
-        key = getattr(stack, "api_key", None) or opts.api_key
+        # what the stack's router asks for: $KVLENS_TOKEN when the stack inherited it, else the API key
+        key = getattr(stack, "router_key", None) or getattr(stack, "api_key", None) or opts.api_key
         d_url = getattr(stack, "decode_url", None) or None
         targets = [Target(mode, ds[0], stack.router_url, d_url, key, stack=stack)]
         targets += [Target(mode, d, stack.add_router(d), d_url, key, stack=stack) for d in ds[1:]]

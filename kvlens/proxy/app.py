@@ -5,9 +5,11 @@
 :mod:`kvlens.proxy.intake` accepted them, to the P and D the
 :class:`~kvlens.proxy.balancer.Balancer` picks; ``GET /health`` asks every
 P and D; ``GET /v1/models`` is the first D's; ``/metrics`` serves the router's span-derived
-Prometheus metrics. With an API key (``ProxyConfig.api_key``) the ``/v1/*``
-routes and ``/admin/*`` require it; ``/health`` and ``/metrics`` stay open,
-as on vLLM.
+Prometheus metrics. With a token or an API key (``ProxyConfig.client_key``)
+every route but ``/health`` requires it (:class:`~kvlens.proxy.intake.ClientAuth`):
+``/v1/*``, ``/metrics`` (a Prometheus scrape job sends it with
+``authorization: {credentials_file: ...}``), ``/admin/split`` and, with
+``--collect``, ``POST /v1/traces``.
 
 A mixed fleet (push and pull instances, a canary): each request's mode is
 drawn with the split's push weight (:mod:`kvlens.proxy.split`), then its P
@@ -40,7 +42,7 @@ from kvlens.proxy.config import MODES, ProxyConfig
 from kvlens.proxy.dispatch import dispatcher
 from kvlens.proxy.errors import Upstream, from_http_error
 from kvlens.proxy.exchange import Exchange
-from kvlens.proxy.intake import UNAUTHORIZED, Refused, authorized, check_fields, parse_object, read_limited
+from kvlens.proxy.intake import ClientAuth, Refused, check_fields, parse_object, read_limited
 from kvlens.proxy.isolation import TraceIds
 from kvlens.proxy.split import Split, push_of_pull
 from kvlens.proxy.telemetry import RouterTelemetry
@@ -119,11 +121,15 @@ class Router:
             self.tel.close()
 
     def upstream_auth(self, request: Request | None) -> str | None:
-        """Authorization for every call to P and D: the router's own key when
-        it has one (the client proved it knows it), else the client's header
+        """Authorization for every call to P and D: the API key when the
+        router has one (the client proved it knows the router's key), none
+        when the router has only its own token (the client's header holds
+        that token, which is not P's or D's to see), else the client's header
         as it came (P and D may have a key the router does not know)."""
         if self.cfg.api_key:
             return f"Bearer {self.cfg.api_key}"
+        if self.cfg.token:
+            return None
         return request.headers.get("authorization") if request is not None else None
 
     def _auth_headers(self, request: Request | None) -> dict[str, str]:
@@ -194,8 +200,6 @@ class Router:
         )
 
     async def models(self, request: Request) -> Response:
-        if not authorized(request.headers, self.cfg.api_key):
-            return UNAUTHORIZED.response(None)
         try:
             r = await self.client.get(
                 self.cfg.decode_url + "/v1/models", timeout=10, headers=self._auth_headers(request)
@@ -251,9 +255,8 @@ class Router:
         return relay.streamed(ex, d_resp)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
-        """One completion request: key, trace id, body, P and D, relay."""
-        if not authorized(request.headers, self.cfg.api_key):
-            return UNAUTHORIZED.response(None)  # no trace id, no span: nothing spent
+        """One completion request (its key checked already: :class:`ClientAuth`):
+        trace id, body, P and D, relay."""
         t0 = time.time_ns()
         tid, parent, client_ids = self.ids.claim(request.headers)
         ex = Exchange(
@@ -292,9 +295,8 @@ class Router:
     async def admin_split(self, request: Request) -> Response:
         """``GET``: the split; ``POST {"push": W}`` or ``{"pull": W}``: a new
         weight for the requests that come next (400 naming the problem; 409
-        on a fleet of one mode: there is nothing to split)."""
-        if not authorized(request.headers, self.cfg.api_key):
-            return UNAUTHORIZED.response(None)
+        on a fleet of one mode: there is nothing to split). Its key was
+        checked already (:class:`ClientAuth`, as on every route but ``/health``)."""
         if request.method == "GET":
             return JSONResponse(self.split_state())
         if not self.cfg.mixed:
@@ -353,6 +355,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="kvlens proxy", lifespan=lifespan)
     app.state.kvlens_config = config
+    if config.client_key:  # every route but /health, the receiver and /metrics included
+        app.add_middleware(ClientAuth, key=config.client_key)
     if ingest is not None:
         from exporters.collector.app import mount_receiver
         from prometheus_client import REGISTRY

@@ -8,6 +8,13 @@ A mixed fleet (a canary): each URL tagged with its mode, ``--prefill
 push=URL --prefill pull=URL --decode push=URL --decode pull=URL``, and
 ``--split push=W`` (default 0.5): each request's mode is drawn with that
 push weight. An untagged URL takes ``--mode`` (the one-mode syntax).
+
+Who may use the router (:func:`security`): a token from ``$KVLENS_TOKEN``
+or ``--token-file`` (:mod:`kvlens.auth`), else the API key P and D require
+(``--api-key``, ``$KVLENS_API_KEY``, ``$VLLM_API_KEY``), is required on
+every route but ``/health``. A host other than loopback with neither is
+refused (exit 2) unless ``--insecure``. ``--tls-cert/--tls-key``: uvicorn
+serves HTTPS.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import sys
 import urllib.parse
 
+from kvlens import auth
 from kvlens.argtypes import add_keep_arguments, keep_rule, positive
 from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SPLIT, MODES, Decode, Prefill, ProxyConfig
 from kvlens.proxy.split import parse_split
@@ -113,7 +121,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host",
         default="127.0.0.1",
-        help="bind address (default loopback; any other needs --api-key, or it is open to all)",
+        help=f"bind address (default loopback; any other needs a token (${auth.TOKEN_ENV} or --token-file), "
+        "an API key, or --insecure)",
     )
     _add_instance_arguments(p)
     _add_serving_arguments(p)
@@ -176,8 +185,8 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="require 'Authorization: Bearer KEY' on /v1/* and send it to P and D "
-        f"(default: ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else none; "
+        help="the API key P and D require (vLLM's --api-key): sent to them; without a token, also what "
+        f"clients must send (default: ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else none; "
         "a flag shows in ps, the variables do not)",
     )
     p.add_argument("--no-telemetry", action="store_true", help="serve without recording spans")
@@ -186,7 +195,8 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also receive OTLP/HTTP spans at POST /v1/traces (as `kvlens collect` does) into the "
         "router's trace store, so P and D on other hosts can send theirs here (their "
-        "otlp_endpoint: http://ROUTER/v1/traces) and the router's handoff metric sees both ends",
+        "otlp_endpoint: http://ROUTER/v1/traces) and the router's handoff metric sees both ends; "
+        f"with a token they must send it (${auth.TOKEN_ENV} in their environment)",
     )
     p.add_argument(
         "--store",
@@ -203,6 +213,12 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         "are written (default: keep all)",
     )
     add_keep_arguments(p)
+    auth.add_arguments(p)
+    p.epilog = (
+        f"With a token (${auth.TOKEN_ENV} or --token-file), or else an API key, every route but /health "
+        "needs 'Authorization: Bearer ...': /v1/*, /metrics (Prometheus: authorization: {credentials_file: "
+        "PATH} in the scrape job) and, with --collect, POST /v1/traces. The token is never sent to P or D."
+    )
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -266,8 +282,24 @@ def _router_mode(args: argparse.Namespace, prefills: list[Prefill]) -> str:
     return getattr(args, "mode", None) or prefills[0].mode
 
 
-def config(args: argparse.Namespace) -> ProxyConfig:
-    """The router's settings from its flags (ValueError on a bad mix)."""
+def security(args: argparse.Namespace, key: str | None) -> auth.Security:
+    """TLS and the token for binding ``args.host`` (:func:`kvlens.auth.from_args`);
+    the API key ``key`` counts as the clients' credential when no token is
+    set (it is what an OpenAI client sends). SecurityError naming the
+    problem: a host beyond loopback with neither and no ``--insecure``."""
+    sec = auth.from_args(args, "127.0.0.1")  # files and token checked; the bind check below knows the API key
+    if sec.token is None and not key and not sec.insecure and not auth.is_loopback(args.host):
+        raise auth.SecurityError(
+            f"refusing to listen on {args.host} (beyond loopback) with no token and no API key: set "
+            f"${auth.TOKEN_ENV} or --token-file (or ${API_KEY_ENV[0]}), or pass --insecure to let anyone "
+            "who reaches it in"
+        )
+    return sec
+
+
+def config(args: argparse.Namespace, token: bytes | None = None) -> ProxyConfig:
+    """The router's settings from its flags (ValueError on a bad mix);
+    ``token``: the clients' bearer token (:func:`security`)."""
     prefills, decodes = instances(args)
     split = getattr(args, "split", None)
     cfg = ProxyConfig.of(
@@ -280,6 +312,7 @@ def config(args: argparse.Namespace) -> ProxyConfig:
         read_timeout_s=args.timeout,
         telemetry=not args.no_telemetry,
         api_key=api_key(args),
+        token=token.decode() if token else None,
         max_body_bytes=max(1, int(args.max_body_mb * MIB)),
         collect=args.collect,
         store=getattr(args, "store", None),
@@ -303,16 +336,16 @@ def check(cfg: ProxyConfig) -> None:
         )
 
 
-def warn_if_open(host: str, key: str | None) -> bool:
-    """Log one warning when binding beyond loopback without an API key;
+def warn_if_open(host: str, key: str | None, collect: bool = False) -> bool:
+    """Log one warning when binding beyond loopback with no key (``--insecure``);
     True when it warned."""
     if key or is_loopback(host):
         return False
     logger.warning(
-        "kvlens proxy: listening on %s without an API key: anyone who can reach this host can "
-        "send requests through the router (pass --api-key or set %s)",
+        "kvlens proxy: listening on %s with no token (--insecure): anyone who can reach this host can "
+        "send requests through the router and read /metrics%s",
         host,
-        API_KEY_ENV[0],
+        ", and write spans into its trace store (--collect)" if collect else "",
     )
     return True
 
@@ -326,23 +359,34 @@ def run(args: argparse.Namespace) -> int:
     from kvlens.proxy.app import create_app
 
     try:
-        cfg = config(args)
+        sec = security(args, api_key(args))
+        cfg = config(args, sec.token)
         check(cfg)
-    except ValueError as e:
+    except ValueError as e:  # auth.SecurityError included
         print(f"kvlens proxy: error: {e}", file=sys.stderr, flush=True)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    warn_if_open(args.host, cfg.api_key)
+    warn_if_open(args.host, cfg.client_key, cfg.collect)
     app = create_app(cfg)
     logger.info(
-        "kvlens proxy %s/%s on %s:%d -> P %s, D %s (round robin%s)",
+        "kvlens proxy %s/%s on %s://%s:%d (%s) -> P %s, D %s (round robin%s)",
         ",".join(cfg.modes),
         cfg.dispatch,
+        sec.scheme,
         args.host,
         args.port,
+        "token required" if cfg.token else "API key required" if cfg.api_key else "no token",
         ", ".join(f"{p.engine_id}={p.mode}:{p.url}" for p in cfg.prefills),
         ", ".join(f"{d.engine_id}={d.mode}:{d.url}" for d in cfg.decodes),
         f" within each mode; split push={cfg.split:g}" if cfg.mixed else "",
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        **auth.uvicorn_ssl_kwargs(sec),
+    )
     return 0

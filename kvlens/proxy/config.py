@@ -73,9 +73,14 @@ class ProxyConfig:
     write spans to instead of ``<kvlens_home>/traces.db``: the router's own
     spans and, with ``collect``, the ones P and D send. ``retention``: prune
     traces older than this from the store written (``"7d"``; default keep all).
-    ``api_key``: when set, clients must send ``Authorization: Bearer <key>``
-    on ``/v1/*`` and the router sends the same to P and D; when None the
-    client's Authorization is passed on as it came. ``max_body_bytes``: the
+    ``token``: the router's own bearer token (``$KVLENS_TOKEN`` or
+    ``--token-file``): clients must send ``Authorization: Bearer <token>`` on
+    every route but ``/health`` (``/v1/*``, ``/metrics``, the receiver's
+    ``/v1/traces``); it never goes to P or D. ``api_key``: what P and D
+    require (vLLM's ``--api-key``): the router sends ``Bearer <api_key>`` to
+    them, and when no ``token`` is set clients must send the key instead
+    (:attr:`client_key`). Neither set: the client's Authorization is passed
+    on to P and D as it came. ``max_body_bytes``: the
     largest request body read (413 beyond). ``reuse_window_s``: see
     :data:`DEFAULT_REUSE_WINDOW_S`. :attr:`options`: the telemetry
     pipeline's options, built from these and checked once, at construction."""
@@ -98,7 +103,8 @@ class ProxyConfig:
     read_timeout_s: float = 600.0
     max_connections: int = 256
     telemetry: bool = True
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     reuse_window_s: float = DEFAULT_REUSE_WINDOW_S
     #: host the OTLP receiver (``POST /v1/traces`` into this router's store)
@@ -134,6 +140,8 @@ class ProxyConfig:
             raise ValueError(f"reuse_window_s must be >= 0 and finite, got {self.reuse_window_s!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty (leave it unset for no key)")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("token must not be empty (leave it unset for no token)")
         if self.kvlens_home is None:
             self.kvlens_home = str(kvconfig.home())
         if self.store is not None:
@@ -236,6 +244,12 @@ class ProxyConfig:
             out["kvlens_retention"] = self.retention
         out.update(self.keep or {})
         return out
+
+    @property
+    def client_key(self) -> str | None:
+        """What clients must send as ``Authorization: Bearer ...`` (every route
+        but ``/health``): the token, else the API key, else None (no check)."""
+        return self.token or self.api_key
 
     @property
     def overlapped_push(self) -> bool:

@@ -1,4 +1,5 @@
-"""What the router checks before it spends anything on P or D: the API key,
+"""What the router checks before it spends anything on P or D: the client's
+key (:class:`ClientAuth`, in front of every route),
 the body's size, that it is a JSON object, and the few fields the router
 itself relies on. A failed check is a :class:`Refused` (4xx, OpenAI-style
 JSON error naming the field).
@@ -14,7 +15,6 @@ them costs nothing. Everything else is vLLM's to validate.
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import AsyncIterator, Mapping
 
@@ -43,18 +43,51 @@ class Refused(Exception):
 
 
 # ------------------------------------------------------------------ API key
-def authorized(headers: Mapping[str, str], api_key: str | None) -> bool:
-    """True without a key, else when ``Authorization: Bearer <api_key>``
-    (constant-time comparison)."""
-    if api_key is None:
-        return True
-    got = (headers.get("authorization") or "").encode()
-    return hmac.compare_digest(got, f"Bearer {api_key}".encode())
-
-
 UNAUTHORIZED = Refused(
-    401, "missing or invalid API key (send Authorization: Bearer <key>)", kind="authentication_error"
+    401, "missing or invalid token (send Authorization: Bearer <token>)", kind="authentication_error"
 )
+#: Routes served without the router's key: liveness (``/health`` names no address, see ``Router.health``).
+OPEN_PATHS = frozenset({"/health"})
+
+
+class ClientAuth:
+    """Pure ASGI middleware in front of every route of the router: with
+    ``key`` set (:attr:`ProxyConfig.client_key`), a request without
+    ``Authorization: Bearer <key>`` gets 401 (:data:`UNAUTHORIZED`, an
+    OpenAI-style error, and ``WWW-Authenticate: Bearer``) before any route
+    runs: no trace id, no span, no body read, nothing written (the
+    receiver's ``/v1/traces`` included). :data:`OPEN_PATHS` pass. The
+    comparison is :func:`kvlens.auth.token_ok` (constant time). A
+    middleware rather than a check per route: a route added later (the
+    receiver, ``/metrics``) cannot forget it."""
+
+    def __init__(self, app, key: str) -> None:
+        from kvlens import auth
+
+        self.app = app
+        self._security = auth.Security(token=key.encode())
+        self._ok = auth.token_ok
+        body = UNAUTHORIZED.response(None)
+        self._body = body.body
+        self._headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(self._body)).encode()),
+            (b"www-authenticate", b'Bearer realm="kvlens proxy"'),
+        ]
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope.get("type") not in ("http", "websocket") or scope.get("path") in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = next((v for k, v in scope.get("headers") or () if k == b"authorization"), None)
+        if self._ok(self._security, header):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await send({"type": "http.response.start", "status": 401, "headers": self._headers})
+        await send({"type": "http.response.body", "body": self._body})
 
 
 # --------------------------------------------------------------------- body

@@ -24,7 +24,7 @@ class StackExtras:
         overlapped); stopped with the stack. Returns its URL."""
         port = port or free_port(self.host)
         c = self._spawn(self._router(dispatch, port, f"router-{dispatch}-{port}"))
-        wait_healthy([c], time.monotonic() + timeout, self._say, auth_headers(self.api_key))
+        wait_healthy([c], time.monotonic() + timeout, self._say, auth_headers(self.router_key))
         return c.url
 
     def router_for(self, dispatch: str) -> str:
@@ -49,7 +49,10 @@ class StackExtras:
         if self.prometheus_server is not None:
             return self.prometheus_server
         server = PrometheusServer(
-            stack_manifest.scrape_targets(self), port=port, data_dir=Path(self.log_dir) / "prometheus"
+            stack_manifest.scrape_targets(self),
+            port=port,
+            data_dir=Path(self.log_dir) / "prometheus",
+            credentials=stack_manifest.scrape_credentials(self),
         )
         server.start(timeout=timeout)
         self.prometheus_server = server

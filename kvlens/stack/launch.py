@@ -102,6 +102,8 @@ class Stack(StackRoles, StackExtras):
     role_env: Mapping[str, Mapping[str, str]] | None = None
     #: required by P, D and the router (default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)
     api_key: str | None = field(default=None, repr=False)
+    #: bind beyond loopback with no token and no API key: ``--insecure`` to the router and the collector
+    insecure: bool = False
     prefill_instances: int = 1
     decode_instances: int = 1
     routers: str | Sequence[str] = "kvlens"
@@ -324,14 +326,21 @@ class Stack(StackRoles, StackExtras):
             started.append(v := self._spawn(self._vllm_router()))
             self.vllm_router_url = v.url
             self.router_url = self.router_url or v.url
-        wait_healthy(started, deadline, self._say, auth_headers(self.api_key))
+        wait_healthy(started, deadline, self._say, auth_headers(self.router_key))
 
     def _warm_up(self, tries: int = 3, timeout_s: float = 90.0, rounds: int = 1, mode: str | None = None) -> None:
         """Tiny requests through :attr:`router_url` before reporting ready
         (:func:`kvlens.stack.warmup.warm_up`); ``mode``: a mixed fleet's
         half they go to (``X-Kvlens-Mode``: no draw, so no canary trace)."""
-        headers = {**auth_headers(self.api_key), **({"X-Kvlens-Mode": mode} if mode else {})}
+        headers = {**auth_headers(self.router_key), **({"X-Kvlens-Mode": mode} if mode else {})}
         warm_up(self.router_url, headers, self._say, self.dead_child, tries, timeout_s, rounds)
+
+    @property
+    def router_key(self) -> str | None:
+        """What kvlens' router asks its clients for (``kvlens proxy``'s rule):
+        the token its environment gives it (``$KVLENS_TOKEN``, inherited from
+        ours), else the stack's API key, else None."""
+        return kvconfig.client_token() or self.api_key
 
     @property
     def store(self) -> kvconfig.StoreLocation:

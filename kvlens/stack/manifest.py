@@ -89,6 +89,20 @@ def scrape_targets(stack) -> dict[str, list[str]]:
     return jobs
 
 
+def scrape_credentials(stack) -> dict[str, str]:
+    """Prometheus jobs -> the bearer token their ``/metrics`` asks for: kvlens'
+    routers (:attr:`Stack.router_key`) and the collector (``$KVLENS_TOKEN``);
+    vLLM's ``/metrics`` needs none (its ``--api-key`` guards ``/v1`` only)."""
+    from kvrecord.config import client_token
+
+    out = {}
+    if stack.router_key and ("kvlens" in stack.routers or stack.extra_routers):
+        out["kvlens-router"] = stack.router_key
+    if client_token() and stack.separate_homes and stack.collector == "process":
+        out["kvlens-collector"] = client_token()
+    return out
+
+
 def write(stack) -> None:
     p = Path(stack.log_dir) / "stack.json"
     p.write_text(json.dumps(manifest(stack), indent=2) + "\n")

@@ -8,8 +8,11 @@ only; :meth:`Stack._spawn` starts them.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+from typing import Mapping
+from urllib.parse import quote
 
 from kvlens.stack import pinning
 from kvlens.stack.commands import (
@@ -26,6 +29,21 @@ from kvlens.stack.commands import (
 )
 from kvlens.stack.supervise import Child
 from kvlens.stack.tp import tp_args
+from kvrecord import config as kvconfig
+
+
+def otlp_token_env(topo, given: Mapping[str, str]) -> dict[str, str]:
+    """With separate homes and ``$KVLENS_TOKEN`` set: the header vLLM's own
+    OTLP exporter (``--otlp-traces-endpoint``) sends to the collector, which
+    asks for the token (the connector's exporter sends ``$KVLENS_TOKEN``
+    itself). In the environment, as the OpenTelemetry SDK reads it, never on a
+    command line. Headers the caller set (either variable, in ``given``: our
+    environment and the role's) win: they are left as they are."""
+    token = kvconfig.client_token()
+    mine = ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
+    if not topo.separate or not token or any(given.get(k) for k in mine):
+        return {}
+    return {"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "authorization=" + quote(f"Bearer {token}", safe="")}
 
 
 class StackRoles:
@@ -54,7 +72,14 @@ class StackRoles:
             self.host,
             inst.side_port,
             prom,
-            self._env(role, {**topo.server_env(role), **api_key_env(self.api_key)}),
+            self._env(
+                role,
+                {
+                    **topo.server_env(role),
+                    **otlp_token_env(topo, {**os.environ, **self._env(role)}),
+                    **api_key_env(self.api_key),
+                },
+            ),
             cpus,
         )
         ktc = kv_transfer_config(
@@ -90,6 +115,8 @@ class StackRoles:
         hosts_receiver = name == "router"
         if hosts_receiver:
             argv += topo.router_args()
+        if self.insecure:  # kvlens up --insecure: a host beyond loopback with no token, on purpose
+            argv.append("--insecure")
         env = base_env(topo.home_for("router"))
         extra = topo.router_env()
         if topo.separate and topo.collector == "router" and not hosts_receiver:
@@ -118,4 +145,6 @@ class StackRoles:
         env = base_env(topo.home_for("collector"))
         env.update(self._env("collector", topo.collector_env()))
         argv = collector_argv(self.host, int(self.collector_port), topo.store)
+        if self.insecure:
+            argv.append("--insecure")
         return self._child("collector", argv, env, str(topo.collector_url))

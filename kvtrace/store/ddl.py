@@ -230,9 +230,27 @@ _PG_TRACES_DDL = (
 if not _TRACES_DDL.endswith("\n)"):
     raise AssertionError("the traces DDL must end with its closing parenthesis")
 
+#: Version 6: the partial traces (``handoff.open`` spans, docs/health.md) by
+#: their snapshot time, so "stuck now" (``store.open_spans``) reads a few index
+#: entries instead of every span. Partial: the other spans cost nothing. The
+#: span name is a literal (a partial index serves only a query that names it so).
+OPEN_SPAN_NAME = sc.SPAN_HANDOFF_OPEN
+_SPAN_INDEXES = f"""
+CREATE INDEX IF NOT EXISTS spans_open ON spans (end_ns) WHERE name = '{OPEN_SPAN_NAME}';
+"""
+
 #: The schema as a template (``{int}``, ``{real}``, ``{desc}``, ...:
 #: :meth:`Dialect.sql`): SQLite's, and PostgreSQL's (partitioned).
 SCHEMA_TEMPLATE = (
-    _META_DDL + _SPANS_DDL + ";\n" + _TRACES_DDL.replace("@name@", "traces") + ";" + _kept(_TRACE_INDEXES) + _REST_DDL
+    _META_DDL
+    + _SPANS_DDL
+    + ";\n"
+    + _TRACES_DDL.replace("@name@", "traces")
+    + ";"
+    + _kept(_TRACE_INDEXES)
+    + _SPAN_INDEXES
+    + _REST_DDL
 )
-PG_SCHEMA_TEMPLATE = _META_DDL + _PG_SPANS_DDL + ";\n" + _PG_TRACES_DDL + ";" + _kept(_TRACE_INDEXES) + _REST_DDL
+PG_SCHEMA_TEMPLATE = (
+    _META_DDL + _PG_SPANS_DDL + ";\n" + _PG_TRACES_DDL + ";" + _kept(_TRACE_INDEXES) + _SPAN_INDEXES + _REST_DDL
+)

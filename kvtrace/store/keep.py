@@ -16,7 +16,9 @@ stood. With ``keep all`` it is that call. With ``keep sampled``:
    decision into ``traces.keep``. The first decision a store records for a
    request stands (``COALESCE``): several processes deciding one request
    (P's and D's exporters on one store) agree on every rule but a live
-   percentile, whose windows are each process's own;
+   percentile, whose windows are each process's own; partial-trace spans
+   (``handoff.open``) are written at once, undecided or not kept: they are for
+   seeing a request while it is stuck;
 3. a span that arrives after its request was decided still folds into the
    summary; it is stored when the request was kept, else counted
    (``late_dropped``). Decisions are remembered (bounded,
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from kvrecord.keeprule import NOT_KEPT, KeepRule
+from kvrecord.semconv import SPAN_HANDOFF_OPEN
 from kvrecord.logutil import log_once
 from kvtrace.store.schema import PARAM, params, write_tx
 from kvtrace.store.writer import insert_span_rows, prepare_span_rows, span_rows, write_rows
@@ -51,8 +54,11 @@ UNKEPT_MAX_SPANS = 50_000
 #: Handoffs / TTFTs per (mode, dispatch, P, D) window, and the fewest that give a percentile.
 WINDOW = 1000
 MIN_WINDOW = 20
-_OUTCOMES_KEPT = ("failed", "timeout", "expired")
+_OUTCOMES_KEPT = ("failed", "timeout", "expired", "stale")
 _ROOT = "request"
+#: Partial-trace spans are stored at once whatever the decision (docs/health.md): a
+#: stuck request is what they are for, and it is undecided while it is stuck.
+_OPEN = SPAN_HANDOFF_OPEN
 
 _DECISION_COLUMNS = (
     "trace_id",
@@ -150,7 +156,7 @@ class Keeper:
             if r[3] == _ROOT:
                 self._roots.append((now, r[0]))
         self.buffered += len(held)
-        self.counts["late_kept"] += len(now_rows)
+        self.counts["late_kept"] += sum(1 for r in now_rows if r[3] != _OPEN)
         self.counts["late_dropped"] += late
         self.counts["unkept"] += late
         try:  # the batch is committed: a failed decision must not make the caller write it again
@@ -178,7 +184,9 @@ class Keeper:
         now_rows, held, late = [], [], 0
         for r in rows:
             d = state[r[0]]
-            if d is None:
+            if r[3] == _OPEN:  # a partial trace's snapshot: worth seeing only while the handoff is open
+                now_rows.append(r)
+            elif d is None:
                 held.append(r)
             elif d:
                 now_rows.append(r)

@@ -23,6 +23,7 @@ from kvtrace.store.ddl import PHASE_COLUMNS
 from kvtrace.store.dialect import POSTGRES, dialect_of
 from kvtrace.store.partitions import day_of
 from kvtrace.store.spanrows import _tuples, named_spans, span_dict, spans_for  # noqa: F401 (the store API)
+from kvtrace.store.spanrows import OPEN_SPANS_LIMIT, open_spans, open_spans_plan  # noqa: F401 (the store API)
 from kvtrace.store.schema import PARAM, params, read_tx, write_tx
 
 #: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).

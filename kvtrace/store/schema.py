@@ -71,7 +71,7 @@ def params(n: int) -> str:
 
 # ------------------------------------------------------------------ schema
 #: The schema this code writes and reads. Bump it with a MIGRATIONS entry.
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: Stores written before the ``meta`` table existed have version 1's tables.
 LEGACY_VERSION = 1
 
@@ -111,6 +111,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 4 -> 5: three traces indexes fewer (ddl.DROPPED_V5_INDEXES). PostgreSQL
     # also partitions spans and traces by day: PG_MIGRATIONS.
     4: tuple(f"DROP INDEX IF EXISTS {i}" for i in DROPPED_V5_INDEXES),
+    # 5 -> 6: the partial index on ``handoff.open`` spans (ddl.OPEN_SPAN_NAME);
+    # the schema script that follows every migration creates it. Both backends.
+    5: (),
 }
 #: ``PG_MIGRATIONS[v]``: what a PostgreSQL store runs instead of ``MIGRATIONS[v]``
 #: (a function of the connection, in the same transaction).

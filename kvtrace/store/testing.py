@@ -259,3 +259,8 @@ def table_bytes(name: Any) -> dict[str, int]:
         for table in ("spans", "traces"):
             out[table] = int(_raw(loc, f"SELECT pg_total_relation_size('{table}')")[0][0])
     return out
+
+
+def drop_index(name: Any, index: str) -> None:
+    """Drop one index (a store from before the version that added it, once its version is set back too)."""
+    _raw(name, f"DROP INDEX IF EXISTS {_ident(index)}")

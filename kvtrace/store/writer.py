@@ -31,8 +31,8 @@ from kvrecord.ids import base_request_id
 logger = logging.getLogger("kvlens")
 
 # Worst outcome wins when folding spans into a trace (docs/phases.md):
-# unknown < ok < expired < timeout < failed.
-_OUTCOME_RANK = ("ok", "expired", "timeout", "failed")
+# unknown < ok < expired < timeout < failed < stale (served from released KV: docs/health.md).
+_OUTCOME_RANK = ("ok", "expired", "timeout", "failed", "stale")
 
 
 def _rank(col: str) -> str:

@@ -81,9 +81,12 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     before = _wait(both)
     assert before, "router metrics never scraped"
     h0, r0 = before
+    health0 = _wait(lambda: _health(prom, mode))
+    assert health0, "handoff health metrics never scraped"
     _send(stack.router_url, N)
     assert _wait(lambda: _value(prom, q_handoff) == h0 + N), (_value(prom, q_handoff), h0)
     assert _wait(lambda: _value(prom, q_req) == r0 + N), (_value(prom, q_req), r0)
+    _check_health(prom, mode, health0)
 
     # every phase of the mode has a series, scraped from vLLM's own /metrics
     by_phase = _wait(
@@ -115,6 +118,41 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     )
     vllm_sum = _value(prom, f'sum(vllm:nixl_xfer_time_seconds_sum{{job="{owner_job}"}})')
     assert ours_sum >= vllm_sum * 0.99, (ours_sum, vllm_sum)
+
+
+def _by_role(prom, q: str) -> dict[str, float] | None:
+    res = _safe(lambda: prom.query(q))
+    out = {r["metric"].get("role"): float(r["value"][1]) for r in res or []}
+    return out if {"prefill", "decode"} <= set(out) else None
+
+
+def _health(prom, mode: str) -> tuple[dict, dict] | None:
+    """(attempts, ok outcomes) by side, summed over the P and D instances."""
+    att = _by_role(prom, f'sum by (role) (kvlens_handoff_attempts_total{{mode="{mode}"}})')
+    ok = _by_role(prom, f'sum by (role) (kvlens_handoff_outcomes_total{{mode="{mode}",outcome="ok"}})')
+    return (att, ok) if att is not None and ok is not None else None
+
+
+def _check_health(prom, mode: str, before) -> None:
+    """docs/health.md on real vLLM: every healthy request is one attempt and
+    one ok outcome on each side, nothing stays open (the oldest start is NaN),
+    nothing is flagged stale, and every outcome series exists from the start."""
+    att0, ok0 = before
+
+    def settled():
+        h = _health(prom, mode)
+        return h if h and all(h[0][r] == att0[r] + N and h[1][r] == ok0[r] + N for r in ("prefill", "decode")) else None
+
+    assert _wait(settled), (_health(prom, mode), before)
+    q_open = f'sum(kvlens_handoffs_open{{mode="{mode}"}})'
+    assert _wait(lambda: _value(prom, q_open) == 0.0), _value(prom, q_open)
+    oldest = _wait(
+        lambda: _safe(lambda: prom.query(f'kvlens_handoff_oldest_open_start_timestamp_seconds{{mode="{mode}"}}'))
+    )
+    assert oldest and all(r["value"][1] == "NaN" for r in oldest), oldest  # none open: NaN, never 0
+    assert _value(prom, f'sum(kvlens_kv_stale_total{{mode="{mode}"}})') == 0.0  # no healthy request flagged
+    n_outcomes = _value(prom, f'count(kvlens_handoff_outcomes_total{{mode="{mode}",job="vllm-prefill"}})')
+    assert n_outcomes == 2 * len(sc.Outcome), n_outcomes  # both sides x every outcome, at 0 before the first
 
 
 def test_push_metrics_in_a_real_prometheus(push_stack):

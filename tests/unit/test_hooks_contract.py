@@ -272,3 +272,52 @@ def test_per_rank_and_join_fields_the_hooks_read():
         assert list(inspect.signature(cls.build_connector_meta).parameters)[1:] == ["scheduler_output"]
     src = inspect.getsource(nixl.NixlPullConnectorScheduler.request_finished)
     assert "remote_request_id=request.request_id" in src  # what D's params name: P's own request id
+
+
+# -------------------------------------------- handoff health (docs/health.md)
+def _init_sources(cls) -> str:
+    return "".join(inspect.getsource(c.__init__) for c in cls.__mro__ if "__init__" in c.__dict__ and c is not object)
+
+
+@pytest.mark.parametrize(
+    "cls_name,signal,attr", [(c, s, a) for c, t in hooks.HEALTH_ATTRS.items() for s, attrs in t.items() for a in attrs]
+)
+def test_health_attributes_exist(cls_name, signal, attr):
+    """Each health signal's vLLM attribute is set up by the worker's __init__."""
+    assert f"self.{attr}" in _init_sources(getattr(nixl, cls_name)), f"{cls_name}.{attr} ({signal}) moved"
+
+
+def test_stale_detection_replays_vllms_own_tests():
+    """Stale is vLLM's own "unrecognized request" decision, taken where vLLM
+    takes it: pull P on the notifications it fetches from NIXL, push D on the
+    completion it takes off the writer's queue, push P on a WRITE done for a
+    request no longer tracked as a send."""
+    pull = inspect.getsource(nixl.NixlPullConnectorWorker._get_new_notifs)
+    assert "self.nixl_wrapper.get_new_notifs()" in pull and "Potentially invalid KV blocks" in pull
+    assert "req_id not in self._reqs_to_send" in pull and "req_id not in self._reqs_to_process" in pull
+    push = inspect.getsource(nixl.NixlPushConnectorWorker._get_new_notifs)
+    assert "self._pending_completion_notifs.get_nowait()" in push and "Unrecognized request" in push
+    assert "req_id not in self._reqs_to_send and req_id not in self._reqs_to_process" in push
+    assert "self._recving_metadata.get(req_id)" in push
+    assert "_pending_completion_notifs: queue.Queue" in inspect.getsource(nixl.NixlPushConnectorWorker.__init__)
+    results = inspect.getsource(nixl.NixlPushConnectorWorker.get_transfer_results)
+    assert "if req_id in self._reqs_to_send or req_id in self._reqs_to_process" in results
+    assert "self._pop_done_transfers(" in results
+
+
+def test_push_registration_lands_where_the_reconciler_reads_it():
+    src = inspect.getsource(nixl.NixlPushConnectorWorker._handle_push_reg_notif)
+    assert "self._pop_matching_finished_blocks(rid)" in src and "self._pending_d_registrations[rid] = reg_data" in src
+
+
+def test_scheduler_output_names_what_ends_a_handoff():
+    import dataclasses
+
+    from vllm.v1.outputs import KVConnectorOutput
+
+    fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    assert {"finished_recving", "finished_sending", "failed_recving"} <= fields
+    # D's request_finished runs for aborted requests too (the end of an open handoff)
+    from vllm.v1.core.sched import scheduler as vsched
+
+    assert "_connector_finished(request)" in inspect.getsource(vsched.Scheduler._free_request)

@@ -130,6 +130,8 @@ def test_json_form_keys_are_the_cli_contract():
         "release",
         "kv_use",
         "keep",
+        "open",
+        "stale",
         "phases_s",
         "spans",
     ]

@@ -156,20 +156,69 @@ def test_up_bad_numbers_are_usage_errors(capsys, flag, value):
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"kvlens up: error: argument {flag}:")
 
 
-def test_up_warns_when_open_beyond_loopback(capsys, monkeypatch):
+def test_up_refuses_an_open_host_without_token_key_or_insecure(capsys, monkeypatch):
     from kvlens import up
+    from kvlens.stack.errors import StackError
 
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    monkeypatch.delenv("KVLENS_API_KEY", raising=False)
-    up._warn_if_open("127.0.0.1")
+    for k in ("VLLM_API_KEY", "KVLENS_API_KEY", "KVLENS_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    up.check_open("127.0.0.1", None, False)
+    with pytest.raises(StackError, match="refusing --host 0.0.0.0 .* no token and no API key.*--insecure"):
+        up.check_open("0.0.0.0", None, False)
+    up.check_open("0.0.0.0", "sk-flag", False)  # the router takes the API key as its clients' credential
+    with pytest.raises(StackError, match="the collector asks for \\$KVLENS_TOKEN"):
+        up.check_open("0.0.0.0", "sk-flag", False, separate=True, collector="process")
+    up.check_open("0.0.0.0", "sk-flag", False, separate=True, collector="router")
     assert capsys.readouterr().err == ""
-    up._warn_if_open("0.0.0.0")
-    assert "warning: --host 0.0.0.0 without an API key" in capsys.readouterr().err
-    up._warn_if_open("0.0.0.0", "sk-flag")
-    assert capsys.readouterr().err == ""
+    up.check_open("0.0.0.0", None, True)
+    assert "--insecure and no token" in capsys.readouterr().err
+    monkeypatch.setenv("KVLENS_TOKEN", "tok")
+    up.check_open("0.0.0.0", None, False, separate=True, collector="process")
+    monkeypatch.delenv("KVLENS_TOKEN")
     monkeypatch.setenv("VLLM_API_KEY", "k")
-    up._warn_if_open("0.0.0.0")
+    up.check_open("0.0.0.0", None, False)
     assert capsys.readouterr().err == ""
+
+
+def test_stack_passes_the_token_by_environment_and_insecure_by_flag(tmp_path, monkeypatch):
+    """The stack's children inherit $KVLENS_TOKEN (never on a command line);
+    vLLM's own OTLP exporter gets it as the standard header variable when
+    spans cross to a collector; --insecure reaches the router and the
+    collector; the stack's own calls and Prometheus send the router's key."""
+    from exporters.prometheus_server import PrometheusServer
+    from kvlens.stack import manifest
+
+    for k in ("VLLM_API_KEY", "KVLENS_API_KEY", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("KVLENS_TOKEN", "tok-stack")
+    s = _stack(tmp_path, separate_homes=True, collector="process", collector_port=18005, insecure=True)
+    p, r, c = s._server("prefill"), s._router("overlapped", 18000), s._collector()
+    for child in (p, r, c):
+        assert "tok-stack" not in " ".join(child.argv) and child.env["KVLENS_TOKEN"] == "tok-stack"
+    assert "--insecure" in r.argv and "--insecure" in c.argv and "--insecure" not in p.argv
+    assert p.env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "authorization=Bearer%20tok-stack"
+    assert s.router_key == "tok-stack"
+    s.router_url = "http://127.0.0.1:18000"  # as start() fills it
+    creds = manifest.scrape_credentials(s)
+    assert creds == {"kvlens-router": "tok-stack", "kvlens-collector": "tok-stack"}
+    prom = PrometheusServer(manifest.scrape_targets(s), data_dir=tmp_path / "prom", credentials=creds)
+    cfg_text = prom.write_config().read_text()
+    assert "tok-stack" not in cfg_text  # the token is in a file of its own, 0600
+    jobs = {j["job_name"]: j for j in prom.config()["scrape_configs"]}
+    token_file = Path(jobs["kvlens-router"]["authorization"]["credentials_file"])
+    assert token_file.read_text() == "tok-stack" and token_file.stat().st_mode & 0o777 == 0o600
+    assert "authorization" not in jobs["vllm-prefill"]
+    prom.stop()
+    assert not token_file.exists()
+    # one host, no token: nothing added
+    monkeypatch.delenv("KVLENS_TOKEN")
+    (tmp_path / "one").mkdir()
+    s = _stack(tmp_path / "one")
+    assert (
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS" not in s._server("prefill").env
+        and "--insecure" not in s._router("overlapped", 18000).argv
+    )
+    assert manifest.scrape_credentials(s) == {} and s.router_key is None
 
 
 def test_port_arg_and_loopback():
