@@ -64,3 +64,48 @@ class FirstTextWatcher:
                 self.buf = b""
                 return True
         return False
+
+
+class TextTimes:
+    """Every SSE event with generated text in a byte stream fed in arbitrary
+    chunks, for the client-seen TPOT: when the first and the last arrived
+    and how many tokens came (the final ``usage.completion_tokens`` when the
+    stream carries it, else one per text event: vLLM sends a token per
+    event unless a step yields several)."""
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.first_s: float | None = None
+        self.last_s: float | None = None
+        self.events = 0
+        self.usage_tokens: int | None = None
+
+    def feed(self, chunk: bytes, now_s: float) -> bool:
+        """Take ``chunk`` (arrived at ``now_s``); True on the chunk that
+        completes the first text event (once)."""
+        first = False
+        self.buf += chunk
+        while b"\n" in self.buf:
+            line, self.buf = self.buf.split(b"\n", 1)
+            ev = parse_data_line(line)
+            if ev is None:
+                continue
+            usage = ev.get("usage")
+            n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+            if isinstance(n, int) and not isinstance(n, bool):
+                self.usage_tokens = n
+            if has_text(ev):
+                self.events += 1
+                self.last_s = now_s
+                if self.first_s is None:
+                    self.first_s = now_s
+                    first = True
+        return first
+
+    def tpot_s(self) -> float | None:
+        """(last token - first token) / (tokens - 1); None with fewer than 2
+        tokens or when they all arrived at once (not measured)."""
+        n = self.usage_tokens if self.usage_tokens is not None else self.events
+        if self.first_s is None or self.last_s is None or n < 2 or self.last_s <= self.first_s:
+            return None
+        return (self.last_s - self.first_s) / (n - 1)

@@ -25,7 +25,8 @@ from kvlens.stack.commands import (
     env_api_key,
 )
 from kvlens.stack.errors import StackError
-from kvlens.stack.instances import MAX_INSTANCES, ROUTERS, check_routers, parse_routers
+from kvlens.proxy.split import parse_split
+from kvlens.stack.instances import MAX_INSTANCES, ROUTERS, check_routers, parse_modes, parse_routers
 from kvlens.stack.launch import Stack
 from kvlens.stack.ports import is_loopback, port_arg
 from kvlens.stack.supervise import signals_ignored
@@ -36,12 +37,28 @@ from kvrecord.location import StoreLocation
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", choices=["push", "pull"], required=True, help="KV handoff protocol")
+    p.add_argument(
+        "--mode",
+        type=_MODES,
+        required=True,
+        metavar="push|pull|push,pull",
+        help="KV handoff protocol; push,pull: a mixed fleet (a canary), push pairs and pull pairs behind "
+        "one kvlens router that draws each request's mode (kvlens proxy --split, default push=0.5; "
+        "live: POST /admin/split); --prefill-instances / --decode-instances then count per mode",
+    )
     p.add_argument(
         "--dispatch",
         choices=["overlapped", "sequential"],
         default="overlapped",
         help="push only: send D its request at once (overlapped) or after P answers (sequential)",
+    )
+    p.add_argument(
+        "--split",
+        type=_SPLIT,
+        default=None,
+        metavar="push=W",
+        help="with --mode push,pull: the router's push weight at start (pull=W: pull's; default push=0.5); "
+        "change it live with POST /admin/split on the router",
     )
     p.add_argument(
         "--model", type=Path, default=None, help="model dir (default: generated tiny model in $KVLENS_HOME/model)"
@@ -66,14 +83,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int_in(1, MAX_INSTANCES, "a number of instances"),
         default=1,
         metavar="N",
-        help=f"how many P to start, engine ids p0..p(N-1) (default 1, at most {MAX_INSTANCES})",
+        help=f"how many P to start, engine ids p0..p(N-1) (default 1, at most {MAX_INSTANCES}); per mode "
+        "with --mode push,pull (push's first, then pull's)",
     )
     p.add_argument(
         "--decode-instances",
         type=int_in(1, MAX_INSTANCES, "a number of instances"),
         default=1,
         metavar="M",
-        help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES})",
+        help=f"how many D to start, engine ids d0..d(M-1) (default 1, at most {MAX_INSTANCES}); per mode "
+        "with --mode push,pull",
     )
     _add_tp_arguments(p)
     _add_router_arguments(p)
@@ -188,7 +207,11 @@ def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
 
 
 _STORE = from_parser(StoreLocation.parse, ValueError)  #: argparse ``type=`` of ``--collector-store``
-_ROUTERS = from_parser(parse_routers, StackError)  #: argparse ``type=`` of ``--router``
+_ROUTERS = from_parser(parse_routers, StackError)
+_SPLIT = from_parser(parse_split, ValueError)  #: argparse ``type=`` of ``--split``
+_MODES = from_parser(
+    lambda text: ",".join(parse_modes(text)), StackError
+)  #: argparse ``type=`` of ``--mode``  #: argparse ``type=`` of ``--router``
 _TP_SIZES = from_parser(parse_tp, ValueError)  #: argparse ``type=`` of ``--prefill-tp`` / ``--decode-tp``
 
 
@@ -317,6 +340,7 @@ def _stack(args: argparse.Namespace) -> Stack:
         decode_tp=getattr(args, "decode_tp", None) or getattr(args, "tp", 1),
         nixl_progress=getattr(args, "nixl_progress", "auto"),
         kv_load_failure_policy=getattr(args, "kv_load_failure_policy", None),
+        split=getattr(args, "split", None),
     )
 
 
@@ -329,6 +353,8 @@ def _endpoints(stack: Stack) -> str:
         lines.append(f"  vllm-router (OpenAI): {stack.vllm_router_url}/v1")
     for inst in [*stack.prefills, *stack.decodes]:
         label = f"{inst.role} ({'P' if inst.role == 'prefill' else 'D'} {inst.engine_id})"
+        if stack.mixed:
+            label = f"{inst.mode} {label}"
         lines.append(f"  {label + ':':<22}{inst.url}")
     return "\n".join(lines) + "\n"
 
@@ -336,8 +362,14 @@ def _endpoints(stack: Stack) -> str:
 def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
     print(
         "\nkvlens stack is up "
-        f"({args.mode}{', ' + args.dispatch if args.mode == 'push' else ''}, "
-        f"{stack.prefill_instances}P x {stack.decode_instances}D{tp_note(stack.prefill_tp, stack.decode_tp)}, "
+        f"({args.mode}{', push ' + args.dispatch if 'push' in stack.modes else ''}, "
+        + (
+            f"{stack.per_mode[0]}P x {stack.per_mode[1]}D per mode, split push="
+            f"{0.5 if stack.split is None else stack.split:g} (POST /admin/split), "
+            if stack.mixed
+            else f"{stack.prefill_instances}P x {stack.decode_instances}D"
+        )
+        + f"{tp_note(stack.prefill_tp, stack.decode_tp)}, "
         f"{'stock' if args.stock else 'instrumented'} connector)\n"
         + _endpoints(stack)
         + f"  model:                {stack.model}\n"

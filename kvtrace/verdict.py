@@ -97,8 +97,9 @@ def load(conn, *, since_ns: int | None, until_ns: int | None = None, limit: int 
     out = []
     for r in rows:
         spans = per.get(r["trace_id"], {})
-        tokens = next((spans[n].get(sc.ATTR_TOKENS) for n in _TOKEN_SPANS if n in spans), None)
         root = spans.get(_ROOT, {})
+        # P's count first; the router's root span carries it too (from P's answer)
+        tokens = next((spans[n].get(sc.ATTR_TOKENS) for n in _TOKEN_SPANS if n in spans), root.get(sc.ATTR_TOKENS))
         out.append(
             Request(
                 r["trace_id"],

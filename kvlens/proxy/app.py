@@ -8,8 +8,18 @@ P and D; ``GET /v1/models`` is the first D's; ``/metrics`` serves the router's s
 Prometheus metrics. With a token or an API key (``ProxyConfig.client_key``)
 every route but ``/health`` requires it (:class:`~kvlens.proxy.intake.ClientAuth`):
 ``/v1/*``, ``/metrics`` (a Prometheus scrape job sends it with
-``authorization: {credentials_file: ...}``) and, with ``--collect``, ``POST /v1/traces``.
-All handlers run on the event loop.
+``authorization: {credentials_file: ...}``), ``/admin/split`` and, with
+``--collect``, ``POST /v1/traces``.
+
+A mixed fleet (push and pull instances, a canary): each request's mode is
+drawn with the split's push weight (:mod:`kvlens.proxy.split`), then its P
+and D are picked among that mode's instances and it is dispatched as that
+mode needs; the root span records the mode and the weight. A request may
+name its mode itself (header ``X-Kvlens-Mode: push|pull``: no draw, no
+weight recorded, so the verdict leaves it out). ``GET /admin/split`` shows
+the weight and the requests per mode; ``POST /admin/split`` with
+``{"push": 0.25}`` (or ``{"pull": 0.75}``) changes it for the requests that
+come next. All handlers run on the event loop.
 """
 
 from __future__ import annotations
@@ -28,15 +38,19 @@ from starlette.requests import ClientDisconnect
 from exporters.metrics import metrics_app
 from kvlens.proxy import relay
 from kvlens.proxy.balancer import Balancer
-from kvlens.proxy.config import ProxyConfig
+from kvlens.proxy.config import MODES, ProxyConfig
 from kvlens.proxy.dispatch import dispatcher
 from kvlens.proxy.errors import Upstream, from_http_error
 from kvlens.proxy.exchange import Exchange
 from kvlens.proxy.intake import ClientAuth, Refused, check_fields, parse_object, read_limited
 from kvlens.proxy.isolation import TraceIds
+from kvlens.proxy.split import Split, push_of_pull
 from kvlens.proxy.telemetry import RouterTelemetry
 
 logger = logging.getLogger("kvlens.proxy")
+
+#: Request header naming the mode a request goes by (no draw).
+MODE_HEADER = "x-kvlens-mode"
 
 
 class ClientGone(Exception):
@@ -81,6 +95,10 @@ class Router:
         self.cfg = cfg
         self.dispatch = dispatcher(cfg)
         self.balancer = Balancer.for_config(cfg)
+        #: per mode: its dispatch function and its balancer (a mixed fleet has two)
+        self.dispatches = {m: dispatcher(cfg, m) for m in cfg.modes}
+        self.balancers = {m: Balancer(*cfg.fleet(m)) for m in cfg.modes}
+        self.split = Split(cfg.split if cfg.mixed else (1.0 if cfg.modes == ("push",) else 0.0), cfg.split_seed)
         self.ids = TraceIds(cfg.reuse_window_s)
         self.client: httpx.AsyncClient | None = None
         self.tel: RouterTelemetry | None = None
@@ -170,8 +188,13 @@ class Router:
                     "prefill": {p.engine_id: s for p, s in zip(ps, p_got)},
                     "decode": {d.engine_id: s for d, s in zip(ds, d_got)},
                 },
-                "mode": cfg.mode,
-                "dispatch": cfg.effective_dispatch,
+                "mode": ",".join(cfg.modes),
+                "dispatch": cfg.effective_dispatch
+                if not cfg.mixed
+                else ",".join(f"{m}={cfg.dispatch_for(m)}" for m in cfg.modes),
+                **(
+                    {"split": {"push": self.split.push_weight, "pull": 1 - self.split.push_weight}} if cfg.mixed else {}
+                ),
             },
             status_code=200 if ok else 503,
         )
@@ -193,15 +216,37 @@ class Router:
         check_fields(ex.body, ex.endpoint)
         ex.upstream_headers(self.upstream_auth(request))
 
+    def _choose_mode(self, ex: Exchange, request: Request) -> None:
+        """The request's mode: the one its ``X-Kvlens-Mode`` header names, else
+        a mixed fleet's draw (the weight recorded), else the router's.
+        Refused (400/503) for a mode that is not one or has no instances here."""
+        asked = request.headers.get(MODE_HEADER)
+        if asked is not None:
+            asked = asked.strip().lower()
+            if asked not in MODES:
+                raise Refused(400, f"X-Kvlens-Mode must be push or pull, got {asked!r}", param="X-Kvlens-Mode")
+            if asked not in self.cfg.modes:
+                raise Refused(
+                    503,
+                    f"no {asked} instances behind this router (it has {', '.join(self.cfg.modes)})",
+                    kind="no_instances",
+                )
+            ex.mode = asked
+        elif self.cfg.mixed:
+            ex.mode, ex.split = self.split.draw()
+        else:
+            ex.mode = self.cfg.mode
+
     async def _answer(self, ex: Exchange, request: Request) -> Response:
         """P and D for a checked request, and the relay of D's answer."""
-        ex.route = self.balancer.pick()  # after intake: a refused request takes no turn
+        self._choose_mode(ex, request)
+        ex.route = self.balancers[ex.mode].pick()  # after intake: a refused request takes no turn
         if "model" not in ex.body:
             name = await self.model_name(request)
             if name:
                 ex.body["model"] = name
         try:
-            d_resp = await self.dispatch(ex)
+            d_resp = await self.dispatches[ex.mode](ex)
         except Upstream as u:
             ex.finish(u.status, u.outcome, None, u.message)
             return u.response(ex.trace_id)
@@ -224,6 +269,7 @@ class Router:
             t0,
             client_attrs=client_ids,
             on_finish=lambda: self.ids.release(tid),
+            on_end=self.split.count,
         )
         try:
             await self._intake(ex, request)
@@ -241,6 +287,39 @@ class Router:
             logger.exception("kvlens proxy: request %s failed in the router", tid)
             ex.finish(500, "failed", None, f"router error: {type(e).__name__}: {e}")
             return Refused(500, f"router error: {type(e).__name__}", kind="internal_error").response(tid)
+
+    def split_state(self) -> dict:
+        """``GET /admin/split``'s answer."""
+        return {"modes": list(self.cfg.modes), "mixed": self.cfg.mixed, **self.split.to_json()}
+
+    async def admin_split(self, request: Request) -> Response:
+        """``GET``: the split; ``POST {"push": W}`` or ``{"pull": W}``: a new
+        weight for the requests that come next (400 naming the problem; 409
+        on a fleet of one mode: there is nothing to split). Its key was
+        checked already (:class:`ClientAuth`, as on every route but ``/health``)."""
+        if request.method == "GET":
+            return JSONResponse(self.split_state())
+        if not self.cfg.mixed:
+            return Refused(
+                409,
+                f"this router has only {self.cfg.modes[0]} instances: there is nothing to split "
+                "(start it with instances of both modes: --prefill push=URL --prefill pull=URL ...)",
+                kind="no_instances",
+            ).response(None)
+        try:
+            body = parse_object(await read_limited(request.headers, request.stream(), 4096))
+        except Refused as r:
+            return r.response(None)
+        keys = [k for k in body if k in MODES]
+        if len(keys) != 1 or len(body) != 1:
+            return Refused(400, 'send one of {"push": W} or {"pull": W}, W in [0, 1]', param="split").response(None)
+        w = body[keys[0]]
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            return Refused(400, f"{keys[0]} weight must be a number in [0, 1], got {w!r}", param=keys[0]).response(None)
+        push = float(w) if keys[0] == "push" else push_of_pull(w)
+        old = self.split.set(push)
+        logger.info("kvlens proxy: split push=%.3g (was %.3g)", push, old)
+        return JSONResponse({**self.split_state(), "previous": {"push": old, "pull": push_of_pull(old)}})
 
 
 def _receiver_ingest(config: ProxyConfig):
@@ -293,6 +372,10 @@ def create_app(config: ProxyConfig) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         return await router.health()
+
+    @app.api_route("/admin/split", methods=["GET", "POST"])
+    async def admin_split(request: Request) -> Response:
+        return await router.admin_split(request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

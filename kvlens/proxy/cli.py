@@ -4,6 +4,11 @@ Several P and D: ``--prefill`` and ``--decode`` repeat; the per-P flags
 (``--prefill-engine-id``, ``--prefill-side-port``, ...) repeat too and pair
 with ``--prefill`` by position (:func:`instances`).
 
+A mixed fleet (a canary): each URL tagged with its mode, ``--prefill
+push=URL --prefill pull=URL --decode push=URL --decode pull=URL``, and
+``--split push=W`` (default 0.5): each request's mode is drawn with that
+push weight. An untagged URL takes ``--mode`` (the one-mode syntax).
+
 Who may use the router (:func:`security`): a token from ``$KVLENS_TOKEN``
 or ``--token-file`` (:mod:`kvlens.auth`), else the API key P and D require
 (``--api-key``, ``$KVLENS_API_KEY``, ``$VLLM_API_KEY``), is required on
@@ -22,7 +27,8 @@ import urllib.parse
 
 from kvlens import auth
 from kvlens.argtypes import add_keep_arguments, keep_rule, positive
-from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, Decode, Prefill, ProxyConfig
+from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SPLIT, MODES, Decode, Prefill, ProxyConfig
+from kvlens.proxy.split import parse_split
 from kvlens.stack.ports import is_loopback, port_arg
 
 logger = logging.getLogger("kvlens.proxy")
@@ -46,24 +52,65 @@ def base_url(text: str) -> str:
     return text.strip().rstrip("/")
 
 
+def tagged_url(text: str) -> tuple[str | None, str]:
+    """argparse ``type=``: ``[push=|pull=]URL`` as (mode or None, base URL)."""
+    head, sep, rest = text.strip().partition("=")
+    if sep and head.strip().lower() in MODES:
+        return head.strip().lower(), base_url(rest)
+    if sep and "://" not in head:
+        raise argparse.ArgumentTypeError(f"a URL's mode must be push= or pull=, got {head!r} in {text!r}")
+    return None, base_url(text)
+
+
+def split_arg(text: str) -> float:
+    """argparse ``type=`` of ``--split``: the push weight."""
+    try:
+        return parse_split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prefill",
         action="append",
         required=True,
-        type=base_url,
-        metavar="URL",
-        help="a P's base URL, e.g. http://127.0.0.1:8100; repeat for several P (round robin)",
+        type=tagged_url,
+        metavar="[MODE=]URL",
+        help="a P's base URL, e.g. http://127.0.0.1:8100; repeat for several P (round robin); "
+        "push=URL / pull=URL tags its mode (a mixed fleet: both modes behind one router)",
     )
     p.add_argument(
         "--decode",
         action="append",
         required=True,
-        type=base_url,
-        metavar="URL",
-        help="a D's base URL; repeat for several D (round robin, independent of P's)",
+        type=tagged_url,
+        metavar="[MODE=]URL",
+        help="a D's base URL; repeat for several D (round robin within its mode, independent of P's); "
+        "push=URL / pull=URL tags its mode",
     )
-    p.add_argument("--mode", choices=["push", "pull"], required=True)
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default=None,
+        help="the mode of every untagged --prefill / --decode (required unless every URL is tagged)",
+    )
+    p.add_argument(
+        "--split",
+        type=split_arg,
+        default=None,
+        metavar="push=W",
+        help=f"a mixed fleet: draw each request's mode at random, push with weight W (pull=W: pull's "
+        f"weight; default push={DEFAULT_SPLIT}); the root span records the mode and the weight "
+        '(kvlens.split). Live: POST /admin/split {"push": W}',
+    )
+    p.add_argument(
+        "--split-seed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="seed of the split's draws (a reproducible sequence, for tests; default random)",
+    )
     p.add_argument(
         "--dispatch",
         choices=["overlapped", "sequential"],
@@ -198,7 +245,8 @@ def _per_instance(values: list | None, n: int, flag: str, of: str, default, one_
 def instances(args: argparse.Namespace) -> tuple[list[Prefill], list[Decode]]:
     """The P and D instances from the repeated flags (ValueError on a count
     mismatch, naming the flags)."""
-    urls_p, urls_d = list(args.prefill), list(args.decode)
+    urls_p, urls_d = [_url(x) for x in args.prefill], [_url(x) for x in args.decode]
+    modes_p, modes_d = [_mode(x, args) for x in args.prefill], [_mode(x, args) for x in args.decode]
     n = len(urls_p)
     of = "--prefill"
     ids_p = _per_instance(args.prefill_engine_id, n, "--prefill-engine-id", of, lambda i: f"p{i}")
@@ -208,7 +256,30 @@ def instances(args: argparse.Namespace) -> tuple[list[Prefill], list[Decode]]:
     ids_d = _per_instance(
         getattr(args, "decode_engine_id", None), len(urls_d), "--decode-engine-id", "--decode", lambda i: f"d{i}"
     )
-    return ([Prefill(*x) for x in zip(urls_p, ids_p, hosts, ports, tps)], [Decode(u, e) for u, e in zip(urls_d, ids_d)])
+    return (
+        [Prefill(*x) for x in zip(urls_p, ids_p, hosts, ports, tps, modes_p)],
+        [Decode(*x) for x in zip(urls_d, ids_d, modes_d)],
+    )
+
+
+def _url(x: tuple[str | None, str] | str) -> str:
+    return x[1] if isinstance(x, tuple) else x
+
+
+def _mode(x: tuple[str | None, str] | str, args: argparse.Namespace) -> str:
+    """A URL's mode: its tag, else ``--mode`` (ValueError when neither)."""
+    tag = x[0] if isinstance(x, tuple) else None
+    mode = tag or getattr(args, "mode", None)
+    if mode is None:
+        raise ValueError(
+            f"{_url(x)} has no mode: tag it (push={_url(x)} or pull={_url(x)}) or give --mode for untagged URLs"
+        )
+    return mode
+
+
+def _router_mode(args: argparse.Namespace, prefills: list[Prefill]) -> str:
+    """The router's own mode: ``--mode``, else its first P's."""
+    return getattr(args, "mode", None) or prefills[0].mode
 
 
 def security(args: argparse.Namespace, key: str | None) -> auth.Security:
@@ -230,10 +301,13 @@ def config(args: argparse.Namespace, token: bytes | None = None) -> ProxyConfig:
     """The router's settings from its flags (ValueError on a bad mix);
     ``token``: the clients' bearer token (:func:`security`)."""
     prefills, decodes = instances(args)
-    return ProxyConfig.of(
+    split = getattr(args, "split", None)
+    cfg = ProxyConfig.of(
         prefills,
         decodes,
-        mode=args.mode,
+        mode=_router_mode(args, prefills),
+        split=DEFAULT_SPLIT if split is None else split,
+        split_seed=getattr(args, "split_seed", None),
         dispatch=args.dispatch,
         read_timeout_s=args.timeout,
         telemetry=not args.no_telemetry,
@@ -245,12 +319,18 @@ def config(args: argparse.Namespace, token: bytes | None = None) -> ProxyConfig:
         retention=getattr(args, "retention", None),
         keep=keep_rule(args).to_config(),
     )
+    if split is not None and not cfg.mixed:
+        raise ValueError(
+            f"--split needs instances of both modes; every instance here is {cfg.modes[0]} "
+            "(tag the other mode's URLs: --prefill push=URL --decode push=URL, or pull=)"
+        )
+    return cfg
 
 
 def check(cfg: ProxyConfig) -> None:
     """What the flags can only be checked for together (ValueError):
     overlapped push needs every P's side-channel port."""
-    if cfg.overlapped_push and any(p.side_port is None for p in cfg.prefills):
+    if cfg.overlapped_push and any(p.side_port is None for p in cfg.prefills if p.mode == "push"):
         raise ValueError(
             "overlapped push needs --prefill-side-port (P's VLLM_NIXL_SIDE_CHANNEL_PORT), once per --prefill"
         )
@@ -289,15 +369,16 @@ def run(args: argparse.Namespace) -> int:
     warn_if_open(args.host, cfg.client_key, cfg.collect)
     app = create_app(cfg)
     logger.info(
-        "kvlens proxy %s/%s on %s://%s:%d (%s) -> P %s, D %s (round robin)",
-        cfg.mode,
+        "kvlens proxy %s/%s on %s://%s:%d (%s) -> P %s, D %s (round robin%s)",
+        ",".join(cfg.modes),
         cfg.dispatch,
         sec.scheme,
         args.host,
         args.port,
         "token required" if cfg.token else "API key required" if cfg.api_key else "no token",
-        ", ".join(f"{p.engine_id}={p.url}" for p in cfg.prefills),
-        ", ".join(f"{d.engine_id}={d.url}" for d in cfg.decodes),
+        ", ".join(f"{p.engine_id}={p.mode}:{p.url}" for p in cfg.prefills),
+        ", ".join(f"{d.engine_id}={d.mode}:{d.url}" for d in cfg.decodes),
+        f" within each mode; split push={cfg.split:g}" if cfg.mixed else "",
     )
     uvicorn.run(
         app,

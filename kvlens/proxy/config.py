@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvrecord import config as kvconfig
 from kvrecord.location import StoreLocation
@@ -18,6 +18,11 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 #: could meet that request's leftovers on P (see :mod:`kvlens.proxy.isolation`).
 DEFAULT_REUSE_WINDOW_S = 600.0
 
+#: The handoff modes, in the order the router lists them.
+MODES = ("push", "pull")
+#: Default push weight of a mixed fleet's split (``--split push=0.5``).
+DEFAULT_SPLIT = 0.5
+
 
 @dataclass(frozen=True)
 class Prefill:
@@ -31,15 +36,20 @@ class Prefill:
     side_host: str = "127.0.0.1"
     side_port: int | None = None
     tp_size: int = 1
+    #: its handoff mode (push / pull); None: the router's ``mode`` (not part
+    #: of equality: an instance is its URL and identity)
+    mode: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class Decode:
     """One D instance: its base URL and engine id (named on root spans and
-    in ``/health``; D's own spans carry the id it really has)."""
+    in ``/health``; D's own spans carry the id it really has) and its mode
+    (None: the router's)."""
 
     url: str
     engine_id: str = "d0"
+    mode: str | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -52,6 +62,11 @@ class ProxyConfig:
     ``more_decodes``: the instances after them. :attr:`prefills` and
     :attr:`decodes` list them all (the router balances over those, see
     :mod:`kvlens.proxy.balancer`); :meth:`of` builds a config from lists.
+    A **mixed fleet** (a canary): instances of both modes (each
+    :class:`Prefill` / :class:`Decode` names its ``mode``; ``prefill_mode``
+    / ``decode_mode`` the first's; None: ``mode``); ``split`` is the push
+    weight with which each request's mode is drawn (``split_seed``: a seeded
+    draw, for tests), changeable live (``POST /admin/split``).
     Timeouts in seconds.
     ``kvlens_home``: where spans go (default: the kvlens home).
     ``store``: a PostgreSQL URL (``postgresql://user@host:port/db``) to
@@ -79,6 +94,8 @@ class ProxyConfig:
     prefill_side_port: int | None = None
     prefill_tp_size: int = 1
     decode_engine_id: str = "d0"
+    prefill_mode: str | None = None
+    decode_mode: str | None = None
     more_prefills: list[Prefill] = field(default_factory=list)
     more_decodes: list[Decode] = field(default_factory=list)
     kvlens_home: str | None = None
@@ -96,23 +113,25 @@ class ProxyConfig:
     retention: str | None = None
     #: ``kvlens_keep*`` keys (``--keep``, ``--keep-ratio``, ``--keep-slow``): which requests keep their spans
     keep: dict | None = None
+    #: push weight of a mixed fleet's split; ``split_seed``: seed of its draws (None: random)
+    split: float = DEFAULT_SPLIT
+    split_seed: int | None = None
     options: kvconfig.Options = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.prefill_url = self.prefill_url.rstrip("/")
         self.decode_url = self.decode_url.rstrip("/")
-        self.more_prefills = [
-            Prefill(p.url.rstrip("/"), p.engine_id, p.side_host, p.side_port, p.tp_size) for p in self.more_prefills
-        ]
-        self.more_decodes = [Decode(d.url.rstrip("/"), d.engine_id) for d in self.more_decodes]
+        self.more_prefills = [replace(p, url=p.url.rstrip("/")) for p in self.more_prefills]
+        self.more_decodes = [replace(d, url=d.url.rstrip("/")) for d in self.more_decodes]
         for side, ids in (
             ("prefill", [p.engine_id for p in self.prefills]),
             ("decode", [d.engine_id for d in self.decodes]),
         ):
             if len(set(ids)) != len(ids):  # D would be told the wrong P; traces would name the wrong one
                 raise ValueError(f"{side} engine ids must be distinct, got {', '.join(ids)}")
-        if self.mode not in ("push", "pull"):
+        if self.mode not in MODES:
             raise ValueError(f"mode must be push or pull, got {self.mode!r}")
+        self._check_modes()
         if self.dispatch not in ("overlapped", "sequential"):
             raise ValueError(f"dispatch must be overlapped or sequential, got {self.dispatch!r}")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes <= 0:
@@ -135,6 +154,26 @@ class ProxyConfig:
             self.store = location.text
         self.options = kvconfig.Options.from_config(self.pipeline_config())
 
+    def _check_modes(self) -> None:
+        """Every instance's mode is push or pull, and each mode with a P has
+        a D and the reverse (ValueError naming what is missing); the split's
+        weight lies in [0, 1]."""
+        for inst in [*self.prefills, *self.decodes]:
+            if inst.mode not in MODES:
+                raise ValueError(f"{inst.engine_id}'s mode must be push or pull, got {inst.mode!r}")
+        p_modes = {p.mode for p in self.prefills}
+        d_modes = {d.mode for d in self.decodes}
+        for mode in MODES:
+            if (mode in p_modes) != (mode in d_modes):
+                has, lacks = ("prefill", "decode") if mode in p_modes else ("decode", "prefill")
+                raise ValueError(
+                    f"mode {mode} has {has} instances but no {lacks} instance (give one: --{lacks} {mode}=URL)"
+                )
+        w = self.split
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+            raise ValueError(f"split must be a push weight in [0, 1], got {w!r}")
+        self.split = float(w)
+
     @classmethod
     def of(cls, prefills: list[Prefill], decodes: list[Decode], **kw) -> "ProxyConfig":
         """A config for these P and D instances (at least one of each)."""
@@ -148,7 +187,9 @@ class ProxyConfig:
             prefill_side_host=p0.side_host,
             prefill_side_port=p0.side_port,
             prefill_tp_size=p0.tp_size,
+            prefill_mode=p0.mode,
             decode_engine_id=d0.engine_id,
+            decode_mode=d0.mode,
             more_prefills=list(prefills[1:]),
             more_decodes=list(decodes[1:]),
             **kw,
@@ -164,13 +205,34 @@ class ProxyConfig:
             self.prefill_side_host,
             self.prefill_side_port,
             self.prefill_tp_size,
+            self.prefill_mode,
         )
-        return [first, *self.more_prefills]
+        return [p if p.mode else replace(p, mode=self.mode) for p in [first, *self.more_prefills]]
 
     @property
     def decodes(self) -> list[Decode]:
         """Every D, the first from ``decode_url`` / ``decode_engine_id``."""
-        return [Decode(self.decode_url, self.decode_engine_id), *self.more_decodes]
+        first = Decode(self.decode_url, self.decode_engine_id, self.decode_mode)
+        return [d if d.mode else replace(d, mode=self.mode) for d in [first, *self.more_decodes]]
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes with instances, in :data:`MODES` order."""
+        have = {p.mode for p in self.prefills}
+        return tuple(m for m in MODES if m in have)
+
+    @property
+    def mixed(self) -> bool:
+        """Instances of both modes: each request's mode is drawn (``split``)."""
+        return len(self.modes) > 1
+
+    def fleet(self, mode: str) -> tuple[list[Prefill], list[Decode]]:
+        """The P and D instances of ``mode``."""
+        return [p for p in self.prefills if p.mode == mode], [d for d in self.decodes if d.mode == mode]
+
+    def dispatch_for(self, mode: str) -> str:
+        """``dispatch`` for push; pull is always sequential (D needs P's answer)."""
+        return self.dispatch if mode == "push" else "sequential"
 
     def pipeline_config(self) -> dict[str, str]:
         """The connector-style config for this router's telemetry pipeline
@@ -191,9 +253,10 @@ class ProxyConfig:
 
     @property
     def overlapped_push(self) -> bool:
-        return self.mode == "push" and self.dispatch == "overlapped"
+        """Some requests go as overlapped push (push instances, dispatch overlapped)."""
+        return "push" in self.modes and self.dispatch == "overlapped"
 
     @property
     def effective_dispatch(self) -> str:
         """``dispatch`` for push; pull is always sequential (D needs P's answer)."""
-        return self.dispatch if self.mode == "push" else "sequential"
+        return self.dispatch_for(self.mode)

@@ -24,7 +24,7 @@ import httpx
 from kvlens.proxy.bodies import decode_body, overlapped_d_params
 from kvlens.proxy.config import ProxyConfig
 from kvlens.proxy.errors import unexpected
-from kvlens.proxy.exchange import Exchange, settle
+from kvlens.proxy.exchange import Exchange, prompt_tokens, settle
 
 Dispatch = Callable[[Exchange], Awaitable[httpx.Response]]
 
@@ -33,16 +33,17 @@ async def _prefill_then_decode(ex: Exchange) -> httpx.Response:
     """P answers; its ``kv_transfer_params`` go to D verbatim (``relay`` span)."""
     p_json = await ex.call_prefill()
     t_p = time.time_ns()
+    ex.prompt_tokens = prompt_tokens(p_json)
     kv = p_json.get("kv_transfer_params")
     if not isinstance(kv, dict):
-        ex.tel.relay(ex.trace_id, t_p, time.time_ns(), "failed")
+        ex.tel.relay(ex.trace_id, t_p, time.time_ns(), "failed", ex.mode)
         raise unexpected(
             "prefill",
             "no kv_transfer_params object (is it started with a NIXL kv_producer kv-transfer-config?)",
             repr(p_json),
         )
     d_body = decode_body(ex.body, kv)
-    ex.tel.relay(ex.trace_id, t_p, time.time_ns())
+    ex.tel.relay(ex.trace_id, t_p, time.time_ns(), mode=ex.mode)
     return await ex.open_decode(d_body)
 
 
@@ -107,6 +108,7 @@ DISPATCH: dict[tuple[str, str], Dispatch] = {
 }
 
 
-def dispatcher(cfg: ProxyConfig) -> Dispatch:
-    """The dispatch function for this router's mode and dispatch."""
-    return DISPATCH[(cfg.mode, cfg.effective_dispatch)]
+def dispatcher(cfg: ProxyConfig, mode: str | None = None) -> Dispatch:
+    """The dispatch function for ``mode`` (default: the router's) as this router dispatches it."""
+    mode = mode or cfg.mode
+    return DISPATCH[(mode, cfg.dispatch_for(mode))]

@@ -17,6 +17,7 @@ from typing import Callable
 import httpx
 from opentelemetry.trace import format_span_id
 
+from kvrecord import semconv as sc
 from kvrecord.ids import root_span_id
 from kvlens.proxy.balancer import Route
 from kvlens.proxy.bodies import prefill_body
@@ -44,7 +45,12 @@ class Exchange:
     P's call when it runs in the background (overlapped push).
     ``client_attrs``: what the client sent as ids, when not the trace id
     (:mod:`kvlens.proxy.isolation`). ``on_finish``: called once, when the
-    request ends (frees its trace id)."""
+    request ends (frees its trace id). ``mode``: the handoff mode it goes
+    by (None until chosen: the router's); ``split``: the push weight its
+    mode was drawn with (a mixed fleet's draw; None: not drawn).
+    ``prompt_tokens``: P's count (its answer's ``usage``); ``tpot_s``: the
+    client-seen time per output token after the first (streams, set by the
+    relay). ``on_end(mode, outcome)``: called once with what it came to."""
 
     cfg: ProxyConfig
     client: httpx.AsyncClient
@@ -60,6 +66,11 @@ class Exchange:
     on_finish: Callable[[], None] | None = None
     finished: bool = False
     route: Route | None = None
+    mode: str | None = None
+    split: float | None = None
+    prompt_tokens: int | None = None
+    tpot_s: float | None = None
+    on_end: Callable[[str, str], None] | None = None
 
     @property
     def stream(self) -> bool:
@@ -75,6 +86,7 @@ class Exchange:
         if self.finished:
             return
         self.finished = True
+        mode = self.mode or self.cfg.mode
         try:
             self.tel.request(
                 self.trace_id,
@@ -83,14 +95,36 @@ class Exchange:
                 time.time_ns(),
                 outcome,
                 ttft_s,
-                self.cfg.effective_dispatch,
+                self.cfg.dispatch_for(mode),
                 status,
                 error=error,
-                attrs={**(self.route.attrs() if self.route else {}), **self.client_attrs},
+                attrs={**(self.route.attrs() if self.route else {}), **self.client_attrs, **self._canary_attrs()},
             )
         finally:
             if self.on_finish is not None:
                 self.on_finish()
+            if self.on_end is not None:
+                self.on_end(mode, outcome)
+
+    def _canary_attrs(self) -> dict:
+        """The root span's mode, split weight, prompt tokens and TPOT (what
+        ``kvlens verdict`` reads), those known."""
+        a: dict = {sc.ATTR_MODE: self.mode or self.cfg.mode}
+        if self.split is not None:
+            a[sc.ATTR_SPLIT] = self.split
+        tokens = self.prompt_tokens if self.prompt_tokens is not None else self._p_task_tokens()
+        if tokens is not None:
+            a[sc.ATTR_TOKENS] = tokens
+        if self.tpot_s is not None:
+            a[sc.ATTR_TPOT_S] = self.tpot_s
+        return a
+
+    def _p_task_tokens(self) -> int | None:
+        """The prompt tokens of an overlapped P call that answered."""
+        t = self.p_task
+        if t is None or not t.done() or t.cancelled() or t.exception() is not None:
+            return None
+        return prompt_tokens(t.result())
 
     def upstream_headers(self, authorization: str | None) -> None:
         """Headers for P and D: the trace id as ``X-Request-Id`` (vLLM builds
@@ -149,6 +183,13 @@ class Exchange:
             finally:
                 await resp.aclose()
         return resp
+
+
+def prompt_tokens(answer: object) -> int | None:
+    """``usage.prompt_tokens`` of a completion answer (P's), None when absent."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
 
 
 async def settle(task: asyncio.Task, cancel: bool = False) -> None:

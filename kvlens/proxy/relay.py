@@ -2,8 +2,9 @@
 the request's root span (:meth:`Exchange.finish`) exactly once.
 
 TTFT: for a stream, when the first SSE event with generated text
-(:class:`kvlens.sse.FirstTextWatcher`) passes through the router; for a
-plain answer, when D's whole body has arrived. An answer of D the router
+(:class:`kvlens.sse.TextTimes`) passes through the router; for a
+plain answer, when D's whole body has arrived. TPOT (streams only): the
+time from the first text event to the last over the tokens after the first. An answer of D the router
 cannot pass on (a plain body that is not a completion object, a "stream"
 that is not ``text/event-stream``, a stream that breaks in an unforeseen
 way) ends as a 502 naming the decode side, with the request's
@@ -22,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from kvlens.proxy.errors import Upstream, as_upstream, completion_problem, from_http_error, sse_error, unexpected
 from kvlens.proxy.exchange import Exchange, settle
-from kvlens.sse import FirstTextWatcher
+from kvlens.sse import TextTimes
 
 
 logger = logging.getLogger("kvlens.proxy")
@@ -135,14 +136,14 @@ class _DecodeChunks:
 
 
 async def _relay(ex: Exchange, d_resp: httpx.Response) -> AsyncIterator[bytes]:
-    watcher = FirstTextWatcher()
+    watcher = TextTimes()
     ttft = None
     status, outcome, error = 200, "ok", None
     chunks = _DecodeChunks(d_resp, ex.p_task)
     try:
         while (chunk := await chunks.next()) is not None:
-            if ttft is None and watcher.feed(chunk):
-                ttft = ex.elapsed_s()
+            if watcher.feed(chunk, ex.elapsed_s()):
+                ttft = watcher.first_s
             yield chunk
     except Upstream as u:  # overlapped P failed after D's headers
         status, outcome, error = u.status, u.outcome, u.message
@@ -165,4 +166,6 @@ async def _relay(ex: Exchange, d_resp: httpx.Response) -> AsyncIterator[bytes]:
         await d_resp.aclose()
         if ex.p_task is not None:
             await settle(ex.p_task, cancel=status != 200)
+        if status == 200:
+            ex.tpot_s = watcher.tpot_s()
         ex.finish(status, outcome, ttft, error)

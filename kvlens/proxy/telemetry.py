@@ -45,7 +45,8 @@ class RouterTelemetry:
     ) -> None:
         """The root span of trace ``tid``; times in wall-clock ns, TTFT in s.
         ``error``: why it failed, in words; ``attrs``: more attributes
-        (the client's own ids, :mod:`kvlens.proxy.isolation`)."""
+        (the client's own ids, :mod:`kvlens.proxy.isolation`; a mixed
+        fleet's request mode, split weight, prompt tokens and TPOT)."""
         if self.rec is None:
             return
         try:
@@ -59,12 +60,13 @@ class RouterTelemetry:
         except Exception:
             logger.debug("request span failed", exc_info=True)
 
-    def relay(self, tid: str, t0: int, t1: int, outcome: str = "ok") -> None:
-        """The ``relay`` span: P's answer handed on to D (pull, sequential push)."""
+    def relay(self, tid: str, t0: int, t1: int, outcome: str = "ok", mode: str | None = None) -> None:
+        """The ``relay`` span: P's answer handed on to D (pull, sequential
+        push); ``mode``: the request's (a mixed fleet's), else the router's."""
         if self.rec is None:
             return
         try:
-            self.rec.record(sc.Phase.RELAY, tid, t0, t1, outcome)
+            self.rec.record(sc.Phase.RELAY, tid, t0, t1, outcome, {sc.ATTR_MODE: mode} if mode else None)
         except Exception:
             logger.debug("relay span failed", exc_info=True)
 

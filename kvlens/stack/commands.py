@@ -200,20 +200,32 @@ def without_store_password(options: Mapping[str, Any] | None) -> tuple[dict[str,
 
 
 def router_argv(
-    prefills: Sequence[tuple], decodes: Sequence[tuple[str, str]], mode: str, dispatch: str, host: str, port: int
+    prefills: Sequence[tuple],
+    decodes: Sequence[tuple[str, str]],
+    mode: str,
+    dispatch: str,
+    host: str,
+    port: int,
+    modes: tuple[Sequence[str], Sequence[str]] | None = None,
+    split: float | None = None,
 ) -> list[str]:
     """Command line of one ``kvlens proxy`` in front of ``prefills`` ((URL,
     engine id, side-channel port[, TP size]) each, on ``host``) and
     ``decodes`` ((URL, engine id) each); the per-P flags pair with
     ``--prefill`` by position. ``--prefill-tp-size`` goes to every P once any
-    P runs more than one rank: overlapped push tells D each P's TP size."""
+    P runs more than one rank: overlapped push tells D each P's TP size.
+    ``modes``: a mixed fleet's mode of each P and each D (every URL tagged
+    ``push=`` / ``pull=``, no ``--mode``); ``split``: its push weight (None:
+    the router's default)."""
+    tag_p = list(modes[0]) if modes else [""] * len(prefills)
+    tag_d = list(modes[1]) if modes else [""] * len(decodes)
     argv = [
         sys.executable,
         "-m",
         "kvlens.cli",
         "proxy",
-        "--mode",
-        mode,
+        *([] if modes else ["--mode", mode]),
+        *(["--split", f"push={split:g}"] if modes and split is not None else []),
         "--dispatch",
         dispatch,
         "--host",
@@ -224,12 +236,13 @@ def router_argv(
         host,
     ]
     any_tp = any(len(p) > 3 and p[3] > 1 for p in prefills)
-    for url, engine_id, side_port, *tp in prefills:
+    for (url, engine_id, side_port, *tp), tag in zip(prefills, tag_p):
+        url = f"{tag}={url}" if tag else url
         argv += ["--prefill", url, "--prefill-engine-id", engine_id, "--prefill-side-port", str(side_port)]
         if any_tp:
             argv += ["--prefill-tp-size", str(tp[0] if tp else 1)]
-    for url, engine_id in decodes:
-        argv += ["--decode", url, "--decode-engine-id", engine_id]
+    for (url, engine_id), tag in zip(decodes, tag_d):
+        argv += ["--decode", f"{tag}={url}" if tag else url, "--decode-engine-id", engine_id]
     return argv
 
 

@@ -7,6 +7,10 @@ Naming, kept from the one-pair stack so that its callers (logs, tests,
 ``decode`` (``d0``); the others are ``prefill-p1``, ``decode-d1``, ...
 Engine ids are ``p0..p{N-1}`` and ``d0..d{M-1}``, as ``kvlens proxy``
 defaults them.
+
+A mixed fleet (``kvlens up --mode push,pull``): N P and M D per mode,
+numbered on: push's first (``p0..p{N-1}``, ``d0..d{M-1}``), then pull's
+(``pN..p{2N-1}``, ``dM..d{2M-1}``); every instance names its mode.
 """
 
 from __future__ import annotations
@@ -21,6 +25,17 @@ from kvlens.stack.errors import StackError
 MAX_INSTANCES = 8
 ROLES = ("prefill", "decode")
 ROUTERS = ("kvlens", "vllm-router")
+MODES = ("push", "pull")
+
+
+def parse_modes(spec: str | Iterable[str]) -> tuple[str, ...]:
+    """``"push"``, ``"pull"`` or ``"push,pull"`` (a mixed fleet) as a tuple
+    in :data:`MODES` order; StackError on an unknown, repeated or empty one."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    got = [x.strip().lower() for x in items if x.strip()]
+    if not got or any(m not in MODES for m in got) or len(set(got)) != len(got):
+        raise StackError(f"mode must be push, pull or push,pull (a mixed fleet), got {spec!r}")
+    return tuple(m for m in MODES if m in got)
 
 
 def engine_id(role: str, index: int) -> str:
@@ -119,6 +134,8 @@ class Instance:
     pid: int | None = None
     #: tensor-parallel size (ranks)
     tp: int = 1
+    #: its handoff mode (push / pull)
+    mode: str = "push"
 
     @property
     def engine_id(self) -> str:
@@ -142,4 +159,5 @@ class Instance:
             "side_channel_port": self.side_port,
             "pid": self.pid,
             "tp_size": self.tp,
+            "mode": self.mode,
         }

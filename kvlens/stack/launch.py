@@ -30,7 +30,15 @@ from kvlens.stack import pinning
 from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, auth_headers, env_api_key
 from kvlens.stack.errors import StackError
 from kvlens.stack.extras import StackExtras
-from kvlens.stack.instances import Instance, check_count, check_routers, child_name, parse_routers, port_names
+from kvlens.stack.instances import (
+    Instance,
+    check_count,
+    check_routers,
+    child_name,
+    parse_modes,
+    parse_routers,
+    port_names,
+)
 from kvlens.stack.preflight import preflight
 from kvlens.stack.roles import StackRoles
 from kvlens.stack.spinners import ProgressThreads, check_mode, resolve_mode
@@ -42,6 +50,16 @@ from kvlens.stack.warmup import warm_up
 logger = logging.getLogger("kvlens.up")
 
 
+def _per_mode_tp(value: int | Sequence[int], n: int, k: int) -> int | tuple[int, ...]:
+    """A mixed fleet's TP sizes: one for all as it is; one per instance of
+    a mode (``n`` of them) repeated for each of the ``k`` modes; else as given
+    (``check_tp`` then names a wrong count)."""
+    if isinstance(value, int) or isinstance(value, str):
+        return value
+    sizes = tuple(value)
+    return sizes * k if len(sizes) == n and n > 1 else sizes
+
+
 @dataclass
 class Stack(StackRoles, StackExtras):
     """P and D instances plus router(s). ``start()`` blocks until all are
@@ -49,7 +67,10 @@ class Stack(StackRoles, StackExtras):
     instance's; the others get free ports. ``routers``: ``"kvlens"``,
     ``"vllm-router"`` or both (comma-separated or a list); ``port`` is kvlens'
     router's, or vLLM's router's when it runs alone (else
-    ``vllm_router_port``, default a free one)."""
+    ``vllm_router_port``, default a free one). ``mode``: ``push``, ``pull``
+    or ``push,pull``: a mixed fleet, ``prefill_instances`` P and
+    ``decode_instances`` D per mode (the fields then hold the totals after
+    init; ``per_mode`` the counts given), one kvlens router in front of all."""
 
     mode: str = "push"
     dispatch: str = "overlapped"
@@ -97,6 +118,8 @@ class Stack(StackRoles, StackExtras):
     kv_load_failure_policy: str | None = None
     #: more ``kvlens_*`` keys for kvlens' connector (benchmarks: e.g. the store off)
     connector_options: Mapping[str, Any] | None = None
+    #: a mixed fleet's push weight at start (None: the router's default, 0.5)
+    split: float | None = None
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
@@ -109,10 +132,13 @@ class Stack(StackRoles, StackExtras):
     startup_s: float | None = None
     progress: ProgressThreads | None = field(default=None, repr=False)
     extra_routers: dict[str, str] = field(default_factory=dict, repr=False)
+    #: the modes (one, or push and pull: a mixed fleet) and the P and D count of each
+    modes: tuple[str, ...] = field(default=(), init=False)
+    per_mode: tuple[int, int] = field(default=(1, 1), init=False)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("push", "pull"):
-            raise StackError(f"mode must be push or pull, got {self.mode!r}")
+        self.modes = parse_modes(self.mode)
+        self.mode = ",".join(self.modes)
         if self.dispatch not in ("overlapped", "sequential"):
             raise StackError(f"dispatch must be overlapped or sequential, got {self.dispatch!r}")
         if self.collector not in COLLECTORS:
@@ -121,6 +147,15 @@ class Stack(StackRoles, StackExtras):
             raise StackError("--collector-store needs --separate-homes with --collector process")
         check_count("--prefill-instances", self.prefill_instances)
         check_count("--decode-instances", self.decode_instances)
+        self.per_mode = (self.prefill_instances, self.decode_instances)
+        if self.split is not None and not self.mixed:
+            raise StackError("--split needs --mode push,pull (a mixed fleet)")
+        if self.mixed:  # the TP sizes given per mode's instances count for each mode
+            k = len(self.modes)
+            self.prefill_tp = _per_mode_tp(self.prefill_tp, self.prefill_instances, k)
+            self.decode_tp = _per_mode_tp(self.decode_tp, self.decode_instances, k)
+            self.prefill_instances *= k
+            self.decode_instances *= k
         self.prefill_tp = check_tp("--prefill-tp", self.prefill_tp, self.prefill_instances)
         self.decode_tp = check_tp("--decode-tp", self.decode_tp, self.decode_instances)
         check_vllm_args(self.vllm_args)
@@ -135,9 +170,21 @@ class Stack(StackRoles, StackExtras):
         self.api_key = self.api_key or env_api_key()
         check_routers(self.routers, self.mode, self.api_key, self.separate_homes, self.collector)
         if self.log_dir is None:
-            tag = f"{self.mode}{'-stock' if self.stock else ''}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            tag = (
+                f"{'+'.join(self.modes)}{'-stock' if self.stock else ''}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+            )
             self.log_dir = Path(self.kvlens_home) / "runs" / tag
         self.log_dir = Path(self.log_dir).resolve()
+
+    @property
+    def mixed(self) -> bool:
+        """Push and pull pairs together behind one router (a canary)."""
+        return len(self.modes) > 1
+
+    def mode_of(self, role: str, index: int) -> str:
+        """The mode of the ``index``-th P or D (a mixed fleet numbers push's first)."""
+        n = self.per_mode[0 if role == "prefill" else 1]
+        return self.modes[min(index // n, len(self.modes) - 1)]
 
     def __enter__(self) -> "Stack":
         self.start()
@@ -176,7 +223,7 @@ class Stack(StackRoles, StackExtras):
         name = child_name(role, index)
         pid = next((c.proc.pid for c in self.children if c.name == name and c.proc is not None), None)
         tp = (self.prefill_tp if role == "prefill" else self.decode_tp)[index]  # type: ignore[index]
-        return Instance(role, index, self.host, port, side, pid, tp)
+        return Instance(role, index, self.host, port, side, pid, tp, self.mode_of(role, index))
 
     @property
     def prefills(self) -> list[Instance]:
@@ -229,7 +276,9 @@ class Stack(StackRoles, StackExtras):
             self._start_servers(servers, t0 + timeout, auth)
             self._start_routers(t0 + timeout)
             if self.warmup:
-                self._warm_up(rounds=self.prefill_instances * self.decode_instances)  # every pair's handshake
+                for mode in self.modes:  # every pair's handshake; a mixed fleet's one mode at a time
+                    n_p, n_d = self.per_mode
+                    self._warm_up(rounds=n_p * n_d, mode=mode if self.mixed else None)
             if self.prometheus:
                 self.start_prometheus(self.prometheus_port)
         except BaseException:
@@ -279,10 +328,12 @@ class Stack(StackRoles, StackExtras):
             self.router_url = self.router_url or v.url
         wait_healthy(started, deadline, self._say, auth_headers(self.router_key))
 
-    def _warm_up(self, tries: int = 3, timeout_s: float = 90.0, rounds: int = 1) -> None:
+    def _warm_up(self, tries: int = 3, timeout_s: float = 90.0, rounds: int = 1, mode: str | None = None) -> None:
         """Tiny requests through :attr:`router_url` before reporting ready
-        (:func:`kvlens.stack.warmup.warm_up`)."""
-        warm_up(self.router_url, auth_headers(self.router_key), self._say, self.dead_child, tries, timeout_s, rounds)
+        (:func:`kvlens.stack.warmup.warm_up`); ``mode``: a mixed fleet's
+        half they go to (``X-Kvlens-Mode``: no draw, so no canary trace)."""
+        headers = {**auth_headers(self.router_key), **({"X-Kvlens-Mode": mode} if mode else {})}
+        warm_up(self.router_url, headers, self._say, self.dead_child, tries, timeout_s, rounds)
 
     @property
     def router_key(self) -> str | None:

@@ -39,10 +39,14 @@ def manifest(stack) -> dict:
     one-pair keys (``prefill_url``, ``engine_ids``, ...) name the first P
     and D; ``instances`` lists all of them."""
     return {
-        "mode": stack.mode,
+        "mode": stack.mode,  # "push,pull" for a mixed fleet (each instance names its own)
+        "modes": list(stack.modes),
+        "per_mode": {"prefill": stack.per_mode[0], "decode": stack.per_mode[1]} if stack.mixed else None,
         "dispatch": stack.dispatch,
         "stock": stack.stock,
-        "connector": CONNECTORS[(stack.mode, stack.stock)][0],
+        "connector": CONNECTORS[(stack.modes[0], stack.stock)][0]
+        if not stack.mixed
+        else {m: CONNECTORS[(m, stack.stock)][0] for m in stack.modes},
         "model": str(stack.model),
         "kvlens_home": str(stack.kvlens_home),
         "log_dir": str(stack.log_dir),

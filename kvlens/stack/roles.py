@@ -86,7 +86,7 @@ class StackRoles:
             cpus,
         )
         ktc = kv_transfer_config(
-            self.mode,
+            inst.mode,
             role,
             inst.engine_id,
             self.stock,
@@ -111,6 +111,8 @@ class StackRoles:
             dispatch,
             self.host,
             port,
+            modes=([p.mode for p in self.prefills], [d.mode for d in self.decodes]) if self.mixed else None,
+            split=self.split,
         )
         # only the main router hosts the receiver (``--collect``); extra routers export to it
         hosts_receiver = name == "router"
