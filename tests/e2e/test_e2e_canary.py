@@ -133,6 +133,26 @@ def _cli(stack, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+def _headline_in_chromium(stack, tmp_path) -> None:
+    """The dashboard on the canary's store, as users start it, opens with the
+    live verdict on these split-assigned requests (a real Chromium)."""
+    from chromium import PAGE_URLS, browser, missing, open_page
+    from test_e2e_dashboard_browser import Dashboard
+
+    assert missing() is None, missing()  # make setup installs Chromium and Playwright
+    dash = Dashboard(stack.store.text, tmp_path / "dashboard.log")
+    try:
+        dash.wait_ready()
+        with browser() as b:
+            page = b.new_page()
+            open_page(page, dash.url + "/overview", PAGE_URLS["/overview"])
+            page.get_by_text("Verdict, last 1h").first.wait_for(timeout=90_000)
+            body = page.inner_text("body")
+            assert "canary: split-assigned requests" in body and "TTFT p50 push/pull" in body, body[:3000]
+    finally:
+        assert dash.stop(signal.SIGTERM) == 0, dash.log.read_text()[-3000:]
+
+
 @pytest.fixture
 def canary_stack(stack_factory):
     """One push pair (p0 -> d0, overlapped) and one pull pair (p1 -> d1)
@@ -140,7 +160,7 @@ def canary_stack(stack_factory):
     return stack_factory.get("push,pull")
 
 
-def test_canary_push_and_pull_behind_one_router(canary_stack, stack_factory):
+def test_canary_push_and_pull_behind_one_router(canary_stack, stack_factory, tmp_path):
     stack = canary_stack
     url, db = stack.router_url, stack.store
     t_start = time.monotonic()
@@ -222,6 +242,7 @@ def test_canary_push_and_pull_behind_one_router(canary_stack, stack_factory):
         w = _cli(stack, "whatif", "--from", frm, "--json", "--window", "1h")
         assert w.returncode == 0, w.stderr
         assert isinstance(json.loads(w.stdout), dict)
+    _headline_in_chromium(stack, tmp_path)
 
     # -- the split changed live: everything to push, then back; bad weights refused
     assert httpx.post(url + "/admin/split", json={"push": 1.5}, timeout=30).status_code == 400
