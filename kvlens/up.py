@@ -172,6 +172,22 @@ def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
         "the collector's home)",
     )
     p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="every role in its own network namespace (each P, each D, the router, the collector), "
+        "joined by veths on a bridge, addresses in 198.18.0.0/15, no route out; NIXL over TCP on "
+        "those links. Root only; needs ip, tc, iptables-legacy (docs/links.md)",
+    )
+    p.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="A-B=DELAY[,JITTER][,RATE][,LOSS]",
+        help="with --hosts: shape the link between roles p, d, router, collector, client (A-B: both "
+        "directions, A>B: one), e.g. p-d=20ms,200mbit or p-d=2ms,1ms,10gbit,0.1%%; measured at start "
+        "(stack.json's network.links). Repeatable",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         metavar="KEY",
@@ -288,6 +304,8 @@ def _stack(args: argparse.Namespace) -> Stack:
         decode_tp=getattr(args, "decode_tp", None) or getattr(args, "tp", 1),
         nixl_progress=getattr(args, "nixl_progress", "auto"),
         kv_load_failure_policy=getattr(args, "kv_load_failure_policy", None),
+        hosts=getattr(args, "hosts", False),
+        links=tuple(getattr(args, "link", None) or ()),
     )
 
 

@@ -343,8 +343,8 @@ class Net:
                   "match", "ip", "dst", f"{self.addr(d.dst)}/32", "flowid", cls])  # fmt: skip
             d._filtered = True  # type: ignore[attr-defined]
         leaf = ["tc", *nsarg, "qdisc", "replace", "dev", dev, "parent", cls, "handle", f"{d.classid}:"]
-        if rate is None:
-            _run([*leaf, "pfifo", "limit", "10000"])
+        if rate is None:  # the class's default leaf again (htb's own, at 100gbit)
+            _run(["tc", *nsarg, "qdisc", "del", "dev", dev, "parent", cls], check=False)
         else:
             _run([*leaf, "tbf", "rate", f"{int(rate)}bit", "burst", "64kb", "latency", "200ms"])
 
