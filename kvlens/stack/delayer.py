@@ -26,6 +26,7 @@ import json
 import os
 import random
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,6 +36,9 @@ from kvlens.stack.linkspec import release_time
 #: Most packets the kernel holds for this queue (200 Mbit/s x 1 s of 1.5 kB
 #: packets is ~17k; with GSO on, far fewer); beyond it fail-open accepts.
 QUEUE_MAXLEN = 65536
+#: The nfqueue netlink socket's receive buffer, bytes (SO_RCVBUFFORCE: root may exceed rmem_max).
+NETLINK_RCVBUF = 32 * 1024 * 1024
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 #: How often the releaser looks at the control file when idle, seconds.
 CONTROL_POLL_S = 0.2
 
@@ -105,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     import fnfqueue  # the optional extra kvlens[links]
 
     conn = fnfqueue.Connection(packet_size=4096)  # metadata only (COPY_META): small buffers
+    # a deep netlink receive buffer: at 200 Mbit/s a burst overflowed the default one (packets lost)
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, fileno=os.dup(conn._conn.fd)) as s:
+        s.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, NETLINK_RCVBUF)
     q = conn.bind(args.queue)
     q.set_mode(fnfqueue.MAX_PAYLOAD, fnfqueue.COPY_META)
     q.set_maxlen(QUEUE_MAXLEN)

@@ -264,6 +264,9 @@ class Net:
             _run(["ip", "-n", ns, "addr", "add", f"{self.addr(key)}/24", "dev", IFACE])
             _run(["ip", "-n", ns, "link", "set", IFACE, "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            # a link's rate is what a long-lived connection (UCX keeps one per peer) gets: no return to
+            # slow start after each idle gap between two requests' transfers
+            _run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], ns=ns)
         # the client's end in the root namespace: a route to the /24 only, nothing forwarded
         _run(
             [
