@@ -322,6 +322,23 @@ def _endpoints(stack: Stack) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _network_lines(stack: Stack) -> str:
+    """The ready message's lines for a ``--hosts`` stack: its subnet and each link as asked and measured."""
+    if stack.net is None:
+        return ""
+    net = stack.net.to_json()
+    lines = [f"  network:              {net['subnet']}, namespaces kvl-{net['id']}-* (stack.json: network)\n"]
+    for link in net["links"]:
+        a, m = link["asked"], link["measured"] or {}
+        rate = f", {a['rate_bps'] / 1e6:g} Mbit/s" if a["rate_bps"] else ""
+        rtt, gp = m.get("rtt_s"), m.get("goodput_bps")
+        got = f"rtt {rtt * 1e3:.2f} ms" if rtt is not None else "rtt unknown (every echo lost)"
+        got += f", goodput {gp / 1e6:.0f} Mbit/s" if gp else ", goodput unknown"
+        name = f"link {link['src']}>{link['dst']}:"
+        lines.append(f"  {name:<22}asked {a['delay_s'] * 1e3:g} ms{rate}; measured {got}\n")
+    return "".join(lines)
+
+
 def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
     print(
         "\nkvlens stack is up "
@@ -329,6 +346,7 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
         f"{stack.prefill_instances}P x {stack.decode_instances}D{tp_note(stack.prefill_tp, stack.decode_tp)}, "
         f"{'stock' if args.stock else 'instrumented'} connector)\n"
         + _endpoints(stack)
+        + _network_lines(stack)
         + f"  model:                {stack.model}\n"
         f"  logs:                 {stack.log_dir}\n"
         + ("  API key:              required on /v1/* by P, D and the router\n" if stack.api_key else "")
