@@ -246,3 +246,22 @@ def test_sigkill_leaves_nothing(tmp_path, how):
     left = _gone(sid)
     assert left == {"namespaces": [], "veths": [], "pids": [], "delayers": []}, left
     assert not (netns.STATE_DIR / f"{sid}.json").exists()
+
+
+def test_missing_tools_named(monkeypatch):
+    """Not root, no ip/tc, no iptables-legacy, no fnfqueue: each a clear StackError (``kvlens up`` exits 2)."""
+    from kvlens.stack import netns
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(StackError, match="needs root"):
+        netns.check_tools(need_queue=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    real_which = netns.shutil.which
+    for tool, word in (("tc", "apt-get install iproute2"), ("iptables-legacy", "apt-get install iptables")):
+        monkeypatch.setattr(netns.shutil, "which", lambda t, path=None, _t=tool: None if t == _t else real_which(t))
+        with pytest.raises(StackError, match=word):
+            netns.check_tools(need_queue=False)
+    monkeypatch.setattr(netns.shutil, "which", lambda t, path=None: "/usr/sbin/" + t)
+    monkeypatch.setitem(sys.modules, "fnfqueue", None)  # import fails
+    with pytest.raises(StackError, match="fnfqueue"):
+        netns.check_tools(need_queue=True)
