@@ -14,7 +14,8 @@ the link is re-shaped between the steps and measured each time.
 3. A 200 Mbit/s rate and 2048-token prompts: kvlens' bandwidth figure
    within 15 % of the measured TCP goodput.
 4. After stop, and after SIGKILL of a ``kvlens up --hosts`` being started:
-   no namespace, veth, iptables rule (they live in the namespaces) or delayer.
+   no namespace, veth, iptables rule (they live in the namespaces) or delayer
+   (their command lines, from ``/proc`` as ``ps`` shows them).
 """
 
 from __future__ import annotations
@@ -91,6 +92,18 @@ def _phase_medians(traces) -> dict[str, float]:
     return {p: statistics.median(v + [0.0] * (n - len(v))) for p, v in per.items()}
 
 
+def delayers(word: str) -> list[str]:
+    """Command lines of the live delayers whose arguments contain ``word`` (``/proc``, as ``ps`` reads it)."""
+    from kvlens.stack.leftovers import cmdline
+
+    out = []
+    for d in os.listdir("/proc"):
+        argv = cmdline(int(d)) if d.isdigit() else None
+        if argv and "kvlens.stack.delayer" in argv and any(word in a for a in argv):
+            out.append(" ".join(argv))
+    return out
+
+
 def _tx_bytes(ns: str) -> int:
     return int(subprocess.check_output(["ip", "netns", "exec", ns, "cat", "/sys/class/net/kvl0/statistics/tx_bytes"]))
 
@@ -100,8 +113,7 @@ def _leftovers(sid: str, log_dir) -> dict:
     the root veth, processes inside, and its delayers (``ps``: their control files are in ``log_dir``)."""
     from kvlens.stack import netns
 
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-    return {**netns.objects(sid), "delayers": [x for x in ps if "kvlens.stack.delayer" in x and str(log_dir) in x]}
+    return {**netns.objects(sid), "delayers": delayers(str(log_dir))}
 
 
 def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvlens_home):

@@ -208,16 +208,21 @@ _SUPERVISOR = textwrap.dedent(
 )
 
 
-def _gone(sid: str, timeout: float = 40.0) -> dict:
+def _delayers(word: str) -> list[str]:
+    """Live delayers whose arguments contain ``word`` (``/proc``, what ``ps`` reads)."""
+    from kvlens.stack.leftovers import cmdline
+
+    argvs = [cmdline(int(d)) for d in os.listdir("/proc") if d.isdigit()]
+    return [" ".join(a) for a in argvs if a and "kvlens.stack.delayer" in a and any(word in x for x in a)]
+
+
+def _gone(sid: str, log_dir: Path, timeout: float = 40.0) -> dict:
     from kvlens.stack import netns
 
     deadline = time.monotonic() + timeout
     while True:
         obj = netns.objects(sid)
-        delayers = [
-            ln for ln in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-            if "kvlens.stack.delayer" in ln and str(sid) in ln
-        ]  # fmt: skip
+        delayers = _delayers(str(log_dir))
         if (not any(obj.values()) and not delayers) or time.monotonic() > deadline:
             return {**obj, "delayers": delayers}
         time.sleep(0.3)
@@ -236,14 +241,14 @@ def test_sigkill_leaves_nothing(tmp_path, how):
     )
     sid = sup.stdout.readline().strip()
     assert len(sid) == 6, sid
-    assert netns.objects(sid)["namespaces"]
+    assert netns.objects(sid)["namespaces"] and _delayers(str(tmp_path))
     sup.kill()
     sup.wait()
     if how == "leftover":
         time.sleep(1)  # the delayer's guard stops it; the namespaces stay
         assert netns.objects(sid)["namespaces"]
         assert sid in netns.remove_leftovers(lambda m: None)
-    left = _gone(sid)
+    left = _gone(sid, tmp_path)
     assert left == {"namespaces": [], "veths": [], "pids": [], "delayers": []}, left
     assert not (netns.STATE_DIR / f"{sid}.json").exists()
 
