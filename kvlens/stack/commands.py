@@ -208,11 +208,13 @@ def router_argv(
     port: int,
     modes: tuple[Sequence[str], Sequence[str]] | None = None,
     split: float | None = None,
+    side_hosts: Sequence[str] | None = None,
 ) -> list[str]:
     """Command line of one ``kvlens proxy`` in front of ``prefills`` ((URL,
     engine id, side-channel port[, TP size]) each, on ``host``) and
     ``decodes`` ((URL, engine id) each); the per-P flags pair with
-    ``--prefill`` by position. ``--prefill-tp-size`` goes to every P once any
+    ``--prefill`` by position; ``side_hosts``: each P's side-channel host
+    (default ``host`` for all). ``--prefill-tp-size`` goes to every P once any
     P runs more than one rank: overlapped push tells D each P's TP size.
     ``modes``: a mixed fleet's mode of each P and each D (every URL tagged
     ``push=`` / ``pull=``, no ``--mode``); ``split``: its push weight (None:
@@ -232,9 +234,10 @@ def router_argv(
         host,
         "--port",
         str(port),
-        "--prefill-side-host",
-        host,
     ]
+    hosts = list(side_hosts) if side_hosts and len(set(side_hosts)) > 1 else [side_hosts[0] if side_hosts else host]
+    for h in hosts:
+        argv += ["--prefill-side-host", h]
     any_tp = any(len(p) > 3 and p[3] > 1 for p in prefills)
     for (url, engine_id, side_port, *tp), tag in zip(prefills, tag_p):
         url = f"{tag}={url}" if tag else url

@@ -16,6 +16,7 @@ calling thread; ``start`` may take minutes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -27,7 +28,13 @@ from kvrecord import config as kvconfig
 from kvrecord.ports import DEFAULT_HOST
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
-from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, auth_headers, env_api_key
+from kvlens.stack.commands import (
+    DEFAULT_KV_LEASE_S,
+    DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
+    auth_headers,
+    base_env,
+    env_api_key,
+)
 from kvlens.stack.errors import StackError
 from kvlens.stack.extras import StackExtras
 from kvlens.stack.instances import (
@@ -39,6 +46,7 @@ from kvlens.stack.instances import (
     parse_routers,
     port_names,
 )
+from kvlens.stack.linkspec import parse_link, parse_links
 from kvlens.stack.preflight import preflight
 from kvlens.stack.roles import StackRoles
 from kvlens.stack.spinners import ProgressThreads, check_mode, resolve_mode
@@ -120,6 +128,10 @@ class Stack(StackRoles, StackExtras):
     connector_options: Mapping[str, Any] | None = None
     #: a mixed fleet's push weight at start (None: the router's default, 0.5)
     split: float | None = None
+    #: every role in its own network namespace (:mod:`kvlens.stack.netns`, docs/links.md); root only
+    hosts: bool = False
+    #: ``--link`` specs (:mod:`kvlens.stack.linkspec`): each direction's delay, jitter, rate, loss; needs ``hosts``
+    links: Sequence[str] = ()
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
@@ -135,6 +147,8 @@ class Stack(StackRoles, StackExtras):
     #: the modes (one, or push and pull: a mixed fleet) and the P and D count of each
     modes: tuple[str, ...] = field(default=(), init=False)
     per_mode: tuple[int, int] = field(default=(1, 1), init=False)
+    net: Any = field(default=None, repr=False)  #: the :class:`~kvlens.stack.netns.Net` of a ``hosts`` stack
+    _dead_delayers: set = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         self.modes = parse_modes(self.mode)
@@ -166,6 +180,11 @@ class Stack(StackRoles, StackExtras):
         if self.kv_load_failure_policy not in (None, "fail", "recompute"):
             raise StackError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
         self.routers = parse_routers(self.routers)
+        self._link_shapes = parse_links(self.links)  # StackError on a bad spec, before anything starts
+        if self._link_shapes and not self.hosts:
+            raise StackError("--link needs --hosts (the links join the roles' network namespaces)")
+        if self.hosts and "vllm-router" in self.routers:
+            raise StackError("--hosts runs kvlens' router only (vllm-router is not placed in a namespace)")
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
         self.api_key = self.api_key or env_api_key()
         check_routers(self.routers, self.mode, self.api_key, self.separate_homes, self.collector)
@@ -205,14 +224,24 @@ class Stack(StackRoles, StackExtras):
     def topology(self) -> Topology:
         return Topology(
             Path(self.kvlens_home),
-            self.host,
+            self.role_host("router"),
             int(self.port or 0),
             self.separate_homes,
             self.collector,
             self.collector_port,
             self.collector_store,
             kvlens_router="kvlens" in self.routers,
+            collector_host=self.role_host("collector"),
         )
+
+    def role_host(self, role: str, index: int = 0) -> str:
+        """The address ``role`` (prefill, decode, router, collector) binds
+        and is reached at: its namespace's on a ``hosts`` stack, else ``host``."""
+        if self.net is None:
+            return self.host
+        from kvlens.stack.netns import role_key
+
+        return self.net.addr(role_key(role, index))
 
     def _instance(self, role: str, index: int) -> Instance:
         if index == 0:
@@ -223,7 +252,7 @@ class Stack(StackRoles, StackExtras):
         name = child_name(role, index)
         pid = next((c.proc.pid for c in self.children if c.name == name and c.proc is not None), None)
         tp = (self.prefill_tp if role == "prefill" else self.decode_tp)[index]  # type: ignore[index]
-        return Instance(role, index, self.host, port, side, pid, tp, self.mode_of(role, index))
+        return Instance(role, index, self.role_host(role, index), port, side, pid, tp, self.mode_of(role, index))
 
     @property
     def prefills(self) -> list[Instance]:
@@ -259,11 +288,17 @@ class Stack(StackRoles, StackExtras):
         stopped and the error (StackError mostly) propagates."""
         t0 = time.monotonic()
         timeout = self.default_timeout_s if timeout is None else timeout
+        if self.hosts:  # before minutes of model generation or start-up
+            from kvlens.stack.netns import check_tools
+
+            check_tools(need_queue=bool(self._link_shapes))
         self.preflight()
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
         auth = auth_headers(self.api_key)
         try:
+            if self.hosts:
+                self._start_network(t0 + timeout)
             if self.separate_homes and self.collector == "process":
                 wait_healthy([self._spawn(self._collector())], t0 + timeout, self._say, auth)
             servers = [self._server(i.role, i.index) for i in [*self.prefills, *self.decodes]]
@@ -288,6 +323,82 @@ class Stack(StackRoles, StackExtras):
         self._write_manifest()
         self._say(f"ready in {self.startup_s:.0f}s")
         return self
+
+    def _start_network(self, deadline: float) -> None:
+        """Namespaces, the keeper that removes them (:func:`kvlens.stack.netns.keep`,
+        the first child: stopped last, and run by its guard when this process is
+        killed), a delayer per shaped direction, then the link probe."""
+        import sys
+
+        from kvlens.stack import netns
+
+        say = (lambda m: logger.warning(m)) if self.quiet else self._say
+        ipt = netns.check_tools(need_queue=bool(self._link_shapes))
+        netns.remove_leftovers(say)
+        keys = ["router"]
+        if self.separate_homes and self.collector == "process":
+            keys.append("collector")
+        keys += [f"p{i}" for i in range(self.prefill_instances)] + [f"d{i}" for i in range(self.decode_instances)]
+        self.net = netns.Net.create(keys, ipt, Path(self.log_dir))
+        keeper = [sys.executable, "-m", "kvlens.stack.netns", "keep", self.net.sid]
+        self._spawn(self._child("netns", keeper, base_env(Path(self.kvlens_home)), ""))
+        for (src, dst), shape in netns.expand(self._link_shapes, keys).items():
+            d = self.net.add_direction(src, dst, shape)
+            self._spawn(
+                self._child(f"delay-{src}-{dst}", self.net.delayer_argv(d), base_env(Path(self.kvlens_home)), "")
+            )
+        for d in self.net.directions.values():
+            while not self.net.queue_bound(d):
+                dead = self.dead_child(delayers=True)
+                if dead is not None:
+                    raise StackError(dead.died_message())
+                if time.monotonic() > deadline:
+                    raise StackError(f"the delayer of {d.src}>{d.dst} did not bind nfqueue {d.queue}")
+                time.sleep(0.1)
+        self._say(f"network {self.net.sid}: {len(keys)} namespaces on 198.18.{self.net.third}.0/24")
+        self.probe_links()
+
+    def probe_links(self) -> list[dict]:
+        """Measure every shaped direction (:meth:`kvlens.stack.netns.Net.probe`), record it in ``stack.json``."""
+        for d in self.net.directions.values():
+            m = self.net.probe(d)
+            gp = m.get("goodput_bps")
+            self._say(
+                f"link {d.src}>{d.dst}: asked {d.shape.delay_s * 1e3:g} ms"
+                f"{f', {d.shape.rate_bps / 1e6:g} Mbit/s' if d.shape.rate_bps else ''}; measured round trip "
+                f"{m['rtt_s'] * 1e3:.2f} ms, goodput {gp / 1e6 if gp else float('nan'):.0f} Mbit/s"
+            )
+        self._write_manifest()
+        return self.net.to_json()["links"]
+
+    def reshape(self, spec: str, probe: bool = True) -> list[dict]:
+        """Change shaped directions of a running ``hosts`` stack (``p-d=20ms,200mbit``;
+        only directions it started with), then measure them again."""
+        from kvlens.stack import netns
+
+        if self.net is None:
+            raise StackError("reshape needs a --hosts stack")
+        for sp in parse_link(spec):
+            for src, dst in netns.expand({(sp.src, sp.dst): sp.shape}, self.net.keys):
+                if (src, dst) not in self.net.directions:
+                    raise StackError(f"reshape: {src}>{dst} was not shaped when the stack started")
+                self.net.reshape(src, dst, sp.shape)
+        return self.probe_links() if probe else self.net.to_json()["links"]
+
+    def delayer_cpu_s(self) -> dict[str, float | None]:
+        """CPU seconds (user + system) each delayer used so far (None: gone)."""
+        out = {}
+        for c in self.children:
+            if not c.name.startswith("delay-") or c.proc is None:
+                continue
+            try:
+                import psutil
+
+                procs = [psutil.Process(c.proc.pid), *psutil.Process(c.proc.pid).children(recursive=True)]
+                out[c.name] = sum(sum(p.cpu_times()[:2]) for p in procs)
+            except Exception:
+                out[c.name] = None
+        return out
 
     def _start_servers(self, servers: list[Child], deadline: float, auth: Mapping[str, str]) -> None:
         """Spawn P and D in waves (largest TP first, :func:`~kvlens.stack.tp.start_waves`),
@@ -353,11 +464,28 @@ class Stack(StackRoles, StackExtras):
         return self.topology.collector_url
 
     # ---------------------------------------------------------- run, stop
-    def dead_child(self) -> Child | None:
+    def dead_child(self, delayers: bool = False) -> Child | None:
+        """The first child that exited. A link delayer's death is not the
+        stack's (``delayers`` False): its packets then pass undelayed
+        (``--queue-bypass``), which is said loudly, once, and recorded in ``stack.json``."""
         for c in self.children:
             if c.proc is not None and c.proc.poll() is not None:
+                if c.name.startswith("delay-") and not delayers:
+                    if c.name not in self._dead_delayers:
+                        self._dead_delayers.add(c.name)
+                        logger.error("%s", self.delayer_death(c))
+                        if not self.quiet:
+                            print(f"kvlens up: WARNING: {self.delayer_death(c)}", flush=True)
+                        self._write_manifest()
+                    continue
                 return c
         return None
+
+    def delayer_death(self, c: Child) -> str:
+        return (
+            f"link delayer {c.name} died (exit {c.proc.returncode}): its packets now pass UNDELAYED, the link "
+            f"is no longer what was asked; log {c.log}"
+        )
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children if c.proc is not None]
@@ -370,9 +498,16 @@ class Stack(StackRoles, StackExtras):
             finally:
                 self.prometheus_server = None
         if self.children:
+            if self.net is not None:
+                with contextlib.suppress(Exception):
+                    self._write_manifest()  # the delayers' CPU, while they run
             stop_children(list(reversed(self.children)))
             self._say("stopped")
         self.children = []
+        if self.net is not None:
+            from kvlens.stack import netns
+
+            netns.teardown(self.net.sid, kill=True)  # the keeper did it; a second time costs nothing
 
     def manifest(self) -> dict:
         """What ``stack.json`` holds (:func:`kvlens.stack.manifest.manifest`)."""

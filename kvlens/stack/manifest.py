@@ -69,6 +69,22 @@ def manifest(stack) -> dict:
         # NIXL's spinning progress threads: what was demoted, per server (kvlens.stack.spinners)
         "nixl_progress": stack.progress.to_json() if stack.progress is not None else {"mode": stack.nixl_progress},
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **_network(stack),
+    }
+
+
+def _network(stack) -> dict:
+    """``network`` of a ``kvlens up --hosts`` stack (:meth:`kvlens.stack.netns.Net.to_json`:
+    namespaces, addresses, each link asked and measured) with the delayers' CPU and deaths."""
+    net = getattr(stack, "net", None)
+    if net is None:
+        return {}
+    return {
+        "network": {
+            **net.to_json(),
+            "delayer_cpu_s": stack.delayer_cpu_s(),
+            "delayers_dead": sorted(stack._dead_delayers),
+        }
     }
 
 

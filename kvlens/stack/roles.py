@@ -52,9 +52,24 @@ class StackRoles:
     ``topology``, ``_instance``, ``prefills`` / ``decodes`` and ``_env``)
     that build its children."""
 
-    def _child(self, name: str, argv: list[str], env: dict[str, str], url: str) -> Child:
-        """A child logging to ``<log_dir>/<name>.log``, run from the repository root."""
+    def _child(self, name: str, argv: list[str], env: dict[str, str], url: str, key: str | None = None) -> Child:
+        """A child logging to ``<log_dir>/<name>.log``, run from the repository
+        root; on a ``hosts`` stack in the network namespace of ``key`` (``p0``,
+        ``router``, ...: ``ip netns exec`` execs the command in place, so the
+        pid and its process group stay the child's)."""
+        if key is not None and self.net is not None:
+            argv = ["ip", "netns", "exec", self.net.ns(key), *argv]
         return Child(name, argv, env, Path(self.log_dir) / f"{name}.log", url, cwd=str(REPO_ROOT))
+
+    def _net_env(self) -> dict[str, str]:
+        """On a ``hosts`` stack: UCX (NIXL's transport) over TCP on the
+        namespace's veth only. Left to itself UCX picks shared memory or
+        CMA between processes of one machine, and the link would be bypassed."""
+        if self.net is None:
+            return {}
+        from kvlens.stack.netns import IFACE
+
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": IFACE}
 
     def _server(self, role: str, index: int = 0) -> Child:
         """The ``index``-th P or D: its own HTTP and side-channel ports,
@@ -71,12 +86,13 @@ class StackRoles:
         env = server_env(
             base_env(home),
             role == "prefill",
-            self.host,
+            inst.host,
             inst.side_port,
             prom,
             self._env(
                 role,
                 {
+                    **self._net_env(),
                     **topo.server_env(role),
                     **otlp_token_env(topo, {**os.environ, **self._env(role)}),
                     **api_key_env(self.api_key),
@@ -98,9 +114,9 @@ class StackRoles:
             options,
         )
         argv = vllm_argv(
-            Path(self.model), self.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
+            Path(self.model), inst.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
         )
-        return self._child(inst.name, argv, env, inst.url)
+        return self._child(inst.name, argv, env, inst.url, inst.engine_id)
 
     def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
         topo = self.topology
@@ -109,10 +125,11 @@ class StackRoles:
             [(d.url, d.engine_id) for d in self.decodes],
             self.mode,
             dispatch,
-            self.host,
+            self.role_host("router"),
             port,
             modes=([p.mode for p in self.prefills], [d.mode for d in self.decodes]) if self.mixed else None,
             split=self.split,
+            side_hosts=[p.host for p in self.prefills],
         )
         # only the main router hosts the receiver (``--collect``); extra routers export to it
         hosts_receiver = name == "router"
@@ -125,7 +142,7 @@ class StackRoles:
         if topo.separate and topo.collector == "router" and not hosts_receiver:
             extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": str(topo.collector_url), "KVLENS_HANDOFF_FROM": "off"}
         env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
-        return self._child(name, argv, env, f"http://{self.host}:{port}")
+        return self._child(name, argv, env, f"http://{self.role_host('router')}:{port}", "router")
 
     def _vllm_router(self) -> Child:
         """vLLM's own router in front of every P and D (pull only; a StackError
@@ -148,7 +165,7 @@ class StackRoles:
         env = base_env(topo.home_for("collector"))
         # the store's password (if its URL has one) in the environment: ps shows argv
         env.update(self._env("collector", {**topo.collector_env(), **topo.store.password_env()}))
-        argv = collector_argv(self.host, int(self.collector_port), topo.store)
+        argv = collector_argv(self.role_host("collector"), int(self.collector_port), topo.store)
         if self.insecure:
             argv.append("--insecure")
-        return self._child("collector", argv, env, str(topo.collector_url))
+        return self._child("collector", argv, env, str(topo.collector_url), "collector")

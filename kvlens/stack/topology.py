@@ -42,7 +42,7 @@ COLLECTORS = ("process", "router")
 @dataclass(frozen=True)
 class Topology:
     home: Path
-    host: str
+    host: str  #: the router's address (and everyone's, but for ``collector_host``)
     router_port: int
     separate: bool = False
     collector: str = "process"
@@ -52,6 +52,8 @@ class Topology:
     collector_store: StoreLocation | str | None = None
     #: whether kvlens' own router runs (else only another router, e.g. vLLM's)
     kvlens_router: bool = True
+    #: the collector process's address when not ``host`` (``kvlens up --hosts``: its namespace's)
+    collector_host: str | None = None
 
     def home_for(self, role: str) -> Path:
         """The ``KVLENS_HOME`` of ``role`` (prefill, decode, router, collector)."""
@@ -62,8 +64,9 @@ class Topology:
         """Base URL of the OTLP receiver (None on one host)."""
         if not self.separate:
             return None
-        port = self.router_port if self.collector == "router" else self.collector_port
-        return f"http://{self.host}:{port}"
+        if self.collector == "router":
+            return f"http://{self.host}:{self.router_port}"
+        return f"http://{self.collector_host or self.host}:{self.collector_port}"
 
     @property
     def traces_url(self) -> str | None:

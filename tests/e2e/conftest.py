@@ -238,9 +238,22 @@ def fleet_push_stack(stack_factory, fleet_pg_url):
 
 
 @pytest.fixture
-def fleet_pull_stack(stack_factory):
-    """ "Three hosts" pull: separate homes, receiver in the router, D's clock -0.25 s."""
-    return stack_factory.get("pull", **fleet_stack_kw("pull"))
+def links_stack(stack_factory):
+    """ "Three hosts" pull on real links (docs/links.md): every role in its own
+    network namespace (``hosts``), separate homes, receiver in the router, D's
+    clock -0.25 s, and P<->D through a delayer (no delay at start; the test
+    re-shapes it). It replaced the loopback "three hosts" pull stack: its
+    checks run on this one (tests/e2e/test_e2e_links.py)."""
+    from kvlens.stack.errors import StackError
+    from kvlens.stack.netns import check_tools
+
+    if os.geteuid() != 0:
+        pytest.skip("--hosts needs root")
+    try:
+        check_tools(need_queue=True)
+    except StackError as e:
+        pytest.skip(str(e))
+    return stack_factory.get("pull", hosts=True, links=("p-d=0ms",), **fleet_stack_kw("pull"))
 
 
 @pytest.fixture
@@ -281,8 +294,7 @@ def tp_stack(request, stack_factory):
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
 # the e2e tests grouped by the stack they need, so each pair starts once:
 # stock push, instrumented push, fleet push, stock pull, the fault pairs
-# (push, then pull),
-# fleet pull, instrumented pull,
+# (push, then pull), fleet pull on real links, instrumented pull,
 # then the tests that drive stacks themselves (bench grid: pull, reusing the
 # pull pair, then push; demo; SIGTERM).
 _STACK_ORDER = (
@@ -292,7 +304,7 @@ _STACK_ORDER = (
     "stock_pull_stack",
     "fault_push_stack",
     "fault_pull_stack",
-    "fleet_pull_stack",
+    "links_stack",
     "pull_stack",
     "xpyd_stacks",
     "tp_stack",

@@ -1,0 +1,458 @@
+"""The network of ``kvlens up --hosts`` (docs/links.md): one network
+namespace per role, veths on a bridge, 198.18.0.0/15 addresses (RFC 2544,
+benchmarking), no route out, and the shaped directions of ``--link``.
+
+Layout of a stack with id ``ID`` (6 hex digits, every name carries it, so
+cleanup only ever removes this module's own objects):
+
+* namespace ``kvl-ID-br`` holds the bridge ``br`` and one veth end per role
+  (the host's root namespace gets no bridge);
+* namespace ``kvl-ID-<role>`` per role (``router``, ``collector``, ``p0``,
+  ``d0``, ...), with its veth end renamed ``kvl0`` and one address in
+  ``198.18.N.0/24`` (``N`` picked per stack), and no default route;
+* one veth ``kvlIDh`` in the root namespace (the client's end: the stack's
+  health checks, tests and ``kvlens bench`` reach the router there; its route
+  covers the /24 only);
+* per delayed direction an ``iptables-legacy`` NFQUEUE rule in the sending
+  namespace and a delayer process (:mod:`kvlens.stack.delayer`), per rate an
+  htb class with a ``tbf`` leaf and a u32 filter on the destination, per
+  loss a ``statistic`` DROP rule.
+
+Everything lives in namespaces except the root veth, so :func:`teardown`
+deletes the namespaces and that veth (iptables rules and qdiscs go with
+their namespace); delayers are stopped by their supervisor (or their guard).
+A stack records its owner in ``/run/kvlens-netns/ID.json``;
+:func:`remove_leftovers` removes the objects of every id whose owner is gone.
+
+Blocking subprocess calls on the calling thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kvlens.stack.errors import StackError
+from kvlens.stack.leftovers import cmdline
+from kvlens.stack.linkspec import Shape
+
+STATE_DIR = Path("/run/kvlens-netns")
+IFACE = "kvl0"  #: a role's interface, in its own namespace
+_ID = re.compile(r"^kvl-([0-9a-f]{6})-")
+_ROOT_VETH = re.compile(r"^kvl([0-9a-f]{6})h$")
+HOST_OCTET = 254
+#: How long the keeper waits for the processes in its namespaces to exit before it kills them
+#: (below the guard's grace, kvrecord.children.GUARD_GRACE_S).
+KEEP_WAIT_S = 10.0
+ROLE_OCTETS = {"router": 1, "collector": 2}
+FIRST_P, FIRST_D = 10, 40
+
+
+def role_key(role: str, index: int = 0) -> str:
+    """``p0``, ``d1``, ``router``, ``collector`` for a role (prefill/decode take an index)."""
+    return {"prefill": f"p{index}", "decode": f"d{index}"}.get(role, role)
+
+
+def octet(key: str) -> int:
+    if key in ROLE_OCTETS:
+        return ROLE_OCTETS[key]
+    if key == "client":
+        return HOST_OCTET
+    return (FIRST_P if key[0] == "p" else FIRST_D) + int(key[1:])
+
+
+def _run(argv: list[str], check: bool = True, ns: str | None = None) -> subprocess.CompletedProcess:
+    if ns is not None:
+        argv = ["ip", "netns", "exec", ns, *argv]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise StackError(f"--hosts: `{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
+    return r
+
+
+def iptables_cmd() -> str | None:
+    """``iptables-legacy`` when installed (its NFQUEUE target is what this kernel has), else None."""
+    return shutil.which("iptables-legacy") or shutil.which("iptables-legacy", path="/usr/sbin:/sbin")
+
+
+def check_tools(need_queue: bool) -> str:
+    """Root, ``ip``, ``tc``, ``iptables-legacy`` and (with delayed links)
+    ``fnfqueue``; returns the iptables program. StackError naming what is missing."""
+    if os.geteuid() != 0:
+        raise StackError("--hosts needs root (network namespaces, veths, qdiscs and iptables rules)")
+    path = os.environ.get("PATH", os.defpath) + ":/usr/sbin:/sbin"
+    for tool, pkg in (("ip", "iproute2"), ("tc", "iproute2")):
+        if shutil.which(tool, path=path) is None:
+            raise StackError(f"--hosts needs `{tool}`: apt-get install {pkg} (make setup does it)")
+    ipt = iptables_cmd()
+    if ipt is None:
+        raise StackError("--hosts needs `iptables-legacy`: apt-get install iptables (make setup does it)")
+    if need_queue:
+        try:
+            import fnfqueue  # noqa: F401
+        except ImportError:
+            raise StackError("--link with a delay needs the Python package fnfqueue: pip install 'kvlens[links]'")
+    return ipt
+
+
+def expand(links: dict, keys: list[str]) -> dict[tuple[str, str], Shape]:
+    """``--link`` directions between roles (``p``, ``d``, ...) as directions
+    between this stack's namespaces (``p0``, ``d1``, ...): ``p`` is every P.
+    StackError for a role the stack does not run (``collector`` without one)."""
+
+    def ends(role: str) -> list[str]:
+        if role in ("p", "d"):
+            return [k for k in keys if re.fullmatch(role + r"\d+", k)]
+        if role == "client" or role in keys:
+            return [role]
+        raise StackError(f"--link names {role}, which this stack does not run in a namespace of its own")
+
+    return {(a, b): shape for (src, dst), shape in links.items() for a in ends(src) for b in ends(dst)}
+
+
+def _owner_alive(rec: dict) -> bool:
+    pid = rec.get("pid")
+    return bool(pid) and cmdline(pid) == rec.get("cmdline")
+
+
+def stack_ids() -> set[str]:
+    """Ids of every stack whose namespaces or root veth exist now."""
+    ids = set()
+    r = _run(["ip", "netns", "list"], check=False)
+    for line in r.stdout.splitlines():
+        if m := _ID.match(line.split()[0] if line.split() else ""):
+            ids.add(m.group(1))
+    r = _run(["ip", "-o", "link", "show"], check=False)
+    for line in r.stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        if m := _ROOT_VETH.match(name):
+            ids.add(m.group(1))
+    ids |= {p.stem for p in STATE_DIR.glob("*.json")} if STATE_DIR.is_dir() else set()
+    return ids
+
+
+def objects(sid: str) -> dict[str, list[str]]:
+    """What of stack ``sid`` exists now: namespaces, root veths, processes in its namespaces."""
+    r = _run(["ip", "netns", "list"], check=False)
+    ns = [ln.split()[0] for ln in r.stdout.splitlines() if ln.startswith(f"kvl-{sid}-")]
+    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+    veths = [f"kvl{sid}h"] if f" kvl{sid}h" in links or f" kvl{sid}h@" in links else []
+    pids = []
+    for n in ns:
+        pids += _run(["ip", "netns", "pids", n], check=False).stdout.split()
+    return {"namespaces": ns, "veths": veths, "pids": pids}
+
+
+def teardown(sid: str, kill: bool = False) -> None:
+    """Remove stack ``sid``'s namespaces, root veth and owner record
+    (``kill``: SIGKILL processes still inside its namespaces first: a
+    crashed stack's delayers). Idempotent; never touches another id."""
+    if not re.fullmatch(r"[0-9a-f]{6}", sid):
+        raise ValueError(f"not a kvlens stack id: {sid!r}")
+    obj = objects(sid)
+    if kill:
+        for pid in obj["pids"]:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+    for n in obj["namespaces"]:
+        _run(["ip", "netns", "del", n], check=False)
+    for v in obj["veths"]:
+        _run(["ip", "link", "del", v], check=False)
+    with contextlib.suppress(OSError):
+        (STATE_DIR / f"{sid}.json").unlink()
+
+
+def remove_leftovers(say: Callable[[str], None] = print) -> list[str]:
+    """Tear down every stack id whose owner process is gone (a crash the
+    guard could not clean up after); returns the ids removed."""
+    gone = []
+    for sid in sorted(stack_ids()):
+        try:
+            rec = json.loads((STATE_DIR / f"{sid}.json").read_text())
+        except (OSError, ValueError):
+            rec = {}
+        if _owner_alive(rec):
+            continue
+        say(f"removing the network namespaces of an earlier --hosts stack {sid} (its kvlens is gone)")
+        teardown(sid, kill=True)
+        gone.append(sid)
+    return gone
+
+
+def _subnet_free(third: int) -> bool:
+    out = _run(["ip", "-4", "route", "show"], check=False).stdout
+    return f"198.18.{third}." not in out
+
+
+@dataclass
+class Direction:
+    """One shaped direction from namespace of ``src`` to the address of ``dst``."""
+
+    src: str  #: role key (p0, router, client, ...)
+    dst: str
+    shape: Shape
+    queue: int
+    control: Path
+    classid: int
+    measured: dict | None = None
+
+
+@dataclass
+class Net:
+    """The namespaces of one stack (module docstring). :meth:`create` then
+    :meth:`shape` per direction; :func:`teardown` removes them."""
+
+    sid: str
+    keys: list[str]  #: role keys with a namespace of their own
+    third: int  #: 198.18.<third>.0/24
+    ipt: str = "iptables-legacy"
+    state: Path = STATE_DIR
+    directions: dict[tuple[str, str], Direction] = field(default_factory=dict)
+    _htb: set = field(default_factory=set)
+
+    @classmethod
+    def create(cls, keys: list[str], ipt: str, workdir: Path) -> "Net":
+        """Make the namespaces, bridge, veths and addresses (module docstring)."""
+        sid = secrets.token_hex(3)
+        third = next((t for t in (secrets.randbelow(250) + 2 for _ in range(50)) if _subnet_free(t)), None)
+        if third is None:
+            raise StackError("--hosts: found no free 198.18.x.0/24 for the stack's namespaces")
+        net = cls(sid, list(keys), third, ipt)
+        net.workdir = Path(workdir)
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        (STATE_DIR / f"{sid}.json").write_text(
+            json.dumps({"pid": os.getpid(), "cmdline": cmdline(os.getpid()), "keys": keys})
+        )
+        try:
+            net._build()
+        except BaseException:
+            teardown(sid, kill=True)
+            raise
+        return net
+
+    def ns(self, key: str) -> str:
+        return f"kvl-{self.sid}-{'br' if key == 'bridge' else key}"
+
+    def addr(self, key: str) -> str:
+        return f"198.18.{self.third}.{octet(key)}"
+
+    @property
+    def host_veth(self) -> str:
+        return f"kvl{self.sid}h"
+
+    def _build(self) -> None:
+        br = self.ns("bridge")
+        _run(["ip", "netns", "add", br])
+        _run(["ip", "-n", br, "link", "add", "name", "kvlbr", "type", "bridge"])
+        _run(["ip", "-n", br, "link", "set", "kvlbr", "up"])
+        for key in self.keys:
+            ns = self.ns(key)
+            _run(["ip", "netns", "add", ns])
+            _run(["ip", "-n", br, "link", "add", "name", key, "type", "veth", "peer", "name", IFACE, "netns", ns])
+            _run(["ip", "-n", br, "link", "set", key, "master", "kvlbr", "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addr(key)}/24", "dev", IFACE])
+            _run(["ip", "-n", ns, "link", "set", IFACE, "up"])
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            # a link's rate is what a long-lived connection (UCX keeps one per peer) gets: no return to
+            # slow start after each idle gap between two requests' transfers
+            _run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], ns=ns)
+        # the client's end in the root namespace: a route to the /24 only, nothing forwarded
+        _run(
+            [
+                "ip",
+                "-n",
+                br,
+                "link",
+                "add",
+                "name",
+                "client",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.host_veth,
+                "netns",
+                "1",
+            ]
+        )
+        _run(["ip", "-n", br, "link", "set", "client", "master", "kvlbr", "up"])
+        _run(["ip", "addr", "add", f"{self.addr('client')}/24", "dev", self.host_veth])
+        _run(["ip", "link", "set", self.host_veth, "up"])
+
+    # ------------------------------------------------------------ shaping
+    def src_ns(self, key: str) -> str | None:
+        """The namespace a direction from ``key`` is shaped in (None: the root's, the client's)."""
+        return None if key == "client" else self.ns(key)
+
+    def _dev(self, key: str) -> str:
+        return self.host_veth if key == "client" else IFACE
+
+    def add_direction(self, src: str, dst: str, shape: Shape) -> Direction:
+        """Install the rules of one direction (delay queue, rate, loss). The
+        delayer itself is the caller's child (:meth:`delayer_argv`)."""
+        n = len(self.directions) + 1
+        d = Direction(src, dst, shape, n, Path(self.workdir) / f"link-{src}-{dst}.json", 10 + n)
+        self.directions[(src, dst)] = d
+        d.control.write_text(json.dumps({"delay_s": shape.delay_s, "jitter_s": shape.jitter_s}))
+        ns = self.src_ns(src)
+        # loss first: a dropped packet never waits in the delayer
+        _run([self.ipt, "-w", "-I", "OUTPUT", "1", *self._loss_rule(d, shape.loss)], ns=ns)
+        # the delay where the packet arrives: a packet held on the sender's side still counts against its
+        # socket (TCP small queues), which then sends 2 packets per delay: 2 Mbit/s at 20 ms (measured)
+        qns, qmatch = self.queue_ns(d), self._queue_match(d)
+        _run([self.ipt, "-w", "-A", qmatch[0], *qmatch[1:], "-j", "NFQUEUE", "--queue-num", str(d.queue),
+              "--queue-bypass", "-m", "comment", "--comment", f"kvl-{self.sid}"], ns=qns)  # fmt: skip
+        self._rate(d)
+        return d
+
+    def queue_ns(self, d: Direction) -> str | None:
+        """Where ``d``'s delayer runs: the receiving namespace (INPUT), except
+        toward the client, whose root namespace kvlens leaves alone (then the
+        sender's OUTPUT, where TCP small queues slow a long transfer)."""
+        return self.src_ns(d.src) if d.dst == "client" else self.ns(d.dst)
+
+    def _queue_match(self, d: Direction) -> list[str]:
+        if d.dst == "client":
+            return ["OUTPUT", "-o", self._dev(d.src), "-d", self.addr(d.dst)]
+        return ["INPUT", "-i", IFACE, "-s", self.addr(d.src), "-d", self.addr(d.dst)]
+
+    def _rate(self, d: Direction) -> None:
+        ns, dev = self.src_ns(d.src), self._dev(d.src)
+        nsarg = ["-n", ns] if ns else []
+        rate = d.shape.rate_bps
+        if rate is None and (ns, dev) not in self._htb:
+            return
+        if (ns, dev) not in self._htb:
+            _run(["tc", *nsarg, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
+            _run(["tc", *nsarg, "class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+                  "rate", "100gbit"])  # fmt: skip
+            self._htb.add((ns, dev))
+        cls = f"1:{d.classid}"
+        if not getattr(d, "_filtered", False):
+            _run(["tc", *nsarg, "class", "replace", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate",
+                  "100gbit"])  # fmt: skip
+            _run(["tc", *nsarg, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+                  "match", "ip", "dst", f"{self.addr(d.dst)}/32", "flowid", cls])  # fmt: skip
+            d._filtered = True  # type: ignore[attr-defined]
+        leaf = ["tc", *nsarg, "qdisc", "replace", "dev", dev, "parent", cls, "handle", f"{d.classid}:"]
+        if rate is None:  # the class's default leaf again (htb's own, at 100gbit)
+            _run(["tc", *nsarg, "qdisc", "del", "dev", dev, "parent", cls], check=False)
+        else:
+            _run([*leaf, "tbf", "rate", f"{int(rate)}bit", "burst", "64kb", "latency", "200ms"])
+
+    def reshape(self, src: str, dst: str, shape: Shape) -> None:
+        """Change a direction installed by :meth:`add_direction`: the
+        delayer re-reads its control file, tbf and the loss rule are replaced."""
+        d = self.directions[(src, dst)]
+        old = d.shape
+        d.shape, d.measured = shape, None
+        tmp = d.control.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"delay_s": shape.delay_s, "jitter_s": shape.jitter_s}))
+        tmp.replace(d.control)
+        ns = self.src_ns(src)
+        _run([self.ipt, "-w", "-D", "OUTPUT", *self._loss_rule(d, old.loss)], ns=ns)
+        _run([self.ipt, "-w", "-I", "OUTPUT", "1", *self._loss_rule(d, shape.loss)], ns=ns)
+        self._rate(d)
+        time.sleep(0.5)  # the delayer polls its control file every 0.2 s
+
+    def _loss_rule(self, d: Direction, loss: float) -> list[str]:
+        return ["-o", self._dev(d.src), "-d", self.addr(d.dst), "-m", "statistic", "--mode", "random",
+                "--probability", f"{loss:.6f}", "-j", "DROP", "-m", "comment", "--comment", f"kvl-{self.sid}"]  # fmt: skip
+
+    def delayer_argv(self, d: Direction) -> list[str]:
+        argv = [sys.executable, "-m", "kvlens.stack.delayer", "--queue", str(d.queue), "--control", str(d.control)]
+        ns = self.queue_ns(d)
+        return ["ip", "netns", "exec", ns, *argv] if ns else argv
+
+    def queue_bound(self, d: Direction) -> bool:
+        """Whether a process reads ``d``'s nfqueue now (/proc/net/netfilter/nfnetlink_queue of its namespace)."""
+        r = _run(["cat", "/proc/net/netfilter/nfnetlink_queue"], check=False, ns=self.queue_ns(d))
+        return any(line.split()[:1] == [str(d.queue)] for line in r.stdout.splitlines())
+
+    # ------------------------------------------------------------ probing
+    def probe(self, d: Direction, port: int = 47999) -> dict:
+        """Round trip (UDP echo) and goodput (TCP) from ``d.src`` to ``d.dst``."""
+        mod = [sys.executable, "-m", "kvlens.stack.linkprobe"]
+        dst_ns = self.src_ns(d.dst)
+        serve = ["ip", "netns", "exec", dst_ns, *mod] if dst_ns else mod
+        env = dict(os.environ)
+        srv = subprocess.Popen([*serve, "serve", self.addr(d.dst), str(port)], stdout=subprocess.PIPE, text=True,
+                               env=env)  # fmt: skip
+        try:
+            if srv.stdout.readline().strip() != "ready":
+                raise StackError(f"--hosts: the link probe's server in {dst_ns} did not start")
+            src_ns = self.src_ns(d.src)
+            cli = ["ip", "netns", "exec", src_ns, *mod] if src_ns else mod
+            r = subprocess.run([*cli, "client", self.addr(d.dst), str(port)], capture_output=True, text=True,
+                               timeout=60, env=env)  # fmt: skip
+            if r.returncode != 0:
+                raise StackError(f"--hosts: the link probe {d.src}>{d.dst} failed: {r.stderr.strip()[-500:]}")
+            d.measured = json.loads(r.stdout.strip().splitlines()[-1])
+        finally:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                srv.wait(10)
+            if srv.poll() is None:
+                srv.kill()
+                srv.wait()
+        return d.measured
+
+    def to_json(self) -> dict:
+        """``stack.json``'s ``network``: names, addresses, asked and measured links."""
+        links = []
+        for d in self.directions.values():
+            back = self.directions.get((d.dst, d.src))
+            asked_rtt = d.shape.delay_s + (back.shape.delay_s if back else 0.0)
+            links.append(
+                {
+                    "src": d.src,
+                    "dst": d.dst,
+                    "asked": {**d.shape.to_json(), "rtt_s": asked_rtt},
+                    "measured": d.measured,
+                    "nfqueue": d.queue,
+                }
+            )
+        return {
+            "id": self.sid,
+            "subnet": f"198.18.{self.third}.0/24",
+            "bridge_namespace": self.ns("bridge"),
+            "namespaces": {k: self.ns(k) for k in self.keys},
+            "addresses": {k: self.addr(k) for k in [*self.keys, "client"]},
+            "client_veth": self.host_veth,
+            "links": links,
+        }
+
+
+def keep(sid: str) -> int:
+    """``python -m kvlens.stack.netns keep ID``: wait for SIGTERM / SIGINT /
+    SIGHUP (the stack's stop, or the guard after the supervisor died), then
+    :func:`teardown` the stack's network. Runs as the stack's first child."""
+    sigs = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    print(f"netns keeper of stack {sid} (pid {os.getpid()})", flush=True)
+    signal.sigwait(sigs)
+    end = time.monotonic() + KEEP_WAIT_S  # the stack's servers stop meanwhile: let them exit cleanly first
+    while objects(sid)["pids"] and time.monotonic() < end:
+        time.sleep(0.2)
+    teardown(sid, kill=True)
+    print(f"removed the network of stack {sid}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["keep"]:
+        sys.exit(keep(sys.argv[2]))
+    if sys.argv[1:2] == ["cleanup"]:
+        print(remove_leftovers())
+        sys.exit(0)
+    sys.exit("usage: python -m kvlens.stack.netns keep ID | cleanup")
