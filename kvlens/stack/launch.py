@@ -7,7 +7,8 @@ when their TP sizes differ) and then the routers (command
 lines from :mod:`kvlens.stack.commands`), waits for health, re-pins the
 workers' CPUs (:mod:`kvlens.stack.pinning`), warms every instance up and
 writes ``stack.json`` (:mod:`kvlens.stack.manifest`, at each child's start
-too: :mod:`kvlens.stack.leftovers` reads it). With
+too: :mod:`kvlens.stack.leftovers` reads it). A ``hosts`` stack's network
+and links are its mixin :class:`~kvlens.stack.netstack.StackNetwork`'s. With
 an API key, P, D and the router require it and the stack's calls send it.
 Tests and the benchmark start a stack in-process with it
 (``with Stack("push") as s: ... s.router_url``). Its methods block the
@@ -16,7 +17,6 @@ calling thread; ``start`` may take minutes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -28,13 +28,7 @@ from kvrecord import config as kvconfig
 from kvrecord.ports import DEFAULT_HOST
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
-from kvlens.stack.commands import (
-    DEFAULT_KV_LEASE_S,
-    DEFAULT_PUSH_REGISTRATION_TIMEOUT_S,
-    auth_headers,
-    base_env,
-    env_api_key,
-)
+from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, auth_headers, env_api_key
 from kvlens.stack.errors import StackError
 from kvlens.stack.extras import StackExtras
 from kvlens.stack.instances import (
@@ -46,30 +40,21 @@ from kvlens.stack.instances import (
     parse_routers,
     port_names,
 )
-from kvlens.stack.linkspec import parse_link, parse_links
+from kvlens.stack.netstack import StackNetwork
 from kvlens.stack.preflight import preflight
 from kvlens.stack.roles import StackRoles
 from kvlens.stack.spinners import ProgressThreads, check_mode, resolve_mode
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
-from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, start_waves, startup_timeout_s, tp_note
+from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, per_mode_tp, start_waves
+from kvlens.stack.tp import startup_timeout_s, tp_note
 from kvlens.stack.warmup import warm_up
 
 logger = logging.getLogger("kvlens.up")
 
 
-def _per_mode_tp(value: int | Sequence[int], n: int, k: int) -> int | tuple[int, ...]:
-    """A mixed fleet's TP sizes: one for all as it is; one per instance of
-    a mode (``n`` of them) repeated for each of the ``k`` modes; else as given
-    (``check_tp`` then names a wrong count)."""
-    if isinstance(value, int) or isinstance(value, str):
-        return value
-    sizes = tuple(value)
-    return sizes * k if len(sizes) == n and n > 1 else sizes
-
-
 @dataclass
-class Stack(StackRoles, StackExtras):
+class Stack(StackRoles, StackExtras, StackNetwork):
     """P and D instances plus router(s). ``start()`` blocks until all are
     healthy. ``prefill_port`` / ``prefill_side_port`` (and D's) are the first
     instance's; the others get free ports. ``routers``: ``"kvlens"``,
@@ -166,8 +151,8 @@ class Stack(StackRoles, StackExtras):
             raise StackError("--split needs --mode push,pull (a mixed fleet)")
         if self.mixed:  # the TP sizes given per mode's instances count for each mode
             k = len(self.modes)
-            self.prefill_tp = _per_mode_tp(self.prefill_tp, self.prefill_instances, k)
-            self.decode_tp = _per_mode_tp(self.decode_tp, self.decode_instances, k)
+            self.prefill_tp = per_mode_tp(self.prefill_tp, self.prefill_instances, k)
+            self.decode_tp = per_mode_tp(self.decode_tp, self.decode_instances, k)
             self.prefill_instances *= k
             self.decode_instances *= k
         self.prefill_tp = check_tp("--prefill-tp", self.prefill_tp, self.prefill_instances)
@@ -180,11 +165,7 @@ class Stack(StackRoles, StackExtras):
         if self.kv_load_failure_policy not in (None, "fail", "recompute"):
             raise StackError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
         self.routers = parse_routers(self.routers)
-        self._link_shapes = parse_links(self.links)  # StackError on a bad spec, before anything starts
-        if self._link_shapes and not self.hosts:
-            raise StackError("--link needs --hosts (the links join the roles' network namespaces)")
-        if self.hosts and "vllm-router" in self.routers:
-            raise StackError("--hosts runs kvlens' router only (vllm-router is not placed in a namespace)")
+        self._check_links()
         self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
         self.api_key = self.api_key or env_api_key()
         check_routers(self.routers, self.mode, self.api_key, self.separate_homes, self.collector)
@@ -234,15 +215,6 @@ class Stack(StackRoles, StackExtras):
             collector_host=self.role_host("collector"),
         )
 
-    def role_host(self, role: str, index: int = 0) -> str:
-        """The address ``role`` (prefill, decode, router, collector) binds
-        and is reached at: its namespace's on a ``hosts`` stack, else ``host``."""
-        if self.net is None:
-            return self.host
-        from kvlens.stack.netns import role_key
-
-        return self.net.addr(role_key(role, index))
-
     def _instance(self, role: str, index: int) -> Instance:
         if index == 0:
             port = self.prefill_port if role == "prefill" else self.decode_port
@@ -288,10 +260,7 @@ class Stack(StackRoles, StackExtras):
         stopped and the error (StackError mostly) propagates."""
         t0 = time.monotonic()
         timeout = self.default_timeout_s if timeout is None else timeout
-        if self.hosts:  # before minutes of model generation or start-up
-            from kvlens.stack.netns import check_tools
-
-            check_tools(need_queue=bool(self._link_shapes))
+        self._check_network_tools()
         self.preflight()
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
@@ -323,82 +292,6 @@ class Stack(StackRoles, StackExtras):
         self._write_manifest()
         self._say(f"ready in {self.startup_s:.0f}s")
         return self
-
-    def _start_network(self, deadline: float) -> None:
-        """Namespaces, the keeper that removes them (:func:`kvlens.stack.netns.keep`,
-        the first child: stopped last, and run by its guard when this process is
-        killed), a delayer per shaped direction, then the link probe."""
-        import sys
-
-        from kvlens.stack import netns
-
-        say = (lambda m: logger.warning(m)) if self.quiet else self._say
-        ipt = netns.check_tools(need_queue=bool(self._link_shapes))
-        netns.remove_leftovers(say)
-        keys = ["router"]
-        if self.separate_homes and self.collector == "process":
-            keys.append("collector")
-        keys += [f"p{i}" for i in range(self.prefill_instances)] + [f"d{i}" for i in range(self.decode_instances)]
-        self.net = netns.Net.create(keys, ipt, Path(self.log_dir))
-        keeper = [sys.executable, "-m", "kvlens.stack.netns", "keep", self.net.sid]
-        self._spawn(self._child("netns", keeper, base_env(Path(self.kvlens_home)), ""))
-        for (src, dst), shape in netns.expand(self._link_shapes, keys).items():
-            d = self.net.add_direction(src, dst, shape)
-            self._spawn(
-                self._child(f"delay-{src}-{dst}", self.net.delayer_argv(d), base_env(Path(self.kvlens_home)), "")
-            )
-        for d in self.net.directions.values():
-            while not self.net.queue_bound(d):
-                dead = self.dead_child(delayers=True)
-                if dead is not None:
-                    raise StackError(dead.died_message())
-                if time.monotonic() > deadline:
-                    raise StackError(f"the delayer of {d.src}>{d.dst} did not bind nfqueue {d.queue}")
-                time.sleep(0.1)
-        self._say(f"network {self.net.sid}: {len(keys)} namespaces on 198.18.{self.net.third}.0/24")
-        self.probe_links()
-
-    def probe_links(self) -> list[dict]:
-        """Measure every shaped direction (:meth:`kvlens.stack.netns.Net.probe`), record it in ``stack.json``."""
-        for d in self.net.directions.values():
-            m = self.net.probe(d)
-            gp = m.get("goodput_bps")
-            self._say(
-                f"link {d.src}>{d.dst}: asked {d.shape.delay_s * 1e3:g} ms"
-                f"{f', {d.shape.rate_bps / 1e6:g} Mbit/s' if d.shape.rate_bps else ''}; measured round trip "
-                f"{m['rtt_s'] * 1e3:.2f} ms, goodput {gp / 1e6 if gp else float('nan'):.0f} Mbit/s"
-            )
-        self._write_manifest()
-        return self.net.to_json()["links"]
-
-    def reshape(self, spec: str, probe: bool = True) -> list[dict]:
-        """Change shaped directions of a running ``hosts`` stack (``p-d=20ms,200mbit``;
-        only directions it started with), then measure them again."""
-        from kvlens.stack import netns
-
-        if self.net is None:
-            raise StackError("reshape needs a --hosts stack")
-        for sp in parse_link(spec):
-            for src, dst in netns.expand({(sp.src, sp.dst): sp.shape}, self.net.keys):
-                if (src, dst) not in self.net.directions:
-                    raise StackError(f"reshape: {src}>{dst} was not shaped when the stack started")
-                self.net.reshape(src, dst, sp.shape)
-        return self.probe_links() if probe else self.net.to_json()["links"]
-
-    def delayer_cpu_s(self) -> dict[str, float | None]:
-        """CPU seconds (user + system) each delayer used so far (None: gone)."""
-        out = {}
-        for c in self.children:
-            if not c.name.startswith("delay-") or c.proc is None:
-                continue
-            try:
-                import psutil
-
-                procs = [psutil.Process(c.proc.pid), *psutil.Process(c.proc.pid).children(recursive=True)]
-                out[c.name] = sum(sum(p.cpu_times()[:2]) for p in procs)
-            except Exception:
-                out[c.name] = None
-        return out
 
     def _start_servers(self, servers: list[Child], deadline: float, auth: Mapping[str, str]) -> None:
         """Spawn P and D in waves (largest TP first, :func:`~kvlens.stack.tp.start_waves`),
@@ -471,21 +364,10 @@ class Stack(StackRoles, StackExtras):
         for c in self.children:
             if c.proc is not None and c.proc.poll() is not None:
                 if c.name.startswith("delay-") and not delayers:
-                    if c.name not in self._dead_delayers:
-                        self._dead_delayers.add(c.name)
-                        logger.error("%s", self.delayer_death(c))
-                        if not self.quiet:
-                            print(f"kvlens up: WARNING: {self.delayer_death(c)}", flush=True)
-                        self._write_manifest()
+                    self._delayer_died(c)
                     continue
                 return c
         return None
-
-    def delayer_death(self, c: Child) -> str:
-        return (
-            f"link delayer {c.name} died (exit {c.proc.returncode}): its packets now pass UNDELAYED, the link "
-            f"is no longer what was asked; log {c.log}"
-        )
 
     def pids(self) -> list[int]:
         return [c.proc.pid for c in self.children if c.proc is not None]
@@ -498,16 +380,11 @@ class Stack(StackRoles, StackExtras):
             finally:
                 self.prometheus_server = None
         if self.children:
-            if self.net is not None:
-                with contextlib.suppress(Exception):
-                    self._write_manifest()  # the delayers' CPU, while they run
+            self._record_network()
             stop_children(list(reversed(self.children)))
             self._say("stopped")
         self.children = []
-        if self.net is not None:
-            from kvlens.stack import netns
-
-            netns.teardown(self.net.sid, kill=True)  # the keeper did it; a second time costs nothing
+        self._stop_network()
 
     def manifest(self) -> dict:
         """What ``stack.json`` holds (:func:`kvlens.stack.manifest.manifest`)."""

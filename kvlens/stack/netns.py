@@ -18,11 +18,12 @@ cleanup only ever removes this module's own objects):
   htb class with a ``tbf`` leaf and a u32 filter on the destination, per
   loss a ``statistic`` DROP rule.
 
-Everything lives in namespaces except the root veth, so :func:`teardown`
-deletes the namespaces and that veth (iptables rules and qdiscs go with
-their namespace); delayers are stopped by their supervisor (or their guard).
-A stack records its owner in ``/run/kvlens-netns/ID.json``;
-:func:`remove_leftovers` removes the objects of every id whose owner is gone.
+Everything lives in namespaces except the root veth, so
+:func:`~kvlens.stack.netclean.teardown` deletes the namespaces and that veth
+(iptables rules and qdiscs go with their namespace); delayers are stopped by
+their supervisor (or their guard). A stack records its owner in
+``/run/kvlens-netns/ID.json``; :func:`~kvlens.stack.netclean.remove_leftovers`
+removes the objects of every id whose owner is gone (:mod:`kvlens.stack.netclean`).
 
 Blocking subprocess calls on the calling thread.
 """
@@ -35,26 +36,19 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from kvlens.stack.errors import StackError
 from kvlens.stack.leftovers import cmdline
 from kvlens.stack.linkspec import Shape
+from kvlens.stack.netclean import STATE_DIR, run, teardown
 
-STATE_DIR = Path("/run/kvlens-netns")
 IFACE = "kvl0"  #: a role's interface, in its own namespace
-_ID = re.compile(r"^kvl-([0-9a-f]{6})-")
-_ROOT_VETH = re.compile(r"^kvl([0-9a-f]{6})h$")
 HOST_OCTET = 254
-#: How long the keeper waits for the processes in its namespaces to exit before it kills them
-#: (below the guard's grace, kvrecord.children.GUARD_GRACE_S).
-KEEP_WAIT_S = 10.0
 ROLE_OCTETS = {"router": 1, "collector": 2}
 FIRST_P, FIRST_D = 10, 40
 
@@ -70,15 +64,6 @@ def octet(key: str) -> int:
     if key == "client":
         return HOST_OCTET
     return (FIRST_P if key[0] == "p" else FIRST_D) + int(key[1:])
-
-
-def _run(argv: list[str], check: bool = True, ns: str | None = None) -> subprocess.CompletedProcess:
-    if ns is not None:
-        argv = ["ip", "netns", "exec", ns, *argv]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    if check and r.returncode != 0:
-        raise StackError(f"--hosts: `{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
-    return r
 
 
 def iptables_cmd() -> str | None:
@@ -121,77 +106,8 @@ def expand(links: dict, keys: list[str]) -> dict[tuple[str, str], Shape]:
     return {(a, b): shape for (src, dst), shape in links.items() for a in ends(src) for b in ends(dst)}
 
 
-def _owner_alive(rec: dict) -> bool:
-    pid = rec.get("pid")
-    return bool(pid) and cmdline(pid) == rec.get("cmdline")
-
-
-def stack_ids() -> set[str]:
-    """Ids of every stack whose namespaces or root veth exist now."""
-    ids = set()
-    r = _run(["ip", "netns", "list"], check=False)
-    for line in r.stdout.splitlines():
-        if m := _ID.match(line.split()[0] if line.split() else ""):
-            ids.add(m.group(1))
-    r = _run(["ip", "-o", "link", "show"], check=False)
-    for line in r.stdout.splitlines():
-        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if m := _ROOT_VETH.match(name):
-            ids.add(m.group(1))
-    ids |= {p.stem for p in STATE_DIR.glob("*.json")} if STATE_DIR.is_dir() else set()
-    return ids
-
-
-def objects(sid: str) -> dict[str, list[str]]:
-    """What of stack ``sid`` exists now: namespaces, root veths, processes in its namespaces."""
-    r = _run(["ip", "netns", "list"], check=False)
-    ns = [ln.split()[0] for ln in r.stdout.splitlines() if ln.startswith(f"kvl-{sid}-")]
-    links = _run(["ip", "-o", "link", "show"], check=False).stdout
-    veths = [f"kvl{sid}h"] if f" kvl{sid}h" in links or f" kvl{sid}h@" in links else []
-    pids = []
-    for n in ns:
-        pids += _run(["ip", "netns", "pids", n], check=False).stdout.split()
-    return {"namespaces": ns, "veths": veths, "pids": pids}
-
-
-def teardown(sid: str, kill: bool = False) -> None:
-    """Remove stack ``sid``'s namespaces, root veth and owner record
-    (``kill``: SIGKILL processes still inside its namespaces first: a
-    crashed stack's delayers). Idempotent; never touches another id."""
-    if not re.fullmatch(r"[0-9a-f]{6}", sid):
-        raise ValueError(f"not a kvlens stack id: {sid!r}")
-    obj = objects(sid)
-    if kill:
-        for pid in obj["pids"]:
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(pid), signal.SIGKILL)
-    for n in obj["namespaces"]:
-        _run(["ip", "netns", "del", n], check=False)
-    for v in obj["veths"]:
-        _run(["ip", "link", "del", v], check=False)
-    with contextlib.suppress(OSError):
-        (STATE_DIR / f"{sid}.json").unlink()
-
-
-def remove_leftovers(say: Callable[[str], None] = print) -> list[str]:
-    """Tear down every stack id whose owner process is gone (a crash the
-    guard could not clean up after); returns the ids removed."""
-    gone = []
-    for sid in sorted(stack_ids()):
-        try:
-            rec = json.loads((STATE_DIR / f"{sid}.json").read_text())
-        except (OSError, ValueError):
-            rec = {}
-        if _owner_alive(rec):
-            continue
-        say(f"removing the network namespaces of an earlier --hosts stack {sid} (its kvlens is gone)")
-        teardown(sid, kill=True)
-        gone.append(sid)
-    return gone
-
-
 def _subnet_free(third: int) -> bool:
-    out = _run(["ip", "-4", "route", "show"], check=False).stdout
+    out = run(["ip", "-4", "route", "show"], check=False).stdout
     return f"198.18.{third}." not in out
 
 
@@ -211,7 +127,7 @@ class Direction:
 @dataclass
 class Net:
     """The namespaces of one stack (module docstring). :meth:`create` then
-    :meth:`shape` per direction; :func:`teardown` removes them."""
+    :meth:`shape` per direction; :func:`~kvlens.stack.netclean.teardown` removes them."""
 
     sid: str
     keys: list[str]  #: role keys with a namespace of their own
@@ -253,22 +169,22 @@ class Net:
 
     def _build(self) -> None:
         br = self.ns("bridge")
-        _run(["ip", "netns", "add", br])
-        _run(["ip", "-n", br, "link", "add", "name", "kvlbr", "type", "bridge"])
-        _run(["ip", "-n", br, "link", "set", "kvlbr", "up"])
+        run(["ip", "netns", "add", br])
+        run(["ip", "-n", br, "link", "add", "name", "kvlbr", "type", "bridge"])
+        run(["ip", "-n", br, "link", "set", "kvlbr", "up"])
         for key in self.keys:
             ns = self.ns(key)
-            _run(["ip", "netns", "add", ns])
-            _run(["ip", "-n", br, "link", "add", "name", key, "type", "veth", "peer", "name", IFACE, "netns", ns])
-            _run(["ip", "-n", br, "link", "set", key, "master", "kvlbr", "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{self.addr(key)}/24", "dev", IFACE])
-            _run(["ip", "-n", ns, "link", "set", IFACE, "up"])
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run(["ip", "netns", "add", ns])
+            run(["ip", "-n", br, "link", "add", "name", key, "type", "veth", "peer", "name", IFACE, "netns", ns])
+            run(["ip", "-n", br, "link", "set", key, "master", "kvlbr", "up"])
+            run(["ip", "-n", ns, "addr", "add", f"{self.addr(key)}/24", "dev", IFACE])
+            run(["ip", "-n", ns, "link", "set", IFACE, "up"])
+            run(["ip", "-n", ns, "link", "set", "lo", "up"])
             # a link's rate is what a long-lived connection (UCX keeps one per peer) gets: no return to
             # slow start after each idle gap between two requests' transfers
-            _run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], ns=ns)
+            run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"], ns=ns)
         # the client's end in the root namespace: a route to the /24 only, nothing forwarded
-        _run(
+        run(
             [
                 "ip",
                 "-n",
@@ -286,9 +202,9 @@ class Net:
                 "1",
             ]
         )
-        _run(["ip", "-n", br, "link", "set", "client", "master", "kvlbr", "up"])
-        _run(["ip", "addr", "add", f"{self.addr('client')}/24", "dev", self.host_veth])
-        _run(["ip", "link", "set", self.host_veth, "up"])
+        run(["ip", "-n", br, "link", "set", "client", "master", "kvlbr", "up"])
+        run(["ip", "addr", "add", f"{self.addr('client')}/24", "dev", self.host_veth])
+        run(["ip", "link", "set", self.host_veth, "up"])
 
     # ------------------------------------------------------------ shaping
     def src_ns(self, key: str) -> str | None:
@@ -307,11 +223,11 @@ class Net:
         d.control.write_text(json.dumps({"delay_s": shape.delay_s, "jitter_s": shape.jitter_s}))
         ns = self.src_ns(src)
         # loss first: a dropped packet never waits in the delayer
-        _run([self.ipt, "-w", "-I", "OUTPUT", "1", *self._loss_rule(d, shape.loss)], ns=ns)
+        run([self.ipt, "-w", "-I", "OUTPUT", "1", *self._loss_rule(d, shape.loss)], ns=ns)
         # the delay where the packet arrives: a packet held on the sender's side still counts against its
         # socket (TCP small queues), which then sends 2 packets per delay: 2 Mbit/s at 20 ms (measured)
         qns, qmatch = self.queue_ns(d), self._queue_match(d)
-        _run([self.ipt, "-w", "-A", qmatch[0], *qmatch[1:], "-j", "NFQUEUE", "--queue-num", str(d.queue),
+        run([self.ipt, "-w", "-A", qmatch[0], *qmatch[1:], "-j", "NFQUEUE", "--queue-num", str(d.queue),
               "--queue-bypass", "-m", "comment", "--comment", f"kvl-{self.sid}"], ns=qns)  # fmt: skip
         self._rate(d)
         return d
@@ -334,22 +250,22 @@ class Net:
         if rate is None and (ns, dev) not in self._htb:
             return
         if (ns, dev) not in self._htb:
-            _run(["tc", *nsarg, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
-            _run(["tc", *nsarg, "class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+            run(["tc", *nsarg, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "1"])
+            run(["tc", *nsarg, "class", "replace", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
                   "rate", "100gbit"])  # fmt: skip
             self._htb.add((ns, dev))
         cls = f"1:{d.classid}"
         if not getattr(d, "_filtered", False):
-            _run(["tc", *nsarg, "class", "replace", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate",
+            run(["tc", *nsarg, "class", "replace", "dev", dev, "parent", "1:", "classid", cls, "htb", "rate",
                   "100gbit"])  # fmt: skip
-            _run(["tc", *nsarg, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+            run(["tc", *nsarg, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
                   "match", "ip", "dst", f"{self.addr(d.dst)}/32", "flowid", cls])  # fmt: skip
             d._filtered = True  # type: ignore[attr-defined]
         leaf = ["tc", *nsarg, "qdisc", "replace", "dev", dev, "parent", cls, "handle", f"{d.classid}:"]
         if rate is None:  # the class's default leaf again (htb's own, at 100gbit)
-            _run(["tc", *nsarg, "qdisc", "del", "dev", dev, "parent", cls], check=False)
+            run(["tc", *nsarg, "qdisc", "del", "dev", dev, "parent", cls], check=False)
         else:
-            _run([*leaf, "tbf", "rate", f"{int(rate)}bit", "burst", "64kb", "latency", "200ms"])
+            run([*leaf, "tbf", "rate", f"{int(rate)}bit", "burst", "64kb", "latency", "200ms"])
 
     def reshape(self, src: str, dst: str, shape: Shape) -> None:
         """Change a direction installed by :meth:`add_direction`: the
@@ -361,8 +277,8 @@ class Net:
         tmp.write_text(json.dumps({"delay_s": shape.delay_s, "jitter_s": shape.jitter_s}))
         tmp.replace(d.control)
         ns = self.src_ns(src)
-        _run([self.ipt, "-w", "-D", "OUTPUT", *self._loss_rule(d, old.loss)], ns=ns)
-        _run([self.ipt, "-w", "-I", "OUTPUT", "1", *self._loss_rule(d, shape.loss)], ns=ns)
+        run([self.ipt, "-w", "-D", "OUTPUT", *self._loss_rule(d, old.loss)], ns=ns)
+        run([self.ipt, "-w", "-I", "OUTPUT", "1", *self._loss_rule(d, shape.loss)], ns=ns)
         self._rate(d)
         time.sleep(0.5)  # the delayer polls its control file every 0.2 s
 
@@ -377,7 +293,7 @@ class Net:
 
     def queue_bound(self, d: Direction) -> bool:
         """Whether a process reads ``d``'s nfqueue now (/proc/net/netfilter/nfnetlink_queue of its namespace)."""
-        r = _run(["cat", "/proc/net/netfilter/nfnetlink_queue"], check=False, ns=self.queue_ns(d))
+        r = run(["cat", "/proc/net/netfilter/nfnetlink_queue"], check=False, ns=self.queue_ns(d))
         return any(line.split()[:1] == [str(d.queue)] for line in r.stdout.splitlines())
 
     # ------------------------------------------------------------ probing
@@ -431,28 +347,3 @@ class Net:
             "client_veth": self.host_veth,
             "links": links,
         }
-
-
-def keep(sid: str) -> int:
-    """``python -m kvlens.stack.netns keep ID``: wait for SIGTERM / SIGINT /
-    SIGHUP (the stack's stop, or the guard after the supervisor died), then
-    :func:`teardown` the stack's network. Runs as the stack's first child."""
-    sigs = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-    signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    print(f"netns keeper of stack {sid} (pid {os.getpid()})", flush=True)
-    signal.sigwait(sigs)
-    end = time.monotonic() + KEEP_WAIT_S  # the stack's servers stop meanwhile: let them exit cleanly first
-    while objects(sid)["pids"] and time.monotonic() < end:
-        time.sleep(0.2)
-    teardown(sid, kill=True)
-    print(f"removed the network of stack {sid}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["keep"]:
-        sys.exit(keep(sys.argv[2]))
-    if sys.argv[1:2] == ["cleanup"]:
-        print(remove_leftovers())
-        sys.exit(0)
-    sys.exit("usage: python -m kvlens.stack.netns keep ID | cleanup")

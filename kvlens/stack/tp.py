@@ -47,6 +47,16 @@ def check_tp(what: str, value: int | Sequence[int], n: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def per_mode_tp(value: int | Sequence[int], n: int, k: int) -> int | tuple[int, ...]:
+    """A mixed fleet's TP sizes: one for all as it is; one per instance of
+    a mode (``n`` of them) repeated for each of the ``k`` modes; else as given
+    (``check_tp`` then names a wrong count)."""
+    if isinstance(value, int) or isinstance(value, str):
+        return value
+    sizes = tuple(value)
+    return sizes * k if len(sizes) == n and n > 1 else sizes
+
+
 def parse_tp(text: str) -> tuple[int, ...]:
     """``"2"`` or ``"2,1"`` (per instance) as ints; ValueError otherwise
     (the CLI's argparse type; :func:`check_tp` checks the range and count)."""

@@ -111,9 +111,9 @@ def _tx_bytes(ns: str) -> int:
 def _leftovers(sid: str, log_dir) -> dict:
     """What of stack ``sid`` is left: namespaces (its veths, qdiscs and iptables rules live there),
     the root veth, processes inside, and its delayers (``ps``: their control files are in ``log_dir``)."""
-    from kvlens.stack import netns
+    from kvlens.stack import netclean
 
-    return {**netns.objects(sid), "delayers": delayers(str(log_dir))}
+    return {**netclean.objects(sid), "delayers": delayers(str(log_dir))}
 
 
 def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvlens_home):

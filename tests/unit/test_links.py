@@ -154,7 +154,7 @@ def _delayer(net, d, log: Path) -> subprocess.Popen:
 
 
 def test_real_delay_and_rate_between_namespaces(tmp_path):
-    from kvlens.stack import netns
+    from kvlens.stack import netclean, netns
 
     ipt = _need_root()
     net = netns.Net.create(["p0", "d0"], ipt, tmp_path)
@@ -181,8 +181,8 @@ def test_real_delay_and_rate_between_namespaces(tmp_path):
         for p in procs:
             p.terminate()
             p.wait(10)
-        netns.teardown(net.sid)
-    assert netns.objects(net.sid) == {"namespaces": [], "veths": [], "pids": []}
+        netclean.teardown(net.sid)
+    assert netclean.objects(net.sid) == {"namespaces": [], "veths": [], "pids": []}
     assert f"kvl{net.sid}h" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
 
 
@@ -196,7 +196,7 @@ _SUPERVISOR = textwrap.dedent(
     ipt = netns.check_tools(True)
     net = netns.Net.create(["p0", "d0"], ipt, Path(sys.argv[1]))
     if sys.argv[2] == "keeper":
-        ChildProcess([sys.executable, "-m", "kvlens.stack.netns", "keep", net.sid], group="group", guard=True,
+        ChildProcess([sys.executable, "-m", "kvlens.stack.netclean", "keep", net.sid], group="group", guard=True,
                      log=Path(sys.argv[1]) / "keeper.log").start()
     d = net.add_direction("p0", "d0", parse_links(["p>d=10ms"])[("p", "d")])
     ChildProcess(net.delayer_argv(d), group="group", guard=True, log=Path(sys.argv[1]) / "delayer.log").start()
@@ -217,11 +217,11 @@ def _delayers(word: str) -> list[str]:
 
 
 def _gone(sid: str, log_dir: Path, timeout: float = 40.0) -> dict:
-    from kvlens.stack import netns
+    from kvlens.stack import netclean
 
     deadline = time.monotonic() + timeout
     while True:
-        obj = netns.objects(sid)
+        obj = netclean.objects(sid)
         delayers = _delayers(str(log_dir))
         if (not any(obj.values()) and not delayers) or time.monotonic() > deadline:
             return {**obj, "delayers": delayers}
@@ -232,7 +232,7 @@ def _gone(sid: str, log_dir: Path, timeout: float = 40.0) -> dict:
 def test_sigkill_leaves_nothing(tmp_path, how):
     """SIGKILL of the supervisor: its keeper's guard removes the network
     (``keeper``); without a keeper the next start's sweep does (``leftover``)."""
-    from kvlens.stack import netns
+    from kvlens.stack import netclean
 
     _need_root()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
@@ -241,16 +241,16 @@ def test_sigkill_leaves_nothing(tmp_path, how):
     )
     sid = sup.stdout.readline().strip()
     assert len(sid) == 6, sid
-    assert netns.objects(sid)["namespaces"] and _delayers(str(tmp_path))
+    assert netclean.objects(sid)["namespaces"] and _delayers(str(tmp_path))
     sup.kill()
     sup.wait()
     if how == "leftover":
         time.sleep(1)  # the delayer's guard stops it; the namespaces stay
-        assert netns.objects(sid)["namespaces"]
-        assert sid in netns.remove_leftovers(lambda m: None)
+        assert netclean.objects(sid)["namespaces"]
+        assert sid in netclean.remove_leftovers(lambda m: None)
     left = _gone(sid, tmp_path)
     assert left == {"namespaces": [], "veths": [], "pids": [], "delayers": []}, left
-    assert not (netns.STATE_DIR / f"{sid}.json").exists()
+    assert not (netclean.STATE_DIR / f"{sid}.json").exists()
 
 
 def test_missing_tools_named(monkeypatch):

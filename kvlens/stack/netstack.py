@@ -1,0 +1,156 @@
+"""The real links of a ``hosts`` :class:`~kvlens.stack.launch.Stack` (its
+mixin :class:`StackNetwork`, docs/links.md): the roles' network namespaces
+(:mod:`kvlens.stack.netns`), the keeper that removes them
+(:mod:`kvlens.stack.netclean`), a delayer per shaped direction
+(:mod:`kvlens.stack.delayer`) and the link probe; re-shaping at run time and
+what the delayers cost. Blocking.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+
+from kvlens.stack.commands import base_env
+from kvlens.stack.errors import StackError
+from kvlens.stack.linkspec import parse_link, parse_links
+from kvlens.stack.supervise import Child
+
+logger = logging.getLogger("kvlens.up")
+
+
+class StackNetwork:
+    """Methods of :class:`~kvlens.stack.launch.Stack` (its fields ``net``,
+    ``_link_shapes``, ``children`` and ``_spawn`` / ``_child`` / ``_say`` /
+    ``_write_manifest``) for the network of a ``hosts`` stack."""
+
+    def role_host(self, role: str, index: int = 0) -> str:
+        """The address ``role`` (prefill, decode, router, collector) binds
+        and is reached at: its namespace's on a ``hosts`` stack, else ``host``."""
+        if self.net is None:
+            return self.host
+        from kvlens.stack.netns import role_key
+
+        return self.net.addr(role_key(role, index))
+
+    def _check_links(self) -> None:
+        """Parse ``links`` (StackError on a bad spec, before anything starts) and check they fit ``hosts``."""
+        self._link_shapes = parse_links(self.links)
+        if self._link_shapes and not self.hosts:
+            raise StackError("--link needs --hosts (the links join the roles' network namespaces)")
+        if self.hosts and "vllm-router" in self.routers:
+            raise StackError("--hosts runs kvlens' router only (vllm-router is not placed in a namespace)")
+
+    def _check_network_tools(self) -> None:
+        """A ``hosts`` stack's tools (:func:`kvlens.stack.netns.check_tools`), before minutes of
+        model generation or start-up."""
+        if self.hosts:
+            from kvlens.stack.netns import check_tools
+
+            check_tools(need_queue=bool(self._link_shapes))
+
+    def _start_network(self, deadline: float) -> None:
+        """Namespaces, the keeper that removes them (:func:`kvlens.stack.netclean.keep`,
+        the first child: stopped last, and run by its guard when this process is
+        killed), a delayer per shaped direction, then the link probe."""
+        from kvlens.stack import netclean, netns
+
+        say = (lambda m: logger.warning(m)) if self.quiet else self._say
+        ipt = netns.check_tools(need_queue=bool(self._link_shapes))
+        netclean.remove_leftovers(say)
+        keys = ["router"]
+        if self.separate_homes and self.collector == "process":
+            keys.append("collector")
+        keys += [f"p{i}" for i in range(self.prefill_instances)] + [f"d{i}" for i in range(self.decode_instances)]
+        self.net = netns.Net.create(keys, ipt, Path(self.log_dir))
+        keeper = [sys.executable, "-m", "kvlens.stack.netclean", "keep", self.net.sid]
+        self._spawn(self._child("netns", keeper, base_env(Path(self.kvlens_home)), ""))
+        for (src, dst), shape in netns.expand(self._link_shapes, keys).items():
+            d = self.net.add_direction(src, dst, shape)
+            self._spawn(
+                self._child(f"delay-{src}-{dst}", self.net.delayer_argv(d), base_env(Path(self.kvlens_home)), "")
+            )
+        for d in self.net.directions.values():
+            while not self.net.queue_bound(d):
+                dead = self.dead_child(delayers=True)
+                if dead is not None:
+                    raise StackError(dead.died_message())
+                if time.monotonic() > deadline:
+                    raise StackError(f"the delayer of {d.src}>{d.dst} did not bind nfqueue {d.queue}")
+                time.sleep(0.1)
+        self._say(f"network {self.net.sid}: {len(keys)} namespaces on 198.18.{self.net.third}.0/24")
+        self.probe_links()
+
+    def probe_links(self) -> list[dict]:
+        """Measure every shaped direction (:meth:`kvlens.stack.netns.Net.probe`), record it in ``stack.json``."""
+        for d in self.net.directions.values():
+            m = self.net.probe(d)
+            gp = m.get("goodput_bps")
+            self._say(
+                f"link {d.src}>{d.dst}: asked {d.shape.delay_s * 1e3:g} ms"
+                f"{f', {d.shape.rate_bps / 1e6:g} Mbit/s' if d.shape.rate_bps else ''}; measured round trip "
+                f"{m['rtt_s'] * 1e3:.2f} ms, goodput {gp / 1e6 if gp else float('nan'):.0f} Mbit/s"
+            )
+        self._write_manifest()
+        return self.net.to_json()["links"]
+
+    def reshape(self, spec: str, probe: bool = True) -> list[dict]:
+        """Change shaped directions of a running ``hosts`` stack (``p-d=20ms,200mbit``;
+        only directions it started with), then measure them again."""
+        from kvlens.stack import netns
+
+        if self.net is None:
+            raise StackError("reshape needs a --hosts stack")
+        for sp in parse_link(spec):
+            for src, dst in netns.expand({(sp.src, sp.dst): sp.shape}, self.net.keys):
+                if (src, dst) not in self.net.directions:
+                    raise StackError(f"reshape: {src}>{dst} was not shaped when the stack started")
+                self.net.reshape(src, dst, sp.shape)
+        return self.probe_links() if probe else self.net.to_json()["links"]
+
+    def delayer_cpu_s(self) -> dict[str, float | None]:
+        """CPU seconds (user + system) each delayer used so far (None: gone)."""
+        out = {}
+        for c in self.children:
+            if not c.name.startswith("delay-") or c.proc is None:
+                continue
+            try:
+                import psutil
+
+                procs = [psutil.Process(c.proc.pid), *psutil.Process(c.proc.pid).children(recursive=True)]
+                out[c.name] = sum(sum(p.cpu_times()[:2]) for p in procs)
+            except Exception:
+                out[c.name] = None
+        return out
+
+    def _delayer_died(self, c: Child) -> None:
+        """Say a delayer's death loudly, once, and record it in ``stack.json``
+        (its packets now pass undelayed: ``--queue-bypass``)."""
+        if c.name not in self._dead_delayers:
+            self._dead_delayers.add(c.name)
+            logger.error("%s", self.delayer_death(c))
+            if not self.quiet:
+                print(f"kvlens up: WARNING: {self.delayer_death(c)}", flush=True)
+            self._write_manifest()
+
+    def delayer_death(self, c: Child) -> str:
+        return (
+            f"link delayer {c.name} died (exit {c.proc.returncode}): its packets now pass UNDELAYED, the link "
+            f"is no longer what was asked; log {c.log}"
+        )
+
+    def _record_network(self) -> None:
+        """Write ``stack.json`` once more before the children stop: the delayers' CPU, while they run."""
+        if self.net is not None:
+            with contextlib.suppress(Exception):
+                self._write_manifest()
+
+    def _stop_network(self) -> None:
+        """Remove the namespaces (the keeper did it; a second time costs nothing)."""
+        if self.net is not None:
+            from kvlens.stack import netclean
+
+            netclean.teardown(self.net.sid, kill=True)
