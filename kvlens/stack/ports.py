@@ -1,18 +1,18 @@
 """TCP ports for a stack: check and complete a set of them
 (:func:`assign_ports`, through :mod:`kvrecord.ports`' bind tests); plus the
-argparse checks of port and host flags (:func:`port_arg`,
-:func:`is_loopback`).
+argparse checks of port flags (:func:`port_arg`; :func:`is_loopback` is
+:mod:`kvlens.auth`'s, the one rule for "beyond loopback").
 
 All functions are plain, blocking-free bind tests on the calling thread.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Iterable, Mapping
 
 from kvrecord.ports import free_port, port_in_use
 from kvlens.argtypes import int_in
+from kvlens.auth import is_loopback  # noqa: F401 - re-exported: the stack's and the router's flag checks
 from kvlens.stack.errors import StackError
 
 MAX_PORT = 65535
@@ -22,19 +22,6 @@ def port_arg(allow_zero: bool = False):
     """An argparse ``type=``: a TCP port 1..65535 (0 too with ``allow_zero``:
     "pick a free one"); anything else is a usage error naming the value."""
     return int_in(0 if allow_zero else 1, MAX_PORT, "a port number")
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` only binds the loopback interface (``localhost``,
-    127.0.0.0/8, ``::1``); False for ``0.0.0.0``, ``::``, names and
-    addresses others can reach."""
-    h = host.strip().strip("[]").lower()
-    if h == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
 
 
 def assign_ports(wanted: Mapping[str, int | None], host: str, auto: Iterable[str]) -> dict[str, int | None]:
