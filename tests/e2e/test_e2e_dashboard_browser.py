@@ -364,3 +364,44 @@ def test_traces_page_lanes_per_rank_in_chromium(tmp_path, browser):
     finally:
         rc = dash.stop(signal.SIGINT)
     assert rc == 0, dash.log.read_text()[-3000:]
+
+
+def test_stuck_list_and_partial_trace_in_chromium(tmp_path, browser):
+    """Issue 37: while handoffs are stuck (their ``handoff.open`` snapshots
+    written through the connector's real pipeline, the last one seconds ago),
+    the Overview's health strip and "Stuck now" list show them, each links to
+    its partial trace, and the Traces page says which side waits, in which
+    phase, since when. The real-vLLM fault tests (test_e2e_faults.py,
+    test_e2e_health.py) check ``kvlens traces --open`` on real stuck requests."""
+    from health_store import add_health_traces
+
+    home = tmp_path / "home"
+    store = make_store(home, n_per_mode=8, bench=False)
+    add_health_traces({"kvlens_home": str(home), "kvlens_metrics": "off"}, time.time_ns())
+    dash = Dashboard(store, tmp_path / "dashboard.log")
+    try:
+        dash.wait_ready()
+        page = browser.new_page(viewport={"width": 1440, "height": 1800})
+        open_page(page, dash.url + "/overview", PAGE_URLS["/overview"])
+        page.get_by_text("Handoff health").first.wait_for(timeout=60_000)
+        stuck = page.locator('.st-key-ov_stuck a[href*="traces"]')
+        stuck.first.wait_for(timeout=60_000)
+        # a page link renders as more than one anchor (its icon's and its text's): the texts that say who waits
+        texts = [stuck.nth(i).inner_text() for i in range(stuck.count())]
+        found = {
+            m.groups() for t in texts for m in re.finditer(r"([0-9a-f]{12})\S* (push|pull): .*? waiting in (\w+)", t)
+        }
+        # push_stuck and pull_stuck; the abandoned one (last reported 10 min ago) is not "stuck now"
+        assert {(mode, phase) for _, mode, phase in found} == {("push", "awaiting_kv"), ("pull", "awaiting_read")}, (
+            texts
+        )
+        assert len({tid for tid, _, _ in found}) == 2, texts
+        save(page, tmp_path, "dashboard-stuck.png")
+        stuck.filter(has_text="waiting in awaiting_kv").first.click()
+        page.get_by_text("Partial trace: the handoff has not ended.").first.wait_for(timeout=60_000)
+        body = page.inner_text("body")
+        assert "D (decode) waiting in" in body and "Traceback" not in body, body[:3000]
+        page.close()
+    finally:
+        rc = dash.stop(signal.SIGTERM)
+    assert rc == 0, dash.log.read_text()[-3000:]
