@@ -70,7 +70,10 @@ def health_strip(cfg: ui.Config, range_key: str, traces_page: str) -> None:
     figs, source = health_figures(cfg, range_key, stuck_df, stuck_why)
     with st.container(border=True, key="ov_health"):
         st.subheader("Handoff health", help=HEALTH_HELP)
-        for col, (key, label) in zip(st.columns(len(H.HEALTH_FIGURES)), H.HEALTH_FIGURES.items()):
+        # two rows of three: six cards in one row cut "unknown" at a laptop's width (1280 px, sidebar open)
+        items = list(H.HEALTH_FIGURES.items())
+        cols = [c for _ in range(0, len(items), 3) for c in st.columns(3)]
+        for col, (key, label) in zip(cols, items):
             f = figs[key]
             unit = " (s)" if key == "oldest_s" else ""
             col.metric(
