@@ -135,7 +135,7 @@ class StackRoles:
         hosts_receiver = name == "router"
         if hosts_receiver:
             argv += topo.router_args()
-        if self.insecure:  # kvlens up --insecure: a host beyond loopback with no token, on purpose
+        if self.open_bind:
             argv.append("--insecure")
         env = base_env(topo.home_for("router"))
         extra = topo.router_env()
@@ -160,12 +160,21 @@ class StackRoles:
         env.update(self._env("router"))
         return self._child("vllm-router", argv, env, f"http://{self.host}:{port}")
 
+    @property
+    def open_bind(self) -> bool:
+        """Whether the router and the collector get ``--insecure``: ``kvlens up
+        --insecure`` (a host beyond loopback with no token, on purpose), or a
+        ``--hosts`` stack with no token: its 198.18.N.0/24 addresses live on a
+        bridge in the stack's own namespaces, with no route out, reachable from
+        this host alone (docs/links.md), as loopback is."""
+        return bool(self.insecure or (getattr(self, "hosts", False) and not kvconfig.client_token()))
+
     def _collector(self) -> Child:
         topo = self.topology
         env = base_env(topo.home_for("collector"))
         # the store's password (if its URL has one) in the environment: ps shows argv
         env.update(self._env("collector", {**topo.collector_env(), **topo.store.password_env()}))
         argv = collector_argv(self.role_host("collector"), int(self.collector_port), topo.store)
-        if self.insecure:
+        if self.open_bind:
             argv.append("--insecure")
         return self._child("collector", argv, env, str(topo.collector_url), "collector")
