@@ -186,17 +186,17 @@ def test_links_sigkill_leaves_nothing(tmp_path, kvlens_home, tiny_model):
     up = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", "up", "--mode", "push", "--hosts", "--link", "p-d=5ms,1gbit",
          "--port", "0", "--model", str(tiny_model), "--log-dir", str(logs)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+        stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip
     try:
-        _kill_while_starting(up, logs)
+        _kill_while_starting(up, logs, tmp_path / "up.log")
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGTERM)
             up.wait(60)
 
 
-def _kill_while_starting(up, logs: Path) -> None:
+def _kill_while_starting(up, logs: Path, out: Path) -> None:
     deadline = time.monotonic() + 120
     sid = None
     while time.monotonic() < deadline:
@@ -207,7 +207,7 @@ def _kill_while_starting(up, logs: Path) -> None:
                 break
         except (OSError, ValueError, KeyError):
             pass
-        assert up.poll() is None
+        assert up.poll() is None, f"kvlens up exited {up.returncode}: {out.read_text(errors='replace')[-3000:]}"
         time.sleep(0.3)
     assert sid, "the stack never reached its servers"
     assert _leftovers(sid, logs)["namespaces"] and _leftovers(sid, logs)["delayers"]
