@@ -31,7 +31,9 @@ TRACES_PAGE = "pages/traces.py"
 
 def main() -> None:
     cfg = ui.parse_config()
-    verdictview.headline(cfg)  # the live verdict: the page's first line
+    # The live verdict is the page's first line, drawn last: its bootstrap over
+    # a large store takes seconds, and the page must not wait for it.
+    top = st.container()
     st.title("Overview: push vs pull, live")
     c1, c2, c3 = st.columns([2, 1, 1])
     range_key = c1.select_slider("Time range", options=list(D.TIME_RANGES), value="1h", key="ov_range")
@@ -39,6 +41,8 @@ def main() -> None:
     every = c3.selectbox("Every", list(REFRESH_CHOICES), index=1, key="ov_every", disabled=not live)
     run_every = REFRESH_CHOICES[every] if live else None
     st.fragment(run_every=run_every)(lambda: body(cfg, range_key))()
+    with top:
+        verdictview.headline(cfg)
 
 
 def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
