@@ -107,7 +107,14 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     # transfer: one completion span per NIXL transfer (TP=1); NIXL's
     # xferDuration starts inside the post and ends at NIXL's completion, so it
     # lies within our post + (post end -> DONE seen by the engine loop).
-    q_ours = f'sum(kvlens_phase_duration_seconds_count{{mode="{mode}",phase="{complete_phase}"}})'
+    # transfers only, on their owner's side: P's lease reaper also records a
+    # completion point, outcome "expired", for an earlier test's unread request
+    # (pull: on P, not the READ's owner); it is no NIXL transfer
+    owner = owner_job.removeprefix("vllm-")
+    q_ours = (
+        f'sum(kvlens_phase_duration_seconds_count{{mode="{mode}",phase="{complete_phase}",role="{owner}",'
+        'outcome!="expired"})'
+    )
     q_vllm = f'sum(vllm:nixl_xfer_time_seconds_count{{job="{owner_job}"}})'
     assert _wait(lambda: _value(prom, q_vllm) is not None and _value(prom, q_ours) == _value(prom, q_vllm)), (
         _value(prom, q_ours),
