@@ -337,7 +337,13 @@ def _check_live_dashboard(prom_url: str, mode: str, dash_url: str) -> None:
         return
     with chromium.browser() as b:
         page = b.new_page(viewport={"width": 1600, "height": 1400})
-        chromium.open_page(page, dash_url + "/overview", chromium.PAGE_URLS["/overview"])
+        # the dashboard shares the 2 cores with the live stack, its load and Prometheus: its first
+        # page can take minutes there (seen: over 45 s), so wait for the page itself, not a clock
+        try:
+            chromium.open_page(page, dash_url + "/overview", chromium.PAGE_URLS["/overview"], timeout_ms=300_000)
+        except Exception:
+            page.screenshot(path=str(chromium.REPO / "test-output" / "demo-live-failed.png"), full_page=True)
+            raise
         _poll("the Overview reading Prometheus", lambda: f"Source: Prometheus at {prom_url}" in page.inner_text("body"))
         cards: dict[str, str] = {}
 
