@@ -180,6 +180,10 @@ def _live(stack, store: StoreLocation, args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():
             print("\nkvlens demo: live part: starting Prometheus on the last stack", flush=True)
+            # NIXL's spinning progress threads back to SCHED_IDLE: on 2 cores they left the dashboard
+            # no CPU (its first page took minutes); the bench's figures were taken before this
+            if stack.progress is not None and stack.progress.idle_again():
+                print("kvlens demo: NIXL progress threads set to SCHED_IDLE for the live part", flush=True)
             prom = None
             try:
                 prom = stack.start_prometheus(_prometheus_port(args.prometheus_port))

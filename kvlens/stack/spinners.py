@@ -191,6 +191,21 @@ class ProgressThreads:
                 "the scheduling vLLM gave it"
             )
 
+    def idle_again(self) -> int:
+        """The threads :meth:`restore` gave back their class, ``SCHED_IDLE``
+        again (the demo's live part: a dashboard and Prometheus beside the
+        stack on 2 cores would otherwise get no CPU from the spinners); how
+        many. Never raises."""
+        n = 0
+        for found in self.demoted.values():
+            for tid in found.values():
+                try:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+                    n += 1
+                except OSError:  # the thread ended meanwhile
+                    pass
+        return n
+
     def restore(self) -> None:
         """``startup`` mode, once every server is up: the demoted threads back
         to the normal class (``SCHED_OTHER``), so serving runs as vLLM runs it."""

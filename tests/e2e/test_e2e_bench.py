@@ -335,6 +335,14 @@ def _check_live_dashboard(prom_url: str, mode: str, dash_url: str) -> None:
 
     if chromium.missing():
         return
+
+    def serving() -> bool:  # "kvlens dashboard: URL" is printed before Streamlit listens
+        try:
+            return httpx.get(dash_url + "/_stcore/health", timeout=5).text.strip() == "ok"
+        except httpx.HTTPError:
+            return False
+
+    _poll("the dashboard serving", serving, timeout_s=300)
     with chromium.browser() as b:
         page = b.new_page(viewport={"width": 1600, "height": 1400})
         # the dashboard shares the 2 cores with the live stack, its load and Prometheus: its first
