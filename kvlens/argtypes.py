@@ -54,6 +54,18 @@ def from_parser(fn, *errors: type[Exception]):
     return parse
 
 
+def duration_text(max_s: float):
+    """argparse ``type=``: a duration in (0, ``max_s``] (``30s``, ``10m``,
+    ``2h``, ``1d``, plain seconds), returned as the user typed it."""
+    from kvrecord.durations import parse_duration
+
+    def check(text: str) -> str:
+        parse_duration(text, max_s=max_s)
+        return text
+
+    return from_parser(check, ValueError)
+
+
 def add_keep_arguments(p: argparse.ArgumentParser, default: str = "all") -> None:
     """``--keep``, ``--keep-ratio``, ``--keep-slow``: which requests keep their
     spans (:mod:`kvrecord.keeprule`); checked by :func:`keep_rule`."""

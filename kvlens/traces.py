@@ -15,10 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-from kvlens.argtypes import int_in
+from kvlens.argtypes import duration_text, int_in
 from kvrecord import config
 from kvrecord import semconv as sc
-from kvrecord.durations import parse_duration
 from kvtrace import costs, kvuse, perfetto, ranks, store, stuck, tracemodel
 from kvlens.stuckcmd import OPEN_SINCE_DEFAULT, _clock, _fmt_age, run_open
 from kvrecord.keeprule import NOT_KEPT
@@ -38,14 +37,8 @@ MIN_WIDTH, MAX_WIDTH = 20, 1000
 MAX_SINCE_S = 100 * 365 * 86400
 
 
-def since_arg(text: str) -> str:
-    """argparse ``type=`` for --since: a finite duration in (0, 100 years]
-    (``30s``, ``10m``, ``2h``, ``1d``, plain seconds); returned as given."""
-    try:
-        parse_duration(text, max_s=MAX_SINCE_S)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+#: argparse ``type=`` of --since
+since_arg = duration_text(MAX_SINCE_S)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ import sys
 from typing import Any, Callable
 
 from kvrecord import config
-from kvrecord.durations import parse_duration
+from kvlens.argtypes import duration_text
 from kvtrace import store
 from kvtrace import verdict as kv_verdict
 
@@ -31,13 +31,8 @@ MAX_WINDOW_S = 365 * 86400
 DEFAULT_WINDOW = "1h"
 
 
-def window_arg(text: str) -> str:
-    """argparse ``type=`` for --window: a duration in (0, 1 year] (``30m``, ``1h``, ``2d``); returned as given."""
-    try:
-        parse_duration(text, max_s=MAX_WINDOW_S)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
+#: argparse ``type=`` of --window
+window_arg = duration_text(MAX_WINDOW_S)
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
