@@ -50,9 +50,11 @@ def _sequential_url(stack) -> str:
 
 @pytest.fixture(scope="module")
 def grid_run(stack_factory, tmp_path_factory):
-    """One bench run over pull, then push (overlapped + sequential)."""
+    """One bench run over push (overlapped + sequential), then pull: the push
+    pair is still up from the tests before (conftest's _STACK_ORDER), and the
+    pull pair it starts is the pull_stack fixture's, used by the tests after."""
     out = tmp_path_factory.mktemp("bench")
-    pull = stack_factory.get("pull", **PULL_STACK_KW)  # the pull_stack fixture's pair
+    push = stack_factory.get("push")
     opts = BenchOptions(
         qps=QPS,
         input_lens=INPUT_LENS,
@@ -61,14 +63,15 @@ def grid_run(stack_factory, tmp_path_factory):
         seed=int.from_bytes(new_trace_id()[:8].encode(), "big") % 10_000,  # fresh prompts: shared stacks cache prefixes
         warmup=1,
         trace_wait_s=60.0,
-        store=_store_path(pull),
+        store=_store_path(push),
         json_path=out / "rows.jsonl",
         progress=False,
     )
     run = new_run(opts)
-    bench_routers([pull.router_url], opts, run=run)
-    push = stack_factory.get("push")
     bench_routers([push.router_url, _sequential_url(push)], opts, run=run)
+    pull = stack_factory.get("pull", **PULL_STACK_KW)  # the pull_stack fixture's pair
+    assert _store_path(pull) == opts.store  # both stacks write the session home's store
+    bench_routers([pull.router_url], opts, run=run)
     return run
 
 
@@ -156,10 +159,10 @@ def test_cross_checks_hold(grid_run, capsys):
     assert cc.ttft_diff_p50_s > -0.005  # the client cannot see the first token before the router sends it
 
 
-def test_cli_bench_on_running_router(stack_factory, tmp_path, capsys):
+def test_cli_bench_on_running_router(push_stack, tmp_path, capsys):
     from kvlens.cli import main
 
-    push = stack_factory.get("push")
+    push = push_stack
     jp = tmp_path / "one.jsonl"
     rc = main(
         [
