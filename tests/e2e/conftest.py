@@ -294,9 +294,9 @@ def tp_stack(request, stack_factory):
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
 # the e2e tests grouped by the stack they need, so each pair starts once:
 # stock push, fleet push, stock pull, the fault pairs (push, then pull),
-# fleet pull on real links, instrumented push, the bench grid (it takes the
-# push pair still up, then starts the instrumented pull pair that the next
-# group uses), instrumented pull, xPyD, TP, then the tests that drive
+# fleet pull on real links, instrumented pull, the bench grid (it takes the
+# pull pair still up, then starts the instrumented push pair that the next
+# group uses), instrumented push, xPyD, TP, then the tests that drive
 # stacks themselves (demo, canary, SIGTERM).
 _STACK_ORDER = (
     "stock_push_stack",
@@ -305,9 +305,9 @@ _STACK_ORDER = (
     "fault_push_stack",
     "fault_pull_stack",
     "links_stack",
-    "push_stack",
-    "grid_run",
     "pull_stack",
+    "grid_run",
+    "push_stack",
     "xpyd_stacks",
     "tp_stack",
 )

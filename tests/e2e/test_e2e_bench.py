@@ -50,11 +50,12 @@ def _sequential_url(stack) -> str:
 
 @pytest.fixture(scope="module")
 def grid_run(stack_factory, tmp_path_factory):
-    """One bench run over push (overlapped + sequential), then pull: the push
-    pair is still up from the tests before (conftest's _STACK_ORDER), and the
-    pull pair it starts is the pull_stack fixture's, used by the tests after."""
+    """One bench run over pull, then push (overlapped + sequential): pull runs
+    first (a push row's ratio and interval need its cell's pull row), on the
+    pull pair still up from the tests before (conftest's _STACK_ORDER); the
+    push pair it starts is the push_stack fixture's, used by the tests after."""
     out = tmp_path_factory.mktemp("bench")
-    push = stack_factory.get("push")
+    pull = stack_factory.get("pull", **PULL_STACK_KW)  # the pull_stack fixture's pair
     opts = BenchOptions(
         qps=QPS,
         input_lens=INPUT_LENS,
@@ -63,15 +64,14 @@ def grid_run(stack_factory, tmp_path_factory):
         seed=int.from_bytes(new_trace_id()[:8].encode(), "big") % 10_000,  # fresh prompts: shared stacks cache prefixes
         warmup=1,
         trace_wait_s=60.0,
-        store=_store_path(push),
+        store=_store_path(pull),
         json_path=out / "rows.jsonl",
         progress=False,
     )
     run = new_run(opts)
-    bench_routers([push.router_url, _sequential_url(push)], opts, run=run)
-    pull = stack_factory.get("pull", **PULL_STACK_KW)  # the pull_stack fixture's pair
-    assert _store_path(pull) == opts.store  # both stacks write the session home's store
     bench_routers([pull.router_url], opts, run=run)
+    push = stack_factory.get("push")
+    bench_routers([push.router_url, _sequential_url(push)], opts, run=run)
     return run
 
 
