@@ -176,6 +176,12 @@ class Trace:
     #: Whether its spans are stored, and why (:mod:`kvrecord.keeprule`): None
     #: (written before kvlens recorded it: all kept), ``all``, a reason, ``no``.
     keep: str | None = None
+    #: The prompt's tokens, the router's weight of the mode it drew (None: not
+    #: drawn) and the client-seen time per output token of a stream, from the
+    #: summary row (schema 7: kept with it; None on rows written before)
+    prompt_tokens: int | None = None
+    split: float | None = None
+    tpot_s: float | None = None
     #: Each recorded phase's longest duration in seconds, from the summary
     #: row: there whether the spans were kept or not.
     phases: Mapping[str, float] = field(default_factory=dict)
@@ -316,6 +322,9 @@ class Trace:
             "start_ns": self.start_ns,
             "ttft_source": self.ttft_source,
             "ttft_err_s": self.ttft_err_s,
+            "prompt_tokens": self.prompt_tokens,
+            "split": self.split,
+            "tpot_s": self.tpot_s,
             "half": self.half,
             "ranks": self.ranks_json(),
             "transfer": ranks.transfer_json(self.spans),

@@ -87,19 +87,27 @@ def _num(v: Any) -> float | None:
 
 def load(conn, *, since_ns: int | None, until_ns: int | None = None, limit: int = MAX_REQUESTS) -> list[Request]:
     """The window's requests, newest first, at most ``limit`` (runs on the
-    caller's thread, two reads: the summaries, then the attributes of the
-    few spans named in :data:`_TOKEN_SPANS` and the root)."""
+    caller's thread). One read of the summaries, which carry the prompt
+    length, split weight and TPOT since schema 7 (also for requests kept as
+    their summary only); a second read of span attributes only for the rows
+    that lack them (written before schema 7): the few spans named in
+    :data:`_TOKEN_SPANS` and the root."""
     rows = store.slowest(conn, limit, order="start", since_ns=since_ns, until_ns=until_ns)
-    attrs = store.attributes_of(conn, [r["trace_id"] for r in rows], (*_TOKEN_SPANS, _ROOT))
+    old = [r["trace_id"] for r in rows if r.get("prompt_tokens") is None]
+    attrs = store.attributes_of(conn, old, (*_TOKEN_SPANS, _ROOT)) if old else {}
     per: dict[str, dict[str, dict]] = {}
     for (tid, _role, name, _t0, _t1), a in attrs.items():
         per.setdefault(tid, {}).setdefault(name, a)
     out = []
     for r in rows:
-        spans = per.get(r["trace_id"], {})
-        root = spans.get(_ROOT, {})
-        # P's count first; the router's root span carries it too (from P's answer)
-        tokens = next((spans[n].get(sc.ATTR_TOKENS) for n in _TOKEN_SPANS if n in spans), root.get(sc.ATTR_TOKENS))
+        tokens, split, tpot = r.get("prompt_tokens"), r.get("split"), r.get("tpot_s")
+        if tokens is None:
+            spans = per.get(r["trace_id"], {})
+            root = spans.get(_ROOT, {})
+            # P's count first; the router's root span carries it too (from P's answer)
+            tokens = next((spans[n].get(sc.ATTR_TOKENS) for n in _TOKEN_SPANS if n in spans), root.get(sc.ATTR_TOKENS))
+            split = split if split is not None else root.get(sc.ATTR_SPLIT)
+            tpot = tpot if tpot is not None else root.get(sc.ATTR_TPOT_S)
         out.append(
             Request(
                 r["trace_id"],
@@ -108,10 +116,10 @@ def load(conn, *, since_ns: int | None, until_ns: int | None = None, limit: int 
                 r["outcome"],
                 r["start_ns"],
                 int(tokens) if _num(tokens) is not None else None,
-                _num(root.get(sc.ATTR_SPLIT)),
+                _num(split),
                 _num(r["ttft_s"]),
                 _num(r["handoff_s"]),
-                _num(root.get(sc.ATTR_TPOT_S)),
+                _num(tpot),
             )
         )
     return out

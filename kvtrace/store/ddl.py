@@ -118,6 +118,15 @@ PHASE_COLUMNS: dict[str, str] = {p: phase_column(p) for p in SUMMARY_PHASES}
 #: ``no`` (summary only); then one duration per :data:`SUMMARY_PHASES`.
 V4_TRACE_COLUMNS = (("keep", "TEXT"), *((c, "{real}") for c in PHASE_COLUMNS.values()))
 
+#: Columns version 7 added: what the live verdict (:mod:`kvtrace.verdict`)
+#: reads of a request beyond its timings, folded from its spans so that a
+#: request kept as its summary only (``--keep sampled``) still has them:
+#: ``prompt_tokens`` (P's count; the router's root span carries the same,
+#: from P's answer), ``split`` (the router's weight of the mode it drew;
+#: NULL when the mode was not drawn) and ``tpot_s`` (the client-seen time
+#: per output token of a stream).
+V7_TRACE_COLUMNS = (("prompt_tokens", "{int}"), ("split", "{real}"), ("tpot_s", "{real}"))
+
 
 def _with_columns(ddl: str, columns) -> str:
     return ddl[: ddl.rindex(")")].rstrip() + "".join(f",\n    {c:<19} {t}" for c, t in columns) + "\n)"
@@ -125,7 +134,7 @@ def _with_columns(ddl: str, columns) -> str:
 
 #: Version 2's traces table (what the version 1 -> 2 migration builds).
 _TRACES_V2_DDL = _TRACES_DDL
-_TRACES_DDL = _with_columns(_TRACES_V2_DDL, (*V3_TRACE_COLUMNS, *V4_TRACE_COLUMNS))
+_TRACES_DDL = _with_columns(_TRACES_V2_DDL, (*V3_TRACE_COLUMNS, *V4_TRACE_COLUMNS, *V7_TRACE_COLUMNS))
 
 
 #: Indexes of ``traces`` up to version 4 that version 5 drops: each cost

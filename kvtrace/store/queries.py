@@ -52,6 +52,9 @@ SUMMARY_COLUMNS = (
     "ttft_err_s",
     "keep",
     *PHASE_COLUMNS.values(),
+    "prompt_tokens",
+    "split",
+    "tpot_s",
 )
 #: Columns of :func:`handoffs` rows (the resolver's view of a settled trace).
 #: ``complete``: the request's own crossings both ways have arrived, so a

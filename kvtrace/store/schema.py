@@ -51,6 +51,7 @@ from urllib.parse import quote
 from kvtrace.store import partitions, pg, pgerrors
 from kvtrace.store.ddl import _TRACES_V2_DDL, DROPPED_V5_INDEXES, PG_SCHEMA_TEMPLATE, SCHEMA_TEMPLATE
 from kvtrace.store.ddl import SPAN_COLUMNS, TRACE_COLUMNS, V3_TRACE_COLUMNS, V4_TRACE_COLUMNS  # noqa: F401
+from kvtrace.store.ddl import V7_TRACE_COLUMNS
 from kvrecord.location import StoreLocation
 from kvtrace.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of
 from kvtrace.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
@@ -71,7 +72,7 @@ def params(n: int) -> str:
 
 # ------------------------------------------------------------------ schema
 #: The schema this code writes and reads. Bump it with a MIGRATIONS entry.
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: Stores written before the ``meta`` table existed have version 1's tables.
 LEGACY_VERSION = 1
 
@@ -114,6 +115,9 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     # 5 -> 6: the partial index on ``handoff.open`` spans (ddl.OPEN_SPAN_NAME);
     # the schema script that follows every migration creates it. Both backends.
     5: (),
+    # 6 -> 7: what the verdict reads of a request (ddl.V7_TRACE_COLUMNS), so a
+    # summary-only request has it; older rows keep NULLs (read from their spans).
+    6: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V7_TRACE_COLUMNS),
 }
 #: ``PG_MIGRATIONS[v]``: what a PostgreSQL store runs instead of ``MIGRATIONS[v]``
 #: (a function of the connection, in the same transaction).

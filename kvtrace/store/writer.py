@@ -49,7 +49,9 @@ def _rank(col: str) -> str:
 _FOLD_FIRST = ("prefill_finished_ns", "p_engine", "d_engine", "p_arrival_ns", "d_first_ns")
 _FOLD_MIN = ("d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
 _FOLD_MAX = ("kv_ready_ns",)
-_FOLDED = (*_FOLD_FIRST, *_FOLD_MIN, *_FOLD_MAX)
+#: What the verdict reads (ddl.V7_TRACE_COLUMNS): the first value seen wins (P's count and the router's agree).
+_FOLD_VERDICT = ("prompt_tokens", "split", "tpot_s")
+_FOLDED = (*_FOLD_FIRST, *_FOLD_MIN, *_FOLD_MAX, *_FOLD_VERDICT)
 #: Each recorded phase's duration column (the longest copy wins: ranks, retries).
 _PHASE_COL = PHASE_COLUMNS
 _PHASES = tuple(_PHASE_COL.values())
@@ -72,7 +74,7 @@ ON CONFLICT ({{trace_key}}) DO UPDATE SET
     ttft_s = COALESCE(excluded.ttft_s, traces.ttft_s),
     ttft_err_s = CASE WHEN excluded.ttft_s IS NOT NULL THEN NULL ELSE traces.ttft_err_s END,
     ttft_source = COALESCE(excluded.ttft_source, traces.ttft_source),
-    {", ".join(f"{c} = COALESCE(traces.{c}, excluded.{c})" for c in _FOLD_FIRST)},
+    {", ".join(f"{c} = COALESCE(traces.{c}, excluded.{c})" for c in (*_FOLD_FIRST, *_FOLD_VERDICT))},
     {", ".join(f"{c} = COALESCE({{least}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})" for c in _FOLD_MIN)},
     {", ".join(f"{c} = COALESCE({{greatest}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})" for c in _FOLD_MAX)},
     {", ".join(f"{c} = COALESCE({{greatest}}(traces.{c}, excluded.{c}), traces.{c}, excluded.{c})" for c in _PHASES)},
@@ -134,6 +136,19 @@ _BLANK = {
     **dict.fromkeys(_PHASES),
 }
 _CROSS = sc.CROSSINGS
+#: The spans that carry the prompt's token count besides the root (kvtrace.verdict reads the same).
+_TOKEN_NAMES = frozenset((sc.Phase.PREFILL.value, sc.Phase.DECODE_QUEUE.value, sc.Phase.ALLOC.value))
+
+
+def _number(v) -> float | None:
+    """A finite number attribute as a float; None for anything else (a bool, text, NaN)."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf"):
+        return float(v)
+    return None
+
+
+def _count(v) -> int | None:
+    return int(v) if _number(v) is not None and v >= 0 else None
 
 
 def _span_key(row: tuple) -> tuple[str, str]:
@@ -211,7 +226,16 @@ def _fold_span(u: dict, g, name: str, role, mode, rid, start: int, end: int) -> 
         ttft = g(sc.ATTR_TTFT_S)
         if ttft is not None:
             u["ttft_s"], u["ttft_source"] = ttft, _TTFT_ROUTER
-    elif name == _PF:
+        if u["split"] is None:
+            u["split"] = _number(g(sc.ATTR_SPLIT))
+        if u["tpot_s"] is None:
+            u["tpot_s"] = _number(g(sc.ATTR_TPOT_S))
+        if u["prompt_tokens"] is None:
+            u["prompt_tokens"] = _count(g(sc.ATTR_TOKENS))
+    elif name in _TOKEN_NAMES:
+        if u["prompt_tokens"] is None:
+            u["prompt_tokens"] = _count(g(sc.ATTR_TOKENS))
+    if name == _PF:
         if u["prefill_finished_ns"] is None:
             u["prefill_finished_ns"] = end
     elif name == _KV:

@@ -50,22 +50,36 @@ def _span(tid, name, role, start, end, *, parent=True, **attrs) -> ReadableSpan:
     return ReadableSpan(name=name, context=ctx, parent=par, attributes=a, start_time=start, end_time=end, resource=res)
 
 
-def request(tid: str, *, handoff_ms: float = 5, outcome: str = "ok", root: bool = True, t0: int = T0) -> list:
-    """A push request's spans with both clock crossings (its handoff settles)."""
+def request(
+    tid: str,
+    *,
+    handoff_ms: float = 5,
+    outcome: str = "ok",
+    root: bool = True,
+    t0: int = T0,
+    mode: str = "push",
+    tokens: int | None = None,
+    root_attrs: dict | None = None,
+) -> list:
+    """A request's spans with both clock crossings (its handoff settles);
+    ``tokens``: the prompt count P's prefill span carries; ``root_attrs``:
+    more of the router's root span (split, TPOT)."""
     pf = t0 + 20 * MS
     kv = pf + int(handoff_ms * MS)
+    m = {sc.ATTR_MODE: mode}
     out = [
-        _span(tid, "registration.stage", "decode", t0 + MS // 2, t0 + MS // 2),
-        _span(tid, "registration.send", "decode", t0 + 1 * MS, t0 + 1 * MS + 100),
-        _span(tid, "registration.receive", "prefill", t0 + 2 * MS, t0 + 2 * MS),
-        _span(tid, "prefill", "prefill", t0, pf),
-        _span(tid, "prefill.finished", "prefill", pf, pf),
-        _span(tid, "write.post", "prefill", pf + 1000, pf + 2000),
-        _span(tid, "kv.ready", "decode", kv, kv, **{sc.ATTR_OUTCOME: outcome}),
+        _span(tid, "registration.stage", "decode", t0 + MS // 2, t0 + MS // 2, **m),
+        _span(tid, "registration.send", "decode", t0 + 1 * MS, t0 + 1 * MS + 100, **m),
+        _span(tid, "registration.receive", "prefill", t0 + 2 * MS, t0 + 2 * MS, **m),
+        _span(tid, "prefill", "prefill", t0, pf, **m, **({sc.ATTR_TOKENS: tokens} if tokens is not None else {})),
+        _span(tid, "prefill.finished", "prefill", pf, pf, **m),
+        _span(tid, "write.post", "prefill", pf + 1000, pf + 2000, **m),
+        _span(tid, "kv.ready", "decode", kv, kv, **m, **{sc.ATTR_OUTCOME: outcome}),
     ]
     if root:
         ttft = (kv - t0) / 1e9 + 0.01
-        out.append(_span(tid, "request", "router", t0 - 1000, kv + 20 * MS, **{sc.ATTR_TTFT_S: ttft}))
+        a = {sc.ATTR_TTFT_S: ttft, **m, **(root_attrs or {})}
+        out.append(_span(tid, "request", "router", t0 - 1000, kv + 20 * MS, **a))
     return out
 
 
@@ -113,6 +127,38 @@ def test_sampled_keeps_failed_slow_and_ratio_and_summarises_the_rest(backend):
         assert tr.phases["prefill"] == pytest.approx(0.02)
         assert tr.to_json()["spans"] == [] and "not kept" in tr.to_json()["spans_note"]
     assert len([s for s in got[slow].spans if not s.attributes.get(sc.ATTR_DERIVED)]) == N
+
+
+def test_a_summary_only_request_keeps_what_the_verdict_reads(backend):
+    """Under --keep sampled most requests are their summary alone: the prompt
+    length, the split weight and the TPOT live on the summary (schema 7), so
+    the live verdict buckets them by length and counts them as the canary's."""
+    from kvtrace import verdict
+
+    clock = Clock()
+    k = Keeper(KeepRule.parse("sampled", 0.0, "50ms"), clock=clock)
+    t0 = __import__("time").time_ns() - 60 * 10**9
+    ids = {m: [_tid(i + (50 if m == "pull" else 0)) for i in range(12)] for m in ("push", "pull")}
+    spans = []
+    for m, tids in ids.items():
+        for i, t in enumerate(tids):
+            root = {sc.ATTR_SPLIT: 0.5, sc.ATTR_TPOT_S: 0.02 + i / 1000, sc.ATTR_TOKENS: 300 + i}
+            spans += request(t, mode=m, tokens=300 + i, root_attrs=root, t0=t0 + i * MS, handoff_ms=5 + i)
+    with store.connect(backend.store) as conn:
+        k.write(conn, spans)
+        clock.t += 2.5
+        k.write(conn, [])
+    got = _stored(backend, [t for tids in ids.values() for t in tids])
+    assert {tr.keep for tr in got.values()} == {"no"}  # summaries only: no span to read them from
+    tr = got[ids["pull"][3]]
+    assert (tr.prompt_tokens, tr.split, tr.tpot_s) == (303, 0.5, pytest.approx(0.023))
+    with store.reading(backend.store) as conn:
+        reqs = verdict.load(conn, since_ns=t0 - 10**9)
+    assert len(reqs) == 24 and all(r.tokens is not None and r.split == 0.5 for r in reqs), reqs
+    out = verdict.compute(reqs)
+    assert out.selection == "split"
+    assert out.counts["push"]["<=512 tokens"] == 12 and out.counts["pull"]["<=512 tokens"] == 12
+    assert out.counts["push"][verdict.UNKNOWN_LENGTH] == 0
 
 
 def test_a_late_span_folds_into_the_summary_and_follows_the_decision(backend):

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -135,10 +136,10 @@ def test_recorded_command_lines_are_redacted_and_still_recognised(tmp_path):
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--store", URL])
     try:
-        for _ in range(100):
-            got = cmdline(proc.pid)
-            if got and got[-1] != URL and "--store" in got:
-                break
+        deadline = time.monotonic() + 60  # until the child has exec'd (slow on a busy machine)
+        while (got := cmdline(proc.pid)) is None or "--store" not in got:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.02)
         assert got[-1] == redact(URL) and "s3cr" not in json.dumps(got)
         assert _alive({"pid": proc.pid, "cmdline": got})
     finally:
