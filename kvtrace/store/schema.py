@@ -117,8 +117,11 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     5: (),
     # 6 -> 7: what the verdict reads of a request (ddl.V7_TRACE_COLUMNS), so a
     # summary-only request has it; older rows keep NULLs (read from their spans).
-    6: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V7_TRACE_COLUMNS),
+    # Added where missing (ADDED_COLUMNS): PostgreSQL's 4 -> 5 rebuilds traces with today's columns.
+    6: (),
 }
+#: ``ADDED_COLUMNS[v]``: traces columns the step from ``v`` adds where the table lacks them.
+ADDED_COLUMNS = {6: V7_TRACE_COLUMNS}
 #: ``PG_MIGRATIONS[v]``: what a PostgreSQL store runs instead of ``MIGRATIONS[v]``
 #: (a function of the connection, in the same transaction).
 PG_MIGRATIONS = {4: partitions.migrate_v4}
@@ -204,11 +207,23 @@ def _create_or_upgrade(conn: Connection, loc: StoreLocation) -> None:
                 continue
             for stmt in MIGRATIONS[v]:
                 conn.execute(d.sql(stmt))
+            if v in ADDED_COLUMNS:
+                have = _columns(conn, d, "traces")
+                for c, t in ADDED_COLUMNS[v]:
+                    if c not in have:
+                        conn.execute(d.sql(f"ALTER TABLE traces ADD COLUMN {c} {t}"))
         for stmt in _statements(schema_for(d)):
             conn.execute(stmt)
         if d is POSTGRES:  # the first writes land at once: today's and tomorrow's partitions
             partitions.create(conn, (partitions.today(), partitions.today() + 1))
         conn.execute(_SET_VERSION, (str(SCHEMA_VERSION),))
+
+
+def _columns(conn: Connection, d: Dialect, table: str) -> set[str]:
+    if d is POSTGRES:
+        sql = "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = ?"
+        return {r[0] for r in conn.execute(sql, (table,)).fetchall()}
+    return {r[1] for r in conn.execute(f"PRAGMA table_xinfo({table})").fetchall()}
 
 
 def read_uri(path: Path) -> str:

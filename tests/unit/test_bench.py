@@ -526,7 +526,8 @@ def test_bench_detects_tokens_that_arrive_together(tmp_path, tiny_tokenizer_dir,
     0), every request counted untimed, D's own figure still reported."""
     opts = _opts(tmp_path, tiny_tokenizer_dir, input_lens=[16], output_len=4, num_prompts=4, warmup=1)
     opts.store.parent.mkdir()
-    with FakeRouter(opts.store, "pull", one_chunk=one_chunk, token_gap_s=0.03) as fake:
+    # tokens 0.1 s apart: a busy machine may still join two in one read (at least two reads each)
+    with FakeRouter(opts.store, "pull", one_chunk=one_chunk, token_gap_s=0.1) as fake:
         run = bench_routers([Target("pull", None, fake.url, decode_url=fake.url)], opts)
     (row,) = run.rows
     assert row["completed"] == 4 and row["tpot_decode_mean_s"] == pytest.approx(FakeRouter.D_TPOT_S)
@@ -538,7 +539,7 @@ def test_bench_detects_tokens_that_arrive_together(tmp_path, tiny_tokenizer_dir,
     else:
         assert row["tpot_untimed"] == 0 and row["tpot_note"] is None
         assert row["tpot_mean_s"] > 0.02 and row["tpot_client_vs_decode_rel_diff"] is not None
-        assert all(r.text_reads == 4 for r in run.cells[0].results)
+        assert all(2 <= r.text_reads <= 4 for r in run.cells[0].results)
     saved = json.loads(opts.json_path.read_text())
     assert saved["tpot_untimed"] == row["tpot_untimed"] and saved["tpot_mean_s"] == row["tpot_mean_s"]
 

@@ -182,7 +182,9 @@ def test_a_version_4_store_is_migrated_with_its_rows(backend):
     )
     assert testing.meta(backend.store)["schema_version"] == "4"
     store.connect(backend.store).close()
-    assert testing.meta(backend.store)["schema_version"] == str(store.SCHEMA_VERSION) == "6"  # through 5 (issue 37: 6)
+    assert (
+        testing.meta(backend.store)["schema_version"] == str(store.SCHEMA_VERSION) == "7"
+    )  # through 5 (issue 37: 6; the verdict columns: 7)
     rels = testing.relation_bytes(backend.store)
     assert not set(DROPPED_V5_INDEXES) & set(rels)
     with store.reading(backend.store) as c:
