@@ -141,6 +141,23 @@ def _whatif_line(w) -> str:
     return f"{head}: {', '.join(parts)}{tail}"
 
 
+def _in_short(v) -> str:
+    """The live verdict in one sentence: which figures push is faster or slower on, which it cannot tell."""
+    from kvtrace import verdict as kv_verdict
+
+    said, by = [], {stats.NO_DIFFERENCE: [], stats.NOT_ENOUGH: []}
+    for key, _, _, words in kv_verdict.METRICS:
+        r = v.ratios[key]
+        if r.status == stats.RESOLVED:
+            said.append(f"push {'faster' if r.hi < 1 else 'slower'} on {words} ({r.ratio:.2f}x pull's)")
+        else:
+            by.setdefault(r.status, []).append(words)
+    said += [f"{status} on {', '.join(names)}" for status, names in by.items() if names]
+    if not any(v.ratios[k].status == stats.RESOLVED for k, *_ in kv_verdict.METRICS):
+        said.append("more requests narrow the intervals: leave it running")
+    return "; ".join(said)
+
+
 def closing_words(loc: StoreLocation, since_ns: int, elapsed_s: float, grid: Sequence[str]) -> tuple[str, bool]:
     """The live verdict, the what-if both ways, and the grid's verdict, in
     words; and whether the live verdict had enough data for a ratio. Reads
@@ -182,6 +199,7 @@ def closing_words(loc: StoreLocation, since_ns: int, elapsed_s: float, grid: Seq
         )
         for key, _, _, words in kv_verdict.METRICS:
             out.append(f"    {words:<12} {kv_verdict.ratio_words(v.ratios[key])}")
+        out.append(f"  in short: {_in_short(v)}")
         enough = v.ratios["ttft_p50"].status != stats.NOT_ENOUGH
     if ws:
         out.append("  what-if, each mode predicted from the other's traces (docs/verdict.md):")
@@ -296,5 +314,8 @@ def live(stack, loc: StoreLocation, args: argparse.Namespace, grid: Sequence[str
         _stop(stack)  # Prometheus with it; signals ignored while stopping
         with contextlib.suppress(KeyboardInterrupt):
             if watch is not None:
-                print(watch.words(), flush=True)
+                try:
+                    print(watch.words(), flush=True)
+                except Exception as e:  # noqa: BLE001 - the demo still stops cleanly
+                    print(f"kvlens demo: warning: live verdict failed: {e!r}", file=sys.stderr, flush=True)
         print("kvlens demo: stopped", flush=True)

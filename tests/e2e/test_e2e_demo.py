@@ -50,7 +50,9 @@ def test_demo_then_live_canary(stack_factory, kvlens_home, tmp_path):
     dash_port = free_port()
     log = tmp_path / "demo.log"
     argv = [sys.executable, "-m", "kvlens.cli", "demo", "--qps", "4", "--input-len", "128", "--output-len", "3"]
-    argv += ["--num-prompts", "2", "--warmup", "1", "--no-progress", "--seed", "77"]
+    # one round (pull's stack, then push's): one stack start fewer than the demo's default two rounds (ABBA,
+    # unit-tested in tests/unit/test_bench_rounds.py); the live fleet's 4-server start is the time it pays for
+    argv += ["--num-prompts", "2", "--repeat", "1", "--warmup", "1", "--no-progress", "--seed", "77"]
     # a light load beside the canary's requests (they select their own by trace id; counts it adds to are ">=")
     argv += ["--dashboard-port", str(dash_port), "--prometheus-port", "0", "--live-interval", "2"]
     with open(log, "wb") as out:
@@ -58,7 +60,7 @@ def test_demo_then_live_canary(stack_factory, kvlens_home, tmp_path):
     kids: set[int] = set()
     try:
         text = _wait_for(log, demo, f"kvlens dashboard: http://localhost:{dash_port}", timeout_s=1500)
-        t_live = time.monotonic()
+        laps = [("bench part and the fleet's start", time.monotonic())]
         kids = _descendants(demo.pid)
         _check_bench_part(text, kvlens_home)
         prom_url = re.search(r"Prometheus: +(http://127\.0\.0\.1:\d+)", text).group(1)
@@ -71,16 +73,22 @@ def test_demo_then_live_canary(stack_factory, kvlens_home, tmp_path):
 
         canary.check_fleet(url, manifest)
         _, drawn = canary.check_split(url, db)
+        laps.append(("canary: split", time.monotonic()))
         canary.check_forced_mode(url, db)
         canary.check_verdict_and_whatif(kvlens_home, db, drawn)
+        laps.append(("verdict, whatif", time.monotonic()))
         _check_prometheus(prom_url)
+        laps.append(("Prometheus", time.monotonic()))
         _check_live_dashboard(prom_url, f"http://127.0.0.1:{dash_port}")
+        laps.append(("dashboard in Chromium", time.monotonic()))
         words = _wait_for(log, demo, LIVE_VERDICT, timeout_s=300)
         _check_closing_words(words[words.index(LIVE_VERDICT) :])
         canary.check_split_changed_live(url, db)
+        laps.append(("closing words, /admin/split", time.monotonic()))
         kids |= _descendants(demo.pid)
         canary.check_one_half_fails(url, db, manifest)
         _wait_for(log, demo, "kvlens demo: warning: decode-d1 exited", timeout_s=120)
+        laps.append(("one half fails", time.monotonic()))
     finally:
         demo.send_signal(signal.SIGTERM)
         try:
@@ -100,7 +108,9 @@ def test_demo_then_live_canary(stack_factory, kvlens_home, tmp_path):
     while [k for k in kids if psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE]:
         assert time.monotonic() < deadline, f"left behind: {[k for k in kids if psutil.pid_exists(k)]}"
         time.sleep(0.5)
-    print(f"\ndemo e2e: {time.monotonic() - t0:.0f}s in all, the live part's checks {time.monotonic() - t_live:.0f}s")
+    laps.append(("SIGTERM to nothing left", time.monotonic()))
+    steps = ", ".join(f"{name} {t - laps[i - 1][1] if i else t - t0:.0f}s" for i, (name, t) in enumerate(laps))
+    print(f"\ndemo e2e: {time.monotonic() - t0:.0f}s in all: {steps}")
 
 
 def _check_closing_words(words: str) -> None:
@@ -108,6 +118,7 @@ def _check_closing_words(words: str) -> None:
     answer in words), the what-if both ways, the grid's verdict beside."""
     block = words.split("\nkvlens demo:", 1)[0]
     assert "requests compared:" in block and "canary: split-assigned requests" in block, block
+    assert "  in short: " in block, block
     for name in ("TTFT p50", "TTFT p90", "handoff p50", "TPOT p50"):
         line = next((x for x in block.splitlines() if x.strip().startswith(name)), None)
         assert line is not None and (re.search(r"\d\.\d\d \[\d+\.\d\d-\d+\.\d\d\]", line) or "not enough data" in line)

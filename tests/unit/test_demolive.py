@@ -41,6 +41,8 @@ def test_the_closing_words_give_the_live_verdict_the_whatif_and_the_grid(synthet
     assert re.search(r"from the \d+ push requests, had they run pull: handoff p50 \d", text), text
     assert "measured here: handoff p50" in text and "interval" in text
     assert "the grid's verdict, for comparison" in text and GRID[0] in text
+    (short,) = [x for x in text.splitlines() if x.strip().startswith("in short: ")]
+    assert "TTFT p50" in short and "handoff p50" in short and "TPOT p50" in short, short
 
 
 def test_an_empty_window_needs_both_modes_and_shows_no_zero(synthetic):
