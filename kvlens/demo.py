@@ -153,7 +153,8 @@ def _announce(opts: BenchOptions) -> None:
         f"(QPS {','.join(f'{q:g}' for q in opts.qps)} x input {','.join(map(str, opts.input_lens))} tokens), "
         f"{opts.repeat} round{'s' if opts.repeat > 1 else ''} (push and pull in ABBA order) of "
         f"{opts.num_prompts} requests each, {opts.output_len} output tokens, prefix caching "
-        f"{'on' if opts.prefix_caching else 'off'}; budget about 7 minutes on 2 cores",
+        f"{'on' if opts.prefix_caching else 'off'}; budget about 8 minutes on 2 cores, the live part's fleet "
+        "start included",
         flush=True,
     )
 
