@@ -251,6 +251,28 @@ class Watch(threading.Thread):
             self.join(30)
 
 
+def _say_live(stack, prom, loc: StoreLocation, args: argparse.Namespace) -> None:
+    """The live part's banner: what runs where, and what comes next."""
+    if prom is not None:
+        jobs = ", ".join(f"{job} ({len(t)})" for job, t in prom.targets.items())
+        where = f"  Prometheus:          {prom.url}  (scraping {jobs}; kvlens recording rules loaded)\n"
+    else:
+        where = "  Prometheus:          not running (see the warning above)\n"
+    print(
+        f"\nkvlens demo: live. A mixed fleet, one push pair and one pull pair behind one router that "
+        f"sends each request to push with weight {LIVE_SPLIT:g}, keeps serving one request every "
+        f"{args.live_interval:g} s:\n"
+        f"  router (OpenAI API): {stack.router_url}/v1  (split: {stack.router_url}/admin/split)\n"
+        + where
+        + f"  dashboard:           http://localhost:{args.dashboard_port}  (the live verdict first; live "
+        f"figures from {'Prometheus' if prom is not None else 'the trace store'}, traces from {loc})\n"
+        f"  stack:               {stack.log_dir}/stack.json\n"
+        "The live verdict and the what-if print once both modes have served enough requests, and again "
+        "at the end. Ctrl-C stops the dashboard, the load, Prometheus and the fleet.",
+        flush=True,
+    )
+
+
 def live(stack, loc: StoreLocation, args: argparse.Namespace, grid: Sequence[str]) -> int:
     """The live part on ``stack`` (the mixed fleet, running): Prometheus, the
     load, the watch, the dashboard; blocks until Ctrl-C / SIGTERM (then 0),
@@ -279,24 +301,7 @@ def live(stack, loc: StoreLocation, args: argparse.Namespace, grid: Sequence[str
             watch = Watch(stack, loc, grid)
             load.start()
             watch.start()
-            if prom is not None:
-                jobs = ", ".join(f"{job} ({len(t)})" for job, t in prom.targets.items())
-                where = f"  Prometheus:          {prom.url}  (scraping {jobs}; kvlens recording rules loaded)\n"
-            else:
-                where = "  Prometheus:          not running (see the warning above)\n"
-            print(
-                f"\nkvlens demo: live. A mixed fleet, one push pair and one pull pair behind one router that "
-                f"sends each request to push with weight {LIVE_SPLIT:g}, keeps serving one request every "
-                f"{args.live_interval:g} s:\n"
-                f"  router (OpenAI API): {stack.router_url}/v1  (split: {stack.router_url}/admin/split)\n"
-                + where
-                + f"  dashboard:           http://localhost:{args.dashboard_port}  (the live verdict first; live "
-                f"figures from {'Prometheus' if prom is not None else 'the trace store'}, traces from {loc})\n"
-                f"  stack:               {stack.log_dir}/stack.json\n"
-                "The live verdict and the what-if print once both modes have served enough requests, and again "
-                "at the end. Ctrl-C stops the dashboard, the load, Prometheus and the fleet.",
-                flush=True,
-            )
+            _say_live(stack, prom, loc, args)
             url = prom.url if prom is not None else None
             ns = argparse.Namespace(store=loc, prometheus=url, port=args.dashboard_port, host="127.0.0.1")
             return int(dashboard_cmd.run(ns) or 0)
