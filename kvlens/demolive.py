@@ -202,7 +202,10 @@ def closing_words(loc: StoreLocation, since_ns: int, elapsed_s: float, grid: Seq
         out.append(f"  in short: {_in_short(v)}")
         enough = v.ratios["ttft_p50"].status != stats.NOT_ENOUGH
     if ws:
-        out.append("  what-if, each mode predicted from the other's traces (docs/verdict.md):")
+        out.append(
+            "  what-if, each mode predicted from the other's traces (a model: where it disagrees with the measured "
+            "verdict above, the verdict holds; docs/verdict.md):"
+        )
         out += [f"    {_whatif_line(w)}" for w in ws]
     if grid:
         out.append("  the grid's verdict, for comparison (synthetic load, one mode per stack, before the live part):")
