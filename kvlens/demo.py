@@ -50,7 +50,7 @@ from kvlens.bench.grid import (
     validate_grid,
 )
 from kvlens.bench.report import describe, print_report
-from kvlens.bench.runner import bench_stacks, new_run
+from kvlens.bench.runner import _stop, bench_stacks, new_run
 from kvlens.demolive import DEFAULT_PROMETHEUS_PORT, LIVE_INTERVAL_S, GentleLoad, live, start_fleet
 from kvlens.model import ensure_model
 from kvlens.signals import sigterm_as_interrupt
@@ -196,12 +196,15 @@ def run(args: argparse.Namespace) -> int:
     print(
         "\nkvlens demo: live part: starting a mixed fleet (a push pair and a pull pair behind one router)", flush=True
     )
+    stack = None
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt():  # no gap between the fleet's start and the live part's own handling
             stack = start_fleet(opts, run_.store.path.parent)  # stops what it started when it fails
+            return live(stack, run_.store, args, _grid_verdict(run_))  # stops the fleet
     except KeyboardInterrupt:
         return 130
     except StackError as e:
         print(f"kvlens demo: error: the live part's fleet did not start: {e}", file=sys.stderr, flush=True)
         return 1
-    return live(stack, run_.store, args, _grid_verdict(run_))
+    finally:
+        _stop(stack)  # idempotent: a no-op after live()'s own stop

@@ -56,3 +56,67 @@ def test_an_empty_window_needs_both_modes_and_shows_no_zero(synthetic):
 def test_an_unreadable_store_is_said(tmp_path):
     text, enough = closing_words(StoreLocation.parse(str(tmp_path / "none.db")), 0, 1.0, GRID)
     assert not enough and "cannot be read" in text and "none.db" in text
+
+
+class _Fleet:
+    stopped = 0
+
+    def stop(self) -> None:
+        self.stopped += 1
+
+
+def _demo_args(tmp_path, monkeypatch, *extra: str):
+    import argparse
+
+    from kvlens import demo
+
+    monkeypatch.setenv("KVLENS_HOME", str(tmp_path))
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    args = p.parse_args(["--model", str(tmp_path), "--qps", "4", "--input-len", "16", "--no-progress", *extra])
+    monkeypatch.setattr(demo, "_check", lambda a: demo.options_from_args(a))
+    monkeypatch.setattr(demo, "run_guarded", lambda *a: None)  # the grid: finished (its own tests cover it)
+    monkeypatch.setattr(demo, "print_report", lambda run_: None)
+    monkeypatch.setattr(demo, "_traces", lambda *a: None)
+    monkeypatch.setattr(demo, "_grid_verdict", lambda run_: ["Overall, ..."])
+    return demo, args
+
+
+@pytest.mark.parametrize("how", ["returns", "interrupted"])
+def test_the_live_part_runs_on_the_fleet_and_the_fleet_is_stopped(tmp_path, monkeypatch, how):
+    """After the grid the demo starts the mixed fleet and hands it to the live
+    part; the fleet is stopped however the live part ends (its own stop, or an
+    interrupt landing before it took the signals)."""
+    demo, args = _demo_args(tmp_path, monkeypatch)
+    fleet, seen = _Fleet(), {}
+    monkeypatch.setattr(demo, "start_fleet", lambda opts, home: fleet)
+
+    def live(stack, loc, a, grid):
+        seen.update(stack=stack, grid=grid)
+        if how == "interrupted":
+            raise KeyboardInterrupt
+        return 0
+
+    monkeypatch.setattr(demo, "live", live)
+    assert demo.run(args) == (0 if how == "returns" else 130)
+    assert seen == {"stack": fleet, "grid": ["Overall, ..."]} and fleet.stopped >= 1
+
+
+def test_a_fleet_that_does_not_start_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    from kvlens.stack.errors import StackError
+
+    demo, args = _demo_args(tmp_path, monkeypatch)
+
+    def fails(opts, home):
+        raise StackError("port 8000 in use")
+
+    monkeypatch.setattr(demo, "start_fleet", fails)
+    monkeypatch.setattr(demo, "live", lambda *a: pytest.fail("no live part without a fleet"))
+    assert demo.run(args) == 1
+    assert "the live part's fleet did not start: port 8000 in use" in capsys.readouterr().err
+
+
+def test_no_dashboard_starts_no_fleet(tmp_path, monkeypatch, capsys):
+    demo, args = _demo_args(tmp_path, monkeypatch, "--no-dashboard")
+    monkeypatch.setattr(demo, "start_fleet", lambda *a: pytest.fail("--no-dashboard starts no fleet"))
+    assert demo.run(args) == 0 and "kvlens demo: done." in capsys.readouterr().out
