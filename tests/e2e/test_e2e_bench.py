@@ -1,7 +1,6 @@
 """End-to-end: ``kvlens bench`` on the session's shared real stacks (a small
-grid, push overlapped + sequential and pull), then ``kvlens demo`` with its
-own stacks on a one-cell grid, and its live part (Prometheus, the dashboard)
-until SIGTERM.
+grid, push overlapped + sequential and pull). ``kvlens demo`` has its own
+module (tests/e2e/test_e2e_demo.py).
 
 The shared stacks come from ``tests/conftest.py`` (one alive at a time), so
 the bench is pointed at their routers (``bench_routers`` / ``--proxy``)
@@ -11,16 +10,8 @@ push/pull ratios when they are written.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
-import signal
-import subprocess
-import sys
-import time
 
-import httpx
-import psutil
 import pytest
 
 from kvtrace import store
@@ -30,7 +21,6 @@ from kvlens.bench.grid import BenchOptions
 from kvlens.bench.report import describe, print_report
 from kvlens.bench.runner import bench_routers, new_run
 from conftest import PULL_STACK_KW
-from kvrecord.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -196,184 +186,3 @@ def test_cli_bench_on_running_router(push_stack, tmp_path, capsys):
     # --modes contradicting the router: refused before any load
     assert main(["bench", "--proxy", push.router_url, "--modes", "pull"]) == 2
     assert "serves push" in capsys.readouterr().err
-
-
-def test_demo_then_live(stack_factory, kvlens_home, tmp_path):
-    """``kvlens demo`` as users run it (a process; the demo starts its own
-    stacks, so the shared one is freed first: 2 cores): the bench part's
-    report, then the live part: a real Prometheus scraping the last stack
-    (every target up, kvlens' recording rules loaded, exemplars stored), the
-    dashboard reading it (the live cards have figures: request rate, lost
-    spans), and SIGTERM stops it all, leaving no process behind."""
-    stack_factory.stop()
-    dash_port = free_port()
-    log = tmp_path / "demo.log"
-    argv = [sys.executable, "-m", "kvlens.cli", "demo", "--qps", "4", "--input-len", "128", "--output-len", "3"]
-    argv += ["--num-prompts", "2", "--warmup", "1", "--no-progress", "--seed", "77"]
-    argv += ["--dashboard-port", str(dash_port), "--prometheus-port", "0", "--live-interval", "1"]
-    with open(log, "wb") as out:
-        demo = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    kids: set[int] = set()
-    try:
-        text = _wait_for(log, demo, f"kvlens dashboard: http://localhost:{dash_port}", timeout_s=1200)
-        kids = _descendants(demo.pid)
-        _check_bench_part(text, kvlens_home)
-        prom_url = re.search(r"Prometheus: +(http://127\.0\.0\.1:\d+)", text).group(1)
-        mode = re.search(r"live\. The (push|pull) stack keeps serving", text).group(1)
-        assert f"dashboard:           http://localhost:{dash_port}" in text
-        _check_prometheus(prom_url, mode)
-        _check_live_dashboard(prom_url, mode, f"http://127.0.0.1:{dash_port}")
-        kids |= _descendants(demo.pid)
-    finally:
-        demo.send_signal(signal.SIGTERM)
-        try:
-            rc = demo.wait(180)
-        finally:
-            if demo.poll() is None:  # must not happen; do not leak it either
-                demo.kill()
-                demo.wait(10)
-    text = log.read_text(errors="replace")
-    assert rc == 0, text[-3000:]
-    assert "live load stopped (" in text and "kvlens demo: stopped" in text, text[-2000:]
-    deadline = time.monotonic() + 30
-    while [k for k in kids if psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE]:
-        assert time.monotonic() < deadline, f"left behind: {[k for k in kids if psutil.pid_exists(k)]}"
-        time.sleep(0.5)
-
-
-def _descendants(pid: int) -> set[int]:
-    with contextlib.suppress(psutil.Error):
-        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
-    return set()
-
-
-def _wait_for(log, proc, needle: str, timeout_s: float) -> str:
-    """The log's text once ``needle`` is in it; fails when the process exits first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = log.read_text(errors="replace")
-        if needle in text:
-            return text
-        assert proc.poll() is None, f"demo exited {proc.returncode} before {needle!r}:\n{text[-4000:]}"
-        assert time.monotonic() < deadline, f"no {needle!r} after {timeout_s:.0f}s:\n{text[-4000:]}"
-        time.sleep(1)
-
-
-def _check_bench_part(out: str, kvlens_home) -> None:
-    assert "What this measured:" in out and "Overall, push (overlapped)" in out
-    assert "slowest push requests" in out and "slowest pull requests" in out
-    assert "CPU outside" in out
-    conn = store.connect(kvlens_home / "traces.db", readonly=True)
-    try:
-        rows = store.bench_rows(conn)
-    finally:
-        conn.close()
-    assert {(r["mode"], r["dispatch"]) for r in rows} == {
-        ("pull", None),
-        ("push", "overlapped"),
-        ("push", "sequential"),
-    }
-    # stacks the demo started itself: every row says what P, D and the router used and where they ran
-    for r in rows:
-        assert {"prefill", "decode", "router"} <= set(r["cpu_stack"]), r["cpu_stack"]
-        assert r["cpu_stack"]["prefill"] > 0 and r["cpu_stack"]["decode"] > 0, r["cpu_stack"]
-        assert r["cpu_outside"] is not None and r["placement"] == "as asked", (r["cpu_outside"], r["placement"])
-
-
-def _poll(what: str, fn, timeout_s: float = 120.0):
-    """``fn()`` once it returns something true (Prometheus scrapes every 2 s)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = fn()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not after {timeout_s:.0f}s (last: {got!r})"
-        time.sleep(2)
-
-
-def _check_prometheus(url: str, mode: str) -> None:
-    from exporters import promapi
-
-    def all_up():
-        t = promapi.targets_health(url)
-        jobs = {x["labels"]["job"] for x in t}
-        return (
-            t
-            if {"kvlens-router", "vllm-prefill", "vllm-decode"} <= jobs and all(x["health"] == "up" for x in t)
-            else None
-        )
-
-    _poll("every target of P, D and the router up", all_up)
-    groups = httpx.get(url + "/api/v1/rules", timeout=10).json()["data"]["groups"]
-    rules = {r["name"]: r["health"] for g in groups for r in g["rules"]}
-    assert "kvlens:handoff_seconds:p50_1m" in rules and set(rules.values()) == {"ok"}, rules
-    now = time.time()
-    _poll(
-        f"{mode} handoff exemplars with a trace id",
-        lambda: [
-            e
-            for s in promapi.query_exemplars(
-                url, f'kvlens_handoff_seconds_bucket{{mode="{mode}"}}', now - 900, time.time()
-            )
-            for e in s["exemplars"]
-            if len(e["labels"].get("trace_id", "")) == 32
-        ],
-    )
-
-
-def _check_live_dashboard(prom_url: str, mode: str, dash_url: str) -> None:
-    """The Overview's live figures from the dashboard's own Prometheus loader,
-    and (with Chromium) the page as it is drawn: read from Prometheus, the
-    live mode's request rate and lost spans are figures, not "-"."""
-    from dashboard import prom
-
-    def live():
-        stats = prom.prom_overview(prom_url, "1h")[0][mode]
-        return stats if (stats.req_per_s or 0) > 0 and stats.dropped is not None and stats.requests else None
-
-    s = _poll("live figures from Prometheus", live)
-    assert s.dropped == 0 and s.handoff["p50"] is not None, s
-
-    import chromium
-
-    if chromium.missing():
-        return
-
-    def serving() -> bool:  # "kvlens dashboard: URL" is printed before Streamlit listens
-        try:
-            return httpx.get(dash_url + "/_stcore/health", timeout=5).text.strip() == "ok"
-        except httpx.HTTPError:
-            return False
-
-    _poll("the dashboard serving", serving, timeout_s=300)
-    with chromium.browser() as b:
-        page = b.new_page(viewport={"width": 1600, "height": 1400})
-        # the dashboard shares the 2 cores with the live stack, its load and Prometheus: its first
-        # page can take minutes there (seen: over 45 s), so wait for the page itself, not a clock
-        try:
-            chromium.open_page(page, dash_url + "/overview", chromium.PAGE_URLS["/overview"], timeout_ms=300_000)
-        except Exception:
-            page.screenshot(path=str(chromium.REPO / "test-output" / "demo-live-failed.png"), full_page=True)
-            raise
-        _poll("the Overview reading Prometheus", lambda: f"Source: Prometheus at {prom_url}" in page.inner_text("body"))
-        cards: dict[str, str] = {}
-
-        def drawn() -> bool:  # the fragment redraws every 5 s: read until the live cards are there
-            cards.clear()
-            cards.update({c["label"]: c["value"] for c in page.evaluate(CARDS_JS)})
-            return all(cards.get(label) not in (None, "", "-") for label in ("req/s", "lost spans"))
-
-        try:
-            _poll("the live cards drawn with figures", drawn, timeout_s=60)
-        except AssertionError as e:
-            raise AssertionError(f"{e}: {cards}") from None
-        page.wait_for_timeout(3000)  # let the charts finish
-        chromium.screenshot_if_asked(page)
-        page.close()
-
-
-#: label and value of every card on the page (the first column: push's, then pull's)
-CARDS_JS = """() => Array.from(document.querySelectorAll('[data-testid=stMetric]')).map(m => {
-  const part = (id) => { const e = m.querySelector(`[data-testid=${id}]`); return e ? e.innerText.trim() : ''; };
-  return {label: part('stMetricLabel'), value: part('stMetricValue')};
-})"""

@@ -4,7 +4,7 @@ its drawn mode needs to that mode's instances, the root span's mode, split
 weight, prompt tokens and TPOT, ``X-Kvlens-Mode``, ``/admin/split`` live and
 behind the key, one half failing without the other, and ``kvlens up
 --mode push,pull``'s instances and router command line. Fake P and D on
-loopback (no vLLM: tests/e2e/test_e2e_canary.py runs the real fleet)."""
+loopback (no vLLM: tests/e2e/test_e2e_demo.py runs the real fleet)."""
 
 from __future__ import annotations
 

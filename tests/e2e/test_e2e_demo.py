@@ -1,0 +1,271 @@
+"""End-to-end: ``kvlens demo`` as users run it (a process; the demo starts
+its own stacks, so the shared one is freed first: 2 cores), on a one-cell
+grid, then its live part on a mixed fleet (one push pair and one pull pair
+behind one kvlens router at split push=0.5) until SIGTERM.
+
+The live fleet is also the canary's: the canary's checks
+(tests/e2e/canary_checks.py: split near the weight, each request traced
+once with its mode, ``kvlens verdict``/``whatif --json``, ``X-Kvlens-Mode``,
+``/admin/split`` live, one half failing) run against the demo's router, so
+the demo and the canary share one 4-server start. The order matters: the
+last step kills the pull half's D (by its PID from the fleet's stack.json),
+and the demo must still stop cleanly on SIGTERM, leaving nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+import canary_checks as canary
+from kvtrace import store
+from kvrecord.ports import free_port
+
+pytestmark = pytest.mark.e2e
+
+#: the closing words' heading (kvlens.demolive.closing_words)
+LIVE_VERDICT = "== the live verdict: push vs pull"
+
+
+def test_demo_then_live_canary(stack_factory, kvlens_home, tmp_path):
+    """The bench part's report; the live part: a real Prometheus scraping the
+    fleet's router and four engines (every target up, kvlens' recording rules
+    loaded, exemplars of both modes), the dashboard reading it (live figures;
+    in Chromium, the Overview's headline verdict on the canary's requests),
+    the canary's checks on the fleet, the closing words (live verdict and
+    what-if next to the grid's) once there is data and again at the end;
+    SIGTERM stops it all, a dead D included, leaving no process behind."""
+    stack_factory.stop()
+    t0 = time.monotonic()
+    dash_port = free_port()
+    log = tmp_path / "demo.log"
+    argv = [sys.executable, "-m", "kvlens.cli", "demo", "--qps", "4", "--input-len", "128", "--output-len", "3"]
+    # one round (pull's stack, then push's): one stack start fewer than the demo's default two rounds (ABBA,
+    # unit-tested in tests/unit/test_bench_rounds.py); the live fleet's 4-server start is the time it pays for
+    argv += ["--num-prompts", "2", "--repeat", "1", "--warmup", "1", "--no-progress", "--seed", "77"]
+    # a light load beside the canary's requests (they select their own by trace id; counts it adds to are ">=")
+    argv += ["--dashboard-port", str(dash_port), "--prometheus-port", "0", "--live-interval", "2"]
+    with open(log, "wb") as out:
+        demo = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    kids: set[int] = set()
+    try:
+        text = _wait_for(log, demo, f"kvlens dashboard: http://localhost:{dash_port}", timeout_s=1500)
+        laps = [("bench part and the fleet's start", time.monotonic())]
+        kids = _descendants(demo.pid)
+        _check_bench_part(text, kvlens_home)
+        prom_url = re.search(r"Prometheus: +(http://127\.0\.0\.1:\d+)", text).group(1)
+        url = re.search(r"router \(OpenAI API\): (http://\S+)/v1", text).group(1)
+        manifest = json.loads(Path(re.search(r"stack: +(\S+/stack\.json)", text).group(1)).read_text())
+        assert "A mixed fleet, one push pair and one pull pair" in text, text[-3000:]
+        assert f"dashboard:           http://localhost:{dash_port}" in text
+        db = store.StoreLocation.parse(manifest["store"])
+        assert db.path.resolve() == (kvlens_home / "traces.db").resolve(), (db, kvlens_home)
+
+        canary.check_fleet(url, manifest)
+        _, drawn = canary.check_split(url, db)
+        laps.append(("canary: split", time.monotonic()))
+        canary.check_forced_mode(url, db)
+        canary.check_verdict_and_whatif(kvlens_home, db, drawn)
+        laps.append(("verdict, whatif", time.monotonic()))
+        _check_prometheus(prom_url)
+        laps.append(("Prometheus", time.monotonic()))
+        _check_live_dashboard(prom_url, f"http://127.0.0.1:{dash_port}")
+        laps.append(("dashboard in Chromium", time.monotonic()))
+        words = _wait_for(log, demo, LIVE_VERDICT, timeout_s=300)
+        _check_closing_words(words[words.index(LIVE_VERDICT) :])
+        canary.check_split_changed_live(url, db)
+        laps.append(("closing words, /admin/split", time.monotonic()))
+        kids |= _descendants(demo.pid)
+        canary.check_one_half_fails(url, db, manifest)
+        _wait_for(log, demo, "kvlens demo: warning: decode-d1 exited", timeout_s=120)
+        laps.append(("one half fails", time.monotonic()))
+    finally:
+        demo.send_signal(signal.SIGTERM)
+        try:
+            rc = demo.wait(240)
+        finally:
+            if demo.poll() is None:  # must not happen; do not leak it either
+                demo.kill()
+                demo.wait(10)
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-3000:]
+    assert "live load stopped (" in text and "kvlens demo: stopped" in text, text[-2000:]
+    # the closing words again, after the fleet stopped: with the pull half dead, still a verdict in words
+    end = text[text.index("live load stopped (") :]
+    assert LIVE_VERDICT in end, end[-3000:]
+    _check_closing_words(end[end.index(LIVE_VERDICT) :])
+    deadline = time.monotonic() + 30
+    while [k for k in kids if psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, f"left behind: {[k for k in kids if psutil.pid_exists(k)]}"
+        time.sleep(0.5)
+    laps.append(("SIGTERM to nothing left", time.monotonic()))
+    steps = ", ".join(f"{name} {t - laps[i - 1][1] if i else t - t0:.0f}s" for i, (name, t) in enumerate(laps))
+    print(f"\ndemo e2e: {time.monotonic() - t0:.0f}s in all: {steps}")
+
+
+def _check_closing_words(words: str) -> None:
+    """The live verdict's ratios (each a figure with its interval, or an
+    answer in words), the what-if both ways, the grid's verdict beside."""
+    block = words.split("\nkvlens demo:", 1)[0]
+    assert "requests compared:" in block and "canary: split-assigned requests" in block, block
+    assert "  in short: " in block, block
+    for name in ("TTFT p50", "TTFT p90", "handoff p50", "TPOT p50"):
+        line = next((x for x in block.splitlines() if x.strip().startswith(name)), None)
+        assert line is not None and (re.search(r"\d\.\d\d \[\d+\.\d\d-\d+\.\d\d\]", line) or "not enough data" in line)
+    assert "from the " in block and "pull requests, had they run push" in block, block
+    assert "push requests, had they run pull" in block, block
+    assert "the grid's verdict, for comparison" in block and "Overall, push (overlapped) vs pull" in block, block
+    assert " 0 push" not in block and " 0 pull" not in block, block  # both modes served: no count of 0
+
+
+def _descendants(pid: int) -> set[int]:
+    with contextlib.suppress(psutil.Error):
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    return set()
+
+
+def _wait_for(log, proc, needle: str, timeout_s: float) -> str:
+    """The log's text once ``needle`` is in it; fails when the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = log.read_text(errors="replace")
+        if needle in text:
+            return text
+        assert proc.poll() is None, f"demo exited {proc.returncode} before {needle!r}:\n{text[-4000:]}"
+        assert time.monotonic() < deadline, f"no {needle!r} after {timeout_s:.0f}s:\n{text[-4000:]}"
+        time.sleep(1)
+
+
+def _check_bench_part(out: str, kvlens_home) -> None:
+    assert "What this measured:" in out and "Overall, push (overlapped)" in out
+    assert "slowest push requests" in out and "slowest pull requests" in out
+    assert "CPU outside" in out
+    conn = store.connect(kvlens_home / "traces.db", readonly=True)
+    try:
+        rows = store.bench_rows(conn)
+    finally:
+        conn.close()
+    assert {(r["mode"], r["dispatch"]) for r in rows} == {
+        ("pull", None),
+        ("push", "overlapped"),
+        ("push", "sequential"),
+    }
+    # stacks the demo started itself: every row says what P, D and the router used and where they ran
+    for r in rows:
+        assert {"prefill", "decode", "router"} <= set(r["cpu_stack"]), r["cpu_stack"]
+        assert r["cpu_stack"]["prefill"] > 0 and r["cpu_stack"]["decode"] > 0, r["cpu_stack"]
+        assert r["cpu_outside"] is not None and r["placement"] == "as asked", (r["cpu_outside"], r["placement"])
+
+
+def _poll(what: str, fn, timeout_s: float = 120.0):
+    """``fn()`` once it returns something true (Prometheus scrapes every 2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = fn()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s:.0f}s (last: {got!r})"
+        time.sleep(2)
+
+
+def _check_prometheus(url: str) -> None:
+    """Prometheus scrapes the fleet's router and all four engines; kvlens'
+    rules loaded; handoff exemplars with a trace id, of both modes."""
+    from exporters import promapi
+
+    def all_up():
+        t = promapi.targets_health(url)
+        jobs = [x["labels"]["job"] for x in t]
+        want = {"kvlens-router": 1, "vllm-prefill": 2, "vllm-decode": 2}
+        return t if all(jobs.count(j) >= n for j, n in want.items()) and all(x["health"] == "up" for x in t) else None
+
+    _poll("every target of the router, both P and both D up", all_up)
+    groups = httpx.get(url + "/api/v1/rules", timeout=10).json()["data"]["groups"]
+    rules = {r["name"]: r["health"] for g in groups for r in g["rules"]}
+    assert "kvlens:handoff_seconds:p50_1m" in rules and set(rules.values()) == {"ok"}, rules
+    now = time.time()
+    for mode in ("push", "pull"):
+        _poll(
+            f"{mode} handoff exemplars with a trace id",
+            lambda: [
+                e
+                for s in promapi.query_exemplars(
+                    url, f'kvlens_handoff_seconds_bucket{{mode="{mode}"}}', now - 900, time.time()
+                )
+                for e in s["exemplars"]
+                if len(e["labels"].get("trace_id", "")) == 32
+            ],
+        )
+
+
+def _check_live_dashboard(prom_url: str, dash_url: str) -> None:
+    """The Overview's live figures from the dashboard's own Prometheus loader
+    (each mode's request rate and lost spans are figures, not "-"), and the
+    page as it is drawn in a real Chromium: its headline is the live verdict
+    on the canary's split-assigned requests, its live cards have figures."""
+    from dashboard import prom
+
+    for mode in ("push", "pull"):
+
+        def live():
+            stats = prom.prom_overview(prom_url, "1h")[0][mode]
+            return stats if (stats.req_per_s or 0) > 0 and stats.dropped is not None and stats.requests else None
+
+        s = _poll(f"{mode}'s live figures from Prometheus", live)
+        assert s.dropped == 0 and s.handoff["p50"] is not None, (mode, s)
+
+    import chromium
+
+    assert chromium.missing() is None, chromium.missing()  # make setup installs Chromium and Playwright
+
+    def serving() -> bool:  # "kvlens dashboard: URL" is printed before Streamlit listens
+        try:
+            return httpx.get(dash_url + "/_stcore/health", timeout=5).text.strip() == "ok"
+        except httpx.HTTPError:
+            return False
+
+    _poll("the dashboard serving", serving, timeout_s=300)
+    with chromium.browser() as b:
+        page = b.new_page(viewport={"width": 1600, "height": 1400})
+        # the dashboard shares the 2 cores with the live stack, its load and Prometheus: its first
+        # page can take minutes there (seen: over 45 s), so wait for the page itself, not a clock
+        try:
+            chromium.open_page(page, dash_url + "/overview", chromium.PAGE_URLS["/overview"], timeout_ms=300_000)
+        except Exception:
+            page.screenshot(path=str(chromium.REPO / "test-output" / "demo-live-failed.png"), full_page=True)
+            raise
+        _poll("the Overview reading Prometheus", lambda: f"Source: Prometheus at {prom_url}" in page.inner_text("body"))
+        page.get_by_text("Verdict, last 1h").first.wait_for(timeout=300_000)
+        body = page.inner_text("body")
+        assert "canary: split-assigned requests" in body and "TTFT p50 push/pull" in body, body[:3000]
+        cards: dict[str, str] = {}
+
+        def drawn() -> bool:  # the fragment redraws every 5 s: read until the live cards are there
+            cards.clear()
+            cards.update({c["label"]: c["value"] for c in page.evaluate(CARDS_JS)})
+            return all(cards.get(label) not in (None, "", "-") for label in ("req/s", "lost spans"))
+
+        try:
+            _poll("the live cards drawn with figures", drawn, timeout_s=60)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: {cards}") from None
+        page.wait_for_timeout(3000)  # let the charts finish
+        chromium.screenshot_if_asked(page)
+        page.close()
+
+
+#: label and value of every card on the page (the first column: push's, then pull's)
+CARDS_JS = """() => Array.from(document.querySelectorAll('[data-testid=stMetric]')).map(m => {
+  const part = (id) => { const e = m.querySelector(`[data-testid=${id}]`); return e ? e.innerText.trim() : ''; };
+  return {label: part('stMetricLabel'), value: part('stMetricValue')};
+})"""
