@@ -297,7 +297,7 @@ def tp_stack(request, stack_factory):
 # fleet pull on real links, instrumented pull, the bench grid (it takes the
 # pull pair still up, then starts the instrumented push pair that the next
 # group uses), instrumented push, xPyD, TP, then the tests that drive
-# stacks themselves (demo, canary, SIGTERM).
+# stacks themselves (the demo, whose live fleet carries the canary checks; SIGTERM).
 _STACK_ORDER = (
     "stock_push_stack",
     "fleet_push_stack",
