@@ -29,6 +29,7 @@ from kvtrace import store
 from kvtrace.benchrows import add_ratios
 from kvrecord import config
 from kvlens.bench.grid import DEFAULT_MAX_MODEL_LEN, BenchError, BenchOptions, model_max_len, plan_groups, validate_grid
+from kvlens.bench.links import stack_link
 from kvlens.bench.load import run_cell_async, warm_up
 from kvlens.bench.machine import MachineWatch
 from kvlens.bench.probe import RouterInfo, decode_tpot, probe_router, served_name
@@ -294,7 +295,7 @@ def bench_stacks(
         )
     run.sink()
     run.started_stacks = True
-    groups = plan_groups(modes, dispatches)
+    groups = plan_groups(modes, dispatches, mixed=bool(opts.links))
     stack = targets = model_name = None
     done = False
     try:
@@ -331,9 +332,12 @@ def _start(
     factory: Callable[..., Any], group: tuple[str, list[str | None]], model_dir: Path, home: Path, opts: BenchOptions
 ) -> tuple[Any, list[Target], str | None]:
     """Start one stack for a (mode, dispatches) group: (stack, its targets, the served model name).
+    ``opts.links``: a ``hosts`` stack with those links. A mixed group (``push,pull``)
+    gives one target per half, pull first, each request naming its half.
     A stack that fails to start stops itself (``Stack.start``)."""
     mode, ds = group
     vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
+    net = {"hosts": True, "links": tuple(opts.links)} if opts.links else {}
     stack = factory(
         mode=mode,
         dispatch=ds[0] or "overlapped",
@@ -342,18 +346,53 @@ def _start(
         kvlens_home=home,
         vllm_args=vllm_args,
         api_key=opts.api_key,
+        **net,
     )
     try:
         stack.start()
-        # what the stack's router asks for: $KVLENS_TOKEN when the stack inherited it, else the API key
-        key = getattr(stack, "router_key", None) or getattr(stack, "api_key", None) or opts.api_key
-        d_url = getattr(stack, "decode_url", None) or None
-        targets = [Target(mode, ds[0], stack.router_url, d_url, key, stack=stack)]
-        targets += [Target(mode, d, stack.add_router(d), d_url, key, stack=stack) for d in ds[1:]]
-        return stack, targets, served_name(stack.router_url, key)
+        return stack, stack_targets(stack, mode, ds, opts), served_name(stack.router_url, _router_key(stack, opts))
     except BaseException:
         _stop(stack)
         raise
+
+
+def _router_key(stack: Any, opts: BenchOptions) -> str | None:
+    """What the stack's router asks for: $KVLENS_TOKEN when the stack inherited it, else the API key."""
+    return getattr(stack, "router_key", None) or getattr(stack, "api_key", None) or opts.api_key
+
+
+def stack_targets(stack: Any, mode: str, ds: Sequence[str | None], opts: BenchOptions) -> list[Target]:
+    """The targets of a running stack kvlens started: one per dispatch (extra
+    ones get a router of their own), or for a mixed fleet (``push,pull``) one
+    per half, pull first, each request naming its half. With ``opts.links``
+    each carries the link record (asked and last measured; specs ``opts.links``)."""
+    key = _router_key(stack, opts)
+    link = stack_link(stack, opts.links) if opts.links else None
+    if "," in mode:  # a mixed fleet: both halves behind the one router
+        return [
+            Target(
+                m,
+                ds[0] if m == "push" else None,
+                stack.router_url,
+                _decode_of(stack, m),
+                key,
+                stack=stack,
+                force_mode=True,
+                link=link,
+            )  # fmt: skip
+            for m in ("pull", "push")
+        ]
+    d_url = getattr(stack, "decode_url", None) or None
+    targets = [Target(mode, ds[0], stack.router_url, d_url, key, stack=stack, link=link)]
+    return targets + [Target(mode, d, stack.add_router(d), d_url, key, stack=stack, link=link) for d in ds[1:]]
+
+
+def _decode_of(stack: Any, mode: str) -> str | None:
+    """The URL of a mixed fleet's first D of ``mode`` (its TPOT cross-check), None if unknown."""
+    for i, d in enumerate(getattr(stack, "decodes", None) or ()):
+        if stack.mode_of("decode", i) == mode:
+            return d.url
+    return None
 
 
 def _stop(stack: Any) -> None:
