@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -91,8 +92,9 @@ def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions) -> dict:
             tids = [r.trace for c in cells for r in c.results if r.ok]
             traces = list(settled(stack.store, tids, timeout_s=opts.trace_wait_s).values())
             for mode in ("push", "pull"):
-                med = phase_medians([t for t in traces if t.mode == mode])
-                phases.append({"cell": cell, "mode": mode, "median_share_s": med})
+                mine = [t for t in traces if t.mode == mode]
+                med = phase_medians(mine)
+                phases.append({"cell": cell, "mode": mode, "median_share_s": med, **transfer_medians(mine)})
                 print(
                     f"  {cell}: {mode} handoff, median tiled share: "
                     + ", ".join(f"{n} {ms(v)}" for n, v in med.items())
@@ -104,6 +106,17 @@ def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions) -> dict:
     print(f"=== delay {delay_ms:g} ms done in {took:.0f}s", flush=True)
     return {"delay_ms": delay_ms, "link": link, "run_id": run.run_id, "rows": run.rows, "whatif": whatif,
             "phases": phases, "seconds": took}  # fmt: skip
+
+
+def transfer_medians(traces: list) -> dict:
+    """The median KV bytes per request and kvlens' bandwidth figure (bytes over NIXL's transfer time)."""
+    figs = [t.to_json().get("transfer") or {} for t in traces]
+    nbytes = [f["bytes"] for f in figs if f.get("bytes")]
+    gbps = [f["gbps"] for f in figs if f.get("gbps")]
+    return {
+        "kv_bytes_p50": statistics.median(nbytes) if nbytes else None,
+        "gbps_p50": statistics.median(gbps) if gbps else None,
+    }
 
 
 def _ratio(row: dict, metric: str) -> str:
@@ -159,6 +172,16 @@ def grid_lines(delays: list[dict]) -> list[str]:
     return out
 
 
+def _phase_text(p: dict | None) -> str:
+    if not p:
+        return "-"
+    text = ", ".join(f"{n} {ms(v)}" for n, v in p["median_share_s"].items())
+    if p.get("kv_bytes_p50"):
+        gbps = p.get("gbps_p50")
+        text += f" (KV {p['kv_bytes_p50'] / 1024:.0f} KiB, {'?' if not gbps else f'{gbps * 1e3:.0f}'} Mbit/s)"
+    return text
+
+
 def print_tables(delays: list[dict]) -> None:
     delays = sorted(delays, key=lambda d: d["delay_ms"])
     print("\n" + GRID_HEADER)
@@ -170,10 +193,9 @@ def print_tables(delays: list[dict]) -> None:
         print(text)
     print("\n| cell | push: median tiled share, ms | pull |\n|---|---|---|")
     for d in delays:
-        by = {(p["cell"], p["mode"]): p["median_share_s"] for p in d["phases"]}
+        by = {(p["cell"], p["mode"]): p for p in d["phases"]}
         for cell in dict.fromkeys(p["cell"] for p in d["phases"]):
-            parts = [", ".join(f"{n} {ms(v)}" for n, v in (by.get((cell, m)) or {}).items()) for m in ("push", "pull")]
-            print(f"| {cell} | {parts[0]} | {parts[1]} |")
+            print(f"| {cell} | {_phase_text(by.get((cell, 'push')))} | {_phase_text(by.get((cell, 'pull')))} |")
 
 
 def main(argv: list[str] | None = None) -> int:
