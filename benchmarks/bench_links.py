@@ -189,8 +189,11 @@ def print_tables(delays: list[dict]) -> None:
     print("\n" + HEADER)
     rows = [r for d in delays for r in d["whatif"]]
     print("\n".join(line(r) for r in rows))
+    for d in delays:
+        for text in coverage_lines(d["whatif"]):
+            print(f"{d['delay_ms']:g} ms: {text}")
     for text in coverage_lines(rows, target_cells="3 of 4 per delay"):
-        print(text)
+        print(f"all delays: {text}")
     print("\n| cell | push: median tiled share, ms | pull |\n|---|---|---|")
     for d in delays:
         by = {(p["cell"], p["mode"]): p for p in d["phases"]}

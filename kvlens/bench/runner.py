@@ -332,9 +332,8 @@ def _start(
     factory: Callable[..., Any], group: tuple[str, list[str | None]], model_dir: Path, home: Path, opts: BenchOptions
 ) -> tuple[Any, list[Target], str | None]:
     """Start one stack for a (mode, dispatches) group: (stack, its targets, the served model name).
-    ``opts.links``: a ``hosts`` stack with those links. A mixed group (``push,pull``)
-    gives one target per half, pull first, each request naming its half.
-    A stack that fails to start stops itself (``Stack.start``)."""
+    ``opts.links``: a ``hosts`` stack with those links; a mixed group (``push,pull``): one target per
+    half (:func:`stack_targets`). A stack that fails to start stops itself (``Stack.start``)."""
     mode, ds = group
     vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
     net = {"hosts": True, "links": tuple(opts.links)} if opts.links else {}
@@ -362,10 +361,9 @@ def _router_key(stack: Any, opts: BenchOptions) -> str | None:
 
 
 def stack_targets(stack: Any, mode: str, ds: Sequence[str | None], opts: BenchOptions) -> list[Target]:
-    """The targets of a running stack kvlens started: one per dispatch (extra
-    ones get a router of their own), or for a mixed fleet (``push,pull``) one
-    per half, pull first, each request naming its half. With ``opts.links``
-    each carries the link record (asked and last measured; specs ``opts.links``)."""
+    """A running stack's targets: one per dispatch (extra ones get a router of their own), or for a mixed
+    fleet (``push,pull``) one per half, pull first, each request naming its half; each with the link
+    record (asked and last measured) of ``opts.links``."""
     key = _router_key(stack, opts)
     link = stack_link(stack, opts.links) if opts.links else None
     if "," in mode:  # a mixed fleet: both halves behind the one router
