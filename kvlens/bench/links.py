@@ -57,6 +57,19 @@ def check_link_args(links: Sequence[str], proxy: str | None, check_tools: bool =
     return links
 
 
+def unshaped(specs: Sequence[str]) -> tuple[str, ...]:
+    """The same directions with no delay, rate or loss (``p-d=20ms,200mbit`` -> ``p-d=0ms``): what a
+    bench stack starts with, so its pairs' NIXL handshakes run before the links are shaped."""
+    return tuple(s.partition("=")[0] + "=0ms" for s in specs)
+
+
+def shape_links(stack: Any, specs: Sequence[str]) -> None:
+    """Re-shape a started stack's links (started :func:`unshaped`) to ``specs`` and probe them."""
+    for spec in specs:
+        stack.reshape(spec, probe=False)
+    stack.probe_links()
+
+
 def link_record(specs: Sequence[str], directions: Sequence[dict]) -> dict[str, Any]:
     """A row's ``link``: the specs asked and each shaped direction's asked
     and measured figures (``directions``: ``Net.to_json()["links"]``);

@@ -29,7 +29,7 @@ from kvtrace import store
 from kvtrace.benchrows import add_ratios
 from kvrecord import config
 from kvlens.bench.grid import DEFAULT_MAX_MODEL_LEN, BenchError, BenchOptions, model_max_len, plan_groups, validate_grid
-from kvlens.bench.links import stack_link
+from kvlens.bench.links import shape_links, stack_link, unshaped
 from kvlens.bench.load import run_cell_async, warm_up
 from kvlens.bench.machine import MachineWatch
 from kvlens.bench.probe import RouterInfo, decode_tpot, probe_router, served_name
@@ -332,11 +332,11 @@ def _start(
     factory: Callable[..., Any], group: tuple[str, list[str | None]], model_dir: Path, home: Path, opts: BenchOptions
 ) -> tuple[Any, list[Target], str | None]:
     """Start one stack for a (mode, dispatches) group: (stack, its targets, the served model name).
-    ``opts.links``: a ``hosts`` stack with those links; a mixed group (``push,pull``): one target per
+    ``opts.links``: a ``hosts`` stack, its links shaped after start-up; a mixed group (``push,pull``): one target per
     half (:func:`stack_targets`). A stack that fails to start stops itself (``Stack.start``)."""
     mode, ds = group
     vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
-    net = {"hosts": True, "links": tuple(opts.links)} if opts.links else {}
+    net = {"hosts": True, "links": unshaped(opts.links)} if opts.links else {}
     stack = factory(
         mode=mode,
         dispatch=ds[0] or "overlapped",
@@ -349,14 +349,15 @@ def _start(
     )
     try:
         stack.start()
+        if opts.links:
+            shape_links(stack, opts.links)  # after the start-up's warm-up (the NIXL handshakes)
         return stack, stack_targets(stack, mode, ds, opts), served_name(stack.router_url, _router_key(stack, opts))
     except BaseException:
         _stop(stack)
         raise
 
 
-def _router_key(stack: Any, opts: BenchOptions) -> str | None:
-    """What the stack's router asks for: $KVLENS_TOKEN when the stack inherited it, else the API key."""
+def _router_key(stack: Any, opts: BenchOptions) -> str | None:  # $KVLENS_TOKEN if the stack has it, else the key
     return getattr(stack, "router_key", None) or getattr(stack, "api_key", None) or opts.api_key
 
 

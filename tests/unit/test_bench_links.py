@@ -128,7 +128,13 @@ class FakeMixedStack:
         return ("push", "pull")[i]
 
     def start(self):
-        pass
+        self.reshaped = []
+
+    def reshape(self, spec, probe=True):
+        self.reshaped.append(spec)
+
+    def probe_links(self):
+        self.probed = list(self.reshaped)
 
     def add_router(self, d):
         raise AssertionError("a mixed fleet gets one router")
@@ -184,7 +190,9 @@ def test_bench_with_links_runs_both_modes_on_one_mixed_hosts_stack(tmp_path, tin
         )
         seen = list(fake.modes_seen)
     (stack,) = FakeMixedStack.made  # one stack for both modes
-    assert stack.kw["mode"] == "push,pull" and stack.kw["hosts"] is True and stack.kw["links"] == tuple(SPECS)
+    assert stack.kw["mode"] == "push,pull" and stack.kw["hosts"] is True
+    # started unshaped (the pairs' NIXL handshakes before any delay), then shaped as asked and probed
+    assert stack.kw["links"] == ("p-d=0ms", "router>d=0ms") and stack.probed == SPECS
     assert stack.stopped
     assert sorted(set(seen)) == ["pull", "push"] and None not in seen  # every request named its half
     rows = run.rows
