@@ -24,12 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
+from whatif_check import HEADER, check_cell, coverage_lines, line, ms, phase_medians, settled
 
 from kvlens.bench.load import run_cell_async
 from kvlens.bench.prompts import PromptMaker
@@ -38,9 +38,6 @@ from kvlens.bench.results import Target
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.launch import Stack
 from kvlens.stack.supervise import signals_ignored
-from kvtrace import store, tracemodel
-from kvtrace import whatif as kv_whatif
-from kvtrace.borrowed import tiled_phases
 
 
 def _ints(text: str) -> list[int]:
@@ -49,70 +46,6 @@ def _ints(text: str) -> list[int]:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _settled(db, tids: list[str], timeout_s: float = 120.0) -> dict[str, tracemodel.Trace]:
-    """The cell's traces once each has its handoff and router TTFT (or at the timeout)."""
-    deadline = time.time() + timeout_s
-    while True:
-        with store.reading(db) as conn:
-            got = tracemodel.find(conn, tids)
-        if all(t in got and got[t].handoff_s is not None and got[t].ttft_source == "router" for t in tids):
-            return got
-        if time.time() > deadline:
-            return got
-        time.sleep(1.0)
-
-
-def phase_medians(traces: list[tracemodel.Trace], top: int = 6) -> dict[str, float]:
-    """The median of each phase's tiled share of the handoff over ``traces``
-    (seconds; a phase a request lacks counts 0), the ``top`` largest: which
-    phases a mode's measured handoff is made of, to name what breaks a
-    prediction."""
-    tiles = [tiled_phases(t) for t in traces if t.spans and t.handoff_s is not None]
-    names = {n for tl in tiles for n in tl}
-    med = {n: statistics.median([tl.get(n, 0.0) for tl in tiles]) for n in names} if tiles else {}
-    return dict(sorted(med.items(), key=lambda kv: -kv[1])[:top])
-
-
-def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.1f}"
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v * 100:+.0f} %"
-
-
-def _row(cell: str, w: kv_whatif.WhatIf) -> dict:
-    mt = w.measured_to
-    out = {"cell": cell, "from": w.from_mode, "to": w.to_mode, "status": w.status, "note": w.note, "used": w.used}
-    for key, fig in (("handoff", w.handoff), ("ttft", w.ttft)):
-        out[key] = {
-            "predicted_p50_s": fig.p50,
-            "interval_s": None if fig.lo is None else [fig.lo, fig.hi],
-            "measured_p50_s": mt.get(f"{key}_p50_s"),
-            "error": mt.get(f"{key}_error"),
-            "inside": mt.get(f"{key}_in_interval"),
-        }
-    out["measured_n"] = mt.get("n")
-    return out
-
-
-def _line(r: dict) -> str:
-    cells = [r["cell"], f"{r['to']} from {r['from']} ({r['used']} / {r['measured_n']})"]
-    for key in ("handoff", "ttft"):
-        f = r[key]
-        iv = f["interval_s"]
-        pred = "-" if f["predicted_p50_s"] is None else f"{_ms(f['predicted_p50_s'])} [{_ms(iv[0])}-{_ms(iv[1])}]"
-        inside = "-" if f["inside"] is None else ("yes" if f["inside"] else "no")
-        cells += [pred, _ms(f["measured_p50_s"]), _pct(f["error"]), inside]
-    return "| " + " | ".join(cells) + " |"
-
-
-HEADER = (
-    "| cell | predicted (requests used / measured) | handoff p50 predicted, ms [95 %] | measured | error | inside "
-    "| TTFT p50 predicted, ms [95 %] | measured | error | inside |\n|---|---|---|---|---|---|---|---|---|---|"
-)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     results, took = asyncio.run(run_cell_async(target, None, prompts, qps, a.output_len, r))
                     ok = [x for x in results if x.ok]
                     tids = [x.trace for x in ok]
-                    got = _settled(stack.store, tids)
+                    got = settled(stack.store, tids)
                     traces = list(got.values())
                     print(
                         f"{cell}: {len(ok)}/{len(results)} ok in {took:.0f}s; "
@@ -164,15 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                         med = phase_medians([t for t in traces if t.mode == mode])
                         print(
                             f"  {mode} handoff, median tiled share: "
-                            + ", ".join(f"{n} {_ms(v)}" for n, v in med.items())
+                            + ", ".join(f"{n} {ms(v)}" for n, v in med.items())
                         )
                         phases.append({"cell": cell, "mode": mode, "median_share_s": med})
-                    for frm, to in (("pull", "push"), ("push", "pull")):
-                        w = kv_whatif.predict(
-                            frm, [t for t in traces if t.mode == frm], [t for t in traces if t.mode == to]
-                        )
-                        rows.append(_row(cell, w))
-                        print(_line(rows[-1]), flush=True)
+                    for r in check_cell(cell, traces):
+                        rows.append(r)
+                        print(line(r), flush=True)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
@@ -181,18 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                 stack.stop()
     print("\n" + HEADER)
     for r in rows:
-        print(_line(r))
-    for frm in ("pull", "push"):
-        mine = [r for r in rows if r["from"] == frm and r["handoff"]["inside"] is not None]
-        inside = sum(bool(r["handoff"]["inside"]) for r in mine)
-        errs = [abs(r["handoff"]["error"]) for r in mine if r["handoff"]["error"] is not None]
-        ttft_in = sum(bool(r["ttft"]["inside"]) for r in mine)
-        mae = statistics.median(errs) if errs else None
-        print(
-            f"{mine[0]['to'] if mine else '?'} from {frm}: handoff inside the interval in {inside} of {len(mine)} "
-            f"cells (target >= 3 of 4), TTFT inside in {ttft_in} of {len(mine)}; median |error| of the handoff "
-            f"p50 {'-' if mae is None else f'{mae * 100:.0f} %'} (target <= 25 %)"
-        )
+        print(line(r))
+    for text in coverage_lines(rows):
+        print(text)
     if a.out:
         a.out.write_text(json.dumps({"rows": rows, "phases": phases}, indent=2) + "\n")
     return 0

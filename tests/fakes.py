@@ -290,6 +290,7 @@ class FakeRouter(LoopbackServer):
         self.one_chunk, self.token_gap_s = one_chunk, token_gap_s
         self.tpot_sum = self.tpot_count = 0.0
         self.auth_seen: list[str | None] = []
+        self.modes_seen: list[str | None] = []  # each completion's X-Kvlens-Mode (None: none sent)
         self.release = threading.Event()  # ends a held request
         self._conn = store.connect(store_path)
         self._lock = threading.Lock()  # one connection, handler threads take turns
@@ -362,7 +363,9 @@ class FakeRouter(LoopbackServer):
         if self.on_request and self.on_request(n):
             self.release.wait(30)  # held open; at close the connection just ends
             return
-        mode = self.mode
+        asked = h.headers.get("x-kvlens-mode")
+        self.modes_seen.append(asked)
+        mode = asked or self.mode  # a mixed fleet's router: the half the request names
         if self.fail_every and n % self.fail_every == 0:
             self._write_trace(
                 trace_id=tid, request_id=tid, mode=mode, outcome="timeout", start_ns=t0, end_ns=time.time_ns()

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from kvlens.bench import grid
 from kvlens.bench.grid import BenchError, BenchOptions
+from kvlens.bench.links import check_link_args
 from kvlens.bench.probe import probe_router
 from kvlens.bench.report import print_report
 from kvlens.bench.results import Target
@@ -102,6 +103,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --proxy: D's base URL, to cross-check the client's TPOT against D's own "
         "vllm:request_time_per_output_token_seconds on its /metrics (started stacks: always)",
     )
+    p.add_argument(
+        "--link",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="run the started stacks with every role in its own network namespace (kvlens up --hosts) and "
+        "this link, e.g. p-d=20ms,200mbit or router-d=5ms (repeatable; the syntax of kvlens up --link, "
+        "docs/links.md). push and pull with one dispatch then share one mixed fleet, each request naming "
+        "its mode, so both run on the same links; every row records the links asked and measured. Needs "
+        "root, ip, tc, iptables-legacy and fnfqueue; not with --proxy",
+    )
     add_grid_arguments(p, qps="1,2,4", input_len="256,1024,2048", output_len=32, num_prompts=32)
 
 
@@ -178,6 +190,7 @@ def _parse(args: argparse.Namespace) -> tuple[BenchOptions, list[str] | None, li
         raise BenchError("--decode-url goes with --proxy (started stacks cross-check their own D)")
     if opts.fresh_stacks and args.proxy:
         raise BenchError("--fresh-stacks goes with stacks kvlens bench starts, not with --proxy")
+    opts.links = check_link_args(getattr(args, "link", None) or (), args.proxy)
     target = _proxy_target(args.proxy, modes, dispatches, opts) if args.proxy else None
     return opts, modes, dispatches, target
 

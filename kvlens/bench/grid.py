@@ -47,6 +47,8 @@ class BenchOptions:
     decode_url: str | None = None  # D's base URL for the TPOT cross-check (started stacks: their own D)
     repeat: int = 1  # rounds of the whole grid, push and pull in ABBA order (kvlens.bench.rounds)
     fresh_stacks: bool = False  # started stacks: a fresh stack for every round of every mode
+    #: ``--link`` specs: started stacks run ``hosts`` with these links (:mod:`kvlens.bench.links`)
+    links: Sequence[str] = ()
 
 
 def parse_list(text: str, kind: type, what: str) -> list:
@@ -139,9 +141,16 @@ def model_max_len(model_dir: Path | str | None) -> int | None:
     return min(int(mpe), DEFAULT_MAX_MODEL_LEN) if mpe else DEFAULT_MAX_MODEL_LEN
 
 
-def plan_groups(modes: Sequence[str], dispatches: Sequence[str]) -> list[tuple[str, list[str | None]]]:
+def plan_groups(
+    modes: Sequence[str], dispatches: Sequence[str], mixed: bool = False
+) -> list[tuple[str, list[str | None]]]:
     """Stacks to start, in order: pull first (so push rows get ratios when
-    written), then push with its dispatches (one P/D pair, one router each)."""
+    written), then push with its dispatches (one P/D pair, one router each).
+    ``mixed``: push and pull with one dispatch go to one mixed fleet
+    (``("push,pull", [dispatch])``: both pairs behind one router, each
+    request naming its half), so both modes run on the same stack and links."""
+    if mixed and set(modes) == set(MODES) and len(dispatches) == 1:
+        return [(",".join(MODES), list(dispatches))]
     groups: list[tuple[str, list[str | None]]] = []
     if "pull" in modes:
         groups.append(("pull", [None]))

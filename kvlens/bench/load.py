@@ -31,6 +31,20 @@ from kvlens.stack.commands import auth_headers
 logger = logging.getLogger(__name__)
 
 
+#: The router header that names a request's mode (``kvlens.proxy.app.MODE_HEADER``; not imported: it pulls in starlette).
+MODE_HEADER = "X-Kvlens-Mode"
+
+
+def mode_header(mode: str | None) -> dict[str, str]:
+    """``{"X-Kvlens-Mode": mode}``, or nothing when ``mode`` is None."""
+    return {MODE_HEADER: mode} if mode else {}
+
+
+def forced_mode(target: Target) -> str | None:
+    """The mode a target's requests name in their header (a mixed fleet's half), else None."""
+    return target.mode if target.force_mode else None
+
+
 def _body(prompt: str, output_len: int, model: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": prompt,
@@ -96,10 +110,18 @@ async def _read_stream(resp, res: RequestResult, t0: float) -> int:
 
 
 async def one_request(
-    client, url: str, model: str | None, prompt: str, output_len: int, rid: str, api_key: str | None = None
+    client,
+    url: str,
+    model: str | None,
+    prompt: str,
+    output_len: int,
+    rid: str,
+    api_key: str | None = None,
+    mode: str | None = None,
 ) -> RequestResult:
     """One streaming completion through the router (``client``: an
-    ``httpx.AsyncClient``; ``api_key`` sent as a bearer token); never
+    ``httpx.AsyncClient``; ``api_key`` sent as a bearer token; ``mode``:
+    sent as ``X-Kvlens-Mode``, the half of a mixed fleet it goes to); never
     raises (except on cancellation)."""
     import httpx  # here for start-up cost: `kvlens --help` imports this module
 
@@ -110,7 +132,7 @@ async def one_request(
             "POST",
             url.rstrip("/") + "/v1/completions",
             json=_body(prompt, output_len, model),
-            headers={"X-Request-Id": rid, **auth_headers(api_key)},
+            headers={"X-Request-Id": rid, **auth_headers(api_key), **mode_header(mode)},
         ) as resp:
             res.status = resp.status_code
             res.kvlens_router = resp.headers.get("x-request-id") == rid
@@ -140,7 +162,9 @@ async def _send_all(
 
     async def go(p: str) -> RequestResult:
         nonlocal n_failed
-        r = await one_request(client, target.url, model, p, output_len, new_trace_id(), target.api_key)
+        r = await one_request(
+            client, target.url, model, p, output_len, new_trace_id(), target.api_key, forced_mode(target)
+        )
         if pbar is not None:
             if not r.ok:
                 n_failed += 1
@@ -197,6 +221,6 @@ async def warm_up(target: Target, model: str | None, prompts: Sequence[str], tim
 
     async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as c:
         for p in prompts:
-            r = await one_request(c, target.url, model, p, 2, new_trace_id(), target.api_key)
+            r = await one_request(c, target.url, model, p, 2, new_trace_id(), target.api_key, forced_mode(target))
             if not r.ok:
                 logger.warning("warm-up request to %s failed: %s", target.label, r.error)

@@ -237,6 +237,13 @@ def describe(rows: Sequence[dict]) -> list[str]:
     return out + _tally(compared)
 
 
+def link_lines(rows: Iterable[dict]) -> list[str]:
+    """Which link the rows ran on: one line per distinct ``link`` (kvlens.bench.links),
+    or none when every row ran on links kvlens did not shape."""
+    seen = dict.fromkeys((r.get("link") or {}).get("summary") for r in rows)
+    return [f"links (measured by the stack's probe): {s}" for s in seen if s]
+
+
 def print_report(run, out=None) -> CrossCheck:
     """Print the table, findings and cross-checks of a run (a
     :class:`~kvlens.bench.runner.BenchRun`) to ``out`` (default stdout)."""
@@ -248,6 +255,8 @@ def print_report(run, out=None) -> CrossCheck:
         "[?]: not enough data for one; a side is lower only where the interval excludes 1)",
         file=out,
     )
+    for line in link_lines(rows):
+        print(line, file=out)
     if run.repeat > 1 and run.interrupted:
         done = max((c.round for c in run.cells), default=0)
         print(f"(interrupted in round {done} of {run.repeat}: rows pool the rounds that ran)", file=out)

@@ -38,6 +38,10 @@ class Target:
     api_key: str | None = field(default=None, repr=False, compare=False)
     #: the stack behind it when the bench started it (its processes' CPU per cell); None with --proxy
     stack: Any = field(default=None, repr=False, compare=False)
+    #: send ``X-Kvlens-Mode: <mode>`` with each request: one half of a mixed fleet (``kvlens up --mode push,pull``)
+    force_mode: bool = False
+    #: the shaped link its traffic crosses (:func:`kvlens.bench.links.link_record`); None: links kvlens did not shape
+    link: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def label(self) -> str:
@@ -257,6 +261,7 @@ def summarize_cell(cell: Cell, opts: BenchOptions, run_id: str, prefix_caching: 
         "duration_s": cell.duration_s,
         "prefix_caching": prefix_caching,
         "url": cell.target.url,
+        "link": cell.target.link,
         # set by kvlens.bench.rounds.add_intervals, which needs the cell's pull rounds too
         **dict.fromkeys(INTERVAL_KEYS),
         "rounds": 1,

@@ -29,6 +29,7 @@ from kvtrace import store
 from kvtrace.benchrows import add_ratios
 from kvrecord import config
 from kvlens.bench.grid import DEFAULT_MAX_MODEL_LEN, BenchError, BenchOptions, model_max_len, plan_groups, validate_grid
+from kvlens.bench.links import shape_links, stack_link, unshaped
 from kvlens.bench.load import run_cell_async, warm_up
 from kvlens.bench.machine import MachineWatch
 from kvlens.bench.probe import RouterInfo, decode_tpot, probe_router, served_name
@@ -294,7 +295,7 @@ def bench_stacks(
         )
     run.sink()
     run.started_stacks = True
-    groups = plan_groups(modes, dispatches)
+    groups = plan_groups(modes, dispatches, mixed=bool(opts.links))
     stack = targets = model_name = None
     done = False
     try:
@@ -331,9 +332,11 @@ def _start(
     factory: Callable[..., Any], group: tuple[str, list[str | None]], model_dir: Path, home: Path, opts: BenchOptions
 ) -> tuple[Any, list[Target], str | None]:
     """Start one stack for a (mode, dispatches) group: (stack, its targets, the served model name).
-    A stack that fails to start stops itself (``Stack.start``)."""
+    ``opts.links``: a ``hosts`` stack, its links shaped after start-up; a mixed group (``push,pull``): one target per
+    half (:func:`stack_targets`). A stack that fails to start stops itself (``Stack.start``)."""
     mode, ds = group
     vllm_args = [] if opts.prefix_caching else ["--no-enable-prefix-caching"]
+    net = {"hosts": True, "links": unshaped(opts.links)} if opts.links else {}
     stack = factory(
         mode=mode,
         dispatch=ds[0] or "overlapped",
@@ -342,18 +345,53 @@ def _start(
         kvlens_home=home,
         vllm_args=vllm_args,
         api_key=opts.api_key,
+        **net,
     )
     try:
         stack.start()
-        # what the stack's router asks for: $KVLENS_TOKEN when the stack inherited it, else the API key
-        key = getattr(stack, "router_key", None) or getattr(stack, "api_key", None) or opts.api_key
-        d_url = getattr(stack, "decode_url", None) or None
-        targets = [Target(mode, ds[0], stack.router_url, d_url, key, stack=stack)]
-        targets += [Target(mode, d, stack.add_router(d), d_url, key, stack=stack) for d in ds[1:]]
-        return stack, targets, served_name(stack.router_url, key)
+        if opts.links:
+            shape_links(stack, opts.links)  # after the start-up's warm-up (the NIXL handshakes)
+        return stack, stack_targets(stack, mode, ds, opts), served_name(stack.router_url, _router_key(stack, opts))
     except BaseException:
         _stop(stack)
         raise
+
+
+def _router_key(stack: Any, opts: BenchOptions) -> str | None:  # $KVLENS_TOKEN if the stack has it, else the key
+    return getattr(stack, "router_key", None) or getattr(stack, "api_key", None) or opts.api_key
+
+
+def stack_targets(stack: Any, mode: str, ds: Sequence[str | None], opts: BenchOptions) -> list[Target]:
+    """A running stack's targets: one per dispatch (extra ones get a router of their own), or for a mixed
+    fleet (``push,pull``) one per half, pull first, each request naming its half; each with the link
+    record (asked and last measured) of ``opts.links``."""
+    key = _router_key(stack, opts)
+    link = stack_link(stack, opts.links) if opts.links else None
+    if "," in mode:  # a mixed fleet: both halves behind the one router
+        return [
+            Target(
+                m,
+                ds[0] if m == "push" else None,
+                stack.router_url,
+                _decode_of(stack, m),
+                key,
+                stack=stack,
+                force_mode=True,
+                link=link,
+            )  # fmt: skip
+            for m in ("pull", "push")
+        ]
+    d_url = getattr(stack, "decode_url", None) or None
+    targets = [Target(mode, ds[0], stack.router_url, d_url, key, stack=stack, link=link)]
+    return targets + [Target(mode, d, stack.add_router(d), d_url, key, stack=stack, link=link) for d in ds[1:]]
+
+
+def _decode_of(stack: Any, mode: str) -> str | None:
+    """The URL of a mixed fleet's first D of ``mode`` (its TPOT cross-check), None if unknown."""
+    for i, d in enumerate(getattr(stack, "decodes", None) or ()):
+        if stack.mode_of("decode", i) == mode:
+            return d.url
+    return None
 
 
 def _stop(stack: Any) -> None:

@@ -84,9 +84,13 @@ class StackNetwork:
         self._say(f"network {self.net.sid}: {len(keys)} namespaces on 198.18.{self.net.third}.0/24")
         self.probe_links()
 
-    def probe_links(self) -> list[dict]:
-        """Measure every shaped direction (:meth:`kvlens.stack.netns.Net.probe`), record it in ``stack.json``."""
+    def probe_links(self, only=None) -> list[dict]:
+        """Measure every shaped direction (:meth:`kvlens.stack.netns.Net.probe`), or those
+        ``only`` names ((src, dst) keys such as ``("p0", "d0")``; the rest keep what
+        they had, None after a reshape), and record them in ``stack.json``."""
         for d in self.net.directions.values():
+            if only is not None and (d.src, d.dst) not in only:
+                continue
             m = self.net.probe(d)
             gp = m.get("goodput_bps")
             self._say(
@@ -99,7 +103,7 @@ class StackNetwork:
 
     def reshape(self, spec: str, probe: bool = True) -> list[dict]:
         """Change shaped directions of a running ``hosts`` stack (``p-d=20ms,200mbit``;
-        only directions it started with), then measure them again."""
+        only directions it started with), then (``probe``) measure them all again."""
         from kvlens.stack import netns
 
         if self.net is None:

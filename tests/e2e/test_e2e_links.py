@@ -116,6 +116,22 @@ def _leftovers(sid: str, log_dir) -> dict:
     return {**netclean.objects(sid), "delayers": delayers(str(log_dir))}
 
 
+def _bench_row_names_its_link(stack, spec: str, links: list[dict]) -> None:
+    """A small bench cell (``kvlens.bench.runner``) on the running stack: every
+    request completes and its row records the link asked and measured."""
+    from kvlens.bench.grid import BenchOptions
+    from kvlens.bench.runner import bench_routers, new_run, stack_targets
+
+    opts = BenchOptions(qps=[8.0], input_lens=[64], output_len=2, num_prompts=3, warmup=0, trace_wait_s=60.0,
+                        store=stack.store, progress=False, model=stack.model, links=(spec,))  # fmt: skip
+    (row,) = bench_routers(stack_targets(stack, "pull", [None], opts), opts, run=new_run(opts)).rows
+    assert row["completed"] == 3 and row["handoff_p50_s"] is not None, row
+    assert row["link"]["spec"] == [spec]
+    measured = {(x["src"], x["dst"]): x["measured"] for x in links}
+    for d in row["link"]["directions"]:
+        assert d["asked_rate_bps"] == 200e6 and d["rtt_s"] == measured[(d["src"], d["dst"])]["rtt_s"], d
+
+
 def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvlens_home):
     from test_e2e_fleet import _check_fleet
 
@@ -174,6 +190,9 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     gbps = statistics.median(f["gbps"] for f in figs if f and f["gbps"])
     print(f"goodput {goodput / 1e6:.1f} Mbit/s, kvlens bandwidth {gbps * 1e3:.1f} Mbit/s, bytes {figs[0]['bytes']}")
     assert abs(gbps * 1e9 - goodput) <= 0.15 * goodput, (gbps, goodput, figs)
+
+    # 3b. `kvlens bench --link`'s rows on this link (the library calls its CLI makes, on this running stack)
+    _bench_row_names_its_link(stack, "p-d=1ms,200mbit", links)
 
     # 4. nothing left after stop
     sid = net.sid
