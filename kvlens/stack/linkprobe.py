@@ -7,7 +7,11 @@ the same connection and exits; ``python -m kvlens.stack.linkprobe client
 HOST PORT`` sends the echoes and the transfer and prints one JSON line:
 ``rtt_s`` (median of the echoes), ``rtt_min_s``, ``goodput_bps`` (the
 receiver's bytes over time, after the first quarter of the transfer: TCP's
-slow start is not the link's rate) and ``bytes``. Blocking, stdlib only.
+slow start is not the link's rate), ``bytes``, and what TCP did to get
+them through a lossy link: ``retrans_segs`` / ``out_segs`` (the sending
+namespace's TCP counters over the transfer, :func:`tcp_counters`). Also the
+parsers of the counters a stack records per link (:func:`tcp_counters`,
+:func:`drop_counters`). Blocking, stdlib only.
 """
 
 from __future__ import annotations
@@ -24,6 +28,48 @@ ECHOES = 15
 ECHO_GAP_S = 0.02
 TCP_SECONDS = 1.2
 CHUNK = 64 * 1024
+#: The kernel's TCP counters kept per namespace (``/proc/net/snmp``'s ``Tcp:``, ``/proc/net/netstat``'s ``TcpExt:``)
+TCP_COUNTERS = {
+    "out_segs": ("Tcp", "OutSegs"),
+    "retrans_segs": ("Tcp", "RetransSegs"),
+    "fast_retrans": ("TcpExt", "TCPFastRetrans"),
+    "timeouts": ("TcpExt", "TCPTimeouts"),
+    "loss_probes": ("TcpExt", "TCPLossProbes"),
+}
+
+
+def tcp_counters(text: str) -> dict[str, int]:
+    """:data:`TCP_COUNTERS` from the text of ``/proc/net/snmp`` and ``/proc/net/netstat``
+    (a header line of names, then a line of values, per group). Counts segments
+    of one namespace since it was made; a counter the kernel lacks is left out."""
+    rows: dict[str, list[str]] = {}
+    got: dict[tuple[str, str], int] = {}
+    for line in text.splitlines():
+        group, _, rest = line.partition(":")
+        if group in rows:
+            got.update({(group, n): int(v) for n, v in zip(rows.pop(group), rest.split()) if v.lstrip("-").isdigit()})
+        else:
+            rows[group] = rest.split()
+    return {k: got[g] for k, g in TCP_COUNTERS.items() if g in got}
+
+
+def drop_counters(listing: str, src: str, dst: str) -> tuple[int, int] | None:
+    """Packets and bytes dropped by the loss rule (a ``statistic`` DROP) from ``src`` to
+    ``dst`` in an ``iptables -L CHAIN -v -x -n`` listing (None: no such rule). A rule
+    that matches any source (``0.0.0.0/0``: toward the client, in the sender's OUTPUT) counts."""
+    for line in listing.splitlines():
+        f = line.split()
+        if len(f) >= 9 and f[2] == "DROP" and "statistic" in line and f[8] == dst and f[7] in (src, "0.0.0.0/0"):
+            return int(f[0]), int(f[1])
+    return None
+
+
+def _own_tcp() -> dict[str, int]:
+    try:
+        with open("/proc/net/snmp") as a, open("/proc/net/netstat") as b:
+            return tcp_counters(a.read() + b.read())
+    except OSError:
+        return {}
 
 
 def serve(host: str, port: int, timeout_s: float = 60.0) -> None:
@@ -38,7 +84,10 @@ def serve(host: str, port: int, timeout_s: float = 60.0) -> None:
     def echo() -> None:
         while True:
             data, addr = udp.recvfrom(2048)
-            udp.sendto(data, addr)
+            try:
+                udp.sendto(data, addr)
+            except OSError:  # a local error on the way out: the echo is lost, the next one is answered
+                continue
 
     threading.Thread(target=echo, daemon=True).start()
     print("ready", flush=True)
@@ -75,6 +124,7 @@ def client(host: str, port: int) -> dict:
             continue  # a lost echo: loss on the link
         rtts.append(time.monotonic() - t0)
         time.sleep(ECHO_GAP_S)
+    before = _own_tcp()
     s = socket.create_connection((host, port), timeout=30)
     payload = b"\0" * CHUNK
     end = time.monotonic() + TCP_SECONDS
@@ -85,12 +135,15 @@ def client(host: str, port: int) -> dict:
     while chunk := s.recv(4096):
         reply += chunk
     got = json.loads(reply)
+    after = _own_tcp()
     return {
         "rtt_s": statistics.median(rtts) if rtts else None,
         "rtt_min_s": min(rtts) if rtts else None,
         "echoes_lost": ECHOES - len(rtts),
         "goodput_bps": got["goodput_bps"],
         "bytes": got["bytes"],
+        # the namespace's counters: the probe's connection, and whatever else sent meanwhile (a stack idle)
+        **{k: after[k] - before[k] for k in ("retrans_segs", "out_segs") if k in after and k in before},
     }
 
 

@@ -9,7 +9,8 @@ tests and ``kvlens bench`` run). ``SHAPE`` is ``DELAY[,JITTER][,RATE][,LOSS]``
 told apart by unit: times (``us``, ``ms``, ``s``; the first is the delay, a
 second one the jitter), a rate in tc's units (``bit``, ``kbit``, ``mbit``,
 ``gbit``) and a loss in percent (``0.1%``). Examples: ``p-d=2ms,10gbit``,
-``p-d=20ms,1gbit,0.1%``, ``router>d=5ms,1ms``.
+``p-d=20ms,1gbit,0.1%``, ``router>d=5ms,1ms``. A loss drops each packet
+with that probability where it arrives (never toward the client).
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ def parse_link(text: str) -> list[LinkSpec]:
     if a == b:
         raise StackError(f"--link {text!r}: a link joins two different roles")
     shape = parse_shape(shape_text)
+    if shape.loss and "client" in ((a, b) if both else (b,)):
+        raise StackError(
+            f"--link {text!r}: no loss toward the client: kvlens leaves the host's own namespace alone, and a "
+            "drop on the sender's way out is an error its socket sees, not a lost packet (give it as A>B, "
+            "away from the client)"
+        )
     return [LinkSpec(a, b, shape)] + ([LinkSpec(b, a, shape)] if both else [])
 
 

@@ -16,7 +16,7 @@ cleanup only ever removes this module's own objects):
 * per delayed direction an ``iptables-legacy`` NFQUEUE rule in the sending
   namespace and a delayer process (:mod:`kvlens.stack.delayer`), per rate an
   htb class with a ``tbf`` leaf and a u32 filter on the destination, per
-  loss a ``statistic`` DROP rule.
+  loss a ``statistic`` DROP rule beside the NFQUEUE one (the receiver's INPUT).
 
 Everything lives in namespaces except the root veth, so
 :func:`~kvlens.stack.netclean.teardown` deletes the namespaces and that veth
@@ -122,6 +122,8 @@ class Direction:
     control: Path
     classid: int
     measured: dict | None = None
+    #: packets and bytes dropped by loss rules this direction had before its current one (re-shaping resets them)
+    dropped_before: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -221,12 +223,12 @@ class Net:
         d = Direction(src, dst, shape, n, Path(self.workdir) / f"link-{src}-{dst}.json", 10 + n)
         self.directions[(src, dst)] = d
         d.control.write_text(json.dumps({"delay_s": shape.delay_s, "jitter_s": shape.jitter_s}))
-        ns = self.src_ns(src)
-        # loss first: a dropped packet never waits in the delayer
-        run([self.ipt, "-w", "-I", "OUTPUT", "1", *self._loss_rule(d, shape.loss)], ns=ns)
         # the delay where the packet arrives: a packet held on the sender's side still counts against its
         # socket (TCP small queues), which then sends 2 packets per delay: 2 Mbit/s at 20 ms (measured)
         qns, qmatch = self.queue_ns(d), self._queue_match(d)
+        # loss first, and there too: a dropped packet never waits in the delayer, and a drop on the sender's
+        # way out is an error its socket sees (TCP sends the packet again at once), not a lost packet
+        run([self.ipt, "-w", "-I", qmatch[0], "1", *self._loss_rule(d, shape.loss)], ns=qns)
         run([self.ipt, "-w", "-A", qmatch[0], *qmatch[1:], "-j", "NFQUEUE", "--queue-num", str(d.queue),
               "--queue-bypass", "-m", "comment", "--comment", f"kvl-{self.sid}"], ns=qns)  # fmt: skip
         self._rate(d)
@@ -276,15 +278,41 @@ class Net:
         tmp = d.control.with_suffix(".tmp")
         tmp.write_text(json.dumps({"delay_s": shape.delay_s, "jitter_s": shape.jitter_s}))
         tmp.replace(d.control)
-        ns = self.src_ns(src)
-        run([self.ipt, "-w", "-D", "OUTPUT", *self._loss_rule(d, old.loss)], ns=ns)
-        run([self.ipt, "-w", "-I", "OUTPUT", "1", *self._loss_rule(d, shape.loss)], ns=ns)
+        qns, chain = self.queue_ns(d), self._queue_match(d)[0]
+        d.dropped_before = self.dropped(d) or d.dropped_before
+        run([self.ipt, "-w", "-D", chain, *self._loss_rule(d, old.loss)], ns=qns)
+        run([self.ipt, "-w", "-I", chain, "1", *self._loss_rule(d, shape.loss)], ns=qns)
         self._rate(d)
         time.sleep(0.5)  # the delayer polls its control file every 0.2 s
 
     def _loss_rule(self, d: Direction, loss: float) -> list[str]:
-        return ["-o", self._dev(d.src), "-d", self.addr(d.dst), "-m", "statistic", "--mode", "random",
+        return [*self._queue_match(d)[1:], "-m", "statistic", "--mode", "random",
                 "--probability", f"{loss:.6f}", "-j", "DROP", "-m", "comment", "--comment", f"kvl-{self.sid}"]  # fmt: skip
+
+    def dropped(self, d: Direction) -> tuple[int, int] | None:
+        """Packets and bytes ``d``'s loss rules dropped since it was installed
+        (iptables' counters; None: its namespace is gone, or the rule)."""
+        from kvlens.stack.linkprobe import drop_counters
+
+        r = run([self.ipt, "-w", "-L", self._queue_match(d)[0], "-v", "-x", "-n"], check=False, ns=self.queue_ns(d))
+        now = drop_counters(r.stdout, self.addr(d.src), self.addr(d.dst)) if r.returncode == 0 else None
+        return None if now is None else (d.dropped_before[0] + now[0], d.dropped_before[1] + now[1])
+
+    def counters(self) -> dict:
+        """What the links did so far: per shaped direction (``p0>d0``) the packets its loss
+        rule dropped, and per namespace its TCP segment counters
+        (:func:`kvlens.stack.linkprobe.tcp_counters`: sent, retransmitted, ...) since it was made."""
+        from kvlens.stack.linkprobe import tcp_counters
+
+        drops = {}
+        for d in self.directions.values():
+            got = self.dropped(d)
+            drops[f"{d.src}>{d.dst}"] = got and {"dropped_packets": got[0], "dropped_bytes": got[1]}
+        tcp = {}
+        for key in self.keys:
+            r = run(["cat", "/proc/net/snmp", "/proc/net/netstat"], check=False, ns=self.ns(key))
+            tcp[key] = tcp_counters(r.stdout) if r.returncode == 0 else None
+        return {"links": drops, "tcp": tcp}
 
     def delayer_argv(self, d: Direction) -> list[str]:
         argv = [sys.executable, "-m", "kvlens.stack.delayer", "--queue", str(d.queue), "--control", str(d.control)]
@@ -346,4 +374,6 @@ class Net:
             "addresses": {k: self.addr(k) for k in [*self.keys, "client"]},
             "client_veth": self.host_veth,
             "links": links,
+            # unknown (None) where the namespaces are gone already
+            "counters": self.counters() if self.directions else None,
         }

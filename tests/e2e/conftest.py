@@ -241,8 +241,8 @@ def fleet_push_stack(stack_factory, fleet_pg_url):
 def links_stack(stack_factory):
     """ "Three hosts" pull on real links (docs/links.md): every role in its own
     network namespace (``hosts``), separate homes, receiver in the router, D's
-    clock -0.25 s, and P<->D through a delayer (no delay at start; the test
-    re-shapes it). It replaced the loopback "three hosts" pull stack: its
+    clock -0.25 s, and P<->D and router<->D through delayers (no delay at
+    start; the test re-shapes them). It replaced the loopback "three hosts" pull stack: its
     checks run on this one (tests/e2e/test_e2e_links.py)."""
     from kvlens.stack.errors import StackError
     from kvlens.stack.netns import check_tools
@@ -253,7 +253,7 @@ def links_stack(stack_factory):
         check_tools(need_queue=True)
     except StackError as e:
         pytest.skip(str(e))
-    return stack_factory.get("pull", hosts=True, links=("p-d=0ms",), **fleet_stack_kw("pull"))
+    return stack_factory.get("pull", hosts=True, links=("p-d=0ms", "router-d=0ms"), **fleet_stack_kw("pull"))
 
 
 @pytest.fixture

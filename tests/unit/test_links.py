@@ -69,6 +69,38 @@ def test_link_directions():
         parse_links(["p-d=1ms", "p>d=2ms"])
 
 
+def test_no_loss_toward_the_client():
+    with pytest.raises(StackError, match="no loss toward the client"):
+        parse_link("router-client=1ms,1%")
+    with pytest.raises(StackError, match="no loss toward the client"):
+        parse_link("router>client=1%")
+    assert parse_link("client>router=1%")[0].shape.loss == 0.01  # away from it: the router's INPUT drops
+    assert parse_link("router-client=1ms")  # a delay is fine
+
+
+_SNMP = """Tcp: RtoAlgorithm RtoMin OutSegs RetransSegs InErrs
+Tcp: 1 200 1000 17 0
+TcpExt: SyncookiesSent TCPTimeouts TCPLossProbes TCPFastRetrans
+TcpExt: 0 3 4 12
+IpExt: InNoRoutes
+IpExt: 0
+"""
+
+
+def test_counter_parsers():
+    from kvlens.stack.linkprobe import drop_counters, tcp_counters
+
+    assert tcp_counters(_SNMP) == {"out_segs": 1000, "retrans_segs": 17, "fast_retrans": 12, "timeouts": 3,
+                                   "loss_probes": 4}  # fmt: skip
+    listing = """Chain INPUT (policy ACCEPT 0 packets, 0 bytes)
+    pkts      bytes target     prot opt in     out     source               destination
+      12   700000 DROP       all  --  kvl0   *       198.18.7.10          198.18.7.40          statistic mode random probability 0.05000000000 /* kvl-abc123 */
+     900  9000000 NFQUEUE    all  --  kvl0   *       198.18.7.10          198.18.7.40          NFQUEUE num 1 bypass
+"""  # fmt: skip
+    assert drop_counters(listing, "198.18.7.10", "198.18.7.40") == (12, 700000)
+    assert drop_counters(listing, "198.18.7.1", "198.18.7.40") is None
+
+
 def test_link_needs_hosts():
     from kvlens.stack.launch import Stack
 
@@ -184,6 +216,35 @@ def test_real_delay_and_rate_between_namespaces(tmp_path):
         netclean.teardown(net.sid)
     assert netclean.objects(net.sid) == {"namespaces": [], "veths": [], "pids": []}
     assert f"kvl{net.sid}h" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+
+
+def test_real_loss_is_seen_by_tcp(tmp_path):
+    """The loss rule drops where packets arrive: the sender's TCP retransmits
+    (a drop on its way out would be an error its socket sees, sent again at
+    once), and the drops are counted across a re-shape."""
+    from kvlens.stack import netclean, netns
+
+    ipt = _need_root()
+    net = netns.Net.create(["p0", "d0"], ipt, tmp_path)
+    procs = []
+    try:
+        for (src, dst), shape in netns.expand(parse_links(["p-d=1ms,5%"]), net.keys).items():
+            procs.append(_delayer(net, net.add_direction(src, dst, shape), tmp_path / f"{src}.log"))
+        pd = net.probe(net.directions[("p0", "d0")])
+        c = net.counters()
+        assert pd["retrans_segs"] > 0 and c["tcp"]["p0"]["retrans_segs"] >= pd["retrans_segs"], (pd, c)
+        dropped = c["links"]["p0>d0"]["dropped_packets"]
+        assert dropped > 0 and c["links"]["p0>d0"]["dropped_bytes"] > 0, c
+        net.reshape("p0", "d0", Shape(0.001))  # no loss: the old rule's drops are kept, none added
+        net.probe(net.directions[("p0", "d0")])
+        assert net.counters()["links"]["p0>d0"]["dropped_packets"] == dropped
+        assert net.to_json()["counters"]["links"]["p0>d0"]["dropped_packets"] == dropped
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        netclean.teardown(net.sid)
+    assert netclean.objects(net.sid) == {"namespaces": [], "veths": [], "pids": []}
 
 
 _SUPERVISOR = textwrap.dedent(
