@@ -105,6 +105,7 @@ def _stack(args: argparse.Namespace) -> Stack:
         split=getattr(args, "split", None),
         hosts=getattr(args, "hosts", False),
         links=tuple(getattr(args, "link", None) or ()),
+        store_command=getattr(args, "store_command", None),
     )
 
 

@@ -195,9 +195,18 @@ def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="A-B=DELAY[,JITTER][,RATE][,LOSS]",
-        help="with --hosts: shape the link between roles p, d, router, collector, client (A-B: both "
+        help="with --hosts: shape the link between roles p, d, router, collector, store, client (A-B: both "
         "directions, A>B: one), e.g. p-d=20ms,200mbit or p-d=2ms,1ms,10gbit,0.1%%; measured at start "
         "(stack.json's network.links). Repeatable",
+    )
+    p.add_argument(
+        "--store-command",
+        metavar="CMD",
+        default=None,
+        help="with --hosts and --collector-store postgresql://USER@store:PORT/DB: run CMD, the database "
+        "server in the foreground (e.g. postgres -D DIR -c listen_addresses='*'), in a network namespace "
+        "of its own, before the collector and stopped after it; the host `store` in the URL becomes that "
+        "namespace's address (docs/links.md)",
     )
     p.add_argument(
         "--api-key",

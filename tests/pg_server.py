@@ -17,6 +17,14 @@ A store that needs a password (:meth:`PgServer.new_password_database`):
 a database owned by the role :data:`PW_USER`, which ``pg_hba.conf`` makes
 give its password over TCP, so a process that lacks it is refused.
 
+A server in a network namespace (``kvlens up --hosts --store-command``,
+the push fleet's e2e stack): ``PgServer(net="198.18.0.0/15")`` lets
+:data:`PW_USER` in from that range too (with its password); the database is
+made on loopback (:meth:`PgServer.new_password_database`, then
+:meth:`PgServer.stop`), and :meth:`PgServer.postmaster_argv` is the command
+the stack runs in its ``store`` namespace (its child: stopped, or killed,
+with the stack).
+
 Each test gets its own database (:meth:`PgServer.new_database`, a copy of
 ``template0``, a few tens of ms), so tests never see each other's rows. :meth:`PgServer.stop` / :meth:`PgServer.start` stop and
 restart the same cluster on the same port (the "server goes away while the
@@ -77,8 +85,12 @@ class PgServer:
     #: ``durable=False`` (tests): a crash may lose or corrupt the cluster;
     #: ``durable=True`` (benchmarks): fsync on, only the last commits may be
     #: lost (``synchronous_commit=off``, like SQLite's WAL + synchronous=NORMAL).
-    def __init__(self, port: int | None = None, *, durable: bool = False, shared_buffers: str = "64MB") -> None:
+    #: ``net``: a CIDR from which :data:`PW_USER` may log in too (with its password), e.g. a stack's namespaces.
+    def __init__(
+        self, port: int | None = None, *, durable: bool = False, shared_buffers: str = "64MB", net: str | None = None
+    ) -> None:
         self.durable = durable
+        self.net = net
         self.shared_buffers = shared_buffers
         bindir = pg_bindir()
         if bindir is None:
@@ -143,10 +155,8 @@ class PgServer:
             )
         # the first matching line wins: PW_USER's password, then initdb's "trust" lines
         hba = self.data / "pg_hba.conf"
-        hba.write_text(
-            f"host all {PW_USER} {self.host}/32 scram-sha-256\nhost all {PW_USER} ::1/128 scram-sha-256\n"
-            + hba.read_text()
-        )
+        nets = [f"{self.host}/32", "::1/128", *([self.net] if self.net else [])]
+        hba.write_text("".join(f"host all {PW_USER} {n} scram-sha-256\n" for n in nets) + hba.read_text())
         return self
 
     def start(self) -> "PgServer":
@@ -157,19 +167,7 @@ class PgServer:
         with a parent-death signal (SIGINT: PostgreSQL's fast shutdown), so a
         test run that is killed before its fixtures' teardown leaves no
         server behind."""
-        cmd = [str(self.bin / "postgres"), "-D", str(self.data), "-p", str(self.port)]
-        if os.geteuid() == 0:
-            cmd = [
-                "setpriv",
-                f"--reuid={self.user}",
-                f"--regid={self.user}",
-                "--init-groups",
-                "--pdeathsig=SIGINT",
-                "--",
-                *cmd,
-            ]
-        else:
-            cmd = ["setpriv", "--pdeathsig=SIGINT", "--", *cmd]
+        cmd = self.postmaster_argv()
         log = open(self.log, "ab")
         try:
             self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
@@ -185,6 +183,17 @@ class PgServer:
                 self.stop()
                 raise RuntimeError(f"PostgreSQL did not start on port {self.port}\n{self._log_tail()}")
             time.sleep(0.1)
+
+    def postmaster_argv(self, port: int | None = None, listen: str | None = None) -> list[str]:
+        """The postmaster in the foreground as the postgres user, with a parent-death
+        signal (SIGINT: fast shutdown); on ``port`` and ``listen`` (addresses) when given,
+        else this server's. No password in it."""
+        cmd = [str(self.bin / "postgres"), "-D", str(self.data), "-p", str(port or self.port)]
+        cmd += ["-c", f"listen_addresses={listen}"] if listen else []
+        if os.geteuid() == 0:
+            user = [f"--reuid={self.user}", f"--regid={self.user}", "--init-groups"]
+            return ["setpriv", *user, "--pdeathsig=SIGINT", "--", *cmd]
+        return ["setpriv", "--pdeathsig=SIGINT", "--", *cmd]
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None

@@ -117,6 +117,8 @@ class Stack(StackRoles, StackExtras, StackNetwork):
     hosts: bool = False
     #: ``--link`` specs (:mod:`kvlens.stack.linkspec`): each direction's delay, jitter, rate, loss; needs ``hosts``
     links: Sequence[str] = ()
+    #: with ``hosts``: the collector's database server, run in a ``store`` namespace (:mod:`kvlens.stack.netstack`)
+    store_command: str | Sequence[str] | None = None
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
@@ -210,7 +212,7 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             self.separate_homes,
             self.collector,
             self.collector_port,
-            self.collector_store,
+            self._collector_store(),
             kvlens_router="kvlens" in self.routers,
             collector_host=self.role_host("collector"),
         )

@@ -4,7 +4,7 @@ roles gets which delay, jitter, rate and loss (docs/links.md). Pure.
 A spec is ``A-B=SHAPE`` (both directions, each with the whole shape: a
 one-way delay ``d`` on P<->D gives a round trip of ``2d``) or ``A>B=SHAPE``
 (A to B only). Roles: ``p`` (every P), ``d`` (every D), ``router``,
-``collector``, ``client`` (the host's end, where the stack's health checks,
+``collector``, ``store`` (``--store-command``'s namespace), ``client`` (the host's end, where the stack's health checks,
 tests and ``kvlens bench`` run). ``SHAPE`` is ``DELAY[,JITTER][,RATE][,LOSS]``
 told apart by unit: times (``us``, ``ms``, ``s``; the first is the delay, a
 second one the jitter), a rate in tc's units (``bit``, ``kbit``, ``mbit``,
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from kvlens.stack.errors import StackError
 
-ROLES = ("p", "d", "router", "collector", "client")
+ROLES = ("p", "d", "router", "collector", "store", "client")
 #: Longest delay (and jitter) accepted: more is a broken link, not a slow one.
 MAX_DELAY_S = 10.0
 #: tc's rate limits: tbf takes 64-bit rates, but below 8 kbit/s nothing of a stack gets through in time.

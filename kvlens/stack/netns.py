@@ -7,8 +7,8 @@ cleanup only ever removes this module's own objects):
 
 * namespace ``kvl-ID-br`` holds the bridge ``br`` and one veth end per role
   (the host's root namespace gets no bridge);
-* namespace ``kvl-ID-<role>`` per role (``router``, ``collector``, ``p0``,
-  ``d0``, ...), with its veth end renamed ``kvl0`` and one address in
+* namespace ``kvl-ID-<role>`` per role (``router``, ``collector``, ``store``,
+  ``p0``, ``d0``, ...), with its veth end renamed ``kvl0`` and one address in
   ``198.18.N.0/24`` (``N`` picked per stack), and no default route;
 * one veth ``kvlIDh`` in the root namespace (the client's end: the stack's
   health checks, tests and ``kvlens bench`` reach the router there; its route
@@ -49,7 +49,7 @@ from kvlens.stack.netclean import STATE_DIR, run, teardown
 
 IFACE = "kvl0"  #: a role's interface, in its own namespace
 HOST_OCTET = 254
-ROLE_OCTETS = {"router": 1, "collector": 2}
+ROLE_OCTETS = {"router": 1, "collector": 2, "store": 3}
 FIRST_P, FIRST_D = 10, 40
 
 

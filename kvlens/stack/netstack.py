@@ -3,23 +3,92 @@ mixin :class:`StackNetwork`, docs/links.md): the roles' network namespaces
 (:mod:`kvlens.stack.netns`), the keeper that removes them
 (:mod:`kvlens.stack.netclean`), a delayer per shaped direction
 (:mod:`kvlens.stack.delayer`) and the link probe; re-shaping at run time and
-what the delayers cost. Blocking.
+what the delayers cost; and the store's own namespace (``--store-command``).
+Blocking.
+
+The store's namespace: with ``store_command`` (``kvlens up --hosts
+--store-command CMD``) the collector's PostgreSQL runs on a "host" of its
+own too. The stack adds a ``store`` namespace (address ``198.18.N.3``),
+runs CMD there as its child (after the network, before the collector: so
+stopped after the collector, and removed with the namespaces, stop or
+SIGKILL alike) and waits until the database answers. The subnet is picked
+at start, so ``--collector-store`` names the host ``store``
+(``postgresql://USER@store:5432/DB``) and the stack puts the namespace's
+address there (:func:`place_store`): in the collector's URL, ``stack.json``
+and :attr:`Stack.store`. CMD is the database server in the foreground,
+listening on its namespace's address (``listen_addresses='*'`` is safe: the
+namespace has no other network); SIGTERM stops it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
+from urllib.parse import urlsplit
 
 from kvlens.stack.commands import base_env
 from kvlens.stack.errors import StackError
 from kvlens.stack.linkspec import parse_link, parse_links
 from kvlens.stack.supervise import Child
+from kvrecord.location import StoreLocation, redact_text
 
 logger = logging.getLogger("kvlens.up")
+#: ``--collector-store``'s host that stands for the store's namespace (``--store-command``)
+STORE_HOST = "store"
+
+
+def store_argv(command: str | Sequence[str]) -> list[str]:
+    """``--store-command``'s argv (a string is split as a shell would, without one)."""
+    argv = shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+    if not argv:
+        raise StackError("--store-command is empty")
+    return argv
+
+
+def place_store(loc: StoreLocation, addr: str) -> StoreLocation:
+    """``loc`` (a ``postgresql://...@store[:PORT]/DB`` URL) with its host ``store`` replaced by ``addr``."""
+    parts = urlsplit(loc.url)
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    port = f":{parts.port}" if parts.port else ""
+    return StoreLocation.parse(parts._replace(netloc=f"{userinfo}{at}{addr}{port}").geturl())
+
+
+def check_store(store_command, hosts: bool, separate_homes: bool, collector: str, collector_store) -> None:
+    """``--store-command``'s conditions (StackError naming what is missing): ``--hosts``, a
+    collector process and a PostgreSQL ``--collector-store`` on the host ``store``."""
+    if not store_command:
+        return
+    store_argv(store_command)
+    if not hosts:
+        raise StackError("--store-command needs --hosts (the store runs in a network namespace of its own)")
+    if not (separate_homes and collector == "process" and collector_store):
+        raise StackError(
+            "--store-command needs --separate-homes, --collector process and --collector-store "
+            f"postgresql://USER@{STORE_HOST}:PORT/DB (the database the collector writes)"
+        )
+    loc = StoreLocation.parse(collector_store)
+    if not loc.is_postgres or urlsplit(loc.url).hostname != STORE_HOST:
+        raise StackError(
+            f"--store-command: --collector-store must be postgresql://USER@{STORE_HOST}[:PORT]/DB (the host "
+            f"`{STORE_HOST}` stands for the store's namespace, whose address is picked at start), got {loc}"
+        )
+
+
+def store_answers(loc: StoreLocation) -> str | None:
+    """None when PostgreSQL at ``loc`` takes a connection (as the collector will make it), else why not."""
+    try:
+        import psycopg
+
+        psycopg.connect(loc.text, connect_timeout=2).close()
+        return None
+    except Exception as e:  # refused, starting up, auth: the caller retries until its deadline
+        return redact_text(str(e).strip()) or type(e).__name__
 
 
 class StackNetwork:
@@ -43,6 +112,7 @@ class StackNetwork:
             raise StackError("--link needs --hosts (the links join the roles' network namespaces)")
         if self.hosts and "vllm-router" in self.routers:
             raise StackError("--hosts runs kvlens' router only (vllm-router is not placed in a namespace)")
+        check_store(self.store_command, self.hosts, self.separate_homes, self.collector, self.collector_store)
 
     def _check_network_tools(self) -> None:
         """A ``hosts`` stack's tools (:func:`kvlens.stack.netns.check_tools`), before minutes of
@@ -51,6 +121,8 @@ class StackNetwork:
             from kvlens.stack.netns import check_tools
 
             check_tools(need_queue=bool(self._link_shapes))
+        if self.store_command and shutil.which(store_argv(self.store_command)[0]) is None:
+            raise StackError(f"--store-command: command not found: {store_argv(self.store_command)[0]}")
 
     def _start_network(self, deadline: float) -> None:
         """Namespaces, the keeper that removes them (:func:`kvlens.stack.netclean.keep`,
@@ -64,6 +136,7 @@ class StackNetwork:
         keys = ["router"]
         if self.separate_homes and self.collector == "process":
             keys.append("collector")
+        keys += ["store"] if self.store_command else []
         keys += [f"p{i}" for i in range(self.prefill_instances)] + [f"d{i}" for i in range(self.decode_instances)]
         self.net = netns.Net.create(keys, ipt, Path(self.log_dir))
         keeper = [sys.executable, "-m", "kvlens.stack.netclean", "keep", self.net.sid]
@@ -83,6 +156,28 @@ class StackNetwork:
                 time.sleep(0.1)
         self._say(f"network {self.net.sid}: {len(keys)} namespaces on 198.18.{self.net.third}.0/24")
         self.probe_links()
+        if self.store_command:
+            self._start_store(deadline)
+
+    def _collector_store(self) -> StoreLocation | str | None:
+        """``collector_store``, on a stack with ``store_command`` and its network made: at the store's address."""
+        if not (self.store_command and self.net is not None and self.collector_store):
+            return self.collector_store
+        return place_store(StoreLocation.parse(self.collector_store), self.net.addr("store"))
+
+    def _start_store(self, deadline: float) -> None:
+        """``store_command`` in the ``store`` namespace (module docstring), waited for until the
+        collector's store takes a connection; StackError (with its log) when it exits or the deadline passes."""
+        env = {**base_env(Path(self.kvlens_home)), **self._env("store")}
+        c = self._spawn(self._child("store", store_argv(self.store_command), env, "", "store"))
+        loc = self.store
+        while (why := store_answers(loc)) is not None:
+            if not c.alive():
+                raise StackError(f"--store-command: {c.died_message()}")
+            if time.monotonic() > deadline:
+                raise StackError(f"--store-command: {loc} did not answer ({why}); log {c.log}")
+            time.sleep(0.2)
+        self._say(f"store ready at {loc} (namespace {self.net.ns('store')}, log {c.log})")
 
     def probe_links(self, only=None) -> list[dict]:
         """Measure every shaped direction (:meth:`kvlens.stack.netns.Net.probe`), or those

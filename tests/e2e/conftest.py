@@ -217,24 +217,61 @@ def fault_table(kvlens_home):
             print("  " + json.dumps(r))
 
 
-@pytest.fixture(scope="session")
-def fleet_pg_url(pg_server) -> str:
-    """The fleet's shared store: one database on the session's real
-    PostgreSQL server, for the push fleet stack's collector (one per session:
-    the URL is part of the stack's key). Its owner must give a password
-    (``pg_server.PW_USER``), and the URL holds it, as a user may type it:
-    the stack must pass it on without showing it (tests/e2e/test_e2e_fleet.py)."""
-    from pg_server import PW_USER
+#: The push fleet's PostgreSQL port, in the stack's ``store`` namespace (a network stack of its own: always free).
+FLEET_PG_PORT = 5432
 
-    url, password = pg_server.new_password_database("fleet")
-    return url.replace(f"//{PW_USER}@", f"//{PW_USER}:{password}@", 1)
+
+def _need_hosts(queue: bool) -> None:
+    """Skip unless ``kvlens up --hosts`` can run here (root; ip, tc, iptables-legacy; fnfqueue for ``queue``)."""
+    from kvlens.stack.errors import StackError
+    from kvlens.stack.netns import check_tools
+
+    if os.geteuid() != 0:
+        pytest.skip("--hosts needs root")
+    try:
+        check_tools(need_queue=queue)
+    except StackError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def fleet_pg(stack_factory):
+    """The push fleet's shared store on a "host" of its own: a PostgreSQL
+    cluster of its own (tests/pg_server.py) that the stack runs in its
+    ``store`` namespace (``store_command``: docs/links.md). Its database is
+    made here on loopback first; its owner must give a password
+    (``pg_server.PW_USER``) and the URL holds it, as a user may type it: the
+    stack must pass it on without showing it (tests/e2e/test_e2e_fleet.py).
+    The host ``store`` stands for the namespace's address. Yields (URL, the
+    postmaster's argv)."""
+    from pg_server import PW_USER, PgServer, missing_reason
+
+    if why := missing_reason():
+        pytest.skip(why)
+    pg = PgServer(net="198.18.0.0/15")
+    try:
+        pg.init().start()
+        url, password = pg.new_password_database("fleet")
+        pg.stop()  # from here on the stack runs it, in its namespace
+        db = url.rsplit("/", 1)[1]
+        argv = pg.postmaster_argv(port=FLEET_PG_PORT, listen="*")
+        yield f"postgresql://{PW_USER}:{password}@store:{FLEET_PG_PORT}/{db}", argv
+    finally:
+        cur = stack_factory.current
+        if cur is not None and cur.store_command:
+            stack_factory.stop()  # the server stops with its stack, before its directory goes
+        pg.remove()
 
 
 @pytest.fixture
-def fleet_push_stack(stack_factory, fleet_pg_url):
-    """ "Three hosts" push: separate homes, ``kvlens collect`` writing a real
-    PostgreSQL database (the store a fleet shares), D's clock +0.25 s."""
-    return stack_factory.get("push", **fleet_stack_kw("push", fleet_pg_url))
+def fleet_push_stack(stack_factory, fleet_pg):
+    """ "Three hosts" push on real network stacks: the collector (``kvlens
+    collect``), PostgreSQL, P, D and the router each in its own network
+    namespace (``hosts``), separate homes, the collector writing the store
+    PostgreSQL database, D's clock +0.25 s."""
+    _need_hosts(queue=False)
+    url, argv = fleet_pg
+    return stack_factory.get("push", hosts=True, store_command=tuple(argv), **fleet_stack_kw("push", url))
 
 
 @pytest.fixture

@@ -1,6 +1,9 @@
 """End-to-end, "three hosts" on one machine (issue: cross-host): P, D and the
 router each with its own KVLENS_HOME, spans over OTLP/HTTP to one collector
-(push: a ``kvlens collect`` process; pull: the receiver hosted by the router),
+(push: a ``kvlens collect`` process writing PostgreSQL, the collector,
+PostgreSQL, P, D and the router each in its own network namespace
+(``kvlens up --hosts --store-command``, docs/links.md); pull: the receiver
+hosted by the router),
 and D's wall clock shifted (+0.25 s push, -0.25 s pull; the monotonic clock
 untouched); the push fleet's collector wants a bearer token, which P, D
 and the router send. Checked: every request has exactly one joined trace with both
@@ -168,15 +171,70 @@ def _check_fleet(stack, mode: str) -> None:
         assert [sp["parent_id"] for sp in vllm_spans] == [root, root], (t, vllm_spans)
 
 
-def test_three_hosts_push_collector_process_d_clock_ahead(fleet_push_stack):
+def test_three_hosts_push_collector_process_d_clock_ahead(fleet_push_stack, stack_factory):
     """The push fleet's collector writes PostgreSQL (a store the fleet shares)
     as a user the server asks for a password, given in the URL: the spans
     reach it, and the password shows in no process's command line, no log,
-    not in stack.json and not in the dashboard."""
-    assert fleet_push_stack.store.is_postgres and fleet_push_stack.store.password
-    _check_fleet(fleet_push_stack, "push")
-    _check_dashboard(fleet_push_stack, "push")
-    _check_no_password(fleet_push_stack)
+    not in stack.json and not in the dashboard. Every role, PostgreSQL too,
+    on a network stack of its own: nothing reaches another over loopback.
+    After the stack stops, no namespace, veth or PostgreSQL process is left."""
+    stack = fleet_push_stack
+    assert stack.store.is_postgres and stack.store.password
+    _check_own_hosts(stack)
+    _check_fleet(stack, "push")
+    _check_dashboard(stack, "push")
+    _check_no_password(stack)
+    _check_stop_leaves_nothing(stack, stack_factory)
+
+
+def _tree(pid: int) -> set[int]:
+    """``pid`` and its descendants (a child's guard, the server it runs, the server's own processes)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return {pid, *(c.pid for c in p.children(recursive=True))}
+    except psutil.Error:
+        return set()
+
+
+def _check_own_hosts(stack) -> None:
+    """The collector, PostgreSQL, P, D and the router each in its own namespace,
+    at its own address, and the collector's store URL at the store's."""
+    from kvrecord.location import endpoint
+
+    net = stack.net
+    roles = ("collector", "store", "router", "p0", "d0")
+    assert net is not None and set(roles) <= set(net.keys), net and net.keys
+    addrs = {k: net.addr(k) for k in roles}
+    assert len(set(addrs.values())) == 5 and all(a.startswith("198.18.") for a in addrs.values()), addrs
+    assert endpoint(stack.store.text)[0] == addrs["store"], stack.store
+    assert stack.collector_url.startswith(f"http://{addrs['collector']}:")
+    assert stack.router_url.startswith(f"http://{addrs['router']}:")
+    assert stack.prefill_url.startswith(f"http://{addrs['p0']}:")
+    assert stack.decode_url.startswith(f"http://{addrs['d0']}:")
+    pids = stack.manifest()["pids"]
+    for key, child in (("store", "store"), ("collector", "collector"), ("router", "router"), ("p0", "prefill")):
+        inside = subprocess.run(["ip", "netns", "pids", net.ns(key)], capture_output=True, text=True).stdout.split()
+        assert _tree(pids[child]) & {int(x) for x in inside}, (key, inside)
+
+
+def _check_stop_leaves_nothing(stack, stack_factory) -> None:
+    """Stopped: its namespaces, root veth and processes (PostgreSQL's among them) are gone."""
+    import psutil
+
+    from kvlens.stack import netclean
+    from kvtrace.store import pg
+
+    sid, pg_pids = stack.net.sid, _tree(stack.manifest()["pids"]["store"])
+    data_dir = stack.store_command[stack.store_command.index("-D") + 1]
+    assert len(pg_pids) >= 3, pg_pids  # the guard, the postmaster, its own processes
+    pg.close_pools()  # this process's connections: PostgreSQL's shutdown waits for its clients
+    stack_factory.stop()
+    assert netclean.objects(sid) == {"namespaces": [], "veths": [], "pids": []}
+    left = [p for p in pg_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    left += [p.pid for p in psutil.process_iter(["cmdline"]) if data_dir in (p.info["cmdline"] or [])]
+    assert not left, f"PostgreSQL processes left: {left}"
 
 
 def _check_no_password(stack) -> None:
