@@ -106,6 +106,36 @@ def test_cli_store_command_without_hosts_exits_2(tmp_path):
     assert "--store-command" in h.stdout
 
 
+def _need_root() -> None:
+    from kvlens.stack import netns
+
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root")
+    try:
+        netns.check_tools(need_queue=False)
+    except StackError as e:
+        pytest.skip(str(e))
+
+
+def test_a_store_command_that_exits_is_a_start_error_with_its_log(tmp_path):
+    """Real namespaces, no database: the command's exit stops the start, named with its log's tail, and the
+    network goes with the stack."""
+    from kvlens.stack import netclean
+
+    _need_root()
+    s = _stack(tmp_path, store_command="sh -c 'echo no database here; exit 3'", log_dir=tmp_path / "logs")
+    s._check_network_tools()
+    try:
+        with pytest.raises(StackError, match=r"(?s)--store-command: store exited with code 3.*no database here"):
+            s._start_network(time.monotonic() + 60)
+        assert s.net.ns("store") in netclean.objects(s.net.sid)["namespaces"]
+    finally:
+        s.stop()
+    assert netclean.objects(s.net.sid) == {"namespaces": [], "veths": [], "pids": []}
+    with pytest.raises(StackError, match="command not found: no-such-db-server"):
+        _stack(tmp_path, store_command="no-such-db-server -D /x")._check_network_tools()
+
+
 # ------------------------------------------------------------------ real PostgreSQL in a namespace (root)
 _SUPERVISOR = textwrap.dedent(
     """
@@ -145,14 +175,9 @@ def test_real_postgres_in_its_namespace_then_nothing_left(tmp_path, how):
     import psutil
     import psycopg
 
-    from kvlens.stack import netclean, netns
+    from kvlens.stack import netclean
 
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root")
-    try:
-        netns.check_tools(need_queue=False)
-    except StackError as e:
-        pytest.skip(str(e))
+    _need_root()
     from pg_server import PW_USER, PgServer, missing_reason
 
     if why := missing_reason():
