@@ -232,8 +232,8 @@ def _check_stop_leaves_nothing(stack, stack_factory) -> None:
     pg.close_pools()  # this process's connections: PostgreSQL's shutdown waits for its clients
     stack_factory.stop()
     assert netclean.objects(sid) == {"namespaces": [], "veths": [], "pids": []}
-    left = [p for p in pg_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    left += [p.pid for p in psutil.process_iter(["cmdline"]) if data_dir in (p.info["cmdline"] or [])]
+    left = [p.pid for p in psutil.process_iter(["cmdline", "status"]) if p.info["status"] != psutil.STATUS_ZOMBIE
+            and (p.pid in pg_pids or data_dir in (p.info["cmdline"] or []))]  # fmt: skip
     assert not left, f"PostgreSQL processes left: {left}"
 
 

@@ -158,16 +158,11 @@ _SUPERVISOR = textwrap.dedent(
 
 
 def _pg_processes(data_dir: str, pids: set[int]) -> list[int]:
+    """Live processes among ``pids``, or with ``data_dir`` on their command line (the postmaster)."""
     import psutil
 
-    left = [p.pid for p in psutil.process_iter(["cmdline"]) if data_dir in (p.info["cmdline"] or [])]
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                left.append(pid)
-        except psutil.Error:
-            pass
-    return left
+    return [p.pid for p in psutil.process_iter(["cmdline", "status"]) if p.info["status"] != psutil.STATUS_ZOMBIE
+            and (p.pid in pids or data_dir in (p.info["cmdline"] or []))]  # fmt: skip
 
 
 @pytest.mark.parametrize("how", ["stop", "sigkill"])
