@@ -262,7 +262,9 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     # ... but the handoff grows by less than that when the baseline's own READ wait (the engine loop seeing
     # NIXL's DONE on its next step) is absorbed by the delay: the floor is one round trip less that wait
     assert 0.9 * rtt - wire_of(b_med) <= d_handoff <= (most + 0.5) * rtt, (d_handoff, rtt, most, increase, b_med)
-    assert wire >= 0.9 * d_handoff, (wire, d_handoff, increase)  # in the read phases
+    # in the read phases: the rest of the increase is the other phases' noise (a difference of medians of 8,
+    # a few ms each; CI saw 4.5 ms of a 40.7 ms increase outside them), bounded at a quarter round trip
+    assert wire >= d_handoff - 0.25 * rtt, (wire, d_handoff, increase)
     others = {p: v for p, v in increase.items() if not p.startswith("read.") and abs(v) > 0.5 * rtt}
     assert not others, others  # and nowhere else
     for t in delayed.values():  # the clock bound still holds the shift, with real round trips
