@@ -23,6 +23,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 
 from kvrecord import semconv as sc
 from kvtrace import stats, store
+from kvtrace.store.writer import TOKEN_SPANS
 
 #: Upper ends (prompt tokens, inclusive) of the prompt-length buckets; one
 #: more bucket holds the longer prompts.
@@ -42,7 +43,7 @@ METRICS: tuple[tuple[str, str, float, str], ...] = (
 )
 #: Spans whose attributes carry a request's prompt length (P's first: the
 #: length P computed), and the root span (split weight, TPOT).
-_TOKEN_SPANS = (sc.Phase.PREFILL.value, sc.Phase.DECODE_QUEUE.value, sc.Phase.ALLOC.value)
+_TOKEN_SPANS = TOKEN_SPANS  # P's count first, then D's (the store's fold reads the same spans)
 _ROOT = sc.Phase.REQUEST.value
 PUSH, PULL = sc.Mode.PUSH.value, sc.Mode.PULL.value
 NEEDS_BOTH = "needs both modes in the window"

@@ -97,7 +97,7 @@ def link_record(specs: Sequence[str], directions: Sequence[dict]) -> dict[str, A
 
 
 def _fmt_rtt(v: float | None) -> str:
-    return "?" if v is None else f"{v * 1e3:.1f}"
+    return "round trip not measured" if v is None else f"round trip {v * 1e3:.1f} ms"
 
 
 def summary(specs: Sequence[str], directions: Sequence[dict]) -> str:
@@ -120,7 +120,7 @@ def summary(specs: Sequence[str], directions: Sequence[dict]) -> str:
         asked_s = f" (asked {asked[len(asked) // 2] * 1e3:g})" if asked else ""
         gps = sorted(d["goodput_bps"] for d in mine if d.get("goodput_bps"))
         gp = f", goodput {gps[len(gps) // 2] / 1e6:.0f} Mbit/s" if gps else ""
-        parts.append(f"{spec}: round trip {_fmt_rtt(med)} ms{asked_s}{gp}")
+        parts.append(f"{spec}: {_fmt_rtt(med)}{asked_s}{gp}")
     return "; ".join(parts) or "no shaped link"
 
 

@@ -199,6 +199,15 @@ def span_counts_by_role(conn: Any, roles: Sequence[str]) -> dict[str, int]:
     return {r[0]: int(r[1]) for r in conn.execute(sql, list(roles)).fetchall()}
 
 
+def own_intervals(conn: Any, trace_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """Each trace's own clock interval (``xlo_ns``, ``xhi_ns``: D's clock minus P's, ns, before the
+    pair's window tightens it), for the traces whose two ends are both known."""
+    ids = list(trace_ids)
+    sql = f"SELECT trace_id, xlo_ns, xhi_ns FROM traces WHERE trace_id IN ({params(len(ids))})"
+    rows = conn.execute(sql, ids).fetchall() if ids else []
+    return {r[0]: (int(r[1]), int(r[2])) for r in rows if r[1] is not None and r[2] is not None}
+
+
 def trace_days(conn: Any, trace_id: str) -> list[int]:
     """The ``day`` of each summary row of ``trace_id`` (PostgreSQL: the partition it is in)."""
     return sorted(int(r[0]) for r in conn.execute("SELECT day FROM traces WHERE trace_id = ?", (trace_id,)))

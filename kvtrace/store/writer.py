@@ -136,8 +136,8 @@ _BLANK = {
     **dict.fromkeys(_PHASES),
 }
 _CROSS = sc.CROSSINGS
-#: The spans that carry the prompt's token count besides the root (kvtrace.verdict reads the same).
-_TOKEN_NAMES = frozenset((sc.Phase.PREFILL.value, sc.Phase.DECODE_QUEUE.value, sc.Phase.ALLOC.value))
+#: The spans that carry the prompt's token count besides the root (kvtrace.verdict reads them on older rows).
+TOKEN_SPANS = (sc.Phase.PREFILL.value, sc.Phase.DECODE_QUEUE.value, sc.Phase.ALLOC.value)
 
 
 def _number(v) -> float | None:
@@ -232,7 +232,7 @@ def _fold_span(u: dict, g, name: str, role, mode, rid, start: int, end: int) -> 
             u["tpot_s"] = _number(g(sc.ATTR_TPOT_S))
         if u["prompt_tokens"] is None:
             u["prompt_tokens"] = _count(g(sc.ATTR_TOKENS))
-    elif name in _TOKEN_NAMES:
+    elif name in TOKEN_SPANS:
         if u["prompt_tokens"] is None:
             u["prompt_tokens"] = _count(g(sc.ATTR_TOKENS))
     if name == _PF:

@@ -54,7 +54,7 @@ def test_demo_then_live_canary(stack_factory, kvlens_home, tmp_path):
     # unit-tested in tests/unit/test_bench_rounds.py); the live fleet's 4-server start is the time it pays for
     argv += ["--num-prompts", "2", "--repeat", "1", "--warmup", "1", "--no-progress", "--seed", "77"]
     # a light load beside the canary's requests (they select their own by trace id; counts it adds to are ">=")
-    argv += ["--dashboard-port", str(dash_port), "--prometheus-port", "0", "--live-interval", "2"]
+    argv += ["--dashboard-port", str(dash_port), "--prometheus-port", "0", "--live-interval", "3"]
     with open(log, "wb") as out:
         demo = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     kids: set[int] = set()

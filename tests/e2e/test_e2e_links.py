@@ -43,7 +43,7 @@ import pytest
 
 from conftest import FLEET_CLOCK_SHIFT_S
 from kvtrace import store, tracemodel
-from kvtrace.store.schema import params
+from kvtrace.store import testing
 
 pytestmark = pytest.mark.e2e
 
@@ -164,8 +164,12 @@ def _bench_row_names_its_link(stack, spec: str, links: list[dict]) -> None:
     assert row["completed"] == 3 and row["handoff_p50_s"] is not None, row
     assert row["link"]["spec"] == [spec]
     measured = {(x["src"], x["dst"]): x["measured"] for x in links}
-    for d in row["link"]["directions"]:
+    # the row lists every shaped direction of the stack (router<->D too, unshaped now): the spec's are P<->D
+    pd = [d for d in row["link"]["directions"] if {d["src"], d["dst"]} == {"p0", "d0"}]
+    assert len(pd) == 2, row["link"]["directions"]
+    for d in pd:
         assert d["asked_rate_bps"] == 200e6 and d["rtt_s"] == measured[(d["src"], d["dst"])]["rtt_s"], d
+    assert "p-d=1ms,200mbit: round trip" in row["link"]["summary"], row["link"]["summary"]
 
 
 def _read_s(t) -> float:
@@ -179,9 +183,7 @@ def _own_widths(db, ids) -> dict[str, tuple[int, int]]:
     deadline = time.monotonic() + 60  # P's kv.released (the D->P bound's end) follows kv.ready, in a later batch
     while True:
         with store.reading(db) as conn:
-            rows = conn.execute(f"SELECT trace_id, xlo_ns, xhi_ns FROM traces WHERE trace_id IN ({params(len(ids))})",
-                                list(ids)).fetchall()  # fmt: skip
-        got = {r[0]: (r[1], r[2]) for r in rows if r[1] is not None and r[2] is not None}
+            got = testing.own_intervals(conn, list(ids))
         if len(got) == len(ids) or time.monotonic() > deadline:
             assert len(got) == len(ids), (len(got), len(ids))
             return got
@@ -260,7 +262,9 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     # ... but the handoff grows by less than that when the baseline's own READ wait (the engine loop seeing
     # NIXL's DONE on its next step) is absorbed by the delay: the floor is one round trip less that wait
     assert 0.9 * rtt - wire_of(b_med) <= d_handoff <= (most + 0.5) * rtt, (d_handoff, rtt, most, increase, b_med)
-    assert wire >= 0.9 * d_handoff, (wire, d_handoff, increase)  # in the read phases
+    # in the read phases: the rest of the increase is the other phases' noise (a difference of medians of 8,
+    # a few ms each; CI saw 4.5 ms of a 40.7 ms increase outside them), bounded at a quarter round trip
+    assert wire >= d_handoff - 0.25 * rtt, (wire, d_handoff, increase)
     others = {p: v for p, v in increase.items() if not p.startswith("read.") and abs(v) > 0.5 * rtt}
     assert not others, others  # and nowhere else
     for t in delayed.values():  # the clock bound still holds the shift, with real round trips

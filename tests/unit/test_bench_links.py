@@ -97,9 +97,9 @@ def test_link_record_keeps_asked_and_measured_and_unknown_as_none():
     assert (pd["rtt_s"], pd["goodput_bps"], pd["asked_rtt_s"]) == (0.0408, 1.9e8, 0.04)
     rd = rec["directions"][2]
     assert rd["asked_delay_s"] == 0.005 and rd["rtt_s"] is None and rd["goodput_bps"] is None
-    # the summary: per spec the median of its directions' measured round trips, "?" where none was measured
+    # the summary: per spec the median of its directions' measured round trips, "not measured" where none was
     assert rec["summary"] == (
-        "p-d=20ms,200mbit: round trip 41.2 ms (asked 40), goodput 190 Mbit/s; router>d=5ms: round trip ? ms (asked 5)"
+        "p-d=20ms,200mbit: round trip 41.2 ms (asked 40), goodput 190 Mbit/s; router>d=5ms: round trip not measured (asked 5)"
     )
     json.dumps(rec)  # goes into JSON rows and the store
 

@@ -6,6 +6,8 @@ the next start (leftovers)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import subprocess
@@ -185,16 +187,29 @@ def _delayer(net, d, log: Path) -> subprocess.Popen:
     return p
 
 
-def test_real_delay_and_rate_between_namespaces(tmp_path):
+@contextlib.contextmanager
+def _shaped_net(tmp_path, specs: list[str]):
+    """A real P0/D0 network with ``specs`` shaped (a delayer per direction); torn down
+    after, and checked that nothing of it is left."""
     from kvlens.stack import netclean, netns
 
     ipt = _need_root()
     net = netns.Net.create(["p0", "d0"], ipt, tmp_path)
     procs = []
     try:
-        shapes = netns.expand(parse_links(["p>d=20ms,200mbit", "d>p=5ms"]), net.keys)
-        for (src, dst), shape in shapes.items():
+        for (src, dst), shape in netns.expand(parse_links(specs), net.keys).items():
             procs.append(_delayer(net, net.add_direction(src, dst, shape), tmp_path / f"{src}.log"))
+        yield net, ipt
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        netclean.teardown(net.sid)
+    assert netclean.objects(net.sid) == {"namespaces": [], "veths": [], "pids": []}
+
+
+def test_real_delay_and_rate_between_namespaces(tmp_path):
+    with _shaped_net(tmp_path, ["p>d=20ms,200mbit", "d>p=5ms"]) as (net, ipt):
         pd = net.probe(net.directions[("p0", "d0")])
         # the round trip crosses both directions: 20 + 5 ms asked; a delay is a floor, never undercut
         assert pd["rtt_min_s"] >= 0.025 and pd["echoes_lost"] == 0
@@ -209,12 +224,6 @@ def test_real_delay_and_rate_between_namespaces(tmp_path):
         net.reshape("p0", "d0", Shape(0.04))
         again = net.probe(net.directions[("p0", "d0")])
         assert again["rtt_min_s"] >= 0.045, again
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
-        netclean.teardown(net.sid)
-    assert netclean.objects(net.sid) == {"namespaces": [], "veths": [], "pids": []}
     assert f"kvl{net.sid}h" not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
 
 
@@ -222,14 +231,7 @@ def test_real_loss_is_seen_by_tcp(tmp_path):
     """The loss rule drops where packets arrive: the sender's TCP retransmits
     (a drop on its way out would be an error its socket sees, sent again at
     once), and the drops are counted across a re-shape."""
-    from kvlens.stack import netclean, netns
-
-    ipt = _need_root()
-    net = netns.Net.create(["p0", "d0"], ipt, tmp_path)
-    procs = []
-    try:
-        for (src, dst), shape in netns.expand(parse_links(["p-d=1ms,5%"]), net.keys).items():
-            procs.append(_delayer(net, net.add_direction(src, dst, shape), tmp_path / f"{src}.log"))
+    with _shaped_net(tmp_path, ["p-d=1ms,5%"]) as (net, _ipt):
         pd = net.probe(net.directions[("p0", "d0")])
         c = net.counters()
         assert pd["retrans_segs"] > 0 and c["tcp"]["p0"]["retrans_segs"] >= pd["retrans_segs"], (pd, c)
@@ -239,12 +241,6 @@ def test_real_loss_is_seen_by_tcp(tmp_path):
         net.probe(net.directions[("p0", "d0")])
         assert net.counters()["links"]["p0>d0"]["dropped_packets"] == dropped
         assert net.to_json()["counters"]["links"]["p0>d0"]["dropped_packets"] == dropped
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
-        netclean.teardown(net.sid)
-    assert netclean.objects(net.sid) == {"namespaces": [], "veths": [], "pids": []}
 
 
 _SUPERVISOR = textwrap.dedent(
