@@ -183,10 +183,23 @@ def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
         "a postgresql://user@host:port/db URL shared by the fleet (default: the SQLite file in "
         "the collector's home)",
     )
+    _add_network_arguments(p)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="API key P, D (vLLM's --api-key, handed over as VLLM_API_KEY) and the router require "
+        "on /v1/*; the stack's own health checks and warm-up send it (default: "
+        "$KVLENS_API_KEY, else $VLLM_API_KEY, else none; the environment keeps it out of `ps`)",
+    )
+
+
+def _add_network_arguments(p: argparse.ArgumentParser) -> None:
+    """The roles' network namespaces, their links and the store's own host (docs/links.md)."""
     p.add_argument(
         "--hosts",
         action="store_true",
-        help="every role in its own network namespace (each P, each D, the router, the collector), "
+        help="every role in its own network namespace (each P, each D, the router, the collector, the store), "
         "joined by veths on a bridge, addresses in 198.18.0.0/15, no route out; NIXL over TCP on "
         "those links. Root only; needs ip, tc, iptables-legacy (docs/links.md)",
     )
@@ -207,14 +220,6 @@ def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
         "server in the foreground (e.g. postgres -D DIR -c listen_addresses='*'), in a network namespace "
         "of its own, before the collector and stopped after it; the host `store` in the URL becomes that "
         "namespace's address (docs/links.md)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="API key P, D (vLLM's --api-key, handed over as VLLM_API_KEY) and the router require "
-        "on /v1/*; the stack's own health checks and warm-up send it (default: "
-        "$KVLENS_API_KEY, else $VLLM_API_KEY, else none; the environment keeps it out of `ps`)",
     )
 
 
