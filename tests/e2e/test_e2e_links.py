@@ -299,9 +299,14 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     # counted: the rule dropped the requests' packets, and P (which sends the KV) retransmitted
     assert drops["p0>d0"] > 0 and retrans["p0"] > 0, (drops, retrans)
     # slower: every lost data packet costs its READ at least one more round trip (the loss is detected by the
-    # next acknowledgments, or a timer), on top of the same delay's READs; their mean and their worst grow
+    # next acknowledgments, or a timer), on top of the same delay's READs. The drop rule sees the sender's GSO
+    # segments whole (veth passes them on unsplit: up to 64 KiB; 6 drops, 180 retransmitted segments in one run),
+    # so a 640 KB READ meets ~10-20 "packets" and some READs lose none: the mean
+    # grows, and the slowest lossy READ exceeds the usual delayed one by more than half a round trip. (Not the
+    # slowest delayed one: a delayed READ that needs a second TCP window takes two round trips too; a CI run had
+    # one at 90 ms against lossy ones of 87-94 ms in one run.)
     assert statistics.mean(lossy_read) > statistics.mean(delayed_read), (lossy_read, delayed_read)
-    assert max(lossy_read) > max(delayed_read) + 0.5 * rtt, (lossy_read, delayed_read)
+    assert max(lossy_read) > statistics.median(delayed_read) + 0.5 * rtt, (lossy_read, delayed_read)
     took("loss", t0)
 
     # 4. the clock bound with a real round trip on router<->D: pull's P->D bound is P's answer relayed by the
