@@ -267,11 +267,13 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     # ... but the handoff grows by less than that when the baseline's own READ wait (the engine loop seeing
     # NIXL's DONE on its next step) is absorbed by the delay: the floor is one round trip less that wait
     assert 0.9 * rtt - wire_of(b_med) <= d_handoff <= (most + 0.5) * rtt, (d_handoff, rtt, most, increase, b_med)
-    # in the read phases: the rest of the increase is the other phases' noise (a difference of medians of 8,
-    # a few ms each; CI saw 4.5 ms of a 40.7 ms increase outside them), bounded at a quarter round trip
-    assert wire >= d_handoff - 0.25 * rtt, (wire, d_handoff, increase)
+    # the delay is in the read phases (the floor above: each delayed READ holds a round trip, against a baseline
+    # READ of ~10 ms) and nowhere else: no other phase's median moves by a crossing (half a round trip). Not
+    # checked: that the read phases hold all of the handoff's increase. A batch of 8 on a busy machine moves every
+    # phase by a few ms the same way (a full CI run: read phases +38.0 of a +49.5 ms handoff, the other five
+    # +0.5 to +4.8 ms each, 14.6 ms together), so a bound on their sum is a bound on the machine's load
     others = {p: v for p, v in increase.items() if not p.startswith("read.") and abs(v) > 0.5 * rtt}
-    assert not others, others  # and nowhere else
+    assert not others, (others, wire, d_handoff)
     for t in delayed.values():  # the clock bound still holds the shift, with real round trips
         assert t.clock_lo_s - EPS <= shift <= t.clock_hi_s + EPS, (t.trace_id, t.clock_lo_s, t.clock_hi_s)
     took("delay", t0)
