@@ -347,8 +347,9 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     assert d2p <= 0.5 * expect, (d2p, expect)
     assert abs(grown - expect) <= 0.4 * expect, (grown, expect)
     # and with the delay on P<->D the D->P bound (READ request, data, done notification) takes the READ's
-    # round trip(s) and one more crossing: wider by at least one P<->D round trip
-    assert med_w(w_delay) - med_w(w_base) >= 0.9 * rtt, (med_w(w_delay), med_w(w_base), rtt)
+    # round trip(s) and one more crossing: wider by at least one P<->D round trip, less the baseline's own READ
+    # wait that the delay absorbs (as for the handoff's floor in step 2; measured +52 to +57 ms at a 41 ms rtt)
+    assert med_w(w_delay) - med_w(w_base) >= 0.9 * rtt - wire_of(b_med), (med_w(w_delay), med_w(w_base), rtt, b_med)
     stack.reshape("router-d=0ms", probe=False)
     took("clock", t0)
 
