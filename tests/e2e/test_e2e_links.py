@@ -270,7 +270,7 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     # the delay is in the read phases (the floor above: each delayed READ holds a round trip, against a baseline
     # READ of ~10 ms) and nowhere else: no other phase's median moves by a crossing (half a round trip). Not
     # checked: that the read phases hold all of the handoff's increase. A batch of 8 on a busy machine moves every
-    # phase by a few ms the same way (a full CI run: read phases +38.0 of a +49.5 ms handoff, the other five
+    # phase by a few ms the same way (a full clean-clone run: read phases +38.0 of a +49.5 ms handoff, the other five
     # +0.5 to +4.8 ms each, 14.6 ms together), so a bound on their sum is a bound on the machine's load
     others = {p: v for p, v in increase.items() if not p.startswith("read.") and abs(v) > 0.5 * rtt}
     assert not others, (others, wire, d_handoff)
@@ -305,8 +305,8 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     # segments whole (veth passes them on unsplit: up to 64 KiB; 6 drops, 180 retransmitted segments in one run),
     # so a 640 KB READ meets ~10-20 "packets" and some READs lose none: the mean
     # grows, and the slowest lossy READ exceeds the usual delayed one by more than half a round trip. (Not the
-    # slowest delayed one: a delayed READ that needs a second TCP window takes two round trips too; a CI run had
-    # one at 90 ms against lossy ones of 87-94 ms in one run.)
+    # slowest delayed one: a delayed READ that needs a second TCP window takes two round trips too; one run had
+    # one at 90 ms against lossy ones of 87-94 ms.)
     assert statistics.mean(lossy_read) > statistics.mean(delayed_read), (lossy_read, delayed_read)
     assert max(lossy_read) > statistics.median(delayed_read) + 0.5 * rtt, (lossy_read, delayed_read)
     took("loss", t0)
