@@ -10,6 +10,7 @@ import contextlib
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,7 @@ import pytest
 from kvlens.stack.delayer import Delayer
 from kvlens.stack.errors import StackError
 from kvlens.stack.linkspec import Shape, parse_link, parse_links, parse_shape, release_time
+from kvrecord.guard import parent_death_signal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -177,8 +179,17 @@ def _need_root():
         pytest.skip(str(e))
 
 
-def _delayer(net, d, log: Path) -> subprocess.Popen:
-    p = subprocess.Popen(net.delayer_argv(d), stdout=open(log, "w"), stderr=subprocess.STDOUT)
+def _delayer(net, d, log: Path, procs: list) -> subprocess.Popen:
+    """The delayer of ``d``, in ``procs`` at once (torn down even if its wait is cut short) and
+    with a parent-death signal: a test process killed or interrupted leaves none behind (a
+    clean-clone run interrupted here did), as the stack's own guard does for its delayers."""
+    p = subprocess.Popen(
+        net.delayer_argv(d),
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: parent_death_signal(signal.SIGTERM),  # `ip netns exec` execs: it stays set
+    )
+    procs.append(p)
     deadline = time.monotonic() + 30
     while not net.queue_bound(d):
         assert p.poll() is None, log.read_text()
@@ -198,7 +209,7 @@ def _shaped_net(tmp_path, specs: list[str]):
     procs = []
     try:
         for (src, dst), shape in netns.expand(parse_links(specs), net.keys).items():
-            procs.append(_delayer(net, net.add_direction(src, dst, shape), tmp_path / f"{src}.log"))
+            _delayer(net, net.add_direction(src, dst, shape), tmp_path / f"{src}.log", procs)
         yield net, ipt
     finally:
         for p in procs:
