@@ -41,9 +41,8 @@ METRICS: tuple[tuple[str, str, float, str], ...] = (
     ("handoff_p50", "handoff_s", 50.0, "handoff p50"),
     ("tpot_p50", "tpot_s", 50.0, "TPOT p50"),
 )
-#: Spans whose attributes carry a request's prompt length (P's first: the
-#: length P computed), and the root span (split weight, TPOT).
-_TOKEN_SPANS = TOKEN_SPANS  # P's count first, then D's (the store's fold reads the same spans)
+#: The root span (split weight, TPOT); the prompt length is on TOKEN_SPANS (P's
+#: first: the length P computed), the spans the store's fold reads too.
 _ROOT = sc.Phase.REQUEST.value
 PUSH, PULL = sc.Mode.PUSH.value, sc.Mode.PULL.value
 NEEDS_BOTH = "needs both modes in the window"
@@ -92,10 +91,10 @@ def load(conn, *, since_ns: int | None, until_ns: int | None = None, limit: int 
     length, split weight and TPOT since schema 7 (also for requests kept as
     their summary only); a second read of span attributes only for the rows
     that lack them (written before schema 7): the few spans named in
-    :data:`_TOKEN_SPANS` and the root."""
+    :data:`kvtrace.store.writer.TOKEN_SPANS` and the root."""
     rows = store.slowest(conn, limit, order="start", since_ns=since_ns, until_ns=until_ns)
     old = [r["trace_id"] for r in rows if r.get("prompt_tokens") is None]
-    attrs = store.attributes_of(conn, old, (*_TOKEN_SPANS, _ROOT)) if old else {}
+    attrs = store.attributes_of(conn, old, (*TOKEN_SPANS, _ROOT)) if old else {}
     per: dict[str, dict[str, dict]] = {}
     for (tid, _role, name, _t0, _t1), a in attrs.items():
         per.setdefault(tid, {}).setdefault(name, a)
@@ -106,7 +105,7 @@ def load(conn, *, since_ns: int | None, until_ns: int | None = None, limit: int 
             spans = per.get(r["trace_id"], {})
             root = spans.get(_ROOT, {})
             # P's count first; the router's root span carries it too (from P's answer)
-            tokens = next((spans[n].get(sc.ATTR_TOKENS) for n in _TOKEN_SPANS if n in spans), root.get(sc.ATTR_TOKENS))
+            tokens = next((spans[n].get(sc.ATTR_TOKENS) for n in TOKEN_SPANS if n in spans), root.get(sc.ATTR_TOKENS))
             split = split if split is not None else root.get(sc.ATTR_SPLIT)
             tpot = tpot if tpot is not None else root.get(sc.ATTR_TPOT_S)
         out.append(

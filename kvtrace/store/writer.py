@@ -136,7 +136,8 @@ _BLANK = {
     **dict.fromkeys(_PHASES),
 }
 _CROSS = sc.CROSSINGS
-#: The spans that carry the prompt's token count besides the root (kvtrace.verdict reads them on older rows).
+#: The spans that carry the prompt's token count besides the root, P's first (kvtrace.verdict reads
+#: them in this order on older rows).
 TOKEN_SPANS = (sc.Phase.PREFILL.value, sc.Phase.DECODE_QUEUE.value, sc.Phase.ALLOC.value)
 
 

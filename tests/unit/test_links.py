@@ -7,7 +7,6 @@ the next start (leftovers)."""
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
 import signal
@@ -179,7 +178,7 @@ def _need_root():
         pytest.skip(str(e))
 
 
-def _delayer(net, d, log: Path, procs: list) -> subprocess.Popen:
+def _delayer(net, d, log: Path, procs: list) -> None:
     """The delayer of ``d``, in ``procs`` at once (torn down even if its wait is cut short) and
     with a parent-death signal: a test process killed or interrupted leaves none behind (a
     clean-clone run interrupted here did), as the stack's own guard does for its delayers."""
@@ -195,7 +194,6 @@ def _delayer(net, d, log: Path, procs: list) -> subprocess.Popen:
         assert p.poll() is None, log.read_text()
         assert time.monotonic() < deadline, "delayer did not bind its queue"
         time.sleep(0.1)
-    return p
 
 
 @contextlib.contextmanager
