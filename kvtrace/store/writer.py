@@ -136,8 +136,7 @@ _BLANK = {
     **dict.fromkeys(_PHASES),
 }
 _CROSS = sc.CROSSINGS
-#: The spans that carry the prompt's token count besides the root, P's first (kvtrace.verdict reads
-#: them in this order on older rows).
+#: Spans that carry the prompt's token count besides the root, P's first (kvtrace.verdict reads them in order).
 TOKEN_SPANS = (sc.Phase.PREFILL.value, sc.Phase.DECODE_QUEUE.value, sc.Phase.ALLOC.value)
 
 
