@@ -187,7 +187,7 @@ class PrometheusServer:
             f"--web.listen-address=127.0.0.1:{self.port}",
             "--enable-feature=exemplar-storage",
         ]
-        self.proc = ChildProcess(argv, log=self.log_path, group="session", death_signal=signal.SIGTERM).start()
+        self.proc = ChildProcess(argv, log=self.log_path, group="group", death_signal=signal.SIGTERM).start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

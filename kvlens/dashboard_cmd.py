@@ -32,9 +32,10 @@ the same dashboard from wherever it is started. The app imports
 package (``make setup`` installs the checkout in editable mode), so no
 ``PYTHONPATH`` is set.
 
-The child runs in its own session (process group, a
-:class:`kvrecord.children.ChildProcess`) so that stopping it also stops
-anything Streamlit starts; a child that ignores SIGTERM is killed after a
+The child runs in a process group of its own in the caller's session (a
+:class:`kvrecord.children.ChildProcess`: a session of its own would leave
+it a few % of the CPU next to a stack's spinning NIXL threads) so that
+stopping it also stops anything Streamlit starts; a child that ignores SIGTERM is killed after a
 grace period. A missing trace store is not an error: the page says so.
 
 The store may be a PostgreSQL URL (``--store postgresql://user@host/db``):
@@ -209,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     env = child_env(store, security)
     # death_signal: a kvlens dashboard killed outright (SIGKILL) takes Streamlit with it
     child = ChildProcess(
-        command(args, store), env=env, cwd=workdir(), group="session", death_signal=signal.SIGTERM
+        command(args, store), env=env, cwd=workdir(), group="group", death_signal=signal.SIGTERM
     ).start()
     shown = "localhost" if args.host in ("127.0.0.1", "0.0.0.0", "::") else args.host
     how = "; sign in with the token, or open the URL with ?token=TOKEN once" if security.token else ""

@@ -13,6 +13,10 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import shutil
+import signal
+import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -51,15 +55,43 @@ def missing() -> str | None:
 
 @contextlib.contextmanager
 def browser() -> Iterator:
-    """A headless Chromium (closed at the end)."""
+    """A headless Chromium (closed at the end), started here rather than by
+    Playwright: Playwright starts it in a session of its own, and with the
+    kernel's autogroups a session of its own gets a few % of the CPU next to
+    a stack's spinning NIXL threads (kvrecord/children.py; measured: the
+    Overview's first page 31-68 s instead of 4.5 s). In this process's
+    session it competes as these tests do; Playwright attaches over CDP."""
     from playwright.sync_api import sync_playwright
 
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            b.close()
+    from kvrecord.children import ChildProcess
+
+    profile = Path(tempfile.mkdtemp(prefix="kvlens-chromium-"))
+    argv = [CHROMIUM, *CHROMIUM_ARGS, "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"]
+    # its own group (stopped whole: renderers, GPU process), SIGKILL when this process's thread dies
+    child = ChildProcess(argv, log=profile / "chromium.log", group="group", death_signal=signal.SIGKILL).start()
+    try:
+        port = _devtools_port(profile, child)
+        with sync_playwright() as p:
+            b = p.chromium.connect_over_cdp(f"http://127.0.0.1:{port}")
+            try:
+                yield b
+            finally:
+                b.close()
+    finally:
+        child.stop(10.0)
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _devtools_port(profile: Path, child, timeout_s: float = 120.0) -> int:
+    """The port Chromium chose (``--remote-debugging-port=0`` writes it to
+    the profile's DevToolsActivePort file)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert child.poll() is None, (profile / "chromium.log").read_text(errors="replace")[-2000:]
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            return int((profile / "DevToolsActivePort").read_text().split()[0])
+        time.sleep(0.1)
+    raise AssertionError(f"Chromium wrote no DevToolsActivePort in {timeout_s:.0f} s")
 
 
 def open_page(page, url: str, heading: str, timeout_ms: int = 45_000) -> str:

@@ -23,7 +23,7 @@ from kvrecord.guard import parent_death_signal
 from kvrecord.ports import free_port
 from store_fixture import make_store
 from tlscerts import make_tls
-from test_e2e_dashboard_browser import CHROMIUM, CHROMIUM_ARGS, OUT, alive, browser, descendants  # noqa: F401
+from test_e2e_dashboard_browser import CHROMIUM, OUT, alive, browser, descendants  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "e2e-" + secrets.token_hex(16)

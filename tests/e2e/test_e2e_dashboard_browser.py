@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[2]
 from pair_store import Pair, make_pair_store  # noqa: E402
 from store_fixture import make_store  # noqa: E402
 
-from chromium import CHROMIUM, CHROMIUM_ARGS, PAGE_URLS, open_page, screenshot_if_asked  # noqa: E402
+import chromium  # noqa: E402
+from chromium import CHROMIUM, PAGE_URLS, open_page, screenshot_if_asked  # noqa: E402
 
 OUT = REPO / "test-output"
 
@@ -219,12 +220,8 @@ def check_page(page, dash_url: str, name: str, width: int, tmp_path: Path) -> in
 
 @pytest.fixture
 def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            b.close()
+    with chromium.browser() as b:
+        yield b
 
 
 def xpyd_store(home: Path) -> Path:

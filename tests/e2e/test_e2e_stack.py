@@ -187,64 +187,58 @@ def test_pull_greedy_matches_single_instance(pull_stack):
 
 
 # ------------------------------------------------------- e2e: shutdown
+def _up(tiny_model, log_dir) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "kvlens.cli", "up", "--mode", "push", "--stock", "--model", str(tiny_model)]
+    argv += ["--port", "0", "--log-dir", str(log_dir)]
+    return subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_signal_leaves_no_children(stack_factory, tiny_model, tmp_path, sig):
-    """SIGTERM (a clean stop) or SIGKILL (an OOM kill: nothing of kvlens up
-    runs) to ``kvlens up`` once vLLM has spawned its engine processes: every
-    process of the tree is gone afterwards (SIGKILL: through the parent-death
-    guard of each child, which stops its whole process group)."""
+def test_signal_leaves_no_children(stack_factory, tiny_model, tmp_path):
+    """SIGTERM (a clean stop) to one ``kvlens up`` and SIGKILL (an OOM kill:
+    nothing of kvlens up runs) to another, started side by side, once vLLM
+    has spawned each one's engine processes: every process of both trees is
+    gone afterwards (SIGKILL: through the parent-death guard of each child,
+    which stops its whole process group). One test for both signals: the two
+    stacks start together (one start's wait instead of two)."""
     import psutil
 
-    stack_factory.stop()  # one pair at a time
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvlens.cli",
-            "up",
-            "--mode",
-            "push",
-            "--stock",
-            "--model",
-            str(tiny_model),
-            "--port",
-            "0",
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    seen: dict[int, psutil.Process] = {}
+    stack_factory.stop()  # the shared pair frees the cores
+    sigs = {signal.SIGTERM: _up(tiny_model, tmp_path / "term"), signal.SIGKILL: _up(tiny_model, tmp_path / "kill")}
+    seen: dict[int, dict[int, psutil.Process]] = {sig: {} for sig in sigs}
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            try:
-                kids = psutil.Process(proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                break
-            for k in kids:
-                seen.setdefault(k.pid, k)
-            names = []
-            for k in kids:
+        deadline = time.monotonic() + 300
+        waiting = dict(sigs)
+        while waiting and time.monotonic() < deadline:
+            for sig, proc in list(waiting.items()):
                 try:
-                    names.append(k.name())
-                except psutil.Error:
-                    pass
-            if sum("EngineCore" in n for n in names) >= 2:
-                break
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                    kids = psutil.Process(proc.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    kids = []
+                for k in kids:
+                    seen[sig].setdefault(k.pid, k)
+                names = []
+                for k in kids:
+                    try:
+                        names.append(k.name())
+                    except psutil.Error:
+                        pass
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                if sum("EngineCore" in n for n in names) >= 2:
+                    del waiting[sig]
             time.sleep(1)
-        assert len(seen) >= 4, "vLLM never spawned its processes"
-        proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=90)
-        assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL), out
+        assert all(len(s) >= 4 for s in seen.values()), f"vLLM never spawned its processes: {seen}"
+        for sig, proc in sigs.items():
+            proc.send_signal(sig)
+        for sig, proc in sigs.items():
+            out, _ = proc.communicate(timeout=90)
+            assert proc.returncode == (0 if sig == signal.SIGTERM else -signal.SIGKILL), (sig, out)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for proc in sigs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
     # after SIGKILL the guards give their servers the usual grace (15 s) before SIGKILL
-    gone, alive = psutil.wait_procs(list(seen.values()), timeout=10 if sig == signal.SIGTERM else 60)
-    assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], alive
+    for sig, procs in seen.items():
+        gone, alive = psutil.wait_procs(list(procs.values()), timeout=10 if sig == signal.SIGTERM else 60)
+        assert not [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], (sig, alive)

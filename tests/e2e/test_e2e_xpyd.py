@@ -57,7 +57,9 @@ def _proxy(stack, prefills, decodes, dispatch: str):
         argv += ["--decode", d.url, "--decode-engine-id", d.engine_id]
     env = {**os.environ, "KVLENS_HOME": str(stack.kvlens_home)}
     log = open(os.path.join(str(stack.log_dir), f"proxy-{port}.log"), "wb")
-    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # a group of its own in our session: a session of its own would get a few % of the CPU next to the
+    # stack's spinning NIXL threads (kvrecord/children.py)
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
