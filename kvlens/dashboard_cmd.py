@@ -35,8 +35,8 @@ package (``make setup`` installs the checkout in editable mode), so no
 The child runs in a process group of its own in the caller's session (a
 :class:`kvrecord.children.ChildProcess`: a session of its own would leave
 it a few % of the CPU next to a stack's spinning NIXL threads) so that
-stopping it also stops anything Streamlit starts; a child that ignores SIGTERM is killed after a
-grace period. A missing trace store is not an error: the page says so.
+stopping it also stops anything Streamlit starts; a child that ignores
+SIGTERM is killed after a grace period. A missing trace store is not an error: the page says so.
 
 The store may be a PostgreSQL URL (``--store postgresql://user@host/db``):
 it is checked once before the child starts, and a malformed URL or a server

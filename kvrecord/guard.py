@@ -37,16 +37,24 @@ import sys
 import time
 
 _PR_SET_PDEATHSIG = 1
+#: ``prctl`` option: no transparent huge pages for the caller and, inherited, its children
+PR_SET_THP_DISABLE = 41
+
+
+def prctl(option: int, arg: int) -> bool:
+    """Linux ``prctl(option, arg)`` for the calling process; False where it
+    fails or cannot run (not Linux, no libc). Safe between fork and exec."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, int(arg), 0, 0, 0) == 0
+    except Exception:
+        return False
 
 
 def parent_death_signal(sig: int) -> bool:
     """Ask the kernel to send the calling process ``sig`` when its parent
     (the parent's thread that started it) dies (Linux ``PR_SET_PDEATHSIG``).
     Safe between fork and exec. False where it cannot (not Linux, no libc)."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig)) == 0
-    except Exception:
-        return False
+    return prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def _sweep(pid: int, grace: float) -> None:

@@ -43,14 +43,10 @@ def _no_transparent_huge_pages() -> None:
     (SIGSTOP) let pytest go on at once. khugepaged skips a process with THP
     disabled, so it never holds our processes' mmap locks. The tiny model
     does not need huge pages; nothing measured depends on them."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
+    from kvrecord.guard import PR_SET_THP_DISABLE, prctl
 
-    pr_set_thp_disable = 41
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(pr_set_thp_disable, 1, 0, 0, 0) != 0:  # not fatal: the tests still run, as before
-        print(f"tests: PR_SET_THP_DISABLE failed: {os.strerror(ctypes.get_errno())}", file=sys.stderr)
+    if sys.platform.startswith("linux") and not prctl(PR_SET_THP_DISABLE, 1):  # not fatal: the tests run as before
+        print("tests: PR_SET_THP_DISABLE failed; transparent huge pages stay as the host has them", file=sys.stderr)
 
 
 @pytest.fixture
