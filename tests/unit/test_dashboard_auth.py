@@ -170,7 +170,9 @@ def dashboard(tmp_path):
         sys.executable, "-m", "kvlens.cli", "dashboard", "--port", str(port), "--store", str(tmp_path / "t.db"),
         "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
     ]  # fmt: skip
-    log = open(tmp_path / "dashboard.log", "w+")
+    # O_APPEND: the children share this open file (and its offset) with us, and we seek(0) to
+    # read it; without append their next write would land at 0, over the URL line (CI, stop 39)
+    log = open(tmp_path / "dashboard.log", "a+")
     proc = subprocess.Popen(
         argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_dies_with_us
     )
