@@ -293,39 +293,22 @@ def links_stack(stack_factory):
     return stack_factory.get("pull", hosts=True, links=("p-d=0ms", "router-d=0ms"), **fleet_stack_kw("pull"))
 
 
-@pytest.fixture
-def xpyd_stacks(stack_factory):
-    """2 P + 2 D instances (real vLLM) per mode: push behind kvlens' router
-    (overlapped); pull behind kvlens' router and vLLM's ``vllm-router``."""
-
-    def get(mode: str):
-        routers = "kvlens,vllm-router" if mode == "pull" else "kvlens"
-        return stack_factory.get(mode, prefill_instances=2, decode_instances=2, routers=routers)
-
-    return get
+#: ``KVLENS_TEST_TP=0``: the xPyD stack at TP 1 everywhere (its TP checks skip).
+TP_ON = os.environ.get("KVLENS_TEST_TP") != "0"
 
 
-#: ``KVLENS_TEST_TP_LAYOUT``: ``P-TP:D-TP[,D-TP...]`` (one D per size); the
-#: default puts a TP 2 -> TP 2 and a TP 2 -> TP 1 pair in one stack.
-TP_LAYOUT_DEFAULT = "2:2,1"
-#: ``KVLENS_TEST_TP_MODES``: the modes the TP stack runs in, one start each.
-TP_MODES_DEFAULT = "pull,push"
-
-
-def tp_layout() -> tuple[int, tuple[int, ...]]:
-    """P's TP size and each D's, from ``KVLENS_TEST_TP_LAYOUT``."""
-    p_tp, d_tps = os.environ.get("KVLENS_TEST_TP_LAYOUT", TP_LAYOUT_DEFAULT).split(":")
-    return int(p_tp), tuple(int(x) for x in d_tps.split(","))
-
-
-@pytest.fixture(scope="module", params=os.environ.get("KVLENS_TEST_TP_MODES", TP_MODES_DEFAULT).split(","))
-def tp_stack(request, stack_factory):
-    """kvlens' router, P and D at the tensor-parallel sizes of
-    :func:`tp_layout` (rank i on CPU i), once per mode (module scope: the
-    module's tests run per mode, one start each). A TP 1 D beside TP 2
-    engines starts after them (:func:`kvlens.stack.tp.start_waves`)."""
-    p_tp, d_tps = tp_layout()
-    return stack_factory.get(request.param, prefill_tp=p_tp, decode_instances=len(d_tps), decode_tp=d_tps)
+@pytest.fixture(scope="module", params=["pull", "push"])
+def xpyd_stack(request, stack_factory):
+    """2 P + 2 D instances (real vLLM), p0 and d0 at TP 2 (rank i on CPU
+    i), p1 and d1 at TP 1 (all at TP 1 when ``KVLENS_TEST_TP=0``), once per
+    mode (module scope: the module's tests run per mode, one start each):
+    push behind kvlens' router (overlapped); pull behind kvlens' router and
+    vLLM's ``vllm-router``. The TP 1 instances start after the TP 2 ones
+    (:func:`kvlens.stack.tp.start_waves`)."""
+    mode = request.param
+    routers = "kvlens,vllm-router" if mode == "pull" else "kvlens"
+    tp = {"prefill_tp": (2, 1), "decode_tp": (2, 1)} if TP_ON else {}
+    return stack_factory.get(mode, prefill_instances=2, decode_instances=2, routers=routers, **tp)
 
 
 # Stack start-ups dominate the suite's time (~1-2 min each on 2 cores). Run
@@ -333,7 +316,7 @@ def tp_stack(request, stack_factory):
 # stock push, fleet push, stock pull, the fault pairs (push, then pull),
 # fleet pull on real links, instrumented pull, the bench grid (it takes the
 # pull pair still up, then starts the instrumented push pair that the next
-# group uses), instrumented push, xPyD, TP, then the tests that drive
+# group uses), instrumented push, xPyD with TP, then the tests that drive
 # stacks themselves (the demo, whose live fleet carries the canary checks; SIGTERM).
 _STACK_ORDER = (
     "stock_push_stack",
@@ -345,8 +328,7 @@ _STACK_ORDER = (
     "pull_stack",
     "grid_run",
     "push_stack",
-    "xpyd_stacks",
-    "tp_stack",
+    "xpyd_stack",
 )
 
 
