@@ -383,15 +383,23 @@ def test_stuck_list_and_partial_trace_in_chromium(tmp_path, browser):
         page.get_by_text("Handoff health").first.wait_for(timeout=60_000)
         stuck = page.locator('.st-key-ov_stuck a[href*="traces"]')
         stuck.first.wait_for(timeout=60_000)
-        # a page link renders as more than one anchor (its icon's and its text's): the texts that say who waits
-        texts = [stuck.nth(i).inner_text() for i in range(stuck.count())]
-        found = {
-            m.groups() for t in texts for m in re.finditer(r"([0-9a-f]{12})\S* (push|pull): .*? waiting in (\w+)", t)
-        }
         # push_stuck and pull_stuck; the abandoned one (last reported 10 min ago) is not "stuck now"
-        assert {(mode, phase) for _, mode, phase in found} == {("push", "awaiting_kv"), ("pull", "awaiting_read")}, (
-            texts
-        )
+        want = {("push", "awaiting_kv"), ("pull", "awaiting_read")}
+        # Streamlit sends the page's elements one by one: read until both rows are in (a clean-clone run
+        # read right after the first row's anchors appeared, and saw the pull row only)
+        deadline = time.monotonic() + 60
+        while True:
+            # a page link renders as more than one anchor (its icon's and its text's): the texts that say who waits
+            texts = [stuck.nth(i).inner_text() for i in range(stuck.count())]
+            found = {
+                m.groups()
+                for t in texts
+                for m in re.finditer(r"([0-9a-f]{12})\S* (push|pull): .*? waiting in (\w+)", t)
+            }
+            if {(mode, phase) for _, mode, phase in found} == want or time.monotonic() > deadline:
+                break
+            page.wait_for_timeout(500)
+        assert {(mode, phase) for _, mode, phase in found} == want, texts
         assert len({tid for tid, _, _ in found}) == 2, texts
         save(page, tmp_path, "dashboard-stuck.png")
         stuck.filter(has_text="waiting in awaiting_kv").first.click()
