@@ -17,7 +17,11 @@ Rules (docs/architecture.md):
   (what they need beyond the store API is in ``kvtrace/store/testing.py``);
 * trace-id parsing (the 32-hex / traceparent patterns) only in ``kvrecord/ids.py``;
 * files under ``MAX_FILE_LINES`` lines, functions under ``MAX_FUNC_LINES``
-  unless listed in ``LONG_FUNCTIONS`` with the reason.
+  unless listed in ``LONG_FUNCTIONS`` with the reason. These caps are a smoke
+  alarm, not a target: they sit far above today's sizes, and a module past
+  ``WARN_FILE_LINES`` (a function past ``WARN_FUNC_LINES``) is only printed
+  as a warning, a hint to look for where its concepts part. Never trim a
+  comment or split a class to pass them; split where the concepts part.
 
 ``tests/unit/test_check_layout.py`` runs the same checks.
 """
@@ -33,8 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = "docs/architecture.md"
 #: The vLLM plug-in: loaded by vLLM by name, imported by nobody.
 PLUGIN = "instrumented_connector"
-MAX_FILE_LINES = 400
-MAX_FUNC_LINES = 60
+#: Failures: far above any module's size; a file this long has stopped being one concept.
+MAX_FILE_LINES = 800
+MAX_FUNC_LINES = 150
+#: Warnings only (printed, never failing): well above today's sizes.
+WARN_FILE_LINES = 500
+WARN_FUNC_LINES = 80
 
 #: Functions allowed past MAX_FUNC_LINES, with the reason.
 LONG_FUNCTIONS: dict[str, str] = {}
@@ -214,20 +222,30 @@ def id_parsing_outside_ids(mods: dict[str, Path]) -> list[str]:
     return out
 
 
-def big_files(mods: dict[str, Path]) -> list[str]:
-    return [f"{_rel(f)}: {n} lines" for f in mods.values() if (n := len(f.read_text().splitlines())) > MAX_FILE_LINES]
+def big_files(mods: dict[str, Path], limit: int = MAX_FILE_LINES) -> list[str]:
+    return [f"{_rel(f)}: {n} lines" for f in mods.values() if (n := len(f.read_text().splitlines())) > limit]
 
 
-def long_functions(mods: dict[str, Path]) -> list[str]:
+def long_functions(mods: dict[str, Path], limit: int = MAX_FUNC_LINES) -> list[str]:
     out = []
     for m, f in mods.items():
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = node.end_lineno - node.lineno + 1
                 key = f"{m}.{node.name}"
-                if n > MAX_FUNC_LINES and key not in LONG_FUNCTIONS:
+                if n > limit and key not in LONG_FUNCTIONS:
                     out.append(f"{_rel(f)}:{node.lineno} {node.name}: {n} lines")
     return out
+
+
+def warnings(root: Path = ROOT) -> dict[str, list[str]]:
+    """Sizes worth a look (printed, never failing): where a module or a
+    function may hold more than one concept."""
+    mods = modules(root)
+    return {
+        f"files over {WARN_FILE_LINES} lines (a warning)": big_files(mods, WARN_FILE_LINES),
+        f"functions over {WARN_FUNC_LINES} lines (a warning)": long_functions(mods, WARN_FUNC_LINES),
+    }
 
 
 def report(root: Path = ROOT) -> dict[str, list[str]]:
@@ -253,6 +271,11 @@ def main() -> int:
         for i in items:
             print("   ", i)
         bad += len(items)
+    for title, items in warnings().items():
+        if items:
+            print(f"{title}: {len(items)}")
+            for i in items:
+                print("   ", i)
     return 1 if bad else 0
 
 

@@ -82,7 +82,7 @@ def test_the_checker_fails_each_planted_violation(tmp_path):
                 "tests/unit/test_c.py": f"def test_c(conn):\n    conn.execute({_PLANTED_SQL!r})\n",
                 "benchmarks/bench_c.py": f"Q = {_PLANTED_SQL!r}\n",
                 "high/d.py": "import re\nR = re.compile('[0-9a-f]{32}')\n",
-                "high/e.py": "\n" * 401,
+                "high/e.py": "\n" * (layout.MAX_FILE_LINES + 1),
             },
         )
     )
@@ -95,7 +95,7 @@ def test_the_checker_fails_each_planted_violation(tmp_path):
         "tests/unit/test_c.py:2",
     ]
     assert len(found["trace-id parsing outside kvrecord/ids.py"]) == 1
-    assert len(found["files over 400 lines"]) == 1
+    assert len(found[f"files over {layout.MAX_FILE_LINES} lines"]) == 1
     # the cycle low.a -> high.b is not one: high.b does not import low
     assert found["import cycles"] == []
 
