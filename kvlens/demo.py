@@ -33,6 +33,9 @@ which is the true answer at this size. For a firmer verdict: ``kvlens bench
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
+import re
 import sys
 import time
 
@@ -49,7 +52,7 @@ from kvlens.bench.grid import (
     model_max_len,
     validate_grid,
 )
-from kvlens.bench.report import describe, print_report
+from kvlens.bench.report import WIDTH, describe, print_report, wrap
 from kvlens.bench.runner import _stop, bench_stacks, new_run
 from kvlens.demolive import DEFAULT_PROMETHEUS_PORT, LIVE_INTERVAL_S, GentleLoad, live, start_fleet
 from kvlens.model import ensure_model
@@ -108,7 +111,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: A waterfall lane's bar (``kvlens traces``): never wrapped.
+_BAR = re.compile(r"\[[ #=|.]{8,}\]")
+
+
 def _traces(store: StoreLocation, since_s: float) -> None:
+    """The slowest traces per mode (``kvlens traces``), their text lines wrapped
+    to the report's width (a waterfall's lanes are narrower: ``width=60``)."""
     for mode in ("push", "pull"):
         print(f"\n== slowest {mode} requests of this demo (kvlens traces --slowest 3 --mode {mode}) ==", flush=True)
         ns = argparse.Namespace(
@@ -121,7 +130,11 @@ def _traces(store: StoreLocation, since_s: float) -> None:
             json=False,
             width=60,
         )
-        traces.run(ns)
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            traces.run(ns)
+        for line in buf.getvalue().splitlines():
+            print(line if len(line) <= WIDTH or _BAR.search(line) else wrap(line, indent=""), flush=True)
 
 
 def _check(args: argparse.Namespace) -> BenchOptions:
@@ -148,15 +161,15 @@ def _check(args: argparse.Namespace) -> BenchOptions:
 
 def _announce(opts: BenchOptions) -> None:
     n_cells = len(opts.qps) * len(opts.input_lens)
-    print(
+    text = (
         f"kvlens demo: push (overlapped, sequential) vs pull on a real P/D pair; {n_cells} cells per variant "
         f"(QPS {','.join(f'{q:g}' for q in opts.qps)} x input {','.join(map(str, opts.input_lens))} tokens), "
         f"{opts.repeat} round{'s' if opts.repeat > 1 else ''} (push and pull in ABBA order) of "
         f"{opts.num_prompts} requests each, {opts.output_len} output tokens, prefix caching "
         f"{'on' if opts.prefix_caching else 'off'}; budget about 8 minutes on 2 cores, the live part's fleet "
-        "start included",
-        flush=True,
+        "start included"
     )
+    print(wrap(text, indent=""), flush=True)
 
 
 def _grid_verdict(run_) -> list[str]:

@@ -28,6 +28,7 @@ import time
 from typing import Sequence
 
 from kvlens import dashboard_cmd
+from kvlens.bench.report import wrap
 from kvlens.signals import sigterm_as_interrupt
 from kvrecord.location import StoreLocation
 from kvrecord.ports import port_in_use
@@ -261,17 +262,24 @@ def _say_live(stack, prom, loc: StoreLocation, args: argparse.Namespace) -> None
         where = f"  Prometheus:          {prom.url}  (scraping {jobs}; kvlens recording rules loaded)\n"
     else:
         where = "  Prometheus:          not running (see the warning above)\n"
-    print(
-        f"\nkvlens demo: live. A mixed fleet, one push pair and one pull pair behind one router that "
+    head = (
+        "kvlens demo: live. A mixed fleet, one push pair and one pull pair behind one router that "
         f"sends each request to push with weight {LIVE_SPLIT:g}, keeps serving one request every "
-        f"{args.live_interval:g} s:\n"
-        f"  router (OpenAI API): {stack.router_url}/v1  (split: {stack.router_url}/admin/split)\n"
+        f"{args.live_interval:g} s:"
+    )
+    tail = (
+        "The live verdict and the what-if print once both modes have served enough requests, and again "
+        "at the end. Ctrl-C stops the dashboard, the load, Prometheus and the fleet."
+    )
+    print(
+        "\n"
+        + wrap(head, indent="")
+        + "\n"
+        + f"  router (OpenAI API): {stack.router_url}/v1  (split: {stack.router_url}/admin/split)\n"
         + where
         + f"  dashboard:           http://localhost:{args.dashboard_port}  (the live verdict first; live "
         f"figures from {'Prometheus' if prom is not None else 'the trace store'}, traces from {loc})\n"
-        f"  stack:               {stack.log_dir}/stack.json\n"
-        "The live verdict and the what-if print once both modes have served enough requests, and again "
-        "at the end. Ctrl-C stops the dashboard, the load, Prometheus and the fleet.",
+        f"  stack:               {stack.log_dir}/stack.json\n" + wrap(tail, indent=""),
         flush=True,
     )
 

@@ -69,6 +69,12 @@ def add_grid_arguments(
         help="trace store: a file, or postgresql://user@host:port/db (default $KVLENS_HOME/traces.db)",
     )
     p.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="also write rows as JSON lines here")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help="print every figure of each row (TTFT mean/p99, TPOT, handoff p99, req/s, CPU outside, each "
+        "round's p50); default: the columns that decide, within 120 characters",
+    )
     p.add_argument("--warmup", type=int, default=2, help="warm-up requests per router before the grid (default 2)")
     p.add_argument("--trace-wait", type=float, default=30.0, help="seconds to wait for a cell's traces (default 30)")
     p.add_argument(
@@ -148,6 +154,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         decode_url=decode_url.rstrip("/") if decode_url else None,
         repeat=args.repeat,
         fresh_stacks=args.fresh_stacks,
+        wide=getattr(args, "wide", False),
     )
 
 

@@ -49,6 +49,7 @@ class BenchOptions:
     fresh_stacks: bool = False  # started stacks: a fresh stack for every round of every mode
     #: ``--link`` specs: started stacks run ``hosts`` with these links (:mod:`kvlens.bench.links`)
     links: Sequence[str] = ()
+    wide: bool = False  # the report's table with every figure (``--wide``), not the 120-column one
 
 
 def parse_list(text: str, kind: type, what: str) -> list:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import textwrap
 from typing import Iterable, Sequence
 
 from kvtrace import benchrows as B
@@ -50,7 +51,32 @@ def _by_round(row: dict, key: str) -> str:
     return "/".join("-" if v is None else f"{v * 1000:.0f}" for v in row.get(key) or [])
 
 
+def _n(row: dict) -> str:
+    """Completed of sent requests: ``8/8``; `` !``: the machine was busy during the cell."""
+    return f"{row['completed']}/{row['completed'] + row['failed']}{' !' if row.get('machine_busy') else ''}"
+
+
+def _tpot(row: dict) -> str:
+    # "untimed": no request's tokens arrived apart (cross-checks say why), not a missing figure
+    return "untimed" if row.get("tpot_mean_s") is None and row.get("tpot_untimed") else _ms(row.get("tpot_mean_s"))
+
+
+#: The default table: the columns that decide, narrow enough for a 120-column terminal with room
+#: for one more short column pair. (header, cell) pairs; a header may have two lines ("a\nb").
 TABLE_COLUMNS = (
+    ("mode", lambda r: r["mode"]),
+    ("dispatch", lambda r: r.get("dispatch") or "-"),
+    ("input", lambda r: str(r["input_len"])),
+    ("QPS", lambda r: f"{r['qps']:g}"),
+    ("TTFT\np50 ms", lambda r: _ms(r.get("ttft_p50_s"))),
+    ("handoff\np50 ms", lambda r: _ms(r.get("handoff_p50_s"))),
+    ("TTFT p50 push/pull\n[95% CI]", lambda r: _ci(r, "ttft_p50_s")),
+    ("handoff p50 push/pull\n[95% CI]", lambda r: _ci(r, "handoff_p50_s")),
+    ("n\nok/sent", _n),
+)
+
+#: ``--wide``: every figure of a row, one header line each.
+WIDE_COLUMNS = (
     ("mode", lambda r: r["mode"]),
     ("dispatch", lambda r: r.get("dispatch") or "-"),
     ("input", lambda r: str(r["input_len"])),
@@ -58,11 +84,7 @@ TABLE_COLUMNS = (
     ("TTFT mean ms", lambda r: _ms(r.get("ttft_mean_s"))),
     ("TTFT p50 ms", lambda r: _ms(r.get("ttft_p50_s"))),
     ("TTFT p99 ms", lambda r: _ms(r.get("ttft_p99_s"))),
-    # "untimed": no request's tokens arrived apart (cross-checks say why), not a missing figure
-    (
-        "TPOT mean ms",
-        lambda r: "untimed" if r.get("tpot_mean_s") is None and r.get("tpot_untimed") else _ms(r.get("tpot_mean_s")),
-    ),
+    ("TPOT mean ms", _tpot),
     ("handoff p50 ms", lambda r: _ms(r.get("handoff_p50_s"))),
     ("handoff p99 ms", lambda r: _ms(r.get("handoff_p99_s"))),
     ("req/s", lambda r: "-" if r.get("req_per_s") is None else f"{r['req_per_s']:.2f}"),
@@ -82,28 +104,54 @@ def _outside(row: dict) -> str:
     return "?" if "cpu_busy" in row else "-"
 
 
-#: Added where rows pool several rounds: how many, and each round's p50 (the spread between rounds).
+#: Added (``--wide``) where rows pool several rounds: how many, and each round's p50 (the spread between rounds).
 ROUND_COLUMNS = (
     ("rounds", lambda r: str(r.get("rounds") or "-")),
     ("TTFT p50 by round ms", lambda r: _by_round(r, "round_ttft_p50_s")),
     ("handoff p50 by round ms", lambda r: _by_round(r, "round_handoff_p50_s")),
 )
 
+#: The width the default output keeps to (a terminal of 120 columns).
+WIDTH = 120
 
-def format_table(rows: Sequence[dict]) -> str:
-    """A plain-text table. Ratios < 1: push is faster; ``[lo-hi]``: the 95 %
-    interval, ``[?]`` not enough data for one."""
+
+def format_table(rows: Sequence[dict], wide: bool = False) -> str:
+    """A plain-text table: :data:`TABLE_COLUMNS`, or with ``wide`` every
+    figure (:data:`WIDE_COLUMNS`, and :data:`ROUND_COLUMNS` where rows pool
+    rounds). Ratios < 1: push is faster; ``[lo-hi]``: the 95 % interval,
+    ``[?]`` not enough data for one."""
     if not rows:
         return "(no rows)"
-    columns = TABLE_COLUMNS + (ROUND_COLUMNS if any((r.get("rounds") or 1) > 1 for r in rows) else ())
-    cells = [[h for h, _ in columns]] + [[f(r) for _, f in columns] for r in sort_rows(rows)]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    lines = []
-    for n, c in enumerate(cells):
-        lines.append("  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(c, widths))))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    columns = TABLE_COLUMNS
+    if wide:
+        columns = WIDE_COLUMNS + (ROUND_COLUMNS if any((r.get("rounds") or 1) > 1 for r in rows) else ())
+    heads = [h.split("\n") for h, _ in columns]
+    depth = max(len(h) for h in heads)
+    heads = [[""] * (depth - len(h)) + h for h in heads]  # a one-line header sits on the last line
+    body = [[f(r) for _, f in columns] for r in sort_rows(rows)]
+    widths = [max(len(x) for x in heads[i] + [c[i] for c in body]) for i in range(len(columns))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(cells, widths))).rstrip()
+
+    lines = [line([h[k] for h in heads]) for k in range(depth)]
+    lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines + [line(c) for c in body])
+
+
+def wrap(line: str, width: int = WIDTH, indent: str = "  ") -> str:
+    """``indent`` + ``line`` wrapped to ``width`` at spaces (never inside a
+    figure such as ``0.68-1.45``); continuation lines indented 4 more. A
+    line's own leading spaces are kept."""
+    lead = indent + " " * (len(line) - len(line.lstrip(" ")))
+    return textwrap.fill(
+        line.strip(),
+        width=width,
+        initial_indent=lead,
+        subsequent_indent=lead + "    ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 #: The metrics that carry intervals, with their names in words.
@@ -244,31 +292,38 @@ def link_lines(rows: Iterable[dict]) -> list[str]:
     return [f"links (measured by the stack's probe): {s}" for s in seen if s]
 
 
-def print_report(run, out=None) -> CrossCheck:
-    """Print the table, findings and cross-checks of a run (a
-    :class:`~kvlens.bench.runner.BenchRun`) to ``out`` (default stdout)."""
-    out = out or sys.stdout
+def report_text(run, cc: CrossCheck | None = None) -> str:
+    """The table, its legend, what it measured and the cross-checks of a run
+    (a :class:`~kvlens.bench.runner.BenchRun`); every line but the table's
+    wrapped to :data:`WIDTH`, the table itself narrow unless ``run.opts.wide``."""
     rows = add_ratios(run.rows)
-    print("\n" + format_table(rows), file=out)
-    print(
+    wide = bool(run.opts and run.opts.wide)
+    out = ["", format_table(rows, wide=wide)]
+    legend = (
         "(times in ms; push/pull < 1: push is faster on that cell; [lo-hi]: its 95% confidence interval, "
-        "[?]: not enough data for one; a side is lower only where the interval excludes 1)",
-        file=out,
+        "[?]: not enough data for one; a side is lower only where the interval excludes 1"
+        + (
+            ""
+            if wide
+            else "; n: completed/sent requests, !: the machine was busy; every figure: --wide, or the rows with --json PATH"
+        )
+        + ")"
     )
-    for line in link_lines(rows):
-        print(line, file=out)
+    out += [wrap(legend, indent="")] + [wrap(x, indent="") for x in link_lines(rows)]
     if run.repeat > 1 and run.interrupted:
         done = max((c.round for c in run.cells), default=0)
-        print(f"(interrupted in round {done} of {run.repeat}: rows pool the rounds that ran)", file=out)
-    print("\nWhat this measured:", file=out)
-    for line in describe(rows) + caveats(rows, run.fresh_stacks, run.started_stacks):
-        print("  " + line, file=out)
-    cc = cross_check(run.cells)
-    print("\nCross-checks:", file=out)
-    for line in cc.lines():
-        print("  " + line, file=out)
+        out.append(f"(interrupted in round {done} of {run.repeat}: rows pool the rounds that ran)")
+    out += ["", "What this measured:"]
+    out += [wrap(x) for x in describe(rows) + caveats(rows, run.fresh_stacks, run.started_stacks)]
+    out += ["", "Cross-checks:"] + [wrap(x) for x in (cc or cross_check(run.cells)).lines()]
     where = f"run {run.run_id}: {len(rows)} rows saved to {run.store}"
     if run.json_path:
         where += f" and {run.json_path}"
-    print("\n" + where, file=out, flush=True)
+    return "\n".join(out + ["", wrap(where, indent="")])
+
+
+def print_report(run, out=None) -> CrossCheck:
+    """Print :func:`report_text` of a run to ``out`` (default stdout)."""
+    cc = cross_check(run.cells)
+    print(report_text(run, cc), file=out or sys.stdout, flush=True)
     return cc

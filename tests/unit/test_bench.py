@@ -151,7 +151,7 @@ def test_table_and_findings():
             _row("push", "sequential", 256, 1.0, 0.101, None, **_ci(0.9, 1.1)),
         ]
     )
-    t = format_table(rows).splitlines()
+    t = format_table(rows, wide=True).splitlines()
     assert t[0].split()[:4] == ["mode", "dispatch", "input", "QPS"]
     assert "TTFT p50 push/pull [95% CI]" in t[0] and "handoff p50 push/pull [95% CI]" in t[0]
     assert "rounds" not in t[0]  # one round: no per-round columns
@@ -197,7 +197,7 @@ def test_rows_without_intervals_get_no_verdict():
     rows = add_ratios([_row("pull", None, 256, 2.0, 0.100, 0.010), _row("push", "overlapped", 256, 2.0, 0.05, 0.02)])
     (cell, *_rest) = describe(rows)
     assert "push/pull 0.50, no interval recorded, so no verdict" in cell and "lower" not in cell
-    body = format_table(rows).splitlines()[2]
+    body = format_table(rows, wide=True).splitlines()[2]
     assert "0.50" in body and "[" not in body
 
 
@@ -482,7 +482,7 @@ def test_row_counts_untimed_and_reports_unknown_with_the_reason():
     assert "all 3 completed requests' tokens reached the client in one read" in row["tpot_note"]
     assert row["tpot_decode_mean_s"] == pytest.approx(0.01) and row["tpot_decode_n"] == 3  # D still measured it
     assert row["tpot_client_vs_decode_rel_diff"] is None
-    assert "untimed" in format_table([row]).splitlines()[2]  # not "-", not 0.0
+    assert "untimed" in format_table([row], wide=True).splitlines()[2]  # not "-", not 0.0
     mixed = untimed[:1] + [_res("f" * 32, ttft=0.05, last=0.20)]
     row = summarize_cell(_cell(mixed, decode=(0.02, 2.0)), opts, "run1", "off")
     assert row["tpot_mean_s"] == pytest.approx(0.01) and row["tpot_untimed"] == 1

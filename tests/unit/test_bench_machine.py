@@ -92,7 +92,7 @@ def test_busy_cells_and_placement_are_said_in_the_report():
     lines = machine_caveats(rows)
     assert any("busy during 1 of 2 rows (push in=256 qps=1)" in x and "0.80 CPU" in x for x in lines), lines
     assert any("Placement not as asked" in x and "worker 7" in x for x in lines), lines
-    table = format_table(rows)
+    table = format_table(rows, wide=True)
     assert "CPU outside" in table and "0.80 !" in table and "0.05" in table
     assert machine_caveats([{**row, "cpu_busy": 1.0, "cpu_stack": None, "cpu_outside": None}])[-1].startswith(
         "The stack's processes are not known"

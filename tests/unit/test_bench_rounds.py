@@ -174,7 +174,7 @@ def test_repeat_runs_abba_and_writes_pooled_rows(tmp_path, tiny_tokenizer_dir): 
     conn.close()
     assert len(saved) == 2 and saved[1]["ttft_p50_push_over_pull_hi"] == p["ttft_p50_push_over_pull_hi"]
     assert [json.loads(x)["rounds"] for x in opts.json_path.read_text().splitlines()] == [3, 3]
-    table = format_table(add_ratios(rows))
+    table = format_table(add_ratios(rows), wide=True)
     assert "TTFT p50 by round ms" in table.splitlines()[0]
 
 
