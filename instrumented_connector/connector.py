@@ -23,8 +23,10 @@ from exporters.pipeline import get_recorder
 from instrumented_connector import hooks, scheduler, worker
 from kvrecord import semconv as sc
 from kvrecord.config import Options
+from instrumented_connector.cputap import CpuRecorder, watch_new_threads
 from instrumented_connector.hooks import NullRecorder
 from kvrecord.logutil import log_once
+from kvrecord.cpuclock import thread_ids
 from kvrecord.recorder import Recorder
 from instrumented_connector.scheduler import (
     InstrumentedNixlPullConnectorScheduler,
@@ -83,15 +85,17 @@ def _attach(connector: NixlBaseConnector, vllm_config, role, mode: str, sched_cl
     """Build the instrumented scheduler / worker for ``role`` (as vLLM's own
     facade does) and connect them to this process's recorder."""
     _warn_disabled()
-    rec = _make_recorder(vllm_config, mode, connector.engine_id)
+    rec = CpuRecorder(_make_recorder(vllm_config, mode, connector.engine_id))
     if role == KVConnectorRole.SCHEDULER:
         connector.connector_scheduler = sched_cls(vllm_config, connector.engine_id, connector.kv_cache_config)
         connector.connector_worker = None
         connector.connector_scheduler._kvl_setup(rec)
     elif role == KVConnectorRole.WORKER:
         connector.connector_scheduler = None
+        before = thread_ids()  # NIXL's agent starts its progress thread in the worker's __init__
         connector.connector_worker = worker_cls(vllm_config, connector.engine_id, connector.kv_cache_config)
         connector.connector_worker._kvl_setup(rec)
+        watch_new_threads(before)
     else:
         raise ValueError(f"Unsupported KVConnectorRole: {role}")
 

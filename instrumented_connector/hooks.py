@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import Final
 
+from kvrecord.cpuclock import CLOCK
 from kvrecord.logutil import log_once
 from kvrecord import semconv as sc
 from kvrecord.semconv import Phase
@@ -121,8 +122,19 @@ def prune(cls: type, base: type, hooks: dict[str, tuple[Phase, ...]]) -> set[Pha
 
 
 # ------------------------------------------------------------ shared helpers
-#: Hooks' clock: wall-clock ns, what the recorder and the store expect.
-now = time.time_ns
+#: Hooks' clock: wall-clock ns, what the recorder and the store expect; where
+#: schedstat can be read, each call also reads the calling thread's CPU
+#: counters (:mod:`kvrecord.cpuclock`: the CPU figures of every phase).
+now = CLOCK.now if CLOCK.enabled else time.time_ns
+
+
+def _no_sample() -> None:
+    pass
+
+
+#: A CPU reading of the calling thread without a timestamp: once per engine
+#: step, so every thread's readings lie close before any phase's start.
+sample = CLOCK.sample if CLOCK.enabled else _no_sample
 
 #: Cap on per-request bookkeeping kept between hooks (entries, not bytes).
 PENDING_CAP = 8192

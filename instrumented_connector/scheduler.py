@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorS
 from instrumented_connector import hooks
 from kvrecord import semconv as sc
 from kvrecord.openhandoffs import table_for
-from instrumented_connector.hooks import TIMEOUT_AT, NullRecorder, Pending, fail, nblocks, now, timeout_attrs
+from instrumented_connector.hooks import TIMEOUT_AT, NullRecorder, Pending, fail, nblocks, now, sample, timeout_attrs
 
 P = sc.Phase
 OP = sc.OpenPhase
@@ -91,6 +91,7 @@ class _SchedulerHooks:
     # arrived in one step's output (finished_recving); the next step that
     # schedules it samples its first token, seen at that step's output.
     def build_connector_meta(self, scheduler_output):
+        sample()  # once per engine step: the EngineCore thread's CPU readings stay dense (kvrecord.cpuclock)
         meta = super().build_connector_meta(scheduler_output)
         loaded = self._kvl_loaded
         if loaded:

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorW
 
 from instrumented_connector import hooks
 from kvrecord import semconv as sc
-from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now, timeout_attrs
+from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now, sample, timeout_attrs
 from kvrecord.ids import base_request_id
 from instrumented_connector.taps import NixlTap as _NixlTap
 from instrumented_connector.healthhooks import PullWorkerHealth, PushWorkerHealth, WorkerHealth
@@ -126,6 +126,7 @@ class _WorkerHooks(WorkerHealth):
         return res
 
     def get_transfer_results(self):
+        sample()  # once per engine step: this thread's CPU readings stay dense (kvrecord.cpuclock)
         results = super().get_transfer_results()
         if results.finished_recving:
             try:

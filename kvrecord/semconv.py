@@ -310,6 +310,30 @@ ATTR_DESCRIPTORS: Final = "kvlens.descriptors"
 ATTR_NIXL_XFER_S: Final = "kvlens.nixl_xfer_s"
 """NIXL's own xferDuration for the request's transfers on this rank, seconds
 (summed; measured by NIXL from each post: the ``*.wire`` phases)."""
+ATTR_CPU_ON_S: Final = "kvlens.cpu.on_s"
+"""Seconds the thread that ended this phase spent on a CPU during it
+(schedstat: :mod:`kvrecord.cpuclock`); absent where unknown (``kvlens.cpu.unknown``)."""
+ATTR_CPU_WAIT_S: Final = "kvlens.cpu.wait_s"
+"""Seconds that thread was runnable but waiting for a CPU during the phase
+(host contention); the rest of the phase (wall - on - wait) it was off-CPU."""
+ATTR_CPU_GAP_S: Final = "kvlens.cpu.gap_s"
+"""How long before the phase's start the thread's start reading was taken
+(a blocked thread's counters do not move; a busy one's include that stretch)."""
+ATTR_CPU_TID: Final = "kvlens.cpu.tid"
+"""The Linux thread id the CPU figures are of (host-local)."""
+ATTR_CPU_UNKNOWN: Final = "kvlens.cpu.unknown"
+"""Why this phase carries no CPU figures (schedstat missing, no reading at its start)."""
+ATTR_CPU_PROGRESS_ON_S: Final = "kvlens.cpu.progress.on_s"
+"""Wire phases: NIXL's UCX progress thread's on-CPU seconds during the phase
+(it spins: on-CPU includes polling; summed over its progress threads)."""
+ATTR_CPU_PROGRESS_WAIT_S: Final = "kvlens.cpu.progress.wait_s"
+"""Wire phases: the progress thread's run-queue wait during the phase, seconds."""
+ATTR_CPU_PROGRESS_SPINS: Final = "kvlens.cpu.progress.spins"
+"""Wire phases: True where the progress thread polls without sleeping (its
+wire time is on-CPU plus off-CPU; only its CPU wait is contention)."""
+ATTR_CPU_PSI_SOME_S: Final = "kvlens.cpu.psi_some_s"
+"""The host's CPU pressure (PSI ``some``) during the phase, seconds: time at
+least one runnable task on the host waited for a CPU."""
 ATTR_MATCH_FIRST: Final = "kvlens.match.first"
 """Which side reached P's writer first: registration | prefill."""
 ATTR_TOKENS: Final = "kvlens.tokens"

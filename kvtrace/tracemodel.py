@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvtrace import kvuse, ranks, store, stuck
+from kvtrace import cpusplit, kvuse, ranks, store, stuck
 from kvtrace.derivedread import d_shift_ns, derived_of  # noqa: F401 (re-exported: the one trace model's API)
 from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
     _DERIVED,
@@ -333,10 +333,22 @@ class Trace:
             "keep": self.keep,
             "open": [o.to_json() for o in self.open],
             "stale": self.stale,
-            "phases_s": dict(self.phases),
+            "phases_s": self.phases_json(),
+            **cpusplit.handoff_cpu(self).to_json(),
+            "wire_progress_cpu_s": cpusplit.wire_progress(self),
             "spans": [s.to_json() for s in self.spans],
             **({"spans_note": NOT_KEPT_NOTE} if self.keep == NOT_KEPT else {}),
         }
+
+    def phases_json(self) -> dict[str, float]:
+        """Each phase's longest duration, seconds: the summary row's recorded
+        phases plus the derived ones the spans allow (``write.wire``,
+        ``read.noticed``, ...: what the waterfall shows)."""
+        out = dict(self.phases)
+        for s in self.spans:
+            if (s.attributes or {}).get(sc.ATTR_DERIVED):
+                out[s.name] = max(out.get(s.name, 0.0), s.duration_s)
+        return out
 
     def ranks_json(self) -> dict[str, Any] | None:
         """Tensor-parallel ranks of the trace (:mod:`kvtrace.ranks`): ranks

@@ -136,6 +136,14 @@ def test_json_form_keys_are_the_cli_contract():
         "open",
         "stale",
         "phases_s",
+        "handoff_cpu_wait_s",
+        "handoff_cpu_on_s",
+        "handoff_cpu_unknown_s",
+        "handoff_off_cpu_s",
+        "phases_cpu_wait_s",
+        "phases_cpu_on_s",
+        "cpu_notes",
+        "wire_progress_cpu_s",
         "spans",
     ]
     assert [list(s) for s in rec["spans"]][0] == [

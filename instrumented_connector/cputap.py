@@ -1,0 +1,113 @@
+"""CPU figures on every recorded phase: the recorder as the hooks see it,
+plus the thread-discovery that finds NIXL's spinning progress thread.
+
+:class:`CpuRecorder` wraps the process's recorder (like
+:class:`~instrumented_connector.taps.RankedRecorder`): a span's event gets,
+for the thread that records it (the thread whose wake-up ends the phase),
+its on-CPU and run-queue wait over the span (``kvlens.cpu.on_s``,
+``kvlens.cpu.wait_s``) from :data:`kvrecord.cpuclock.CLOCK`'s readings; the
+wire phases (``write.complete``, ``read.complete``) also get NIXL's progress
+threads' figures, marked as spinning. Where a figure cannot be had the event
+says why (``kvlens.cpu.unknown``), never 0. Points pass through unchanged.
+
+Cost per span event: a ring walk back to the phase's start (a few entries:
+the thread reads at every hook and once per engine step) and two parses,
+~2-4 µs (benchmarks/bench_recorder.py); failures are logged once and the
+event goes out without figures.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvrecord import cpuclock
+from kvrecord import semconv as sc
+
+from instrumented_connector.hooks import fail
+
+_CLOCK = cpuclock.CLOCK
+_tid = threading.get_native_id
+_WIRE = frozenset({sc.Phase.WRITE_COMPLETE, sc.Phase.READ_COMPLETE, "write.complete", "read.complete"})
+#: Seconds to let NIXL's agent start its threads before sampling them.
+SPIN_SETTLE_S = 2.0
+
+
+class CpuRecorder:
+    """The recorder with CPU figures on span events (module docstring).
+    The hooks hand it fresh attribute dicts (or None)."""
+
+    __slots__ = ("_rec",)
+
+    def __init__(self, rec) -> None:
+        self._rec = rec
+
+    def record(self, phase, request_id, start_ns, end_ns, outcome="ok", attrs=None) -> None:
+        if end_ns > start_ns:
+            try:
+                attrs = figures(phase, start_ns, end_ns, {} if attrs is None else attrs)
+            except Exception:
+                fail("cpu figures")
+        self._rec.record(phase, request_id, start_ns, end_ns, outcome, attrs)
+
+    def point(self, phase, request_id, outcome="ok", attrs=None) -> None:
+        self._rec.point(phase, request_id, outcome, attrs)
+
+    def __getattr__(self, name):
+        return getattr(self._rec, name)
+
+
+def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
+    """``attrs`` with the calling thread's CPU figures over the span (and the
+    progress threads' on a wire phase), or the reason there are none."""
+    clock = _CLOCK
+    if not clock.enabled:
+        attrs[sc.ATTR_CPU_UNKNOWN] = clock.unknown
+        return attrs
+    tid = _tid()
+    w = clock.window(tid, start_ns, end_ns)
+    if w is None:
+        attrs[sc.ATTR_CPU_UNKNOWN] = "no reading of the thread at or before the phase's start"
+    else:
+        attrs[sc.ATTR_CPU_ON_S] = w.on_s
+        attrs[sc.ATTR_CPU_WAIT_S] = w.wait_s
+        attrs[sc.ATTR_CPU_GAP_S] = w.gap_s
+        attrs[sc.ATTR_CPU_TID] = tid
+    if phase in _WIRE and clock.spinners:
+        on = wait = 0.0
+        seen = False
+        for s in clock.spinners:
+            sw = clock.spinner_window(s, start_ns, end_ns)
+            if sw is not None:
+                on, wait, seen = on + sw.on_s, wait + sw.wait_s, True
+        if seen:
+            attrs[sc.ATTR_CPU_PROGRESS_ON_S] = on
+            attrs[sc.ATTR_CPU_PROGRESS_WAIT_S] = wait
+            attrs[sc.ATTR_CPU_PROGRESS_SPINS] = True
+    psi = clock.psi_some_s(start_ns, end_ns)
+    if psi is not None:
+        attrs[sc.ATTR_CPU_PSI_SOME_S] = psi
+    return attrs
+
+
+def watch_new_threads(before: set[int]) -> None:
+    """After a NIXL agent was built: in a short-lived daemon thread, wait
+    :data:`SPIN_SETTLE_S`, then watch the threads born since ``before`` that
+    spin (NIXL's UCX progress thread polls with timeout 0) at every reading.
+    Nothing to do where schedstat cannot be read."""
+    if not _CLOCK.enabled:
+        return
+
+    def run() -> None:
+        try:
+            threading.Event().wait(SPIN_SETTLE_S)
+            new = cpuclock.thread_ids() - before - {_tid()}
+            spin = cpuclock.find_spinners(new)
+            if spin:
+                _CLOCK.watch_spinners(spin | _CLOCK.spinners)
+        except Exception:
+            fail("progress-thread discovery")
+
+    try:
+        threading.Thread(target=run, name="kvlens-spinfind", daemon=True).start()
+    except Exception:
+        fail("progress-thread discovery")

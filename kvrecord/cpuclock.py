@@ -1,0 +1,288 @@
+"""Per-thread CPU accounting at phase boundaries: CPU work, waiting for a
+CPU, and the rest (off-CPU), from the kernel's own counters.
+
+``/proc/<pid>/task/<tid>/schedstat`` (``CONFIG_SCHED_INFO``) holds three
+numbers per thread: ns spent on a CPU, ns spent runnable but waiting on a
+run queue, and the number of times it ran. Both times only grow, and a
+sleeping (blocked) thread moves neither: so between two readings of one
+thread, ``wall - on - wait`` is the time it was blocked (the wire, the peer,
+a lock, an idle queue). ``/proc/pressure/cpu``'s ``some total`` (PSI, µs)
+is the host's time with at least one runnable task waiting.
+
+How kvlens reads them (docs/phases.md, "CPU or wire"):
+
+* :meth:`CpuClock.now` is the hooks' clock: the wall-clock ns the hooks
+  already take, plus a ``pread`` of the calling thread's schedstat, of each
+  watched spinning thread's (NIXL's UCX progress thread) and of PSI, appended
+  raw (bytes, no parsing) to small per-thread rings. ~1-2 µs per call; the
+  files stay open. :meth:`CpuClock.sample` is the same without the time, for
+  once-per-step hooks that keep the rings dense.
+* :meth:`CpuClock.window` turns two readings into ``(on_s, wait_s)`` for one
+  thread over ``[start, end]``: the last reading at or before each end (a
+  sleeping thread's counters do not move, so a reading taken before it went
+  to sleep stands for the start; ``gap_s`` says how far before it was).
+  :meth:`CpuClock.spinner_window` interpolates a spinning thread's counters
+  (they grow with the wall clock) at any instant.
+* Where a file is missing or unreadable (another kernel, a container without
+  ``/proc``), :attr:`CpuClock.unknown` holds the reason, every figure is
+  absent (never 0) and the hooks' clock is the plain wall clock: one warning,
+  serving unaffected.
+
+Nothing here raises into its caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from typing import Iterable, NamedTuple
+
+from kvrecord.logutil import log_once
+
+SCHEDSTAT = "/proc/self/task/{tid}/schedstat"
+PSI_CPU = "/proc/pressure/cpu"
+#: Readings kept per thread: at one per engine step (a few ms) a ring spans
+#: seconds, longer than any phase's start lies back.
+RING = 1024
+#: Threads watched per process at most (fds held open): far above vLLM's.
+MAX_THREADS = 64
+#: A thread is a spinner when it was runnable (on a CPU or waiting for one)
+#: this share of the wall clock while its engine was idle: NIXL's UCX progress
+#: thread polls with timeout 0 (runnable ~100 %); a sleeping one is ~0 %.
+SPIN_SHARE = 0.5
+#: ``0`` turns the readings off (the cost benchmark's baseline); figures are then unknown with this reason.
+ENV = "KVLENS_CPU_ACCOUNTING"
+
+_get_tid = threading.get_native_id
+_time_ns = time.time_ns
+_pread = os.pread
+
+
+class Window(NamedTuple):
+    """One thread's counters over an interval, seconds."""
+
+    on_s: float  # on a CPU
+    wait_s: float  # runnable, waiting for a CPU
+    gap_s: float  # how long before the interval's start the start reading was taken
+
+
+def parse_schedstat(raw: bytes) -> tuple[int, int]:
+    """(on-CPU ns, run-queue wait ns) of one schedstat reading."""
+    a, b, _ = raw.split(None, 2)
+    return int(a), int(b)
+
+
+def parse_psi_some_us(raw: bytes) -> int:
+    """PSI ``some total`` (µs) of one ``/proc/pressure/cpu`` reading."""
+    first = raw.split(b"\n", 1)[0]
+    return int(first.rsplit(b"total=", 1)[1])
+
+
+def probe() -> tuple[str | None, str | None]:
+    """Why per-thread schedstat, and why PSI, cannot be read here (None: they can)."""
+    sched = psi = None
+    try:
+        with open(SCHEDSTAT.format(tid=_get_tid()), "rb") as f:
+            parse_schedstat(f.read())
+    except Exception as e:
+        sched = f"per-thread schedstat unreadable ({SCHEDSTAT.format(tid='<tid>')}: {e}); needs CONFIG_SCHED_INFO"
+    try:
+        with open(PSI_CPU, "rb") as f:
+            parse_psi_some_us(f.read())
+    except Exception as e:
+        psi = f"CPU pressure unreadable ({PSI_CPU}: {e}); needs CONFIG_PSI"
+    return sched, psi
+
+
+class CpuClock:
+    """The hooks' clock with per-thread CPU readings (module docstring).
+
+    One per process (:data:`CLOCK`). Every method may be called from any
+    thread; rings are ``deque``s (appends are atomic under the GIL)."""
+
+    def __init__(self, ring: int = RING) -> None:
+        self._ring = ring
+        self._fds: dict[int, int] = {}  # tid -> fd (-1: unreadable)
+        self.rings: dict[int, collections.deque] = {}  # tid -> (t_ns, raw schedstat)
+        self.psi: collections.deque = collections.deque(maxlen=ring * 2)  # (t_ns, raw PSI)
+        self._spin: tuple[tuple[int, int], ...] = ()  # (tid, fd) of watched spinners
+        self.spinners: frozenset[int] = frozenset()
+        self._psi_fd = -1
+        if os.environ.get(ENV, "1").strip() == "0":
+            self.unknown = self.psi_unknown = f"turned off ({ENV}=0)"
+        else:
+            self.unknown, self.psi_unknown = probe()
+        if self.unknown:
+            log_once("cpuclock", "kvlens: %s; phases carry no CPU figures (shown as unknown)", self.unknown)
+        if self.psi_unknown is None:
+            try:
+                self._psi_fd = os.open(PSI_CPU, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:
+                self.psi_unknown = f"CPU pressure unreadable ({PSI_CPU}: {e})"
+        self.enabled = self.unknown is None
+
+    # ------------------------------------------------------------ hot path
+    def now(self) -> int:
+        """Wall-clock ns, and a reading of this thread, the spinners and PSI."""
+        t = _time_ns()
+        if self.enabled:
+            self.sample(t)
+        return t
+
+    def sample(self, t: int | None = None) -> None:
+        """A reading of the calling thread, the spinners and PSI, stamped ``t`` (now)."""
+        try:
+            tid = _get_tid()
+            fd = self._fds.get(tid)
+            if fd is None:
+                fd = self._open(tid)
+            if t is None:
+                t = _time_ns()
+            if fd >= 0:
+                self.rings[tid].append((t, _pread(fd, 96, 0)))
+            for stid, sfd in self._spin:
+                self.rings[stid].append((t, _pread(sfd, 96, 0)))
+            if self._psi_fd >= 0:
+                self.psi.append((t, _pread(self._psi_fd, 160, 0)))
+        except Exception:
+            self._failed()
+
+    def _open(self, tid: int) -> int:
+        fd = -1
+        if len(self._fds) < MAX_THREADS:
+            try:
+                fd = os.open(SCHEDSTAT.format(tid=tid), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = -1
+            self.rings[tid] = collections.deque(maxlen=self._ring)
+        self._fds[tid] = fd
+        return fd
+
+    def _failed(self) -> None:
+        log_once("cpuclock-read", "kvlens: reading schedstat failed; CPU figures off in this process", exc_info=True)
+        self.enabled = False
+        self.unknown = "schedstat read failed in this process (see its log)"
+
+    # ------------------------------------------------------------ spinners
+    def watch_spinners(self, tids: Iterable[int]) -> None:
+        """Read these threads (NIXL's progress threads) at every sample."""
+        spin = []
+        for tid in tids:
+            fd = self._fds.get(tid)
+            if fd is None:
+                fd = self._open(tid)
+            if fd >= 0:
+                spin.append((tid, fd))
+        self._spin = tuple(spin)
+        self.spinners = frozenset(t for t, _ in spin)
+
+    # ------------------------------------------------------------ reading
+    def window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
+        """``tid``'s on-CPU and run-queue wait over ``[start_ns, end_ns]``:
+        the last readings at or before each end; None without one."""
+        ring = self.rings.get(tid)
+        if not ring:
+            return None
+        r1 = r0 = None
+        for t, raw in reversed(ring):
+            if r1 is None:
+                if t <= end_ns:
+                    r1 = (t, raw)
+                else:
+                    continue
+            if t <= start_ns:
+                r0 = (t, raw)
+                break
+        if r0 is None or r1 is None:
+            return None
+        on0, w0 = parse_schedstat(r0[1])
+        on1, w1 = parse_schedstat(r1[1])
+        return Window((on1 - on0) / 1e9, (w1 - w0) / 1e9, (start_ns - r0[0]) / 1e9)
+
+    def spinner_window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
+        """A spinning thread's counters over ``[start_ns, end_ns]``, each end
+        interpolated between the readings around it (a spinner is always
+        runnable: its counters grow with the wall clock); None where the
+        ring does not hold both ends."""
+        ring = self.rings.get(tid)
+        if not ring:
+            return None
+        a = _interp(ring, start_ns)
+        b = _interp(ring, end_ns)
+        if a is None or b is None:
+            return None
+        return Window(max(b[0] - a[0], 0.0) / 1e9, max(b[1] - a[1], 0.0) / 1e9, 0.0)
+
+    def psi_some_s(self, start_ns: int, end_ns: int) -> float | None:
+        """The host's PSI ``some`` time over ``[start_ns, end_ns]`` (last readings at or before each end)."""
+        r1 = r0 = None
+        for t, raw in reversed(self.psi):
+            if r1 is None:
+                if t <= end_ns:
+                    r1 = raw
+                else:
+                    continue
+            if t <= start_ns:
+                r0 = raw
+                break
+        if r0 is None or r1 is None:
+            return None
+        return (parse_psi_some_us(r1) - parse_psi_some_us(r0)) / 1e6
+
+
+def _interp(ring, t_ns: int) -> tuple[float, float] | None:
+    """Counters (on, wait) at ``t_ns``, linear between the readings around it;
+    None where no reading lies on one side of it."""
+    after = None
+    for t, raw in reversed(ring):
+        if t <= t_ns:
+            on0, w0 = parse_schedstat(raw)
+            if t == t_ns:
+                return float(on0), float(w0)
+            if after is None:
+                return None
+            on1, w1 = parse_schedstat(after[1])
+            f = (t_ns - t) / (after[0] - t)
+            return on0 + f * (on1 - on0), w0 + f * (w1 - w0)
+        after = (t, raw)
+    return None
+
+
+def thread_ids(pid: int | str = "self") -> set[int]:
+    """The thread ids of a process (empty where /proc cannot be read)."""
+    try:
+        return {int(t) for t in os.listdir(f"/proc/{pid}/task")}
+    except OSError:
+        return set()
+
+
+def find_spinners(candidates: Iterable[int], sample_s: float = 0.5) -> set[int]:
+    """Among ``candidates`` (threads of this process), those runnable at
+    least :data:`SPIN_SHARE` of ``sample_s`` (on a CPU or waiting for one):
+    threads that poll instead of sleeping. Blocks ``sample_s``; call it off
+    the engine's threads."""
+
+    def read(tid: int) -> int | None:
+        try:
+            with open(SCHEDSTAT.format(tid=tid), "rb") as f:
+                on, wait = parse_schedstat(f.read())
+            return on + wait
+        except Exception:
+            return None
+
+    before = {t: v for t in candidates if (v := read(t)) is not None}
+    t0 = time.monotonic()
+    time.sleep(sample_s)
+    dt = time.monotonic() - t0
+    out = set()
+    for t, v0 in before.items():
+        v1 = read(t)
+        if v1 is not None and (v1 - v0) / 1e9 >= SPIN_SHARE * dt:
+            out.add(t)
+    return out
+
+
+#: The process's clock (the hooks' ``now``).
+CLOCK = CpuClock()

@@ -1,0 +1,143 @@
+"""CPU or wire: a trace's handoff split into waiting for a CPU, CPU work and
+the rest (docs/phases.md, "CPU or wire").
+
+Every recorded phase with a length carries the CPU figures of the thread
+that ended it (:mod:`kvrecord.cpuclock`, ``kvlens.cpu.on_s`` /
+``kvlens.cpu.wait_s``): the thread whose wake-up the phase waited for. Over
+the handoff's tiling (:func:`kvtrace.tiling.tile`, each ns owned by one
+phase), each phase contributes its figures in proportion to the share of it
+that lies on the critical path; a split part (``write.wire`` /
+``write.noticed`` of ``write.complete``) takes its share of the span it was
+cut from. Derived phases between two processes (``prefill.dispatch``,
+``write.notify``, ``decode.intake``, ...) have no one thread: their time is
+``cpu_unknown_s``, never counted as either.
+
+Pure functions of a :class:`kvtrace.tracemodel.Trace`-like object.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, NamedTuple
+
+from kvrecord import derived as dv
+from kvrecord import semconv as sc
+
+#: split part -> the recorded phase it is cut from (``write.wire`` -> ``write.complete``)
+_PARENT = {p.value: how.split.phase.value for p, how in dv.DERIVED_PHASES.items() if how.split is not None}
+#: Why a derived phase carries no CPU figures.
+DERIVED_NOTE = "a derived phase spans two threads or processes: no one thread's counters"
+#: What the figures are where the thread spins (said wherever they are shown).
+SPIN_NOTE = (
+    "NIXL's UCX progress thread spins (polls with timeout 0): its on-CPU time includes the wait for the wire, "
+    "so only its CPU wait is contention"
+)
+
+
+class PhaseCpu(NamedTuple):
+    """One phase's CPU figures on the critical path (seconds)."""
+
+    on_s: float
+    wait_s: float
+
+
+class HandoffCpu(NamedTuple):
+    """A trace's handoff split (seconds; None where there is no handoff window)."""
+
+    handoff_s: float | None
+    #: waiting for a CPU (host contention), over the phases with figures
+    cpu_wait_s: float | None
+    #: on a CPU (work, or polling where the thread spins), over the phases with figures
+    cpu_on_s: float | None
+    #: critical-path time in phases without figures (derived; unknown), and the tiling's unnamed gaps
+    unknown_s: float | None
+    #: per phase name: its critical-path CPU wait (None: unknown, with the reason in ``notes``)
+    phases_wait_s: dict[str, float | None]
+    phases_on_s: dict[str, float | None]
+    notes: dict[str, str]
+
+    @property
+    def off_cpu_s(self) -> float | None:
+        """The rest: blocked (the wire, the peer, a lock), over the phases with figures."""
+        if self.handoff_s is None or self.cpu_wait_s is None:
+            return None
+        return max(self.handoff_s - self.cpu_wait_s - self.cpu_on_s - (self.unknown_s or 0.0), 0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "handoff_cpu_wait_s": self.cpu_wait_s,
+            "handoff_cpu_on_s": self.cpu_on_s,
+            "handoff_cpu_unknown_s": self.unknown_s,
+            "handoff_off_cpu_s": self.off_cpu_s,
+            "phases_cpu_wait_s": self.phases_wait_s,
+            "phases_cpu_on_s": self.phases_on_s,
+            "cpu_notes": self.notes,
+        }
+
+
+def span_figures(attrs: Mapping[str, Any]) -> PhaseCpu | None:
+    """A recorded span's own figures, or None (unknown)."""
+    on, wait = attrs.get(sc.ATTR_CPU_ON_S), attrs.get(sc.ATTR_CPU_WAIT_S)
+    if isinstance(on, (int, float)) and isinstance(wait, (int, float)):
+        return PhaseCpu(float(on), float(wait))
+    return None
+
+
+def _longest(spans: Iterable[Any]) -> dict[tuple[str | None, str], Any]:
+    """(role, name) -> the longest recorded span (the slowest TP rank's)."""
+    out: dict[tuple[str | None, str], Any] = {}
+    for s in spans:
+        if (s.attributes or {}).get(sc.ATTR_DERIVED):
+            continue
+        k = (s.role, s.name)
+        if k not in out or s.end_ns - s.start_ns > out[k].end_ns - out[k].start_ns:
+            out[k] = s
+    return out
+
+
+def handoff_cpu(trace: Any) -> HandoffCpu:
+    """The split of ``trace``'s handoff (its :meth:`tiling`)."""
+    tiling = trace.tiling()
+    if tiling is None or tiling.handoff_ns <= 0:
+        return HandoffCpu(None, None, None, None, {}, {}, {})
+    rec = _longest(trace.spans)
+    wait = on = unknown = 0.0
+    known = False
+    pw: dict[str, float | None] = {}
+    po: dict[str, float | None] = {}
+    notes: dict[str, str] = {}
+    for (role, name), ns in tiling.phases.items():
+        src = rec.get((role, _PARENT.get(name, name)))
+        fig = span_figures(src.attributes or {}) if src is not None else None
+        if fig is None:
+            unknown += ns / 1e9
+            pw.setdefault(name, None)
+            po.setdefault(name, None)
+            if src is None:
+                notes[name] = DERIVED_NOTE
+            else:
+                notes[name] = str((src.attributes or {}).get(sc.ATTR_CPU_UNKNOWN) or "no CPU figures recorded")
+            continue
+        dur = max(src.end_ns - src.start_ns, 1)
+        share = min(ns / dur, 1.0)
+        w = min(fig.wait_s * share, ns / 1e9)
+        o = min(fig.on_s * share, ns / 1e9 - w)
+        wait, on, known = wait + w, on + o, True
+        pw[name] = (pw.get(name) or 0.0) + w
+        po[name] = (po.get(name) or 0.0) + o
+    unknown += tiling.unattributed_ns / 1e9
+    if any((s.attributes or {}).get(sc.ATTR_CPU_PROGRESS_SPINS) for s in rec.values()):
+        notes["progress thread"] = SPIN_NOTE
+    handoff = tiling.handoff_ns / 1e9
+    if not known:
+        return HandoffCpu(handoff, None, None, unknown, pw, po, notes)
+    return HandoffCpu(handoff, wait, on, unknown, pw, po, notes)
+
+
+def wire_progress(trace: Any) -> dict[str, dict[str, float]]:
+    """Wire phases' progress-thread figures (on, wait), by phase name: informational (:data:`SPIN_NOTE`)."""
+    out = {}
+    for (_role, name), s in _longest(trace.spans).items():
+        a = s.attributes or {}
+        if a.get(sc.ATTR_CPU_PROGRESS_WAIT_S) is not None:
+            out[name] = {"on_s": a.get(sc.ATTR_CPU_PROGRESS_ON_S), "wait_s": a.get(sc.ATTR_CPU_PROGRESS_WAIT_S)}
+    return out

@@ -1,0 +1,164 @@
+"""CPU or wire (issue 41): the per-thread schedstat clock on this kernel, the
+recorder wrapper's figures, and the handoff's split over the tiling."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from instrumented_connector import cputap
+from kvrecord import cpuclock
+from kvrecord import semconv as sc
+from kvtrace import cpusplit
+from kvtrace.tracemodel import Trace
+
+MS = 1_000_000
+T0 = 1_700_000_000 * 10**9
+PF, KV = T0 + 50 * MS, T0 + 70 * MS
+TID = "cd" * 16
+
+needs_schedstat = pytest.mark.skipif(cpuclock.probe()[0] is not None, reason="no per-thread schedstat here")
+
+
+@needs_schedstat
+def test_clock_splits_work_from_sleep_on_this_kernel():
+    clock = cpuclock.CpuClock()
+    t0 = clock.now()
+    x = 0
+    for i in range(300_000):  # on a CPU
+        x += i
+    time.sleep(0.05)  # off a CPU: the counters do not move
+    t1 = clock.now()
+    w = clock.window(threading.get_native_id(), t0, t1)
+    wall = (t1 - t0) / 1e9
+    assert w is not None and w.on_s > 0
+    assert w.on_s + w.wait_s <= wall + 0.001  # closure: on + wait <= wall
+    assert wall - w.on_s - w.wait_s >= 0.045  # the sleep is off-CPU
+    # a reading after the end is not used for it; none before the start: unknown, not 0
+    assert clock.window(threading.get_native_id(), t0 - 10**9, t1) is None
+
+
+@needs_schedstat
+def test_spinner_found_and_interpolated():
+    stop = threading.Event()
+    before = cpuclock.thread_ids()
+    th = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    sleeper = threading.Thread(target=stop.wait, daemon=True)
+    th.start()
+    sleeper.start()
+    try:
+        found = cpuclock.find_spinners(cpuclock.thread_ids() - before, 0.3)
+        assert th.native_id in found and sleeper.native_id not in found
+        clock = cpuclock.CpuClock()
+        clock.watch_spinners(found)
+        a = clock.now()
+        time.sleep(0.1)
+        b = clock.now()
+        time.sleep(0.1)
+        c = clock.now()
+        w = clock.spinner_window(th.native_id, a + (b - a) // 2, c)
+        assert w is not None and 0.1 <= w.on_s + w.wait_s <= 0.2  # runnable all the time (GIL waits count as on-CPU)
+    finally:
+        stop.set()
+        th.join(5)
+        sleeper.join(5)
+
+
+def test_unavailable_is_unknown_with_its_reason(monkeypatch):
+    monkeypatch.setenv(cpuclock.ENV, "0")
+    clock = cpuclock.CpuClock()
+    assert not clock.enabled and "KVLENS_CPU_ACCOUNTING=0" in clock.unknown
+    monkeypatch.setattr(cputap, "_CLOCK", clock)
+    attrs = cputap.figures(sc.Phase.WRITE_POST, T0, T0 + MS, {})
+    assert attrs == {sc.ATTR_CPU_UNKNOWN: clock.unknown}  # no 0s
+
+
+@needs_schedstat
+def test_recorder_wrapper_puts_figures_on_spans_only(monkeypatch):
+    got = []
+
+    class Sink:
+        role = "prefill"
+
+        def record(self, *a):
+            got.append(a)
+
+        def point(self, *a):
+            got.append(a)
+
+    clock = cpuclock.CpuClock()
+    monkeypatch.setattr(cputap, "_CLOCK", clock)
+    rec = cputap.CpuRecorder(Sink())
+    t0 = clock.now()
+    time.sleep(0.01)
+    t1 = clock.now()
+    rec.record(sc.Phase.WRITE_POST, "r1", t0, t1, "ok", None)
+    rec.point(sc.Phase.KV_READY, "r1", "ok", None)
+    attrs = got[0][5]
+    assert attrs[sc.ATTR_CPU_TID] == threading.get_native_id()
+    assert attrs[sc.ATTR_CPU_ON_S] + attrs[sc.ATTR_CPU_WAIT_S] <= (t1 - t0) / 1e9 + 0.001
+    assert got[1][3] is None and rec.role == "prefill"  # points untouched; everything else delegated
+    assert os.environ.get(cpuclock.ENV, "1") != "0"
+
+
+def _span(name, role, start, end, **attrs):
+    return {"name": name, "role": role, "start_ns": start, "end_ns": end, "outcome": "ok", "attributes": attrs}
+
+
+def _trace(spans):
+    summary = {
+        "trace_id": TID,
+        "request_id": TID,
+        "mode": "push",
+        "outcome": "ok",
+        "start_ns": T0,
+        "end_ns": T0 + 100 * MS,
+        "prefill_finished_ns": PF,
+        "kv_ready_ns": KV,
+        "handoff_s": (KV - PF) / 1e9,
+        "n_spans": len(spans),
+    }
+    return Trace.from_rows(summary, spans)
+
+
+def test_handoff_split_over_the_tiling():
+    cpu = {sc.ATTR_CPU_ON_S: 0.001, sc.ATTR_CPU_WAIT_S: 0.004}
+    wire = {sc.ATTR_CPU_ON_S: 0.002, sc.ATTR_CPU_WAIT_S: 0.006, sc.ATTR_NIXL_XFER_S: 0.005}
+    wire |= {sc.ATTR_CPU_PROGRESS_ON_S: 0.009, sc.ATTR_CPU_PROGRESS_WAIT_S: 0.001, sc.ATTR_CPU_PROGRESS_SPINS: True}
+    tr = _trace(
+        [
+            _span("prefill.finished", "prefill", PF, PF),
+            _span("write.post", "prefill", PF, PF + 8 * MS, **cpu),  # the last 3 ms lie under nothing else
+            _span("write.complete", "prefill", PF + 8 * MS, PF + 18 * MS, **wire),
+            _span("kv.ready", "decode", KV, KV),
+        ]
+    )
+    h = cpusplit.handoff_cpu(tr)
+    assert h.handoff_s == pytest.approx(0.020)
+    # write.post whole (8 ms: 4 ms wait); write.wire 5 ms + write.noticed 5 ms share write.complete's 6 ms wait
+    assert h.cpu_wait_s == pytest.approx(0.004 + 0.006)
+    assert h.cpu_on_s == pytest.approx(0.001 + 0.002)
+    assert h.phases_wait_s["write.wire"] == pytest.approx(0.003)
+    assert h.unknown_s == pytest.approx(0.002)  # write.notify: derived across processes, or unnamed
+    assert h.off_cpu_s == pytest.approx(0.020 - 0.010 - 0.003 - 0.002)
+    assert "progress thread" in h.notes
+    j = tr.to_json()
+    assert j["handoff_cpu_wait_s"] == pytest.approx(0.010)
+    assert j["phases_s"]["write.wire"] == pytest.approx(0.005)  # derived phases in phases_s
+    assert j["wire_progress_cpu_s"]["write.complete"]["wait_s"] == 0.001
+
+
+def test_no_figures_is_unknown_not_zero():
+    tr = _trace(
+        [
+            _span("prefill.finished", "prefill", PF, PF),
+            _span("write.post", "prefill", PF, KV, **{sc.ATTR_CPU_UNKNOWN: "turned off"}),
+            _span("kv.ready", "decode", KV, KV),
+        ]
+    )
+    h = cpusplit.handoff_cpu(tr)
+    assert h.cpu_wait_s is None and h.cpu_on_s is None and h.off_cpu_s is None
+    assert h.phases_wait_s["write.post"] is None and h.notes["write.post"] == "turned off"
