@@ -36,6 +36,19 @@ Every comparison is constant time (:func:`hmac.compare_digest`).
 
 ``/_stcore/health`` stays open (it answers ``ok`` and nothing else) for
 load balancers and ``kvlens dashboard``'s own readiness check.
+
+Where a sign-in goes back to (the form's ``next``, the ``?token=`` URL
+without its token) is a path on this site or ``/`` (:func:`safe_next`): a
+browser strips tabs and newlines from a URL, so ``/<TAB>/evil.example/``
+would take it to ``//evil.example/``, another site.
+
+Guessing is slowed (:class:`SignInBackoff`): a wrong token in the form, in
+``?token=`` or in ``Authorization`` counts against the client's address;
+after :data:`BACKOFF_FREE` of them, each further attempt from that address
+gets 429 with ``Retry-After`` (2 s, doubling per failure, at most
+:data:`BACKOFF_MAX_S`) and its token is not compared. A valid session
+cookie still passes (it is not guessable). The key is the address the
+server sees: behind a reverse proxy every user shares the proxy's.
 """
 
 from __future__ import annotations
@@ -44,8 +57,11 @@ import hashlib
 import hmac
 import html
 import json
-from typing import Any
-from urllib.parse import parse_qsl, urlencode
+import math
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 #: Paths served without a token: Streamlit's liveness probe (answers "ok").
 EXEMPT = frozenset({"/_stcore/health"})
@@ -58,6 +74,15 @@ COOKIE = "kvlens_session"
 #: A login form body larger than this is refused (a token is < 1 KiB).
 MAX_FORM_BYTES = 8 * 1024
 _LABEL = b"kvlens dashboard session v1"
+#: Wrong tokens one client address may send before it must wait (:class:`SignInBackoff`).
+BACKOFF_FREE = 5
+#: The first wait after :data:`BACKOFF_FREE` failures; it doubles per further failure, up to :data:`BACKOFF_MAX_S`.
+BACKOFF_FIRST_S = 2.0
+BACKOFF_MAX_S = 300.0
+#: A client's failures are forgotten after this long without one (longer than the longest wait).
+BACKOFF_FORGET_S = 600.0
+#: Client addresses remembered at most (the least recently failing one is dropped first).
+BACKOFF_CLIENTS = 4096
 
 
 def session_value(token: bytes) -> str:
@@ -90,12 +115,78 @@ def _bearer(header: bytes | None) -> bytes | None:
     return given.strip() if scheme.lower() == b"bearer" else None
 
 
-def _safe_next(target: str | None) -> str:
-    """A same-site path to go back to after login: absolute path only (no
-    scheme, no ``//host``: no open redirect), else ``/``."""
-    if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
+def safe_next(target: str | None) -> str:
+    """Where to send a browser after it signed in: ``target`` when it is a
+    path on this site, else ``/``. A path means: it starts with one ``/``,
+    holds no character below 0x21 and no DEL (browsers strip tabs and
+    newlines from URLs, so ``/<TAB>/evil.example`` would become
+    ``//evil.example``, another host) and no ``\\`` (browsers read it as
+    ``/``), and once a browser's stripping is applied (tab, CR, LF removed)
+    :func:`urllib.parse.urlsplit` finds no scheme and no host in it."""
+    if not target or not target.startswith("/"):
+        return "/"
+    if "\\" in target or any(ord(c) < 0x21 or ord(c) == 0x7F for c in target):
+        return "/"
+    stripped = target.replace("\t", "").replace("\r", "").replace("\n", "")
+    if stripped.startswith("//"):  # scheme-relative: another host, whatever urlsplit says of ///x
+        return "/"
+    parts = urlsplit(stripped)
+    if parts.scheme or parts.netloc:
         return "/"
     return target
+
+
+class SignInBackoff:
+    """Wrong tokens per client address (module docstring): after ``free``
+    failures, each further one makes that address wait ``first_s`` seconds,
+    doubling, at most ``max_s``; a client without a failure for ``forget_s``
+    starts afresh, and a correct token clears it. At most ``max_clients``
+    addresses are kept (least recently failing dropped first), so a flood of
+    addresses cannot grow it. Event loop only (Streamlit's server has one)."""
+
+    def __init__(
+        self,
+        free: int = BACKOFF_FREE,
+        first_s: float = BACKOFF_FIRST_S,
+        max_s: float = BACKOFF_MAX_S,
+        forget_s: float = BACKOFF_FORGET_S,
+        max_clients: int = BACKOFF_CLIENTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.free, self.first_s, self.max_s, self.forget_s = free, first_s, max_s, forget_s
+        self.max_clients, self.clock = max_clients, clock
+        self._seen: OrderedDict[str, list[float]] = OrderedDict()  # client -> [failures, last failure, wait until]
+
+    def wait(self, client: str) -> float:
+        """Seconds ``client`` must still wait before a token of it is compared (0: none)."""
+        e = self._seen.get(client)
+        return 0.0 if e is None else max(0.0, e[2] - self.clock())
+
+    def failed(self, client: str) -> None:
+        """One wrong token from ``client``."""
+        now = self.clock()
+        e = self._seen.get(client)
+        if e is None or now - e[1] >= self.forget_s:
+            e = self._seen[client] = [0, now, now]
+        e[0] += 1
+        e[1] = now
+        if e[0] >= self.free:
+            e[2] = now + min(self.max_s, self.first_s * 2 ** min(e[0] - self.free, 32))
+        self._seen.move_to_end(client)
+        while len(self._seen) > self.max_clients:
+            self._seen.popitem(last=False)
+
+    def succeeded(self, client: str) -> None:
+        """``client`` gave the right token: its failures are forgotten."""
+        self._seen.pop(client, None)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+def _client(scope: dict) -> str:
+    c = scope.get("client")
+    return str(c[0]) if c else "?"
 
 
 def _login_page(next_path: str, problem: str | None) -> bytes:
@@ -120,20 +211,28 @@ class TokenGate:
     session cookie; everything else gets 401 (a login page for a browser, a
     JSON body otherwise; a websocket is closed before it is accepted, which
     the server answers 403). Handles :data:`LOGIN_PATH`, :data:`LOGOUT_PATH`
-    and ``?token=`` itself (module docstring). ``token=None`` passes
-    everything through untouched (loopback, or ``--insecure``)."""
+    and ``?token=`` itself (module docstring). A client address that sent
+    too many wrong tokens gets 429 (``backoff``, :class:`SignInBackoff`).
+    ``token=None`` passes everything through untouched (loopback, or
+    ``--insecure``)."""
 
-    def __init__(self, app: Any, token: bytes | None = None) -> None:
+    def __init__(self, app: Any, token: bytes | None = None, backoff: SignInBackoff | None = None) -> None:
         self.app = app
         self.token = token
         self.session = session_value(token) if token else None
+        self.backoff = backoff if backoff is not None else SignInBackoff()
 
-    def _allowed(self, scope: dict) -> bool:
-        given = _bearer(_header(scope, b"authorization"))
-        if given is not None and hmac.compare_digest(given, self.token):
-            return True
+    def _session_ok(self, scope: dict) -> bool:
         cookie = _cookie(scope, COOKIE)
         return cookie is not None and hmac.compare_digest(cookie.encode("latin-1"), self.session.encode())
+
+    def _token_ok(self, scope: dict, given: bytes) -> bool:
+        """Compare a token the client sent (the caller checked the backoff); count the result."""
+        if hmac.compare_digest(given, self.token):
+            self.backoff.succeeded(_client(scope))
+            return True
+        self.backoff.failed(_client(scope))
+        return False
 
     def _set_cookie(self, scope: dict) -> tuple[bytes, bytes]:
         secure = "; Secure" if scope.get("scheme") in ("https", "wss") else ""
@@ -160,26 +259,39 @@ class TokenGate:
         if kind == "http" and any(k == "token" for k, _ in params):
             await self._token_in_url(scope, send, path, params)
             return
-        if self._allowed(scope):
+        if self._session_ok(scope):
+            await self.app(scope, receive, send)
+            return
+        given = _bearer(_header(scope, b"authorization"))
+        wait = self.backoff.wait(_client(scope)) if given is not None else 0.0
+        if given is not None and not wait and self._token_ok(scope, given):
             await self.app(scope, receive, send)
             return
         if kind == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
+        if wait:
+            await self._too_many(scope, send, "/", wait)
+            return
         await self._refuse(scope, send, path + (f"?{query}" if query else ""), None)
 
     async def _token_in_url(self, scope: dict, send, path: str, params: list[tuple[str, str]]) -> None:
-        """``?token=``: the cookie and a redirect to the URL without it, or 401."""
+        """``?token=``: the cookie and a redirect to the URL without it (a
+        path on this site: :func:`safe_next`), or 401 (429 while the client waits)."""
         given = next(v for k, v in params if k == "token").encode("utf-8", "replace")
         rest = [(k, v) for k, v in params if k != "token"]
-        target = path + (f"?{urlencode(rest)}" if rest else "")
-        if hmac.compare_digest(given, self.token):
+        target = safe_next(path + (f"?{urlencode(rest)}" if rest else ""))
+        wait = self.backoff.wait(_client(scope))
+        if wait:
+            await self._too_many(scope, send, target, wait)
+        elif self._token_ok(scope, given):
             await _redirect(send, target, [self._set_cookie(scope)])
         else:
             await self._refuse(scope, send, target, "That token is not this dashboard's.")
 
     async def _login(self, scope: dict, receive, send) -> None:
-        """POST of the login form: the cookie and a redirect, or the form again with 401."""
+        """POST of the login form: the cookie and a redirect, or the form
+        again with 401 (429 while the client waits)."""
         if scope.get("method") != "POST":
             await self._refuse(scope, send, "/", None)
             return
@@ -195,22 +307,33 @@ class TokenGate:
                 await _respond(send, 413, b"login form too large", b"text/plain; charset=utf-8")
                 return
         form = dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
-        target = _safe_next(form.get("next"))
+        target = safe_next(form.get("next"))
         given = form.get("token", "").strip().encode("utf-8", "replace")
-        if given and hmac.compare_digest(given, self.token):
+        wait = self.backoff.wait(_client(scope))
+        if wait:
+            await self._too_many(scope, send, target, wait)
+        elif given and self._token_ok(scope, given):
             await _redirect(send, target, [self._set_cookie(scope)])
         else:
             await self._refuse(scope, send, target, "That token is not this dashboard's.")
 
-    async def _refuse(self, scope: dict, send, next_path: str, problem: str | None) -> None:
+    async def _too_many(self, scope: dict, send, next_path: str, wait: float) -> None:
+        """429 with ``Retry-After``: the client sent too many wrong tokens; nothing was compared."""
+        secs = max(1, math.ceil(wait))
+        problem = f"Too many wrong tokens from this address: try again in {secs} s."
+        await self._refuse(scope, send, next_path, problem, 429, [(b"retry-after", str(secs).encode())])
+
+    async def _refuse(
+        self, scope: dict, send, next_path: str, problem: str | None, status: int = 401, more: list | None = None
+    ) -> None:
         accept = (_header(scope, b"accept") or b"").decode("latin-1")
-        extra = [(b"www-authenticate", b'Bearer realm="kvlens dashboard"')]
+        extra = [(b"www-authenticate", b'Bearer realm="kvlens dashboard"'), *(more or [])]
         if "text/html" in accept:
-            body = _login_page(_safe_next(next_path), problem)
-            await _respond(send, 401, body, b"text/html; charset=utf-8", extra)
+            body = _login_page(safe_next(next_path), problem)
+            await _respond(send, status, body, b"text/html; charset=utf-8", extra)
             return
         msg = problem or "unauthorized: send Authorization: Bearer TOKEN, or sign in from a browser"
-        await _respond(send, 401, json.dumps({"error": msg}).encode(), b"application/json", extra)
+        await _respond(send, status, json.dumps({"error": msg}).encode(), b"application/json", extra)
 
 
 async def _respond(send, status: int, body: bytes, ctype: bytes, extra: list | None = None) -> None:

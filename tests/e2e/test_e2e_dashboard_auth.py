@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -103,6 +104,25 @@ def test_a_browser_signs_in_to_the_dashboard(tmp_path, browser):  # noqa: F811
         assert TOKEN not in page.url and "token=" not in page.url
         assert "Traceback" not in page.inner_text("body")
         ctx.close()
+
+        # no open redirect (issue 42, item 1): a page whose path Chromium would read as another host once
+        # it strips the tab (/<TAB>/evil.example/ -> //evil.example/), signed into with the form and with
+        # ?token=: Chromium stays on the dashboard
+        for how in ("form", "link"):
+            ctx = browser.new_context(ignore_https_errors=True, viewport={"width": 1400, "height": 1000})
+            page = ctx.new_page()
+            seen = []
+            page.on("request", lambda req: seen.append(req.url))
+            if how == "form":
+                page.goto(url + "/%09/evil.example/", wait_until="domcontentloaded")
+                page.fill("input[name=token]", TOKEN)
+                page.click("input[type=submit]")
+            else:
+                page.goto(f"{url}/%09/evil.example/?token={TOKEN}", wait_until="domcontentloaded")
+            page.get_by_text("Overview: push vs pull, live").wait_for(timeout=60_000)
+            assert page.url.startswith(url + "/") and "evil" not in page.url, (how, page.url)
+            assert not [u for u in seen if urlsplit(u).hostname == "evil.example"], (how, seen)
+            ctx.close()
     finally:
         kids |= descendants(proc.pid)
         proc.send_signal(signal.SIGTERM)

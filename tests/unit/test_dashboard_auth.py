@@ -201,7 +201,7 @@ def dashboard(tmp_path):
         log.close()
 
 
-def _ws(url: str, ctx: ssl.SSLContext, headers: dict) -> tuple[int, str | None]:
+def _ws(url: str, ctx: ssl.SSLContext, headers: dict, source: str | None = None) -> tuple[int, str | None]:
     """Ask for Streamlit's websocket (the upgrade request a browser sends, over TLS):
     the answer's status (101: upgraded) and its subprotocol. A plain socket with a
     timeout, not a websocket client: websockets 17.4's sync client over TLS can hang
@@ -215,7 +215,7 @@ def _ws(url: str, ctx: ssl.SSLContext, headers: dict) -> tuple[int, str | None]:
         "Sec-WebSocket-Protocol: streamlit", f"Origin: {url}",  # Streamlit checks the Origin against its address
         *(f"{k}: {v}" for k, v in headers.items()),
     ]  # fmt: skip
-    with socket.create_connection((host, int(port)), timeout=20) as raw:
+    with socket.create_connection((host, int(port)), timeout=20, source_address=(source, 0) if source else None) as raw:
         with ctx.wrap_socket(raw, server_hostname=host) as s:
             s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
             head = b""
@@ -246,8 +246,19 @@ def test_kvlens_dashboard_serves_nothing_without_its_token(dashboard):
     assert _ws(url, ctx, {"Cookie": f"{COOKIE}=bad"})[0] == 403
     assert _ws(url, ctx, {"Authorization": "Bearer wrong"})[0] == 403
 
-    # the right token: a browser's way in (?token= once, then the cookie), and a script's (the header)
+    # six wrong tokens from this address (issue 42, item 10): it must wait now, even with the right one
     with httpx.Client(base_url=url, verify=ctx, timeout=20, trust_env=False) as c:
+        r = c.get(f"/?token={TOKEN}", follow_redirects=False)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1 and "set-cookie" not in r.headers
+
+    # the right token, from another address: a browser's way in (?token= once, then the cookie), and a
+    # script's (the header)
+    other = httpx.HTTPTransport(verify=ctx, local_address="127.0.0.2")
+    with httpx.Client(base_url=url, transport=other, timeout=20, trust_env=False) as c:
+        # a link whose path a browser would turn into another host (tab stripped: //evil.example/): "/" instead
+        r = c.get(f"/%09/evil.example/?token={TOKEN}", follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/"
+        c.cookies.clear()
         r = c.get(f"/?token={TOKEN}", follow_redirects=False)
         assert r.status_code == 303 and r.headers["location"] == "/" and "Secure" in r.headers["set-cookie"]
         page = c.get("/")
@@ -256,7 +267,8 @@ def test_kvlens_dashboard_serves_nothing_without_its_token(dashboard):
         assert c.get(script[1:]).status_code == 200
         cookie = c.cookies[COOKIE]
     assert _ws(url, ctx, {"Cookie": f"{COOKIE}={cookie}"}) == (101, "streamlit")
-    assert _ws(url, ctx, {"Authorization": f"Bearer {TOKEN}"}) == (101, "streamlit")
+    assert _ws(url, ctx, {"Authorization": f"Bearer {TOKEN}"}, source="127.0.0.2") == (101, "streamlit")
+    assert _ws(url, ctx, {"Authorization": f"Bearer {TOKEN}"})[0] == 403  # this address still waits
     log.seek(0)
     out = log.read()
     assert f"kvlens dashboard: https://localhost:{url.rsplit(':', 1)[1]}" in out and "token required, TLS" in out
