@@ -65,7 +65,7 @@ def probe_router(url: str, api_key: str | None = None) -> RouterInfo:
     if not url.startswith(("http://", "https://")):
         raise BenchError(f"--proxy must be an http(s) URL, got {url!r}")
     try:
-        status, health = _get_json(url + "/health")
+        status, health = _get_json(url + "/health", api_key=api_key)  # the mode is a detail: the read role
     except httpx.HTTPError as e:
         raise BenchError(f"router at {url} is unreachable ({type(e).__name__}: {e})") from None
     if status != 200:

@@ -42,7 +42,9 @@ from kvlens.proxy.config import MODES, ProxyConfig
 from kvlens.proxy.dispatch import dispatcher
 from kvlens.proxy.errors import Upstream, from_http_error
 from kvlens.proxy.exchange import Exchange
-from kvlens.proxy.intake import ClientAuth, Refused, check_fields, parse_object, read_limited
+from kvlens.auth import DETAILS_SCOPE_KEY
+from kvlens.origin import OTLP_TYPES, SameSiteGuard
+from kvlens.proxy.intake import TRACES_PATH, ClientAuth, Refused, check_fields, parse_object, read_limited
 from kvlens.proxy.isolation import TraceIds
 from kvlens.proxy.split import Split, push_of_pull
 from kvlens.proxy.telemetry import RouterTelemetry
@@ -51,6 +53,9 @@ logger = logging.getLogger("kvlens.proxy")
 
 #: Request header naming the mode a request goes by (no draw).
 MODE_HEADER = "x-kvlens-mode"
+#: How long (s) ``/health`` reuses P's and D's answers, and its pool's connections.
+HEALTH_CACHE_S = 1.0
+HEALTH_POOL = 4
 
 
 class ClientGone(Exception):
@@ -101,6 +106,10 @@ class Router:
         self.split = Split(cfg.split if cfg.mixed else (1.0 if cfg.modes == ("push",) else 0.0), cfg.split_seed)
         self.ids = TraceIds(cfg.reuse_window_s)
         self.client: httpx.AsyncClient | None = None
+        #: ``/health``'s own pool, and its cached answer: (monotonic time, (ok, P states, D states))
+        self.health_client: httpx.AsyncClient | None = None
+        self._health: tuple[float, tuple[bool, list[str], list[str]]] | None = None
+        self._health_lock: asyncio.Lock | None = None
         self.tel: RouterTelemetry | None = None
         self._model: str | None = None
         self._model_warned = False
@@ -112,11 +121,18 @@ class Router:
             limits=httpx.Limits(max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections),
             trust_env=False,
         )
+        self.health_client = httpx.AsyncClient(
+            timeout=httpx.Timeout(5.0, connect=min(5.0, cfg.connect_timeout_s)),
+            limits=httpx.Limits(max_connections=HEALTH_POOL, max_keepalive_connections=HEALTH_POOL),
+            trust_env=False,
+        )
+        self._health_lock = asyncio.Lock()
         self.tel = RouterTelemetry(cfg)
 
     async def close(self) -> None:
         try:
             await self.client.aclose()
+            await self.health_client.aclose()
         finally:
             self.tel.close()
 
@@ -128,7 +144,7 @@ class Router:
         as it came (P and D may have a key the router does not know)."""
         if self.cfg.api_key:
             return f"Bearer {self.cfg.api_key}"
-        if self.cfg.token:
+        if self.cfg.any_token:
             return None
         return request.headers.get("authorization") if request is not None else None
 
@@ -158,30 +174,27 @@ class Router:
                 return None
         return self._model
 
-    async def health(self) -> Response:
+    async def health(self, details: bool) -> Response:
         """200 when every P and every D answers its ``/health`` with 200, else
-        503. Each instance is named by engine id, never by URL (``/health``
-        needs no key: clients must not learn the instances' addresses)."""
-
-        async def one(url: str) -> str:
-            try:
-                r = await self.client.get(url + "/health", timeout=5, headers=self._auth_headers(None))
-                return "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
-            except httpx.HTTPError as e:
-                return f"{type(e).__name__}"
-
+        503. ``details`` (the read role proved, :class:`ClientAuth`): each
+        instance named by engine id, never by URL, the modes, dispatch and
+        split; else ``{"status": ...}`` alone. The instances' answers are
+        cached :data:`HEALTH_CACHE_S` and asked on a pool of their own
+        (:data:`HEALTH_POOL` connections, never the serving pool), one fan-out
+        at a time: a burst of probes costs P and D one GET each per second."""
+        ok, p_got, d_got = await self._instance_states()
+        status = "ok" if ok else "unhealthy"
+        if not details:
+            return JSONResponse({"status": status}, status_code=200 if ok else 503)
         cfg = self.cfg
         ps, ds = cfg.prefills, cfg.decodes
-        got = await asyncio.gather(*(one(x.url) for x in [*ps, *ds]))
-        p_got, d_got = got[: len(ps)], got[len(ps) :]
 
         def side(states: list[str]) -> str:  # "ok", or the first problem
             return next((s for s in states if s != "ok"), "ok")
 
-        ok = all(s == "ok" for s in got)
         return JSONResponse(
             {
-                "status": "ok" if ok else "unhealthy",
+                "status": status,
                 "prefill": side(p_got),
                 "decode": side(d_got),
                 "instances": {
@@ -198,6 +211,26 @@ class Router:
             },
             status_code=200 if ok else 503,
         )
+
+    async def _instance_states(self) -> tuple[bool, list[str], list[str]]:
+        """(all ok, P states, D states), from the cache when younger than :data:`HEALTH_CACHE_S`."""
+
+        async def one(url: str) -> str:
+            try:
+                r = await self.health_client.get(url + "/health", headers=self._auth_headers(None))
+                return "ok" if r.status_code == 200 else f"HTTP {r.status_code}"
+            except httpx.HTTPError as e:
+                return f"{type(e).__name__}"
+
+        async with self._health_lock:
+            cached = self._health
+            if cached is not None and time.monotonic() - cached[0] < HEALTH_CACHE_S:
+                return cached[1]
+            ps, ds = self.cfg.prefills, self.cfg.decodes
+            got = await asyncio.gather(*(one(x.url) for x in [*ps, *ds]))
+            state = (all(s == "ok" for s in got), list(got[: len(ps)]), list(got[len(ps) :]))
+            self._health = (time.monotonic(), state)
+            return state
 
     async def models(self, request: Request) -> Response:
         try:
@@ -355,8 +388,18 @@ def create_app(config: ProxyConfig) -> FastAPI:
 
     app = FastAPI(title="kvlens proxy", lifespan=lifespan)
     app.state.kvlens_config = config
-    if config.client_key:  # every route but /health, the receiver and /metrics included
-        app.add_middleware(ClientAuth, key=config.client_key)
+    # every route but /health, the receiver and /metrics included; then, outermost, the Host /
+    # Origin / Content-Type guard (kvlens.origin: no cross-site POST, no DNS rebinding)
+    app.add_middleware(ClientAuth, security=config.security(), api_key=config.api_key)
+    app.add_middleware(
+        SameSiteGuard,
+        bind_host=config.bind_host,
+        allowed_hosts=config.allowed_hosts,
+        post_types={TRACES_PATH: OTLP_TYPES},
+        body=lambda status, msg: (
+            Refused(status, msg, kind="forbidden" if status == 403 else "invalid_request_error").response(None).body
+        ),
+    )
     if ingest is not None:
         from exporters.collector.app import mount_receiver
         from prometheus_client import REGISTRY
@@ -370,8 +413,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
         logger.warning("kvlens proxy: /metrics unavailable", exc_info=True)
 
     @app.get("/health")
-    async def health() -> Response:
-        return await router.health()
+    async def health(request: Request) -> Response:
+        return await router.health(bool(request.scope.get(DETAILS_SCOPE_KEY, False)))
 
     @app.api_route("/admin/split", methods=["GET", "POST"])
     async def admin_split(request: Request) -> Response:

@@ -25,7 +25,7 @@ import os
 import sys
 import urllib.parse
 
-from kvlens import auth
+from kvlens import auth, origin
 from kvlens.argtypes import add_keep_arguments, keep_rule, positive
 from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SPLIT, MODES, Decode, Prefill, ProxyConfig
 from kvlens.proxy.split import parse_split
@@ -182,12 +182,10 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         help=f"largest request body accepted, MiB (default {DEFAULT_MAX_BODY_BYTES // MIB}); "
         "larger ones get 413 without being read",
     )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="the API key P and D require (vLLM's --api-key): sent to them; without a token, also what "
-        f"clients must send (default: ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else none; "
-        "a flag shows in ps, the variables do not)",
+    add_api_key_arguments(
+        p,
+        "the API key P and D require (vLLM's --api-key): sent to them; also what clients must send on "
+        "/v1/* and may send on /metrics (never /admin/* or /v1/traces)",
     )
     p.add_argument("--no-telemetry", action="store_true", help="serve without recording spans")
     p.add_argument(
@@ -213,19 +211,67 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         "are written (default: keep all)",
     )
     add_keep_arguments(p)
-    auth.add_arguments(p)
+    auth.add_arguments(p, roles=auth.ROLES)
+    origin.add_arguments(p)
     p.epilog = (
-        f"With a token (${auth.TOKEN_ENV} or --token-file), or else an API key, every route but /health "
-        "needs 'Authorization: Bearer ...': /v1/*, /metrics (Prometheus: authorization: {credentials_file: "
-        "PATH} in the scrape job) and, with --collect, POST /v1/traces. The token is never sent to P or D."
+        f"Credentials by role: /v1/* takes the token (${auth.TOKEN_ENV} or --token-file) or the API key; "
+        "/metrics and /health's details the read token, the token or the API key (Prometheus: "
+        "authorization: {credentials_file: PATH} in the scrape job); POST /admin/split the admin token or "
+        "the token; with --collect, POST /v1/traces the ingest token or the token (never the API key). "
+        "/health without one says only ok. No token is ever sent to P or D. POST bodies must be "
+        "application/json (OTLP's application/x-protobuf on /v1/traces), and the Host a loopback name, "
+        "the bind address or an --allowed-host."
     )
 
 
+def add_api_key_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """``--api-key-file`` and the deprecated ``--api-key`` (``kvlens proxy``, ``up``, ``bench``)."""
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help=f"file holding the API key: {what} (default: ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else none)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"the API key as a flag value: ps shows it to every user of the host (a warning says so); "
+        f"prefer --api-key-file or ${API_KEY_ENV[0]}",
+    )
+
+
+def api_key_from(args: argparse.Namespace, environ=None, warn=lambda line: logger.warning("%s", line)) -> str | None:
+    """The API key: ``--api-key-file``'s content, else ``--api-key`` (with a
+    warning naming the risk), else the first of :data:`API_KEY_ENV` that is
+    set, else None. ValueError naming the problem: both flags, an unreadable
+    or empty file, a key with spaces inside."""
+    env = os.environ if environ is None else environ
+    path, flag = getattr(args, "api_key_file", None), getattr(args, "api_key", None)
+    if path and flag:
+        raise ValueError("give the API key once: --api-key-file or --api-key, not both")
+    if path:
+        try:
+            key = open(path, "rb").read().decode("utf-8", "replace").strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --api-key-file {path}: {e.strerror or e}") from None
+        if not key or any(c.isspace() or not c.isprintable() for c in key):
+            raise ValueError(f"--api-key-file {path}: the key must be one line of printable characters, no spaces")
+        return key
+    if flag:
+        warn(
+            "warning: --api-key puts the key on the command line, where ps shows it to every user of "
+            f"this host; use --api-key-file PATH or ${API_KEY_ENV[0]} instead"
+        )
+        return flag
+    return next((env[k] for k in API_KEY_ENV if env.get(k)), None)
+
+
 def api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else the first of :data:`API_KEY_ENV` that is set, else None."""
-    if args.api_key:
-        return args.api_key
-    return next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+    """:func:`api_key_from`, read once per ``args`` (one warning)."""
+    if not hasattr(args, "_api_key"):
+        args._api_key = api_key_from(args)
+    return args._api_key
 
 
 def _per_instance(values: list | None, n: int, flag: str, of: str, default, one_for_all: bool = False) -> list:
@@ -288,7 +334,7 @@ def security(args: argparse.Namespace, key: str | None) -> auth.Security:
     set (it is what an OpenAI client sends). SecurityError naming the
     problem: a host beyond loopback with neither and no ``--insecure``."""
     sec = auth.from_args(args, "127.0.0.1")  # files and token checked; the bind check below knows the API key
-    if sec.token is None and not key and not sec.insecure and not auth.is_loopback(args.host):
+    if sec.token is None and not key and not sec.insecure and not auth.is_loopback(args.host):  # the API is open
         raise auth.SecurityError(
             f"refusing to listen on {args.host} (beyond loopback) with no token and no API key: set "
             f"${auth.TOKEN_ENV} or --token-file (or ${API_KEY_ENV[0]}), or pass --insecure to let anyone "
@@ -297,9 +343,18 @@ def security(args: argparse.Namespace, key: str | None) -> auth.Security:
     return sec
 
 
-def config(args: argparse.Namespace, token: bytes | None = None) -> ProxyConfig:
+def _role_tokens(sec: auth.Security | None) -> dict[str, str | None]:
+    def s(t: bytes | None) -> str | None:
+        return t.decode() if t else None
+
+    if sec is None:
+        return {}
+    return {"ingest_token": s(sec.ingest_token), "read_token": s(sec.read_token), "admin_token": s(sec.admin_token)}
+
+
+def config(args: argparse.Namespace, token: bytes | None = None, sec: auth.Security | None = None) -> ProxyConfig:
     """The router's settings from its flags (ValueError on a bad mix);
-    ``token``: the clients' bearer token (:func:`security`)."""
+    ``token``: the clients' bearer token, ``sec``: the role tokens too (:func:`security`)."""
     prefills, decodes = instances(args)
     split = getattr(args, "split", None)
     cfg = ProxyConfig.of(
@@ -313,6 +368,9 @@ def config(args: argparse.Namespace, token: bytes | None = None) -> ProxyConfig:
         telemetry=not args.no_telemetry,
         api_key=api_key(args),
         token=token.decode() if token else None,
+        **_role_tokens(sec),
+        bind_host=getattr(args, "host", "127.0.0.1"),
+        allowed_hosts=tuple(getattr(args, "allowed_host", None) or ()),
         max_body_bytes=max(1, int(args.max_body_mb * MIB)),
         collect=args.collect,
         store=getattr(args, "store", None),
@@ -360,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         sec = security(args, api_key(args))
-        cfg = config(args, sec.token)
+        cfg = config(args, sec.token, sec)
         check(cfg)
     except ValueError as e:  # auth.SecurityError included
         print(f"kvlens proxy: error: {e}", file=sys.stderr, flush=True)

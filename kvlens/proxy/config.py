@@ -80,7 +80,11 @@ class ProxyConfig:
     require (vLLM's ``--api-key``): the router sends ``Bearer <api_key>`` to
     them, and when no ``token`` is set clients must send the key instead
     (:attr:`client_key`). Neither set: the client's Authorization is passed
-    on to P and D as it came. ``max_body_bytes``: the
+    on to P and D as it came. ``ingest_token`` / ``read_token`` /
+    ``admin_token``: the role tokens (:class:`~kvlens.proxy.intake.ClientAuth`
+    says which route takes which; the API key never opens ``/admin/*`` or
+    ``/v1/traces``). ``bind_host`` / ``allowed_hosts``: the Host names the
+    router answers (:mod:`kvlens.origin`). ``max_body_bytes``: the
     largest request body read (413 beyond). ``reuse_window_s``: see
     :data:`DEFAULT_REUSE_WINDOW_S`. :attr:`options`: the telemetry
     pipeline's options, built from these and checked once, at construction."""
@@ -105,6 +109,13 @@ class ProxyConfig:
     telemetry: bool = True
     api_key: str | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
+    #: role tokens (``--ingest-token-file`` / ``$KVLENS_INGEST_TOKEN``, ...; :mod:`kvlens.auth`)
+    ingest_token: str | None = field(default=None, repr=False)
+    read_token: str | None = field(default=None, repr=False)
+    admin_token: str | None = field(default=None, repr=False)
+    #: the address the router listens on and the other names clients use (:mod:`kvlens.origin`)
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     reuse_window_s: float = DEFAULT_REUSE_WINDOW_S
     #: host the OTLP receiver (``POST /v1/traces`` into this router's store)
@@ -244,6 +255,25 @@ class ProxyConfig:
             out["kvlens_retention"] = self.retention
         out.update(self.keep or {})
         return out
+
+    def security(self):
+        """The router's tokens as a :class:`kvlens.auth.Security` (no TLS: that is uvicorn's)."""
+        from kvlens.auth import Security
+
+        def b(t: str | None) -> bytes | None:
+            return t.encode() if t else None
+
+        return Security(
+            token=b(self.token),
+            ingest_token=b(self.ingest_token),
+            read_token=b(self.read_token),
+            admin_token=b(self.admin_token),
+        )
+
+    @property
+    def any_token(self) -> bool:
+        """Some kvlens token (the all-roles one or a role's) is set."""
+        return bool(self.token or self.ingest_token or self.read_token or self.admin_token)
 
     @property
     def client_key(self) -> str | None:

@@ -46,48 +46,95 @@ class Refused(Exception):
 UNAUTHORIZED = Refused(
     401, "missing or invalid token (send Authorization: Bearer <token>)", kind="authentication_error"
 )
-#: Routes served without the router's key: liveness (``/health`` names no address, see ``Router.health``).
+#: Routes served without the router's key: liveness (``/health`` says only ok without the read role).
 OPEN_PATHS = frozenset({"/health"})
+#: The receiver's path (``--collect``): the ingest role.
+TRACES_PATH = "/v1/traces"
+
+
+def route_role(path: str) -> str:
+    """The credential a route needs: ``ingest`` (``POST /v1/traces``),
+    ``admin`` (``/admin/*``), ``read`` (``/metrics``), else ``api`` (the
+    OpenAI routes)."""
+    if path == TRACES_PATH:
+        return "ingest"
+    if path == "/admin" or path.startswith("/admin/"):
+        return "admin"
+    if path == "/metrics" or path.startswith("/metrics/"):
+        return "read"
+    return "api"
 
 
 class ClientAuth:
-    """Pure ASGI middleware in front of every route of the router: with
-    ``key`` set (:attr:`ProxyConfig.client_key`), a request without
-    ``Authorization: Bearer <key>`` gets 401 (:data:`UNAUTHORIZED`, an
-    OpenAI-style error, and ``WWW-Authenticate: Bearer``) before any route
-    runs: no trace id, no span, no body read, nothing written (the
-    receiver's ``/v1/traces`` included). :data:`OPEN_PATHS` pass. The
-    comparison is :func:`kvlens.auth.token_ok` (constant time). A
-    middleware rather than a check per route: a route added later (the
-    receiver, ``/metrics``) cannot forget it."""
+    """Pure ASGI middleware in front of every route of the router. Each
+    route needs its role's credential (:func:`route_role`):
 
-    def __init__(self, app, key: str) -> None:
+    * ``api`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``):
+      the all-roles token (``$KVLENS_TOKEN``) or the API key; open when
+      neither is set;
+    * ``read`` (``/metrics``): the read token, the all-roles token or the API key;
+    * ``ingest`` (``POST /v1/traces``) and ``admin`` (``/admin/split``): their
+      own token or the all-roles token, **never the API key** (every OpenAI
+      client has it); closed once any credential is set and theirs is not.
+
+    With no credential at all everything passes (loopback; the bind check
+    refuses beyond it). A refused request gets 401 (:data:`UNAUTHORIZED`, an
+    OpenAI-style error, and ``WWW-Authenticate: Bearer``) before any route
+    runs: no trace id, no span, no body read, nothing written; a client
+    refused too often gets 429 (:class:`kvlens.auth.FailureBackoff`).
+    :data:`OPEN_PATHS` pass, with :data:`kvlens.auth.DETAILS_SCOPE_KEY` set
+    (the read role proved). Comparisons in constant time. A middleware
+    rather than a check per route: a route added later cannot forget it."""
+
+    def __init__(self, app, security, api_key: str | None = None, backoff=None) -> None:
         from kvlens import auth
 
         self.app = app
-        self._security = auth.Security(token=key.encode())
-        self._ok = auth.token_ok
+        self._auth = auth
+        self._security = security
+        self._key = (api_key.encode(),) if api_key else ()
+        self._open = not security.any_token and not api_key
+        self._backoff = backoff if backoff is not None else auth.FailureBackoff()
         body = UNAUTHORIZED.response(None)
         self._body = body.body
-        self._headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(self._body)).encode()),
-            (b"www-authenticate", b'Bearer realm="kvlens proxy"'),
-        ]
+        self._headers = [(b"www-authenticate", b'Bearer realm="kvlens proxy"')]
+
+    def allows(self, role: str, header: bytes | None) -> bool:
+        sec = self._security
+        if role == "api":
+            creds = tuple(t for t in (sec.token, *self._key) if t)
+        elif role == "read":
+            creds = (*sec.credentials("read"), *self._key)
+        else:
+            creds = sec.credentials(role)
+        if not creds:
+            return self._open or (role == "api")
+        return self._auth.opens(header, creds)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope.get("type") not in ("http", "websocket") or scope.get("path") in OPEN_PATHS:
+        auth = self._auth
+        if scope.get("type") not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        header = next((v for k, v in scope.get("headers") or () if k == b"authorization"), None)
-        if self._ok(self._security, header):
+        header = auth.authorization(scope)
+        if scope.get("path") in OPEN_PATHS:
+            scope[auth.DETAILS_SCOPE_KEY] = self._open or self.allows("read", header)
+            await self.app(scope, receive, send)
+            return
+        client = auth.client_of(scope)
+        wait = 0.0 if self._open else self._backoff.blocked(client)
+        if wait <= 0 and self.allows(route_role(scope.get("path", "")), header):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send({"type": "http.response.start", "status": 401, "headers": self._headers})
-        await send({"type": "http.response.body", "body": self._body})
+        if wait > 0:
+            body, headers = auth.too_many(wait)
+            await auth.send_json(send, 429, body, headers)
+            return
+        self._backoff.failed(client)
+        await auth.send_json(send, 401, self._body, self._headers)
 
 
 # --------------------------------------------------------------------- body

@@ -61,10 +61,96 @@ def test_insecure_or_a_token_lets_it_bind_beyond_loopback(tmp_path):
 
 
 def test_token_file_wins_over_the_environment(tmp_path):
-    f = _token_file(tmp_path, "from-file\n")
-    sec = auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={auth.TOKEN_ENV: "from-env"})
-    assert sec.token == b"from-file"
+    f = _token_file(tmp_path, "from-file-0123456789\n")
+    sec = auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={auth.TOKEN_ENV: "from-env-0123456789"})
+    assert sec.token == b"from-file-0123456789"
     assert "wins over" in _help()
+
+
+@pytest.mark.parametrize("short", ["x", "tok", "5char", "fifteen-chars-x"])
+def test_tokens_under_16_characters_are_refused(tmp_path, short):
+    """Issue 42 item 10: a 5-character token was accepted for a bind on 0.0.0.0."""
+    with pytest.raises(auth.SecurityError, match=f"{len(short)} characters, under the minimum of 16"):
+        auth.from_args(_parse([]), "0.0.0.0", env={auth.TOKEN_ENV: short})
+    f = _token_file(tmp_path, short + "\n")
+    with pytest.raises(auth.SecurityError, match="--token-file .* under the minimum of 16"):
+        auth.from_args(_parse(["--token-file", str(f)]), "0.0.0.0", env={})
+    p = argparse.ArgumentParser()
+    auth.add_arguments(p, roles=auth.ROLES)
+    with pytest.raises(auth.SecurityError, match="KVLENS_ADMIN_TOKEN: the token is"):
+        auth.from_args(p.parse_args([]), "127.0.0.1", env={"KVLENS_ADMIN_TOKEN": short})
+    assert auth.from_args(_parse([]), "0.0.0.0", env={auth.TOKEN_ENV: "x" * 16}).token == b"x" * 16
+
+
+def _roles_parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    auth.add_arguments(p, roles=auth.ROLES)
+    return p.parse_args(argv)
+
+
+def test_role_tokens_come_from_their_files_or_variables_and_the_shortcut_opens_every_role(tmp_path):
+    ingest, read, admin = "ingest-" + "i" * 16, "read-" + "r" * 16, "admin-" + "a" * 16
+    f = _token_file(tmp_path, admin + "\n")
+    warned: list[str] = []
+    sec = auth.from_args(
+        _roles_parse(["--admin-token-file", str(f)]),
+        "0.0.0.0",
+        env={"KVLENS_INGEST_TOKEN": ingest, "KVLENS_READ_TOKEN": read, "KVLENS_ADMIN_TOKEN": "loses-to-the-file-0"},
+        warn=warned.append,
+    )
+    assert (sec.ingest_token, sec.read_token, sec.admin_token, sec.token) == (
+        ingest.encode(), read.encode(), admin.encode(), None
+    )  # fmt: skip
+    assert warned == [] and sec.any_token
+    for text in (repr(sec), str(sec)):
+        assert ingest not in text and read not in text and admin not in text
+    # each role opens with its own token only; none opens another's
+    for role, tok in (("ingest", ingest), ("read", read), ("admin", admin)):
+        for other in ("ingest", "read", "admin"):
+            assert sec.allows(other, f"Bearer {tok}") == (other == role), (role, other)
+    assert not sec.allows("admin", None) and not sec.allows("admin", "Bearer ")
+    # the shortcut opens all of them
+    both = auth.Security(token=TOKEN.encode(), admin_token=admin.encode())
+    assert all(both.allows(r, f"Bearer {TOKEN}") for r in auth.ROLES)
+    assert both.allows("admin", f"Bearer {admin}") and not both.allows("read", f"Bearer {admin}")
+    # a role with no token of its own and no shortcut is closed once any credential is set, and said so
+    only_read = auth.from_args(_roles_parse([]), "127.0.0.1", env={"KVLENS_READ_TOKEN": read}, warn=warned.append)
+    assert not only_read.allows("ingest", f"Bearer {read}") and not only_read.allows("ingest", None)
+    assert any("no ingest token" in w for w in warned) and any("no admin token" in w for w in warned)
+    assert auth.Security().allows("admin", None)  # nothing set at all: open (loopback only: the bind check)
+    help_text = argparse.ArgumentParser()
+    auth.add_arguments(help_text, roles=auth.ROLES)
+    out = help_text.format_help()
+    for flag in ("--ingest-token-file", "--read-token-file", "--admin-token-file", "KVLENS_ADMIN_TOKEN"):
+        assert flag in out
+
+
+def test_role_tokens_let_a_server_bind_beyond_loopback_and_are_checked():
+    env = {"KVLENS_INGEST_TOKEN": "i" * 20}
+    assert auth.from_args(_roles_parse([]), "0.0.0.0", env=env, warn=lambda _l: None).ingest_token == b"i" * 20
+    with pytest.raises(auth.SecurityError, match="KVLENS_READ_TOKEN: the token must be printable"):
+        auth.from_args(_roles_parse([]), "127.0.0.1", env={"KVLENS_READ_TOKEN": "two words here xxxxx"})
+    with pytest.raises(auth.SecurityError, match="cannot read --ingest-token-file"):
+        auth.from_args(_roles_parse(["--ingest-token-file", "/nonexistent/x"]), "127.0.0.1", env={})
+
+
+def test_failure_backoff_blocks_after_n_refusals_per_client_and_stays_bounded():
+    now = [100.0]
+    b = auth.FailureBackoff(failures=3, window_s=10.0, max_clients=4, clock=lambda: now[0])
+    for _ in range(2):
+        b.failed("10.0.0.1")
+    assert b.blocked("10.0.0.1") == 0.0
+    b.failed("10.0.0.1")
+    assert b.blocked("10.0.0.1") == pytest.approx(10.0) and b.blocked("10.0.0.2") == 0.0
+    now[0] += 4
+    assert b.blocked("10.0.0.1") == pytest.approx(6.0)
+    now[0] += 6
+    assert b.blocked("10.0.0.1") == 0.0  # the window is over
+    b.failed("10.0.0.1")
+    assert b.blocked("10.0.0.1") == 0.0  # a new window, one refusal in it
+    for i in range(100):  # a flood of addresses: bounded memory
+        b.failed(f"192.0.2.{i}")
+    assert len(b) == 4 and b.blocked("10.0.0.1") == 0.0
 
 
 def _help() -> str:
@@ -221,7 +307,7 @@ def test_a_failing_on_reject_still_answers_401():
     async def inner(scope, receive, send):  # never reached
         raise AssertionError
 
-    app = auth.BearerAuthMiddleware(inner, auth.Security(token=b"t"), on_reject=boom)
+    app = auth.BearerAuthMiddleware(inner, auth.Security(token=TOKEN.encode()), on_reject=boom)
     assert TestClient(app).get("/x").status_code == 401
 
 
@@ -270,3 +356,32 @@ def test_uvicorn_serves_tls_and_requires_client_certs(tmp_path):
             httpx.get(url, verify=ctx)
         ctx.load_cert_chain(str(tls.client_cert), str(tls.client_key))
         assert httpx.get(url, verify=ctx).text == "hello"
+
+
+def test_repeated_refusals_get_429_with_retry_after_from_a_real_server():
+    """Issue 42 item 10: after BACKOFF_FAILURES refusals in the window, a client
+    gets 429 and Retry-After, its token no longer compared (the right one
+    too: no oracle); another client is not affected; nothing reached the app."""
+    reached: list[str] = []
+
+    async def data(request):
+        reached.append(request.url.path)
+        return PlainTextResponse("hello")
+
+    inner = Starlette(routes=[Route("/data", data, methods=["GET", "POST"])])
+    sec = auth.Security(token=TOKEN.encode())
+    with _serve(auth.BearerAuthMiddleware(inner, sec), sec) as port:
+        url = f"http://127.0.0.1:{port}/data"
+        bad = {"Authorization": "Bearer " + "g" * 20}
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), trust_env=False) as guesser:
+            codes = [guesser.post(url, headers=bad, content=b"x").status_code for _ in range(auth.BACKOFF_FAILURES)]
+            assert codes == [401] * auth.BACKOFF_FAILURES
+            r = guesser.post(url, headers=bad, content=b"x")
+            assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= auth.BACKOFF_WINDOW_S
+            assert "too many refused credentials" in r.json()["message"]
+            r = guesser.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+            assert r.status_code == 429  # blocked: the token is not even compared
+        assert reached == []
+        with httpx.Client(trust_env=False) as other:  # 127.0.0.1: another client
+            assert other.get(url, headers={"Authorization": f"Bearer {TOKEN}"}).text == "hello"
+        assert reached == ["/data"]

@@ -652,7 +652,7 @@ def test_the_router_hosts_the_receiver_with_collect(tmp_path, sdk_spans):
         telemetry=False,
         retention="7d",
     )
-    with TestClient(router_app(cfg)) as c:
+    with TestClient(router_app(cfg), base_url="http://127.0.0.1") as c:  # the router checks Host
         r = c.post("/v1/traces", content=pb_body(sdk_spans), headers={"Content-Type": "application/x-protobuf"})
         assert r.status_code == 200, r.text
         bad = c.post("/v1/traces", content=b"\x0a\xff", headers={"Content-Type": "application/x-protobuf"})

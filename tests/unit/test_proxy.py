@@ -234,7 +234,11 @@ def test_prefill_failure_is_a_json_error(tmp_path, recorder, mode, dispatch):
 def test_bad_body_is_400_with_request_id(tmp_path, recorder):
     with pair(p_ok) as (p, d), router(_cfg(p, d, "pull", "sequential", tmp_path)) as url:
         r = httpx.post(
-            url + "/v1/completions", content=b"[1, 2]", headers={"X-Request-Id": TID}, timeout=20, trust_env=False
+            url + "/v1/completions",
+            content=b"[1, 2]",
+            headers={"X-Request-Id": TID, "Content-Type": "application/json"},
+            timeout=20,
+            trust_env=False,
         )
     assert r.status_code == 400 and r.headers["x-request-id"] == TID
     assert r.json()["error"]["type"] == "invalid_request_error"
@@ -375,10 +379,14 @@ def test_body_over_the_limit_is_413_before_any_upstream_call(tmp_path, recorder)
         cfg = _cfg(p, d, "pull", "sequential", tmp_path)
         cfg.max_body_bytes = 2000
         with router(cfg) as url:
+            json_type = {"Content-Type": "application/json"}
             declared = httpx.post(
-                url + "/v1/completions", content=big, headers={"X-Request-Id": TID}, timeout=20, trust_env=False
+                url + "/v1/completions", content=big, headers={"X-Request-Id": TID, **json_type}, timeout=20,
+                trust_env=False,
+            )  # fmt: skip
+            streamed = httpx.post(
+                url + "/v1/completions", content=chunked(), headers=json_type, timeout=20, trust_env=False
             )
-            streamed = httpx.post(url + "/v1/completions", content=chunked(), timeout=20, trust_env=False)
             ok = _post(url, {"prompt": "x" * 100, "max_tokens": 3})
     for r in (declared, streamed):
         assert r.status_code == 413 and r.headers["x-request-id"]

@@ -301,22 +301,111 @@ def test_a_mode_without_instances_is_a_clear_error(tmp_path, recorder):
         d.close()
 
 
-def test_admin_split_changes_the_split_live_behind_the_key(tmp_path, recorder):
-    with fleet() as fakes, router(_mixed_cfg(fakes, tmp_path, api_key="k3y")) as url:
-        auth = {"Authorization": "Bearer k3y"}
+ADMIN = "admin-" + "a" * 20
+READ = "read-" + "r" * 20
+
+
+def test_admin_split_changes_the_split_live_behind_the_admin_token(tmp_path, recorder):
+    """Issue 42 item 4: the API key (every OpenAI client has it) never opens
+    /admin/*; the admin token does, the API key still serves /v1/*."""
+    with fleet() as fakes, router(_mixed_cfg(fakes, tmp_path, api_key="k3y", admin_token=ADMIN)) as url:
+        key, admin = {"Authorization": "Bearer k3y"}, {"Authorization": f"Bearer {ADMIN}"}
         with httpx.Client(timeout=20, trust_env=False) as c:
             assert c.get(url + "/admin/split").status_code == 401
             assert c.post(url + "/admin/split", json={"push": 1}).status_code == 401
+            r = c.post(url + "/admin/split", json={"push": 1}, headers=key)  # the API key: refused
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert c.get(url + "/admin/split", headers=key).status_code == 401
+            assert c.post(url + "/v1/completions", json={"prompt": "x"}, headers=admin).status_code == 401
+            assert c.get(url + "/admin/split", headers=admin).json()["split"] == {"push": 0.5, "pull": 0.5}
             for bad in ({"push": 1.5}, {"push": True}, {"both": 1}, {"push": 1, "pull": 0}, [1]):
-                assert c.post(url + "/admin/split", json=bad, headers=auth).status_code == 400, bad
-            r = c.post(url + "/admin/split", json={"pull": 0}, headers=auth)
+                assert c.post(url + "/admin/split", json=bad, headers=admin).status_code == 400, bad
+            r = c.post(url + "/admin/split", json={"pull": 0}, headers=admin)
             assert r.status_code == 200 and r.json()["split"] == {"push": 1.0, "pull": 0.0}
             assert r.json()["previous"] == {"push": 0.5, "pull": 0.5}
             for _ in range(10):
-                assert c.post(url + "/v1/completions", json={"prompt": "x"}, headers=auth).status_code == 200
-            state = c.get(url + "/admin/split", headers=auth).json()
+                assert c.post(url + "/v1/completions", json={"prompt": "x"}, headers=key).status_code == 200
+            state = c.get(url + "/admin/split", headers=admin).json()
         assert state["requests"]["push"]["ok"] == 10 and state["drawn"]["push"] == 10
         assert all(r[2][sc.ATTR_MODE] == "push" and r[2][sc.ATTR_SPLIT] == 1.0 for r in _roots(recorder, 10))
+
+
+def test_an_api_key_alone_leaves_admin_closed(tmp_path, recorder):
+    """The reproduced case: a router with an API key and no token answered
+    POST /admin/split with the API key 200. Now 401, the split unchanged."""
+    with fleet() as fakes, router(_mixed_cfg(fakes, tmp_path, api_key="k3y")) as url:
+        with httpx.Client(timeout=20, trust_env=False, headers={"Authorization": "Bearer k3y"}) as c:
+            r = c.post(url + "/admin/split", json={"push": 1})
+            assert r.status_code == 401
+            assert c.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 200
+        with _admin_view(url, ADMIN) as view:
+            assert view is None  # no admin token exists: nobody reads or changes it
+    assert len(_roots(recorder, 1)) == 1
+
+
+@contextlib.contextmanager
+def _admin_view(url: str, token: str | None):
+    r = httpx.get(url + "/admin/split", headers={"Authorization": f"Bearer {token}"} if token else {}, timeout=20)
+    yield r.json()["split"] if r.status_code == 200 else None
+
+
+@pytest.mark.parametrize(
+    "headers, content, status",
+    [
+        ({"Content-Type": "text/plain"}, b'{"push": 1}', 415),  # a form's simple request: no preflight
+        ({"Content-Type": "application/x-www-form-urlencoded"}, b'{"push": 1}', 415),
+        ({}, b'{"push": 1}', 415),
+        ({"Content-Type": "application/json", "Host": "evil.example"}, b'{"push": 1}', 403),  # DNS rebinding
+        ({"Content-Type": "application/json", "Host": "evil.example:8000"}, b'{"push": 1}', 403),
+        ({"Content-Type": "application/json", "Origin": "http://evil.example"}, b'{"push": 1}', 403),
+        ({"Content-Type": "application/json", "Origin": "null"}, b'{"push": 1}', 403),
+    ],
+)
+def test_cross_site_posts_to_an_open_loopback_router_change_nothing(tmp_path, recorder, headers, content, status):
+    """Issue 42 item 5 (reproduced: both answered 200 and changed the split):
+    a router on loopback with no token refuses what a web page could send,
+    before any route runs; the split is unchanged and no request is served."""
+    with fleet() as fakes, router(_mixed_cfg(fakes, tmp_path)) as url:
+        with httpx.Client(timeout=20, trust_env=False) as c:
+            r = c.post(url + "/admin/split", content=content, headers=headers)
+            assert r.status_code == status, r.text
+            assert ("--allowed-host" in r.text) if status == 403 and "Host" in headers else True
+            assert c.get(url + "/admin/split").json()["split"] == {"push": 0.5, "pull": 0.5}
+            r = c.post(url + "/v1/completions", content=b'{"prompt": "x"}', headers=headers)
+            assert r.status_code == status
+            # the same request as a real client sends it is served
+            ok = c.post(url + "/admin/split", json={"push": 1}, headers={"Origin": url})
+            assert ok.status_code == 200 and ok.json()["split"] == {"push": 1.0, "pull": 0.0}
+            assert c.get(url.replace("127.0.0.1", "localhost") + "/admin/split").status_code == 200
+        assert not any(p.requests for p, _ in fakes.values())  # nothing reached P
+    assert recorder.roots == []
+
+
+def test_health_says_only_ok_without_the_read_role_and_is_cached(tmp_path, recorder):
+    """Issue 42 item 6: /health without a credential is {"status": "ok"};
+    the read token, the all-roles token or the API key shows the details; a
+    burst of probes asks each P and D about once (cached, own pool)."""
+    with fleet() as fakes, router(_mixed_cfg(fakes, tmp_path, api_key="k3y", read_token=READ)) as url:
+        with httpx.Client(timeout=20, trust_env=False) as c:
+            bare = c.get(url + "/health")
+            assert bare.status_code == 200 and bare.json() == {"status": "ok"}
+            assert c.get(url + "/health", headers={"Authorization": "Bearer wrong-" + "w" * 16}).json() == {
+                "status": "ok"
+            }
+            for cred in (READ, "k3y"):
+                full = c.get(url + "/health", headers={"Authorization": f"Bearer {cred}"}).json()
+                assert full["mode"] == "push,pull" and full["split"] == {"push": 0.5, "pull": 0.5}
+                assert set(full["instances"]["prefill"]) == {"p0", "p1"}
+            before = _health_gets(fakes)
+            for _ in range(20):
+                assert c.get(url + "/health").json() == {"status": "ok"}
+            after = _health_gets(fakes)
+        # uncached, 20 probes were 20 GETs to each of the 4 instances; cached, one per second
+        assert after - before < 20, (before, after)
+
+
+def _health_gets(fakes) -> int:
+    return sum(len([g for g in x.gets if g["path"] == "/health"]) for pd in fakes.values() for x in pd if x)
 
 
 def test_one_half_down_loses_nothing_of_the_other(tmp_path, recorder):

@@ -194,9 +194,9 @@ def test_router_refuses_an_open_host_without_token_or_key(monkeypatch, tmp_path,
     assert sec.token == TOKEN.encode() and TOKEN not in repr(sec)
     cfg = cli.config(_args(), sec.token)
     assert cfg.client_key == TOKEN and TOKEN not in repr(cfg)
-    (tmp_path / "tok").write_text("from-file\n")
+    (tmp_path / "tok").write_text("from-file-0123456789\n")
     (tmp_path / "tok").chmod(0o600)
-    assert cli.security(_args("--token-file", str(tmp_path / "tok")), None).token == b"from-file"
+    assert cli.security(_args("--token-file", str(tmp_path / "tok")), None).token == b"from-file-0123456789"
     # TLS needs both files; a missing one is named
     assert cli.run(_args("--tls-cert", str(tmp_path / "nope.pem"))) == 2
     assert "--tls-cert needs --tls-key" in capsys.readouterr().err
