@@ -62,7 +62,9 @@ def bench_tpot(df: pd.DataFrame, run_id: str | None) -> dict[str, tuple[float | 
 
 
 def live_compare(stats: Mapping[str, ModeStats]) -> pd.DataFrame:
-    """Live-window push vs pull table (one row per mode, ratio row last)."""
+    """Live-window push vs pull table, one row per mode. No ratio row: a
+    ratio of two percentiles without its interval is no comparison, and one of
+    request counts is none at all (the Compare page shows the verdict's)."""
     rows = []
     for mode in MODES:
         s = stats.get(mode)
@@ -82,11 +84,4 @@ def live_compare(stats: Mapping[str, ModeStats]) -> pd.DataFrame:
                 "handoff_p99_s": s.handoff.get("p99"),
             }
         )
-    df = pd.DataFrame(rows)
-    if len(df) == 2:
-        num = df.columns.drop("mode")
-        a = pd.to_numeric(df.iloc[0][num], errors="coerce").astype(float)
-        b = pd.to_numeric(df.iloc[1][num], errors="coerce").astype(float)
-        ratio = (a / b.where(b != 0)).where(a.notna() & b.notna())
-        df.loc[len(df)] = {"mode": "push÷pull", **ratio.to_dict()}
-    return df
+    return pd.DataFrame(rows)

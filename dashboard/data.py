@@ -113,14 +113,18 @@ def phase_rank(name: str) -> int:
 
 
 def since_until(range_key: str, now_s: float | None = None) -> tuple[int | None, int | None]:
-    """Wall-clock ns bounds for a picker choice (``None`` = unbounded)."""
+    """Wall-clock ns bounds for a picker choice (``None`` = unbounded): the
+    range back from ``now_s``, and no end (whatever has been written since)."""
     if range_key not in TIME_RANGES:
         raise ValueError(f"unknown time range {range_key!r} (choose from {list(TIME_RANGES)})")
     secs = TIME_RANGES[range_key]
     if secs is None:
         return None, None
     now_ns = int((time.time() if now_s is None else now_s) * 1e9)
-    return now_ns - secs * 1_000_000_000, now_ns
+    # No upper bound: ``now_s`` is a cache step (loaders.now_bucket) rounded down, and a window that
+    # ended there hid the traces of the last few seconds: a page drawn just after the first requests
+    # of a young store found none (issue 43 item 6).
+    return now_ns - secs * 1_000_000_000, None
 
 
 def traces_link(*, page: str = "traces", **params: Any) -> str:
@@ -163,6 +167,12 @@ class ModeStats:
     outcomes: dict[str, float] = field(default_factory=dict)
     dropped: float | None = None
     dropped_by_reason: dict[str, float] = field(default_factory=dict)  # reason -> spans lost (Prometheus)
+    #: the seconds ``req_per_s`` is over: the range, or the data's age where that is shorter (None: unknown)
+    rate_window_s: float | None = None
+    #: where the handoff and TTFT percentiles come from: "store" (exact, per request) or "histogram"
+    pct_source: str = ""
+    #: why the percentiles are not the store's exact ones (Prometheus' buckets), or ""
+    pct_note: str = ""
 
 
 def _q(s: pd.Series, q: float) -> float | None:
@@ -170,18 +180,33 @@ def _q(s: pd.Series, q: float) -> float | None:
     return float(s.quantile(q)) if len(s) else None
 
 
-def stats_from_traces(df: pd.DataFrame, window_s: float | None) -> dict[str, ModeStats]:
-    """Per-mode figures from :func:`window_traces` rows. ``window_s`` None:
-    the rate is over the span of the data itself."""
+def rate_window(window_s: float | None, first_ns: int | None, now_ns: int) -> float | None:
+    """The seconds a rate over a range of ``window_s`` covers: the range, or
+    the age of the data (``now_ns`` minus its first sample ``first_ns``) where
+    that is shorter (at least 1 s); None when neither is known."""
+    age = None if first_ns is None else max((now_ns - first_ns) / 1e9, 1.0)
+    if window_s is None:
+        return age
+    return window_s if age is None else min(float(window_s), age)
+
+
+def stats_from_traces(df: pd.DataFrame, window_s: float | None, now_ns: int | None = None) -> dict[str, ModeStats]:
+    """Per-mode figures from :func:`window_traces` rows. Rates are over the
+    range ``window_s`` back from ``now_ns`` (default now), or over the data's
+    age (its first trace's start, both modes) where that is shorter, so a
+    store 2 minutes old is not read as 2 minutes of traffic in an hour;
+    ``window_s`` None: over the span of the data itself."""
     out: dict[str, ModeStats] = {}
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    first_ns = int(df["start_ns"].min()) if len(df) else None
     for mode in MODES:
         d = df[df["mode"] == mode] if len(df) else df
-        st = ModeStats(mode=mode, requests=float(len(d)))
+        st = ModeStats(mode=mode, requests=float(len(d)), pct_source="store")
         if len(d):
-            span_s = window_s
-            if span_s is None:
+            span_s = rate_window(window_s, first_ns, now_ns)
+            if window_s is None:
                 span_s = max((d["start_ns"].max() - d["start_ns"].min()) / 1e9, 1.0)
-            st.req_per_s = len(d) / span_s
+            st.req_per_s, st.rate_window_s = len(d) / span_s, span_s
         h = d["handoff_s"] if len(d) else pd.Series(dtype=float)
         t = d["ttft_s"] if len(d) else pd.Series(dtype=float)
         st.handoff = {"p50": _q(h, 0.5), "p90": _q(h, 0.9), "p99": _q(h, 0.99)}
@@ -193,6 +218,37 @@ def stats_from_traces(df: pd.DataFrame, window_s: float | None) -> dict[str, Mod
         st.outcomes = {o: float(counts.get(o, 0)) for o in OUTCOMES}
         out[mode] = st
     return out
+
+
+#: A mode's percentiles come from the store when it holds at least this share of the requests Prometheus counted.
+STORE_HOLDS = 0.9
+
+
+def exact_percentiles(
+    prom_stats: dict[str, ModeStats], store_stats: dict[str, ModeStats] | None, why: str = ""
+) -> None:
+    """Replace the handoff and TTFT percentiles of ``prom_stats`` (interpolated
+    within Prometheus' histogram buckets, which are 1-2.5 s wide past 1 s) with
+    the trace store's exact ones (``store_stats``: :func:`stats_from_traces`
+    over the same range), per mode, where the store holds that mode's requests
+    (:data:`STORE_HOLDS`); elsewhere say why in ``pct_note``. ``why``: why the
+    store could not be read, when it could not."""
+    for mode, p in prom_stats.items():
+        s = (store_stats or {}).get(mode)
+        n_prom, n_store = p.requests or 0.0, (s.requests or 0.0) if s else 0.0
+        if s is not None and n_store >= 1 and n_store >= STORE_HOLDS * n_prom:
+            p.handoff = dict(s.handoff)
+            p.ttft = dict(s.ttft)
+            p.ttft_source = s.ttft_source
+            p.pct_source = "store"
+            p.pct_note = (
+                f"exact, over the {n_store:,.0f} {mode} requests the trace store holds in this range "
+                f"(Prometheus counted {n_prom:,.0f})"
+            )
+            continue
+        p.pct_source = "histogram"
+        held = why or f"the trace store holds {n_store:,.0f} of the {n_prom:,.0f} {mode} requests Prometheus counted"
+        p.pct_note = f"interpolated within Prometheus' histogram buckets ({held})"
 
 
 def handoff_histogram(df: pd.DataFrame, bins: int = 24) -> pd.DataFrame:

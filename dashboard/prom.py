@@ -77,11 +77,15 @@ def _dropped(q: Query, w: str) -> tuple[float | None, dict[str, float]]:
 #: vLLM's TPOT histograms (newer name first), scraped from D (job of ``kvlens up --prometheus``).
 TPOT_METRICS = ("vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds")
 DECODE_JOB = "vllm-decode"
+#: kvlens' own, by mode: the router's root span's client-seen TPOT (exporters.families).
+KVLENS_TPOT = "kvlens_tpot_seconds"
 
 
 def _tpot(q: Query, w: str, stats: dict[str, D.ModeStats]) -> None:
-    """vLLM's mean TPOT on D over ``w`` into the one mode that ran (vLLM's metrics
-    have no mode label); otherwise a reason in ``tpot_note``."""
+    """Mean TPOT per mode over ``w``: kvlens' router's ``kvlens_tpot_seconds{mode}``
+    where it has the mode's; else vLLM's on D, into the one mode that ran (vLLM's
+    metrics have no mode label); otherwise the reason in ``tpot_note``."""
+    mine = {labels.get("mode"): v for labels, v in q(tpot_expr(w))}
     v = None
     for m in TPOT_METRICS:
         v = _one(
@@ -94,19 +98,48 @@ def _tpot(q: Query, w: str, stats: dict[str, D.ModeStats]) -> None:
             break
     ran = [m for m, s in stats.items() if (s.requests or 0) > 0]
     for mode, s in stats.items():
-        if v is None:
-            s.tpot_note = f"Prometheus has no vLLM TPOT ({TPOT_METRICS[0]}) from job {DECODE_JOB} over {w}."
+        if mine.get(mode) is not None:
+            s.tpot_mean = mine[mode]
+            s.tpot_note = f"Mean client-seen TPOT of {mode} requests at kvlens' router ({KVLENS_TPOT}) over {w}."
+        elif mode not in ran:
+            s.tpot_note = f"No {mode} requests in this range."
+        elif v is None:
+            s.tpot_note = (
+                f"Prometheus has no {KVLENS_TPOT} for {mode} (no request of it had tokens timed apart, or a router "
+                f"other than kvlens') and no vLLM TPOT ({TPOT_METRICS[0]}) from job {DECODE_JOB} over {w}."
+            )
         elif ran == [mode]:
             s.tpot_mean, s.tpot_note = v, f"vLLM's mean TPOT on D ({DECODE_JOB}) over {w}."
-        elif mode in ran:
-            s.tpot_note = "vLLM's TPOT has no mode label and both modes ran in this range."
         else:
-            s.tpot_note = f"No {mode} requests in this range."
+            s.tpot_note = (
+                f"No {KVLENS_TPOT} for {mode} over {w}, and vLLM's TPOT has no mode label while both modes ran."
+            )
 
 
-def _mode_stats(q: Query, mode: str, w: str, dropped: tuple[float | None, dict[str, float]]) -> D.ModeStats:
-    """Handoff / TTFT quantiles, request rate and outcomes of one mode over ``w``."""
-    st = D.ModeStats(mode=mode)
+def tpot_expr(w: str) -> str:
+    """Mean client-seen TPOT by mode over ``w`` (kvlens' router's histogram)."""
+    return f"sum by (mode) (rate({KVLENS_TPOT}_sum[{w}])) / sum by (mode) (rate({KVLENS_TPOT}_count[{w}]))"
+
+
+def age_expr(w: str) -> str:
+    """Seconds since the first sample of ``kvlens_requests_total`` within ``w``
+    (any mode: the data's age, the same for both columns), to a subquery step
+    of ``w``/720 (5 s over 1 h)."""
+    step = max(1, int(D.TIME_RANGES.get(w) or 7 * 86400) // 720)
+    return f"time() - min(min_over_time(timestamp(kvlens_requests_total)[{w}:{step}s]))"
+
+
+def _data_age(q: Query, w: str) -> float | None:
+    """:func:`age_expr`; None when there is no sample in ``w``."""
+    return _one(q(age_expr(w)))
+
+
+def _mode_stats(
+    q: Query, mode: str, w: str, dropped: tuple[float | None, dict[str, float]], age: float | None = None
+) -> D.ModeStats:
+    """Handoff / TTFT quantiles, request rate and outcomes of one mode over
+    ``w`` (the rate over ``age`` seconds where that is shorter)."""
+    st = D.ModeStats(mode=mode, pct_source="histogram")
     hb = selector("kvlens_handoff_seconds_bucket", mode=mode)
     # handoff pXX = histogram_quantile(q, sum by (le) (rate(kvlens_handoff_seconds_bucket{mode=m}[w])))
     for name, qq in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
@@ -121,11 +154,14 @@ def _mode_stats(q: Query, mode: str, w: str, dropped: tuple[float | None, dict[s
         )
     )
     req = selector("kvlens_requests_total", mode=mode)
-    st.req_per_s = _one(q(f"sum(rate({req}[{w}]))"))
     st.outcomes = {o: 0.0 for o in D.OUTCOMES}
     for labels, v in q(f"sum by (outcome) (increase({req}[{w}]))"):
         st.outcomes[labels.get("outcome", sc.OTHER)] = v
     st.requests = sum(st.outcomes.values())
+    # requests over the range, or over the data's age where it is shorter (rate() divides by the range)
+    if age is not None:
+        st.rate_window_s = min(float(D.TIME_RANGES.get(w) or 7 * 86400), max(age, 1.0))
+        st.req_per_s = st.requests / st.rate_window_s
     st.dropped, st.dropped_by_reason = dropped[0], dict(dropped[1])
     return st
 
@@ -185,8 +221,9 @@ def prom_overview(
 
         # labelled by role and reason (not mode): the same all-process figures show in both columns
         dropped = _dropped(q, w)
+        age = _data_age(q, w)
         for mode in D.MODES:
-            stats[mode] = _mode_stats(q, mode, w, dropped)
+            stats[mode] = _mode_stats(q, mode, w, dropped, age)
             phases += _mode_phases(q, mode, w)
             hist += _mode_hist(q, mode, w)
         _tpot(q, w, stats)

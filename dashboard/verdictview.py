@@ -57,6 +57,27 @@ def headline(cfg) -> None:
     st.fragment(run_every=HEADLINE_EVERY_S)(draw)()
 
 
+def verdict_rows(v: kv_verdict.Verdict) -> pd.DataFrame:
+    """The verdict's ratios, one row per figure (pure): push/pull, its 95 %
+    interval and what it allows, or "not enough data" and why; never a ratio
+    without its interval."""
+    rows = []
+    for key, _, _, words in kv_verdict.METRICS:
+        r = v.ratios.get(key)
+        if r is None:
+            continue
+        known = r.status != stats.NOT_ENOUGH and r.lo is not None and r.hi is not None
+        rows.append(
+            {
+                "figure": words,
+                "push/pull": f"{r.ratio:.2f}" if known else "-",
+                "95 % interval": f"{r.lo:.2f}-{r.hi:.2f}" if known else "-",
+                "verdict": kv_verdict.ratio_words(r).split(": ", 1)[-1] if known else kv_verdict.ratio_words(r),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
 def whatif_rows(results: list[kv_whatif.WhatIf]) -> pd.DataFrame:
     """One row per predicted mode and figure: predicted p50 [interval], the
     measured p50 of that mode in the same window, the error, inside or not (pure)."""

@@ -39,6 +39,8 @@ PHASE_BUCKETS = (
 HANDOFF_BUCKETS = PHASE_BUCKETS
 #: Client TTFT: milliseconds to minutes (queueing under overload).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+#: Client-seen time per output token: under a millisecond (a small model) to seconds (a starved D).
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 #: KV bytes per request: 4 KiB .. 64 GiB in powers of 4 (a block is KiB-MiB).
 BYTES_BUCKETS = tuple(float(4096 * 4**i) for i in range(13))
 #: NIXL descriptors per request: 1 .. 65536 in powers of 2... of 4 past 64.
@@ -78,6 +80,20 @@ _GBPS_HELP = (
 _IMPLAUSIBLE_HELP = (
     "Transfers (one request on one rank) whose bytes / NIXL's xferDuration is above the link ceiling "
     "(KVLENS_LINK_GBPS): NIXL's duration is implausible, so no bandwidth was observed for them."
+)
+_CPU_WAIT_HELP = (
+    "Seconds the thread that ended a phase span was runnable but waiting for a CPU during it (schedstat "
+    "run-queue wait: host contention), summed over the spans that carry CPU figures (kvlens.cpu.wait_s; docs/phases.md, "
+    "'CPU or wire'). Spans whose figures are unknown (kvlens.cpu.unknown) add nothing here nor to "
+    "kvlens_phase_cpu_span_seconds_total."
+)
+_CPU_ON_HELP = (
+    "Seconds the thread that ended a phase span was on a CPU during it (kvlens.cpu.on_s: work, or polling where "
+    "the thread spins), summed over the spans that carry CPU figures."
+)
+_CPU_SPAN_HELP = (
+    "Wall-clock seconds of the phase spans that carry CPU figures: the denominator of the CPU-wait share "
+    "(kvlens:handoff_cpu_wait_share:ratio_5m); off-CPU = this - cpu - cpu_wait."
 )
 _HOLD_HELP = (
     "Requests whose P held the KV blocks longer than KVLENS_HOLD_WARN_S (default 5 s) after D's kv.ready "
@@ -149,6 +165,14 @@ class _Families:
         self.requests = Counter(
             "kvlens_requests", "Requests finished by the kvlens router.", ("mode", "outcome"), registry=r
         )
+        self.tpot = Histogram(
+            "kvlens_tpot_seconds",
+            "Client-seen time per output token after the first, measured at the kvlens router (the root "
+            "span's kvlens.tpot_s), seconds; by mode, so a mixed fleet has each mode's.",
+            ("mode",),
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
         self.xfer_bytes = Histogram(
             "kvlens_transfer_bytes",
             "KV bytes NIXL moved for one request on one rank (write/read.complete), "
@@ -174,7 +198,7 @@ class _Families:
         )
 
     def _transfer_and_waiting(self, r: CollectorRegistry) -> None:
-        """Bandwidth, P's long holds, the push waiting gauges and the drop counter."""
+        """Bandwidth, P's long holds, the push waiting gauges, the drop counter and the phases' CPU figures."""
         Histogram = histogram_class()  # noqa: N806
         self.xfer_gbps = Histogram(
             "kvlens_transfer_gbps", _GBPS_HELP, ("mode", "role"), buckets=GBPS_BUCKETS, registry=r
@@ -202,6 +226,10 @@ class _Families:
             multiprocess_mode="livesum",
         )
         self.dropped = Counter("kvlens_telemetry_dropped", _DROPPED_HELP, ("role", "reason"), registry=r)
+        labels = ("mode", "role", "phase")
+        self.cpu_wait = Counter("kvlens_phase_cpu_wait_seconds", _CPU_WAIT_HELP, labels, registry=r)
+        self.cpu_on = Counter("kvlens_phase_cpu_seconds", _CPU_ON_HELP, labels, registry=r)
+        self.cpu_span = Counter("kvlens_phase_cpu_span_seconds", _CPU_SPAN_HELP, labels, registry=r)
 
     def child(self, metric, key: tuple):
         """Cached labelled child of ``metric`` for the closed label tuple ``key``."""

@@ -21,6 +21,9 @@ anything else becomes ``_OTHER``; request and trace ids are never labels)::
         # requests whose handoff could not be read: reason missing|overflow|no_store
     kvlens_ttft_seconds{mode,dispatch}                        histogram (router)
     kvlens_requests_total{mode,outcome}                       counter (router)
+    kvlens_tpot_seconds{mode}                                 histogram (router; root span's kvlens.tpot_s)
+        # mean TPOT by mode: sum by (mode) (rate(kvlens_tpot_seconds_sum[5m]))
+        #                  / sum by (mode) (rate(kvlens_tpot_seconds_count[5m]))
         # error ratio: sum by (mode) (rate(kvlens_requests_total{outcome!="ok"}[5m]))
         #              / sum by (mode) (rate(kvlens_requests_total[5m]))
     kvlens_transfer_bytes{mode,role}                          histogram (write/read.complete; per rank)

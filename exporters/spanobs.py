@@ -7,7 +7,9 @@ labels, finding the labelled children, choosing the phase's other metrics)
 is done once per such key: :func:`plan` returns ``(mode, observe, more)``,
 which the processor caches. ``observe(duration_s, trace_id)`` observes the
 phase histogram; ``more`` is None, or ``more(attributes, duration_s,
-trace_id)`` observes the phase's other metrics (:class:`_More`).
+trace_id)`` observes the phase's other metrics (:class:`_More`), the CPU
+figures of every phase a connector thread records with a length included
+(:data:`CPU_PHASES`; ``kvlens_phase_cpu_*_seconds_total``).
 """
 
 from __future__ import annotations
@@ -16,12 +18,20 @@ from typing import Any, Callable, Mapping
 
 from exporters.families import _Families
 from exporters.fasthistogram import FastHistogram, adder, observe_trace, trace_observer
+from kvrecord import derived as dv
 from kvrecord import semconv as sc
 from kvtrace import kvuse, ranks
 
 #: Per-rank transfer phases observed by rank (``kvlens_rank_phase_duration_seconds``).
 _RANK_PHASES = frozenset(
     p.value for p in (sc.Phase.WRITE_POST, sc.Phase.WRITE_COMPLETE, sc.Phase.READ_POST, sc.Phase.READ_COMPLETE)
+)
+#: Phases whose spans can carry CPU figures (``kvlens.cpu.*``): every phase a
+#: connector thread records with a length (not the router's, no point, no derived one).
+CPU_PHASES = frozenset(
+    p.value
+    for p in sc.Phase
+    if p not in sc.POINT_PHASES and p not in dv.DERIVED_PHASES and p not in (sc.Phase.REQUEST, sc.Phase.RELAY)
 )
 #: The rank label's closed set: 0..MAX_RANK_LABEL-1 (TP sizes up to 64), else ``_OTHER``.
 MAX_RANK_LABEL = 64
@@ -95,7 +105,21 @@ def plan(fam: _Families, owner: Any, name: Any, mode: Any, role: Any, outcome: A
         elif phase == "prefill.finished" and outcome == "ok":
             m.gauges = (adder(fam.prefills_waiting, 1),)
         more = m.push if m.gauges else None
+    if phase in CPU_PHASES:
+        more = _with_cpu(more, m.cpu)
     return mode, observe, more, child if type(child) is FastHistogram else None
+
+
+def _with_cpu(more: Callable | None, cpu: Callable) -> Callable:
+    """``more`` followed by the CPU figures' counters (``cpu`` alone where there is no ``more``)."""
+    if more is None:
+        return cpu
+
+    def both(a: Mapping[str, Any], d: float, tid: Any) -> None:
+        more(a, d, tid)
+        cpu(a, d, tid)
+
+    return both
 
 
 class _More:
@@ -103,7 +127,7 @@ class _More:
     duration. Labelled children are bound on first use (a series appears
     when first observed, as ``fam.child`` at the observation would)."""
 
-    __slots__ = ("fam", "owner", "phase", "mode", "role", "outcome", "gauges", "slots", "ttft")
+    __slots__ = ("fam", "owner", "phase", "mode", "role", "outcome", "gauges", "slots", "ttft", "cpu_incs")
 
     def __init__(self, fam: _Families, owner: Any, phase: str, mode: str, role: str, outcome: str) -> None:
         self.fam, self.owner = fam, owner
@@ -111,6 +135,7 @@ class _More:
         self.gauges: tuple = ()
         self.slots: list = [None] * 4  # see complete, request, first_step
         self.ttft: dict[str, Callable] = {}  # closed dispatch -> observe
+        self.cpu_incs: tuple | None = None  # (wait, on, span) children's inc, bound at the first figures
 
     def _slot(self, i: int, metric: Any, key: tuple, hist: bool = True) -> Any:
         """``slots[i]``, bound on first use: the observe of ``metric``'s child ``key`` (or its ``inc()``)."""
@@ -145,9 +170,12 @@ class _More:
             fam.prefills_waiting.dec()
 
     def request(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
-        """The router's root span: the request count and its TTFT."""
+        """The router's root span: the request count, its TTFT and its TPOT."""
         fam = self.fam
         (self.slots[0] or self._slot(0, fam.requests, (self.mode, self.outcome), False))()
+        tpot = _num(a.get(sc.ATTR_TPOT_S))
+        if tpot is not None and tpot >= 0:
+            (self.slots[1] or self._slot(1, fam.tpot, (self.mode,)))(tpot, tid)
         ttft = _num(a.get(sc.ATTR_TTFT_S))
         if ttft is not None and ttft >= 0:
             disp = _label(a.get(sc.ATTR_DISPATCH), _DISPATCHES, sc.Dispatch)
@@ -160,6 +188,21 @@ class _More:
         """D's first step: KV recomputed (0 recomputed tokens, the rule, cannot be)."""
         if a.get(sc.ATTR_KV_RECOMPUTED_TOKENS) and kvuse.is_recomputed(a):
             (self.slots[0] or self._slot(0, self.fam.kv_recomputed, (self.mode,), False))()
+
+    def cpu(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
+        """The span's CPU figures (``kvlens.cpu.wait_s`` / ``on_s``), where it
+        carries them: a span whose figures are unknown adds to no counter, so
+        the share the recording rule reads stays over measured spans only."""
+        wait, on = _num(a.get(sc.ATTR_CPU_WAIT_S)), _num(a.get(sc.ATTR_CPU_ON_S))
+        if wait is None or on is None or wait < 0 or on < 0:
+            return
+        incs = self.cpu_incs
+        if incs is None:
+            fam, key = self.fam, (self.mode, self.role, self.phase)
+            incs = self.cpu_incs = tuple(fam.child(c, key).inc for c in (fam.cpu_wait, fam.cpu_on, fam.cpu_span))
+        incs[0](wait)
+        incs[1](on)
+        incs[2](d)
 
     def push(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
         """Push's waiting gauges (see :mod:`exporters.metrics`)."""

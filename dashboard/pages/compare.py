@@ -68,13 +68,15 @@ def bench_grid(cfg: ui.Config) -> bool:
         'the verdict is "no resolvable difference". -: no figure (see each column\'s ?).'
     )
     with st.expander("All columns of this run"):
-        st.dataframe(ui.table_view(df), hide_index=True, width="stretch")
+        st.dataframe(ui.table_view(without_bare_ratios(df)), hide_index=True, width="stretch")
     st.altair_chart(charts.bench_chart(df))
     return True
 
 
 def live_window(cfg: ui.Config) -> None:
-    """Push vs pull over the traced requests of a time range, with a push÷pull row."""
+    """Push and pull over the traced requests of a time range, then push
+    against pull as ``kvlens verdict`` compares them: each ratio with its
+    stratified 95 % interval and what it allows (no ratio without one)."""
     range_key = st.select_slider("Time range", options=list(D.TIME_RANGES), value="1h", key="cmp_range")
     now = L.now_bucket(range_key)
     ok, win = ui.guarded(cfg, lambda: L.load_window(cfg.store, range_key, now))
@@ -88,30 +90,44 @@ def live_window(cfg: ui.Config) -> None:
     for c in show.columns:
         if c.endswith("(ms)"):
             show[c] = pd.to_numeric(show[c], errors="coerce") * 1e3
-    # the push÷pull row is a ratio, not ms: show it as such
-    if len(show) == 3:
-        for c in show.columns[1:]:
-            if c.endswith("(ms)"):
-                show.loc[2, c] = live.loc[2, [k for k, v in LABELS.items() if v == c][0]]
     fmts = {c: ",.0f" if c == "requests" else ".3g" if c == "req/s" else ".2f" for c in show.columns[1:]}
-    modes = ms_text(show.iloc[:2])  # ms to the digits they carry; the push÷pull row stays a ratio
-    if len(show) == 3:  # the ratio row: two decimals, whatever the column
-        show = ui.table_view(modes, fmts).pipe(
-            lambda t: pd.concat([t, ui.table_view(show.iloc[2:], {c: ".2f" for c in show.columns[1:]})])
-        )
-    else:
-        show = ui.table_view(modes, fmts)
     st.dataframe(
-        show,
+        ui.table_view(ms_text(show), fmts),
         hide_index=True,
         width="stretch",
         column_config={
             "TPOT mean (ms)": st.column_config.TextColumn(
                 "TPOT mean (ms)", help="-: the trace store records no per-request TPOT (see the grid above)"
-            )
+            ),
+            "req/s": st.column_config.TextColumn(
+                "req/s", help="over the range, or over the age of the data in it where that is shorter"
+            ),
         },
     )
-    st.caption("Last row: push ÷ pull (< 1: push is lower). -: no figure in this window.")
+    st.caption("-: no figure in this window.")
+    since, _ = D.since_until(range_key, now)
+    ok, v = ui.guarded(cfg, lambda: L.load_verdict(cfg.store, since))
+    if not ok:
+        return
+    st.markdown(f"**Push against pull, last {range_key}** (the figures of `kvlens verdict --window {range_key}`)")
+    if v.status != "ok":
+        st.info(f"No comparison: {v.message}.")
+        return
+    st.dataframe(verdictview.verdict_rows(v), hide_index=True, width="stretch")
+    st.caption(
+        f"{v.selection_words()}, {v.message}. Ratios of push's percentile to pull's within prompt-length "
+        "buckets, with a stratified bootstrap 95% interval; a side is lower only where the interval "
+        "excludes 1 (docs/verdict.md)."
+    )
+
+
+#: The push÷pull ratio columns that carry an interval (the bench stores one for these only).
+WITH_INTERVAL = tuple(L.ratio_column(m) for m in B.STORED_RATIOS.values())
+
+
+def without_bare_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` without the push÷pull columns that have no interval beside them."""
+    return df.drop(columns=[c for c in df.columns if "÷" in c and c not in WITH_INTERVAL])
 
 
 def bench_display(df: pd.DataFrame) -> pd.DataFrame:
@@ -132,8 +148,8 @@ def bench_display(df: pd.DataFrame) -> pd.DataFrame:
     for c in keep[4:]:
         out[c] = out[c] * 1e3
     out = out.rename(columns=LABELS)
-    for c in df.columns:
-        if "÷" in c:
+    for c in WITH_INTERVAL:  # a ratio only with its interval (below)
+        if c in df.columns:
             out[c] = df[c]
     out["rounds"] = df["rounds"] if "rounds" in df.columns else float("nan")
     for name, metric in (("TTFT p50", "ttft_p50_s"), ("handoff p50", "handoff_p50_s")):

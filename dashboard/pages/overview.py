@@ -46,8 +46,10 @@ def main() -> None:
 
 
 def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
-    """(stats, phases, hist, source) from Prometheus; None (after a message) when it
-    is not set, fails or has no kvlens samples in the range."""
+    """(stats, phases, hist, source) from Prometheus, the handoff and TTFT
+    percentiles exact from the trace store where it holds the requests
+    (:func:`dashboard.data.exact_percentiles`); None (after a message) when
+    Prometheus is not set, fails or has no kvlens samples in the range."""
     if not cfg.prometheus:
         return None
     try:
@@ -58,32 +60,37 @@ def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
     if not any((s.requests or 0) > 0 for s in stats.values()):
         st.info("Prometheus answered but has no kvlens samples in this range; showing the trace store.")
         return None
-    return stats, phases, hist, f"Prometheus at `{cfg.prometheus}` (rates over {prom.prom_range(range_key)})"
+    try:
+        df = L.load_window(cfg.store, range_key, L.now_bucket(range_key))
+        D.exact_percentiles(stats, D.stats_from_traces(df, D.TIME_RANGES[range_key]))
+    except (D.StoreMissing, D.StoreError) as e:
+        D.exact_percentiles(stats, None, why=f"the trace store could not be read: {e}")
+    return stats, phases, hist, f"Prometheus at `{cfg.prometheus}` (counts over {prom.prom_range(range_key)})"
 
 
-def from_store(cfg: ui.Config, range_key: str) -> tuple | None:
-    """(stats, phases, hist, source) from the trace store; None (after a message)
-    when it is missing, unreadable or has nothing in the range."""
+def from_store(cfg: ui.Config, range_key: str) -> tuple | str:
+    """(stats, phases, hist, source) from the trace store; else why there are
+    no figures (a message about the store is shown as well)."""
     info = ui.store_banner(cfg)
     if info is None:
-        return None
+        return f"the trace store `{cfg.store}` could not be read (see above)"
     now = L.now_bucket(range_key)
     ok, df = ui.guarded(cfg, lambda: L.load_window(cfg.store, range_key, now))
     if not ok:
-        return None
+        return f"the trace store `{cfg.store}` could not be read (see above)"
     if not len(df):
         if info["traces"]:
-            st.info(
-                f"No traces in the last {range_key} (the newest started {ui.fmt_ts(info['last_ns'])}). "
-                "Pick a wider time range."
+            return (
+                f"no traces started in the last {range_key} (the newest started {ui.fmt_ts(info['last_ns'])}); "
+                "pick a wider time range"
             )
-        return None
+        return "no request has been traced yet"
     if len(df) >= D.WINDOW_LIMIT:
         st.caption(f"Figures over the newest {D.WINDOW_LIMIT:,} requests of the range.")
     stats = D.stats_from_traces(df, D.TIME_RANGES[range_key])
     ok, phases = ui.guarded(cfg, lambda: L.load_phases(cfg.store, range_key, now))
     if not ok:
-        return None
+        return f"the trace store `{cfg.store}` could not be read (see above)"
     add_bench_tpot(cfg, stats)
     return stats, phases, D.handoff_histogram(df), f"trace store `{cfg.store}`"
 
@@ -100,7 +107,8 @@ def add_bench_tpot(cfg: ui.Config, stats: dict[str, D.ModeStats]) -> None:
 def body(cfg: ui.Config, range_key: str) -> None:
     healthview.health_strip(cfg, range_key, TRACES_PAGE)
     got = from_prometheus(cfg, range_key) or from_store(cfg, range_key)
-    if got is None:
+    if isinstance(got, str):
+        no_figures(got)
         return
     stats, phases, hist, source = got
     st.caption(
@@ -118,11 +126,33 @@ def body(cfg: ui.Config, range_key: str) -> None:
         with col, st.container(border=True, key=f"ov_{mode}"):
             st.subheader(MODE_TITLE.get(mode, mode))
             if not stats[mode].requests:
-                st.info(f"No {mode} requests in this range.")
+                figure_cards(f"no {mode} requests in this range")
                 continue
             mode_figures(mode, stats[mode], source.startswith("Prometheus"), units)
             mode_charts(mode, phases, hist, ph_max, h_max, words.get(mode))
     pair_view(cfg, range_key)
+
+
+#: The main figures' cards, in the order :func:`mode_figures` draws them.
+MAIN_CARDS = ("handoff p50", "handoff p90", "handoff p99", "TTFT p50", "TTFT p99", "TPOT")
+
+
+def figure_cards(why: str) -> None:
+    """The main figures' cards of one mode, each "-" with ``why`` as its
+    reason, said under them too: never a column without its figures."""
+    for row in (MAIN_CARDS[:3], MAIN_CARDS[3:]):
+        for col, name in zip(st.columns(3), row):
+            col.metric(name, ui.MISSING, help=f"Not computed: {why}.")
+    st.caption(f"No figures: {why}.")
+
+
+def no_figures(why: str) -> None:
+    """Both modes' columns with their main figures unknown, and why."""
+    st.caption(f"Source: none. Updated {datetime.now().strftime('%H:%M:%S')}.")
+    for col, mode in zip(st.columns(2, gap="large"), D.MODES):
+        with col, st.container(border=True, key=f"ov_{mode}"):
+            st.subheader(MODE_TITLE.get(mode, mode))
+            figure_cards(why)
 
 
 def row_units(stats: dict[str, D.ModeStats]) -> dict[str, tuple[str, float]]:
@@ -165,9 +195,12 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tu
     """The metric cards of one mode (short values, the unit in the label, the
     same in both modes' columns: ``units``; detail in ``help``), and links
     from its handoff percentiles to the Traces page."""
-    src = "from Prometheus' kvlens_handoff_seconds histogram" if from_prom else "from the trace store"
+    if s.pct_source == "store":
+        src = "from the trace store" + (f": {s.pct_note}" if from_prom and s.pct_note else "")
+    else:
+        src = "from Prometheus' kvlens_handoff_seconds histogram" + (f": {s.pct_note}" if s.pct_note else "")
     unit, k = units["handoff"]
-    st.caption(f"Handoff {src}.", help=HANDOFF_HELP.format(src=src))
+    st.caption(f"Handoff percentiles {src}.", help=HANDOFF_HELP.format(src=src))
     for col, (name, v) in zip(st.columns(3), s.handoff.items()):
         col.metric(f"handoff {name} ({unit})", ui.fmt_short(v, k))  # no ? icon: the label fits at 1280 px
     unit, k = units["ttft"]
@@ -179,8 +212,14 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tu
     if s.ttft_source and not from_prom:
         st.caption(f"TTFT: {TTFT_SOURCE_WORDS.get(s.ttft_source, s.ttft_source)}")
     a, b, c = st.columns(3)
-    a.metric("req/s", ui.fmt_rate(s.req_per_s), help="Requests per second over the time range.")
-    a.caption(f"{ui.fmt_n(s.requests)} requests")
+    over = rate_words(s.rate_window_s)
+    a.metric(
+        "req/s",
+        ui.fmt_rate(s.req_per_s),
+        help=f"Requests per second over {over}: the time range, or the age of the data in it where that is "
+        "shorter (a fleet 2 minutes old is not read as 2 minutes of traffic in an hour).",
+    )
+    a.caption(f"{ui.fmt_n(s.requests)} requests, rate over {over}")
     bad = {k: v for k, v in s.outcomes.items() if k != sc.Outcome.OK.value}
     b.metric("ok", ui.fmt_n(s.outcomes.get(sc.Outcome.OK.value)), help="Requests that completed.")
     b.caption(" · ".join(f"{k} {ui.fmt_n(v)}" for k, v in bad.items()))
@@ -211,6 +250,18 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tu
                 help=f"The traces with a handoff ≥ the {name} ({ui.fmt_ms(v)} ms).",
                 query_params={"mode": mode, "min_handoff": f"{v:.6g}"},
             )
+
+
+def rate_words(secs: float | None) -> str:
+    """The window a rate covers, in words: ``the last 2 min 05 s``; ``an unknown window``."""
+    if secs is None:
+        return "an unknown window"
+    secs = int(round(secs))
+    if secs < 120:
+        return f"the last {secs} s"
+    if secs < 7200:
+        return f"the last {secs // 60} min {secs % 60:02d} s"
+    return f"the last {secs / 3600:.1f} h"
 
 
 PAIR_HELP = (

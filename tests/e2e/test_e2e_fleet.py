@@ -292,8 +292,17 @@ def _check_dashboard(stack, mode: str) -> None:
     if pw:  # the sidebar names the store: never with its password
         shown = [c.value for c in at.sidebar.caption] + [x.value for x in at.markdown]
         assert any("store:" in v for v in shown) and not [v for v in shown if pw in v], shown
-    p50 = [m.value for m in at.metric if m.label.startswith("handoff p50 (")]
-    assert p50 and p50[0] not in ("-", "None"), p50  # push first; this store holds no pull traces
+    p50 = [m.value for m in at.metric if m.label.startswith("handoff p50")]
+    # push first; this store holds no pull traces. On failure: everything the page said (issue 43 item 6)
+    assert p50 and p50[0] not in ("-", "None"), _page_said(at)
+
+
+def _page_said(at) -> str:
+    """What an AppTest page drew: its cards (label, value, help), messages and captions."""
+    lines = [f"card {m.label!r} = {m.value!r} ({m.help or ''})" for m in at.metric]
+    for kind in ("error", "warning", "info", "caption", "markdown"):
+        lines += [f"{kind}: {e.value}" for e in getattr(at, kind)]
+    return "\n".join(lines)
 
 
 # The pull half ("three hosts" pull, receiver in the router, D's clock -0.25 s)

@@ -284,17 +284,31 @@ def test_compare_page(app, store_path):
     grid = at.dataframe[0].value
     assert "handoff_p50 push÷pull" in grid.columns and "TTFT p99 (ms)" in grid.columns and len(grid) == 12
     assert any("handoff vs QPS" in str(t) for t in chart_titles(at))
-    live = next(d.value for d in at.dataframe if "push÷pull" in list(d.value.get("mode", ())))
-    assert list(live["mode"]) == ["push", "pull", "push÷pull"]
-    # ms to the digits a time carries (3 significant, whole ms at least), ratios to 2 decimals
+    live = next(d.value for d in at.dataframe if list(d.value.get("mode", ())) == ["push", "pull"])
+    # ms to the digits a time carries (3 significant, whole ms at least)
     import re
 
-    for table in (grid, live.iloc[:2]):
+    for table in (grid, live):
         for c in [c for c in table.columns if c.endswith("(ms)")]:
             for v in table[c]:
                 digits = re.sub(r"\D", "", v.lstrip("0.,"))
                 assert v == "-" or len(digits) <= 3 or "." not in v, (c, v)
-    assert all(v == "-" or re.fullmatch(r"\d+\.\d\d", v) for v in live.iloc[2][1:] if isinstance(v, str)), live.iloc[2]
+    # no ratio without its interval (issue 43): the grid's ratios are the two with intervals, the live
+    # window's are the verdict's, each with its interval or "not enough data"
+    assert [c for c in grid.columns if "÷" in c] == ["ttft_p50 push÷pull", "handoff_p50 push÷pull"]
+    assert all(
+        f"{c.split(' ')[0].replace('_', ' ').replace('ttft', 'TTFT')} 95% CI" in grid.columns
+        for c in grid.columns
+        if "÷" in c
+    )
+    everywhere = [d.value for d in at.dataframe]
+    assert [c for c in everywhere[1].columns if "÷" in c] == [c for c in grid.columns if "÷" in c]  # all columns
+    assert {"ttft_p50_push_over_pull_lo", "handoff_p50_push_over_pull_hi"} <= set(everywhere[1].columns)
+    assert not any("÷" in str(x) for t in everywhere[2:] for x in list(t.columns) + list(t.get("mode", ()))), everywhere
+    verdict = next(t for t in everywhere if "push/pull" in t.columns)
+    assert list(verdict["figure"])[:2] == ["TTFT p50", "TTFT p90"]
+    for r in verdict.itertuples():
+        assert (r[2] == "-" and "not enough data" in r.verdict) or re.fullmatch(r"\d+\.\d\d-\d+\.\d\d", r[3]), r
 
 
 def test_compare_without_bench_rows(app, tmp_path):

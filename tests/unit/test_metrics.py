@@ -143,6 +143,21 @@ def test_request_span_gives_ttft_and_request_counter(env):
     assert val(reg, "kvlens_requests_total", mode="pull", outcome="ok") == 1
 
 
+def test_request_span_gives_tpot_by_mode(env):
+    """The root span's client-seen TPOT, by mode (vLLM's TPOT has no mode label: issue 43);
+    a request without one (all its tokens in one read) is not observed as 0."""
+    reg, tr, _, _ = env
+    emit(tr, "request", "3" * 32, attrs=A("push", "router", **{sc.ATTR_TPOT_S: 0.007}))
+    emit(tr, "request", "4" * 32, attrs=A("push", "router", **{sc.ATTR_TPOT_S: 0.009}))
+    emit(tr, "request", "5" * 32, attrs=A("pull", "router", **{sc.ATTR_TPOT_S: 0.0104}))
+    emit(tr, "request", "6" * 32, attrs=A("pull", "router"))  # untimed
+    assert val(reg, "kvlens_tpot_seconds_count", mode="push") == 2
+    assert val(reg, "kvlens_tpot_seconds_sum", mode="push") == pytest.approx(0.016)
+    assert val(reg, "kvlens_tpot_seconds_count", mode="pull") == 1
+    assert val(reg, "kvlens_tpot_seconds_sum", mode="pull") == pytest.approx(0.0104)
+    assert val(reg, "kvlens_requests_total", mode="pull", outcome="ok") == 2
+
+
 # ------------------------------------------------------------- transfers
 def test_transfer_bytes_and_descriptors(env):
     reg, tr, _, _ = env
