@@ -55,7 +55,7 @@ from kvtrace import store
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from exporters.metrics import PhaseMetricsProcessor
 from exporters.shipping import ShippingRecorder
-from kvrecord.config import SPAN_BUILDERS, Options, client_token, default_store
+from kvrecord.config import COLLECTORS_ENV, SPAN_BUILDERS, Options, default_store, ingest_token
 from kvrecord.ids import PinnedIdGenerator
 from kvrecord.logutil import log_once
 from kvrecord.recorder import DEFAULT_CAPACITY, DropReason, Recorder
@@ -214,16 +214,30 @@ def otlp_protocol(opts: Options, env: Mapping[str, str] = os.environ) -> str:
     return "grpc" if (p or "").strip().lower() == "grpc" else "http/protobuf"
 
 
-def otlp_headers(env: Mapping[str, str] = os.environ) -> dict[str, str] | None:
-    """Headers for the OTLP exporter: None when ``$KVLENS_TOKEN`` is not set
-    (the SDK then reads ``$OTEL_EXPORTER_OTLP_TRACES_HEADERS`` /
+def otlp_headers(
+    env: Mapping[str, str] = os.environ, endpoint: str | None = None, kvlens_collector: bool = False
+) -> dict[str, str] | None:
+    """Headers for the OTLP exporter: None when no kvlens token goes with
+    the spans (the SDK then reads ``$OTEL_EXPORTER_OTLP_TRACES_HEADERS`` /
     ``$OTEL_EXPORTER_OTLP_HEADERS`` itself); else those standard headers plus
-    ``authorization: Bearer $KVLENS_TOKEN`` (a standard ``authorization``
-    header, when given, wins). Keys lower-case: gRPC metadata wants them so.
-    The token comes from the environment only, never from
-    ``kv_connector_extra_config`` (that is vLLM's argv, which ``ps`` shows)."""
-    token = client_token(env)
+    ``authorization: Bearer <token>``, the token :func:`kvrecord.config.ingest_token`
+    (``$KVLENS_INGEST_TOKEN``, else ``$KVLENS_TOKEN``; a standard
+    ``authorization`` header, when given, wins). Keys lower-case: gRPC
+    metadata wants them so. The token comes from the environment only, never
+    from ``kv_connector_extra_config`` (that is vLLM's argv, which ``ps`` shows).
+
+    The token goes only to a kvlens collector (:func:`token_refusal`):
+    ``kvlens_collector`` (the endpoint is kvlens' own ``otlp_endpoint``
+    option) or ``endpoint`` listed in ``$KVLENS_COLLECTOR_ENDPOINTS``, and
+    never over plain http beyond loopback. Refused, it is left out and one
+    error says why (telemetry never stops serving: the spans still go, and
+    a collector that wants the token refuses them, counted ``export_failed``)."""
+    token = ingest_token(env)
     if token is None:
+        return None
+    why = token_refusal(endpoint, kvlens_collector, env) if endpoint is not None else None
+    if why is not None:
+        log_error_once(f"otlp-token:{endpoint}", why)
         return None
     from opentelemetry.util.re import parse_env_headers
 
@@ -233,14 +247,90 @@ def otlp_headers(env: Mapping[str, str] = os.environ) -> dict[str, str] | None:
     return headers
 
 
-def otlp_exporter(endpoint: str, protocol: str = "http/protobuf"):
+def _origin(url: str) -> tuple[str, str, int | None] | None:
+    """(scheme, host, port) of a URL or ``host:port``, lower case; None when unreadable."""
+    from urllib.parse import urlsplit
+
+    text = url.strip() if "://" in url else "//" + url.strip()
+    try:
+        u = urlsplit(text)
+        port = u.port
+    except ValueError:
+        return None
+    if not u.hostname:
+        return None
+    scheme = u.scheme.lower()
+    return scheme, u.hostname.lower(), port or {"http": 80, "https": 443}.get(scheme)
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def token_refusal(endpoint: str, kvlens_collector: bool, env: Mapping[str, str] = os.environ) -> str | None:
+    """Why a kvlens token must not go to ``endpoint``, or None. It goes only
+    (1) over https, or plain http to loopback (anyone on the path reads a
+    header sent in clear), and (2) to an endpoint the operator marked as a
+    kvlens collector: kvlens' own ``otlp_endpoint`` option
+    (``kvlens_collector``), or one listed (``scheme://host:port``, or
+    ``host:port`` for any scheme) in ``$KVLENS_COLLECTOR_ENDPOINTS``, comma
+    separated: a vendor's OTLP endpoint named by the standard variables must
+    not receive a token that opens the fleet's collector, router and dashboard."""
+    o = _origin(endpoint)
+    if o is None:
+        return f"not sending the kvlens token to the OTLP endpoint {endpoint!r}: not a URL"
+    scheme, host, port = o
+    if scheme != "https" and not _is_loopback(host):
+        return (
+            f"not sending the kvlens token to the OTLP endpoint {endpoint}: plain http beyond loopback shows it "
+            "to the network; serve the collector with TLS (--tls-cert) and use https://"
+        )
+    if kvlens_collector:
+        return None
+    for item in env.get(COLLECTORS_ENV, "").split(","):
+        m = _origin(item) if item.strip() else None
+        if m and m[1:] == (host, port) and (m[0] == scheme or "://" not in item):
+            return None
+    return (
+        f"not sending the kvlens token to the OTLP endpoint {endpoint}: it is not marked as a kvlens collector "
+        f"(list it in ${COLLECTORS_ENV}, or give it as kvlens' otlp_endpoint option)"
+    )
+
+
+def log_error_once(key: str, msg: str) -> None:
+    """``msg`` at ERROR once per ``key`` in this process; never raises."""
+    import logging
+
+    with _errors_lock:
+        if key in _errors_logged:
+            return
+        _errors_logged.add(key)
+    try:
+        logging.getLogger("kvlens").error("kvlens: %s", msg)
+    except Exception:
+        pass
+
+
+_errors_logged: set[str] = set()
+_errors_lock = threading.Lock()
+
+
+def otlp_exporter(endpoint: str, protocol: str = "http/protobuf", kvlens_collector: bool = False):
     """The SDK's OTLP span exporter for ``endpoint``: OTLP/HTTP (``/v1/traces``
     appended when missing) or, with ``protocol`` ``grpc``, OTLP/gRPC
     (``http://HOST:4317`` plain, ``https://`` TLS; the CA in the standard
-    ``$OTEL_EXPORTER_OTLP_CERTIFICATE``). Headers: :func:`otlp_headers`.
+    ``$OTEL_EXPORTER_OTLP_CERTIFICATE``). Headers: :func:`otlp_headers`
+    (``kvlens_collector``: the endpoint is kvlens' own ``otlp_endpoint`` option).
     Deferred imports for start-up cost: the exporters pull in protobuf and
     requests or grpc, paid only by processes that export over OTLP."""
-    headers = otlp_headers()
+    headers = otlp_headers(os.environ, endpoint, kvlens_collector)
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
@@ -328,7 +418,7 @@ def _add_otlp(provider: BoundedTracerProvider, opts: Options, losses: LossCounte
         # resolver waits for the last end of a request, so export promptly.
         provider.add_span_processor(
             CountingBatchSpanProcessor(
-                otlp_exporter(endpoint, otlp_protocol(opts)),
+                otlp_exporter(endpoint, otlp_protocol(opts), kvlens_collector=bool(opts.otlp_endpoint)),
                 losses=losses,
                 max_queue_size=MAX_QUEUE,
                 schedule_delay_s=0.5,

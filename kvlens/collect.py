@@ -20,7 +20,7 @@ import socket
 import sqlite3
 import sys
 
-from kvlens import auth
+from kvlens import auth, origin
 from kvlens.argtypes import add_keep_arguments, keep_rule
 from kvrecord.config import default_store
 from kvrecord.location import StoreLocation
@@ -54,10 +54,18 @@ Point every process at it:
 Security: listening beyond loopback (--host 0.0.0.0) needs a bearer token, or
 --insecure said out loud. The token comes from $KVLENS_TOKEN or --token-file
 (never a flag value: ps shows argv); clients send "Authorization: Bearer TOKEN"
-(gRPC: metadata authorization). kvlens' own exporters (P, D, router) send
-$KVLENS_TOKEN when it is set in their environment; other OTLP exporters take
+(gRPC: metadata authorization). Tokens by role: exporters need the ingest token
+(--ingest-token-file, $KVLENS_INGEST_TOKEN), /metrics and /healthz's details the
+read token (--read-token-file, $KVLENS_READ_TOKEN); $KVLENS_TOKEN opens both.
+kvlens' own exporters (P, D, router) send $KVLENS_INGEST_TOKEN, else
+$KVLENS_TOKEN, to a kvlens collector (https, or http on loopback; see
+docs/security.md); other OTLP exporters take
 OTEL_EXPORTER_OTLP_HEADERS="authorization=Bearer%20TOKEN". /healthz needs no
-token; /metrics does (Prometheus: authorization.credentials_file). --tls-cert
+token and then says only {"status": "ok"}; /metrics needs the read token
+(Prometheus: authorization.credentials_file). Tokens under 16 characters are
+refused; a client refused 20 times in a minute gets 429 until the minute ends.
+POST bodies must be OTLP's application/x-protobuf or application/json, and the
+Host a loopback name, the bind address or an --allowed-host. --tls-cert
 and --tls-key serve both protocols over TLS (clients trust the CA with
 OTEL_EXPORTER_OTLP_CERTIFICATE); --tls-client-ca also requires client
 certificates. A refused request writes nothing and is counted
@@ -125,7 +133,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="answer when the queue is full (default 429; 503 for exporters that retry only 5xx, "
         "e.g. older opentelemetry-python OTLP/HTTP exporters; gRPC: RESOURCE_EXHAUSTED or UNAVAILABLE)",
     )
-    auth.add_arguments(p, client_certs=True)
+    auth.add_arguments(p, client_certs=True, roles=COLLECTOR_ROLES)
+    origin.add_arguments(p)
+
+
+#: The collector's roles: exporters send the ingest token, readers of /metrics and health details the read token.
+COLLECTOR_ROLES = ("ingest", "read")
+
+
+def _role_of(scope: dict) -> str:
+    """``POST /v1/traces``: ingest; everything else (``/metrics``): read."""
+    from exporters.collector.app import TRACES_PATH
+
+    return "ingest" if scope.get("path") == TRACES_PATH else "read"
 
 
 def _store_problem(path: StoreLocation) -> str | None:
@@ -272,10 +292,10 @@ def _start_grpc(args: argparse.Namespace, ingest, security: auth.Security, max_b
     from exporters.collector.grpc_receiver import add_port, grpc_server
 
     authorized = None
-    if security.token is not None:
+    if security.any_token:
 
-        def authorized(header: str | None) -> bool:
-            return auth.token_ok(security, header)
+        def authorized(header: str | None) -> bool:  # an export: the ingest role
+            return security.allows("ingest", header)
 
     server = grpc_server(ingest, authorized, max_body_bytes=max_body_bytes, busy_status=args.busy_status)
     port = add_port(server, args.host, args.grpc_port, auth.grpc_credentials(security))
@@ -296,14 +316,17 @@ def _http_app(args, ingest, registry, security: auth.Security, max_body: int, be
         busy_status=args.busy_status,
         before_close=before_close,
     )
-    if security.token is None:
-        return app
+    # no cross-site POST, no DNS rebinding (kvlens.origin), outside the token check
+    guard = {"bind_host": args.host, "allowed_hosts": getattr(args, "allowed_host", None) or ()}
+    guard["post_types"] = {TRACES_PATH: origin.OTLP_TYPES}
+    if not security.any_token:
+        return origin.SameSiteGuard(app, **guard)
 
     def refused(scope: dict) -> None:
         if scope.get("path") == TRACES_PATH:
             ingest.reject("unauthenticated")
 
-    return auth.BearerAuthMiddleware(app, security, on_reject=refused)
+    return origin.SameSiteGuard(auth.BearerAuthMiddleware(app, security, on_reject=refused, role_of=_role_of), **guard)
 
 
 def _announce(sock: socket.socket, grpc_port: int | None, store, security: auth.Security, rule) -> None:

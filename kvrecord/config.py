@@ -41,6 +41,10 @@ HOME_ENV = "KVLENS_HOME"
 #: The bearer token kvlens servers check and kvlens clients send (:mod:`kvlens.auth`; read here so the
 #: exporters below the CLI layer send it too).
 TOKEN_ENV = "KVLENS_TOKEN"
+#: The ingest role's token (exporters -> a collector; :mod:`kvlens.auth`), and the
+#: OTLP endpoints the operator marked as kvlens collectors (the only ones a token goes to).
+INGEST_TOKEN_ENV = "KVLENS_INGEST_TOKEN"
+COLLECTORS_ENV = "KVLENS_COLLECTOR_ENDPOINTS"
 DEFAULT_HOME = ".kvlens"
 STORE_FILE = "traces.db"
 
@@ -88,6 +92,12 @@ def client_token(env: Mapping[str, str] = os.environ) -> str | None:
     """The bearer token a kvlens client sends: ``$KVLENS_TOKEN`` stripped, or None."""
     tok = env.get(TOKEN_ENV, "").strip()
     return tok or None
+
+
+def ingest_token(env: Mapping[str, str] = os.environ) -> str | None:
+    """The token an exporter sends with its spans: ``$KVLENS_INGEST_TOKEN``
+    (the ingest role's own), else ``$KVLENS_TOKEN`` (the all-roles one), or None."""
+    return env.get(INGEST_TOKEN_ENV, "").strip() or client_token(env)
 
 
 def default_store(home_dir: Path | None = None) -> StoreLocation:

@@ -41,6 +41,9 @@ from exporters.collector.bodycap import read_capped
 from exporters.collector.ingest import Ingest
 
 TRACES_PATH = "/v1/traces"
+#: Set in the ASGI scope by the bearer check in front (``kvlens.auth.DETAILS_SCOPE_KEY``, same
+#: string: this layer cannot import it): False hides ``/healthz``'s details (queue, store).
+DETAILS_SCOPE_KEY = "kvlens.details"
 DEFAULT_MAX_BODY_BYTES = otlp.DEFAULT_MAX_BYTES
 RETRY_AFTER_S = 1
 #: Where the receiver shares its event loop with other routes (the router's
@@ -191,7 +194,9 @@ def create_app(
 ) -> Starlette:
     """The collector app: ``POST /v1/traces``, ``GET /metrics`` (``registry``
     in the exposition the scraper asks for: OpenMetrics carries exemplars),
-    ``GET /healthz`` (also ``/health``). Its lifespan shutdown calls
+    ``GET /healthz`` (also ``/health``: ``{"status": ...}``, plus the queue
+    and the store's name unless the scope's :data:`DETAILS_SCOPE_KEY` is
+    False: without the read token). Its lifespan shutdown calls
     ``before_close`` (in a thread: the gRPC side stops taking calls), then
     flushes and closes ``ingest`` (``ingest.close(close_timeout_s)``).
     (``kvlens collect`` wraps it in :class:`kvlens.auth.BearerAuthMiddleware`.)"""
@@ -199,12 +204,11 @@ def create_app(
 
     async def healthz(request: Request) -> Response:
         ok = ingest.alive()
-        doc = {
-            "status": "ok" if ok else "unavailable",
-            "queue_spans": ingest.queued_spans,
-            "max_queue_spans": ingest.max_queue_spans,
-            "store": str(ingest.location),
-        }
+        doc = {"status": "ok" if ok else "unavailable"}
+        if request.scope.get(DETAILS_SCOPE_KEY, True):  # the read role proved, or no token at all
+            doc.update(
+                queue_spans=ingest.queued_spans, max_queue_spans=ingest.max_queue_spans, store=str(ingest.location)
+            )
         return Response(json.dumps(doc), status_code=200 if ok else 503, media_type="application/json")
 
     @contextlib.asynccontextmanager

@@ -40,7 +40,7 @@ def otlp_token_env(topo, given: Mapping[str, str]) -> dict[str, str]:
     itself). In the environment, as the OpenTelemetry SDK reads it, never on a
     command line. Headers the caller set (either variable, in ``given``: our
     environment and the role's) win: they are left as they are."""
-    token = kvconfig.client_token()
+    token = kvconfig.ingest_token()
     mine = ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_HEADERS")
     if not topo.separate or not token or any(given.get(k) for k in mine):
         return {}
@@ -140,7 +140,11 @@ class StackRoles:
         env = base_env(topo.home_for("router"))
         extra = topo.router_env()
         if topo.separate and topo.collector == "router" and not hosts_receiver:
-            extra = {"OTEL_EXPORTER_OTLP_ENDPOINT": str(topo.collector_url), "KVLENS_HANDOFF_FROM": "off"}
+            extra = {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": str(topo.collector_url),
+                "KVLENS_HANDOFF_FROM": "off",
+                kvconfig.COLLECTORS_ENV: str(topo.collector_url),
+            }
         env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
         return self._child(name, argv, env, f"http://{self.role_host('router')}:{port}", "router")
 

@@ -99,7 +99,12 @@ class Topology:
 
     def router_env(self) -> dict[str, str]:
         if self.separate and self.collector == "process":
-            return {"OTEL_EXPORTER_OTLP_ENDPOINT": str(self.collector_url), "KVLENS_HANDOFF_FROM": "off"}
+            return {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": str(self.collector_url),
+                "KVLENS_HANDOFF_FROM": "off",
+                # kvlens configured it: its exporter may send the ingest token there (exporters.pipeline)
+                kvconfig.COLLECTORS_ENV: str(self.collector_url),
+            }
         return {}
 
     def router_args(self) -> list[str]:

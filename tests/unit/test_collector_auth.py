@@ -102,10 +102,11 @@ def test_tls_and_a_token_file_on_both_sides_and_the_connectors_exporter(tmp_path
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_CERTIFICATE", str(tls.ca))
         monkeypatch.delenv("OTEL_EXPORTER_OTLP_HEADERS", raising=False)
         monkeypatch.delenv(TOKEN_ENV, raising=False)
-        assert pipeline.otlp_exporter(c.http).export(refused).name == "FAILURE"  # no token: 401
+        # kvlens_collector: the endpoint is the connector's otlp_endpoint option (a kvlens collector)
+        assert pipeline.otlp_exporter(c.http, kvlens_collector=True).export(refused).name == "FAILURE"  # no token
         monkeypatch.setenv(TOKEN_ENV, TOKEN)
-        assert pipeline.otlp_exporter(c.http).export(via_http).name == "SUCCESS"
-        exporter = pipeline.otlp_exporter(f"https://{c.grpc}", "grpc")
+        assert pipeline.otlp_exporter(c.http, kvlens_collector=True).export(via_http).name == "SUCCESS"
+        exporter = pipeline.otlp_exporter(f"https://{c.grpc}", "grpc", kvlens_collector=True)
         assert exporter.export(via_grpc).name == "SUCCESS"
         exporter.shutdown()
         with grpc.insecure_channel(c.grpc) as ch:  # plain gRPC to the TLS port

@@ -1,0 +1,216 @@
+"""Issue 42 against the real servers: credentials scoped by role (item 4),
+the Host / Origin / Content-Type guard (item 5), health without details
+(item 6) on ``kvlens collect``; the router's receiver behind the ingest
+token, never the API key; and kvlens' OTLP exporter sending its token only
+to a kvlens collector, never over plain http beyond loopback (item 3).
+
+Real components: the ``kvlens collect`` command, the router app under
+uvicorn, the SDK's OTLP exporters, grpcio, httpx, the store. Every refused
+request is shown to have written nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+import uvicorn
+
+from collect_proc import Collect
+from exporters import pipeline
+from kvlens import proxy
+from kvrecord.config import COLLECTORS_ENV, TOKEN_ENV
+from test_collector import pb_body, record_spans, stored, trace_ids
+from test_collector_auth import _grpc_call
+
+INGEST = "ingest-" + "i" * 24
+READ = "read-" + "r" * 24
+PB = {"content-type": "application/x-protobuf"}
+REJECTED = "kvlens_collector_requests_rejected_total"
+
+
+def _bearer(tok: str) -> dict:
+    return {"Authorization": f"Bearer {tok}"}
+
+
+def _n_stored(db, spans) -> int:
+    return sum(map(len, stored(db, trace_ids(spans)).values()))
+
+
+def test_collector_roles_health_and_guard(tmp_path):
+    """Ingest and read tokens of their own, no all-roles token: each opens
+    its routes only; /healthz says only ok without the read token (no store
+    path); a rebinding Host or a form's Content-Type is refused with the
+    right token too. Nothing refused is stored."""
+    refused, via_http, via_grpc = record_spans(2), record_spans(1), record_spans(1)
+    c = Collect(tmp_path, env={"KVLENS_INGEST_TOKEN": INGEST, "KVLENS_READ_TOKEN": READ})
+    url = f"{c.http}/v1/traces"
+    try:
+        assert "role tokens: ingest, read" in c.lines[-1]
+        body = pb_body(refused)
+        for headers in ({}, _bearer(READ), _bearer("x" * 24)):  # the read token does not ingest
+            r = httpx.post(url, content=body, headers={**PB, **headers})
+            assert r.status_code == 401, headers
+        r = httpx.post(url, content=body, headers={**PB, **_bearer(INGEST), "Host": "evil.example"})
+        assert r.status_code == 403 and "--allowed-host" in r.json()["message"]
+        r = httpx.post(url, content=body, headers={"content-type": "text/plain", **_bearer(INGEST)})
+        assert r.status_code == 415
+        r = httpx.post(url, content=body, headers={**PB, **_bearer(INGEST), "Origin": "https://evil.example"})
+        assert r.status_code == 403
+        assert httpx.post(url, content=pb_body(via_http), headers={**PB, **_bearer(INGEST)}).status_code == 200
+        with grpc.insecure_channel(c.grpc) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                _grpc_call(ch, body, READ)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert _grpc_call(ch, pb_body(via_grpc), INGEST) == b""
+        assert httpx.get(f"{c.http}/metrics", headers=_bearer(INGEST)).status_code == 401
+        assert httpx.get(f"{c.http}/metrics", headers=_bearer(READ)).status_code == 200
+        for path in ("/healthz", "/health"):
+            for headers in ({}, _bearer(INGEST)):
+                r = httpx.get(c.http + path, headers=headers)
+                assert r.status_code == 200 and r.json() == {"status": "ok"}, (path, headers)
+                assert str(c.store) not in r.text
+            full = httpx.get(c.http + path, headers=_bearer(READ)).json()
+            assert full["status"] == "ok" and full["store"] == str(c.store) and "queue_spans" in full
+        assert c.metric(REJECTED, {"reason": "unauthenticated"}, headers=_bearer(READ)) == 4
+    finally:
+        rc, out, err = c.stop()
+    assert rc == 0, err
+    assert INGEST not in out + err and READ not in out + err
+    assert _n_stored(c.store, refused) == 0
+    assert _n_stored(c.store, via_http) == len(via_http) and _n_stored(c.store, via_grpc) == len(via_grpc)
+
+
+def test_an_open_loopback_collector_refuses_what_a_web_page_could_send(tmp_path):
+    """No token (the default on loopback): a form's POST, a rebinding Host,
+    another site's Origin are refused; nothing is stored."""
+    refused, kept = record_spans(1), record_spans(1)
+    c = Collect(tmp_path, "--no-grpc")
+    url = f"{c.http}/v1/traces"
+    try:
+        for headers, status in (
+            ({"content-type": "text/plain"}, 415),
+            ({"content-type": "application/x-www-form-urlencoded"}, 415),
+            ({**PB, "Host": "evil.example"}, 403),
+            ({**PB, "Host": "kvlens.attacker.example:4318"}, 403),
+            ({**PB, "Origin": "http://evil.example"}, 403),
+        ):
+            assert httpx.post(url, content=pb_body(refused), headers=headers).status_code == status, headers
+        assert httpx.post(url, content=pb_body(kept), headers=PB).status_code == 200
+        port = c.http.rsplit(":", 1)[1]
+        assert httpx.get(f"http://localhost:{port}/healthz").status_code == 200  # a loopback name passes
+    finally:
+        rc, _, err = c.stop()
+    assert rc == 0, err
+    assert _n_stored(c.store, refused) == 0 and _n_stored(c.store, kept) == len(kept)
+
+
+def _host_address() -> str | None:
+    """This host's address beyond loopback (the interface of its default route), or None."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: UDP connect only picks the route
+        ip = s.getsockname()[0]
+        return None if ip.startswith("127.") else ip
+    return None
+
+
+def test_the_exporter_sends_its_token_only_to_a_marked_collector_and_never_in_clear(tmp_path, monkeypatch, caplog):
+    """Item 3: kvlens' OTLP exporter with ``$KVLENS_TOKEN`` set. Plain http
+    to an address beyond loopback: no token sent (the collector refuses the
+    spans: nothing stored), one error naming the endpoint, and the exporter
+    still works (serving goes on). An endpoint named only by the standard
+    variables and not marked: no token either. Marked (kvlens' own option,
+    or ``$KVLENS_COLLECTOR_ENDPOINTS``) on loopback: sent."""
+    ip = _host_address()
+    if ip is None:
+        pytest.skip("this host has no address beyond loopback")
+    in_clear, unmarked, listed, own = (record_spans(1) for _ in range(4))
+    c = Collect(tmp_path, "--host", "0.0.0.0", "--no-grpc", env={TOKEN_ENV: INGEST})
+    port = c.http.rsplit(":", 1)[1]
+    monkeypatch.setenv(TOKEN_ENV, INGEST)
+    for k in ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS", COLLECTORS_ENV):
+        monkeypatch.delenv(k, raising=False)
+    caplog.set_level(logging.ERROR, logger="kvlens")
+    try:
+        clear = f"http://{ip}:{port}"
+        for _ in range(2):  # a second exporter to the same endpoint logs nothing more
+            assert pipeline.otlp_exporter(clear, kvlens_collector=True).export(in_clear).name == "FAILURE"
+        errors = [r.getMessage() for r in caplog.records if clear in r.getMessage()]
+        assert len(errors) == 1 and "plain http beyond loopback" in errors[0] and INGEST not in errors[0]
+        loop = f"http://127.0.0.1:{port}"
+        assert pipeline.otlp_exporter(loop).export(unmarked).name == "FAILURE"
+        assert any("not marked as a kvlens collector" in r.getMessage() for r in caplog.records)
+        monkeypatch.setenv(COLLECTORS_ENV, f"https://other:4318, 127.0.0.1:{port}")
+        assert pipeline.otlp_exporter(loop).export(listed).name == "SUCCESS"
+        monkeypatch.delenv(COLLECTORS_ENV)
+        assert pipeline.otlp_exporter(loop, kvlens_collector=True).export(own).name == "SUCCESS"
+        assert c.metric(REJECTED, {"reason": "unauthenticated"}, headers=_bearer(INGEST)) == 3
+    finally:
+        rc, out, err = c.stop()
+    assert rc == 0, err
+    assert _n_stored(c.store, in_clear) == 0 and _n_stored(c.store, unmarked) == 0
+    assert _n_stored(c.store, listed) == len(listed) and _n_stored(c.store, own) == len(own)
+
+
+@pytest.mark.parametrize(
+    "endpoint, marked, env, refused",
+    [
+        ("http://10.0.0.5:4318", True, {}, "plain http beyond loopback"),
+        ("http://collector.internal:4318", True, {}, "plain http beyond loopback"),
+        ("https://vendor.example:4318", False, {}, "not marked"),
+        ("https://vendor.example:4318", False, {COLLECTORS_ENV: "https://collector:4318"}, "not marked"),
+        ("https://collector:4318/v1/traces", False, {COLLECTORS_ENV: "https://collector:4318"}, None),
+        ("https://collector:4318", False, {COLLECTORS_ENV: "collector:4318"}, None),
+        ("https://collector:4318", False, {COLLECTORS_ENV: "http://collector:4318"}, "not marked"),
+        ("https://collector:4318", True, {}, None),
+        ("http://[::1]:4318", True, {}, None),
+        ("http://localhost:4318", True, {}, None),
+    ],
+)
+def test_token_refusal_rules(endpoint, marked, env, refused):
+    why = pipeline.token_refusal(endpoint, marked, env)
+    assert (why is None) if refused is None else (refused in why and endpoint in why)
+    headers = pipeline.otlp_headers({**env, "KVLENS_INGEST_TOKEN": INGEST, TOKEN_ENV: "o" * 20}, endpoint, marked)
+    assert headers == (None if refused else {"authorization": f"Bearer {INGEST}"})  # the ingest token first
+
+
+@contextlib.contextmanager
+def _router(cfg: proxy.ProxyConfig):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(proxy.create_app(cfg), log_level="warning", lifespan="on"))
+    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert t.is_alive() and time.monotonic() < deadline, "router did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        t.join(20)
+        sock.close()
+
+
+def test_the_routers_receiver_takes_the_ingest_token_never_the_api_key(tmp_path):
+    """Item 4: with ``--collect``, every OpenAI client holds the API key; it
+    must not post spans into the router's store. The ingest token does."""
+    forged, kept = record_spans(1), record_spans(1)
+    cfg = proxy.ProxyConfig(
+        prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
+        kvlens_home=str(tmp_path), collect=True, telemetry=False, api_key="sk-" + "k" * 20, ingest_token=INGEST,
+    )  # fmt: skip
+    with _router(cfg) as url, httpx.Client(base_url=url, timeout=20, trust_env=False) as c:
+        for headers in ({}, _bearer(cfg.api_key), _bearer(READ)):
+            assert c.post("/v1/traces", content=pb_body(forged), headers={**PB, **headers}).status_code == 401
+        assert c.post("/v1/traces", content=pb_body(kept), headers={**PB, **_bearer(INGEST)}).status_code == 200
+        assert c.get("/metrics/", headers=_bearer(cfg.api_key)).status_code == 200  # the API key reads metrics
+        assert c.get("/metrics/", headers=_bearer(INGEST)).status_code == 401
+    db = tmp_path / "traces.db"
+    assert _n_stored(db, forged) == 0 and _n_stored(db, kept) == len(kept)
