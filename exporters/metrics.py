@@ -34,6 +34,12 @@ anything else becomes ``_OTHER``; request and trace ids are never labels)::
     kvlens_transfer_implausible_total{mode,role}              counter (that figure above KVLENS_LINK_GBPS)
     kvlens_kv_hold_long_total{mode}                           counter (kv.hold > KVLENS_HOLD_WARN_S; resolver)
     kvlens_kv_recomputed_total{mode}                          counter (D computed more than the last partial block)
+    kvlens_phase_cpu_wait_seconds_total{mode,role,phase}      counter (spans with CPU figures: kvlens.cpu.wait_s)
+    kvlens_phase_cpu_seconds_total{mode,role,phase}           counter (kvlens.cpu.on_s)
+    kvlens_phase_cpu_span_seconds_total{mode,role,phase}      counter (those spans' wall time; unknown figures: none)
+        # a phase's CPU-wait share: sum by (mode, phase) (rate(kvlens_phase_cpu_wait_seconds_total[5m]))
+        #                         / sum by (mode, phase) (rate(kvlens_phase_cpu_span_seconds_total[5m]))
+        # the handoff's, per mode: recording rule kvlens:handoff_cpu_wait_share:ratio_5m
     kvlens_push_registrations_waiting                         gauge (P, push)
     kvlens_push_prefills_waiting                              gauge (P, push)
     kvlens_telemetry_dropped_total{role,reason}               counter

@@ -106,6 +106,7 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     )
     jobs = {r["metric"]["job"] for r in by_job or []}
     assert {"vllm-prefill", "vllm-decode", "kvlens-router"} <= jobs
+    _check_cpu(prom, mode, complete_phase, owner_job.removeprefix("vllm-"))
 
     # the recording rules evaluate (interval 2 s; rate windows need 2 samples)
     assert _wait(lambda: _safe(lambda: prom.query(f'kvlens:handoff_seconds:p50_1m{{mode="{mode}"}}')), timeout=60)
@@ -132,6 +133,35 @@ def _check_mode(stack, mode: str, phases, owner_job: str, post_phase: str, compl
     )
     vllm_sum = _value(prom, f'sum(vllm:nixl_xfer_time_seconds_sum{{job="{owner_job}"}})')
     assert ours_sum >= vllm_sum * 0.99, (ours_sum, vllm_sum)
+
+
+def _check_cpu(prom, mode: str, phase: str, role: str) -> None:
+    """CPU or wire: the transfer's completion spans carry the engine thread's
+    schedstat figures, and they reach Prometheus from vLLM's own /metrics (the
+    sidecar's multiprocess files): on-CPU and span time > 0, the CPU wait a
+    series (>= 0: how much the host made it wait is not ours to fix). Where
+    this kernel has no schedstat the figures are unknown: no series at all."""
+    from kvrecord import cpuclock
+
+    sel = f'{{mode="{mode}",phase="{phase}",role="{role}"}}'
+    names = (
+        "kvlens_phase_cpu_seconds_total",
+        "kvlens_phase_cpu_wait_seconds_total",
+        "kvlens_phase_cpu_span_seconds_total",
+    )
+    if cpuclock.probe()[0] is not None:
+        assert all(_value(prom, f"sum({n}{sel})") is None for n in names)
+        return
+    got = _wait(
+        lambda: (lambda v: v if None not in v and v[0] > 0 else None)([_value(prom, f"sum({n}{sel})") for n in names])
+    )
+    assert got, [_value(prom, f"sum({n}{sel})") for n in names]
+    on, wait, span = got
+    assert on > 0 and wait >= 0 and span > 0, got
+    # the recording rule: the handoff's CPU-wait share of this mode, a fraction
+    rule = f'kvlens:handoff_cpu_wait_share:ratio_5m{{mode="{mode}"}}'
+    share = _wait(lambda: (lambda v: [v] if v is not None and 0 <= v <= 1 else None)(_value(prom, rule)), timeout=60)
+    assert share, _safe(lambda: prom.query(rule))  # a list: a share of 0 is an answer
 
 
 def _by_role(prom, q: str) -> dict[str, float] | None:
