@@ -79,7 +79,7 @@ def test_demo_then_live_canary(stack_factory, kvlens_home, tmp_path):
         laps.append(("verdict, whatif", time.monotonic()))
         _check_prometheus(prom_url)
         laps.append(("Prometheus", time.monotonic()))
-        _check_live_dashboard(prom_url, f"http://127.0.0.1:{dash_port}")
+        _check_live_dashboard(prom_url, f"http://127.0.0.1:{dash_port}", kvlens_home, db, manifest)
         laps.append(("dashboard in Chromium", time.monotonic()))
         words = _wait_for(log, demo, LIVE_VERDICT, timeout_s=300)
         _check_closing_words(words[words.index(LIVE_VERDICT) :])
@@ -213,11 +213,13 @@ def _check_prometheus(url: str) -> None:
         )
 
 
-def _check_live_dashboard(prom_url: str, dash_url: str) -> None:
+def _check_live_dashboard(prom_url: str, dash_url: str, kvlens_home, db, manifest: dict) -> None:
     """The Overview's live figures from the dashboard's own Prometheus loader
     (each mode's request rate and lost spans are figures, not "-"), and the
     page as it is drawn in a real Chromium: its headline is the live verdict
-    on the canary's split-assigned requests, its live cards have figures."""
+    on the canary's split-assigned requests, its live cards have figures,
+    and what issue 43 asks of them (:func:`_check_figures_agree`); the
+    Compare page shows no ratio without its interval."""
     from dashboard import prom
 
     for mode in ("push", "pull"):
@@ -266,7 +268,97 @@ def _check_live_dashboard(prom_url: str, dash_url: str) -> None:
             raise AssertionError(f"{e}: {cards}") from None
         page.wait_for_timeout(3000)  # let the charts finish
         chromium.screenshot_if_asked(page)
+        _check_figures_agree(page, kvlens_home, db, manifest)
+        assert not _bare_ratios(page.inner_text("body")), page.inner_text("body")[:3000]
+        chromium.open_page(page, dash_url + "/compare", chromium.PAGE_URLS["/compare"], timeout_ms=300_000)
+        page.get_by_text("Push against pull, last 1h").first.wait_for(timeout=300_000)
+        body = page.inner_text("body")
+        assert not _bare_ratios(body), body[:3000]
         page.close()
+    _check_compare_tables(db)
+
+
+#: A push/pull ratio in text, not followed by its interval (``0.96 [0.68-1.45]``).
+_BARE_RATIO = re.compile(r"push\s*(?:/|÷)\s*pull[^\d\n]{0,30}?(\d+\.\d+)(?!\d|\s*\[\d)")
+
+
+def _bare_ratios(text: str) -> list[str]:
+    return [m.group(0) for m in _BARE_RATIO.finditer(text)]
+
+
+def _page_cards(page) -> list[dict]:
+    """Every card (label, value) in page order: the health strip's, then push's column, then pull's."""
+    return page.evaluate(CARDS_JS)
+
+
+def _card_s(cards: list[dict], name: str) -> list[float | None]:
+    """The values of the cards named ``name`` (``handoff p50 (ms)``), in seconds (None: "-")."""
+    out = []
+    for c in cards:
+        label = c["label"]
+        if label.rsplit(" (", 1)[0] != name:
+            continue
+        scale = 1e-3 if label.endswith("(ms)") else 1.0
+        v = c["value"].replace(",", "")
+        out.append(None if v in ("", "-") else float(v) * scale)
+    return out
+
+
+def _check_figures_agree(page, kvlens_home, db, manifest: dict) -> None:
+    """Issue 43, on the demo's own fleet, as Chromium shows the Overview:
+    TPOT per mode is a number; each mode's req/s is within 30 % of the load
+    the fleet served (its requests in the store since the fleet's first, over
+    that time: the gentle load and the canary's); the handoff p50/p90 agree
+    with ``kvlens traces`` over the same 1 h within 10 %."""
+    from datetime import datetime
+
+    import numpy as np
+
+    cards = _page_cards(page)
+    tpot = [c["value"] for c in cards if c["label"].startswith("TPOT")]
+    assert len(tpot) == 2 and all(v not in ("", "-") for v in tpot), cards
+    rates = [float(c["value"].replace(",", "")) for c in cards if c["label"] == "req/s"]
+    started = datetime.strptime(manifest["started_at"], "%Y-%m-%dT%H:%M:%S%z").timestamp() * 1e9
+    with store.reading(db) as conn:
+        live = [r for r in store.slowest(conn, 10_000, order="start") if (r["start_ns"] or 0) >= started]
+    first = min(r["start_ns"] for r in live)
+    age_s = (time.time_ns() - first) / 1e9
+    for mode, shown in zip(("push", "pull"), rates):
+        served = sum(r["mode"] == mode for r in live) / age_s
+        assert abs(shown - served) <= 0.3 * served, (mode, shown, served, age_s, cards)
+    assert "Handoff percentiles from the trace store" in page.inner_text("body")
+    for mode, p50, p90 in zip(
+        ("push", "pull"), _card_s(cards, "handoff p50"), _card_s(cards, "handoff p90"), strict=True
+    ):
+        out = canary.cli(kvlens_home, db, "traces", "--json", "--since", "1h", "--mode", mode, "--slowest", "10000")
+        assert out.returncode == 0, out.stderr
+        h = [d["handoff_s"] for d in map(json.loads, out.stdout.splitlines()) if d.get("handoff_s") is not None]
+        want = np.percentile(h, [50, 90])
+        assert abs(p50 - want[0]) <= 0.1 * want[0] and abs(p90 - want[1]) <= 0.1 * want[1], (mode, p50, p90, want)
+
+
+def _check_compare_tables(db) -> None:
+    """The Compare page's tables on the demo's store (Streamlit draws them on a
+    canvas, so they are read through AppTest, the same page code): the grid's
+    ratios each beside its interval, the live window's only as the verdict's."""
+    from streamlit.testing.v1 import AppTest
+
+    saved = sys.argv
+    sys.argv = ["app.py", "--store", db.text]
+    try:
+        at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py"), default_timeout=300)
+        at.query_params["page"] = "compare"
+        at.run()
+    finally:
+        sys.argv = saved
+    assert not at.exception, [e.value for e in at.exception]
+    tables = [d.value for d in at.dataframe]
+    grid, verdict = tables[0], next(t for t in tables if "push/pull" in t.columns)
+    for c in [c for c in grid.columns if "÷" in c]:
+        assert f"{c.split(' ')[0].replace('_', ' ').replace('ttft', 'TTFT')} 95% CI" in grid.columns, grid.columns
+    assert not any("÷" in str(x) for t in tables[2:] for x in list(t.columns) + list(t.get("mode", ()))), tables
+    for r in verdict.to_dict("records"):
+        assert re.fullmatch(r"\d+\.\d\d-\d+\.\d\d", r["95 % interval"]) or "not enough data" in r["verdict"], r
 
 
 #: label and value of every card on the page (the first column: push's, then pull's)
