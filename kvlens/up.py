@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 
+from kvlens.argtypes import api_key_arg
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.commands import env_api_key
 from kvlens.stack.errors import StackError
@@ -190,8 +191,9 @@ def run(args: argparse.Namespace) -> int:
     (exit 0), a child's death (1) or a start-up error (2). Main thread."""
     stack: Stack | None = None
     try:
+        args.api_key = api_key_arg(args, lambda line: print(f"kvlens up: {line}", file=sys.stderr, flush=True))
         check_args(args)
-    except StackError as e:
+    except (StackError, ValueError) as e:
         print(f"kvlens up: error: {e}", file=sys.stderr, flush=True)
         return 2
     with sigterm_as_interrupt():

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from kvrecord.ports import DEFAULT_HOST
-from kvlens.argtypes import from_parser, int_in, positive
+from kvlens.argtypes import add_api_key_arguments, from_parser, int_in, positive
 from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from kvlens.stack.errors import StackError
 from kvlens.proxy.split import parse_split
@@ -184,13 +184,10 @@ def _add_topology_arguments(p: argparse.ArgumentParser) -> None:
         "the collector's home)",
     )
     _add_network_arguments(p)
-    p.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="API key P, D (vLLM's --api-key, handed over as VLLM_API_KEY) and the router require "
-        "on /v1/*; the stack's own health checks and warm-up send it (default: "
-        "$KVLENS_API_KEY, else $VLLM_API_KEY, else none; the environment keeps it out of `ps`)",
+    add_api_key_arguments(
+        p,
+        "what P, D (vLLM's --api-key, handed over as VLLM_API_KEY) and the router require on /v1/*; "
+        "the stack's own health checks and warm-up send it",
     )
 
 

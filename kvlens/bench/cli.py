@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from kvlens.argtypes import add_api_key_arguments, api_key_arg
 from kvlens.bench import grid
 from kvlens.bench.grid import BenchError, BenchOptions
 from kvlens.bench.links import check_link_args
@@ -81,13 +82,7 @@ def add_grid_arguments(
         "--request-timeout", type=float, default=120.0, help="seconds before a request counts as failed (default 120)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="API key the routers (and started stacks) require, sent as a bearer token "
-        "(default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)",
-    )
+    add_api_key_arguments(p, "what the routers (and started stacks) require, sent as a bearer token")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -241,8 +236,9 @@ def _finish(prog: str, run_: BenchRun) -> None:
 def run(args: argparse.Namespace) -> int:
     quiet_http_logs(args)
     try:
+        args.api_key = api_key_arg(args, lambda line: print(f"kvlens bench: {line}", file=sys.stderr, flush=True))
         opts, modes, dispatches, target = _parse(args)
-    except BenchError as e:
+    except (BenchError, ValueError) as e:
         print(f"kvlens bench: error: {e}", file=sys.stderr, flush=True)
         return 2
     run_ = new_run(opts)

@@ -26,16 +26,13 @@ import sys
 import urllib.parse
 
 from kvlens import auth, origin
-from kvlens.argtypes import add_keep_arguments, keep_rule, positive
+from kvlens.argtypes import API_KEY_ENV, add_api_key_arguments, add_keep_arguments, api_key_arg, keep_rule, positive
 from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SPLIT, MODES, Decode, Prefill, ProxyConfig
 from kvlens.proxy.split import parse_split
 from kvlens.stack.ports import is_loopback, port_arg
 
 logger = logging.getLogger("kvlens.proxy")
 
-#: Environment variables the API key is read from when --api-key is not
-#: given (the first set wins); VLLM_API_KEY is what vLLM itself reads.
-API_KEY_ENV = ("KVLENS_API_KEY", "VLLM_API_KEY")
 MIB = 1024 * 1024
 
 
@@ -224,53 +221,13 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_api_key_arguments(p: argparse.ArgumentParser, what: str) -> None:
-    """``--api-key-file`` and the deprecated ``--api-key`` (``kvlens proxy``, ``up``, ``bench``)."""
-    p.add_argument(
-        "--api-key-file",
-        default=None,
-        metavar="PATH",
-        help=f"file holding the API key: {what} (default: ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else none)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help=f"the API key as a flag value: ps shows it to every user of the host (a warning says so); "
-        f"prefer --api-key-file or ${API_KEY_ENV[0]}",
-    )
-
-
-def api_key_from(args: argparse.Namespace, environ=None, warn=lambda line: logger.warning("%s", line)) -> str | None:
-    """The API key: ``--api-key-file``'s content, else ``--api-key`` (with a
-    warning naming the risk), else the first of :data:`API_KEY_ENV` that is
-    set, else None. ValueError naming the problem: both flags, an unreadable
-    or empty file, a key with spaces inside."""
-    env = os.environ if environ is None else environ
-    path, flag = getattr(args, "api_key_file", None), getattr(args, "api_key", None)
-    if path and flag:
-        raise ValueError("give the API key once: --api-key-file or --api-key, not both")
-    if path:
-        try:
-            key = open(path, "rb").read().decode("utf-8", "replace").strip()
-        except OSError as e:
-            raise ValueError(f"cannot read --api-key-file {path}: {e.strerror or e}") from None
-        if not key or any(c.isspace() or not c.isprintable() for c in key):
-            raise ValueError(f"--api-key-file {path}: the key must be one line of printable characters, no spaces")
-        return key
-    if flag:
-        warn(
-            "warning: --api-key puts the key on the command line, where ps shows it to every user of "
-            f"this host; use --api-key-file PATH or ${API_KEY_ENV[0]} instead"
-        )
-        return flag
-    return next((env[k] for k in API_KEY_ENV if env.get(k)), None)
-
-
 def api_key(args: argparse.Namespace) -> str | None:
-    """:func:`api_key_from`, read once per ``args`` (one warning)."""
+    """``--api-key-file``, else ``--api-key`` (one warning), else the first of
+    :data:`API_KEY_ENV` that is set, else None; read once per ``args``.
+    ValueError on a bad file (:func:`kvlens.argtypes.api_key_arg`)."""
     if not hasattr(args, "_api_key"):
-        args._api_key = api_key_from(args)
+        key = api_key_arg(args, lambda line: print(f"kvlens proxy: {line}", file=sys.stderr, flush=True))
+        args._api_key = key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
     return args._api_key
 
 
@@ -412,8 +369,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve the router until interrupted (uvicorn). 2 on a bad flag mix."""
     # start-up cost: uvicorn, fastapi and httpx load only when the router
     # really runs, not for ``kvlens --help`` (which imports this module)
-    import uvicorn
-
+    from kvlens import serving
     from kvlens.proxy.app import create_app
 
     try:
@@ -438,13 +394,9 @@ def run(args: argparse.Namespace) -> int:
         ", ".join(f"{d.engine_id}={d.mode}:{d.url}" for d in cfg.decodes),
         f" within each mode; split push={cfg.split:g}" if cfg.mixed else "",
     )
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=5,
-        **auth.uvicorn_ssl_kwargs(sec),
+    # TLS 1.2+ with kvlens' ciphers, and a cap on concurrent connections (kvlens/serving.py)
+    return serving.serve(
+        serving.config(
+            app, sec, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+        )
     )
-    return 0

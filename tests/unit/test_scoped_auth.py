@@ -214,3 +214,96 @@ def test_the_routers_receiver_takes_the_ingest_token_never_the_api_key(tmp_path)
         assert c.get("/metrics/", headers=_bearer(INGEST)).status_code == 401
     db = tmp_path / "traces.db"
     assert _n_stored(db, forged) == 0 and _n_stored(db, kept) == len(kept)
+
+
+# ------------------------------------------------------------ item 8: the API key off the command line
+def test_the_api_key_comes_from_a_file_and_the_flag_warns(tmp_path):
+    """``kvlens proxy --api-key-file``: the real command in front of fake P
+    and D; the key is not in its command line, clients must send it, P and D
+    get it. ``--api-key`` still works, with a warning naming ps."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from fakes import FakeVllm, d_answers, p_ok
+    from kvrecord.guard import parent_death_signal
+    from kvrecord.ports import free_port
+
+    key = "sk-file-" + "k" * 24
+    f = tmp_path / "api-key"
+    f.write_text(key + "\n")
+    f.chmod(0o600)
+    p, d = FakeVllm(p_ok), FakeVllm(d_answers)
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "KVLENS_API_KEY", "VLLM_API_KEY")}
+    env["KVLENS_HOME"] = str(tmp_path / "home")
+    port = free_port()
+    argv = [
+        sys.executable, "-m", "kvlens.cli", "proxy", "--mode", "pull", "--prefill", p.url, "--decode", d.url,
+        "--port", str(port), "--api-key-file", str(f), "--no-telemetry",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: parent_death_signal(signal.SIGTERM),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "router did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            time.sleep(0.2)
+        assert key not in open(f"/proc/{proc.pid}/cmdline", "rb").read().decode()
+        with httpx.Client(base_url=url, timeout=20, trust_env=False) as c:
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers=_bearer(key)).status_code == 200
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3}, headers=_bearer(key))
+            assert r.status_code == 200
+            assert c.post("/admin/split", json={"push": 1}, headers=_bearer(key)).status_code == 401
+        assert p.requests[0]["headers"]["Authorization"] == f"Bearer {key}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        p.close()
+        d.close()
+    assert "warning" not in out and key not in out
+
+    # the flag still works, with the warning; both, or a bad file: exit 2 naming the problem
+    def run(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", "pull", "--prefill", "http://127.0.0.1:9",
+             "--decode", "http://127.0.0.1:9", "--host", "0.0.0.0", "--port", "1", *extra],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    both = run("--api-key", key, "--api-key-file", str(f))
+    assert both.returncode == 2 and "not both" in both.stderr
+    (tmp_path / "empty").write_text("\n")
+    bad = run("--api-key-file", str(tmp_path / "empty"))
+    assert bad.returncode == 2 and "--api-key-file" in bad.stderr and "one line" in bad.stderr
+    gone = run("--api-key-file", str(tmp_path / "nope"))
+    assert gone.returncode == 2 and "cannot read --api-key-file" in gone.stderr
+    flag = run("--api-key", key, "--tls-cert", str(tmp_path / "nope.pem"))  # stops after the key is read
+    assert flag.returncode == 2 and "ps shows it to every user" in flag.stderr and key not in flag.stderr
+
+
+@pytest.mark.parametrize("command", ["up", "bench", "proxy"])
+def test_help_names_the_api_key_file_and_the_risk_of_the_flag(command, capsys):
+    from kvlens.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--api-key-file" in out and "ps shows it" in out and "KVLENS_API_KEY" in out
+
+
+@pytest.mark.parametrize("command", [["up", "--mode", "push"], ["bench", "--proxy", "http://127.0.0.1:9"]])
+def test_up_and_bench_refuse_an_unreadable_api_key_file_before_starting_anything(command, tmp_path, capsys):
+    from kvlens.cli import main
+
+    assert main([*command, "--api-key-file", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read --api-key-file" in err and str(tmp_path / "nope") in err
