@@ -48,7 +48,7 @@ from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
 from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, per_mode_tp, start_waves
 from kvlens.stack.tp import startup_timeout_s, tp_note
-from kvlens.stack.warmup import warm_up
+from kvlens.stack.warmup import warm_up, where_stuck
 
 logger = logging.getLogger("kvlens.up")
 
@@ -284,7 +284,7 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             if self.warmup:
                 for mode in self.modes:  # every pair's handshake; a mixed fleet's one mode at a time
                     n_p, n_d = self.per_mode
-                    self._warm_up(rounds=n_p * n_d, mode=mode if self.mixed else None)
+                    self._warm_up(rounds=n_p * n_d, mode=mode if self.mixed else None, deadline=t0 + timeout)
             if self.prometheus:
                 self.start_prometheus(self.prometheus_port)
         except BaseException:
@@ -334,12 +334,30 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             self.router_url = self.router_url or v.url
         wait_healthy(started, deadline, self._say, auth_headers(self.router_key))
 
-    def _warm_up(self, tries: int = 3, timeout_s: float = 90.0, rounds: int = 1, mode: str | None = None) -> None:
+    def _warm_up(
+        self,
+        tries: int = 3,
+        timeout_s: float = 90.0,
+        rounds: int = 1,
+        mode: str | None = None,
+        deadline: float | None = None,
+    ) -> None:
         """Tiny requests through :attr:`router_url` before reporting ready
         (:func:`kvlens.stack.warmup.warm_up`); ``mode``: a mixed fleet's
-        half they go to (``X-Kvlens-Mode``: no draw, so no canary trace)."""
+        half they go to (``X-Kvlens-Mode``: no draw, so no canary trace);
+        ``deadline``: the start timeout, past which it fails naming the stuck side."""
         headers = {**auth_headers(self.router_key), **({"X-Kvlens-Mode": mode} if mode else {})}
-        warm_up(self.router_url, headers, self._say, self.dead_child, tries, timeout_s, rounds)
+        warm_up(
+            self.router_url,
+            headers,
+            self._say,
+            self.dead_child,
+            tries,
+            timeout_s,
+            rounds,
+            deadline=deadline,
+            where_stuck=lambda tid: where_stuck(self.store, tid),
+        )
 
     @property
     def router_key(self) -> str | None:

@@ -5,6 +5,7 @@ ready (:func:`warm_up`). Blocks the calling thread (HTTP, up to
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Mapping
 
 from kvrecord.ids import new_trace_id
@@ -19,11 +20,19 @@ def warm_up(
     tries: int = 3,
     timeout_s: float = 90.0,
     rounds: int = 1,
+    deadline: float | None = None,
+    where_stuck: Callable[[str], str | None] | None = None,
 ) -> None:
     """``rounds`` tiny requests through the router at ``router_url`` (one per
     (P, D) pair: kvlens' router cycles over the pairs, so every pair's
     first-contact handshake happens here), each tried up to ``tries`` times. ``dead_child()``: a child
     that died (then StackError), else None.
+
+    ``deadline`` (``time.monotonic()``): the stack's start timeout; no request
+    waits past it, and a warm-up still unanswered then is a StackError saying
+    where it is stuck: ``where_stuck(trace_id)`` (which side waits, in which
+    phase, from the store), so a start that hangs fails within its timeout
+    and names the side (issue 43 item 7), instead of reporting ready.
 
     The first request to a new P/D pair pays for kernel warm-up and the
     first-contact NIXL handshakes; vLLM gives a handshake reply 5 s, and
@@ -34,15 +43,20 @@ def warm_up(
     """
     import httpx  # start-up cost: ``kvlens --help`` imports this module
 
+    last: str | None = None  # the trace id of the last request that got no answer
     for n in range(1, rounds + 1):
         tag = f" {n}/{rounds}" if rounds > 1 else ""
         for i in range(1, tries + 1):
+            left = timeout_s if deadline is None else min(timeout_s, deadline - time.monotonic())
+            tid = new_trace_id()
+            if left < 1.0:
+                raise StackError(_stuck_message(tag, tid, last, where_stuck))
             try:
                 r = httpx.post(
                     router_url + "/v1/completions",
                     json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
-                    timeout=timeout_s,
-                    headers={"X-Request-Id": new_trace_id(), **headers},
+                    timeout=left,
+                    headers={"X-Request-Id": tid, **headers},
                 )
                 if r.status_code == 200:
                     say(f"warm-up request{tag} ok ({i}/{tries})")
@@ -50,9 +64,56 @@ def warm_up(
                 say(f"warm-up request{tag} returned HTTP {r.status_code} ({i}/{tries})")
             except httpx.HTTPError as e:
                 say(f"warm-up request{tag} failed: {type(e).__name__} ({i}/{tries})")
+            last = tid
             dead = dead_child()
             if dead is not None:
                 raise StackError(dead.died_message())
+            if deadline is not None and deadline - time.monotonic() < 1.0:
+                raise StackError(_stuck_message(tag, tid, tid, where_stuck))
         else:
             say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
             return
+
+
+def _stuck_message(tag: str, tid: str, last: str | None, where_stuck: Callable[[str], str | None] | None) -> str:
+    """Why the start timed out in the warm-up, naming the stuck side where the store knows it."""
+    last = last or tid
+    where = None
+    if where_stuck is not None:
+        try:
+            where = where_stuck(last)
+        except Exception as e:  # noqa: BLE001 - the timeout is the error; the store only explains it
+            where = f"the trace store could not say where ({type(e).__name__}: {e})"
+    return f"start timeout: the warm-up request{tag} (trace {last}) got no answer in time; " + (
+        where or "the trace store holds no span of it that names a waiting side"
+    )
+
+
+def where_stuck(loc, trace_id: str) -> str | None:
+    """Where a request is stuck, from the trace store ``loc``: the sides its
+    partial trace says still wait (side, engine, phase, how long), else which
+    roles reported spans and which end of the handoff is missing; None when
+    the store holds nothing of it."""
+    from kvtrace import store, stuck
+
+    with store.reading(loc) as conn:
+        sides = [s for s in stuck.stuck(conn, since_ns=None) if s.trace_id == trace_id]
+        spans = store.spans_for(conn, [trace_id]).get(trace_id) or []
+        rows = store.slowest(conn, 1, order="start", trace_ids=[trace_id])
+    if sides:
+        return "; ".join(
+            f"{s.mode or '?'} {s.side} ({s.engine or '?'}) still waits in {s.phase or '?'} "
+            f"({s.waited_s:.1f} s at its last report)"
+            for s in sides
+        )
+    if not spans and not rows:
+        return None
+    roles = sorted({str(sp.get("role") or "?") for sp in spans})
+    row = rows[0] if rows else {}
+    if row.get("prefill_finished_ns") is None:
+        missing = "P never finished its prefill (no prefill.finished): P is stuck"
+    elif row.get("kv_ready_ns") is None:
+        missing = "P finished its prefill, D never reported kv.ready: D is stuck"
+    else:
+        missing = "both ends of the handoff arrived: stuck after the handoff (D's decode or the router)"
+    return f"spans from {', '.join(roles) or 'no process'}; {missing}"

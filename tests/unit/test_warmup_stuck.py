@@ -1,0 +1,80 @@
+"""A start that hangs in its warm-up fails within the start timeout and names
+the stuck side (issue 43 item 7: a mixed fleet started with a link delay
+once hung push D's worker after the NIXL handshake, and ``kvlens up`` waited
+on vLLM's 5-minute RPC timeout). The router is a real HTTP server that takes
+the request and never answers; the stuck sides come from a store written
+through the real pipeline (tests/health_store.py)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from health_store import add_health_traces
+from kvlens.stack.errors import StackError
+from kvlens.stack.warmup import warm_up, where_stuck
+from kvtrace.store import StoreLocation
+
+
+class SilentRouter:
+    """Accepts connections, reads the request, answers nothing (a router whose D hangs)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.ids: list[str] = []
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            head = c.recv(65536).decode(errors="replace")
+            self.ids += [x.split(":", 1)[1].strip() for x in head.splitlines() if x.lower().startswith("x-request-id:")]
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+def test_warm_up_fails_at_the_start_deadline_naming_the_stuck_side():
+    router = SilentRouter()
+    said: list[str] = []
+    try:
+        with pytest.raises(StackError) as e:
+            warm_up(
+                router.url,
+                {},
+                said.append,
+                lambda: None,
+                tries=3,
+                timeout_s=90.0,
+                deadline=time.monotonic() + 3.0,
+                where_stuck=lambda tid: f"push D (d0) still waits in awaiting_kv for {tid}",
+            )
+    finally:
+        router.close()
+    msg = str(e.value)
+    assert msg.startswith("start timeout: the warm-up request") and router.ids, (msg, router.ids)
+    assert f"(trace {router.ids[-1]})" in msg and f"awaiting_kv for {router.ids[-1]}" in msg, msg
+    assert said and "ReadTimeout" in said[0]  # the request's own wait ended at the deadline, not at 90 s
+
+
+def test_where_stuck_reads_the_waiting_side_from_the_store(tmp_path):
+    ids = add_health_traces({"kvlens_home": str(tmp_path), "kvlens_metrics": "off"}, time.time_ns())
+    loc = StoreLocation.parse(str(tmp_path / "traces.db"))
+    words = where_stuck(loc, ids["push_stuck"])
+    assert words.startswith("push D (d0) still waits in awaiting_kv"), words
+    words = where_stuck(loc, ids["pull_stuck"])
+    assert "pull P (p0) still waits in awaiting_read" in words, words
+    assert where_stuck(loc, "0" * 32) is None  # nothing of it in the store: the caller says so
