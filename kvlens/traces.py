@@ -5,7 +5,11 @@ critical path (``prefill.finished`` -> ``kv.ready``) is marked on the axis and
 phases on it are drawn with ``#``, phases off it (push registration
 overlapping prefill, P's queue+prefill, the root ``request``) with ``=``;
 point phases are ``|``. Which span is on the critical path is
-:mod:`kvtrace.tracemodel`'s decision, the same the dashboard shows.
+:mod:`kvtrace.tracemodel`'s decision, the same the dashboard shows. The
+first cells of a span's bar are drawn ``░`` in proportion to the CPU wait of
+the thread that ended it (runnable, waiting for a CPU; ``kvlens.cpu.wait_s``);
+a line under the waterfall splits the handoff into CPU wait, CPU work,
+off-CPU and unknown (:mod:`kvtrace.cpusplit`).
 """
 
 from __future__ import annotations
@@ -13,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from kvlens.argtypes import duration_text, int_in
 from kvrecord import config
 from kvrecord import semconv as sc
-from kvtrace import costs, kvuse, perfetto, ranks, store, stuck, tracemodel
+from kvtrace import costs, cpusplit, kvuse, perfetto, ranks, store, stuck, tracemodel
 from kvlens.stuckcmd import OPEN_SINCE_DEFAULT, _clock, _fmt_age, run_open
 from kvrecord.keeprule import NOT_KEPT
 from kvtrace.tracemodel import NOT_KEPT_NOTE, Trace
@@ -35,6 +40,16 @@ MAX_SLOWEST = 10_000
 MIN_WIDTH, MAX_WIDTH = 20, 1000
 #: Longest --since (100 years): "everything" without an overflowing bound.
 MAX_SINCE_S = 100 * 365 * 86400
+
+
+#: The glyph of a bar's CPU-wait part (its first cells, in proportion).
+CPU_WAIT = "░"
+#: The line under the waterfalls.
+LEGEND = (
+    "legend: # on the critical path (prefill.finished -> kv.ready), = off it (overlap), | point event, "
+    f"{CPU_WAIT} the part of the span its thread waited for a CPU (runnable, not running: host contention; "
+    "drawn first, its place within the span is not known)"
+)
 
 
 #: argparse ``type=`` of --since
@@ -194,12 +209,73 @@ def waterfall(trace: Trace, width: int = 60) -> str:
             label = ranks.lane(lane, s, multi)
             bar = [" "] * width
             ch = "|" if s.start_ns == s.end_ns else ("#" if s.critical else "=")
-            for i in range(col(s.start_ns), col(s.end_ns) + 1):
+            a, z = col(s.start_ns), col(s.end_ns)
+            for i in range(a, z + 1):
                 bar[i] = ch
+            for i in range(a, a + _wait_cells(s, z - a + 1)):
+                bar[i] = CPU_WAIT
             flag = "" if s.outcome in (None, "ok") else f" !{s.outcome}"
             lines.append(f"  {label:<7}{s.name[:name_w]:<{name_w + 1}}[{''.join(bar)}] {_fmt_s(s.duration_s)}{flag}")
     lines.append(f"  {'':<30} 0{'':>{width - 10}}{_fmt_s(span_ns / 1e9):>9}")
-    return "\n".join(lines + _waterfall_notes(spans))
+    return "\n".join(lines + _cpu_lines(trace) + _waterfall_notes(spans))
+
+
+def _wait_cells(s, cells: int) -> int:
+    """How many of a span's ``cells`` show its thread's CPU wait (0: none, or no figures)."""
+    fig = cpusplit.span_figures(s.attributes or {})
+    if fig is None or s.end_ns <= s.start_ns or fig.wait_s <= 0:
+        return 0
+    return min(cells, round(cells * fig.wait_s * 1e9 / (s.end_ns - s.start_ns)))
+
+
+#: Lines under a waterfall (and the legend) wrap at this many columns.
+TEXT_WIDTH = 120
+
+
+def _wrapped(line: str) -> list[str]:
+    """``line`` (its own indent kept) wrapped at spaces to :data:`TEXT_WIDTH`, continuations 4 deeper."""
+    lead = " " * (len(line) - len(line.lstrip(" ")))
+    return textwrap.wrap(
+        line.strip(),
+        TEXT_WIDTH,
+        initial_indent=lead,
+        subsequent_indent=lead + "    ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1000:.1f} ms"
+
+
+def _cpu_lines(trace: Trace) -> list[str]:
+    """The handoff split into CPU wait, CPU work, off-CPU and unknown; the
+    progress thread's figures on the wire phases (it spins: said so)."""
+    split = cpusplit.handoff_cpu(trace)
+    if split.handoff_s is None:
+        return []
+    h = split.handoff_s
+    if split.cpu_wait_s is None:
+        lines = [f"  handoff {_ms(h)}: CPU wait unknown ({cpusplit.unknown_reason(split)})"]
+    else:
+        lines = [
+            f"  handoff {_ms(h)}: CPU wait {_ms(split.cpu_wait_s)} ({split.cpu_wait_s / h * 100:.0f} %), "
+            f"CPU work {_ms(split.cpu_on_s or 0.0)}, off-CPU {_ms(split.off_cpu_s or 0.0)}, "
+            f"unknown {_ms(split.unknown_s or 0.0)} (derived phases, unnamed gaps)"
+        ]
+        why: dict[str, list[str]] = {}
+        for phase, note in split.notes.items():
+            if note not in (cpusplit.DERIVED_NOTE, cpusplit.SPIN_NOTE):
+                why.setdefault(note, []).append(phase)
+        lines += [f"  no CPU figures on {', '.join(ps)} (in unknown): {note}" for note, ps in why.items()]
+    for phase, f in sorted(cpusplit.wire_progress(trace).items()):
+        on, wait = f.get("on_s"), f.get("wait_s")
+        lines.append(
+            f"  progress thread over {phase}: on CPU {'?' if on is None else _ms(on)}, "
+            f"CPU wait {'?' if wait is None else _ms(wait)} ({cpusplit.SPIN_NOTE})"
+        )
+    return [w for line in lines for w in _wrapped(line)]
 
 
 def _waterfall_notes(spans) -> list[str]:
@@ -240,6 +316,7 @@ def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> st
             f"  {b.requests} requests, mean handoff {_fmt_s(b.handoff_ns / b.requests / 1e9)}, "
             f"unattributed at the median {'-' if med is None else f'{med * 100:.1f} %'}"
         )
+        lines.append("  " + cpu_share_words(b))
         for name, share in b.shares():
             ns = b.unattributed_ns if name == tracemodel.UNATTRIBUTED else b.phases[name]
             lines.append(f"    {name:<22}{share * 100:6.1f} %  {_fmt_s(ns / b.requests / 1e9):>9}/request")
@@ -250,6 +327,21 @@ def breakdown_text(groups: dict[str, tracemodel.Breakdown], gaps: int = 5) -> st
                 lines.append(f"    {a} -> {z}: {n}, {_fmt_s(tot / 1e9)}, {_fmt_s(mid / 1e9)}")
         lines.append("")
     return "\n".join(lines).rstrip()
+
+
+def cpu_share_words(b: tracemodel.Breakdown) -> str:
+    """A group's median CPU-wait share of the handoff, over the requests with
+    CPU figures; "unknown (why)" where none had them."""
+    n = len(b.cpu_wait_shares)
+    unknown = sum(b.cpu_unknown.values())
+    if not n:
+        why = max(b.cpu_unknown, key=b.cpu_unknown.get) if b.cpu_unknown else cpusplit.NO_FIGURES
+        return f"CPU wait: unknown ({why})"
+    rest = f"; {unknown} without CPU figures" if unknown else ""
+    return (
+        f"CPU wait: {b.median_cpu_wait_share * 100:.1f} % of the handoff at the median "
+        f"(threads runnable, waiting for a CPU; {n} requests with CPU figures{rest})"
+    )
 
 
 def _load_breakdown(path: store.StoreLocation, args: argparse.Namespace) -> dict[str, tracemodel.Breakdown]:
@@ -353,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
     for t in traces:
         print(waterfall(t, args.width))
         print()
-    print("legend: # on the critical path (prefill.finished -> kv.ready), = off it (overlap), | point event")
+    print("\n".join(_wrapped(LEGEND)))
     if summary:
         print(
             f"\nwhat the handoff is made of (newest {costs.BREAKDOWN_SAMPLE} completed traces; details: --breakdown):"

@@ -8,7 +8,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 from kvrecord import derived
 from kvrecord import semconv as sc
-from kvtrace import store
+from kvtrace import cpusplit, store
 from kvtrace.tiling import _PHASES, NOT_HANDOFF_PHASES, Breakdown, Tiling, derive, summarize, tile
 from kvtrace.tracemodel import critical_ns, d_shift_ns, slowest
 
@@ -108,12 +108,18 @@ def breakdown(
     filters.pop("with_spans", None)
     trs = slowest(conn, limit, order="start", completed=True, with_spans=True, **filters)
     pairs: list[tuple[str, Tiling | None]] = []
+    cpu = []
     for t in trs:
         til = t.tiling(derived=derived)
-        pairs.append((t.mode or "?", til))
-        if by_dispatch and t.dispatch:
-            pairs.append((f"{t.mode}/{t.dispatch}", til))
-    return summarize(pairs)
+        keys = [t.mode or "?"] + ([f"{t.mode}/{t.dispatch}"] if by_dispatch and t.dispatch else [])
+        pairs += [(k, til) for k in keys]
+        cpu.append((keys, cpusplit.handoff_cpu(t)))
+    out = summarize(pairs)
+    for keys, hc in cpu:  # each request's CPU-wait share of its handoff (the median is the summary's)
+        for k in keys:
+            if k in out:
+                out[k].add_cpu(hc.cpu_wait_s, hc.handoff_s, cpusplit.unknown_reason(hc))
+    return out
 
 
 def summary_only(conn, **filters: Any) -> int:

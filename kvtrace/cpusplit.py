@@ -141,3 +141,19 @@ def wire_progress(trace: Any) -> dict[str, dict[str, float]]:
         if a.get(sc.ATTR_CPU_PROGRESS_WAIT_S) is not None:
             out[name] = {"on_s": a.get(sc.ATTR_CPU_PROGRESS_ON_S), "wait_s": a.get(sc.ATTR_CPU_PROGRESS_WAIT_S)}
     return out
+
+
+#: Why a handoff has no CPU split where its phases name no reason of their own.
+NO_FIGURES = "no phase on the critical path carries CPU figures"
+
+
+def unknown_reason(split: HandoffCpu) -> str:
+    """Why ``split``'s CPU figures are unknown, in a few words: the reason a
+    recorded phase gave (``kvlens.cpu.unknown``), else :data:`NO_FIGURES`
+    (every phase derived), or "no handoff window"."""
+    if split.handoff_s is None:
+        return "no handoff window"
+    for note in split.notes.values():
+        if note not in (DERIVED_NOTE, SPIN_NOTE):
+            return note
+    return NO_FIGURES

@@ -319,6 +319,23 @@ class Breakdown:
     #: False where ``handoff_ns`` is only the sum of the phases (Prometheus
     #: durations): then nothing can be said about unattributed time
     handoff_known: bool = True
+    #: each request's CPU-wait share of its handoff, where its phases carry CPU
+    #: figures (:func:`kvtrace.costs.breakdown` adds them; :mod:`kvtrace.cpusplit`)
+    cpu_wait_shares: list[float] = field(default_factory=list)
+    #: requests without CPU figures, by the reason
+    cpu_unknown: dict[str, int] = field(default_factory=dict)
+
+    def add_cpu(self, wait_s: float | None, handoff_s: float | None, why: str) -> None:
+        """One request's CPU wait over its handoff (``None``: unknown, ``why``)."""
+        if wait_s is None or not handoff_s or handoff_s <= 0:
+            self.cpu_unknown[why] = self.cpu_unknown.get(why, 0) + 1
+        else:
+            self.cpu_wait_shares.append(min(wait_s / handoff_s, 1.0))
+
+    @property
+    def median_cpu_wait_share(self) -> float | None:
+        """The CPU-wait share of the handoff at the median over the requests with figures (None: none had)."""
+        return statistics.median(self.cpu_wait_shares) if self.cpu_wait_shares else None
 
     def add(self, t: Tiling) -> None:
         if t.handoff_ns <= 0:
