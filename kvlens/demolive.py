@@ -201,6 +201,8 @@ def closing_words(loc: StoreLocation, since_ns: int, elapsed_s: float, grid: Seq
         for key, _, _, words in kv_verdict.METRICS:
             out.append(f"    {words:<12} {kv_verdict.ratio_words(v.ratios[key])}")
         out.append(f"  in short: {_in_short(v)}")
+        cw = kv_verdict.cpu_words(v)
+        out.append(f"  CPU: {cw}" if cw else "  CPU: no request carries CPU figures (kvlens.cpu.*): unknown")
         enough = v.ratios["ttft_p50"].status != stats.NOT_ENOUGH
     if ws:
         out.append(

@@ -9,6 +9,15 @@ thread, ``wall - on - wait`` is the time it was blocked (the wire, the peer,
 a lock, an idle queue). ``/proc/pressure/cpu``'s ``some total`` (PSI, µs)
 is the host's time with at least one runnable task waiting.
 
+One catch, measured here: the kernel updates a *running* thread's on-CPU
+figure in schedstat only at its scheduler ticks (every 4 ms at HZ 250), so
+two readings 31 µs apart differed by 6.4 ms. On-CPU time is therefore read
+from the thread's CPU-time clock (``clock_gettime`` of
+``CLOCK_THREAD_CPUTIME_ID`` / the per-thread clock id: the kernel brings it up
+to date on every read), and only the run-queue wait from schedstat: a
+thread's wait is added when it gets a CPU, so a thread reading its own is
+exact; a reading of another thread (a spinner) misses only the wait it is in.
+
 How kvlens reads them (docs/phases.md, "CPU or wire"):
 
 * :meth:`CpuClock.now` is the hooks' clock: the wall-clock ns the hooks
@@ -37,7 +46,7 @@ import collections
 import os
 import threading
 import time
-from typing import Iterable, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from kvrecord.logutil import log_once
 
@@ -57,7 +66,49 @@ ENV = "KVLENS_CPU_ACCOUNTING"
 
 _get_tid = threading.get_native_id
 _time_ns = time.time_ns
-_pread = os.pread
+#: A reading is kept only when it ended within this long of its timestamp: a
+#: thread preempted (or made to wait for the GIL) between the two would carry
+#: its wait into a window it does not belong to (measured here before this
+#: check: a 32 µs phase with 1.2 ms on-CPU + wait).
+SMEAR_NS = 50_000
+
+
+def _gil_pread():
+    """``pread`` called with the GIL held (``ctypes.PyDLL``): os.pread releases
+    it, and taking it back can wait for another thread's 5 ms switch interval
+    between a reading and its check. Returns ``f(fd, buf) -> bytes``."""
+    import ctypes
+
+    libc = ctypes.PyDLL(None)
+    fn = libc.pread
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long]
+    fn.restype = ctypes.c_ssize_t
+    bufs: dict[int, Any] = {}
+
+    def pread(fd: int, n: int, _off: int = 0) -> bytes:
+        buf = bufs.get(fd)
+        if buf is None:
+            buf = bufs[fd] = ctypes.create_string_buffer(256)
+        got = fn(fd, buf, n, 0)
+        if got <= 0:
+            raise OSError(f"pread of fd {fd} returned {got}")
+        return buf.raw[:got]
+
+    return pread
+
+
+try:
+    _pread = _gil_pread()
+except Exception:  # no libc through ctypes: the plain call (readings smeared by GIL waits are dropped)
+    _pread = os.pread
+_thread_ns = time.thread_time_ns
+_clock_ns = time.clock_gettime_ns
+
+
+def thread_clock_id(tid: int) -> int:
+    """The CPU-time clock id of thread ``tid`` (the kernel's
+    ``MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)``): what ``pthread_getcpuclockid`` returns."""
+    return ((~tid) << 3) | 6
 
 
 class Window(NamedTuple):
@@ -72,6 +123,10 @@ def parse_schedstat(raw: bytes) -> tuple[int, int]:
     """(on-CPU ns, run-queue wait ns) of one schedstat reading."""
     a, b, _ = raw.split(None, 2)
     return int(a), int(b)
+
+
+def _wait(raw: bytes) -> int:
+    return int(raw.split(None, 2)[1])
 
 
 def parse_psi_some_us(raw: bytes) -> int:
@@ -105,11 +160,12 @@ class CpuClock:
     def __init__(self, ring: int = RING) -> None:
         self._ring = ring
         self._fds: dict[int, int] = {}  # tid -> fd (-1: unreadable)
-        self.rings: dict[int, collections.deque] = {}  # tid -> (t_ns, raw schedstat)
+        self.rings: dict[int, collections.deque] = {}  # tid -> (t_ns, on-CPU ns, raw schedstat)
         self.psi: collections.deque = collections.deque(maxlen=ring * 2)  # (t_ns, raw PSI)
-        self._spin: tuple[tuple[int, int], ...] = ()  # (tid, fd) of watched spinners
+        self._spin: tuple[tuple[int, int, int], ...] = ()  # (tid, fd, CPU clock id) of watched spinners
         self.spinners: frozenset[int] = frozenset()
         self._psi_fd = -1
+        self.smeared = 0  # readings dropped: they ended more than SMEAR_NS after their timestamp
         if os.environ.get(ENV, "1").strip() == "0":
             self.unknown = self.psi_unknown = f"turned off ({ENV}=0)"
         else:
@@ -125,29 +181,51 @@ class CpuClock:
 
     # ------------------------------------------------------------ hot path
     def now(self) -> int:
-        """Wall-clock ns, and a reading of this thread, the spinners and PSI."""
-        t = _time_ns()
-        if self.enabled:
-            self.sample(t)
-        return t
-
-    def sample(self, t: int | None = None) -> None:
-        """A reading of the calling thread, the spinners and PSI, stamped ``t`` (now)."""
+        """Wall-clock ns, and a reading of this thread, the spinners and PSI
+        stamped with it (the returned time is the kept reading's stamp)."""
+        if not self.enabled:
+            return _time_ns()
         try:
-            tid = _get_tid()
-            fd = self._fds.get(tid)
-            if fd is None:
-                fd = self._open(tid)
-            if t is None:
-                t = _time_ns()
-            if fd >= 0:
-                self.rings[tid].append((t, _pread(fd, 96, 0)))
-            for stid, sfd in self._spin:
-                self.rings[stid].append((t, _pread(sfd, 96, 0)))
-            if self._psi_fd >= 0:
-                self.psi.append((t, _pread(self._psi_fd, 160, 0)))
+            return self._read(_get_tid())
         except Exception:
             self._failed()
+            return _time_ns()
+
+    def sample(self) -> None:
+        """A reading of the calling thread, the spinners and PSI, stamped now."""
+        try:
+            self._read(_get_tid())
+        except Exception:
+            self._failed()
+
+    def _read(self, tid: int) -> int:
+        """The readings, stamped; the own reading is kept only if it ended
+        within :data:`SMEAR_NS` of its stamp (else the thread was preempted in
+        between: tried again, up to 3 times, then dropped and counted)."""
+        fd = self._fds.get(tid)
+        if fd is None:
+            fd = self._open(tid)
+        t = _time_ns()
+        if fd >= 0:
+            ring = self.rings[tid]
+            for _ in range(3):
+                r = (t, _thread_ns(), _pread(fd, 96, 0))
+                t1 = _time_ns()
+                if t1 - t < SMEAR_NS:
+                    ring.append(r)
+                    break
+                t = t1
+            else:
+                self.smeared += 1
+        for stid, sfd, cid in self._spin:
+            r = (t, _clock_ns(cid), _pread(sfd, 96, 0))
+            if _time_ns() - t < SMEAR_NS:
+                self.rings[stid].append(r)
+        if self._psi_fd >= 0:
+            r = (t, _pread(self._psi_fd, 160, 0))
+            if _time_ns() - t < SMEAR_NS:
+                self.psi.append(r)
+        return t
 
     def _open(self, tid: int) -> int:
         fd = -1
@@ -174,9 +252,9 @@ class CpuClock:
             if fd is None:
                 fd = self._open(tid)
             if fd >= 0:
-                spin.append((tid, fd))
+                spin.append((tid, fd, thread_clock_id(tid)))
         self._spin = tuple(spin)
-        self.spinners = frozenset(t for t, _ in spin)
+        self.spinners = frozenset(t for t, *_ in spin)
 
     # ------------------------------------------------------------ reading
     def window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
@@ -186,20 +264,18 @@ class CpuClock:
         if not ring:
             return None
         r1 = r0 = None
-        for t, raw in reversed(ring):
+        for r in reversed(ring):
             if r1 is None:
-                if t <= end_ns:
-                    r1 = (t, raw)
+                if r[0] <= end_ns:
+                    r1 = r
                 else:
                     continue
-            if t <= start_ns:
-                r0 = (t, raw)
+            if r[0] <= start_ns:
+                r0 = r
                 break
         if r0 is None or r1 is None:
             return None
-        on0, w0 = parse_schedstat(r0[1])
-        on1, w1 = parse_schedstat(r1[1])
-        return Window((on1 - on0) / 1e9, (w1 - w0) / 1e9, (start_ns - r0[0]) / 1e9)
+        return Window((r1[1] - r0[1]) / 1e9, (_wait(r1[2]) - _wait(r0[2])) / 1e9, (start_ns - r0[0]) / 1e9)
 
     def spinner_window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
         """A spinning thread's counters over ``[start_ns, end_ns]``, each end
@@ -236,17 +312,17 @@ def _interp(ring, t_ns: int) -> tuple[float, float] | None:
     """Counters (on, wait) at ``t_ns``, linear between the readings around it;
     None where no reading lies on one side of it."""
     after = None
-    for t, raw in reversed(ring):
+    for t, on0, raw in reversed(ring):
         if t <= t_ns:
-            on0, w0 = parse_schedstat(raw)
+            w0 = _wait(raw)
             if t == t_ns:
                 return float(on0), float(w0)
             if after is None:
                 return None
-            on1, w1 = parse_schedstat(after[1])
-            f = (t_ns - t) / (after[0] - t)
+            t1, on1, w1 = after
+            f = (t_ns - t) / (t1 - t)
             return on0 + f * (on1 - on0), w0 + f * (w1 - w0)
-        after = (t, raw)
+        after = (t, on0, _wait(raw))
     return None
 
 
@@ -267,8 +343,8 @@ def find_spinners(candidates: Iterable[int], sample_s: float = 0.5) -> set[int]:
     def read(tid: int) -> int | None:
         try:
             with open(SCHEDSTAT.format(tid=tid), "rb") as f:
-                on, wait = parse_schedstat(f.read())
-            return on + wait
+                wait = _wait(f.read())
+            return _clock_ns(thread_clock_id(tid)) + wait
         except Exception:
             return None
 

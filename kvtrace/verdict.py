@@ -40,7 +40,14 @@ METRICS: tuple[tuple[str, str, float, str], ...] = (
     ("ttft_p90", "ttft_s", 90.0, "TTFT p90"),
     ("handoff_p50", "handoff_s", 50.0, "handoff p50"),
     ("tpot_p50", "tpot_s", 50.0, "TPOT p50"),
+    ("handoff_nowait_p50", "handoff_nowait_s", 50.0, "CPU wait removed: handoff p50"),
 )
+#: Most requests whose handoff is split into CPU wait and the rest (their spans
+#: are read: :mod:`kvtrace.cpusplit`): the newest of the window.
+MAX_CPU_REQUESTS = 2000
+#: A mode's median CPU-wait share of the handoff from which the verdict says the
+#: host's contention decides the comparison.
+CPU_DECIDES_SHARE = 0.25
 #: The root span (split weight, TPOT); the prompt length is on TOKEN_SPANS (P's
 #: first: the length P computed), the spans the store's fold reads too.
 _ROOT = sc.Phase.REQUEST.value
@@ -78,6 +85,21 @@ class Request(NamedTuple):
     ttft_s: float | None
     handoff_s: float | None
     tpot_s: float | None
+    #: the handoff's critical-path CPU wait (kvtrace.cpusplit); None: unknown (no figures, spans not read)
+    cpu_wait_s: float | None = None
+
+    @property
+    def handoff_nowait_s(self) -> float | None:
+        """The handoff with its CPU wait removed (None where either is unknown)."""
+        if self.handoff_s is None or self.cpu_wait_s is None:
+            return None
+        return self.handoff_s - self.cpu_wait_s
+
+    @property
+    def cpu_wait_share(self) -> float | None:
+        if self.cpu_wait_s is None or not self.handoff_s or self.handoff_s <= 0:
+            return None
+        return self.cpu_wait_s / self.handoff_s
 
 
 def _num(v: Any) -> float | None:
@@ -122,7 +144,20 @@ def load(conn, *, since_ns: int | None, until_ns: int | None = None, limit: int 
                 _num(tpot),
             )
         )
-    return out
+    return with_cpu_wait(conn, out)
+
+
+def with_cpu_wait(conn, requests: list[Request], limit: int = MAX_CPU_REQUESTS) -> list[Request]:
+    """``requests`` with the handoff's CPU wait of the newest ``limit`` that
+    have a handoff (their spans read: :func:`kvtrace.cpusplit.handoff_cpu`)."""
+    from kvtrace import cpusplit, tracemodel  # the split reads spans: only here
+
+    want = [r.trace_id for r in requests if r.handoff_s is not None][:limit]
+    waits: dict[str, float | None] = {}
+    for i in range(0, len(want), 500):
+        for tid, tr in tracemodel.find(conn, want[i : i + 500]).items():
+            waits[tid] = cpusplit.handoff_cpu(tr).cpu_wait_s
+    return [r._replace(cpu_wait_s=waits.get(r.trace_id)) for r in requests]
 
 
 @dataclass(frozen=True)
@@ -139,6 +174,9 @@ class Verdict:
     ratios: dict[str, stats.StratifiedRatio] = field(default_factory=dict)
     dispatches: dict[str, int] = field(default_factory=dict)
     truncated: bool = False
+    #: per mode: the median CPU-wait share of the handoff (None: no figures), and how many requests had one
+    cpu_share: dict[str, float | None] = field(default_factory=dict)
+    cpu_n: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -153,6 +191,9 @@ class Verdict:
             "push_dispatch": self.dispatches,
             "min_per_stratum": stats.MIN_PER_STRATUM,
             "ratios": {k: r.to_json() for k, r in self.ratios.items()},
+            "handoff_cpu_wait_share_p50": self.cpu_share,
+            "handoff_cpu_requests": self.cpu_n,
+            "cpu_words": cpu_words(self),
         }
 
     def selection_words(self) -> str:
@@ -168,6 +209,22 @@ def ratio_words(r: stats.StratifiedRatio) -> str:
     if r.status == stats.NO_DIFFERENCE:
         return f"{head}: {stats.NO_DIFFERENCE}"
     return f"{head}: push {'faster' if r.hi < 1 else 'slower'}"
+
+
+def cpu_words(v: Verdict) -> str | None:
+    """What the host's CPU did to the handoff, in one sentence (None: no figures)."""
+    sh = v.cpu_share
+    if not sh or all(x is None for x in sh.values()):
+        return None
+
+    def pct(m: str) -> str:
+        x = sh.get(m)
+        return "unknown (no CPU figures)" if x is None else f"{x * 100:.0f} %"
+
+    head = f"on this host {pct(PUSH)} of push's and {pct(PULL)} of pull's handoff (median) was threads waiting for a CPU"
+    if any(x is not None and x >= CPU_DECIDES_SHARE for x in sh.values()):
+        return head + ": the host's contention decides this comparison; see the handoff with CPU wait removed"
+    return head
 
 
 def _select(requests: Sequence[Request]) -> tuple[str, list[Request], int]:
@@ -212,8 +269,17 @@ def compute(
         if key == "tpot_p50" and not any(r.tpot_s is not None for r in used):
             why = f"no trace carries a TPOT ({sc.ATTR_TPOT_S} on the router's root span): the router recorded none"
             ratios[key] = stats.StratifiedRatio(stats.NOT_ENOUGH, strata=ratios[key].strata, note=why)
+        if key == "handoff_nowait_p50" and not any(r.cpu_wait_s is not None for r in used):
+            why = "no trace carries CPU figures (kvlens.cpu.* on its spans: schedstat unreadable, or recorded before)"
+            ratios[key] = stats.StratifiedRatio(stats.NOT_ENOUGH, strata=ratios[key].strata, note=why)
+    cpu_share: dict[str, float | None] = {}
+    cpu_n: dict[str, int] = {}
+    for m in (PUSH, PULL):
+        shares = [r.cpu_wait_share for r in used if r.mode == m and r.cpu_wait_share is not None]
+        cpu_n[m] = len(shares)
+        cpu_share[m] = stats.percentile(shares, 50.0)
     msg = f"{n[PUSH]} push and {n[PULL]} pull requests"
-    return Verdict("ok", msg, truncated=truncated, ratios=ratios, **args)
+    return Verdict("ok", msg, truncated=truncated, ratios=ratios, cpu_share=cpu_share, cpu_n=cpu_n, **args)
 
 
 def text(v: Verdict, window: str) -> str:
@@ -231,6 +297,10 @@ def text(v: Verdict, window: str) -> str:
     lines.append(f"ratio push/pull, {int(stats.RESAMPLES)} resamples, 95 % interval, stratified by prompt length:")
     for key, _, _, words in METRICS:
         lines.append(f"  {words:<12} {ratio_words(v.ratios[key])}")
+    cw = cpu_words(v)
+    if cw:
+        lines.append("")
+        lines.append(cw[0].upper() + cw[1:] + f" (requests with CPU figures: push {v.cpu_n[PUSH]}, pull {v.cpu_n[PULL]}).")
     lines.append("")
     lines.append(f"requests per bucket (push / pull; a bucket needs {stats.MIN_PER_STRATUM} of each to count):")
     for b in bucket_names():
