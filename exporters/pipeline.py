@@ -235,15 +235,17 @@ def otlp_headers(
     token = ingest_token(env)
     if token is None:
         return None
-    why = token_refusal(endpoint, kvlens_collector, env) if endpoint is not None else None
-    if why is not None:
-        log_error_once(f"otlp-token:{endpoint}", why)
-        return None
     from opentelemetry.util.re import parse_env_headers
 
     raw = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
     headers = {k.lower(): v for k, v in parse_env_headers(raw, liberal=True).items()}
-    headers.setdefault("authorization", f"Bearer {token}")
+    if "authorization" in headers:  # the operator's explicit header: nothing of kvlens' goes with it
+        return headers
+    why = token_refusal(endpoint, kvlens_collector, env) if endpoint is not None else None
+    if why is not None:
+        log_error_once(f"otlp-token:{endpoint}", why)
+        return None
+    headers["authorization"] = f"Bearer {token}"
     return headers
 
 

@@ -11,6 +11,7 @@ The work is done by :mod:`kvlens.stack`; this module is the command line.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -40,6 +41,31 @@ def check_args(args: argparse.Namespace) -> None:
     check_open(
         args.host, getattr(args, "api_key", None), getattr(args, "insecure", False), args.separate_homes, args.collector
     )
+
+
+def use_token(args: argparse.Namespace) -> None:
+    """``--token-file`` (else ``$KVLENS_TOKEN``), checked as every kvlens server
+    checks it (:func:`kvlens.auth.from_args`: 16 characters at least, no
+    spaces; SecurityError naming the problem), put in our environment as
+    ``$KVLENS_TOKEN``: every child inherits it, none gets it on its command line."""
+    from kvlens import auth
+
+    sec = auth.from_args(args, "127.0.0.1", warn=lambda line: print(f"kvlens up: {line}", file=sys.stderr, flush=True))
+    if sec.token:
+        os.environ[TOKEN_ENV] = sec.token.decode()
+
+
+def check_hosts(args: argparse.Namespace) -> None:
+    """``--hosts`` with no token is refused unless ``--insecure`` says so
+    (StackError): the stack needs root (sudo, which drops ``$KVLENS_TOKEN``),
+    and its router and collector, bound on the stack's bridge, would take
+    anyone who reaches it."""
+    if getattr(args, "hosts", False) and not client_token() and not getattr(args, "insecure", False):
+        raise StackError(
+            f"refusing --hosts with no token: the router and the collector would take anyone who reaches the "
+            f"stack's bridge (sudo drops ${TOKEN_ENV}); give --token-file PATH, or pass --insecure to run them "
+            "without one"
+        )
 
 
 def check_open(
@@ -192,13 +218,15 @@ def run(args: argparse.Namespace) -> int:
     stack: Stack | None = None
     try:
         args.api_key = api_key_arg(args, lambda line: print(f"kvlens up: {line}", file=sys.stderr, flush=True))
+        use_token(args)
         check_args(args)
-    except (StackError, ValueError) as e:
+    except (StackError, ValueError) as e:  # auth.SecurityError included
         print(f"kvlens up: error: {e}", file=sys.stderr, flush=True)
         return 2
     with sigterm_as_interrupt():
         try:
             stack = _stack(args)
+            check_hosts(args)  # after the stack's own checks (a bad --link is named first); nothing started yet
             stack.start(timeout=args.timeout)
             _print_ready(args, stack)
             return _watch(stack)

@@ -113,7 +113,16 @@ def _add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--insecure",
         action="store_true",
-        help="allow --host beyond loopback with no token and no API key (anyone who reaches it may use it)",
+        help="allow --host beyond loopback, or --hosts, with no token and no API key (anyone who reaches "
+        "it may use it)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="PATH",
+        default=None,
+        help="file holding the bearer token the router and the collector ask for, instead of $KVLENS_TOKEN "
+        "(sudo drops the environment); every child gets it in its environment, never on a command line. "
+        "At least 16 characters",
     )
     _add_engine_arguments(p)
     p.add_argument("--log-dir", type=Path, default=None, help="where child logs and stack.json go")

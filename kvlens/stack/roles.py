@@ -145,6 +145,8 @@ class StackRoles:
                 "KVLENS_HANDOFF_FROM": "off",
                 kvconfig.COLLECTORS_ENV: str(topo.collector_url),
             }
+        if extra.get("OTEL_EXPORTER_OTLP_ENDPOINT"):  # it exports to a collector that may ask for the token
+            extra.update(otlp_token_env(topo, {**os.environ, **self._env("router")}))
         env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
         return self._child(name, argv, env, f"http://{self.role_host('router')}:{port}", "router")
 
@@ -170,7 +172,9 @@ class StackRoles:
         --insecure`` (a host beyond loopback with no token, on purpose), or a
         ``--hosts`` stack with no token: its 198.18.N.0/24 addresses live on a
         bridge in the stack's own namespaces, with no route out, reachable from
-        this host alone (docs/links.md), as loopback is."""
+        this host alone (docs/links.md), as loopback is. ``kvlens up --hosts``
+        itself refuses that case unless ``--insecure`` is given
+        (:func:`kvlens.up.check_hosts`); this is the :class:`Stack` API's rule."""
         return bool(self.insecure or (getattr(self, "hosts", False) and not kvconfig.client_token()))
 
     def _collector(self) -> Child:

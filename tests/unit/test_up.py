@@ -172,7 +172,7 @@ def test_up_refuses_an_open_host_without_token_key_or_insecure(capsys, monkeypat
     assert capsys.readouterr().err == ""
     up.check_open("0.0.0.0", None, True)
     assert "--insecure and no token" in capsys.readouterr().err
-    monkeypatch.setenv("KVLENS_TOKEN", "tok")
+    monkeypatch.setenv("KVLENS_TOKEN", "tok-0123456789abcdef")
     up.check_open("0.0.0.0", None, False, separate=True, collector="process")
     monkeypatch.delenv("KVLENS_TOKEN")
     monkeypatch.setenv("VLLM_API_KEY", "k")
@@ -190,23 +190,25 @@ def test_stack_passes_the_token_by_environment_and_insecure_by_flag(tmp_path, mo
 
     for k in ("VLLM_API_KEY", "KVLENS_API_KEY", "OTEL_EXPORTER_OTLP_TRACES_HEADERS"):
         monkeypatch.delenv(k, raising=False)
-    monkeypatch.setenv("KVLENS_TOKEN", "tok-stack")
+    monkeypatch.setenv("KVLENS_TOKEN", "tok-stack-0123456789")
     s = _stack(tmp_path, separate_homes=True, collector="process", collector_port=18005, insecure=True)
     p, r, c = s._server("prefill"), s._router("overlapped", 18000), s._collector()
     for child in (p, r, c):
-        assert "tok-stack" not in " ".join(child.argv) and child.env["KVLENS_TOKEN"] == "tok-stack"
+        assert (
+            "tok-stack-0123456789" not in " ".join(child.argv) and child.env["KVLENS_TOKEN"] == "tok-stack-0123456789"
+        )
     assert "--insecure" in r.argv and "--insecure" in c.argv and "--insecure" not in p.argv
-    assert p.env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "authorization=Bearer%20tok-stack"
-    assert s.router_key == "tok-stack"
+    assert p.env["OTEL_EXPORTER_OTLP_TRACES_HEADERS"] == "authorization=Bearer%20tok-stack-0123456789"
+    assert s.router_key == "tok-stack-0123456789"
     s.router_url = "http://127.0.0.1:18000"  # as start() fills it
     creds = manifest.scrape_credentials(s)
-    assert creds == {"kvlens-router": "tok-stack", "kvlens-collector": "tok-stack"}
+    assert creds == {"kvlens-router": "tok-stack-0123456789", "kvlens-collector": "tok-stack-0123456789"}
     prom = PrometheusServer(manifest.scrape_targets(s), data_dir=tmp_path / "prom", credentials=creds)
     cfg_text = prom.write_config().read_text()
-    assert "tok-stack" not in cfg_text  # the token is in a file of its own, 0600
+    assert "tok-stack-0123456789" not in cfg_text  # the token is in a file of its own, 0600
     jobs = {j["job_name"]: j for j in prom.config()["scrape_configs"]}
     token_file = Path(jobs["kvlens-router"]["authorization"]["credentials_file"])
-    assert token_file.read_text() == "tok-stack" and token_file.stat().st_mode & 0o777 == 0o600
+    assert token_file.read_text() == "tok-stack-0123456789" and token_file.stat().st_mode & 0o777 == 0o600
     assert "authorization" not in jobs["vllm-prefill"]
     prom.stop()
     assert not token_file.exists()
@@ -467,3 +469,56 @@ def test_manifest_records_groups_and_never_the_key(tmp_path):
         from kvlens.stack.supervise import stop_children
 
         stop_children([c], grace_s=5)
+
+
+# ------------------------------------------------------------ issue 42 item 7: sudo kvlens up --hosts
+def test_up_hosts_without_a_token_is_refused_unless_insecure(tmp_path):
+    """``sudo`` drops $KVLENS_TOKEN: ``kvlens up --hosts`` with no token used to
+    turn --insecure on silently. Now exit 2 with one line naming
+    --token-file and --insecure, before anything starts (no log dir, no
+    namespace)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KVLENS_TOKEN", "KVLENS_API_KEY", "VLLM_API_KEY")}
+    env.update(KVLENS_HOME=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    logs = tmp_path / "logs"
+    r = subprocess.run(
+        [sys.executable, "-m", "kvlens.cli", "up", "--mode", "push", "--hosts", "--log-dir", str(logs)],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert "refusing --hosts with no token" in line and "--token-file" in line and "--insecure" in line
+    assert not logs.exists()
+
+
+def test_up_token_file_reaches_every_child_by_environment_and_short_tokens_are_refused(tmp_path, monkeypatch):
+    from kvlens import up
+    from kvlens.upargs import add_arguments
+
+    import argparse
+
+    monkeypatch.delenv("KVLENS_TOKEN", raising=False)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    tok = tmp_path / "token"
+    tok.write_text("file-token-0123456789\n")
+    tok.chmod(0o600)
+    args = p.parse_args(["--mode", "push", "--hosts", "--token-file", str(tok)])
+    up.use_token(args)
+    assert os.environ["KVLENS_TOKEN"] == "file-token-0123456789"
+    up.check_hosts(args)  # a token: no refusal, and no --insecure for the router and the collector
+    s = _stack(tmp_path, separate_homes=True, collector="process", collector_port=18005)
+    r, c = s._router("overlapped", 18000), s._collector()
+    for child in (r, c):
+        assert "--insecure" not in child.argv and "file-token-0123456789" not in " ".join(child.argv)
+        assert child.env["KVLENS_TOKEN"] == "file-token-0123456789"
+    # the router exports to the collector kvlens configured: marked, and vLLM's header for it set
+    assert r.env["KVLENS_COLLECTOR_ENDPOINTS"] == r.env["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    tok.write_text("short\n")
+    from kvlens.auth import SecurityError
+
+    with pytest.raises(SecurityError, match="5 characters, under the minimum of 16"):
+        up.use_token(args)
+    monkeypatch.delenv("KVLENS_TOKEN")
+    with pytest.raises(Exception, match="refusing --hosts with no token"):
+        up.check_hosts(p.parse_args(["--mode", "push", "--hosts"]))
+    up.check_hosts(p.parse_args(["--mode", "push", "--hosts", "--insecure"]))  # said out loud: allowed
