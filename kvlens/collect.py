@@ -345,6 +345,7 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket, 
     from prometheus_client import CollectorRegistry
 
     from exporters.collector.ingest import collector_ingest
+    from kvlens import serving
     from kvlens.signals import sigterm_as_interrupt
 
     registry = CollectorRegistry()
@@ -368,10 +369,10 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket, 
             grpc_server.stop(GRPC_GRACE_S).wait(GRPC_GRACE_S + 1)
 
     app = _http_app(args, ingest, registry, security, max_body, stop_grpc)
-    config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5,
-        **auth.uvicorn_ssl_kwargs(security),
-    )  # fmt: skip
+    # TLS 1.2+ with kvlens' ciphers, and a cap on concurrent connections (kvlens/serving.py)
+    config = serving.config(
+        app, security, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
     _tune_gc()
     _announce(sock, grpc_port, store, security, rule)
