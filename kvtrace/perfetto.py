@@ -23,6 +23,15 @@ Layout of the timeline:
   carrying the handoff, its bound and the clock offset. Times are µs from
   the earliest span of all traces written (:func:`origin_ns`), in whole
   µs (:func:`_us`).
+* **CPU or wire** (:mod:`kvtrace.cpusplit`): a recorded span with CPU
+  figures gets thread-state slices on a ``<thread> cpu`` track beside its
+  thread: ``cpu wait`` (runnable, waiting for a CPU), ``on cpu`` and ``off
+  cpu`` of the thread that ended it, laid end to end over the span in
+  proportion to the totals (their order within the span is not known; the
+  args say so); a span whose figures are unknown gets one ``cpu unknown``
+  slice with the reason. A wire span (``write.complete`` /
+  ``read.complete``) also gets NIXL's progress thread's figures on a
+  ``<thread> progress`` track, with :data:`kvtrace.cpusplit.SPIN_NOTE`.
 * **Clocks**: D's spans are already on P's clock in the trace model
   (:meth:`kvtrace.tracemodel.Trace.from_rows`); nothing is shifted here.
 * **Flow arrows** (``s`` / ``f``) for the messages that cross between P and
@@ -42,6 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from kvtrace import cpusplit
 from kvtrace.tracemodel import Span, Trace
 from kvrecord import semconv as sc
 
@@ -118,6 +128,12 @@ DIRECT_ANSWER = Message(
 _TEXTY = ("prompt", "completion", "content", "text", "message", "input", "output")
 
 CAT_SPAN, CAT_DERIVED, CAT_FLOW, CAT_WINDOW = "kvlens", "kvlens.derived", "kvlens.message", "kvlens.handoff"
+CAT_CPU = "kvlens.cpu"
+#: What a thread-state slice's place within its span means (in every one's args).
+CPU_ORDER_NOTE = (
+    "only the totals over the span are known (schedstat read at its ends), not when within it: "
+    "the states are laid end to end in proportion, CPU wait first"
+)
 
 
 def origin_ns(traces: Iterable[Trace]) -> int:
@@ -176,6 +192,7 @@ class _Proc:
         self.pid, self.name, self.sort_index = pid, name, sort_index
         self.tids: dict[str, int] = {}
         self.open: dict[str, list[int]] = {}  # thread name -> end_ns stack (nesting check)
+        self.ends: dict[str, int] = {}  # CPU track lane -> its last slice's end (no overlap, no nesting)
 
     def tid(self, thread: str) -> int:
         if thread not in self.tids:
@@ -198,6 +215,15 @@ class _Proc:
                 return name
             lane += 1
             name = f"{thread} #{lane}"
+
+    def lane(self, track: str, start: int, end: int) -> str:
+        """The first lane of ``track`` free from ``start`` on (spans come sorted by start)."""
+        lane, name = 1, track
+        while self.ends.get(name, start) > start:
+            lane += 1
+            name = f"{track} #{lane}"
+        self.ends[name] = end
+        return name
 
 
 def _process_name(role: str | None, trace: Trace, short: str) -> str:
@@ -284,7 +310,72 @@ def _add_spans(b: _Builder, index: int, trace: Trace) -> dict[tuple[str | None, 
             ev["args"]["duration_ms"] = (s.end_ns - s.start_ns) / 1e6
             b.add(s.start_ns, 3, ev, s.end_ns - s.start_ns)
         where.setdefault((s.role, s.name), (s, p, tid))
+        if not point and not derived:
+            _add_cpu(b, p, _thread_name(_family(s), s.attributes.get(RANK_ATTR)), s, trace)
     return where
+
+
+def _states(s: Span, on: float, wait: float) -> list[tuple[str, float, int]]:
+    """(state, seconds, ns of the span it is drawn over) for cpu wait, on cpu,
+    off cpu: the span's length split in proportion to the totals (where the
+    totals exceed it, e.g. several progress threads summed, off cpu is 0)."""
+    dur = s.end_ns - s.start_ns
+    wall = dur / 1e9
+    off = max(wall - on - wait, 0.0)
+    whole = max(on + wait + off, 1e-12)
+    out, at = [], 0
+    for state, sec in (("cpu wait", wait), ("on cpu", on), ("off cpu", off)):
+        n = min(round(dur * sec / whole), dur - at)
+        out.append((state, sec, n))
+        at += n
+    return out
+
+
+def _cpu_slices(b: _Builder, p: _Proc, track: str, s: Span, states, args: dict[str, Any], prefix: str = "") -> None:
+    """``states`` (:func:`_states`) end to end over ``s`` on a free lane of ``track``."""
+    tid = p.tid(p.lane(track, s.start_ns, s.end_ns))
+    at = s.start_ns
+    for state, sec, n in states:
+        if sec <= 0:  # a state the thread was never in draws nothing
+            continue
+        ev = {
+            "name": f"{prefix}{state} {sec * 1000:.1f} ms",
+            "cat": CAT_CPU,
+            "ph": "X",
+            "pid": p.pid,
+            "tid": tid,
+            "ts": _us(at, b.origin),
+            "dur": _us(at + n, b.origin) - _us(at, b.origin),
+            "args": {**args, "state": state, "seconds": sec, "share_of_span": sec / max(s.duration_s, 1e-12)},
+        }
+        b.add(at, 3, ev, n)
+        at += n
+
+
+def _add_cpu(b: _Builder, p: _Proc, thread: str, s: Span, trace: Trace) -> None:
+    """The thread-state slices of one recorded span (module docstring, "CPU or wire")."""
+    a = s.attributes
+    base = {"trace_id": trace.trace_id, "phase": s.name, "span_id": s.span_id, "order": CPU_ORDER_NOTE}
+    fig = cpusplit.span_figures(a)
+    if fig is not None:
+        args = {**base, "thread_tid": a.get(sc.ATTR_CPU_TID), "psi_some_s": a.get(sc.ATTR_CPU_PSI_SOME_S)}
+        _cpu_slices(b, p, f"{thread} cpu", s, _states(s, fig.on_s, fig.wait_s), args)
+    elif a.get(sc.ATTR_CPU_UNKNOWN):
+        ev = {
+            "name": "cpu unknown",
+            "cat": CAT_CPU,
+            "ph": "X",
+            "pid": p.pid,
+            "tid": p.tid(p.lane(f"{thread} cpu", s.start_ns, s.end_ns)),
+            "ts": _us(s.start_ns, b.origin),
+            "dur": _us(s.end_ns, b.origin) - _us(s.start_ns, b.origin),
+            "args": {**base, "unknown": str(a[sc.ATTR_CPU_UNKNOWN])},
+        }
+        b.add(s.start_ns, 3, ev, s.end_ns - s.start_ns)
+    on, wait = a.get(sc.ATTR_CPU_PROGRESS_ON_S), a.get(sc.ATTR_CPU_PROGRESS_WAIT_S)
+    if isinstance(on, (int, float)) and isinstance(wait, (int, float)):
+        args = {**base, "spins": bool(a.get(sc.ATTR_CPU_PROGRESS_SPINS)), "note": cpusplit.SPIN_NOTE}
+        _cpu_slices(b, p, f"{thread} progress", s, _states(s, float(on), float(wait)), args, "progress ")
 
 
 def _add_window(b: _Builder, index: int, trace: Trace, skipped: list[str]) -> None:
