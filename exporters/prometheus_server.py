@@ -63,6 +63,25 @@ def _check_target(job: str, target: str) -> None:
         raise ValueError(f"target {target!r} of job {job!r} must be 'host:port' with a port in 1..65535")
 
 
+def _write_secret(path: Path, text: str) -> None:
+    """``text`` into ``path``, readable by its owner only, never through a
+    link: written to a new file beside it (``O_CREAT | O_EXCL | O_NOFOLLOW``,
+    mode ``0600``, so neither a file nor a link planted there is opened)
+    that then replaces ``path`` (a rename replaces a link itself, not what it
+    points to). A symlink at ``path`` made by another user of a shared
+    directory therefore cannot make kvlens write the token elsewhere."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 class PrometheusServer:
     """One local Prometheus process scraping ``targets`` (job -> ``host:port`` list).
 
@@ -154,11 +173,7 @@ class PrometheusServer:
         than a file or the config itself; removed by :meth:`stop`)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         for job, token in self._credentials.items():
-            path = self.credentials_path(job)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                os.fchmod(f.fileno(), 0o600)  # an older file may have had another mode
-                f.write(token)
+            _write_secret(self.credentials_path(job), token)
         if self.rules:
             for name in RULE_FILES:
                 shutil.copyfile(rules_path().parent / name, self.data_dir / name)

@@ -31,6 +31,7 @@ from dashboard.gate import COOKIE, LOGIN_PATH, TokenGate, session_value
 from kvlens import auth, dashboard_cmd
 from kvrecord.guard import parent_death_signal
 from kvrecord.ports import free_port
+from test_tls_settings import handshake
 from tlscerts import make_tls
 
 REPO = Path(__file__).resolve().parents[2]
@@ -241,6 +242,10 @@ def test_kvlens_dashboard_serves_nothing_without_its_token(dashboard):
             assert c.get(path).status_code == 401, path
             assert c.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401, path
         assert c.get("/_stcore/health").text == "ok"
+    # Streamlit's TLS (its uvicorn, Python's defaults since uvicorn 0.48): a TLS 1.1 client is refused
+    port = int(url.rsplit(":", 1)[1])
+    assert handshake("127.0.0.1", port, "tls1.1").startswith("refused")
+    assert handshake("127.0.0.1", port, "modern").split()[0] in ("TLSv1.2", "TLSv1.3")
     # refused before it is accepted: the ASGI server answers 403, never 101
     assert _ws(url, ctx, {})[0] == 403
     assert _ws(url, ctx, {"Cookie": f"{COOKIE}=bad"})[0] == 403
