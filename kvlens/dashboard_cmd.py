@@ -91,9 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show exceptions with their traceback in the page (default: a short message only)",
     )
-    auth.add_arguments(p)
+    auth.add_arguments(p, roles=("read",))
     p.epilog = (
-        f"With a token (${auth.TOKEN_ENV} or --token-file) every page needs it: a browser signs in once, "
+        f"The dashboard's one role is read: with a read token (--read-token-file or ${auth.ROLE_ENV['read']}) "
+        f"it takes that token, else the all-roles one (${auth.TOKEN_ENV} or --token-file). "
+        f"With a token every page needs it: a browser signs in once, "
         "with the form the dashboard shows or by opening any URL with ?token=TOKEN (the dashboard moves it "
         "into a session cookie and strips it from the URL), and scripts send Authorization: Bearer TOKEN. "
         "TLS (--tls-cert/--tls-key) is Streamlit's own (server.sslCertFile/sslKeyFile)."
@@ -113,15 +115,26 @@ def workdir() -> Path:
     return app_path().parent.parent
 
 
+def gate_token(security: auth.Security) -> bytes | None:
+    """The one token the dashboard's gate checks: the read token when one is
+    set (the dashboard only reads), else the all-roles token. The gate keeps
+    one token (its session cookie is derived from it), so with both set the
+    all-roles token does not open the dashboard: give it the read token."""
+    return security.read_token or security.token
+
+
 def child_env(store: StoreLocation | None = None, security: auth.Security | None = None) -> dict[str, str]:
     """The child's environment: ours, with ``KVLENS_HOME`` absolute (the
     child's working directory is not ours), a store URL's password as
-    ``PGPASSWORD``, and ``security``'s token as ``$KVLENS_TOKEN`` (none
-    inherited otherwise: the gate's token is the one checked here)."""
+    ``PGPASSWORD``, and ``security``'s token (:func:`gate_token`) as
+    ``$KVLENS_TOKEN`` (none inherited otherwise: the gate's token is the one
+    checked here)."""
     env = {**os.environ, HOME_ENV: str(home())}
     env.pop(auth.TOKEN_ENV, None)
-    if security is not None and security.token:
-        env[auth.TOKEN_ENV] = security.token.decode()
+    env.pop(auth.ROLE_ENV["read"], None)
+    token = gate_token(security) if security is not None else None
+    if token:
+        env[auth.TOKEN_ENV] = token.decode()
     if store is not None:
         env.update(store.password_env())
     return env

@@ -307,3 +307,50 @@ def test_up_and_bench_refuse_an_unreadable_api_key_file_before_starting_anything
     assert main([*command, "--api-key-file", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "cannot read --api-key-file" in err and str(tmp_path / "nope") in err
+
+
+def test_the_dashboard_takes_the_read_token(monkeypatch):
+    """Item 4: the dashboard only reads. Its gate gets the read token when one
+    is set, else the all-roles token; neither variable leaks to Streamlit
+    otherwise, and a short read token is refused like any token."""
+    import argparse
+
+    from kvlens import auth, dashboard_cmd
+
+    p = argparse.ArgumentParser()
+    dashboard_cmd.add_arguments(p)
+    monkeypatch.setenv(TOKEN_ENV, "all-roles-" + "t" * 16)
+    monkeypatch.setenv("KVLENS_READ_TOKEN", READ)
+    sec = auth.from_args(p.parse_args([]), "0.0.0.0")
+    env = dashboard_cmd.child_env(security=sec)
+    assert env[TOKEN_ENV] == READ and "KVLENS_READ_TOKEN" not in env
+    monkeypatch.delenv("KVLENS_READ_TOKEN")
+    sec = auth.from_args(p.parse_args([]), "0.0.0.0")
+    assert dashboard_cmd.child_env(security=sec)[TOKEN_ENV] == "all-roles-" + "t" * 16
+    monkeypatch.setenv("KVLENS_READ_TOKEN", "short")
+    with pytest.raises(auth.SecurityError, match="KVLENS_READ_TOKEN: the token is 5 characters"):
+        auth.from_args(p.parse_args([]), "127.0.0.1")
+    assert "--read-token-file" in p.format_help()
+
+
+def test_the_router_slows_a_guesser_down(tmp_path):
+    """Item 10 on the router: after BACKOFF_FAILURES refusals from one
+    address, 429 with Retry-After, the key no longer compared; /health and
+    other clients unaffected; no request reached the routes."""
+    from kvlens import auth
+
+    key = "sk-" + "k" * 24
+    cfg = proxy.ProxyConfig(
+        prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
+        kvlens_home=str(tmp_path), telemetry=False, api_key=key,
+    )  # fmt: skip
+    with _router(cfg) as url:
+        guess = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), trust_env=False, timeout=20)
+        with guess:
+            bad = _bearer("g" * 24)
+            codes = [guess.get(url + "/admin/split", headers=bad).status_code for _ in range(auth.BACKOFF_FAILURES)]
+            assert codes == [401] * auth.BACKOFF_FAILURES
+            r = guess.get(url + "/v1/models", headers=_bearer(key))
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert guess.get(url + "/health").json() == {"status": "unhealthy"}  # never slowed (P, D: none here)
+        assert httpx.get(url + "/admin/split", headers=bad, timeout=20).status_code == 401  # 127.0.0.1: its own count
