@@ -28,7 +28,7 @@ import time
 from typing import Sequence
 
 from kvlens import dashboard_cmd
-from kvlens.bench.report import wrap
+from kvlens.bench.report import WIDTH, wrap
 from kvlens.signals import sigterm_as_interrupt
 from kvrecord.location import StoreLocation
 from kvrecord.ports import port_in_use
@@ -228,7 +228,7 @@ class Watch(threading.Thread):
         self._stop_event = threading.Event()
 
     def words(self) -> str:
-        return closing_words(self.loc, self.since_ns, time.monotonic() - self.t0, self.grid)[0]
+        return fit(closing_words(self.loc, self.since_ns, time.monotonic() - self.t0, self.grid)[0])
 
     def run(self) -> None:
         printed = dead = False
@@ -246,7 +246,7 @@ class Watch(threading.Thread):
                 if not printed:
                     text, printed = closing_words(self.loc, self.since_ns, time.monotonic() - self.t0, self.grid)
                     if printed:
-                        print(text + "\n(printed again when the demo stops)", flush=True)
+                        print(fit(text) + "\n(printed again when the demo stops)", flush=True)
             except Exception as e:  # noqa: BLE001 - the live part goes on without its words
                 print(f"kvlens demo: warning: live verdict failed: {e!r}", file=sys.stderr, flush=True)
                 printed = True
@@ -255,6 +255,11 @@ class Watch(threading.Thread):
         self._stop_event.set()
         if self.is_alive():
             self.join(30)
+
+
+def fit(text: str) -> str:
+    """``text`` with every line over the report's width wrapped at spaces, its indent kept."""
+    return "\n".join(x if len(x) <= WIDTH else wrap(x, indent="") for x in text.splitlines())
 
 
 def _say_live(stack, prom, loc: StoreLocation, args: argparse.Namespace) -> None:

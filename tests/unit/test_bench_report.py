@@ -130,3 +130,12 @@ def test_wide_flag_reaches_the_options():
     add_arguments(p)
     assert options_from_args(p.parse_args(["--wide"])).wide
     assert not options_from_args(p.parse_args([])).wide
+
+
+def test_the_demos_closing_words_fit_too():
+    from kvlens.demolive import fit
+
+    text = "== the live verdict ==\n     from the 43 pull requests, had they run push: " + "handoff p50 7.7 ms, " * 12
+    out = fit(text).splitlines()
+    assert out[0] == "== the live verdict ==" and all(len(x) <= WIDTH for x in out)
+    assert out[1].startswith("     from the 43 pull requests, had they run push:") and out[2].startswith("         ")
