@@ -8,6 +8,7 @@ stale pooled connection, the API key."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -349,12 +350,51 @@ def test_trace_ids_registry_window():
     reg.release(TID)
     assert reg.taken(TID)
     time.sleep(0.3)
-    assert not reg.taken(TID) and reg.claim({"x-request-id": TID})[0] == TID
-    small = TraceIds(reuse_window_s=60, max_remembered=2)
+    # after the window P's KV is safe, but the trace TID exists: a fresh id still (issue 42)
+    tid, parent, attrs = reg.claim({"x-request-id": TID})
+    assert tid != TID and attrs == {"kvlens.client.request_id": TID}
+    # without the filter of used ids: the window's exact set alone, which forgets the oldest first
+    small = TraceIds(reuse_window_s=60, max_remembered=2, used_bits=0)
     for t in ("1" * 32, "2" * 32, "3" * 32):
         small.claim({"x-request-id": t})
         small.release(t)
     assert not small.taken("1" * 32) and small.taken("3" * 32)
+    # with it (the default), nothing used is ever forgotten, in a fixed 4 MiB
+    kept = TraceIds(reuse_window_s=0.0, max_remembered=2)
+    ids = [f"{i:032x}" for i in range(1, 5001)]
+    for t in ids:
+        kept.claim({"x-request-id": t})
+        kept.release(t)
+    assert all(kept.taken(t) for t in ids) and len(kept.used._field) == 4 << 20
+
+
+def test_used_ids_filter_is_a_bloom_filter_with_few_false_positives():
+    from kvlens.proxy.isolation import UsedIds
+
+    used = UsedIds(bits=1 << 20)
+    mine = [f"{i:032x}" for i in range(1, 20_001)]
+    for t in mine:
+        used.add(t)
+    assert all(t in used for t in mine)  # never a false negative
+    others = [f"{i:032x}" for i in range(10**9, 10**9 + 20_000)]
+    false_positive = sum(t in used for t in others) / len(others)
+    assert false_positive < 0.01  # 20k ids in 2**20 bits, 4 hashes: ~0.25 % expected
+
+
+def test_a_client_id_reused_after_the_window_does_not_join_the_old_trace(tmp_path, recorder):
+    """P's KV is safe after the reuse window, but the old request's trace
+    still exists: the same client id gets a fresh trace id again."""
+    with pair(p_echo_id, d_echo) as (p, d):
+        cfg = dataclasses.replace(_cfg(p, d, "pull", "sequential", tmp_path), reuse_window_s=0.1)
+        with router(cfg) as url:
+            first = _post(url, {"prompt": "a", "max_tokens": 3}, {"X-Request-Id": TID})
+            time.sleep(0.3)  # past the window
+            later = _post(url, {"prompt": "b", "max_tokens": 3}, {"X-Request-Id": TID})
+    assert first.headers["x-request-id"] == TID and later.headers["x-request-id"] != TID
+    assert [req["headers"]["X-Request-Id"] for req in p.requests] == [TID, later.headers["x-request-id"]]
+    roots = {r[0]: r for r in recorder.roots}
+    assert set(roots) == {TID, later.headers["x-request-id"]}  # two traces, not one with two roots
+    assert roots[later.headers["x-request-id"]][5]["kvlens.client.request_id"] == TID
 
 
 # ------------------------------------------------ issue 12: traceparent
