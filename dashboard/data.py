@@ -29,6 +29,7 @@ from urllib.parse import urlencode
 
 import pandas as pd
 
+from dashboard import cpushare
 from kvtrace import costs, ranks, store, tracemodel
 from kvtrace import verdict as kv_verdict
 from kvtrace import whatif as kv_whatif
@@ -327,6 +328,7 @@ def phase_breakdown(
         df = df.sort_values(["mode", "path", "rank"]).reset_index(drop=True)
     # plain JSON (Streamlit serializes attrs with the frame): the sentences, computed once here
     df.attrs["words"] = {m: tracemodel.dominant_words(hc.breakdown.get(m), m) for m in MODES}
+    df.attrs["cpu"] = cpushare.cpu_attrs(hc, MODES)  # CPU or wire: the CPU-wait shares (dashboard.cpushare)
     return df
 
 

@@ -22,8 +22,15 @@ class HandoffCosts(NamedTuple):
     phases: dict[tuple[str, str | None, str], tuple[float, float]]
     #: mode -> (requests in the sample, mean handoff seconds)
     requests: dict[str, tuple[int, float]]
-    #: mode -> the tilings added up (what dominates, the unnamed gaps)
+    #: mode -> the tilings added up (what dominates, the unnamed gaps; each
+    #: request's CPU-wait share of its handoff where the spans carry figures)
     breakdown: dict[str, Breakdown] = {}
+    #: (mode, phase) -> (critical-path CPU wait, critical-path seconds) summed
+    #: over the requests whose span of that phase carries CPU figures
+    #: (:mod:`kvtrace.cpusplit`); a phase that never had figures is absent
+    phase_cpu: dict[tuple[str, str], tuple[float, float]] = {}
+    #: (mode, phase) -> why it has no CPU figures (the last request's reason)
+    phase_cpu_unknown: dict[tuple[str, str], str] = {}
 
 
 class _Row(NamedTuple):
@@ -32,6 +39,38 @@ class _Row(NamedTuple):
     start_ns: int
     end_ns: int
     attributes: Mapping[str, Any] = {}
+
+
+class _Tiled(NamedTuple):
+    """A trace as :func:`kvtrace.cpusplit.handoff_cpu` reads it: its recorded spans and its tiling."""
+
+    spans: Sequence[_Row]
+    til: Tiling
+
+    def tiling(self) -> Tiling:
+        return self.til
+
+
+#: Recorded phases whose spans can carry CPU figures (the attributes a sample reads for the CPU split).
+CPU_PHASES = (
+    frozenset(p.value for p in sc.Phase if p not in sc.POINT_PHASES and p not in derived.DERIVED_PHASES)
+    - NOT_HANDOFF_PHASES
+)
+
+
+def _add_phase_cpu(
+    mode: str, t: Tiling, split: cpusplit.HandoffCpu, acc: dict, why: dict[tuple[str, str], str]
+) -> None:
+    """One request's per-phase CPU wait on the critical path into ``acc`` / ``why``."""
+    crit: dict[str, int] = {}
+    for (_, name), ns in t.phases.items():
+        crit[name] = crit.get(name, 0) + ns
+    for name, wait in split.phases_wait_s.items():
+        if wait is None:
+            why[(mode, name)] = split.notes.get(name, cpusplit.NO_FIGURES)
+            continue
+        w, c = acc.get((mode, name), (0.0, 0.0))
+        acc[(mode, name)] = (w + wait, c + crit.get(name, 0) / 1e9)
 
 
 def handoff_costs(
@@ -62,9 +101,13 @@ def handoff_costs(
         over[key] = over.get(key, 0) + (end - start) - critical_ns(name, row.start_ns, row.end_ns, w[1], w[2])
     crit: dict[tuple[str, str | None, str], int] = {}
     tilings: list[tuple[str, Tiling]] = []
+    splits: list[tuple[str, cpusplit.HandoffCpu]] = []
+    phase_cpu: dict[tuple[str, str], tuple[float, float]] = {}
+    phase_why: dict[tuple[str, str], str] = {}
     for tid, (mode, pf, kv, _) in window.items():
         rows = by_trace.get(tid, [])
         rows.sort(key=lambda r: r.start_ns)
+        recorded = list(rows)
         derived = [_Row(*d) for d in derive(rows)]
         for r in derived:
             if r.name in NOT_HANDOFF_PHASES:  # P's hold follows the handoff: neither cost nor overlap
@@ -78,15 +121,24 @@ def handoff_costs(
         tilings.append((mode, t))
         for (role, name), ns in t.phases.items():
             crit[(mode, role, name)] = crit.get((mode, role, name), 0) + ns
+        split = cpusplit.handoff_cpu(_Tiled(recorded, t))
+        splits.append((mode, split))
+        _add_phase_cpu(mode, t, split, phase_cpu, phase_why)
     per_mode: dict[str, list[float]] = {}
     for _, mode, _, _, h, _ in traces:
         m = per_mode.setdefault(mode, [0, 0.0])
         m[0] += 1
         m[1] += h
+    groups = summarize(tilings)
+    for mode, split in splits:
+        if mode in groups:
+            groups[mode].add_cpu(split.cpu_wait_s, split.handoff_s, cpusplit.unknown_reason(split))
     return HandoffCosts(
         phases={k: (crit.get(k, 0) / 1e9, max(over.get(k, 0), 0) / 1e9) for k in set(crit) | set(over)},
         requests={m: (int(n), tot / n) for m, (n, tot) in per_mode.items()},
-        breakdown=summarize(tilings),
+        breakdown=groups,
+        phase_cpu=phase_cpu,
+        phase_cpu_unknown={k: v for k, v in phase_why.items() if k not in phase_cpu},
     )
 
 
@@ -136,4 +188,5 @@ def sample_costs(conn, *, since_ns: int | None, until_ns: int | None, limit: int
         conn, since_ns=since_ns, until_ns=until_ns, limit=limit, exclude_phases=NOT_HANDOFF_PHASES
     )
     split = {how.split.phase.value for how in derived.DERIVED_PHASES.values() if how.split is not None}
-    return handoff_costs(traces, spans, store.attributes_of(conn, [t[0] for t in traces], split))
+    # the CPU figures (kvlens.cpu.*) ride on every recorded phase with a length: their attributes too
+    return handoff_costs(traces, spans, store.attributes_of(conn, [t[0] for t in traces], split | CPU_PHASES))

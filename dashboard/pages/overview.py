@@ -21,7 +21,7 @@ from dashboard import charts
 from dashboard import benchdata as BD
 from dashboard import data as D
 from dashboard import loaders as L
-from dashboard import healthview, pairs, prom, ui, verdictview
+from dashboard import cpushare, healthview, pairs, prom, ui, verdictview
 from kvrecord import semconv as sc
 
 REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
@@ -366,6 +366,7 @@ def mode_charts(
         return
     if words:
         st.markdown(f"**Where the handoff goes.** {words}", help=WORDS_HELP)
+        st.markdown(cpushare.cpu_words(phases.attrs.get("cpu"), mode), help=cpushare.HELP)
     if (mine["path"] == D.CRITICAL).any():
         st.altair_chart(
             charts.phase_chart(
