@@ -71,8 +71,9 @@ OTEL_EXPORTER_OTLP_CERTIFICATE); --tls-client-ca also requires client
 certificates. A refused request writes nothing and is counted
 (kvlens_collector_requests_rejected_total{reason="unauthenticated"}).
 
-Bounds: a request over --max-body-mb is refused (HTTP 413, gRPC
-INVALID_ARGUMENT); when more than --queue-spans spans wait for the store,
+Bounds: a request over --max-body-mb is refused (HTTP 413; gRPC
+RESOURCE_EXHAUSTED from gRPC itself as sent, INVALID_ARGUMENT once
+inflated); when more than --queue-spans spans wait for the store,
 requests get 429 with Retry-After (gRPC RESOURCE_EXHAUSTED with RetryInfo) and
 OTLP exporters retry them. Counters on /metrics count every rejected request
 and every dropped span. See docs/security.md and docs/fleet.md.
