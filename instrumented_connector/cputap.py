@@ -34,7 +34,7 @@ SPIN_SETTLE_S = 2.0
 
 class CpuRecorder:
     """The recorder with CPU figures on span events (module docstring).
-    The hooks hand it fresh attribute dicts (or None)."""
+    Each span event gets its own copy of the attributes it is handed."""
 
     __slots__ = ("_rec",)
 
@@ -44,7 +44,8 @@ class CpuRecorder:
     def record(self, phase, request_id, start_ns, end_ns, outcome="ok", attrs=None) -> None:
         if end_ns > start_ns:
             try:
-                attrs = figures(phase, start_ns, end_ns, {} if attrs is None else attrs)
+                # a copy: hooks hand one dict to two events (descriptor.prep and the post share theirs)
+                attrs = figures(phase, start_ns, end_ns, {} if attrs is None else dict(attrs))
             except Exception:
                 fail("cpu figures")
         self._rec.record(phase, request_id, start_ns, end_ns, outcome, attrs)

@@ -217,10 +217,13 @@ class CpuClock:
                 t = t1
             else:
                 self.smeared += 1
-        for stid, sfd, cid in self._spin:
-            r = (t, _clock_ns(cid), _pread(sfd, 96, 0))
-            if _time_ns() - t < SMEAR_NS:
-                self.rings[stid].append(r)
+        for stid, sfd, cid in self._spin:  # each stamped on its own (interpolated between readings)
+            for _ in range(2):
+                ts = _time_ns()
+                r = (ts, _clock_ns(cid), _pread(sfd, 96, 0))
+                if _time_ns() - ts < SMEAR_NS:
+                    self.rings[stid].append(r)
+                    break
         if self._psi_fd >= 0:
             r = (t, _pread(self._psi_fd, 160, 0))
             if _time_ns() - t < SMEAR_NS:

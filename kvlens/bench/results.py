@@ -178,9 +178,16 @@ def _trace_figures(cell: Cell) -> dict:
         if not r.ok:
             o = (cell.traces.get(r.trace) or {}).get("outcome") or "not in store"
             outcomes[o] = outcomes.get(o, 0) + 1
+    waits = [(t["handoff_s"], t.get("handoff_cpu_wait_s")) for t in tr_ok if t and t.get("handoff_s") is not None]
+    known = [(h, w) for h, w in waits if w is not None]
     return {
         "handoff_p50_s": percentile(handoffs, 50),
         "handoff_p99_s": percentile(handoffs, 99),
+        # issue 41: how much of the handoff was threads waiting for a CPU, and the handoff without it
+        # (None: no request carries CPU figures)
+        "handoff_cpu_wait_share_p50": percentile((w / h for h, w in known if h > 0), 50),
+        "handoff_nowait_p50_s": percentile((h - w for h, w in known), 50),
+        "handoff_cpu_n": len(known),
         "router_ttft_p50_s": percentile(router_ttfts, 50),
         "engines_ttft_p50_s": percentile(by_src.get("engines", []), 50),
         "store_ttft_source": "+".join(sorted(by_src)) or None,
@@ -307,5 +314,23 @@ def wait_for_traces(where: store.StoreLocation, results: Sequence[RequestResult]
             for i in need_handoff
         )
         if complete or time.monotonic() >= deadline:
-            return found
+            return _with_cpu_wait(where, found)
         time.sleep(0.5)
+
+
+def _with_cpu_wait(where: store.StoreLocation, found: dict[str, dict]) -> dict[str, dict]:
+    """``found`` with each completed trace's handoff CPU wait (``handoff_cpu_wait_s``,
+    :mod:`kvtrace.cpusplit`; None: unknown), from one more read of their spans."""
+    from kvtrace import cpusplit, tracemodel
+
+    ids = [i for i, r in found.items() if r.get("handoff_s") is not None]
+    try:
+        with store.reading(where) as conn:
+            trs = tracemodel.find(conn, ids) if ids else {}
+    except Exception as e:  # the figures stay unknown; the row's other figures stand
+        logger.warning("could not read the spans for the CPU split: %s", e)
+        trs = {}
+    for i in ids:
+        t = trs.get(i)
+        found[i] = {**found[i], "handoff_cpu_wait_s": cpusplit.handoff_cpu(t).cpu_wait_s if t else None}
+    return found

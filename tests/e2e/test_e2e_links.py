@@ -42,7 +42,7 @@ import httpx
 import pytest
 
 from conftest import FLEET_CLOCK_SHIFT_S
-from kvtrace import store, tracemodel
+from kvtrace import cpusplit, store, tracemodel
 from kvtrace.store import testing
 
 pytestmark = pytest.mark.e2e
@@ -216,6 +216,29 @@ def _joined(db, sent: dict[str, int]) -> dict:
         time.sleep(1)
 
 
+def _delay_is_not_cpu_wait(base: dict, delayed: dict, d_handoff: float) -> None:
+    """Issue 41's known answer for the wire: a link delay's rise in the handoff
+    lies outside CPU wait (>= 70 %), the CPU wait rises by no more than its own
+    spread without the delay (p90 - p10 of the baseline's per-request CPU wait:
+    the noise), and the read phases' CPU wait stays a small part of their rise."""
+    split = {k: [cpusplit.handoff_cpu(t) for t in v.values()] for k, v in (("base", base), ("delayed", delayed))}
+    waits = {k: [h.cpu_wait_s for h in v] for k, v in split.items()}
+    assert all(w is not None for v in waits.values() for w in v), waits  # every request carries its figures
+    med = {k: statistics.median(v) for k, v in waits.items()}
+    q = statistics.quantiles(waits["base"], n=10)
+    noise = q[-1] - q[0]
+    rise = med["delayed"] - med["base"]
+    read_wait = {
+        k: statistics.median(sum(h.phases_wait_s.get(p) or 0.0 for p in READ_PHASES) for h in v)
+        for k, v in split.items()
+    }
+    print(f"CPU wait p50 {med['base'] * 1e3:.1f} -> {med['delayed'] * 1e3:.1f} ms (noise p90-p10 without the "
+          f"delay {noise * 1e3:.1f} ms); read phases' CPU wait p50 {read_wait['base'] * 1e3:.1f} -> "
+          f"{read_wait['delayed'] * 1e3:.1f} ms; handoff +{d_handoff * 1e3:.1f} ms")  # fmt: skip
+    assert d_handoff - rise >= 0.7 * d_handoff, (d_handoff, med)
+    assert rise <= noise, (rise, noise, waits)
+
+
 def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvlens_home):
     from test_e2e_fleet import _check_fleet
 
@@ -276,6 +299,7 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     assert not others, (others, wire, d_handoff)
     for t in delayed.values():  # the clock bound still holds the shift, with real round trips
         assert t.clock_lo_s - EPS <= shift <= t.clock_hi_s + EPS, (t.trace_id, t.clock_lo_s, t.clock_hi_s)
+    _delay_is_not_cpu_wait(base, delayed, d_handoff)
     took("delay", t0)
 
     # 3. loss on P<->D, on top of the delay: TCP retransmits, the READs take longer, nothing is lost or mis-joined
