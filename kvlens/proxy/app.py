@@ -5,11 +5,15 @@
 :mod:`kvlens.proxy.intake` accepted them, to the P and D the
 :class:`~kvlens.proxy.balancer.Balancer` picks; ``GET /health`` asks every
 P and D; ``GET /v1/models`` is the first D's; ``/metrics`` serves the router's span-derived
-Prometheus metrics. With a token or an API key (``ProxyConfig.client_key``)
-every route but ``/health`` requires it (:class:`~kvlens.proxy.intake.ClientAuth`):
-``/v1/*``, ``/metrics`` (a Prometheus scrape job sends it with
-``authorization: {credentials_file: ...}``), ``/admin/split`` and, with
-``--collect``, ``POST /v1/traces``.
+Prometheus metrics. With any credential every route but ``/health`` requires
+one, scoped by role (:class:`~kvlens.proxy.intake.ClientAuth`): ``/v1/*`` the
+token or the API key; ``/metrics`` (a Prometheus scrape job sends it with
+``authorization: {credentials_file: ...}``) and ``/health``'s details the
+read token, the token or the API key; ``/admin/split`` the admin token or
+the token; with ``--collect``, ``POST /v1/traces`` the ingest token or the
+token. In front of it, :class:`kvlens.origin.SameSiteGuard` refuses a POST
+that is not JSON, a foreign ``Host`` or ``Origin`` (cross-site requests, DNS
+rebinding).
 
 A mixed fleet (push and pull instances, a canary): each request's mode is
 drawn with the split's push weight (:mod:`kvlens.proxy.split`), then its P

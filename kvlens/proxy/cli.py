@@ -10,11 +10,14 @@ push=URL --prefill pull=URL --decode push=URL --decode pull=URL``, and
 push weight. An untagged URL takes ``--mode`` (the one-mode syntax).
 
 Who may use the router (:func:`security`): a token from ``$KVLENS_TOKEN``
-or ``--token-file`` (:mod:`kvlens.auth`), else the API key P and D require
-(``--api-key``, ``$KVLENS_API_KEY``, ``$VLLM_API_KEY``), is required on
-every route but ``/health``. A host other than loopback with neither is
-refused (exit 2) unless ``--insecure``. ``--tls-cert/--tls-key``: uvicorn
-serves HTTPS.
+or ``--token-file`` (:mod:`kvlens.auth`), the role tokens (``--ingest-``,
+``--read-``, ``--admin-token-file`` or their variables) and the API key P
+and D require (``--api-key-file``, ``$KVLENS_API_KEY``, ``$VLLM_API_KEY``;
+``--api-key`` with a warning), each route taking its role's
+(:class:`~kvlens.proxy.intake.ClientAuth`). A host other than loopback with
+neither a token nor an API key is refused (exit 2) unless ``--insecure``.
+``--allowed-host``: names clients use besides loopback ones
+(:mod:`kvlens.origin`). ``--tls-cert/--tls-key``: uvicorn serves HTTPS.
 """
 
 from __future__ import annotations

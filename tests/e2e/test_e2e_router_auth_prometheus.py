@@ -25,6 +25,9 @@ from kvrecord.ports import free_port
 REPO = Path(__file__).resolve().parents[2]
 PROMETHEUS = Path("/usr/bin/prometheus")
 TOKEN = "prom-" + secrets.token_hex(16)
+#: issue 42: the read role opens /metrics, the admin role does not
+READ = "read-" + secrets.token_hex(16)
+ADMIN = "admin-" + secrets.token_hex(16)
 
 
 def _dies_with_us() -> None:
@@ -37,7 +40,8 @@ def test_prometheus_scrapes_the_router_with_its_token_file(tmp_path):
     p, d = FakeVllm(p_ok), FakeVllm(d_answers)
     port = free_port()
     env = {**os.environ, "KVLENS_HOME": str(tmp_path / "home"), "KVLENS_TOKEN": TOKEN, "PYTHONPATH": str(REPO)}
-    for k in ("KVLENS_API_KEY", "VLLM_API_KEY"):
+    env.update(KVLENS_READ_TOKEN=READ, KVLENS_ADMIN_TOKEN=ADMIN)
+    for k in ("KVLENS_API_KEY", "VLLM_API_KEY", "KVLENS_INGEST_TOKEN"):
         env.pop(k, None)
     router = subprocess.Popen(
         [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", "pull", "--prefill", p.url, "--decode", d.url,
@@ -47,12 +51,12 @@ def test_prometheus_scrapes_the_router_with_its_token_file(tmp_path):
     url = f"http://127.0.0.1:{port}"
     target = f"127.0.0.1:{port}"
     prom = PrometheusServer(
-        {"kvlens-router": [target], "without-token": [target]},
+        {"kvlens-router": [target], "without-token": [target], "read-token": [target], "admin-token": [target]},
         port=0,
         data_dir=tmp_path / "prom",
         rules=False,
         scrape_interval="1s",
-        credentials={"kvlens-router": TOKEN},
+        credentials={"kvlens-router": TOKEN, "read-token": READ, "admin-token": ADMIN},
     )
     try:
         deadline = time.monotonic() + 60
@@ -69,12 +73,16 @@ def test_prometheus_scrapes_the_router_with_its_token_file(tmp_path):
         deadline = time.monotonic() + 60
         while True:
             health = {t["labels"]["job"]: t for t in prom.targets_health()}
-            if len(health) == 2 and all(t["health"] != "unknown" for t in health.values()):
+            if len(health) == 4 and all(t["health"] != "unknown" for t in health.values()):
                 break
             assert time.monotonic() < deadline, health
             time.sleep(0.5)
         assert health["kvlens-router"]["health"] == "up", health
         assert health["without-token"]["health"] == "down" and "401" in health["without-token"]["lastError"]
+        assert health["read-token"]["health"] == "up", health  # the read token opens /metrics ...
+        assert (
+            health["admin-token"]["health"] == "down" and "401" in health["admin-token"]["lastError"]
+        )  # ... admin's not
         up = prom.query('up{job="kvlens-router"}')
         assert up and up[0]["value"][1] == "1"
     finally:
