@@ -42,16 +42,24 @@ class CpuRecorder:
         self._rec = rec
 
     def record(self, phase, request_id, start_ns, end_ns, outcome="ok", attrs=None) -> None:
-        if end_ns > start_ns:
-            try:
-                # a copy: hooks hand one dict to two events (descriptor.prep and the post share theirs)
-                attrs = figures(phase, start_ns, end_ns, {} if attrs is None else dict(attrs))
-            except Exception:
-                fail("cpu figures")
+        try:
+            # a copy: hooks hand one dict to two events (descriptor.prep and the post share theirs)
+            attrs = {} if attrs is None else dict(attrs)
+            if end_ns > start_ns:
+                figures(phase, start_ns, end_ns, attrs)
+            before(start_ns, attrs)
+        except Exception:
+            fail("cpu figures")
         self._rec.record(phase, request_id, start_ns, end_ns, outcome, attrs)
 
     def point(self, phase, request_id, outcome="ok", attrs=None) -> None:
-        self._rec.point(phase, request_id, outcome, attrs)
+        t = _CLOCK.now()
+        try:
+            attrs = {} if attrs is None else dict(attrs)
+            before(t, attrs)
+        except Exception:
+            fail("cpu figures")
+        self._rec.record(phase, request_id, t, t, outcome, attrs)
 
     def __getattr__(self, name):
         return getattr(self._rec, name)
@@ -88,6 +96,26 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
     if psi is not None:
         attrs[sc.ATTR_CPU_PSI_SOME_S] = psi
     return attrs
+
+
+def before(at_ns: int, attrs: dict) -> dict:
+    """``attrs`` with the calling thread's readings before ``at_ns``
+    (:meth:`kvrecord.cpuclock.CpuClock.lookback`), unless the hook already
+    gave those of the thread that stamped ``at_ns`` (``writer.wake``)."""
+    if _CLOCK.enabled and sc.ATTR_CPU_BEFORE_AGE_S not in attrs:
+        ages, ons, waits = _CLOCK.lookback(_tid(), at_ns)
+        if ages:
+            attrs[sc.ATTR_CPU_BEFORE_AGE_S] = ages
+            attrs[sc.ATTR_CPU_BEFORE_ON_S] = ons
+            attrs[sc.ATTR_CPU_BEFORE_WAIT_S] = waits
+    return attrs
+
+
+def lookback_attrs(at_ns: int) -> dict:
+    """The calling thread's readings before ``at_ns`` as span attributes, for
+    a hook whose event another thread records (``start_load_kv`` stamps
+    ``writer.wake``'s start; the writer thread records it)."""
+    return before(at_ns, {})
 
 
 def watch_new_threads(before: set[int]) -> None:

@@ -21,6 +21,7 @@ from instrumented_connector import hooks
 from kvrecord import semconv as sc
 from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, now, sample, timeout_attrs
 from kvrecord.ids import base_request_id
+from instrumented_connector.cputap import lookback_attrs
 from instrumented_connector.taps import NixlTap as _NixlTap
 from instrumented_connector.healthhooks import PullWorkerHealth, PushWorkerHealth, WorkerHealth
 from instrumented_connector.taps import RankedRecorder
@@ -215,9 +216,10 @@ class InstrumentedNixlPushConnectorWorker(PushWorkerHealth, _WorkerHooks, NixlPu
             fin = getattr(metadata, "push_finished_blocks", None)
             if fin:
                 t = now()
+                lb = lookback_attrs(t)  # this thread's CPU before t: prefill.dispatch ends here (kvtrace.cpusplit)
                 with self._kvl_enq_lock:
                     for rid in fin:
-                        self._kvl_enq.put(rid, t)
+                        self._kvl_enq.put(rid, (t, lb))
                 self._kvl_finished_open(fin, t)
         except Exception:
             fail("start_load_kv")
@@ -283,9 +285,9 @@ class InstrumentedNixlPushConnectorWorker(PushWorkerHealth, _WorkerHooks, NixlPu
         res = super()._pop_matching_registration(request_id)
         try:
             with self._kvl_enq_lock:
-                t_enq = self._kvl_enq.pop(request_id, None)
+                t_enq, lb = self._kvl_enq.pop(request_id, None) or (None, None)
             if t_enq is not None:
-                self._kvl.record(P.WRITER_WAKE, request_id, min(t_enq, t), t)
+                self._kvl.record(P.WRITER_WAKE, request_id, min(t_enq, t), t, "ok", dict(lb) if lb else None)
             arrived = t if t_enq is None else min(t_enq, t)  # the blocks reached P's worker
             if res is not None:
                 t_reg = self._kvl_reg_seen.pop(base_request_id(request_id), arrived)

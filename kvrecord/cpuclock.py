@@ -280,6 +280,39 @@ class CpuClock:
             return None
         return Window((r1[1] - r0[1]) / 1e9, (_wait(r1[2]) - _wait(r0[2])) / 1e9, (start_ns - r0[0]) / 1e9)
 
+    def lookback(self, tid: int, at_ns: int, n: int = 8, max_age_ns: int = 2_000_000_000, min_step_ns: int = 500_000):
+        """``tid``'s counters before ``at_ns``: for up to ``n`` earlier readings
+        (at least ``min_step_ns`` apart, at most ``max_age_ns`` back), their age
+        and the on-CPU and CPU wait from each up to the last reading at or
+        before ``at_ns``, seconds: three lists, youngest first (empty: none).
+        A derived phase that ends where this thread's event starts takes its
+        figures from here (:mod:`kvtrace.cpusplit`)."""
+        ring = self.rings.get(tid)
+        ages: list[float] = []
+        ons: list[float] = []
+        waits: list[float] = []
+        if not ring:
+            return ages, ons, waits
+        ref = None
+        last_t = None
+        for t, on, raw in reversed(ring):
+            if ref is None:
+                if t <= at_ns:
+                    ref = (t, on, _wait(raw))
+                    last_t = t
+                continue
+            if at_ns - t > max_age_ns:
+                break
+            if last_t - t < min_step_ns:
+                continue
+            ages.append((at_ns - t) / 1e9)
+            ons.append((ref[1] - on) / 1e9)
+            waits.append((ref[2] - _wait(raw)) / 1e9)
+            last_t = t
+            if len(ages) >= n:
+                break
+        return ages, ons, waits
+
     def spinner_window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
         """A spinning thread's counters over ``[start_ns, end_ns]``, each end
         interpolated between the readings around it (a spinner is always

@@ -319,6 +319,14 @@ ATTR_CPU_WAIT_S: Final = "kvlens.cpu.wait_s"
 ATTR_CPU_GAP_S: Final = "kvlens.cpu.gap_s"
 """How long before the phase's start the thread's start reading was taken
 (a blocked thread's counters do not move; a busy one's include that stretch)."""
+ATTR_CPU_BEFORE_AGE_S: Final = "kvlens.cpu.before.age_s"
+"""The recording thread's readings before the event's start: their ages,
+seconds, youngest first (with the two lists below: a derived phase ending at
+this event takes its CPU figures from here, :mod:`kvtrace.cpusplit`)."""
+ATTR_CPU_BEFORE_ON_S: Final = "kvlens.cpu.before.on_s"
+"""On-CPU seconds from each of those readings up to the event's start."""
+ATTR_CPU_BEFORE_WAIT_S: Final = "kvlens.cpu.before.wait_s"
+"""CPU wait seconds from each of those readings up to the event's start."""
 ATTR_CPU_TID: Final = "kvlens.cpu.tid"
 """The Linux thread id the CPU figures are of (host-local)."""
 ATTR_CPU_UNKNOWN: Final = "kvlens.cpu.unknown"

@@ -8,9 +8,15 @@ the handoff's tiling (:func:`kvtrace.tiling.tile`, each ns owned by one
 phase), each phase contributes its figures in proportion to the share of it
 that lies on the critical path; a split part (``write.wire`` /
 ``write.noticed`` of ``write.complete``) takes its share of the span it was
-cut from. Derived phases between two processes (``prefill.dispatch``,
-``write.notify``, ``decode.intake``, ...) have no one thread: their time is
-``cpu_unknown_s``, never counted as either.
+cut from. A derived phase that ends where a recorded event starts
+(``prefill.dispatch`` at ``writer.wake``, ``decode.dispatch`` at
+``descriptor.prep``, ``write.notify`` at ``kv.ready``) takes the figures of
+the thread that stamped that start, from its readings before it
+(``kvlens.cpu.before.*``): the reading nearest before the phase's start,
+scaled to the phase's length (its share of that stretch). Derived phases with
+no such reading (``prefill.respond``, ``decode.intake``: vLLM's API server,
+a process kvlens does not run in) have no figures: their time is
+``unknown_s``, never counted as either.
 
 Pure functions of a :class:`kvtrace.tracemodel.Trace`-like object.
 """
@@ -25,7 +31,21 @@ from kvrecord import semconv as sc
 #: split part -> the recorded phase it is cut from (``write.wire`` -> ``write.complete``)
 _PARENT = {p.value: how.split.phase.value for p, how in dv.DERIVED_PHASES.items() if how.split is not None}
 #: Why a derived phase carries no CPU figures.
-DERIVED_NOTE = "a derived phase spans two threads or processes: no one thread's counters"
+DERIVED_NOTE = (
+    "a derived phase between two processes whose ending thread has no reading near its start "
+    "(or it ends in a process kvlens does not run in: vLLM's API server, the router)"
+)
+#: A reading before a derived phase's start counts when it lies within this share of the phase's length
+#: (plus :data:`GAP_SLACK_S`) before it: further back, the thread's figures are mostly another stretch's.
+GAP_SHARE = 0.5
+GAP_SLACK_S = 0.001
+#: derived phase -> its (role, recorded phase) ends, in the order tried: the thread that stamped that event's
+#: start is the one the derived phase waited on
+_ENDS = {
+    p.value: tuple((to.role, to.phase.value) for _frm, to in how.pairs)
+    for p, how in dv.DERIVED_PHASES.items()
+    if how.split is None and not how.latest
+}
 #: What the figures are where the thread spins (said wherever they are shown).
 SPIN_NOTE = (
     "NIXL's UCX progress thread spins (polls with timeout 0): its on-CPU time includes the wait for the wire, "
@@ -82,6 +102,28 @@ def span_figures(attrs: Mapping[str, Any]) -> PhaseCpu | None:
     return None
 
 
+def derived_figures(dur_ns: int, ends: Iterable[Any]) -> PhaseCpu | None:
+    """A derived phase's figures from the readings before the first of
+    ``ends`` (recorded spans, or None) that has one near enough before the
+    phase's start (module docstring); None: unknown."""
+    dur = dur_ns / 1e9
+    for e in ends:
+        a = (e.attributes or {}) if e is not None else {}
+        ages, ons, waits = (
+            a.get(k) for k in (sc.ATTR_CPU_BEFORE_AGE_S, sc.ATTR_CPU_BEFORE_ON_S, sc.ATTR_CPU_BEFORE_WAIT_S)
+        )
+        if not ages or not ons or not waits:
+            continue
+        for age, on, wait in zip(ages, ons, waits):
+            if age + 1e-6 >= dur:
+                if age - dur > GAP_SHARE * dur + GAP_SLACK_S:
+                    return None  # the nearest reading before the start is too far back
+                share = dur / age if age > 0 else 1.0
+                return PhaseCpu(max(on, 0.0) * share, max(wait, 0.0) * share)
+        return None  # no reading far enough back
+    return None
+
+
 def _longest(spans: Iterable[Any]) -> dict[tuple[str | None, str], Any]:
     """(role, name) -> the longest recorded span (the slowest TP rank's)."""
     out: dict[tuple[str | None, str], Any] = {}
@@ -105,9 +147,15 @@ def handoff_cpu(trace: Any) -> HandoffCpu:
     pw: dict[str, float | None] = {}
     po: dict[str, float | None] = {}
     notes: dict[str, str] = {}
+    derived = {(s.role, s.name): s for s in trace.spans if (s.attributes or {}).get(sc.ATTR_DERIVED)}
     for (role, name), ns in tiling.phases.items():
         src = rec.get((role, _PARENT.get(name, name)))
         fig = span_figures(src.attributes or {}) if src is not None else None
+        if src is None and name in _ENDS and (role, name) in derived:
+            d = derived[(role, name)]
+            fig = derived_figures(d.end_ns - d.start_ns, [rec.get(e) for e in _ENDS[name]])
+            if fig is not None:
+                src = d
         if fig is None:
             unknown += ns / 1e9
             pw.setdefault(name, None)

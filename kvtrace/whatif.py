@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from kvrecord import semconv as sc
-from kvtrace import ranks, stats, tracemodel
+from kvtrace import cpusplit, ranks, stats, tracemodel
 from kvtrace.borrowed import Borrowed, borrowed, duration, tiled_phases
 from kvtrace.tracemodel import Trace
 
@@ -71,6 +71,11 @@ class Parts:
     fixed_s: float
     own_wire_s: float
     bytes: int | None
+    #: the CPU wait inside ``fixed_s`` and ``own_wire_s`` (kvtrace.cpusplit; None: unknown)
+    fixed_wait_s: float | None = None
+    wire_wait_s: float | None = None
+    #: the measured handoff's whole CPU wait (None: unknown)
+    handoff_wait_s: float | None = None
 
 
 def parts(from_mode: str, t: Trace) -> Parts | str:
@@ -95,7 +100,40 @@ def parts(from_mode: str, t: Trace) -> Parts | str:
         prefill = duration(t, P.PREFILL)
         extra = 0.0 if prefill is None else max(0.0, (duration(t, P.DECODE_INTAKE) or 0.0) + queue - prefill)
     tot = ranks.transfer_totals(t.spans)
-    return Parts(t.trace_id, t.handoff_s, t.ttft_s, kept + extra, wire, tot.bytes if tot and tot.bytes > 0 else None)
+    fixed_wait, wire_wait, handoff_wait = _waits(from_mode, t, extra, queue)
+    return Parts(
+        t.trace_id,
+        t.handoff_s,
+        t.ttft_s,
+        kept + extra,
+        wire,
+        tot.bytes if tot and tot.bytes > 0 else None,
+        fixed_wait,
+        wire_wait,
+        handoff_wait,
+    )
+
+
+def _waits(from_mode: str, t: Trace, extra: float, queue: float) -> tuple[float | None, float | None, float | None]:
+    """The CPU wait in the kept phases plus the carried extra, in the wire,
+    and in the whole measured handoff (:mod:`kvtrace.cpusplit`); None where a
+    phase the prediction carries has no figures."""
+    cpu = cpusplit.handoff_cpu(t)
+    if cpu.cpu_wait_s is None:
+        return None, None, None
+    pw = cpu.phases_wait_s
+
+    def total(phases) -> float | None:
+        vals = [pw[p.value] for p in phases if p.value in pw]
+        return None if any(v is None for v in vals) else sum(vals)
+
+    kept, wire = total(KEPT[from_mode]), total(_WIRE[from_mode])
+    q = next((s for s in t.spans if s.name == P.DECODE_QUEUE.value and not s.attributes.get(sc.ATTR_DERIVED)), None)
+    qfig = cpusplit.span_figures(q.attributes) if q is not None else None
+    if extra > 0 and qfig is None:
+        return None, wire, cpu.cpu_wait_s
+    extra_wait = 0.0 if extra <= 0 else min(qfig.wait_s * min(extra / queue, 1.0) if queue > 0 else 0.0, extra)
+    return None if kept is None else kept + extra_wait, wire, cpu.cpu_wait_s
 
 
 # ------------------------------------------------------------------ the prediction
@@ -130,6 +168,10 @@ class WhatIf:
     skipped: dict[str, int] = field(default_factory=dict)
     handoff: Figure = Figure()
     ttft: Figure = Figure()
+    #: the handoff with CPU wait removed (kept phases and wire less their own CPU wait), and that plus the
+    #: target mode's expected CPU wait on this host (``measured_to["expected_cpu_wait_s"]``)
+    handoff_nowait: Figure = Figure()
+    handoff_expected_wait: Figure = Figure()
     measured_from: dict[str, float | None] = field(default_factory=dict)
     measured_to: dict[str, Any] = field(default_factory=dict)
     borrowed: tuple[Borrowed, ...] = ()
@@ -145,6 +187,10 @@ class WhatIf:
             "TTFT: measured TTFT - measured handoff + predicted handoff (P's queue and prefill and D's first "
             "step as they were; the load each side sees is taken as unchanged)",
             "time no phase names (unattributed) in the measured handoff is left out",
+            "with CPU wait removed: the kept phases and the wire less their own measured CPU wait (kvtrace.cpusplit); "
+            "the borrowed figures are derived phases without figures, taken as measured; with the expected wait: "
+            "that plus the target mode's median CPU wait measured on this host (the measured mode's where the "
+            "target has no traces here)",
         ]
         if self.from_mode == PULL:
             common.append(
@@ -163,7 +209,12 @@ class WhatIf:
             "note": self.note,
             "requests_used": self.used,
             "skipped": self.skipped,
-            "predicted": {"handoff": self.handoff.to_json(), "ttft": self.ttft.to_json()},
+            "predicted": {
+                "handoff": self.handoff.to_json(),
+                "ttft": self.ttft.to_json(),
+                "handoff_nowait": self.handoff_nowait.to_json(),
+                "handoff_expected_wait": self.handoff_expected_wait.to_json(),
+            },
             "measured_from": self.measured_from,
             "measured_to": self.measured_to,
             "borrowed": [b.to_json() for b in self.borrowed],
@@ -233,27 +284,60 @@ def predict(
     if missing:
         why = f"no {from_mode} trace gives {', '.join(missing)}"
         return WhatIf(status=stats.NOT_ENOUGH, note=why, **base)
-    h, f, rows = _simulate(usable, pools, resamples, seed)
+    h, f, rows, nw = _simulate(usable, pools, resamples, seed)
+    # the target mode's expected CPU wait on this host: its own measured median where it ran here, else the
+    # measured mode's (the same host, the same contention)
+    to_waits = [x for t in ok_others if (x := cpusplit.handoff_cpu(t).cpu_wait_s) is not None]
+    from_waits = [p.handoff_wait_s for p in usable if p.handoff_wait_s is not None]
+    expected = stats.percentile(to_waits or from_waits, 50)
+    ew = Figure() if expected is None or nw.p50 is None else Figure(*(v + expected for v in nw))
     mt = dict(base.pop("measured_to"))
-    for key, fig in (("handoff", h), ("ttft", f)):
+    mt["handoff_nowait_p50_s"] = stats.percentile(
+        [
+            t.handoff_s - w
+            for t in ok_others
+            if t.handoff_s is not None and (w := cpusplit.handoff_cpu(t).cpu_wait_s) is not None
+        ],
+        50,
+    )
+    mt["expected_cpu_wait_s"] = expected
+    mt["expected_cpu_wait_from"] = to_mode if to_waits else from_mode if from_waits else None
+    for key, fig in (("handoff", h), ("ttft", f), ("handoff_nowait", nw)):
         m = mt.get(f"{key}_p50_s")
         mt[f"{key}_in_interval"] = None if m is None or fig.lo is None else bool(fig.lo - _NS <= m <= fig.hi + _NS)
         mt[f"{key}_error"] = None if m is None or fig.p50 is None or m <= 0 else (fig.p50 - m) / m
-    return WhatIf(status="ok", handoff=h, ttft=f, requests=rows, measured_to=mt, **base)
+    return WhatIf(
+        status="ok",
+        handoff=h,
+        ttft=f,
+        handoff_nowait=nw,
+        handoff_expected_wait=ew,
+        requests=rows,
+        measured_to=mt,
+        **base,
+    )
 
 
 def _simulate(usable: Sequence[Parts], pools: Sequence[Borrowed], resamples: int, seed: int):
-    """(handoff :class:`Figure`, TTFT :class:`Figure`, per-request rows).
-    Each draw is one request's kept phases plus each borrowed figure drawn
-    from its measured values and its bytes over a drawn bandwidth. The
-    resamples draw the requests with replacement; a request's own row is the
-    median of ``resamples`` draws for it alone."""
+    """(handoff :class:`Figure`, TTFT :class:`Figure`, per-request rows, handoff
+    with CPU wait removed :class:`Figure`). Each draw is one request's kept
+    phases plus each borrowed figure drawn from its measured values and its
+    bytes over a drawn bandwidth; without CPU wait, the kept phases and the
+    wire less their own measured CPU wait (a request without figures: NaN,
+    left out). The resamples draw the requests with replacement; a request's
+    own row is the median of ``resamples`` draws for it alone."""
     import numpy as np
 
-    fixed = np.array([p.fixed_s for p in usable])
-    own_wire = np.array([p.own_wire_s for p in usable])
-    nbytes = np.array([np.nan if p.bytes is None else p.bytes for p in usable], dtype=float)
-    rest = np.array([np.nan if p.ttft_s is None else p.ttft_s - p.handoff_s for p in usable])
+    def arr(f):
+        return np.array([np.nan if (v := f(p)) is None else v for p in usable], dtype=float)
+
+    fixed, own_wire, nbytes = arr(lambda p: p.fixed_s), arr(lambda p: p.own_wire_s), arr(lambda p: p.bytes)
+    rest = arr(lambda p: None if p.ttft_s is None else p.ttft_s - p.handoff_s)
+    fixed_nw = fixed - arr(lambda p: p.fixed_wait_s)
+    # the wire's share left without its CPU wait (1 where the wire took no time)
+    wire_keep = np.where(
+        own_wire > 0, (own_wire - arr(lambda p: p.wire_wait_s)) / np.where(own_wire > 0, own_wire, 1), 1.0
+    )
     step, extra, bw = (np.asarray(b.values, dtype=float) for b in pools)
     gen = np.random.default_rng(seed)
 
@@ -262,17 +346,17 @@ def _simulate(usable: Sequence[Parts], pools: Sequence[Borrowed], resamples: int
         wire = own_wire[idx]
         if bw.size:  # bytes over a drawn bandwidth where the request's bytes are known
             wire = np.where(np.isnan(nbytes[idx]), wire, nbytes[idx] / bw[gen.integers(0, bw.size, idx.shape)])
-        return fixed[idx] + added + wire
+        return fixed[idx] + added + wire, fixed_nw[idx] + added + wire * wire_keep[idx]
 
     n = len(usable)
     idx = gen.integers(0, n, size=(resamples, n))
-    handoff = draw(idx)
-    h, f = _figure(handoff), _figure(rest[idx] + handoff)
-    own = np.median(draw(np.broadcast_to(np.arange(n), (resamples, n))), axis=0)
+    handoff, nowait = draw(idx)
+    h, f, nw = _figure(handoff), _figure(rest[idx] + handoff), _figure(nowait)
+    own = np.median(draw(np.broadcast_to(np.arange(n), (resamples, n)))[0], axis=0)
     rows = tuple(
         (p.trace_id, p.handoff_s, float(x), None if np.isnan(r) else float(r + x)) for p, x, r in zip(usable, own, rest)
     )
-    return h, f, rows
+    return h, f, rows, nw
 
 
 def from_store(conn, since_ns: int | None, from_mode: str, limit: int = MAX_TRACES) -> WhatIf:
@@ -281,7 +365,6 @@ def from_store(conn, since_ns: int | None, from_mode: str, limit: int = MAX_TRAC
     in the same window (runs on the caller's thread; three reads)."""
     other = PULL if from_mode == PUSH else PUSH
     mine = tracemodel.slowest(conn, limit, order="start", since_ns=since_ns, mode=from_mode, completed=True)
-    theirs = tracemodel.slowest(
-        conn, limit, order="start", since_ns=since_ns, mode=other, completed=True, with_spans=False
-    )
+    # with their spans: their CPU wait is the measured side of the prediction without it
+    theirs = tracemodel.slowest(conn, limit, order="start", since_ns=since_ns, mode=other, completed=True)
     return predict(from_mode, mine, theirs)

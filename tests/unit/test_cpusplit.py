@@ -77,7 +77,7 @@ def test_unavailable_is_unknown_with_its_reason(monkeypatch):
 
 
 @needs_schedstat
-def test_recorder_wrapper_puts_figures_on_spans_only(monkeypatch):
+def test_recorder_wrapper_puts_figures_on_spans_and_lookback_on_all(monkeypatch):
     got = []
 
     class Sink:
@@ -86,13 +86,12 @@ def test_recorder_wrapper_puts_figures_on_spans_only(monkeypatch):
         def record(self, *a):
             got.append(a)
 
-        def point(self, *a):
-            got.append(a)
-
     clock = cpuclock.CpuClock()
     monkeypatch.setattr(cputap, "_CLOCK", clock)
     rec = cputap.CpuRecorder(Sink())
     t0 = clock.now()
+    time.sleep(0.002)
+    clock.sample()
     time.sleep(0.01)
     t1 = clock.now()
     rec.record(sc.Phase.WRITE_POST, "r1", t0, t1, "ok", None)
@@ -100,7 +99,11 @@ def test_recorder_wrapper_puts_figures_on_spans_only(monkeypatch):
     attrs = got[0][5]
     assert attrs[sc.ATTR_CPU_TID] == threading.get_native_id()
     assert attrs[sc.ATTR_CPU_ON_S] + attrs[sc.ATTR_CPU_WAIT_S] <= (t1 - t0) / 1e9 + 0.001
-    assert got[1][3] is None and rec.role == "prefill"  # points untouched; everything else delegated
+    point = got[1][5]
+    assert got[1][2] == got[1][3] and sc.ATTR_CPU_ON_S not in point  # a point: no span figures ...
+    ages = point[sc.ATTR_CPU_BEFORE_AGE_S]  # ... but the thread's readings before it, youngest first
+    assert ages == sorted(ages) and ages[0] > 0.009 and len(ages) == len(point[sc.ATTR_CPU_BEFORE_WAIT_S])
+    assert rec.role == "prefill"  # everything else delegated
     assert os.environ.get(cpuclock.ENV, "1") != "0"
 
 
@@ -189,3 +192,28 @@ def test_two_events_handed_one_dict_keep_their_own_figures(monkeypatch):
     prep, post = got[0][5], got[1][5]
     assert prep is not post and sc.ATTR_CPU_ON_S not in shared
     assert prep[sc.ATTR_CPU_ON_S] <= (t1 - t0) / 1e9 + 0.001 < post[sc.ATTR_CPU_ON_S]
+
+
+def test_derived_phase_takes_the_ending_threads_readings():
+    """write.notify ends at D's kv.ready: the readings of the thread that
+    stamped it, the nearest before the phase's start, scaled to its length."""
+    lb = {
+        sc.ATTR_CPU_BEFORE_AGE_S: [0.0005, 0.0012, 0.004],
+        sc.ATTR_CPU_BEFORE_ON_S: [0.0001, 0.0002, 0.0008],
+        sc.ATTR_CPU_BEFORE_WAIT_S: [0.0003, 0.0009, 0.003],
+    }
+    wc = {sc.ATTR_CPU_ON_S: 0.0, sc.ATTR_CPU_WAIT_S: 0.0}
+    tr = _trace(
+        [
+            _span("prefill.finished", "prefill", PF, PF),
+            _span("write.post", "prefill", PF, PF + 18 * MS, **wc),
+            _span("write.complete", "prefill", PF + 18 * MS, KV - MS, **wc),
+            _span("kv.ready", "decode", KV, KV, **lb),  # write.notify: the last 1 ms
+        ]
+    )
+    h = cpusplit.handoff_cpu(tr)
+    # 1 ms long: the reading 1.2 ms back (0.2 ms further: within half the length + 1 ms), scaled 1/1.2
+    assert h.phases_wait_s["write.notify"] == pytest.approx(0.0009 / 1.2)
+    assert h.cpu_wait_s == pytest.approx(0.0009 / 1.2)
+    far = {k: v[2:] for k, v in lb.items()}  # only a reading 4 ms back: too far for a 1 ms phase
+    assert cpusplit.derived_figures(MS, [type("S", (), {"attributes": far})()]) is None
