@@ -57,6 +57,19 @@ def text(w: kv_whatif.WhatIf, window: str) -> str:
         if m is not None:
             inside = "inside" if w.measured_to.get(f"{key}_in_interval") else "outside"
             lines.append(f"           measured {w.to_mode} p50 {_s(m)} in the same window ({inside} the interval)")
+    nw, ew = w.handoff_nowait, w.handoff_expected_wait
+    if nw.p50 is None:
+        lines.append("  without CPU wait: unknown (no measured request carries CPU figures, kvlens.cpu.*)")
+    else:
+        lines.append(
+            f"  handoff without CPU wait: predicted {w.to_mode} p50 {_s(nw.p50)} [{_s(nw.lo)}-{_s(nw.hi)}]; with "
+            f"{w.to_mode}'s expected CPU wait here ({_s(w.measured_to.get('expected_cpu_wait_s'))}, measured in "
+            f"{w.measured_to.get('expected_cpu_wait_from') or '-'}'s traces): {_s(ew.p50)} [{_s(ew.lo)}-{_s(ew.hi)}]"
+        )
+        m = w.measured_to.get("handoff_nowait_p50_s")
+        if m is not None:
+            inside = "inside" if w.measured_to.get("handoff_nowait_in_interval") else "outside"
+            lines.append(f"           measured {w.to_mode} p50 without CPU wait {_s(m)} ({inside} the interval)")
     lines.append("borrowed figures (p50 of what was measured):")
     for b in w.borrowed:
         v = stats.percentile(b.values, 50)
