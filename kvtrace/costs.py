@@ -42,7 +42,7 @@ class _Row(NamedTuple):
 
 
 class _Tiled(NamedTuple):
-    """A trace as :func:`kvtrace.cpusplit.handoff_cpu` reads it: its recorded spans and its tiling."""
+    """A trace as :func:`kvtrace.cpusplit.handoff_cpu` reads it: its spans (derived ones marked) and its tiling."""
 
     spans: Sequence[_Row]
     til: Tiling
@@ -51,11 +51,15 @@ class _Tiled(NamedTuple):
         return self.til
 
 
-#: Recorded phases whose spans can carry CPU figures (the attributes a sample reads for the CPU split).
+#: Recorded phases whose spans can carry CPU figures (the attributes a sample reads for the CPU split):
+#: every one with a length, and the events a derived phase ends at (their ``kvlens.cpu.before.*``
+#: readings are the derived phase's figures, :func:`kvtrace.cpusplit.derived_figures`).
 CPU_PHASES = (
     frozenset(p.value for p in sc.Phase if p not in sc.POINT_PHASES and p not in derived.DERIVED_PHASES)
     - NOT_HANDOFF_PHASES
-)
+) | frozenset(to.phase.value for how in derived.DERIVED_PHASES.values() for _frm, to in how.pairs)
+#: A derived row's attributes (:func:`kvtrace.cpusplit.handoff_cpu` tells them from recorded spans by this).
+_DERIVED_ATTRS = {sc.ATTR_DERIVED: True}
 
 
 def _add_phase_cpu(
@@ -107,8 +111,7 @@ def handoff_costs(
     for tid, (mode, pf, kv, _) in window.items():
         rows = by_trace.get(tid, [])
         rows.sort(key=lambda r: r.start_ns)
-        recorded = list(rows)
-        derived = [_Row(*d) for d in derive(rows)]
+        derived = [_Row(*d, _DERIVED_ATTRS) for d in derive(rows)]
         for r in derived:
             if r.name in NOT_HANDOFF_PHASES:  # P's hold follows the handoff: neither cost nor overlap
                 continue
@@ -121,7 +124,7 @@ def handoff_costs(
         tilings.append((mode, t))
         for (role, name), ns in t.phases.items():
             crit[(mode, role, name)] = crit.get((mode, role, name), 0) + ns
-        split = cpusplit.handoff_cpu(_Tiled(recorded, t))
+        split = cpusplit.handoff_cpu(_Tiled(rows, t))
         splits.append((mode, split))
         _add_phase_cpu(mode, t, split, phase_cpu, phase_why)
     per_mode: dict[str, list[float]] = {}

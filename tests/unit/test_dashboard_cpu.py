@@ -23,7 +23,7 @@ from kvtrace.store import StoreSpanExporter
 MS = 1_000_000
 
 
-def _pull_store(tmp_path, waits_ms: list[float], unknown_post: bool = False):
+def _pull_store(tmp_path, waits_ms: list[float], unknown_post: bool = False, before: dict | None = None):
     """Pull requests, one host, through the store writer: D's descriptor.prep
     (0.2 ms, no wait), read.post (2 ms) and read.complete (8 ms) carry the
     engine thread's figures (``waits_ms``: read.complete's CPU wait per
@@ -49,7 +49,12 @@ def _pull_store(tmp_path, waits_ms: list[float], unknown_post: bool = False):
         for name, a, t0, t1 in (
             ("prefill.finished", P, t, t),
             ("alloc", Dd, t + MS // 2, t + MS // 2),
-            ("descriptor.prep", {**Dd, sc.ATTR_CPU_ON_S: 0.0002, sc.ATTR_CPU_WAIT_S: 0.0}, t + 8 * MS // 10, t + MS),
+            (
+                "descriptor.prep",
+                {**Dd, sc.ATTR_CPU_ON_S: 0.0002, sc.ATTR_CPU_WAIT_S: 0.0, **(before or {})},
+                t + 8 * MS // 10,
+                t + MS,
+            ),
             ("read.post", {**Dd, **post}, t + MS, t + 3 * MS),
             ("read.complete", {**Dd, **done}, t + 3 * MS, t + 11 * MS),
             ("kv.released", P, t + 11 * MS, t + 11 * MS),
@@ -80,6 +85,27 @@ def test_shares_from_the_store(tmp_path):
     assert "Per phase, of its critical-path time: descriptor.prep 0.0 %, read.post 25 %, read.complete 29 %." in words
     assert f"({cpusplit.DERIVED_NOTE})" in words
     assert cpushare.cpu_words(ph.attrs["cpu"], "push") == "**CPU wait:** unknown (no completed handoff in this range)."
+
+
+def test_a_derived_phase_takes_the_readings_before_its_end_as_kvlens_traces_does(tmp_path):
+    """decode.dispatch (alloc -> descriptor.prep, 0.3 ms) from the worker
+    thread's reading 0.4 ms before descriptor.prep: 3/4 of its 0.2 ms wait."""
+    before = {
+        sc.ATTR_CPU_BEFORE_AGE_S: [0.0004],
+        sc.ATTR_CPU_BEFORE_ON_S: [0.0001],
+        sc.ATTR_CPU_BEFORE_WAIT_S: [0.0002],
+    }
+    db = _pull_store(tmp_path, [1.0, 2.0, 4.0], before=before)
+    c = D.phase_breakdown(db, None, None).attrs["cpu"]["pull"]
+    assert c["phases"]["decode.dispatch"] == pytest.approx(0.00015 / 0.0003)
+    assert "decode.dispatch" not in c["phases_unknown"]
+    # the same split the trace model gives kvlens traces, request by request
+    from kvtrace import store, tracemodel
+
+    with store.reading(db) as conn:
+        trs = tracemodel.slowest(conn, 10)
+    shares = sorted(cpusplit.handoff_cpu(t).cpu_wait_s / t.handoff_s for t in trs)
+    assert c["median"] == pytest.approx(shares[1]) and c["known"] == len(shares) == 3
 
 
 def test_a_phase_without_figures_is_unknown_with_its_reason(tmp_path):
