@@ -320,7 +320,7 @@ class Breakdown:
     #: durations): then nothing can be said about unattributed time
     handoff_known: bool = True
     #: each request's CPU-wait share of its handoff, where its phases carry CPU
-    #: figures (:func:`kvtrace.costs.breakdown` adds them; :mod:`kvtrace.cpusplit`)
+    #: figures (:func:`kvtrace.costs.breakdown` and :func:`~kvtrace.costs.handoff_costs` add them; :mod:`kvtrace.cpusplit`)
     cpu_wait_shares: list[float] = field(default_factory=list)
     #: requests without CPU figures, by the reason
     cpu_unknown: dict[str, int] = field(default_factory=dict)
