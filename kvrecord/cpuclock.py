@@ -21,11 +21,11 @@ exact; a reading of another thread (a spinner) misses only the wait it is in.
 How kvlens reads them (docs/phases.md, "CPU or wire"):
 
 * :meth:`CpuClock.now` is the hooks' clock: the wall-clock ns the hooks
-  already take, plus a ``pread`` of the calling thread's schedstat, of each
-  watched spinning thread's (NIXL's UCX progress thread) and of PSI, appended
-  raw (bytes, no parsing) to small per-thread rings. ~1-2 µs per call; the
-  files stay open. :meth:`CpuClock.sample` is the same without the time, for
-  once-per-step hooks that keep the rings dense.
+  already take, plus the calling thread's CPU-time clock and a ``pread`` of
+  its schedstat, appended raw (no parsing) to a small per-thread ring
+  (benchmarks/bench_cpuclock.py; the files stay open).
+  :meth:`CpuClock.sample`, once per engine step, reads the same and also
+  each watched spinning thread (NIXL's UCX progress thread) and PSI.
 * :meth:`CpuClock.window` turns two readings into ``(on_s, wait_s)`` for one
   thread over ``[start, end]``: the last reading at or before each end (a
   sleeping thread's counters do not move, so a reading taken before it went
@@ -61,6 +61,8 @@ MAX_THREADS = 64
 #: this share of the wall clock while its engine was idle: NIXL's UCX progress
 #: thread polls with timeout 0 (runnable ~100 %); a sleeping one is ~0 %.
 SPIN_SHARE = 0.5
+#: Readings a lookback examines at most (a burst of hooks can put hundreds within a millisecond).
+LOOKBACK_SCAN = 16
 #: ``0`` turns the readings off (the cost benchmark's baseline); figures are then unknown with this reason.
 ENV = "KVLENS_CPU_ACCOUNTING"
 
@@ -181,8 +183,8 @@ class CpuClock:
 
     # ------------------------------------------------------------ hot path
     def now(self) -> int:
-        """Wall-clock ns, and a reading of this thread, the spinners and PSI
-        stamped with it (the returned time is the kept reading's stamp)."""
+        """Wall-clock ns, and a reading of this thread stamped with it (the
+        returned time is the kept reading's stamp)."""
         if not self.enabled:
             return _time_ns()
         try:
@@ -192,15 +194,28 @@ class CpuClock:
             return _time_ns()
 
     def sample(self) -> None:
-        """A reading of the calling thread, the spinners and PSI, stamped now."""
+        """Once per engine step: a reading of the calling thread, of the
+        spinners and of PSI (their figures are to within a step)."""
         try:
             self._read(_get_tid())
+            for stid, sfd, cid in self._spin:  # each stamped on its own (interpolated between readings)
+                for _ in range(2):
+                    ts = _time_ns()
+                    r = (ts, _clock_ns(cid), _pread(sfd, 96, 0))
+                    if _time_ns() - ts < SMEAR_NS:
+                        self.rings[stid].append(r)
+                        break
+            if self._psi_fd >= 0:
+                ts = _time_ns()
+                r = (ts, _pread(self._psi_fd, 160, 0))
+                if _time_ns() - ts < SMEAR_NS:
+                    self.psi.append(r)
         except Exception:
             self._failed()
 
     def _read(self, tid: int) -> int:
-        """The readings, stamped; the own reading is kept only if it ended
-        within :data:`SMEAR_NS` of its stamp (else the thread was preempted in
+        """This thread's reading, stamped; kept only if it ended within
+        :data:`SMEAR_NS` of its stamp (else the thread was preempted in
         between: tried again, up to 3 times, then dropped and counted)."""
         fd = self._fds.get(tid)
         if fd is None:
@@ -213,21 +228,9 @@ class CpuClock:
                 t1 = _time_ns()
                 if t1 - t < SMEAR_NS:
                     ring.append(r)
-                    break
+                    return t
                 t = t1
-            else:
-                self.smeared += 1
-        for stid, sfd, cid in self._spin:  # each stamped on its own (interpolated between readings)
-            for _ in range(2):
-                ts = _time_ns()
-                r = (ts, _clock_ns(cid), _pread(sfd, 96, 0))
-                if _time_ns() - ts < SMEAR_NS:
-                    self.rings[stid].append(r)
-                    break
-        if self._psi_fd >= 0:
-            r = (t, _pread(self._psi_fd, 160, 0))
-            if _time_ns() - t < SMEAR_NS:
-                self.psi.append(r)
+            self.smeared += 1
         return t
 
     def _open(self, tid: int) -> int:
@@ -295,7 +298,9 @@ class CpuClock:
             return ages, ons, waits
         ref = None
         last_t = None
-        for t, on, raw in reversed(ring):
+        for k, (t, on, raw) in enumerate(reversed(ring)):
+            if k >= LOOKBACK_SCAN:
+                break
             if ref is None:
                 if t <= at_ns:
                     ref = (t, on, _wait(raw))

@@ -221,7 +221,9 @@ def cpu_words(v: Verdict) -> str | None:
         x = sh.get(m)
         return "unknown (no CPU figures)" if x is None else f"{x * 100:.0f} %"
 
-    head = f"on this host {pct(PUSH)} of push's and {pct(PULL)} of pull's handoff (median) was threads waiting for a CPU"
+    head = (
+        f"on this host {pct(PUSH)} of push's and {pct(PULL)} of pull's handoff (median) was threads waiting for a CPU"
+    )
     if any(x is not None and x >= CPU_DECIDES_SHARE for x in sh.values()):
         return head + ": the host's contention decides this comparison; see the handoff with CPU wait removed"
     return head
@@ -300,7 +302,9 @@ def text(v: Verdict, window: str) -> str:
     cw = cpu_words(v)
     if cw:
         lines.append("")
-        lines.append(cw[0].upper() + cw[1:] + f" (requests with CPU figures: push {v.cpu_n[PUSH]}, pull {v.cpu_n[PULL]}).")
+        lines.append(
+            cw[0].upper() + cw[1:] + f" (requests with CPU figures: push {v.cpu_n[PUSH]}, pull {v.cpu_n[PULL]})."
+        )
     lines.append("")
     lines.append(f"requests per bucket (push / pull; a bucket needs {stats.MIN_PER_STRATUM} of each to count):")
     for b in bucket_names():

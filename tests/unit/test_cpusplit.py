@@ -55,10 +55,13 @@ def test_spinner_found_and_interpolated():
         clock = cpuclock.CpuClock()
         clock.watch_spinners(found)
         a = clock.now()
+        clock.sample()  # spinners are read once per engine step
         time.sleep(0.1)
         b = clock.now()
+        clock.sample()
         time.sleep(0.1)
         c = clock.now()
+        clock.sample()
         w = clock.spinner_window(th.native_id, a + (b - a) // 2, c)
         assert w is not None and 0.1 <= w.on_s + w.wait_s <= 0.2  # runnable all the time (GIL waits count as on-CPU)
     finally:
