@@ -323,8 +323,11 @@ def _check_figures_agree(page, kvlens_home, db, manifest: dict) -> None:
         live = [r for r in store.slowest(conn, 10_000, order="start") if (r["start_ns"] or 0) >= started]
     first = min(r["start_ns"] for r in live)
     age_s = (time.time_ns() - first) / 1e9
-    for mode, shown in zip(("push", "pull"), rates):
+    for mode, shown, t in zip(("push", "pull"), rates, tpot):
         served = sum(r["mode"] == mode for r in live) / age_s
+        print(
+            f"\ndemo e2e: {mode} req/s on the Overview {shown} vs {served:.3f} served over {age_s:.0f} s; TPOT {t} ms"
+        )
         assert abs(shown - served) <= 0.3 * served, (mode, shown, served, age_s, cards)
     assert "Handoff percentiles from the trace store" in page.inner_text("body")
     for mode, p50, p90 in zip(
@@ -334,6 +337,8 @@ def _check_figures_agree(page, kvlens_home, db, manifest: dict) -> None:
         assert out.returncode == 0, out.stderr
         h = [d["handoff_s"] for d in map(json.loads, out.stdout.splitlines()) if d.get("handoff_s") is not None]
         want = np.percentile(h, [50, 90])
+        print(f"demo e2e: {mode} handoff p50/p90 on the Overview {p50:.4f}/{p90:.4f} s vs kvlens traces {want[0]:.4f}/"
+              f"{want[1]:.4f} s ({len(h)} requests)")  # fmt: skip
         assert abs(p50 - want[0]) <= 0.1 * want[0] and abs(p90 - want[1]) <= 0.1 * want[1], (mode, p50, p90, want)
 
 
