@@ -200,18 +200,49 @@ def _router(cfg: proxy.ProxyConfig):
 
 def test_the_routers_receiver_takes_the_ingest_token_never_the_api_key(tmp_path):
     """Item 4: with ``--collect``, every OpenAI client holds the API key; it
-    must not post spans into the router's store. The ingest token does."""
+    must not post spans into the router's store. The ingest token does. The
+    real ``kvlens proxy --collect`` (a process: its receiver registers its
+    metrics in the process-wide registry)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from kvrecord.guard import parent_death_signal
+    from kvrecord.ports import free_port
+
     forged, kept = record_spans(1), record_spans(1)
-    cfg = proxy.ProxyConfig(
-        prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
-        kvlens_home=str(tmp_path), collect=True, telemetry=False, api_key="sk-" + "k" * 20, ingest_token=INGEST,
+    key = "sk-" + "k" * 20
+    env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, "KVLENS_API_KEY", "VLLM_API_KEY")}
+    env.update(KVLENS_HOME=str(tmp_path), KVLENS_INGEST_TOKEN=INGEST, KVLENS_API_KEY=key)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvlens.cli", "proxy", "--mode", "pull", "--prefill", "http://127.0.0.1:9",
+         "--decode", "http://127.0.0.1:9", "--port", str(port), "--collect", "--no-telemetry"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: parent_death_signal(signal.SIGTERM),
     )  # fmt: skip
-    with _router(cfg) as url, httpx.Client(base_url=url, timeout=20, trust_env=False) as c:
-        for headers in ({}, _bearer(cfg.api_key), _bearer(READ)):
-            assert c.post("/v1/traces", content=pb_body(forged), headers={**PB, **headers}).status_code == 401
-        assert c.post("/v1/traces", content=pb_body(kept), headers={**PB, **_bearer(INGEST)}).status_code == 200
-        assert c.get("/metrics/", headers=_bearer(cfg.api_key)).status_code == 200  # the API key reads metrics
-        assert c.get("/metrics/", headers=_bearer(INGEST)).status_code == 401
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "router did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(url + "/health", timeout=2, trust_env=False)
+                break
+            time.sleep(0.2)
+        with httpx.Client(base_url=url, timeout=20, trust_env=False) as c:
+            for headers in ({}, _bearer(key), _bearer(READ)):
+                r = c.post("/v1/traces", content=pb_body(forged), headers={**PB, **headers})
+                assert r.status_code == 401, headers
+            assert c.post("/v1/traces", content=pb_body(kept), headers={**PB, **_bearer(INGEST)}).status_code == 200
+            assert c.get("/metrics/", headers=_bearer(key)).status_code == 200  # the API key reads metrics
+            assert c.get("/metrics/", headers=_bearer(INGEST)).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)  # flushes the receiver's queue
+        out, _ = proc.communicate(timeout=30)
+    assert INGEST not in out and key not in out
     db = tmp_path / "traces.db"
     assert _n_stored(db, forged) == 0 and _n_stored(db, kept) == len(kept)
 
