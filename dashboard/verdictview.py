@@ -37,7 +37,12 @@ def headline_text(v: kv_verdict.Verdict) -> str:
         return f"**Verdict, last {VERDICT_WINDOW}:** {v.message}."
     words = {k: w for k, _, _, w in kv_verdict.METRICS}
     parts = [f"{words[k]} push/pull {kv_verdict.ratio_words(v.ratios[k])}" for k in HEADLINE_METRICS]
-    return f"**Verdict, last {VERDICT_WINDOW}** ({v.selection_words()}, {v.message}): " + "; ".join(parts) + "."
+    head = f"**Verdict, last {VERDICT_WINDOW}** ({v.selection_words()}, {v.message}): " + "; ".join(parts) + "."
+    cw = kv_verdict.cpu_words(v)
+    if cw is None:
+        return head + " CPU wait in the handoff: unknown (no request carries CPU figures)."
+    nowait = kv_verdict.ratio_words(v.ratios["handoff_nowait_p50"])
+    return f"{head} {cw[0].upper() + cw[1:]}; handoff p50 push/pull with CPU wait removed {nowait}."
 
 
 def headline(cfg) -> None:
@@ -83,14 +88,18 @@ def whatif_rows(results: list[kv_whatif.WhatIf]) -> pd.DataFrame:
     measured p50 of that mode in the same window, the error, inside or not (pure)."""
     rows = []
     for w in results:
-        for key, fig in (("handoff", w.handoff), ("TTFT", w.ttft)):
-            m = w.measured_to.get(f"{key.lower()}_p50_s")
-            inside = w.measured_to.get(f"{key.lower()}_in_interval")
-            err = w.measured_to.get(f"{key.lower()}_error")
+        for key, fig, name in (
+            ("handoff", w.handoff, "handoff p50"),
+            ("ttft", w.ttft, "TTFT p50"),
+            ("handoff_nowait", w.handoff_nowait, "handoff p50 without CPU wait"),
+        ):
+            m = w.measured_to.get(f"{key}_p50_s")
+            inside = w.measured_to.get(f"{key}_in_interval")
+            err = w.measured_to.get(f"{key}_error")
             rows.append(
                 {
                     "predicted": f"{w.to_mode} (from {w.used} {w.from_mode} requests)",
-                    "figure": f"{key} p50",
+                    "figure": name,
                     "predicted (ms)": _ms(fig.p50),
                     "95 % interval (ms)": "-" if fig.lo is None else f"{fig.lo * 1e3:.1f}-{fig.hi * 1e3:.1f}",
                     "measured (ms)": _ms(m),

@@ -69,7 +69,13 @@ def _batch(stack, tag: str) -> dict:
     trs = _traces(stack.store, ids)
     assert len(trs) == N, f"{tag}: {len(trs)} of {N} traces complete"
     splits = [cpusplit.handoff_cpu(t) for t in trs.values()]
+    unknown_by_phase: dict[str, list[float]] = {}
+    for t, h in zip(trs.values(), splits):
+        for (_role, name), ns in t.tiling().phases.items():
+            if h.phases_wait_s.get(name) is None:
+                unknown_by_phase.setdefault(name, []).append(ns / 1e9)
     return {
+        "unknown_phases": {k: round(statistics.median(v) * 1e3, 1) for k, v in unknown_by_phase.items()},
         "handoff": statistics.median(h.handoff_s for h in splits),
         "wait": statistics.median(h.cpu_wait_s for h in splits),
         "unknown": statistics.median(h.unknown_s for h in splits),
@@ -115,10 +121,16 @@ def _contention(stack, mode: str) -> None:
         for k, v in (("before", before), ("fifo", during), ("after", after), ("plain", busy))
     }
     print(f"{mode} CPU contention, handoff p50 / CPU wait p50 / unknown p50 (ms): {figs}")
+    print(f"{mode} phases without figures under contention (median ms): {during['unknown_phases']}")
     rise = during["handoff"] - before["handoff"]
     assert rise > 0, f"the FIFO hog did not slow the handoff: {figs}"
     wait_rise = during["wait"] - before["wait"]
-    assert wait_rise >= MIN_SHARE * rise, f"{mode}: CPU wait rose {wait_rise:.4f} s of a {rise:.4f} s rise: {figs}"
+    # of the rise in the phases that carry figures (the rest is derived phases in processes kvlens does not run
+    # in: pull's prefill.respond is vLLM's API server; counted as unknown, never as either), >= 70 % is CPU wait
+    measured_rise = rise - max(during["unknown"] - before["unknown"], 0.0)
+    print(f"{mode}: CPU wait rose {wait_rise * 1e3:.1f} ms of a {rise * 1e3:.1f} ms rise ({wait_rise / rise:.0%}), "
+          f"{wait_rise / measured_rise:.0%} of the {measured_rise * 1e3:.1f} ms in phases with figures")  # fmt: skip
+    assert wait_rise >= MIN_SHARE * measured_rise, f"{mode}: CPU wait rose {wait_rise:.4f} s: {figs}"
     # after the contention the handoff comes back (well under the contended p50)
     assert after["handoff"] < before["handoff"] + rise / 2, figs
     _closure(during["traces"])

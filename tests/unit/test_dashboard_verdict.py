@@ -78,8 +78,12 @@ def test_the_compare_page_shows_predicted_against_measured(app, both):
     at = app(both, page="compare")
     table = at.dataframe[-1].value
     assert list(table.columns[:4]) == ["predicted", "figure", "predicted (ms)", "95 % interval (ms)"]
-    assert set(table["figure"]) == {"handoff p50", "TTFT p50"} and len(table) == 4
-    assert all(v != "-" for v in table["measured (ms)"]) and set(table["inside"]) <= {"yes", "no"}
+    assert set(table["figure"]) == {"handoff p50", "TTFT p50", "handoff p50 without CPU wait"} and len(table) == 6
+    measured = table[table["figure"] != "handoff p50 without CPU wait"]
+    assert all(v != "-" for v in measured["measured (ms)"]) and set(measured["inside"]) <= {"yes", "no"}
+    # the synthetic store's spans carry no CPU figures: the rows without CPU wait say unknown ("-"), never 0
+    nowait = table[table["figure"] == "handoff p50 without CPU wait"]
+    assert set(nowait["predicted (ms)"]) == {"-"} and set(nowait["measured (ms)"]) == {"-"}
     assert any("Borrowed figures" in e.label for e in at.expander)
 
 

@@ -130,7 +130,11 @@ def test_verdict_json_has_ratios_intervals_and_counts_on_both_backends(synthetic
     assert main(["verdict", "--store", str(synthetic.store), "--window", "1h", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["status"] == "ok" and out["selection"] == "all" and out["window"] == "1h"
-    assert set(out["ratios"]) == {"ttft_p50", "ttft_p90", "handoff_p50", "tpot_p50"}
+    assert set(out["ratios"]) == {"ttft_p50", "ttft_p90", "handoff_p50", "tpot_p50", "handoff_nowait_p50"}
+    # the synthetic spans carry no CPU figures: unknown with the reason, never a ratio of made-up figures
+    nowait = out["ratios"]["handoff_nowait_p50"]
+    assert nowait["status"] == stats.NOT_ENOUGH and "CPU figures" in nowait["note"]
+    assert out["handoff_cpu_wait_share_p50"] == {"push": None, "pull": None} and out["cpu_words"] is None
     handoff = out["ratios"]["handoff_p50"]
     assert handoff["status"] in (stats.RESOLVED, stats.NO_DIFFERENCE)
     assert handoff["interval"][0] <= handoff["ratio"] <= handoff["interval"][1]
@@ -172,3 +176,22 @@ def test_a_bad_store_is_one_line_and_exit_2(tmp_path, capsys, cmd):
         assert main([*cmd, "--store", str(store)]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and says in err and "Traceback" not in err, err
+
+
+def test_the_verdict_says_when_the_host_decides():
+    """Per mode the median CPU-wait share of the handoff; from 25 % the words
+    say the host's contention decides, and the handoff without CPU wait gets
+    its own stratified ratio."""
+    from kvtrace.verdict import Request, compute, cpu_words
+
+    reqs = []
+    for i in range(40):
+        for mode, h, w in (("push", 0.100, 0.060), ("pull", 0.100, 0.010)):
+            reqs.append(Request(f"{mode}{i}", mode, None, "ok", i, 300, None, 0.2, h + i * 1e-4, None, w))
+    v = compute(reqs)
+    assert v.cpu_share["push"] == pytest.approx(0.6, abs=0.03) and v.cpu_share["pull"] == pytest.approx(0.1, abs=0.01)
+    words = cpu_words(v)
+    assert "59 % of push's and 10 % of pull's" in words and "contention decides" in words
+    r = v.ratios["handoff_nowait_p50"]
+    assert r.ratio == pytest.approx(0.045 / 0.095, rel=0.05) and r.hi < 1  # push faster without the wait
+    assert v.ratios["handoff_p50"].status == stats.NO_DIFFERENCE  # the same handoffs as measured
