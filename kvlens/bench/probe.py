@@ -56,6 +56,16 @@ def _served_model(url: str, api_key: str | None = None) -> tuple[str | None, str
     return None, None, None
 
 
+def read_token() -> str | None:
+    """What opens a router's ``/health`` details besides its API key:
+    ``$KVLENS_READ_TOKEN``, else ``$KVLENS_TOKEN``."""
+    import os
+
+    from kvrecord.config import client_token
+
+    return os.environ.get("KVLENS_READ_TOKEN", "").strip() or client_token()
+
+
 def probe_router(url: str, api_key: str | None = None) -> RouterInfo:
     """``/health`` and ``/v1/models`` (with ``api_key``) of a router;
     BenchError when it is not reachable or not healthy."""
@@ -65,7 +75,7 @@ def probe_router(url: str, api_key: str | None = None) -> RouterInfo:
     if not url.startswith(("http://", "https://")):
         raise BenchError(f"--proxy must be an http(s) URL, got {url!r}")
     try:
-        status, health = _get_json(url + "/health", api_key=api_key)  # the mode is a detail: the read role
+        status, health = _get_json(url + "/health", api_key=api_key or read_token())  # the mode: a detail
     except httpx.HTTPError as e:
         raise BenchError(f"router at {url} is unreachable ({type(e).__name__}: {e})") from None
     if status != 200:

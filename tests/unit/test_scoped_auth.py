@@ -385,3 +385,29 @@ def test_the_router_slows_a_guesser_down(tmp_path):
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
             assert guess.get(url + "/health").json() == {"status": "unhealthy"}  # never slowed (P, D: none here)
         assert httpx.get(url + "/admin/split", headers=bad, timeout=20).status_code == 401  # 127.0.0.1: its own count
+
+
+def test_bench_reads_the_routers_mode_with_the_read_token(tmp_path, monkeypatch):
+    """Item 6: the mode is a /health detail now; ``kvlens bench --proxy`` sends
+    $KVLENS_READ_TOKEN (else $KVLENS_TOKEN, else its API key) to read it."""
+    from fakes import FakeVllm, d_answers, p_ok
+    from kvlens.bench.probe import probe_router
+
+    p, d = FakeVllm(p_ok), FakeVllm(d_answers)
+    cfg = proxy.ProxyConfig(
+        prefill_url=p.url, decode_url=d.url, mode="pull", kvlens_home=str(tmp_path), telemetry=False,
+        read_token=READ, token="all-roles-" + "t" * 16,
+    )  # fmt: skip
+    for k in (TOKEN_ENV, "KVLENS_READ_TOKEN"):
+        monkeypatch.delenv(k, raising=False)
+    try:
+        with _router(cfg) as url:
+            assert probe_router(url).mode is None  # no credential: {"status": "ok"} only
+            monkeypatch.setenv("KVLENS_READ_TOKEN", READ)
+            assert probe_router(url).mode == "pull"
+            monkeypatch.delenv("KVLENS_READ_TOKEN")
+            monkeypatch.setenv(TOKEN_ENV, cfg.token)
+            assert probe_router(url).mode == "pull"
+    finally:
+        p.close()
+        d.close()
