@@ -29,8 +29,13 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 N = 12
-#: the share of the handoff p50's rise that must appear as CPU wait (issue 41)
-MIN_SHARE = 0.70
+#: the share of the rise in the phases with figures that must appear as CPU wait, by mode. Push's phases
+#: are its own threads' (measured here: 96 % of a 206 ms rise). Pull's path runs through threads a phase's
+#: ending thread waits on without waiting for a CPU itself: D's EngineCore blocked on vLLM's API server
+#: (decode.queue), D's worker blocked on P's side of the READ (read.complete): their CPU wait shows as
+#: off-CPU here (measured: 52 % of a 102 ms rise in phases with figures; prefill.respond, vLLM's API server
+#: and the HTTP hop, 41 ms of the contended median, has none). docs/phases.md, "CPU or wire".
+MIN_SHARE = {"push": 0.70, "pull": 0.35}
 
 
 def _traces(db, ids, timeout=90.0) -> dict[str, tracemodel.Trace]:
@@ -130,7 +135,7 @@ def _contention(stack, mode: str) -> None:
     measured_rise = rise - max(during["unknown"] - before["unknown"], 0.0)
     print(f"{mode}: CPU wait rose {wait_rise * 1e3:.1f} ms of a {rise * 1e3:.1f} ms rise ({wait_rise / rise:.0%}), "
           f"{wait_rise / measured_rise:.0%} of the {measured_rise * 1e3:.1f} ms in phases with figures")  # fmt: skip
-    assert wait_rise >= MIN_SHARE * measured_rise, f"{mode}: CPU wait rose {wait_rise:.4f} s: {figs}"
+    assert wait_rise >= MIN_SHARE[mode] * measured_rise, f"{mode}: CPU wait rose {wait_rise:.4f} s: {figs}"
     # after the contention the handoff comes back (well under the contended p50)
     assert after["handoff"] < before["handoff"] + rise / 2, figs
     _closure(during["traces"])
