@@ -23,7 +23,7 @@ from exporters.pipeline import get_recorder
 from instrumented_connector import hooks, scheduler, worker
 from kvrecord import semconv as sc
 from kvrecord.config import Options
-from instrumented_connector.cputap import CpuRecorder, watch_new_threads
+from instrumented_connector.cputap import CpuRecorder, watch_new_threads, watch_upstream
 from instrumented_connector.hooks import NullRecorder
 from kvrecord.logutil import log_once
 from kvrecord.cpuclock import thread_ids
@@ -86,6 +86,7 @@ def _attach(connector: NixlBaseConnector, vllm_config, role, mode: str, sched_cl
     facade does) and connect them to this process's recorder."""
     _warn_disabled()
     rec = CpuRecorder(_make_recorder(vllm_config, mode, connector.engine_id))
+    watch_upstream()  # the parent's main thread: what this engine's threads wait on, blocked
     if role == KVConnectorRole.SCHEDULER:
         connector.connector_scheduler = sched_cls(vllm_config, connector.engine_id, connector.kv_cache_config)
         connector.connector_worker = None

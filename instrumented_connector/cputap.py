@@ -18,6 +18,7 @@ event goes out without figures.
 
 from __future__ import annotations
 
+import os
 import threading
 
 from kvrecord import cpuclock
@@ -81,6 +82,12 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
         attrs[sc.ATTR_CPU_WAIT_S] = w.wait_s
         attrs[sc.ATTR_CPU_GAP_S] = w.gap_s
         attrs[sc.ATTR_CPU_TID] = tid
+        up = clock.upstream
+        if up is not None:
+            uw = clock.window(up, start_ns, end_ns)
+            if uw is not None:
+                attrs[sc.ATTR_CPU_UP_WAIT_S] = uw.wait_s
+                attrs[sc.ATTR_CPU_UP_PID] = -up
     if phase in _WIRE and clock.spinners:
         on = wait = 0.0
         seen = False
@@ -116,6 +123,22 @@ def lookback_attrs(at_ns: int) -> dict:
     a hook whose event another thread records (``start_load_kv`` stamps
     ``writer.wake``'s start; the writer thread records it)."""
     return before(at_ns, {})
+
+
+def watch_upstream() -> None:
+    """Read this process's parent's main thread once per step, where the
+    parent is a vLLM process (a worker's EngineCore, an EngineCore's API
+    server): the thread the engine waits on, blocked."""
+    if not _CLOCK.enabled:
+        return
+    try:
+        ppid = os.getppid()
+        with open(f"/proc/{ppid}/cmdline", "rb") as f:
+            cmd = f.read()
+        if b"vllm" in cmd.lower() or b"VLLM" in cmd:
+            _CLOCK.watch_upstream(ppid)
+    except Exception:
+        fail("upstream thread")
 
 
 def watch_new_threads(before: set[int]) -> None:

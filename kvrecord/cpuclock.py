@@ -166,6 +166,8 @@ class CpuClock:
         self.psi: collections.deque = collections.deque(maxlen=ring * 2)  # (t_ns, raw PSI)
         self._spin: tuple[tuple[int, int, int], ...] = ()  # (tid, fd, CPU clock id) of watched spinners
         self.spinners: frozenset[int] = frozenset()
+        self._up: tuple[int, int] | None = None  # (ring key, fd) of the upstream thread (watch_upstream)
+        self.upstream: int | None = None
         self._psi_fd = -1
         self.smeared = 0  # readings dropped: they ended more than SMEAR_NS after their timestamp
         if os.environ.get(ENV, "1").strip() == "0":
@@ -195,9 +197,16 @@ class CpuClock:
 
     def sample(self) -> None:
         """Once per engine step: a reading of the calling thread, of the
-        spinners and of PSI (their figures are to within a step)."""
+        spinners, of the upstream thread and of PSI (their figures are to
+        within a step)."""
         try:
             self._read(_get_tid())
+            up = self._up
+            if up is not None:  # another process's thread: its wait from schedstat (on-CPU: schedstat's, coarse)
+                ts = _time_ns()
+                raw = _pread(up[1], 96, 0)
+                if _time_ns() - ts < SMEAR_NS:
+                    self.rings[up[0]].append((ts, int(raw.split(None, 1)[0]), raw))
             for stid, sfd, cid in self._spin:  # each stamped on its own (interpolated between readings)
                 for _ in range(2):
                     ts = _time_ns()
@@ -248,6 +257,23 @@ class CpuClock:
         log_once("cpuclock-read", "kvlens: reading schedstat failed; CPU figures off in this process", exc_info=True)
         self.enabled = False
         self.unknown = "schedstat read failed in this process (see its log)"
+
+    # ------------------------------------------------------------ upstream
+    def watch_upstream(self, pid: int) -> int | None:
+        """Read the main thread of process ``pid`` at every step: the thread
+        this process's engine waits on, blocked, while it waits for a CPU
+        (a vLLM worker's EngineCore; an EngineCore's API server). Its ring's
+        key is returned (``-pid``: never a thread id); None where it cannot
+        be read."""
+        try:
+            fd = os.open(f"/proc/{pid}/task/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        key = -pid
+        self.rings[key] = collections.deque(maxlen=self._ring)
+        self._up = (key, fd)
+        self.upstream = key
+        return key
 
     # ------------------------------------------------------------ spinners
     def watch_spinners(self, tids: Iterable[int]) -> None:

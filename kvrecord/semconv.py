@@ -327,6 +327,13 @@ ATTR_CPU_BEFORE_ON_S: Final = "kvlens.cpu.before.on_s"
 """On-CPU seconds from each of those readings up to the event's start."""
 ATTR_CPU_BEFORE_WAIT_S: Final = "kvlens.cpu.before.wait_s"
 """CPU wait seconds from each of those readings up to the event's start."""
+ATTR_CPU_UP_WAIT_S: Final = "kvlens.cpu.up.wait_s"
+"""CPU wait of the thread this process's engine waits on, blocked, during the
+phase (a vLLM worker's EngineCore thread; an EngineCore's API server), seconds,
+from readings once per engine step: contention that shows as the ending
+thread's off-CPU time (:mod:`kvtrace.cpusplit` adds it, capped)."""
+ATTR_CPU_UP_PID: Final = "kvlens.cpu.up.pid"
+"""The process whose main thread ``kvlens.cpu.up.wait_s`` is of."""
 ATTR_CPU_TID: Final = "kvlens.cpu.tid"
 """The Linux thread id the CPU figures are of (host-local)."""
 ATTR_CPU_UNKNOWN: Final = "kvlens.cpu.unknown"

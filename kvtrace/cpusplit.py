@@ -94,12 +94,19 @@ class HandoffCpu(NamedTuple):
         }
 
 
-def span_figures(attrs: Mapping[str, Any]) -> PhaseCpu | None:
-    """A recorded span's own figures, or None (unknown)."""
+def span_figures(attrs: Mapping[str, Any], wall_s: float | None = None) -> PhaseCpu | None:
+    """A recorded span's own figures, or None (unknown). With ``wall_s``, its
+    critical-path wait: the ending thread's plus the upstream thread's
+    (``kvlens.cpu.up.wait_s``: the engine thread the ending thread waits on,
+    blocked, while it waits for a CPU), at most the span's off-CPU remainder
+    (both at once would count twice)."""
     on, wait = attrs.get(sc.ATTR_CPU_ON_S), attrs.get(sc.ATTR_CPU_WAIT_S)
-    if isinstance(on, (int, float)) and isinstance(wait, (int, float)):
-        return PhaseCpu(float(on), float(wait))
-    return None
+    if not (isinstance(on, (int, float)) and isinstance(wait, (int, float))):
+        return None
+    up = attrs.get(sc.ATTR_CPU_UP_WAIT_S)
+    if wall_s is not None and isinstance(up, (int, float)) and up > 0:
+        wait = min(float(wait) + float(up), max(wall_s - float(on), float(wait)))
+    return PhaseCpu(float(on), float(wait))
 
 
 def derived_figures(dur_ns: int, ends: Iterable[Any]) -> PhaseCpu | None:
@@ -150,7 +157,7 @@ def handoff_cpu(trace: Any) -> HandoffCpu:
     derived = {(s.role, s.name): s for s in trace.spans if (s.attributes or {}).get(sc.ATTR_DERIVED)}
     for (role, name), ns in tiling.phases.items():
         src = rec.get((role, _PARENT.get(name, name)))
-        fig = span_figures(src.attributes or {}) if src is not None else None
+        fig = span_figures(src.attributes or {}, (src.end_ns - src.start_ns) / 1e9) if src is not None else None
         if src is None and name in _ENDS and (role, name) in derived:
             d = derived[(role, name)]
             fig = derived_figures(d.end_ns - d.start_ns, [rec.get(e) for e in _ENDS[name]])

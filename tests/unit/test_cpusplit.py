@@ -220,3 +220,35 @@ def test_derived_phase_takes_the_ending_threads_readings():
     assert h.cpu_wait_s == pytest.approx(0.0009 / 1.2)
     far = {k: v[2:] for k, v in lb.items()}  # only a reading 4 ms back: too far for a 1 ms phase
     assert cpusplit.derived_figures(MS, [type("S", (), {"attributes": far})()]) is None
+
+
+@needs_schedstat
+def test_upstream_thread_of_another_process_is_read_per_step(tmp_path):
+    """The engine's upstream thread (a worker's EngineCore, an EngineCore's API
+    server) lives in another process: its wait is read from schedstat."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(0.001)"])
+    try:
+        clock = cpuclock.CpuClock()
+        key = clock.watch_upstream(child.pid)
+        assert key == -child.pid and clock.upstream == key
+        clock.sample()
+        t0 = time.time_ns()
+        time.sleep(0.05)
+        clock.sample()
+        t1 = time.time_ns()
+        w = clock.window(key, t0, t1)
+        assert w is not None and w.wait_s >= 0 and w.on_s >= 0
+    finally:
+        child.kill()
+        child.wait(10)
+    assert cpuclock.CpuClock().watch_upstream(child.pid) is None  # gone: nothing to read, no error
+
+
+def test_upstream_wait_adds_to_the_phase_capped_by_its_off_cpu_time():
+    a = {sc.ATTR_CPU_ON_S: 0.002, sc.ATTR_CPU_WAIT_S: 0.001, sc.ATTR_CPU_UP_WAIT_S: 0.004}
+    assert cpusplit.span_figures(a, 0.010).wait_s == pytest.approx(0.005)
+    assert cpusplit.span_figures(a, 0.004).wait_s == pytest.approx(0.002)  # 10 ms - 2 ms on-CPU caps it
+    assert cpusplit.span_figures(a).wait_s == pytest.approx(0.001)  # the thread's own, where the wall is not given
