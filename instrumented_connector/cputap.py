@@ -85,8 +85,8 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
         up = clock.upstream
         if up is not None:
             uw = clock.window(up, start_ns, end_ns)
-            if uw is not None:
-                attrs[sc.ATTR_CPU_UP_WAIT_S] = uw.wait_s
+            if uw is not None:  # a stretch that began earlier can land in the window: at most the wall
+                attrs[sc.ATTR_CPU_UP_WAIT_S] = min(uw.wait_s, (end_ns - start_ns) / 1e9)
                 attrs[sc.ATTR_CPU_UP_PID] = -up
     if phase in _WIRE and clock.spinners:
         on = wait = 0.0

@@ -356,7 +356,11 @@ class CpuClock:
         b = _interp(ring, end_ns)
         if a is None or b is None:
             return None
-        return Window(max(b[0] - a[0], 0.0) / 1e9, max(b[1] - a[1], 0.0) / 1e9, 0.0)
+        # another thread's schedstat wait grows only when that thread gets a CPU (the whole stretch at once):
+        # a stretch that began before the window can land in it, so the figures are bounded by the wall
+        wall = (end_ns - start_ns) / 1e9
+        on = min(max(b[0] - a[0], 0.0) / 1e9, wall)
+        return Window(on, min(max(b[1] - a[1], 0.0) / 1e9, wall - on), 0.0)
 
     def psi_some_s(self, start_ns: int, end_ns: int) -> float | None:
         """The host's PSI ``some`` time over ``[start_ns, end_ns]`` (last readings at or before each end)."""
