@@ -119,8 +119,10 @@ class StackNetwork:
         model generation or start-up."""
         if self.hosts:
             from kvlens.stack.netns import check_tools
+            from kvlens.stack.sudo import check_setpriv, sudo_user
 
             check_tools(need_queue=bool(self._link_shapes))
+            check_setpriv(sudo_user())  # the servers run as sudo's user
         if self.store_command and shutil.which(store_argv(self.store_command)[0]) is None:
             raise StackError(f"--store-command: command not found: {store_argv(self.store_command)[0]}")
 

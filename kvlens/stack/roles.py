@@ -28,6 +28,7 @@ from kvlens.stack.commands import (
     vllm_router_argv,
     without_store_password,
 )
+from kvlens.stack.sudo import as_user, hand_over, sudo_user, user_env
 from kvlens.stack.supervise import Child
 from kvlens.stack.tp import tp_args
 from kvrecord import config as kvconfig
@@ -52,12 +53,26 @@ class StackRoles:
     ``topology``, ``_instance``, ``prefills`` / ``decodes`` and ``_env``)
     that build its children."""
 
-    def _child(self, name: str, argv: list[str], env: dict[str, str], url: str, key: str | None = None) -> Child:
+    def _child(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        url: str,
+        key: str | None = None,
+        writes: tuple[Path, ...] | None = None,
+    ) -> Child:
         """A child logging to ``<log_dir>/<name>.log``, run from the repository
         root; on a ``hosts`` stack in the network namespace of ``key`` (``p0``,
         ``router``, ...: ``ip netns exec`` execs the command in place, so the
-        pid and its process group stay the child's)."""
+        pid and its process group stay the child's). ``writes``: a server's
+        directories; given, under ``sudo`` the server runs as the invoking
+        user, who is handed them first (:mod:`kvlens.stack.sudo`)."""
         if key is not None and self.net is not None:
+            user = sudo_user() if writes is not None else None
+            if user is not None:
+                hand_over(user, *writes)
+                argv, env = as_user(user, argv), user_env(user, env)
             argv = ["ip", "netns", "exec", self.net.ns(key), *argv]
         return Child(name, argv, env, Path(self.log_dir) / f"{name}.log", url, cwd=str(REPO_ROOT))
 
@@ -116,7 +131,7 @@ class StackRoles:
         argv = vllm_argv(
             Path(self.model), inst.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
         )
-        return self._child(inst.name, argv, env, inst.url, inst.engine_id)
+        return self._child(inst.name, argv, env, inst.url, inst.engine_id, writes=(home, prom))
 
     def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
         topo = self.topology
@@ -148,7 +163,8 @@ class StackRoles:
         if extra.get("OTEL_EXPORTER_OTLP_ENDPOINT"):  # it exports to a collector that may ask for the token
             extra.update(otlp_token_env(topo, {**os.environ, **self._env("router")}))
         env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
-        return self._child(name, argv, env, f"http://{self.role_host('router')}:{port}", "router")
+        url = f"http://{self.role_host('router')}:{port}"
+        return self._child(name, argv, env, url, "router", writes=(topo.home_for("router"),))
 
     def _vllm_router(self) -> Child:
         """vLLM's own router in front of every P and D (pull only; a StackError
@@ -185,4 +201,4 @@ class StackRoles:
         argv = collector_argv(self.role_host("collector"), int(self.collector_port), topo.store)
         if self.open_bind:
             argv.append("--insecure")
-        return self._child("collector", argv, env, str(topo.collector_url), "collector")
+        return self._child("collector", argv, env, str(topo.collector_url), "collector", (topo.home_for("collector"),))
