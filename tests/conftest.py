@@ -27,6 +27,9 @@ import pytest
 
 def pytest_configure(config):
     _no_transparent_huge_pages()
+    # a run under sudo: the tests' --hosts stacks keep running every server as root (their homes
+    # sit under pytest's 0700 temp dir); tests/unit/test_hosts_sudo.py sets SUDO_UID itself
+    os.environ.pop("SUDO_UID", None)
 
 
 def _no_transparent_huge_pages() -> None:
