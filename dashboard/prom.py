@@ -124,8 +124,9 @@ def tpot_expr(w: str) -> str:
 def age_expr(w: str) -> str:
     """Seconds since the first sample of ``kvlens_requests_total`` within ``w``
     (any mode: the data's age, the same for both columns), to a subquery step
-    of ``w``/720 (5 s over 1 h)."""
-    step = max(1, int(D.TIME_RANGES.get(w) or 7 * 86400) // 720)
+    of ``w``/3600 (1 s up to 1 h: finer than a scrape, so the first step that
+    sees a sample sees the first one; a 5 s step read a 37 s old fleet's age 5 s short)."""
+    step = max(1, int(D.TIME_RANGES.get(w) or 7 * 86400) // 3600)
     return f"time() - min(min_over_time(timestamp(kvlens_requests_total)[{w}:{step}s]))"
 
 
