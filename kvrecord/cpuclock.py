@@ -203,17 +203,24 @@ class CpuClock:
             self._read(_get_tid())
             up = self._up
             if up is not None:  # another process's thread: its wait from schedstat (on-CPU: schedstat's, coarse)
-                ts = _time_ns()
-                raw = _pread(up[1], 96, 0)
-                if _time_ns() - ts < SMEAR_NS:
-                    self.rings[up[0]].append((ts, int(raw.split(None, 1)[0]), raw))
-            for stid, sfd, cid in self._spin:  # each stamped on its own (interpolated between readings)
-                for _ in range(2):
+                try:
                     ts = _time_ns()
-                    r = (ts, _clock_ns(cid), _pread(sfd, 96, 0))
+                    raw = _pread(up[1], 96, 0)
                     if _time_ns() - ts < SMEAR_NS:
-                        self.rings[stid].append(r)
-                        break
+                        self.rings[up[0]].append((ts, int(raw.split(None, 1)[0]), raw))
+                except OSError:  # it exited: stop reading it
+                    self._up = self.upstream = None
+            for stid, sfd, cid in self._spin:  # each stamped on its own (interpolated between readings)
+                try:
+                    for _ in range(2):
+                        ts = _time_ns()
+                        r = (ts, _clock_ns(cid), _pread(sfd, 96, 0))
+                        if _time_ns() - ts < SMEAR_NS:
+                            self.rings[stid].append(r)
+                            break
+                except OSError:  # the thread exited: stop reading it
+                    self._spin = tuple(x for x in self._spin if x[0] != stid)
+                    self.spinners = frozenset(t for t, *_ in self._spin)
             if self._psi_fd >= 0:
                 ts = _time_ns()
                 r = (ts, _pread(self._psi_fd, 160, 0))
@@ -233,7 +240,14 @@ class CpuClock:
         if fd >= 0:
             ring = self.rings[tid]
             for _ in range(3):
-                r = (t, _thread_ns(), _pread(fd, 96, 0))
+                try:
+                    raw = _pread(fd, 96, 0)
+                except OSError:  # a file opened for a thread that exited, its tid now this one's: open anew once
+                    fd = self._reopen(tid)
+                    if fd < 0:
+                        return t
+                    continue
+                r = (t, _thread_ns(), raw)
                 t1 = _time_ns()
                 if t1 - t < SMEAR_NS:
                     ring.append(r)
@@ -241,6 +255,31 @@ class CpuClock:
                 t = t1
             self.smeared += 1
         return t
+
+    def _reopen(self, tid: int) -> int:
+        try:
+            os.close(self._fds.get(tid, -1))
+        except OSError:
+            pass
+        try:
+            fd = os.open(SCHEDSTAT.format(tid=tid), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        self._fds[tid] = fd
+        self.rings[tid] = collections.deque(maxlen=self._ring)
+        return fd
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's threads' files are not this process's."""
+        for fd in {*self._fds.values(), *(f for _, f, _ in self._spin)} - {-1}:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
+        self.rings.clear()
+        self._spin, self.spinners = (), frozenset()
+        self._up = self.upstream = None
 
     def _open(self, tid: int) -> int:
         fd = -1
@@ -433,3 +472,4 @@ def find_spinners(candidates: Iterable[int], sample_s: float = 0.5) -> set[int]:
 
 #: The process's clock (the hooks' ``now``).
 CLOCK = CpuClock()
+os.register_at_fork(after_in_child=CLOCK._after_fork)

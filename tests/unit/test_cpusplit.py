@@ -252,3 +252,23 @@ def test_upstream_wait_adds_to_the_phase_capped_by_its_off_cpu_time():
     assert cpusplit.span_figures(a, 0.010).wait_s == pytest.approx(0.005)
     assert cpusplit.span_figures(a, 0.004).wait_s == pytest.approx(0.002)  # 10 ms - 2 ms on-CPU caps it
     assert cpusplit.span_figures(a).wait_s == pytest.approx(0.001)  # the thread's own, where the wall is not given
+
+
+@needs_schedstat
+def test_a_thread_that_exits_costs_only_its_own_readings():
+    """The spinner a clock watches exits: the clock stops reading it and keeps
+    working (a failed read never turns the figures off)."""
+    stop = threading.Event()
+    th = threading.Thread(target=stop.wait, daemon=True)
+    th.start()
+    clock = cpuclock.CpuClock()
+    clock.watch_spinners({th.native_id})
+    clock.sample()
+    stop.set()
+    th.join(5)
+    time.sleep(0.05)
+    clock.sample()
+    assert clock.enabled and th.native_id not in clock.spinners
+    t0 = clock.now()
+    t1 = clock.now()
+    assert clock.window(threading.get_native_id(), t0, t1) is not None
