@@ -496,7 +496,9 @@ def test_up_token_file_reaches_every_child_by_environment_and_short_tokens_are_r
 
     import argparse
 
-    monkeypatch.delenv("KVLENS_TOKEN", raising=False)
+    # use_token writes os.environ itself: setenv first, so the test's end restores what was there
+    monkeypatch.setenv("KVLENS_TOKEN", "replaced-by-the-file-0123")
+    monkeypatch.delenv("KVLENS_TOKEN")
     p = argparse.ArgumentParser()
     add_arguments(p)
     tok = tmp_path / "token"
