@@ -88,6 +88,19 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
             if uw is not None:  # a stretch that began earlier can land in the window: at most the wall
                 attrs[sc.ATTR_CPU_UP_WAIT_S] = min(uw.wait_s, (end_ns - start_ns) / 1e9)
                 attrs[sc.ATTR_CPU_UP_PID] = -up
+    xfer = attrs.get(sc.ATTR_NIXL_XFER_S)
+    if phase in _WIRE and isinstance(xfer, (int, float)) and xfer > 0:
+        # the engine loop polls for DONE: its CPU wait delays the phase only once the transfer is done
+        t_done = start_ns + int(xfer * 1e9)
+        if t_done < end_ns:
+            nw = clock.window(tid, t_done, end_ns)
+            if nw is not None:
+                wall = (end_ns - t_done) / 1e9
+                wait = nw.wait_s
+                if clock.upstream is not None and (uw := clock.window(clock.upstream, t_done, end_ns)) is not None:
+                    wait = min(wait + uw.wait_s, max(wall - nw.on_s, wait))
+                attrs[sc.ATTR_CPU_NOTICED_ON_S] = nw.on_s
+                attrs[sc.ATTR_CPU_NOTICED_WAIT_S] = wait
     if phase in _WIRE and clock.spinners:
         on = wait = 0.0
         seen = False

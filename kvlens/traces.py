@@ -262,7 +262,7 @@ def _cpu_lines(trace: Trace) -> list[str]:
         lines = [
             f"  handoff {_ms(h)}: CPU wait {_ms(split.cpu_wait_s)} ({split.cpu_wait_s / h * 100:.0f} %), "
             f"CPU work {_ms(split.cpu_on_s or 0.0)}, off-CPU {_ms(split.off_cpu_s or 0.0)}, "
-            f"unknown {_ms(split.unknown_s or 0.0)} (derived phases, unnamed gaps)"
+            f"unknown {_ms(split.unknown_s or 0.0)} (the transfer itself, derived phases, unnamed gaps)"
         ]
         why: dict[str, list[str]] = {}
         for phase, note in split.notes.items():

@@ -334,6 +334,12 @@ from readings once per engine step: contention that shows as the ending
 thread's off-CPU time (:mod:`kvtrace.cpusplit` adds it, capped)."""
 ATTR_CPU_UP_PID: Final = "kvlens.cpu.up.pid"
 """The process whose main thread ``kvlens.cpu.up.wait_s`` is of."""
+ATTR_CPU_NOTICED_ON_S: Final = "kvlens.cpu.noticed.on_s"
+"""Wire phases: the ending thread's on-CPU seconds after NIXL's transfer ended
+(start + ``kvlens.nixl_xfer_s`` -> the span's end: ``*.noticed``)."""
+ATTR_CPU_NOTICED_WAIT_S: Final = "kvlens.cpu.noticed.wait_s"
+"""Wire phases: the ending thread's CPU wait (plus its upstream thread's, capped)
+after NIXL's transfer ended: the engine loop late to notice DONE for want of a CPU."""
 ATTR_CPU_TID: Final = "kvlens.cpu.tid"
 """The Linux thread id the CPU figures are of (host-local)."""
 ATTR_CPU_UNKNOWN: Final = "kvlens.cpu.unknown"

@@ -30,6 +30,17 @@ from kvrecord import semconv as sc
 
 #: split part -> the recorded phase it is cut from (``write.wire`` -> ``write.complete``)
 _PARENT = {p.value: how.split.phase.value for p, how in dv.DERIVED_PHASES.items() if how.split is not None}
+#: the transfer itself (split heads) and what follows it (split tails)
+WIRE_PARTS = frozenset(p.value for p, how in dv.DERIVED_PHASES.items() if how.split is not None and how.split.head)
+_NOTICED_PARTS = frozenset(
+    p.value for p, how in dv.DERIVED_PHASES.items() if how.split is not None and not how.split.head
+)
+#: Why the transfer itself carries no CPU figures.
+WIRE_NOTE = (
+    "the transfer itself: the threads that move it poll (NIXL's progress thread, the engine loop checking for "
+    "DONE), so their CPU wait inside it cannot be told from the wire's (a link delay and a CPU shortage both "
+    "leave a poller waiting); counted as neither. Its CPU wait shows once the transfer is done (*.noticed)"
+)
 #: Why a derived phase carries no CPU figures.
 DERIVED_NOTE = (
     "a derived phase between two processes whose ending thread has no reading near its start "
@@ -109,6 +120,16 @@ def span_figures(attrs: Mapping[str, Any], wall_s: float | None = None) -> Phase
     return PhaseCpu(float(on), float(wait))
 
 
+def noticed_figures(span: Any) -> tuple[PhaseCpu, float] | None:
+    """A completion span's figures after NIXL's transfer ended, and that
+    stretch's length in seconds (None: not recorded)."""
+    a = span.attributes or {}
+    on, wait, xfer = a.get(sc.ATTR_CPU_NOTICED_ON_S), a.get(sc.ATTR_CPU_NOTICED_WAIT_S), a.get(sc.ATTR_NIXL_XFER_S)
+    if not all(isinstance(v, (int, float)) for v in (on, wait, xfer)):
+        return None
+    return PhaseCpu(float(on), float(wait)), max((span.end_ns - span.start_ns) / 1e9 - float(xfer), 0.0)
+
+
 def derived_figures(dur_ns: int, ends: Iterable[Any]) -> PhaseCpu | None:
     """A derived phase's figures from the readings before the first of
     ``ends`` (recorded spans, or None) that has one near enough before the
@@ -157,6 +178,23 @@ def handoff_cpu(trace: Any) -> HandoffCpu:
     derived = {(s.role, s.name): s for s in trace.spans if (s.attributes or {}).get(sc.ATTR_DERIVED)}
     for (role, name), ns in tiling.phases.items():
         src = rec.get((role, _PARENT.get(name, name)))
+        if name in WIRE_PARTS:
+            unknown += ns / 1e9
+            pw.setdefault(name, None)
+            po.setdefault(name, None)
+            notes[name] = WIRE_NOTE
+            continue
+        if name in _NOTICED_PARTS and src is not None:
+            nf = noticed_figures(src)
+            if nf is not None:
+                fig, dur_s = nf
+                share = min(ns / 1e9 / dur_s, 1.0) if dur_s > 0 else 1.0
+                w = min(fig.wait_s * share, ns / 1e9)
+                o = min(fig.on_s * share, ns / 1e9 - w)
+                wait, on, known = wait + w, on + o, True
+                pw[name] = (pw.get(name) or 0.0) + w
+                po[name] = (po.get(name) or 0.0) + o
+                continue
         fig = span_figures(src.attributes or {}, (src.end_ns - src.start_ns) / 1e9) if src is not None else None
         if src is None and name in _ENDS and (role, name) in derived:
             d = derived[(role, name)]

@@ -124,7 +124,8 @@ def _waits(from_mode: str, t: Trace, extra: float, queue: float) -> tuple[float 
     pw = cpu.phases_wait_s
 
     def total(phases) -> float | None:
-        vals = [pw[p.value] for p in phases if p.value in pw]
+        # the transfer itself has no separable CPU wait (cpusplit.WIRE_NOTE): none is removed from it
+        vals = [pw[p.value] for p in phases if p.value in pw and p.value not in cpusplit.WIRE_PARTS]
         return None if any(v is None for v in vals) else sum(vals)
 
     kept, wire = total(KEPT[from_mode]), total(_WIRE[from_mode])

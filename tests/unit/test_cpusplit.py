@@ -133,26 +133,29 @@ def _trace(spans):
 def test_handoff_split_over_the_tiling():
     cpu = {sc.ATTR_CPU_ON_S: 0.001, sc.ATTR_CPU_WAIT_S: 0.004}
     wire = {sc.ATTR_CPU_ON_S: 0.002, sc.ATTR_CPU_WAIT_S: 0.006, sc.ATTR_NIXL_XFER_S: 0.005}
+    wire |= {sc.ATTR_CPU_NOTICED_ON_S: 0.001, sc.ATTR_CPU_NOTICED_WAIT_S: 0.002}
     wire |= {sc.ATTR_CPU_PROGRESS_ON_S: 0.009, sc.ATTR_CPU_PROGRESS_WAIT_S: 0.001, sc.ATTR_CPU_PROGRESS_SPINS: True}
     tr = _trace(
         [
             _span("prefill.finished", "prefill", PF, PF),
-            _span("write.post", "prefill", PF, PF + 8 * MS, **cpu),  # the last 3 ms lie under nothing else
+            _span("write.post", "prefill", PF, PF + 8 * MS, **cpu),
             _span("write.complete", "prefill", PF + 8 * MS, PF + 18 * MS, **wire),
             _span("kv.ready", "decode", KV, KV),
         ]
     )
     h = cpusplit.handoff_cpu(tr)
     assert h.handoff_s == pytest.approx(0.020)
-    # write.post whole (8 ms: 4 ms wait); write.wire 5 ms + write.noticed 5 ms share write.complete's 6 ms wait
-    assert h.cpu_wait_s == pytest.approx(0.004 + 0.006)
-    assert h.cpu_on_s == pytest.approx(0.001 + 0.002)
-    assert h.phases_wait_s["write.wire"] == pytest.approx(0.003)
-    assert h.unknown_s == pytest.approx(0.002)  # write.notify: derived across processes, or unnamed
-    assert h.off_cpu_s == pytest.approx(0.020 - 0.010 - 0.003 - 0.002)
+    # write.post whole (8 ms: 4 ms wait); write.noticed (the 5 ms after NIXL's transfer) its own 2 ms wait;
+    # write.wire (the transfer, its threads poll): neither, with the reason
+    assert h.cpu_wait_s == pytest.approx(0.004 + 0.002)
+    assert h.cpu_on_s == pytest.approx(0.001 + 0.001)
+    assert h.phases_wait_s["write.wire"] is None and h.notes["write.wire"] == cpusplit.WIRE_NOTE
+    assert h.phases_wait_s["write.noticed"] == pytest.approx(0.002)
+    assert h.unknown_s == pytest.approx(0.005 + 0.002)  # the wire, and write.notify (no readings before kv.ready)
+    assert h.off_cpu_s == pytest.approx(0.020 - 0.006 - 0.002 - 0.007)
     assert "progress thread" in h.notes
     j = tr.to_json()
-    assert j["handoff_cpu_wait_s"] == pytest.approx(0.010)
+    assert j["handoff_cpu_wait_s"] == pytest.approx(0.006)
     assert j["phases_s"]["write.wire"] == pytest.approx(0.005)  # derived phases in phases_s
     assert j["wire_progress_cpu_s"]["write.complete"]["wait_s"] == 0.001
 
