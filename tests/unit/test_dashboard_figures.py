@@ -1,12 +1,16 @@
 """The Overview never comes up without its main figures (issue 43, item 6).
 
 A fleet test's Overview had no "handoff p50" card in about 1 run of 6 while
-the store held every request: the live window ended at ``now`` rounded down
-to the loaders' 5 s cache step, so a page drawn within seconds of a young
-store's first requests found no trace in the range and drew no mode column.
-The window now has no end; and a page that cannot compute a figure draws
-its card with "-" and the reason, never nothing. Stores are written through
-the real pipeline (tests/store_fixture.py); pages run in Streamlit's AppTest.
+the store held every request. One way a page came up so, found reading the
+code: the live window ended at ``now`` rounded down to the loaders' cache
+step (5 s up to 1 h, 30 s or 60 s beyond), so a page drawn within a step of
+a young store's first requests found no trace in the range and drew no mode
+column. (The fleet test draws its page more than 5 s after its first
+request, so that run's failure may have had another cause: 9 runs here, 3
+under a CPU hog, never failed on the page.) The window now has no end; and
+a page that cannot compute a figure draws its card with "-" and the reason,
+never nothing, so a failure names its cause. Stores are written through the
+real pipeline (tests/store_fixture.py); pages run in Streamlit's AppTest.
 """
 
 from __future__ import annotations
