@@ -261,7 +261,7 @@ def _check_nothing_lost(st: Stack, stats_dir: Path, wait_s: float) -> dict:
             if v["role"] in ("prefill", "decode")
             for k in ("dropped", "shutdown_dropped", "failed_dropped", "processor_lost")
         )
-        stored = sum(_stored(Path(st.store_path)).values())
+        stored = sum(_stored(st.store).values())
         if stored + lost >= recorded or time.monotonic() > end:
             return {"recorded": recorded, "stored": stored, "lost_counted": lost}
         time.sleep(0.5)

@@ -291,7 +291,9 @@ def predict(
     to_waits = [x for t in ok_others if (x := cpusplit.handoff_cpu(t).cpu_wait_s) is not None]
     from_waits = [p.handoff_wait_s for p in usable if p.handoff_wait_s is not None]
     expected = stats.percentile(to_waits or from_waits, 50)
-    ew = Figure() if expected is None or nw.p50 is None else Figure(*(v + expected for v in nw))
+    ew = Figure()
+    if expected is not None and nw.p50 is not None:
+        ew = Figure(*(None if v is None else v + expected for v in (nw.p50, nw.lo, nw.hi, nw.p10, nw.p90)))
     mt = dict(base.pop("measured_to"))
     mt["handoff_nowait_p50_s"] = stats.percentile(
         [

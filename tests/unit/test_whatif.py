@@ -192,3 +192,39 @@ def test_whatif_text_lists_borrowed_figures_and_assumptions(synthetic, capsys):
     assert main(["whatif", "--from", "pull", "--store", str(synthetic.store)]) == 0
     out = capsys.readouterr().out
     assert "predicted push p50" in out and "borrowed figures" in out and "Gb/s" in out and "assumptions:" in out
+
+
+def _with_cpu(t: Trace, waits: dict[str, float], noticed_wait: float) -> Trace:
+    """``t`` with CPU figures on its recorded spans: ``waits`` by phase, on-CPU 0."""
+    import dataclasses
+
+    spans = []
+    for s in t.spans:
+        a = dict(s.attributes)
+        if s.name in waits:
+            a |= {sc.ATTR_CPU_ON_S: 0.0, sc.ATTR_CPU_WAIT_S: waits[s.name]}
+        if s.name == P.READ_COMPLETE.value:
+            a |= {sc.ATTR_CPU_ON_S: 0.0, sc.ATTR_CPU_WAIT_S: 0.0}
+            a |= {sc.ATTR_CPU_NOTICED_ON_S: 0.0, sc.ATTR_CPU_NOTICED_WAIT_S: noticed_wait}
+        spans.append(dataclasses.replace(s, attributes=a))
+    return dataclasses.replace(t, spans=tuple(spans))
+
+
+def test_the_whatif_without_cpu_wait_removes_the_carried_phases_own_wait():
+    """From pull: the kept phases (descriptor.prep, read.post, read.noticed) lose their own CPU wait (0.1 +
+    0.2 + 0.3 ms); the transfer itself keeps its time (its wait is not separable); with the expected wait:
+    that plus the measured mode's median handoff CPU wait (push has no figures here)."""
+    waits = {P.DESCRIPTOR_PREP.value: 0.0001, P.READ_POST.value: 0.0002, P.DECODE_QUEUE.value: 0.0004}
+    src = [_with_cpu(pull_trace(i), waits, 0.0003) for i in range(8)]
+    measured = [push_trace(i) for i in range(8)]
+    got = w.predict("pull", src, measured)
+    want = measured[0].handoff_s
+    assert got.handoff.p50 == pytest.approx(want, abs=1e-9)
+    assert got.handoff_nowait.p50 == pytest.approx(want - 0.0006, abs=1e-9)
+    assert got.measured_to["expected_cpu_wait_from"] == "pull"
+    expected = got.measured_to["expected_cpu_wait_s"]
+    assert expected == pytest.approx(0.0001 + 0.0002 + 0.0003 + 0.0004, abs=1e-9)
+    assert got.handoff_expected_wait.p50 == pytest.approx(want - 0.0006 + expected, abs=1e-9)
+    assert got.measured_to["handoff_nowait_p50_s"] is None  # push measured without figures: unknown, not 0
+    doc = got.to_json()["predicted"]
+    assert doc["handoff_nowait"]["p50_s"] == pytest.approx(want - 0.0006, abs=1e-9)
