@@ -207,7 +207,12 @@ def check_verdict_and_whatif(home: Path, db, drawn: dict[str, str]) -> None:
     assert verdict["requests_used"] >= N, (verdict["requests_used"], N)
     counts = verdict["counts"]
     assert sum(counts["push"].values()) >= n_push and sum(counts["pull"].values()) >= N - n_push, counts
-    assert set(verdict["ratios"]) == {"ttft_p50", "ttft_p90", "handoff_p50", "tpot_p50"}
+    assert set(verdict["ratios"]) == {"ttft_p50", "ttft_p90", "handoff_p50", "tpot_p50", "handoff_nowait_p50"}
+    # issue 41: the real connector's spans carry CPU figures: each mode's CPU-wait share of the handoff is a
+    # number, said in words, and the handoff without CPU wait gets its own stratified ratio (checked below)
+    share = verdict["handoff_cpu_wait_share_p50"]
+    assert all(isinstance(share[m], float) and 0 <= share[m] <= 1 for m in ("push", "pull")), share
+    assert "waiting for a CPU" in verdict["cpu_words"], verdict["cpu_words"]
     streams = {m: sum(streamed(i) and drawn[t] == m for i, t in enumerate(tids)) for m in ("push", "pull")}
     for key, r in verdict["ratios"].items():
         if key == "tpot_p50" and min(streams.values()) < 10:  # TPOT only on streams (the load's too)
