@@ -56,6 +56,11 @@ def _n(row: dict) -> str:
     return f"{row['completed']}/{row['completed'] + row['failed']}{' !' if row.get('machine_busy') else ''}"
 
 
+def _pct(v: float | None) -> str:
+    """A share as ``37 %``; ``-`` where no request of the row carried CPU figures (issue 41)."""
+    return "-" if v is None else f"{v * 100:.0f} %"
+
+
 def _tpot(row: dict) -> str:
     # "untimed": no request's tokens arrived apart (cross-checks say why), not a missing figure
     return "untimed" if row.get("tpot_mean_s") is None and row.get("tpot_untimed") else _ms(row.get("tpot_mean_s"))
@@ -72,6 +77,7 @@ TABLE_COLUMNS = (
     ("handoff\np50 ms", lambda r: _ms(r.get("handoff_p50_s"))),
     ("TTFT p50 push/pull\n[95% CI]", lambda r: _ci(r, "ttft_p50_s")),
     ("handoff p50 push/pull\n[95% CI]", lambda r: _ci(r, "handoff_p50_s")),
+    ("CPU wait\n% handoff", lambda r: _pct(r.get("handoff_cpu_wait_share_p50"))),
     ("n\nok/sent", _n),
 )
 
@@ -92,6 +98,8 @@ WIDE_COLUMNS = (
     ("failed", lambda r: str(r["failed"])),
     ("TTFT p50 push/pull [95% CI]", lambda r: _ci(r, "ttft_p50_s")),
     ("handoff p50 push/pull [95% CI]", lambda r: _ci(r, "handoff_p50_s")),
+    ("CPU wait % of handoff p50", lambda r: _pct(r.get("handoff_cpu_wait_share_p50"))),
+    ("handoff p50 w/o CPU wait ms", lambda r: _ms(r.get("handoff_nowait_p50_s"))),
     ("CPU outside", lambda r: _outside(r)),
 )
 
