@@ -13,17 +13,14 @@ import contextlib
 import html
 import re
 import secrets
-import socket
-import threading
-import time
 from typing import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from dashboard.gate import COOKIE, LOGIN_PATH, SignInBackoff, TokenGate, safe_next, session_value
 from test_dashboard_auth import _inner
+from uvicorn_thread import serve
 
 TOKEN = "dash-" + secrets.token_hex(16)
 EVIL = "evil.example"
@@ -42,21 +39,8 @@ VARIANTS = [
 @contextlib.contextmanager
 def served(gate: TokenGate) -> Iterator[str]:
     """``gate`` under a real uvicorn on a loopback port, in a thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(gate, log_level="warning", lifespan="off"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert t.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        t.join(10)
-        sock.close()
+    with serve(gate, lifespan="off") as url:
+        yield url
 
 
 def _form_next(page: str) -> str:

@@ -10,20 +10,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import socket
 import threading
 import time
 from typing import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from opentelemetry.trace import format_span_id
 
 from kvrecord import ids
 from kvlens import proxy
 from kvlens.proxy import telemetry
 from kvlens.sse import FirstTextWatcher
+from uvicorn_thread import serve
 from fakes import (
     P_KV,
     TID,
@@ -118,21 +117,8 @@ def recorder(monkeypatch) -> FakeRecorder:
 @contextlib.contextmanager
 def router(cfg: proxy.ProxyConfig) -> Iterator[str]:
     """The real router app served by uvicorn on a loopback port, in a thread."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(proxy.create_app(cfg), log_level="warning", lifespan="on"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert t.is_alive() and time.monotonic() < deadline, "router did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        t.join(10)
-        sock.close()
+    with serve(proxy.create_app(cfg)) as url:
+        yield url
 
 
 @contextlib.contextmanager

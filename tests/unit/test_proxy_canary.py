@@ -12,14 +12,12 @@ import argparse
 import contextlib
 import json
 import random
-import socket
 import threading
 import time
 from typing import Iterator
 
 import httpx
 import pytest
-import uvicorn
 
 from kvrecord import semconv as sc
 from kvlens import proxy
@@ -28,6 +26,7 @@ from kvlens.proxy import telemetry
 from kvlens.proxy.split import Split, parse_split
 from kvlens.sse import TextTimes
 from fakes import P_KV, FakeVllm, closed_port_url, send_json, wait_for
+from uvicorn_thread import serve
 
 
 class FakeRecorder:
@@ -57,21 +56,8 @@ def recorder(monkeypatch) -> FakeRecorder:
 
 @contextlib.contextmanager
 def router(cfg: proxy.ProxyConfig) -> Iterator[str]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(proxy.create_app(cfg), log_level="warning", lifespan="on"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert t.is_alive() and time.monotonic() < deadline, "router did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        t.join(10)
-        sock.close()
+    with serve(proxy.create_app(cfg)) as url:
+        yield url
 
 
 def p_usage(h, body) -> None:

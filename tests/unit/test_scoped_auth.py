@@ -13,13 +13,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-import threading
 import time
 
 import grpc
 import httpx
 import pytest
-import uvicorn
 
 from collect_proc import Collect
 from exporters import pipeline
@@ -27,6 +25,7 @@ from kvlens import proxy
 from kvrecord.config import COLLECTORS_ENV, TOKEN_ENV
 from test_collector import pb_body, record_spans, stored, trace_ids
 from test_collector_auth import _grpc_call
+from uvicorn_thread import serve
 
 INGEST = "ingest-" + "i" * 24
 READ = "read-" + "r" * 24
@@ -181,21 +180,8 @@ def test_token_refusal_rules(endpoint, marked, env, refused):
 
 @contextlib.contextmanager
 def _router(cfg: proxy.ProxyConfig):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(proxy.create_app(cfg), log_level="warning", lifespan="on"))
-    t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert t.is_alive() and time.monotonic() < deadline, "router did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        t.join(20)
-        sock.close()
+    with serve(proxy.create_app(cfg)) as url:
+        yield url
 
 
 def test_the_routers_receiver_takes_the_ingest_token_never_the_api_key(tmp_path):
