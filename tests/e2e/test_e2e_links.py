@@ -422,7 +422,7 @@ def test_links_sigkill_leaves_nothing(tmp_path, kvlens_home, tiny_model):
     env = {**os.environ, "KVLENS_HOME": str(kvlens_home)}
     logs = tmp_path / "logs"
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvlens.cli", "up", "--mode", "push", "--hosts", "--link", "p-d=5ms,1gbit",
+        [sys.executable, "-m", "kvlens.cli", "up", "--mode", "push", "--hosts", "--insecure", "--link", "p-d=5ms,1gbit",
          "--port", "0", "--model", str(tiny_model), "--log-dir", str(logs)],
         stdout=open(tmp_path / "up.log", "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )  # fmt: skip
