@@ -105,7 +105,8 @@ def test_recorder_wrapper_puts_figures_on_spans_and_lookback_on_all(monkeypatch)
     point = got[1][5]
     assert got[1][2] == got[1][3] and sc.ATTR_CPU_ON_S not in point  # a point: no span figures ...
     ages = point[sc.ATTR_CPU_BEFORE_AGE_S]  # ... but the thread's readings before it, youngest first
-    assert ages == sorted(ages) and ages[0] > 0.009 and len(ages) == len(point[sc.ATTR_CPU_BEFORE_WAIT_S])
+    # youngest first; the oldest is t0's, over 12 ms back (a busy host adds a young one from the record call)
+    assert ages == sorted(ages) and ages[-1] > 0.009 and len(ages) == len(point[sc.ATTR_CPU_BEFORE_WAIT_S])
     assert rec.role == "prefill"  # everything else delegated
     assert os.environ.get(cpuclock.ENV, "1") != "0"
 
@@ -237,10 +238,19 @@ def test_upstream_thread_of_another_process_is_read_per_step(tmp_path):
         clock = cpuclock.CpuClock()
         key = clock.watch_upstream(child.pid)
         assert key == -child.pid and clock.upstream == key
-        clock.sample()
+
+        def read_once() -> None:  # a reading preempted past 50 µs is dropped (a busy host): try again
+            n = len(clock.rings[key])
+            for _ in range(200):
+                clock.sample()
+                if len(clock.rings[key]) > n:
+                    return
+            raise AssertionError("no upstream reading kept in 200 tries")
+
+        read_once()
         t0 = time.time_ns()
         time.sleep(0.05)
-        clock.sample()
+        read_once()
         t1 = time.time_ns()
         w = clock.window(key, t0, t1)
         assert w is not None and w.wait_s >= 0 and w.on_s >= 0
