@@ -94,15 +94,6 @@ def _missing(v: Any) -> bool:
     return v is None or (pd.api.types.is_scalar(v) and bool(pd.isna(v)))
 
 
-def fmt_s(v: float | None, unit: str = "s") -> str:
-    """Seconds as ``12.3 ms`` / ``1.23 s`` (other units: ``1.23 unit``); ``-`` when missing."""
-    if _missing(v):
-        return MISSING
-    if unit == "s":
-        return f"{v * 1e3:.1f} ms" if abs(v) < 1 else f"{v:.2f} s"
-    return f"{v:.2f} {unit}"
-
-
 def time_unit(values: Iterable[float | None]) -> tuple[str, float]:
     """One unit for a row of cards: ``("ms", 1e3)`` unless a figure reaches 10 s, then ``("s", 1)``."""
     vals = [abs(v) for v in values if not _missing(v)]

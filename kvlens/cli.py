@@ -36,11 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (modname, help_) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(_module=modname)
-        try:
-            importlib.import_module(modname).add_arguments(sp)
-        except ModuleNotFoundError as e:  # a subcommand not built yet
-            if e.name != modname:
-                raise
+        importlib.import_module(modname).add_arguments(sp)
     return p
 
 

@@ -43,29 +43,6 @@ def has_text(event: dict[str, Any]) -> bool:
     return False
 
 
-class FirstTextWatcher:
-    """Finds the first SSE event with generated text in a byte stream fed in
-    arbitrary chunks. ``feed`` returns True exactly once, on the chunk that
-    completes that event."""
-
-    def __init__(self) -> None:
-        self.buf = b""
-        self.seen = False
-
-    def feed(self, chunk: bytes) -> bool:
-        if self.seen:
-            return False
-        self.buf += chunk
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            ev = parse_data_line(line)
-            if ev is not None and has_text(ev):
-                self.seen = True
-                self.buf = b""
-                return True
-        return False
-
-
 class TextTimes:
     """Every SSE event with generated text in a byte stream fed in arbitrary
     chunks, for the client-seen TPOT: when the first and the last arrived

@@ -21,7 +21,7 @@ from opentelemetry.trace import format_span_id
 from kvrecord import ids
 from kvlens import proxy
 from kvlens.proxy import telemetry
-from kvlens.sse import FirstTextWatcher
+from kvlens.sse import TextTimes
 from uvicorn_thread import serve
 from fakes import (
     P_KV,
@@ -81,12 +81,16 @@ def test_prefill_body_and_overlapped_params():
     )
 
 
-def test_sse_watcher_finds_first_text():
-    w = FirstTextWatcher()
+def test_sse_first_text_across_chunks():
+    """The router's rule (``TextTimes``): a role-only delta is no token; the
+    first text event counts on the chunk that completes it, and only once."""
+    w = TextTimes()
     role_only = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
-    assert not w.feed(role_only)
-    assert not w.feed(b'data: {"choices":[{"delta":{"cont')
-    assert w.feed(b'ent":"hi"}}]}\n\n')
+    assert not w.feed(role_only, 1.0)
+    assert not w.feed(b'data: {"choices":[{"delta":{"cont', 2.0)
+    assert w.feed(b'ent":"hi"}}]}\n\n', 3.0)
+    assert not w.feed(b'data: {"choices":[{"delta":{"content":"!"}}]}\n\n', 4.0)
+    assert (w.first_s, w.last_s, w.events) == (3.0, 4.0, 2)
 
 
 # ------------------- the real router between fake P and D (tests/fakes.py)
