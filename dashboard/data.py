@@ -233,7 +233,13 @@ def exact_percentiles(
     the trace store's exact ones (``store_stats``: :func:`stats_from_traces`
     over the same range), per mode, where the store holds that mode's requests
     (:data:`STORE_HOLDS`); elsewhere say why in ``pct_note``. ``why``: why the
-    store could not be read, when it could not."""
+    store could not be read, when it could not.
+
+    Where the store holds them, the request rate is the store's too: its count
+    over its window. Prometheus' ``increase()`` extrapolates a young series
+    past its samples and its first sample already holds the requests served
+    before it, so a fleet two minutes old read +48 % against what it served;
+    the store counts each request once, by its start."""
     for mode, p in prom_stats.items():
         s = (store_stats or {}).get(mode)
         n_prom, n_store = p.requests or 0.0, (s.requests or 0.0) if s else 0.0
@@ -241,6 +247,8 @@ def exact_percentiles(
             p.handoff = dict(s.handoff)
             p.ttft = dict(s.ttft)
             p.ttft_source = s.ttft_source
+            if s.req_per_s is not None:
+                p.req_per_s, p.rate_window_s = s.req_per_s, s.rate_window_s
             p.pct_source = "store"
             p.pct_note = (
                 f"exact, over the {n_store:,.0f} {mode} requests the trace store holds in this range "

@@ -217,7 +217,8 @@ def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tu
         "req/s",
         ui.fmt_rate(s.req_per_s),
         help=f"Requests per second over {over}: the time range, or the age of the data in it where that is "
-        "shorter (a fleet 2 minutes old is not read as 2 minutes of traffic in an hour).",
+        "shorter (a fleet 2 minutes old is not read as 2 minutes of traffic in an hour). Counted in the trace "
+        "store where it holds this mode's requests (see the percentiles' source above), else Prometheus' increase().",
     )
     a.caption(f"{ui.fmt_n(s.requests)} requests, rate over {over}")
     bad = {k: v for k, v in s.outcomes.items() if k != sc.Outcome.OK.value}

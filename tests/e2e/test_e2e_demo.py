@@ -335,11 +335,9 @@ def _check_figures_agree(page, kvlens_home, db, manifest: dict) -> None:
             f"\ndemo e2e: {mode} req/s on the Overview {shown} over the last {win} s (the fleet {fleet_age_s:.0f} s "
             f"old) vs {served:.3f} served then ({n} requests in the store); TPOT {t} ms"
         )
-        # Issue 43 asks for 30 %; Prometheus' increase() extrapolates a series this young past its samples, and a
-        # clean-clone run showed push 0.86 req/s against 0.579 served (+48 %), so the 30 % bound is not yet met
-        # (issue 43 stays open for it). Asserted: the rate covers the data's age, not the 1 h range (the bug the
-        # issue found: 0.0026 shown against ~0.17 served), within a factor of 2.
-        assert 0.5 * served <= shown <= 2 * served, (mode, shown, served, win, cards)
+        # Issue 43's 30 %: the store holds the demo's requests, so the page counts them there (Prometheus'
+        # increase() read a series this young +48 % in a clean-clone run: dashboard.data.exact_percentiles)
+        assert 0.7 * served <= shown <= 1.3 * served, (mode, shown, served, win, cards)
     assert "Handoff percentiles from the trace store" in body
     for mode, p50, p90 in zip(
         ("push", "pull"), _card_s(cards, "handoff p50"), _card_s(cards, "handoff p90"), strict=True

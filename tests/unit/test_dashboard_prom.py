@@ -80,8 +80,14 @@ def test_exact_percentiles_where_the_store_holds_the_requests():
     prom = {m: D.ModeStats(mode=m, requests=100.0, handoff={"p50": 0.5, "p90": 1.15, "p99": 2.365}) for m in D.MODES}
     store = {m: D.ModeStats(mode=m, requests=97.0, handoff={"p50": 0.41, "p90": 0.83, "p99": 1.2}) for m in D.MODES}
     store["pull"].requests = 40.0  # a store that kept only some of pull's requests
+    for m in D.MODES:
+        prom[m].req_per_s, prom[m].rate_window_s = 0.86, 90.0  # Prometheus' increase(), extrapolated
+        store[m].req_per_s, store[m].rate_window_s = store[m].requests / 170.0, 170.0
     D.exact_percentiles(prom, store)
     assert prom["push"].handoff == {"p50": 0.41, "p90": 0.83, "p99": 1.2} and prom["push"].pct_source == "store"
+    # the rate is the store's count over the store's window where it holds the requests
+    assert prom["push"].req_per_s == pytest.approx(97 / 170) and prom["push"].rate_window_s == 170.0
+    assert prom["pull"].req_per_s == 0.86 and prom["pull"].rate_window_s == 90.0
     assert "exact" in prom["push"].pct_note and "97" in prom["push"].pct_note
     assert prom["pull"].handoff["p90"] == 1.15 and prom["pull"].pct_source == "histogram"
     assert "holds 40 of the 100 pull requests" in prom["pull"].pct_note
