@@ -65,7 +65,11 @@ from kvlens.signals import sigterm_as_interrupt  # noqa: E402
 from kvlens.stack.supervise import descendants, signals_ignored  # noqa: E402
 from kvlens.stack.launch import Stack  # noqa: E402
 from kvtrace import store  # noqa: E402
-from kvtrace.store import testing  # noqa: E402
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests")
+)  # tests/store_sql.py: what a benchmark needs beneath the store API
+import store_sql  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 ENGINE_KINDS = ("api_server", "engine_core", "worker")
@@ -183,7 +187,7 @@ def _stored(store_path: Path) -> dict[str, int]:
     """P/D spans in the run's store, by role (read-only)."""
     try:
         with store.reading(store_path) as c:
-            return testing.span_counts_by_role(c, ("prefill", "decode"))
+            return store_sql.span_counts_by_role(c, ("prefill", "decode"))
     except (store.StoreError, sqlite3.Error):
         return {}
 

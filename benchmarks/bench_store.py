@@ -52,11 +52,11 @@ from opentelemetry.trace import SpanContext, format_trace_id
 
 from dashboard import data as D
 from kvtrace import store
-from kvtrace.store import testing
 from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
 from kvrecord import semconv as sc
 
 import store_bytes
+import store_sql  # store_bytes put tests/ on sys.path
 
 MS = 1_000_000
 GOAL_MS = 200.0
@@ -382,12 +382,12 @@ def run_backend(label: str, name, args, make_store) -> dict:
         out["bytes"] = store_bytes.bytes_per_request(label, make_store, populate, args.keep_ratios, args.traces)
     if "reads" not in args.parts and "retention" not in args.parts:
         return out
-    before = testing.store_bytes(name)
+    before = store_sql.store_bytes(name)
     t = time.perf_counter()
     n_tr, n_sp = populate(name, args.traces)
     wr = time.perf_counter() - t
     out.update(populate_s=wr, traces=n_tr, spans=n_sp)
-    size = testing.store_bytes(name)
+    size = store_sql.store_bytes(name)
     out["mb_per_1m"] = (size - before) / 1e6 * 1e6 / max(n_tr, 1)  # what the populated traces added
     print(
         f"populated {n_tr:,} traces / {n_sp:,} spans in {wr:.0f} s ({n_sp / wr:,.0f} spans/s, bulk); "
@@ -468,8 +468,8 @@ def _pg_databases(url: str):
 
     def make(tag: str) -> str:
         name = f"kvlens_bench_{tag}"
-        testing.drop_database(url, name)
-        testing.create_database(url, name)
+        store_sql.drop_database(url, name)
+        store_sql.create_database(url, name)
         return f"{base}/{name}"
 
     return make

@@ -10,12 +10,18 @@ populated requests added to an empty store, divided by the requests.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from kvtrace import store
-from kvtrace.store import testing
+
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests")
+)  # tests/store_sql.py: what a benchmark needs beneath the store API
+import store_sql  # noqa: E402
 
 KB = 1024
 
@@ -31,11 +37,11 @@ def bytes_per_request(label: str, make_store: Callable[[str], Any], populate, ra
     for r in ratios:
         name = make_store(f"keep{round(r * 10000)}")
         store.connect(name).close()
-        empty = testing.relation_bytes(name)
+        empty = store_sql.relation_bytes(name)
         t = time.perf_counter()
         n_tr, n_sp = populate(name, n, keep_ratio=r)
         took = time.perf_counter() - t
-        grown = {k: v - empty.get(k, 0) for k, v in testing.relation_bytes(name).items() if _ours(k)}
+        grown = {k: v - empty.get(k, 0) for k, v in store_sql.relation_bytes(name).items() if _ours(k)}
         total = sum(grown.values())
         out[r] = {
             "per_request": total / n_tr,

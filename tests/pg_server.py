@@ -217,30 +217,30 @@ class PgServer:
     # ----------------------------------------------------------- databases
     def new_database(self, prefix: str = "t") -> str:
         """A new empty database; its URL."""
-        from kvtrace.store import testing
+        import store_sql
 
         name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-        testing.create_database(self.url("postgres"), name)
+        store_sql.create_database(self.url("postgres"), name)
         return self.url(name)
 
     def new_password_database(self, prefix: str = "pw") -> tuple[str, str]:
         """A new empty database owned by :data:`PW_USER`, who must give a
         password: (its URL without the password, the password). The role is
         created on first use, with a random password (this server's)."""
-        from kvtrace.store import testing
+        import store_sql
 
         password = self.pw_password
-        testing.create_login_role(self.url("postgres"), PW_USER, password)
+        store_sql.create_login_role(self.url("postgres"), PW_USER, password)
         name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-        testing.create_database(self.url("postgres"), name)
-        testing.give_database(self.url("postgres"), name, PW_USER)
+        store_sql.create_database(self.url("postgres"), name)
+        store_sql.give_database(self.url("postgres"), name, PW_USER)
         return f"postgresql://{PW_USER}@{self.host}:{self.port}/{name}", password
 
     def drop_database(self, url: str) -> None:
         """Drop the database of ``url`` (a :meth:`new_database`), cutting its connections."""
-        from kvtrace.store import testing
+        import store_sql
 
-        testing.drop_database(self.url("postgres"), url.rsplit("/", 1)[1])
+        store_sql.drop_database(self.url("postgres"), url.rsplit("/", 1)[1])
 
     def __enter__(self) -> "PgServer":
         try:

@@ -5,7 +5,7 @@
 (``store``: a file path, or the URL of a database of its own on the session's
 real PostgreSQL server) and the connector config that makes the real pipeline
 write there (``config``). What a test needs beneath the store API (the
-schema version, a table's columns) is in :mod:`kvtrace.store.testing`, given
+schema version, a table's columns) is in ``tests/store_sql.py``, given
 ``backend.store``.
 """
 

@@ -19,8 +19,6 @@ queries, same results.
   request's summary and the spans of the requests its keep rule keeps.
 * :mod:`~kvtrace.store.exporter`: ``StoreSpanExporter``, the SDK exporter
   onto the writer, either backend, bounded.
-* :mod:`~kvtrace.store.testing`: what tests and benchmarks need beneath the
-  API (no kvlens module imports it).
 * :mod:`~kvtrace.store.queries`: every read the resolver, ``kvlens traces``,
   the bench and the dashboard need, as functions of their parameters.
 * :mod:`~kvtrace.store.errors`: :class:`StoreError` and its kinds, printable as one line.

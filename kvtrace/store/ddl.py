@@ -212,7 +212,7 @@ def _kept(indexes: str) -> str:
 
 
 #: Version 4's schema (all eight ``traces`` indexes, nothing partitioned): what
-#: :mod:`kvtrace.store.testing` builds to test the migration to version 5.
+#: ``tests/store_sql.py`` builds to test the migration to version 5.
 SCHEMA_V4_TEMPLATE = (
     _META_DDL + _SPANS_DDL + ";\n" + _TRACES_DDL.replace("@name@", "traces") + ";" + _TRACE_INDEXES + _REST_DDL
 )

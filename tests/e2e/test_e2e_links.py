@@ -43,7 +43,7 @@ import pytest
 
 from conftest import FLEET_CLOCK_SHIFT_S
 from kvtrace import cpusplit, store, tracemodel
-from kvtrace.store import testing
+import store_sql
 
 pytestmark = pytest.mark.e2e
 
@@ -188,7 +188,7 @@ def _own_widths(db, ids) -> dict[str, tuple[int, int]]:
     deadline = time.monotonic() + 60  # P's kv.released (the D->P bound's end) follows kv.ready, in a later batch
     while True:
         with store.reading(db) as conn:
-            got = testing.own_intervals(conn, list(ids))
+            got = store_sql.own_intervals(conn, list(ids))
         if len(got) == len(ids) or time.monotonic() > deadline:
             assert len(got) == len(ids), (len(got), len(ids))
             return got

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 
 from exporters import pipeline
 from kvtrace import store
-from kvtrace.store import testing
+import store_sql
 from exporters.batching import BoundedTracerProvider, CountingBatchSpanProcessor, LossCounter
 from kvrecord import semconv as sc
 from kvrecord.recorder import DropReason, Recorder
@@ -45,7 +45,7 @@ def _spans(n: int) -> list:
 
 def _stored(db) -> int:
     with store.reading(db) as c:
-        return testing.span_count(c)
+        return store_sql.span_count(c)
 
 
 # ------------------------------------------------------------------ the store
@@ -66,7 +66,7 @@ def test_store_lock_held_past_the_exporter_wait_is_counted_as_store(tmp_path):
     r = Recorder(role="prefill", mode="push", pipeline_factory=factory).start()
     n = 3000
     before = pipeline.dropped_counts().get(("prefill", "store"), 0)
-    with testing.write_lock_held(db):  # as a long writer or a backup holds it
+    with store_sql.write_lock_held(db):  # as a long writer or a backup holds it
         for i in range(n // 2):
             r.record(sc.Phase.MATCH, f"req-lock-{i}", 1_000 + i, 2_000 + i)
         # Held until the exporter has met the lock and given up at least once
@@ -91,7 +91,7 @@ def test_store_lock_held_past_the_exporter_wait_is_counted_as_store(tmp_path):
 def test_store_export_is_bounded_by_max_block_s(tmp_path):
     db = tmp_path / "traces.db"
     store.connect(db).close()
-    with testing.write_lock_held(db):
+    with store_sql.write_lock_held(db):
         exp = store.StoreSpanExporter(db, max_block_s=0.4)
         t0 = time.monotonic()
         assert exp.export(_spans(5)) == SpanExportResult.FAILURE

@@ -199,15 +199,15 @@ def test_engines_ttft_is_p_arrival_to_d_first_token_and_a_router_ttft_wins(tmp_p
 
 
 def test_schema_2_store_is_upgraded_with_the_ttft_columns(tmp_path):
-    from kvtrace.store import testing
+    import store_sql
     from kvtrace.store.ddl import V3_TRACE_COLUMNS
 
     db = tmp_path / "traces.db"
-    testing.create_old_store(db, 2, [{"trace_id": "ab", "mode": "pull", "ttft_s": 0.5}])
+    store_sql.create_old_store(db, 2, [{"trace_id": "ab", "mode": "pull", "ttft_s": 0.5}])
     conn = store.connect(db)
     conn.close()
-    assert {c for c, _ in V3_TRACE_COLUMNS} <= set(testing.columns(db, "traces"))
-    assert testing.meta(db)["schema_version"] == str(store.SCHEMA_VERSION)
+    assert {c for c, _ in V3_TRACE_COLUMNS} <= set(store_sql.columns(db, "traces"))
+    assert store_sql.meta(db)["schema_version"] == str(store.SCHEMA_VERSION)
     with store.reading(db) as c:
         ((ttft_s, ttft_source),) = [(r["ttft_s"], r["ttft_source"]) for r in store.slowest(c, 10)]
     assert (ttft_s, ttft_source) == (0.5, None)

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, multiprocess
 
 from exporters import frames, pipeline
 from kvtrace import store
-from kvtrace.store import testing
+import store_sql
 from exporters.shipping import ShippingRecorder
 from kvrecord import semconv as sc
 from kvrecord.events import FIELDS, Event, Kind, as_event
@@ -277,7 +277,7 @@ def test_stalled_sidecar_never_blocks_record_and_drops_reach_the_metric(tmp_path
     assert r.recorded + r.dropped + r.shutdown_dropped == calls
     conn = store.connect(tmp_path / "traces.db", readonly=True)
     try:
-        stored = testing.span_count(conn)
+        stored = store_sql.span_count(conn)
     finally:
         conn.close()
     assert stored == r.shipped  # shipped in whole frames = stored, nothing else lost

@@ -13,7 +13,7 @@ import pytest
 from exporters import pipeline
 from kvrecord.config import Options
 from kvtrace import store, tracemodel
-from kvtrace.store import testing
+import store_sql
 from kvrecord import semconv as sc
 from kvrecord.recorder import Recorder
 from store_backends import Backend
@@ -108,9 +108,9 @@ def test_readonly_missing_store_is_a_clear_error(tmp_path):
 def test_a_new_store_records_its_schema_version(backend):
     p = backend.store
     store.connect(p).close()
-    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
+    assert store_sql.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
     store.connect(p).close()  # a second writer (another process) changes nothing
-    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
+    assert store_sql.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
     with store.reading(p) as c:
         assert store.info(c)["traces"] == 0
 
@@ -119,7 +119,7 @@ def test_a_newer_store_is_refused_naming_both_versions(backend):
     p = backend.store
     store.connect(p).close()
     newer = store.SCHEMA_VERSION + 1
-    testing.set_schema_version(p, newer)
+    store_sql.set_schema_version(p, newer)
     for readonly in (True, False):
         with pytest.raises(
             store.StoreVersionError, match=f"schema version {newer}.*up to version {store.SCHEMA_VERSION}"
@@ -131,11 +131,11 @@ def test_a_newer_store_is_refused_naming_both_versions(backend):
 def test_a_store_from_before_versioning_is_read_and_upgraded(tmp_path):
     _record_request(tmp_path)
     p = tmp_path / "traces.db"
-    testing.forget_schema_version(p)  # what a store written before the version table looks like
+    store_sql.forget_schema_version(p)  # what a store written before the version table looks like
     with store.reading(p) as c:  # a reader accepts it as it is
         assert [r["trace_id"] for r in store.slowest(c, 10)] == [TID]
     store.connect(p).close()  # a writer adds the version
-    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
+    assert store_sql.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
     with store.reading(p) as c:
         assert [r["trace_id"] for r in store.slowest(c, 10)] == [TID]
 
@@ -145,12 +145,12 @@ def test_a_version_1_store_is_migrated_and_its_handoffs_marked_unknown(tmp_path)
     upgrade the figure is kept as handoff_raw_s and the handoff is unknown."""
     p = tmp_path / "traces.db"
     row = dict(trace_id=TID, mode="push", start_ns=1, prefill_finished_ns=1000, kv_ready_ns=5001000, n_spans=3)
-    testing.create_old_store(p, 1, [row])
+    store_sql.create_old_store(p, 1, [row])
     with store.reading(p) as c:  # a reader upgrades it once, then reads
         (row,) = store.slowest(c, 10)
     assert row["handoff_raw_s"] == pytest.approx(0.005) and row["handoff_s"] is None
     assert "schema 1" in row["handoff_note"] and row["n_spans"] == 3
-    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
+    assert store_sql.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
 
 
 def test_a_writer_runs_the_migrations_up_to_its_version(backend, monkeypatch):
@@ -159,11 +159,11 @@ def test_a_writer_runs_the_migrations_up_to_its_version(backend, monkeypatch):
     p = backend.store
     store.connect(p).close()
     monkeypatch.setattr(schema, "SCHEMA_VERSION", store.SCHEMA_VERSION + 1)
-    monkeypatch.setattr(schema, "MIGRATIONS", {store.SCHEMA_VERSION: testing.added_column_migration("note")})
+    monkeypatch.setattr(schema, "MIGRATIONS", {store.SCHEMA_VERSION: store_sql.added_column_migration("note")})
     store.connect(p).close()
     store.connect(p).close()  # already current: the migration does not run twice (it would fail)
-    assert testing.meta(p) == {"schema_version": str(store.SCHEMA_VERSION + 1)}
-    assert "note" in testing.columns(p, "traces")
+    assert store_sql.meta(p) == {"schema_version": str(store.SCHEMA_VERSION + 1)}
+    assert "note" in store_sql.columns(p, "traces")
     with store.reading(p) as c:  # a reader of the new version reads it
         assert store.info(c)["traces"] == 0
 
@@ -195,7 +195,7 @@ def test_reading_turns_backend_errors_into_store_errors(backend):
     store.connect(p).close()
     with pytest.raises(store.StoreError):
         with store.reading(p) as c:
-            testing.run_refused_statement(c)  # any backend error inside the block
+            store_sql.run_refused_statement(c)  # any backend error inside the block
 
 
 def test_traces_cli_prints_one_line_on_a_bad_store(tmp_path, capsys):
@@ -208,7 +208,7 @@ def test_traces_cli_prints_one_line_on_a_bad_store(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("kvlens traces:") and "Traceback" not in err
     store_p = tmp_path / "new" / "traces.db"
     store.connect(store_p).close()
-    testing.set_schema_version(store_p, store.SCHEMA_VERSION + 1)
+    store_sql.set_schema_version(store_p, store.SCHEMA_VERSION + 1)
     assert main(["traces", "--store", str(store_p)]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "schema version" in err

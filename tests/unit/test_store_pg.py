@@ -85,11 +85,11 @@ def test_the_same_spans_give_the_same_answers_on_both_backends(both):
 def test_slowest_walks_an_index_on_postgresql(both):
     """Filtered by mode, "slowest" walks the mode's part of the handoff index
     of each day's partition in order and merges them."""
-    from kvtrace.store import testing
+    import store_sql
 
     _, pgb, _ = both
     with store.reading(pgb.store) as c:
-        testing.prefer_indexes(c)
+        store_sql.prefer_indexes(c)
         plan = store.slowest_plan(c, 50, mode="push")
         failed = store.slowest_plan(c, 50, outcome="failed")
     assert "Index Scan" in plan and "traces_" in plan and "mode_handoff_s_idx" in plan and "->  Sort " not in plan, plan

@@ -15,7 +15,7 @@ from kvlens import traces as traces_cmd
 from kvlens.cli import main
 from kvrecord import semconv as sc
 from kvtrace import store, stuck, tracemodel
-from kvtrace.store import testing
+import store_sql
 
 
 #: How each backend's plan names the partial index (PostgreSQL: each day partition's own, named after the column).
@@ -64,7 +64,7 @@ def test_stuck_reads_the_partial_index(health):
     backend, _, now = health
     with store.reading(backend.store) as conn:
         if backend.is_pg:
-            testing.prefer_indexes(conn)
+            store_sql.prefer_indexes(conn)
         plan = store.open_spans_plan(conn, since_ns=now - 60 * S)
     assert OPEN_INDEX[backend.name] in plan, plan
 
@@ -136,13 +136,13 @@ def test_cli_open_missing_store_is_one_line(tmp_path, capsys):
 def test_a_version_5_store_gets_the_partial_index(backend):
     conn = store.connect(backend.store)
     conn.close()
-    testing.drop_index(backend.store, "spans_open")
-    testing.set_schema_version(backend.store, 5)
+    store_sql.drop_index(backend.store, "spans_open")
+    store_sql.set_schema_version(backend.store, 5)
     with store.reading(backend.store) as conn:  # an older store: upgraded once, then read
         if backend.is_pg:
-            testing.prefer_indexes(conn)
+            store_sql.prefer_indexes(conn)
         assert OPEN_INDEX[backend.name] in store.open_spans_plan(conn, since_ns=0)
-    assert testing.meta(backend.store)["schema_version"] == str(store.SCHEMA_VERSION)
+    assert store_sql.meta(backend.store)["schema_version"] == str(store.SCHEMA_VERSION)
 
 
 def test_visible_spans_rule_on_plain_rows():

@@ -4,9 +4,11 @@ What a test or a benchmark needs from a store and kvlens itself never
 does: count rows, read or tamper with the schema version, build a store as
 an older kvlens wrote it, hold the write lock, run a statement the backend
 refuses, create and drop the databases of a test PostgreSQL server, measure
-a store's size. It lives here so that SQL stays in ``kvtrace/store``, tests
-and benchmarks included (``tools/check_layout.py`` checks both). No kvlens
-module imports it.
+a store's size. It lives with the tests, out of the product: the one file
+outside ``kvtrace/store`` that writes SQL (``tools/check_layout.py``'s
+``SQL_ALLOWED``); every other test and benchmark reaches the store through
+its API. No kvlens module imports it (``tests/`` is on the tests'
+``sys.path``; a benchmark puts it there).
 
 Functions that take a store *name* (a path or a ``postgresql://`` URL) open
 a raw connection of their own, autocommit, beneath the store API: no schema
