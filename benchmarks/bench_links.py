@@ -41,7 +41,7 @@ from kvlens.bench.runner import bench_routers, new_run, stack_targets
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.launch import Stack
 from kvlens.stack.supervise import signals_ignored
-from kvtrace import benchrows as B
+from kvtrace import benchrows
 
 #: The links the delay goes on (both directions of each).
 LINKS = ("p-d", "router-d")
@@ -120,8 +120,8 @@ def transfer_medians(traces: list) -> dict:
 
 
 def _ratio(row: dict, metric: str) -> str:
-    r = row.get(B.ratio_key(metric))
-    lo, hi = (row.get(k) for k in B.interval_keys(metric))
+    r = row.get(benchrows.ratio_key(metric))
+    lo, hi = (row.get(k) for k in benchrows.interval_keys(metric))
     if r is None:
         return "-"
     iv = "[?]" if lo is None or hi is None else f"[{lo:.2f}-{hi:.2f}]"
@@ -129,7 +129,7 @@ def _ratio(row: dict, metric: str) -> str:
 
 
 def _says(row: dict, metric: str) -> str:
-    lo, hi = (row.get(k) for k in B.interval_keys(metric))
+    lo, hi = (row.get(k) for k in benchrows.interval_keys(metric))
     if lo is None or hi is None:
         return "unknown (too few requests)"
     if hi < 1:
@@ -161,7 +161,9 @@ def grid_lines(delays: list[dict]) -> list[str]:
         rtt = f"{_rtt(dl['link'], 'p', 'd')} / {_rtt(dl['link'], 'router', 'd')}"
         rows = dl["rows"]
         for push in (r for r in rows if r["mode"] == "push"):
-            pull = next((r for r in rows if r["mode"] == "pull" and B.cell_key(r) == B.cell_key(push)), {})
+            pull = next(
+                (r for r in rows if r["mode"] == "pull" and benchrows.cell_key(r) == benchrows.cell_key(push)), {}
+            )
             out.append(
                 f"| {dl['delay_ms']:g} ms | {rtt} | {push['input_len']} | {push['qps']:g} "
                 f"| {ms(pull.get('handoff_p50_s'))} / {ms(push.get('handoff_p50_s'))} | {_ratio(push, 'handoff_p50_s')} "

@@ -10,7 +10,7 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from dashboard import data as D
+from dashboard import data
 
 #: push blue, pull orange, on every chart.
 MODE_COLORS = {"push": "#4c78a8", "pull": "#f58518"}
@@ -19,7 +19,7 @@ _MODE_SCALE = alt.Scale(domain=list(MODE_COLORS), range=list(MODE_COLORS.values(
 
 def phase_color_scale() -> alt.Scale:
     """The one colour scale over every Phase (and ``unattributed``)."""
-    domain, rng = D.phase_colors()
+    domain, rng = data.phase_colors()
     return alt.Scale(domain=domain, range=rng)
 
 
@@ -50,7 +50,7 @@ def handoff_hist_chart(h: pd.DataFrame, mode: str, x_max: float | None) -> alt.C
 def phase_chart(ph: pd.DataFrame, mode: str, path: str, x_max: float | None, title: str) -> alt.Chart:
     """One stacked bar: mean ms per request of each phase on ``path``."""
     d = ph[(ph["mode"] == mode) & (ph["path"] == path)].assign(ms=lambda x: x["seconds"] * 1e3, bar=mode)
-    present = sorted(set(d["phase"]), key=D.phase_rank)
+    present = sorted(set(d["phase"]), key=data.phase_rank)
     x_scale = alt.Scale(domain=[0, x_max * 1e3]) if x_max else alt.Undefined
     return (
         alt.Chart(d, title=title)

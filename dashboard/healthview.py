@@ -12,9 +12,9 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import data as D
-from dashboard import health as H
-from dashboard import loaders as L
+from dashboard import data
+from dashboard import health
+from dashboard import loaders
 from dashboard import prom, ui
 from kvtrace import stuck
 from kvtrace.stuck import SIDE
@@ -33,24 +33,26 @@ def health_figures(cfg: ui.Config, range_key: str, stuck_df: pd.DataFrame | None
     else from the trace store; every figure unknown (with the reason) when neither can say."""
     if cfg.prometheus:
         try:
-            return L.load_prom_health(cfg.prometheus, range_key, L.now_bucket()), f"Prometheus at `{cfg.prometheus}`"
+            return loaders.load_prom_health(
+                cfg.prometheus, range_key, loaders.now_bucket()
+            ), f"Prometheus at `{cfg.prometheus}`"
         except prom.PrometheusError as e:
             st.warning(f"Handoff health: Prometheus is unreachable or refused the query ({e}); from the trace store.")
     try:
-        window = L.load_window(cfg.store, range_key, L.now_bucket(range_key))
-    except (D.StoreMissing, D.StoreError) as e:
+        window = loaders.load_window(cfg.store, range_key, loaders.now_bucket(range_key))
+    except (data.StoreMissing, data.StoreError) as e:
         why = f"no readable trace store ({e})"
-        return {k: H.Figure(None, unknown=why) for k in H.HEALTH_FIGURES}, "nothing"
-    figs = H.health_from_store(
-        window, stuck_df if stuck_df is not None else pd.DataFrame(columns=H.STUCK_COLUMNS), range_key
+        return {k: health.Figure(None, unknown=why) for k in health.HEALTH_FIGURES}, "nothing"
+    figs = health.health_from_store(
+        window, stuck_df if stuck_df is not None else pd.DataFrame(columns=health.STUCK_COLUMNS), range_key
     )
     if stuck_df is None:
         for k in ("open", "oldest_s"):
-            figs[k] = H.Figure(None, figs[k].help, unknown=stuck_why)
+            figs[k] = health.Figure(None, figs[k].help, unknown=stuck_why)
     return figs, f"trace store `{cfg.store}`"
 
 
-def health_value(key: str, f: H.Figure) -> str:
+def health_value(key: str, f: health.Figure) -> str:
     """A strip card's value: ``unknown``, ``none`` (an age with nothing open), seconds, or a count."""
     if f.unknown:
         return "unknown"
@@ -64,14 +66,14 @@ def health_strip(cfg: ui.Config, range_key: str, traces_page: str) -> None:
     store: Prometheus holds no request ids), each a link to its partial trace."""
     stuck_df, stuck_why = None, ""
     try:
-        stuck_df = L.load_stuck(cfg.store, L.now_bucket())
-    except (D.StoreMissing, D.StoreError) as e:
+        stuck_df = loaders.load_stuck(cfg.store, loaders.now_bucket())
+    except (data.StoreMissing, data.StoreError) as e:
         stuck_why = f"the trace store cannot be read ({e})"
     figs, source = health_figures(cfg, range_key, stuck_df, stuck_why)
     with st.container(border=True, key="ov_health"):
         st.subheader("Handoff health", help=HEALTH_HELP)
         # two rows of three: six cards in one row cut "unknown" at a laptop's width (1280 px, sidebar open)
-        items = list(H.HEALTH_FIGURES.items())
+        items = list(health.HEALTH_FIGURES.items())
         cols = [c for _ in range(0, len(items), 3) for c in st.columns(3)]
         for col, (key, label) in zip(cols, items):
             f = figs[key]
@@ -88,12 +90,12 @@ def health_strip(cfg: ui.Config, range_key: str, traces_page: str) -> None:
 def stuck_list(df: pd.DataFrame | None, why: str, traces_page: str) -> None:
     """One link per handoff side stuck now, oldest first (to its partial trace on the Traces page)."""
     with st.container(key="ov_stuck"):
-        st.markdown("**Stuck now**", help=H.STUCK_HELP)
+        st.markdown("**Stuck now**", help=health.STUCK_HELP)
         if df is None:
             st.caption(f"Unavailable: {why}.")
             return
         if not len(df):
-            st.caption(f"No handoff is stuck now (none open and reported in the last {H.STUCK_FRESH_S} s).")
+            st.caption(f"No handoff is stuck now (none open and reported in the last {health.STUCK_FRESH_S} s).")
             return
         now = time.time_ns()  # the table may be a few seconds old (cached): ages from now
         for r in df.head(STUCK_SHOWN).itertuples():

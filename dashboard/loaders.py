@@ -15,9 +15,9 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from dashboard import benchdata as BD
-from dashboard import data as D
-from dashboard import health as H
+from dashboard import benchdata
+from dashboard import data
+from dashboard import health
 from dashboard import pairs, prom
 from kvtrace import benchrows
 from kvtrace.store import StoreLocation
@@ -30,7 +30,7 @@ def now_bucket(range_key: str | None = None) -> int:
     """Current time (s) rounded down to a step, so windowed loads share a cache
     entry. Wide ranges (a whole store can be 100k+ traces, ~1 s to load)
     refresh less often than the live ones."""
-    secs = D.TIME_RANGES.get(range_key) if range_key else 0
+    secs = data.TIME_RANGES.get(range_key) if range_key else 0
     step = CACHE_TTL_S if secs is not None and secs <= 3600 else 30 if secs and secs <= 86400 else 60
     return int(time.time() // step) * step
 
@@ -55,19 +55,19 @@ def with_ratios(df: pd.DataFrame) -> pd.DataFrame:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def load_info(path: StoreLocation, _bucket: int) -> dict[str, Any]:
-    return D.store_info(path)
+    return data.store_info(path)
 
 
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
 def load_window(path: StoreLocation, range_key: str, now_s: int) -> pd.DataFrame:
-    since, until = D.since_until(range_key, now_s)
-    return D.window_traces(path, since, until)
+    since, until = data.since_until(range_key, now_s)
+    return data.window_traces(path, since, until)
 
 
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
 def load_phases(path: StoreLocation, range_key: str, now_s: int) -> pd.DataFrame:
-    since, until = D.since_until(range_key, now_s)
-    return D.phase_breakdown(path, since, until)
+    since, until = data.since_until(range_key, now_s)
+    return data.phase_breakdown(path, since, until)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -89,8 +89,8 @@ def load_slowest(
     p_engine: str | None = None,
     d_engine: str | None = None,
 ) -> pd.DataFrame:
-    since, until = D.since_until(range_key, now_s)
-    return D.slowest(
+    since, until = data.since_until(range_key, now_s)
+    return data.slowest(
         path,
         n,
         mode=mode,
@@ -107,7 +107,7 @@ def load_slowest(
 
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
 def load_pairs(path: StoreLocation, range_key: str, now_s: int) -> pd.DataFrame:
-    since, until = D.since_until(range_key, now_s)
+    since, until = data.since_until(range_key, now_s)
     return pairs.pair_table(path, since, until)
 
 
@@ -118,34 +118,34 @@ def load_engines(path: StoreLocation, _bucket: int) -> list[tuple[str | None, st
 
 @st.cache_data(ttl=60, show_spinner=False)
 def load_trace(path: StoreLocation, trace_id: str):
-    return D.trace_detail(path, trace_id)
+    return data.trace_detail(path, trace_id)
 
 
 @st.cache_data(ttl=30, show_spinner=False)
 def load_bench_runs(path: StoreLocation, _bucket: int) -> list[dict[str, Any]]:
-    return BD.bench_runs(path)
+    return benchdata.bench_runs(path)
 
 
 @st.cache_data(ttl=30, show_spinner=False)
 def load_bench(path: StoreLocation, run_id: str | None) -> pd.DataFrame:
-    return with_ratios(BD.bench_table(path, run_id))
+    return with_ratios(benchdata.bench_table(path, run_id))
 
 
 @st.cache_data(ttl=60, max_entries=4, show_spinner=False)
 def load_verdict(path: StoreLocation, since_ns: int | None):
-    return D.verdict_of(path, since_ns)
+    return data.verdict_of(path, since_ns)
 
 
 @st.cache_data(ttl=60, max_entries=16, show_spinner=False)
 def load_whatif(path: StoreLocation, since_ns: int | None, from_mode: str):
-    return D.whatif_of(path, since_ns, from_mode)
+    return data.whatif_of(path, since_ns, from_mode)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def load_prom_health(url: str, range_key: str, _bucket: int) -> dict[str, H.Figure]:
+def load_prom_health(url: str, range_key: str, _bucket: int) -> dict[str, health.Figure]:
     return prom.prom_health(url, range_key)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def load_stuck(path: StoreLocation, now_s: int) -> pd.DataFrame:
-    return H.stuck_table(path, now_s * 1_000_000_000)
+    return health.stuck_table(path, now_s * 1_000_000_000)

@@ -15,8 +15,8 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from dashboard import data as D
-from dashboard import health as H
+from dashboard import data
+from dashboard import health
 from exporters import promapi
 from kvtrace import tracemodel
 from exporters.promapi import PrometheusError
@@ -51,7 +51,7 @@ def selector(metric: str, **labels: str) -> str:
 
 def prom_range(range_key: str) -> str:
     """The PromQL range for a time-range picker choice (``all`` -> :data:`PROM_ALL_RANGE`)."""
-    secs = D.TIME_RANGES[range_key]
+    secs = data.TIME_RANGES[range_key]
     return PROM_ALL_RANGE if secs is None else range_key
 
 
@@ -81,7 +81,7 @@ DECODE_JOB = "vllm-decode"
 KVLENS_TPOT = "kvlens_tpot_seconds"
 
 
-def _tpot(q: Query, w: str, stats: dict[str, D.ModeStats]) -> None:
+def _tpot(q: Query, w: str, stats: dict[str, data.ModeStats]) -> None:
     """Mean TPOT per mode over ``w``: kvlens' router's ``kvlens_tpot_seconds{mode}``
     where it has the mode's; else vLLM's on D, into the one mode that ran (vLLM's
     metrics have no mode label); otherwise the reason in ``tpot_note``."""
@@ -126,7 +126,7 @@ def age_expr(w: str) -> str:
     (any mode: the data's age, the same for both columns), to a subquery step
     of ``w``/3600 (1 s up to 1 h: finer than a scrape, so the first step that
     sees a sample sees the first one; a 5 s step read a 37 s old fleet's age 5 s short)."""
-    step = max(1, int(D.TIME_RANGES.get(w) or 7 * 86400) // 3600)
+    step = max(1, int(data.TIME_RANGES.get(w) or 7 * 86400) // 3600)
     return f"time() - min(min_over_time(timestamp(kvlens_requests_total)[{w}:{step}s]))"
 
 
@@ -137,10 +137,10 @@ def _data_age(q: Query, w: str) -> float | None:
 
 def _mode_stats(
     q: Query, mode: str, w: str, dropped: tuple[float | None, dict[str, float]], age: float | None = None
-) -> D.ModeStats:
+) -> data.ModeStats:
     """Handoff / TTFT quantiles, request rate and outcomes of one mode over
     ``w`` (the rate over ``age`` seconds where that is shorter)."""
-    st = D.ModeStats(mode=mode, pct_source="histogram")
+    st = data.ModeStats(mode=mode, pct_source="histogram")
     hb = selector("kvlens_handoff_seconds_bucket", mode=mode)
     # handoff pXX = histogram_quantile(q, sum by (le) (rate(kvlens_handoff_seconds_bucket{mode=m}[w])))
     for name, qq in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
@@ -155,13 +155,13 @@ def _mode_stats(
         )
     )
     req = selector("kvlens_requests_total", mode=mode)
-    st.outcomes = {o: 0.0 for o in D.OUTCOMES}
+    st.outcomes = {o: 0.0 for o in data.OUTCOMES}
     for labels, v in q(f"sum by (outcome) (increase({req}[{w}]))"):
         st.outcomes[labels.get("outcome", sc.OTHER)] = v
     st.requests = sum(st.outcomes.values())
     # requests over the range, or over the data's age where it is shorter (rate() divides by the range)
     if age is not None:
-        st.rate_window_s = min(float(D.TIME_RANGES.get(w) or 7 * 86400), max(age, 1.0))
+        st.rate_window_s = min(float(data.TIME_RANGES.get(w) or 7 * 86400), max(age, 1.0))
         st.req_per_s = st.requests / st.rate_window_s
     st.dropped, st.dropped_by_reason = dropped[0], dict(dropped[1])
     return st
@@ -183,7 +183,7 @@ def _mode_phases(q: Query, mode: str, w: str) -> list[tuple]:
         ph = labels.get("phase", sc.OTHER)
         if ph in skip or v <= 0:
             continue
-        path = D.OVERLAP if mode == sc.Mode.PUSH.value and ph in overlap else D.CRITICAL
+        path = data.OVERLAP if mode == sc.Mode.PUSH.value and ph in overlap else data.CRITICAL
         rows.append((mode, labels.get("role", ""), ph, path, v, None))
     return rows
 
@@ -200,19 +200,21 @@ def _mode_hist(q: Query, mode: str, w: str) -> list[tuple]:
     prev_le, prev_v = 0.0, 0.0
     for le, v in cum:
         if v - prev_v > 0:
-            rows.append((mode, prev_le, le, v - prev_v, D.traces_link(mode=mode, min_handoff=prev_le, max_handoff=le)))
+            rows.append(
+                (mode, prev_le, le, v - prev_v, data.traces_link(mode=mode, min_handoff=prev_le, max_handoff=le))
+            )
         prev_le, prev_v = le, v
     return rows
 
 
 def prom_overview(
     url: str, range_key: str, *, timeout_s: float = 3.0
-) -> tuple[dict[str, D.ModeStats], pd.DataFrame, pd.DataFrame]:
+) -> tuple[dict[str, data.ModeStats], pd.DataFrame, pd.DataFrame]:
     """(stats per mode, phase breakdown, handoff histogram) from Prometheus,
     in the shapes the store path gives (``stats_from_traces``,
     ``phase_breakdown``, ``handoff_histogram``). One connection for all queries."""
     w = prom_range(range_key)
-    stats: dict[str, D.ModeStats] = {}
+    stats: dict[str, data.ModeStats] = {}
     phases: list[tuple] = []
     hist: list[tuple] = []
     with promapi.client(timeout_s) as c:
@@ -223,14 +225,14 @@ def prom_overview(
         # labelled by role and reason (not mode): the same all-process figures show in both columns
         dropped = _dropped(q, w)
         age = _data_age(q, w)
-        for mode in D.MODES:
+        for mode in data.MODES:
             stats[mode] = _mode_stats(q, mode, w, dropped, age)
             phases += _mode_phases(q, mode, w)
             hist += _mode_hist(q, mode, w)
         _tpot(q, w, stats)
     ph_df = pd.DataFrame(phases, columns=_PHASE_COLS)
     if len(ph_df):
-        ph_df["rank"] = ph_df["phase"].map(D.phase_rank)
+        ph_df["rank"] = ph_df["phase"].map(data.phase_rank)
         ph_df = ph_df.sort_values(["mode", "path", "rank"]).reset_index(drop=True)
     return stats, ph_df, pd.DataFrame(hist, columns=_HIST_COLS)
 
@@ -239,14 +241,14 @@ def _absent(metric: str) -> str:
     return f"Prometheus has no {metric} series (P and D not scraped, or a kvlens connector from before handoff health)"
 
 
-def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str, H.Figure]:
+def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str, health.Figure]:
     """The Overview's health strip (:data:`dashboard.data.HEALTH_FIGURES`) from
     Prometheus: open now and the oldest open age from the gauges (summed over
     every instance; NaN "oldest" gauges of idle sides dropped), the rest as
     ``increase()`` over the range (extrapolated, so rounded). A figure whose
     metric has no series is unknown, with the reason; never 0."""
     w = prom_range(range_key)
-    out: dict[str, H.Figure] = {}
+    out: dict[str, health.Figure] = {}
     with promapi.client(timeout_s) as c:
 
         def q(expr: str) -> list[tuple[dict[str, str], float]]:
@@ -254,7 +256,9 @@ def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str
 
         def count(key: str, metric: str, expr: str, help_: str) -> None:
             v = _one(q(expr))
-            out[key] = H.Figure(None, help_, unknown=_absent(metric)) if v is None else H.Figure(round(v), help_)
+            out[key] = (
+                health.Figure(None, help_, unknown=_absent(metric)) if v is None else health.Figure(round(v), help_)
+            )
 
         count(
             "open",
@@ -266,13 +270,13 @@ def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str
         oldest = _one(q("time() - min(kvlens_handoff_oldest_open_start_timestamp_seconds > 0)"))
         help_ = "Age of the oldest open handoff on any instance (time() - kvlens_handoff_oldest_open_start_timestamp_seconds)."
         if oldest is not None:
-            out["oldest_s"] = H.Figure(max(oldest, 0.0), help_)
+            out["oldest_s"] = health.Figure(max(oldest, 0.0), help_)
         elif out["open"].unknown:
-            out["oldest_s"] = H.Figure(
+            out["oldest_s"] = health.Figure(
                 None, help_, unknown=_absent("kvlens_handoff_oldest_open_start_timestamp_seconds")
             )
         else:
-            out["oldest_s"] = H.Figure(None, help_)
+            out["oldest_s"] = health.Figure(None, help_)
         count(
             "stale",
             "kvlens_kv_stale_total",

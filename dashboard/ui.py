@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterable
 import pandas as pd
 import streamlit as st
 
-from dashboard import data as D
-from dashboard import loaders as L
+from dashboard import data
+from dashboard import loaders
 from kvrecord.config import default_store
 from kvtrace.store import StoreLocation
 
@@ -64,13 +64,13 @@ def guarded(cfg: Config, fn: Callable[[], Any]) -> tuple[bool, Any]:
     message for a missing / unreadable store (never a traceback)."""
     try:
         return True, fn()
-    except D.StoreMissing:
+    except data.StoreMissing:
         st.warning(
             f"No trace store at `{cfg.store}` yet. It appears once an instrumented P/D pair "
             "(`kvlens up`, `kvlens demo`) has served a request; pick another file or database with "
             "`kvlens dashboard --store PATH|URL`."
         )
-    except D.StoreError as e:
+    except data.StoreError as e:
         st.error(f"The trace store could not be read: {e}")
     return False, None
 
@@ -78,7 +78,7 @@ def guarded(cfg: Config, fn: Callable[[], Any]) -> tuple[bool, Any]:
 def store_banner(cfg: Config) -> dict[str, Any] | None:
     """The store's summary (``data.store_info``), saying so when it is empty;
     None (message shown) when it is missing or unreadable."""
-    ok, info = guarded(cfg, lambda: L.load_info(cfg.store, L.now_bucket()))
+    ok, info = guarded(cfg, lambda: loaders.load_info(cfg.store, loaders.now_bucket()))
     if not ok:
         return None
     if not info["traces"] and not info["bench_runs"]:

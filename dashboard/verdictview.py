@@ -14,8 +14,8 @@ import time
 import pandas as pd
 import streamlit as st
 
-from dashboard import data as D
-from dashboard import loaders as L
+from dashboard import data
+from dashboard import loaders
 from dashboard import ui
 from kvtrace import stats
 from kvtrace import verdict as kv_verdict
@@ -51,10 +51,10 @@ def headline(cfg) -> None:
     left to the page's own banner below."""
 
     def draw() -> None:
-        since, _ = D.since_until(VERDICT_WINDOW, time.time() // HEADLINE_EVERY_S * HEADLINE_EVERY_S)
+        since, _ = data.since_until(VERDICT_WINDOW, time.time() // HEADLINE_EVERY_S * HEADLINE_EVERY_S)
         try:
-            v = L.load_verdict(cfg.store, since)
-        except D.StoreError:
+            v = loaders.load_verdict(cfg.store, since)
+        except data.StoreError:
             st.markdown(f"**Verdict, last {VERDICT_WINDOW}:** unknown: the trace store cannot be read (below).")
             return
         st.markdown(headline_text(v))
@@ -117,10 +117,10 @@ def _ms(v: float | None) -> str:
 def whatif_compare(cfg, range_key: str) -> None:
     """The Compare page's section: each mode predicted from the other's
     traces of the range, against what that mode measured there."""
-    since, _ = D.since_until(range_key, L.now_bucket(range_key))
+    since, _ = data.since_until(range_key, loaders.now_bucket(range_key))
     got = []
     for src in (kv_whatif.PULL, kv_whatif.PUSH):
-        ok, w = ui.guarded(cfg, lambda src=src: L.load_whatif(cfg.store, since, src))
+        ok, w = ui.guarded(cfg, lambda src=src: loaders.load_whatif(cfg.store, since, src))
         if not ok:
             return
         got.append(w)

@@ -12,11 +12,11 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts
-from dashboard import benchdata as BD
-from dashboard import data as D
-from dashboard import loaders as L
+from dashboard import benchdata
+from dashboard import data
+from dashboard import loaders
 from dashboard import ui, verdictview
-from kvtrace import benchrows as B
+from kvtrace import benchrows
 
 LABELS = {
     "input_len": "input len", "qps": "QPS",
@@ -43,7 +43,7 @@ def main() -> None:
 def bench_grid(cfg: ui.Config) -> bool:
     """Pick a bench run; its table (ms, ratios), all its columns and the handoff-vs-QPS chart.
     False when the store could not be read (message shown)."""
-    ok, runs = ui.guarded(cfg, lambda: L.load_bench_runs(cfg.store, L.now_bucket()))
+    ok, runs = ui.guarded(cfg, lambda: loaders.load_bench_runs(cfg.store, loaders.now_bucket()))
     if not ok:
         return False
     if not runs:
@@ -51,7 +51,7 @@ def bench_grid(cfg: ui.Config) -> bool:
         return True
     labels = {r["run_id"]: f"{r['run_id']} · {ui.fmt_ts(r['created_ns'])} · {r['rows']} rows" for r in runs}
     run_id = st.selectbox("Run", list(labels), format_func=labels.get, key="cmp_run")
-    ok, df = ui.guarded(cfg, lambda: L.load_bench(cfg.store, run_id))
+    ok, df = ui.guarded(cfg, lambda: loaders.load_bench(cfg.store, run_id))
     if not ok:
         return True
     if not len(df):
@@ -77,15 +77,15 @@ def live_window(cfg: ui.Config) -> None:
     """Push and pull over the traced requests of a time range, then push
     against pull as ``kvlens verdict`` compares them: each ratio with its
     stratified 95 % interval and what it allows (no ratio without one)."""
-    range_key = st.select_slider("Time range", options=list(D.TIME_RANGES), value="1h", key="cmp_range")
-    now = L.now_bucket(range_key)
-    ok, win = ui.guarded(cfg, lambda: L.load_window(cfg.store, range_key, now))
+    range_key = st.select_slider("Time range", options=list(data.TIME_RANGES), value="1h", key="cmp_range")
+    now = loaders.now_bucket(range_key)
+    ok, win = ui.guarded(cfg, lambda: loaders.load_window(cfg.store, range_key, now))
     if not ok:
         return
     if not len(win):
         st.info(f"No traced requests in the last {range_key}.")
         return
-    live = BD.live_compare(D.stats_from_traces(win, D.TIME_RANGES[range_key]))
+    live = benchdata.live_compare(data.stats_from_traces(win, data.TIME_RANGES[range_key]))
     show = live.rename(columns=LABELS)
     for c in show.columns:
         if c.endswith("(ms)"):
@@ -105,8 +105,8 @@ def live_window(cfg: ui.Config) -> None:
         },
     )
     st.caption("-: no figure in this window.")
-    since, _ = D.since_until(range_key, now)
-    ok, v = ui.guarded(cfg, lambda: L.load_verdict(cfg.store, since))
+    since, _ = data.since_until(range_key, now)
+    ok, v = ui.guarded(cfg, lambda: loaders.load_verdict(cfg.store, since))
     if not ok:
         return
     st.markdown(f"**Push against pull, last {range_key}** (the figures of `kvlens verdict --window {range_key}`)")
@@ -122,7 +122,7 @@ def live_window(cfg: ui.Config) -> None:
 
 
 #: The push÷pull ratio columns that carry an interval (the bench stores one for these only).
-WITH_INTERVAL = tuple(L.ratio_column(m) for m in B.STORED_RATIOS.values())
+WITH_INTERVAL = tuple(loaders.ratio_column(m) for m in benchrows.STORED_RATIOS.values())
 
 
 def without_bare_ratios(df: pd.DataFrame) -> pd.DataFrame:
@@ -172,9 +172,9 @@ def interval_cells(row: dict, metric: str) -> tuple[str | None, str | None]:
         return None, None
     if _nan(row.get("rounds")):
         return None, "no interval recorded"
-    lo, hi = (row.get(k) for k in B.interval_keys(metric))
+    lo, hi = (row.get(k) for k in benchrows.interval_keys(metric))
     ci = None if _nan(lo) or _nan(hi) else f"{lo:.2f}–{hi:.2f}"
-    return ci, B.verdict(None if _nan(lo) else lo, None if _nan(hi) else hi)
+    return ci, benchrows.verdict(None if _nan(lo) else lo, None if _nan(hi) else hi)
 
 
 def ms_text(df: pd.DataFrame) -> pd.DataFrame:

@@ -18,9 +18,9 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts
-from dashboard import benchdata as BD
-from dashboard import data as D
-from dashboard import loaders as L
+from dashboard import benchdata
+from dashboard import data
+from dashboard import loaders
 from dashboard import cpushare, healthview, pairs, prom, ui, verdictview
 from kvrecord import semconv as sc
 
@@ -36,7 +36,7 @@ def main() -> None:
     top = st.container()
     st.title("Overview: push vs pull, live")
     c1, c2, c3 = st.columns([2, 1, 1])
-    range_key = c1.select_slider("Time range", options=list(D.TIME_RANGES), value="1h", key="ov_range")
+    range_key = c1.select_slider("Time range", options=list(data.TIME_RANGES), value="1h", key="ov_range")
     live = c2.toggle("Auto-refresh", value=True, key="ov_live")
     every = c3.selectbox("Every", list(REFRESH_CHOICES), index=1, key="ov_every", disabled=not live)
     run_every = REFRESH_CHOICES[every] if live else None
@@ -53,7 +53,7 @@ def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
     if not cfg.prometheus:
         return None
     try:
-        stats, phases, hist = L.load_prometheus(cfg.prometheus, range_key, L.now_bucket())
+        stats, phases, hist = loaders.load_prometheus(cfg.prometheus, range_key, loaders.now_bucket())
     except prom.PrometheusError as e:
         st.warning(f"Prometheus is unreachable or refused the query ({e}); showing the trace store instead.")
         return None
@@ -61,10 +61,10 @@ def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
         st.info("Prometheus answered but has no kvlens samples in this range; showing the trace store.")
         return None
     try:
-        df = L.load_window(cfg.store, range_key, L.now_bucket(range_key))
-        D.exact_percentiles(stats, D.stats_from_traces(df, D.TIME_RANGES[range_key]))
-    except (D.StoreMissing, D.StoreError) as e:
-        D.exact_percentiles(stats, None, why=f"the trace store could not be read: {e}")
+        df = loaders.load_window(cfg.store, range_key, loaders.now_bucket(range_key))
+        data.exact_percentiles(stats, data.stats_from_traces(df, data.TIME_RANGES[range_key]))
+    except (data.StoreMissing, data.StoreError) as e:
+        data.exact_percentiles(stats, None, why=f"the trace store could not be read: {e}")
     return stats, phases, hist, f"Prometheus at `{cfg.prometheus}` (counts over {prom.prom_range(range_key)})"
 
 
@@ -74,8 +74,8 @@ def from_store(cfg: ui.Config, range_key: str) -> tuple | str:
     info = ui.store_banner(cfg)
     if info is None:
         return f"the trace store `{cfg.store}` could not be read (see above)"
-    now = L.now_bucket(range_key)
-    ok, df = ui.guarded(cfg, lambda: L.load_window(cfg.store, range_key, now))
+    now = loaders.now_bucket(range_key)
+    ok, df = ui.guarded(cfg, lambda: loaders.load_window(cfg.store, range_key, now))
     if not ok:
         return f"the trace store `{cfg.store}` could not be read (see above)"
     if not len(df):
@@ -85,22 +85,22 @@ def from_store(cfg: ui.Config, range_key: str) -> tuple | str:
                 "pick a wider time range"
             )
         return "no request has been traced yet"
-    if len(df) >= D.WINDOW_LIMIT:
-        st.caption(f"Figures over the newest {D.WINDOW_LIMIT:,} requests of the range.")
-    stats = D.stats_from_traces(df, D.TIME_RANGES[range_key])
-    ok, phases = ui.guarded(cfg, lambda: L.load_phases(cfg.store, range_key, now))
+    if len(df) >= data.WINDOW_LIMIT:
+        st.caption(f"Figures over the newest {data.WINDOW_LIMIT:,} requests of the range.")
+    stats = data.stats_from_traces(df, data.TIME_RANGES[range_key])
+    ok, phases = ui.guarded(cfg, lambda: loaders.load_phases(cfg.store, range_key, now))
     if not ok:
         return f"the trace store `{cfg.store}` could not be read (see above)"
     add_bench_tpot(cfg, stats)
-    return stats, phases, D.handoff_histogram(df), f"trace store `{cfg.store}`"
+    return stats, phases, data.handoff_histogram(df), f"trace store `{cfg.store}`"
 
 
-def add_bench_tpot(cfg: ui.Config, stats: dict[str, D.ModeStats]) -> None:
+def add_bench_tpot(cfg: ui.Config, stats: dict[str, data.ModeStats]) -> None:
     """TPOT from the store's latest bench run (the store has no per-request TPOT)."""
-    ok, runs = ui.guarded(cfg, lambda: L.load_bench_runs(cfg.store, L.now_bucket()))
+    ok, runs = ui.guarded(cfg, lambda: loaders.load_bench_runs(cfg.store, loaders.now_bucket()))
     run_id = runs[0]["run_id"] if ok and runs else None
-    ok, df = ui.guarded(cfg, lambda: L.load_bench(cfg.store, run_id)) if run_id else (True, pd.DataFrame())
-    for mode, (v, note) in BD.bench_tpot(df if ok else pd.DataFrame(), run_id).items():
+    ok, df = ui.guarded(cfg, lambda: loaders.load_bench(cfg.store, run_id)) if run_id else (True, pd.DataFrame())
+    for mode, (v, note) in benchdata.bench_tpot(df if ok else pd.DataFrame(), run_id).items():
         stats[mode].tpot_mean, stats[mode].tpot_note = v, note
 
 
@@ -115,14 +115,14 @@ def body(cfg: ui.Config, range_key: str) -> None:
         f"Source: {source}. Updated {datetime.now().strftime('%H:%M:%S')}. "
         "Handoff = prefill.finished (P) → kv.ready (D)."
     )
-    crit = phases[phases["path"] == D.CRITICAL] if len(phases) else phases
+    crit = phases[phases["path"] == data.CRITICAL] if len(phases) else phases
     tot = crit.groupby("mode")["seconds"].sum() if len(crit) else pd.Series(dtype=float)
     ph_max = float(tot.max()) if len(tot) else None  # one x scale: push and pull bars compare
     h_max = float(hist["hi"].max()) if len(hist) else None
-    words = D.breakdown_words(phases)
+    words = data.breakdown_words(phases)
     units = row_units(stats)
     cols = st.columns(2, gap="large")
-    for col, mode in zip(cols, D.MODES):
+    for col, mode in zip(cols, data.MODES):
         with col, st.container(border=True, key=f"ov_{mode}"):
             st.subheader(MODE_TITLE.get(mode, mode))
             if not stats[mode].requests:
@@ -149,13 +149,13 @@ def figure_cards(why: str) -> None:
 def no_figures(why: str) -> None:
     """Both modes' columns with their main figures unknown, and why."""
     st.caption(f"Source: none. Updated {datetime.now().strftime('%H:%M:%S')}.")
-    for col, mode in zip(st.columns(2, gap="large"), D.MODES):
+    for col, mode in zip(st.columns(2, gap="large"), data.MODES):
         with col, st.container(border=True, key=f"ov_{mode}"):
             st.subheader(MODE_TITLE.get(mode, mode))
             figure_cards(why)
 
 
-def row_units(stats: dict[str, D.ModeStats]) -> dict[str, tuple[str, float]]:
+def row_units(stats: dict[str, data.ModeStats]) -> dict[str, tuple[str, float]]:
     """One time unit per row of cards, chosen from push's and pull's figures
     together, so that the two columns read across (``handoff``, ``ttft``)."""
     ms = [s for s in stats.values() if s.requests]
@@ -191,7 +191,7 @@ TTFT_HELP = {
 }
 
 
-def mode_figures(mode: str, s: D.ModeStats, from_prom: bool, units: dict[str, tuple[str, float]]) -> None:
+def mode_figures(mode: str, s: data.ModeStats, from_prom: bool, units: dict[str, tuple[str, float]]) -> None:
     """The metric cards of one mode (short values, the unit in the label, the
     same in both modes' columns: ``units``; detail in ``help``), and links
     from its handoff percentiles to the Traces page."""
@@ -282,10 +282,10 @@ def pair_view(cfg: ui.Config, range_key: str) -> None:
     time range as the cards above; each row links to the Traces page filtered
     to its pair, where the filters by P and D engine also live."""
     try:
-        df = L.load_pairs(cfg.store, range_key, L.now_bucket(range_key))
-    except D.StoreMissing:  # (from Prometheus without a store: nothing to show per pair)
+        df = loaders.load_pairs(cfg.store, range_key, loaders.now_bucket(range_key))
+    except data.StoreMissing:  # (from Prometheus without a store: nothing to show per pair)
         return
-    except D.StoreError as e:
+    except data.StoreError as e:
         st.caption(f"Per-pair view unavailable: the trace store could not be read ({e}).")
         return
     if not len(df):
@@ -368,16 +368,16 @@ def mode_charts(
     if words:
         st.markdown(f"**Where the handoff goes.** {words}", help=WORDS_HELP)
         st.markdown(cpushare.cpu_words(phases.attrs.get("cpu"), mode), help=cpushare.HELP)
-    if (mine["path"] == D.CRITICAL).any():
+    if (mine["path"] == data.CRITICAL).any():
         st.altair_chart(
             charts.phase_chart(
-                phases, mode, D.CRITICAL, ph_max, "critical path by phase (prefill.finished → kv.ready)"
+                phases, mode, data.CRITICAL, ph_max, "critical path by phase (prefill.finished → kv.ready)"
             ),
             width="stretch",
         )
-    if (mine["path"] == D.OVERLAP).any():
+    if (mine["path"] == data.OVERLAP).any():
         st.altair_chart(
-            charts.phase_chart(phases, mode, D.OVERLAP, None, "overlapped with prefill (off the critical path)"),
+            charts.phase_chart(phases, mode, data.OVERLAP, None, "overlapped with prefill (off the critical path)"),
             width="stretch",
         )
     else:

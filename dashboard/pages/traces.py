@@ -15,8 +15,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts
-from dashboard import data as D
-from dashboard import loaders as L
+from dashboard import data
+from dashboard import loaders
 from dashboard import healthview, ui
 from dashboard.pairs import pair_label
 from kvrecord import semconv as sc
@@ -60,19 +60,19 @@ def main() -> None:
         return
     for k, v in DEFAULTS.items():
         st.session_state.setdefault(k, v)
-    ok, pairs = ui.guarded(cfg, lambda: L.load_engines(cfg.store, L.now_bucket()))
+    ok, pairs = ui.guarded(cfg, lambda: loaders.load_engines(cfg.store, loaders.now_bucket()))
     if not ok:
         return
     f = filters(pairs)
     ok, df = ui.guarded(
         cfg,
-        lambda: L.load_slowest(
+        lambda: loaders.load_slowest(
             cfg.store,
             f["n"],
             _any(f["mode"]),
             _any(f["outcome"]),
             f["range"],
-            L.now_bucket(f["range"]),
+            loaders.now_bucket(f["range"]),
             f["min_h"],
             f["max_h"],
             f["order"],
@@ -115,9 +115,9 @@ def apply_query_params() -> None:
     if not qp:
         return
     ss = st.session_state
-    ss["tr_mode"] = qp["mode"] if qp.get("mode") in D.MODES else "any"
-    ss["tr_outcome"] = qp["outcome"] if qp.get("outcome") in D.OUTCOMES else "any"
-    ss["tr_range"] = qp["range"] if qp.get("range") in D.TIME_RANGES else "all"
+    ss["tr_mode"] = qp["mode"] if qp.get("mode") in data.MODES else "any"
+    ss["tr_outcome"] = qp["outcome"] if qp.get("outcome") in data.OUTCOMES else "any"
+    ss["tr_range"] = qp["range"] if qp.get("range") in data.TIME_RANGES else "all"
     ss["tr_min"] = _float_or_none(qp.get("min_handoff"))
     ss["tr_max"] = _float_or_none(qp.get("max_handoff"))
     if _float_or_none(qp.get("n")):
@@ -143,9 +143,9 @@ def filters(pairs: list[tuple[str | None, str | None]]) -> dict[str, Any]:
     f = st.columns([1, 1, 1, 1, 1, 1])
     g = st.columns([2, 1, 1])
     return {
-        "mode": f[0].selectbox("Mode", ["any", *D.MODES], key="tr_mode"),
-        "outcome": f[1].selectbox("Outcome", ["any", *D.OUTCOMES], key="tr_outcome"),
-        "range": f[2].selectbox("Started in the last", list(D.TIME_RANGES), key="tr_range"),
+        "mode": f[0].selectbox("Mode", ["any", *data.MODES], key="tr_mode"),
+        "outcome": f[1].selectbox("Outcome", ["any", *data.OUTCOMES], key="tr_outcome"),
+        "range": f[2].selectbox("Started in the last", list(data.TIME_RANGES), key="tr_range"),
         "min_h": f[3].number_input(
             "Min handoff (s)", min_value=0.0, value=None, step=0.001, format="%.4f", key="tr_min"
         ),
@@ -269,7 +269,7 @@ def sync_url(f: dict[str, Any], tid: str) -> None:
 
 def trace_view(cfg: ui.Config, tid: str) -> None:
     """One trace: mode, outcome, handoff and TTFT split, its waterfall and its spans."""
-    ok, res = ui.guarded(cfg, lambda: L.load_trace(cfg.store, tid))
+    ok, res = ui.guarded(cfg, lambda: loaders.load_trace(cfg.store, tid))
     if not ok:
         return
     rec, spans = res

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from typing import Iterable, Sequence
 
-from kvtrace import benchrows as B
+from kvtrace import benchrows
 from kvtrace.benchrows import add_ratios, cell_key, pull_by_cell
 from kvlens.bench.crosscheck import CrossCheck, cross_check
 from kvtrace.stats import MIN_REQUESTS
@@ -38,12 +38,12 @@ def _x(v: float | None) -> str:
 def _ci(row: dict, metric: str) -> str:
     """A push row's ratio with its interval: ``0.80 [0.71-0.93]``; ``[?]``:
     not enough data for one; no brackets: a row from before intervals."""
-    r = row.get(B.ratio_key(metric))
+    r = row.get(benchrows.ratio_key(metric))
     if r is None:
         return "-"
     if "rounds" not in row:
         return _x(r)
-    lo, hi = (row.get(k) for k in B.interval_keys(metric))
+    lo, hi = (row.get(k) for k in benchrows.interval_keys(metric))
     return f"{r:.2f} [?]" if lo is None or hi is None else f"{r:.2f} [{lo:.2f}-{hi:.2f}]"
 
 
@@ -171,26 +171,26 @@ def _verdict(row: dict, metric: str) -> str | None:
     None for a row from before intervals."""
     if "rounds" not in row:
         return None
-    return B.verdict(*(row.get(k) for k in B.interval_keys(metric)))
+    return benchrows.verdict(*(row.get(k) for k in benchrows.interval_keys(metric)))
 
 
 def _compare(name: str, row: dict, pull: dict, metric: str) -> str:
-    r, push_v, pull_v = row.get(B.ratio_key(metric)), row.get(metric), pull.get(metric)
+    r, push_v, pull_v = row.get(benchrows.ratio_key(metric)), row.get(metric), pull.get(metric)
     if r is None:
         return f"{name}: no comparison (missing figure)"
     fig = f"{_ms(push_v)} ms vs {_ms(pull_v)} ms"
     v = _verdict(row, metric)
     if v is None:
         return f"{name} {fig}: push/pull {r:.2f}, no interval recorded, so no verdict"
-    if v == B.NOT_ENOUGH_DATA:
+    if v == benchrows.NOT_ENOUGH_DATA:
         return (
             f"{name} {fig}: not enough data for an interval (it needs {MIN_REQUESTS} requests with the figure a side)"
         )
-    lo, hi = (row[k] for k in B.interval_keys(metric))
+    lo, hi = (row[k] for k in benchrows.interval_keys(metric))
     ci = f"push/pull {r:.2f}, 95% CI {lo:.2f}-{hi:.2f}"
-    if v == B.NO_DIFFERENCE:
+    if v == benchrows.NO_DIFFERENCE:
         return f"{name} {fig}: no resolvable difference ({ci})"
-    if v == B.PUSH_LOWER:
+    if v == benchrows.PUSH_LOWER:
         return f"{name} {fig}: push {(1 - r) * 100:.0f}% lower ({ci})"
     return f"{name} {fig}: pull {(1 - 1 / r) * 100:.0f}% lower ({ci})"
 
@@ -202,11 +202,20 @@ def _tally(compared: list[dict]) -> list[str]:
     for d in dict.fromkeys(r.get("dispatch") for r in compared):
         mine = [r for r in compared if r.get("dispatch") == d]
         for name, metric in COMPARED:
-            withr = [r for r in mine if r.get(B.ratio_key(metric)) is not None]
+            withr = [r for r in mine if r.get(benchrows.ratio_key(metric)) is not None]
             if not withr:
                 continue
-            rs = [r[B.ratio_key(metric)] for r in withr]
-            counts = {v: 0 for v in (B.PUSH_LOWER, B.PULL_LOWER, B.NO_DIFFERENCE, B.NOT_ENOUGH_DATA, None)}
+            rs = [r[benchrows.ratio_key(metric)] for r in withr]
+            counts = {
+                v: 0
+                for v in (
+                    benchrows.PUSH_LOWER,
+                    benchrows.PULL_LOWER,
+                    benchrows.NO_DIFFERENCE,
+                    benchrows.NOT_ENOUGH_DATA,
+                    None,
+                )
+            }
             for r in withr:
                 counts[_verdict(r, metric)] += 1
             parts = [f"{v} in {n}" for v, n in counts.items() if v and n]

@@ -276,12 +276,12 @@ def _check_dashboard(stack, mode: str) -> None:
     layer finds the requests with their corrected handoff."""
     from streamlit.testing.v1 import AppTest
 
-    from dashboard import data as D
+    from dashboard import data
 
     url = stack.store.text
-    df = D.slowest(url, 1000, mode=mode)
+    df = data.slowest(url, 1000, mode=mode)
     assert len(df) >= N and df["handoff_s"].notna().sum() >= N
-    info = D.store_info(url)
+    info = data.store_info(url)
     assert info["traces"] >= N
     saved = sys.argv
     sys.argv = ["app.py", "--store", url]

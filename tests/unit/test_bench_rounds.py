@@ -10,7 +10,7 @@ import pytest
 from fakes import FakeRouter
 from test_bench import _opts, _res, tiny_tokenizer_dir  # noqa: F401 (a fixture)
 
-from kvtrace import benchrows as B
+from kvtrace import benchrows
 from kvtrace import store
 from kvtrace.benchrows import add_ratios
 from kvlens.bench.cli import run_guarded
@@ -35,9 +35,9 @@ def test_twice_as_slow_is_resolved_and_near_two():
     push, pull = _rounds(rng, 3, 32, 0.200), _rounds(rng, 3, 32, 0.100)
     lo, hi = bootstrap_ratio(push, pull)
     assert 1.0 < lo < 2.0 < hi < 3.0
-    assert B.verdict(lo, hi) == B.PULL_LOWER
+    assert benchrows.verdict(lo, hi) == benchrows.PULL_LOWER
     lo2, hi2 = bootstrap_ratio(pull, push)  # the other way round: push lower
-    assert hi2 < 1.0 and B.verdict(lo2, hi2) == B.PUSH_LOWER
+    assert hi2 < 1.0 and benchrows.verdict(lo2, hi2) == benchrows.PUSH_LOWER
 
 
 def test_same_distribution_is_no_resolvable_difference():
@@ -45,7 +45,7 @@ def test_same_distribution_is_no_resolvable_difference():
     push, pull = _rounds(rng, 3, 32, 0.100), _rounds(rng, 3, 32, 0.100)
     lo, hi = bootstrap_ratio(push, pull)
     assert lo < 1.0 < hi
-    assert B.verdict(lo, hi) == B.NO_DIFFERENCE
+    assert benchrows.verdict(lo, hi) == benchrows.NO_DIFFERENCE
 
 
 def test_too_few_requests_is_not_enough_data():
@@ -53,8 +53,8 @@ def test_too_few_requests_is_not_enough_data():
     assert bootstrap_ratio([[0.2, None], []], [[0.1, 0.1]]) is None  # None and empty rounds do not count
     assert bootstrap_ratio([[0.2, 0.3]], []) is None
     assert bootstrap_ratio([[0.2, 0.3]], [[0.0, 0.0, 0.0]]) is None  # pull p50 of 0: no ratio
-    assert B.verdict(None, None) == B.NOT_ENOUGH_DATA
-    assert B.verdict(float("nan"), 1.2) == B.NOT_ENOUGH_DATA
+    assert benchrows.verdict(None, None) == benchrows.NOT_ENOUGH_DATA
+    assert benchrows.verdict(float("nan"), 1.2) == benchrows.NOT_ENOUGH_DATA
 
 
 def test_rounds_that_differ_widen_the_interval():
@@ -128,18 +128,18 @@ def test_pooled_rows_carry_intervals_and_verdicts():
     opts = BenchOptions(output_len=16)
     rows = pooled_rows(pull + slow + same, opts, "run1")
     by = {(r["mode"], r["dispatch"]): r for r in rows}
-    assert len(rows) == 3 and all(r["rounds"] == 2 and set(B.ROW_KEYS) <= set(r) for r in rows)
+    assert len(rows) == 3 and all(r["rounds"] == 2 and set(benchrows.ROW_KEYS) <= set(r) for r in rows)
     assert by[("pull", None)]["ttft_p50_push_over_pull_lo"] is None and by[("pull", None)]["ttft_p50_verdict"] is None
     s = by[("push", "overlapped")]
     assert s["completed"] == 24 and len(s["round_ttft_p50_s"]) == 2
-    assert s["ttft_p50_push_over_pull_lo"] > 1.0 and s["ttft_p50_verdict"] == B.PULL_LOWER
-    assert s["handoff_p50_verdict"] == B.NO_DIFFERENCE  # identical handoffs: the interval is [1, 1]
+    assert s["ttft_p50_push_over_pull_lo"] > 1.0 and s["ttft_p50_verdict"] == benchrows.PULL_LOWER
+    assert s["handoff_p50_verdict"] == benchrows.NO_DIFFERENCE  # identical handoffs: the interval is [1, 1]
     assert s["ttft_p50_push_over_pull_lo"] <= s["ttft_p50_push_over_pull"] <= s["ttft_p50_push_over_pull_hi"]
     json.dumps(rows)
     # one request on the push side: a ratio, but no interval and no winner
     row = summarize_cell(few[0], opts, "run1", "off")
     add_intervals([row], pull + few)
-    assert row["ttft_p50_push_over_pull_lo"] is None and row["ttft_p50_verdict"] == B.NOT_ENOUGH_DATA
+    assert row["ttft_p50_push_over_pull_lo"] is None and row["ttft_p50_verdict"] == benchrows.NOT_ENOUGH_DATA
     row["ttft_p50_push_over_pull"] = 1.0
     words = describe(add_ratios([by[("pull", None)], row]))
     assert "TTFT p50 100.0 ms" in words[0] and "not enough data for an interval" in words[0]
@@ -164,11 +164,11 @@ def test_repeat_runs_abba_and_writes_pooled_rows(tmp_path, tiny_tokenizer_dir): 
     assert [(r["mode"], r["rounds"], r["completed"]) for r in rows] == [("pull", 3, 9), ("push", 3, 9)]
     p = rows[1]
     assert p["ttft_p50_push_over_pull_lo"] is not None and p["ttft_p50_verdict"] in (
-        B.PUSH_LOWER,
-        B.PULL_LOWER,
-        B.NO_DIFFERENCE,
+        benchrows.PUSH_LOWER,
+        benchrows.PULL_LOWER,
+        benchrows.NO_DIFFERENCE,
     )
-    assert p["handoff_p50_verdict"] == B.NO_DIFFERENCE  # the fake's handoff is one constant
+    assert p["handoff_p50_verdict"] == benchrows.NO_DIFFERENCE  # the fake's handoff is one constant
     conn = store.connect(opts.store, readonly=True)
     saved = store.bench_rows(conn, run.run_id)
     conn.close()
@@ -224,7 +224,7 @@ def test_compare_page_reads_intervals():
     from dashboard.pages.compare import bench_display
 
     def row(mode, dispatch, ttft, **kw):
-        base = {k: None for k in B.ROW_KEYS}
+        base = {k: None for k in benchrows.ROW_KEYS}
         base.update(
             mode=mode,
             dispatch=dispatch,
@@ -246,7 +246,7 @@ def test_compare_page_reads_intervals():
                 row("push", "sequential", 0.1, ttft_p50_push_over_pull_lo=0.8, ttft_p50_push_over_pull_hi=1.3),
                 row("push", "overlapped", 0.1, qps=2.0, rounds=float("nan")),  # saved before intervals; no pull either
             ],
-            columns=list(B.ROW_KEYS),
+            columns=list(benchrows.ROW_KEYS),
         ).astype({"rounds": float})
     )
 
@@ -254,9 +254,9 @@ def test_compare_page_reads_intervals():
         return [None if pd.isna(v) else v for v in (bench_display(df) if frame is None else frame)[name]]
 
     assert col("TTFT p50 95% CI") == [None, "1.50–2.50", "0.80–1.30", None]
-    assert col("TTFT p50 verdict") == [None, B.PULL_LOWER, B.NO_DIFFERENCE, None]
-    assert col("handoff p50 verdict") == [None, B.NOT_ENOUGH_DATA, B.NOT_ENOUGH_DATA, None]
-    old = df[list(B.ROW_KEYS)].copy()
+    assert col("TTFT p50 verdict") == [None, benchrows.PULL_LOWER, benchrows.NO_DIFFERENCE, None]
+    assert col("handoff p50 verdict") == [None, benchrows.NOT_ENOUGH_DATA, benchrows.NOT_ENOUGH_DATA, None]
+    old = df[list(benchrows.ROW_KEYS)].copy()
     old.loc[3, "qps"] = 1.0  # now its cell has a pull row, but it was saved before intervals
     assert col("TTFT p50 verdict", bench_display(with_ratios(old)))[3] == "no interval recorded"
 

@@ -23,10 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 from fakes import FakePrometheus  # noqa: E402
 from store_fixture import make_store  # noqa: E402
 
-from dashboard import benchdata as BD  # noqa: E402
-from dashboard import data as D  # noqa: E402
-from dashboard import loaders as L  # noqa: E402
-from dashboard import prom as P  # noqa: E402
+from dashboard import benchdata  # noqa: E402
+from dashboard import data  # noqa: E402
+from dashboard import loaders  # noqa: E402
+from dashboard import prom as dashboard_prom  # noqa: E402
 from kvtrace import costs, store  # noqa: E402
 from kvrecord import semconv as sc  # noqa: E402
 
@@ -95,37 +95,37 @@ def test_fixture_store_is_grouped_into_traces(store_path):
 
 
 def test_stats_and_histogram(store_path):
-    df = D.window_traces(store_path, None, None)
-    stats = D.stats_from_traces(df, None)
-    for mode in D.MODES:
+    df = data.window_traces(store_path, None, None)
+    stats = data.stats_from_traces(df, None)
+    for mode in data.MODES:
         s = stats[mode]
         assert s.requests == 30
         assert 0 < s.handoff["p50"] <= s.handoff["p90"] <= s.handoff["p99"]
         assert s.ttft["p50"] > s.handoff["p50"]
         assert sum(s.outcomes.values()) == 30
     assert stats["pull"].outcomes["failed"] == 3 and stats["push"].outcomes["timeout"] == 2
-    h = D.handoff_histogram(df)
+    h = data.handoff_histogram(df)
     assert set(h["mode"]) == {"push", "pull"}
     assert h.groupby("mode")["count"].sum().to_dict() == {"push": 28, "pull": 27}  # completed handoffs
     assert all(link.startswith("./?page=traces&mode=") and "min_handoff=" in link for link in h["link"])
 
 
 def test_phase_breakdown_splits_push_overlap(store_path):
-    ph = D.phase_breakdown(store_path, None, None)
+    ph = data.phase_breakdown(store_path, None, None)
     push = ph[ph["mode"] == "push"]
-    over = set(push.loc[push["path"] == D.OVERLAP, "phase"])
+    over = set(push.loc[push["path"] == data.OVERLAP, "phase"])
     assert "registration.send" in over and "match" in over  # overlapped push: before prefill.finished
-    crit = set(push.loc[push["path"] == D.CRITICAL, "phase"])
+    crit = set(push.loc[push["path"] == data.CRITICAL, "phase"])
     assert {"write.post", "write.wire", "descriptor.prep"} <= crit  # write.complete's time named by its parts
     assert "registration.send" not in crit
     pull = ph[ph["mode"] == "pull"]
-    assert set(pull["path"]) == {D.CRITICAL}
+    assert set(pull["path"]) == {data.CRITICAL}
     assert {"read.post", "read.wire", "relay"} <= set(pull["phase"])
     # the critical-path segments add up to the mean handoff
-    df = D.window_traces(store_path, None, None)
-    for mode in D.MODES:
+    df = data.window_traces(store_path, None, None)
+    for mode in data.MODES:
         mean_h = df.loc[df["mode"] == mode, "handoff_s"].dropna().mean()
-        got = ph.loc[(ph["mode"] == mode) & (ph["path"] == D.CRITICAL), "seconds"].sum()
+        got = ph.loc[(ph["mode"] == mode) & (ph["path"] == data.CRITICAL), "seconds"].sum()
         assert got == pytest.approx(mean_h, rel=0.05)
 
 
@@ -135,21 +135,21 @@ def test_breakdown_words_from_the_store_and_from_prometheus(store_path):
     figure: their overlap is unknown)."""
     from kvtrace import store, tracemodel
 
-    ph = D.phase_breakdown(store_path, None, None)
+    ph = data.phase_breakdown(store_path, None, None)
     with store.reading(store_path) as c:
-        groups = costs.sample_costs(c, since_ns=None, until_ns=None, limit=D.PHASE_SAMPLE).breakdown
-    assert D.breakdown_words(ph) == {m: tracemodel.dominant_words(groups[m]) for m in D.MODES}
-    assert "(decode.queue)" in D.breakdown_words(ph)["pull"]  # the fixture's pull is mostly D's queue
+        groups = costs.sample_costs(c, since_ns=None, until_ns=None, limit=data.PHASE_SAMPLE).breakdown
+    assert data.breakdown_words(ph) == {m: tracemodel.dominant_words(groups[m]) for m in data.MODES}
+    assert "(decode.queue)" in data.breakdown_words(ph)["pull"]  # the fixture's pull is mostly D's queue
     import pandas as pd
 
     prom_like = pd.DataFrame(
         [
-            ("push", "prefill", "write.complete", D.CRITICAL, 0.006, float("nan")),
-            ("push", "prefill", "match", D.CRITICAL, 0.002, float("nan")),
+            ("push", "prefill", "write.complete", data.CRITICAL, 0.006, float("nan")),
+            ("push", "prefill", "match", data.CRITICAL, 0.002, float("nan")),
         ],
         columns=["mode", "role", "phase", "path", "seconds", "requests"],
     )
-    w = D.breakdown_words(prom_like)
+    w = data.breakdown_words(prom_like)
     assert w["push"] == (
         "push: 75 % of the handoff is the WRITE posted -> seen done (write.complete), then 25 % "
         "P waiting for the other side (match) (mean phase durations; their overlap unknown)"
@@ -158,8 +158,8 @@ def test_breakdown_words_from_the_store_and_from_prometheus(store_path):
 
 
 def test_trace_detail_marks_critical_path(store_path):
-    push = D.slowest(store_path, 1, mode="push", outcome="ok")
-    rec, spans = D.trace_detail(store_path, push["trace_id"][0])
+    push = data.slowest(store_path, 1, mode="push", outcome="ok")
+    rec, spans = data.trace_detail(store_path, push["trace_id"][0])
     assert rec["mode"] == "push" and rec["critical_ms"] is not None
     flags = dict(zip(spans["phase"], spans["critical"]))
     assert flags["write.complete"] and flags["kv.ready"] and flags["prefill.finished"]
@@ -169,12 +169,12 @@ def test_trace_detail_marks_critical_path(store_path):
     assert list(spans["role"].drop_duplicates()) == ["router", "prefill", "decode"]
     dec = rec["decomposition"]
     assert dec["queue_prefill_s"] + dec["handoff_s"] + dec["first_decode_s"] == pytest.approx(rec["ttft_s"], rel=1e-6)
-    missing, empty = D.trace_detail(store_path, "0" * 32)
+    missing, empty = data.trace_detail(store_path, "0" * 32)
     assert missing is None and empty.empty
 
 
 def test_bench_ratios(store_path):
-    df = L.with_ratios(BD.bench_table(store_path))
+    df = loaders.with_ratios(benchdata.bench_table(store_path))
     assert len(df) == 12
     r = df[(df["mode"] == "push") & (df["input_len"] == 128) & (df["qps"] == 2.0)].iloc[0]
     assert r["handoff_p50 push÷pull"] == pytest.approx(0.8)
@@ -182,23 +182,23 @@ def test_bench_ratios(store_path):
 
 
 def test_missing_and_empty_store(tmp_path):
-    with pytest.raises(D.StoreMissing):
-        D.window_traces(tmp_path / "nope.db", None, None)
+    with pytest.raises(data.StoreMissing):
+        data.window_traces(tmp_path / "nope.db", None, None)
     bad = tmp_path / "bad.db"
     bad.write_bytes(b"not a database" * 100)
-    with pytest.raises(D.StoreError):
-        D.store_info(bad)
+    with pytest.raises(data.StoreError):
+        data.store_info(bad)
     store.connect(tmp_path / "empty.db").close()
-    assert D.store_info(tmp_path / "empty.db")["traces"] == 0
-    assert BD.bench_table(tmp_path / "empty.db").empty
+    assert data.store_info(tmp_path / "empty.db")["traces"] == 0
+    assert benchdata.bench_table(tmp_path / "empty.db").empty
 
 
 def test_promql_label_escaping():
-    assert P.escape_label_value('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
-    assert P.selector("kvlens_requests_total", mode='pu"sh') == 'kvlens_requests_total{mode="pu\\"sh"}'
-    assert P.selector("x") == "x"
+    assert dashboard_prom.escape_label_value('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
+    assert dashboard_prom.selector("kvlens_requests_total", mode='pu"sh') == 'kvlens_requests_total{mode="pu\\"sh"}'
+    assert dashboard_prom.selector("x") == "x"
     with pytest.raises(ValueError):
-        D.since_until("3 weeks")
+        data.since_until("3 weeks")
 
 
 # ------------------------------------------- fake Prometheus (tests/fakes.py)
@@ -209,19 +209,19 @@ def fake_prometheus():
 
 
 def test_prom_overview(fake_prometheus):
-    stats, phases, hist = P.prom_overview(fake_prometheus.url, "15m")
+    stats, phases, hist = dashboard_prom.prom_overview(fake_prometheus.url, "15m")
     assert stats["push"].handoff["p50"] == 0.004 and stats["pull"].handoff["p50"] == 0.009
     assert stats["push"].requests == 90 and stats["push"].outcomes["timeout"] == 2
     assert stats["push"].dropped == 5 and stats["push"].req_per_s == 1.5
     push = phases[phases["mode"] == "push"].set_index("phase")["path"].to_dict()
-    assert push == {"registration.send": D.OVERLAP, "write.complete": D.CRITICAL}
+    assert push == {"registration.send": data.OVERLAP, "write.complete": data.CRITICAL}
     assert list(hist[hist["mode"] == "push"]["count"]) == [40, 40, 10]
     assert any('{mode="push"}[15m]' in q for q in fake_prometheus.queries)
 
 
 def test_prometheus_down_is_an_error_not_a_crash():
-    with pytest.raises(P.PrometheusError):
-        P.prom_overview("http://127.0.0.1:9", "5m", timeout_s=1.0)
+    with pytest.raises(dashboard_prom.PrometheusError):
+        dashboard_prom.prom_overview("http://127.0.0.1:9", "5m", timeout_s=1.0)
 
 
 # ------------------------------------------------------------------ pages (AppTest)
@@ -246,7 +246,7 @@ def test_overview_page(app, store_path):
     links = [e for e in at.main if getattr(e, "type", "") == "page_link"]
     assert len(links) == 6
     # what dominates each mode's handoff, in words, side by side: the sentence kvlens traces prints
-    words = D.breakdown_words(D.phase_breakdown(store_path, *D.since_until("1h")))
+    words = data.breakdown_words(data.phase_breakdown(store_path, *data.since_until("1h")))
     shown = [m.value for m in at.markdown if "Where the handoff goes" in m.value]
     assert len(shown) == 2 and [w in v for w, v in zip((words["push"], words["pull"]), shown)] == [True, True]
     assert shown[0].count("push: ") == 1 and "% of the handoff is" in shown[1]
@@ -354,7 +354,7 @@ def test_traces_page_filters_and_waterfall(app, store_path):
 
 
 def test_traces_page_query_params_preset_filters(app, store_path):
-    df = D.window_traces(store_path, None, None)
+    df = data.window_traces(store_path, None, None)
     h = df.loc[df["mode"] == "push", "handoff_s"].dropna().sort_values()
     lo, hi = float(h.iloc[5]), float(h.iloc[15])
     at = app(store_path, page="traces", mode="push", min_handoff=f"{lo:.9g}", max_handoff=f"{hi:.9g}")
@@ -376,7 +376,7 @@ def test_traces_page_query_params_preset_filters(app, store_path):
 
 
 def df_by_id(path) -> pd.DataFrame:
-    return D.slowest(path, 10_000).set_index("trace_id")
+    return data.slowest(path, 10_000).set_index("trace_id")
 
 
 def test_overview_link_targets_the_traces_page(app, store_path):
@@ -384,7 +384,7 @@ def test_overview_link_targets_the_traces_page(app, store_path):
     at = app(store_path)
     spec = next(s for s in charts(at) if "handoff distribution" in str(s.get("title")))
     assert spec["encoding"]["href"]["field"] == "link"
-    link = D.handoff_histogram(D.window_traces(store_path, None, None))["link"].iloc[0]
+    link = data.handoff_histogram(data.window_traces(store_path, None, None))["link"].iloc[0]
     qs = {k: v[0] for k, v in parse_qs(urlparse(link).query).items()}
     at2 = app(store_path, **qs)
     no_exception(at2)
@@ -506,25 +506,27 @@ def test_card_and_table_formats():
 
 
 def test_tpot_from_prometheus_goes_to_the_one_mode_that_ran():
-    stats = {m: D.ModeStats(mode=m, requests=(10.0 if m == "push" else 0.0)) for m in D.MODES}
-    P._tpot(lambda q: [({}, 0.012)] if "vllm:request_time_per_output_token_seconds_sum" in q else [], "5m", stats)
+    stats = {m: data.ModeStats(mode=m, requests=(10.0 if m == "push" else 0.0)) for m in data.MODES}
+    dashboard_prom._tpot(
+        lambda q: [({}, 0.012)] if "vllm:request_time_per_output_token_seconds_sum" in q else [], "5m", stats
+    )
     assert stats["push"].tpot_mean == 0.012 and "vllm-decode" in stats["push"].tpot_note
     assert stats["pull"].tpot_mean is None and "No pull requests" in stats["pull"].tpot_note
-    both = {m: D.ModeStats(mode=m, requests=5.0) for m in D.MODES}
-    P._tpot(lambda q: [({}, 0.012)], "5m", both)
+    both = {m: data.ModeStats(mode=m, requests=5.0) for m in data.MODES}
+    dashboard_prom._tpot(lambda q: [({}, 0.012)], "5m", both)
     assert all(s.tpot_mean is None and "no mode label" in s.tpot_note for s in both.values())
-    none = {m: D.ModeStats(mode=m, requests=5.0) for m in D.MODES}
-    P._tpot(lambda q: [], "5m", none)
+    none = {m: data.ModeStats(mode=m, requests=5.0) for m in data.MODES}
+    dashboard_prom._tpot(lambda q: [], "5m", none)
     assert all(s.tpot_mean is None and "no vLLM TPOT" in s.tpot_note for s in none.values())
 
 
 def test_bench_tpot_says_why_when_missing():
     import pandas as pd
 
-    got = BD.bench_tpot(pd.DataFrame({"mode": ["push", "pull"], "tpot_mean_s": [0.01, None]}), "run-1")
+    got = benchdata.bench_tpot(pd.DataFrame({"mode": ["push", "pull"], "tpot_mean_s": [0.01, None]}), "run-1")
     assert got["push"][0] == 0.01 and "run-1" in got["push"][1]
     assert got["pull"][0] is None and "unknown" in got["pull"][1]
-    assert BD.bench_tpot(pd.DataFrame(), None)["push"][0] is None
+    assert benchdata.bench_tpot(pd.DataFrame(), None)["push"][0] is None
 
 
 def test_no_none_in_tables(app, store_path):

@@ -15,7 +15,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from test_dashboard import app, no_exception, store_path  # noqa: F401  (fixtures)
 
 from dashboard import cpushare
-from dashboard import data as D
+from dashboard import data
 from kvrecord import semconv as sc
 from kvtrace import cpusplit
 from kvtrace.store import StoreSpanExporter
@@ -68,7 +68,7 @@ def _pull_store(tmp_path, waits_ms: list[float], unknown_post: bool = False, bef
 
 def test_shares_from_the_store(tmp_path):
     db = _pull_store(tmp_path, [1.0, 2.0, 4.0])
-    ph = D.phase_breakdown(db, None, None)
+    ph = data.phase_breakdown(db, None, None)
     c = ph.attrs["cpu"]["pull"]
     assert c["known"] == 3 and not c["unknown"]
     # handoff 11 ms: read.post 0.5 ms + read.complete's wait, the median request (2 ms): 2.5 / 11
@@ -96,7 +96,7 @@ def test_a_derived_phase_takes_the_readings_before_its_end_as_kvlens_traces_does
         sc.ATTR_CPU_BEFORE_WAIT_S: [0.0002],
     }
     db = _pull_store(tmp_path, [1.0, 2.0, 4.0], before=before)
-    c = D.phase_breakdown(db, None, None).attrs["cpu"]["pull"]
+    c = data.phase_breakdown(db, None, None).attrs["cpu"]["pull"]
     assert c["phases"]["decode.dispatch"] == pytest.approx(0.00015 / 0.0003)
     assert "decode.dispatch" not in c["phases_unknown"]
     # the same split the trace model gives kvlens traces, request by request
@@ -110,7 +110,7 @@ def test_a_derived_phase_takes_the_readings_before_its_end_as_kvlens_traces_does
 
 def test_a_phase_without_figures_is_unknown_with_its_reason(tmp_path):
     db = _pull_store(tmp_path, [3.0, 3.0], unknown_post=True)
-    c = D.phase_breakdown(db, None, None).attrs["cpu"]["pull"]
+    c = data.phase_breakdown(db, None, None).attrs["cpu"]["pull"]
     assert "read.post" not in c["phases"]  # never a 0 share
     assert c["phases_unknown"]["read.post"] == "no reading of the thread at or before the phase's start"
     words = cpushare.cpu_words({"pull": c}, "pull")

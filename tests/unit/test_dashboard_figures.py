@@ -24,8 +24,8 @@ import pytest
 
 from store_fixture import _recorder, record_requests
 
-from dashboard import data as D
-from dashboard import loaders as L
+from dashboard import data
+from dashboard import loaders
 
 APP = str(Path(__file__).resolve().parents[2] / "dashboard" / "app.py")
 
@@ -38,9 +38,9 @@ def _young_store(home: Path, n: int = 3) -> Path:
 
 
 def test_traces_of_the_current_cache_step_are_in_the_window(tmp_path):
-    bucket = L.now_bucket("1h")  # taken first: every trace below starts after it
+    bucket = loaders.now_bucket("1h")  # taken first: every trace below starts after it
     path = _young_store(tmp_path)
-    df = D.window_traces(path, *D.since_until("1h", bucket))
+    df = data.window_traces(path, *data.since_until("1h", bucket))
     assert sorted(df["mode"].value_counts().to_dict().items()) == [("pull", 3), ("push", 3)]
     assert df["start_ns"].min() > bucket * 10**9  # what the old bounded window (until = bucket) left out
 

@@ -17,9 +17,9 @@ from fakes import FakePrometheus
 from health_store import add_health_traces
 from store_fixture import make_store
 
-from dashboard import data as D
-from dashboard import health as H
-from dashboard import prom as P
+from dashboard import data
+from dashboard import health
+from dashboard import prom
 
 REPO = Path(__file__).resolve().parents[2]
 APP = str(REPO / "dashboard" / "app.py")
@@ -51,7 +51,7 @@ def app(monkeypatch):
 
 
 def cards(at) -> dict[str, str]:
-    labels = {lab: lab for lab in H.HEALTH_FIGURES.values()} | {"oldest open": "oldest open (s)"}
+    labels = {lab: lab for lab in health.HEALTH_FIGURES.values()} | {"oldest open": "oldest open (s)"}
     got = {m.label: m for m in at.metric}
     return {k: got[v].value for k, v in labels.items() if v in got}
 
@@ -71,7 +71,7 @@ def test_health_strip_and_stuck_list_from_the_store(app, health_store):
     assert c["open now"] == "2"
     assert float(c["oldest open"]) >= 30.0  # P held pull_stuck's blocks 30 s before the page ran
     assert c["stale"] == "1" and c["expired"] == "1"
-    window = D.window_traces(path, *D.since_until("1h"))
+    window = data.window_traces(path, *data.since_until("1h"))
     assert c["failed"] == str(int(window["outcome"].isin(["failed", "timeout"]).sum()))
     # the store cannot say: unknown, with the reason, never 0
     assert c["registration timeouts"] == "unknown"
@@ -110,7 +110,7 @@ def test_health_from_prometheus_without_health_series_is_unknown(app, health_sto
 
 def test_prom_health_names_each_missing_metric():
     with FakePrometheus() as fake:
-        figs = P.prom_health(fake.url, "15m")
+        figs = prom.prom_health(fake.url, "15m")
         assert all(f.value is None and f.unknown for f in figs.values())
         assert "kvlens_registration_timeouts_total" in figs["reg_timeouts"].unknown
         assert any("kvlens_kv_stale_total[15m]" in q for q in fake.queries)

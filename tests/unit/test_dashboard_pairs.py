@@ -16,8 +16,8 @@ import pytest
 
 from pair_store import Pair, make_pair_store
 
-from dashboard import data as D
-from dashboard import pairs as PR
+from dashboard import data
+from dashboard import pairs
 from dashboard import ui
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,15 +49,15 @@ def app(monkeypatch):
 
 def test_pair_table_one_row_per_mode_and_pair(pair_store):
     path, ids = pair_store
-    assert PR.engine_pairs(path) == [("p0", "d0"), ("p0", "d1"), ("p1", "d0")]
-    t = PR.pair_table(path, None, None)
-    assert list(t.columns) == PR.PAIR_TABLE_COLUMNS
+    assert pairs.engine_pairs(path) == [("p0", "d0"), ("p0", "d1"), ("p1", "d0")]
+    t = pairs.pair_table(path, None, None)
+    assert list(t.columns) == pairs.PAIR_TABLE_COLUMNS
     assert sorted(zip(t["mode"], t["pair"])) == sorted(
-        (m, f"{p.p} → {p.d}") for m in D.MODES for p in (FAST, SLOW, SKEWED)
+        (m, f"{p.p} → {p.d}") for m in data.MODES for p in (FAST, SLOW, SKEWED)
     )
     assert (t["requests"] == 10).all()
     # every failed request is counted, but only known handoffs make the percentiles
-    known = D.window_traces(path, None, None)["handoff_s"].notna().sum()
+    known = data.window_traces(path, None, None)["handoff_s"].notna().sum()
     assert t["handoffs"].sum() == known
     for mode, g in t.groupby("mode"):
         # the slow instance stands out: first in its mode, well above the fastest pair
@@ -69,45 +69,45 @@ def test_pair_table_one_row_per_mode_and_pair(pair_store):
 
 def test_each_pair_keeps_its_own_clock_window(pair_store):
     path, _ = pair_store
-    t = PR.pair_table(path, None, None).set_index(["mode", "pair"])
-    for mode in D.MODES:
+    t = pairs.pair_table(path, None, None).set_index(["mode", "pair"])
+    for mode in data.MODES:
         same_host = t.loc[(mode, "p0 → d0")]
         assert same_host["clock_lo_s"] <= 0 <= same_host["clock_hi_s"] and same_host["clock_offset_s"] == 0
         # D's clock 5 ms ahead: the window excludes 0 and holds the skew, and the store corrected for it
         skewed = t.loc[(mode, "p0 → d1")]
         assert 0 < skewed["clock_lo_s"] <= 0.005 <= skewed["clock_hi_s"]
         assert skewed["clock_offset_s"] > 0
-        assert PR.clock_window_text(skewed["clock_lo_s"], skewed["clock_hi_s"]).startswith("[+")
-    assert PR.clock_window_text(None, 0.001) is None
+        assert pairs.clock_window_text(skewed["clock_lo_s"], skewed["clock_hi_s"]).startswith("[+")
+    assert pairs.clock_window_text(None, 0.001) is None
 
 
 def test_pair_table_of_an_empty_range(pair_store):
     path, _ = pair_store
     future = 2**62
-    assert list(PR.pair_table(path, future, None).columns) == PR.PAIR_TABLE_COLUMNS
-    assert PR.pair_stats(pd.DataFrame()).empty
+    assert list(pairs.pair_table(path, future, None).columns) == pairs.PAIR_TABLE_COLUMNS
+    assert pairs.pair_stats(pd.DataFrame()).empty
 
 
 def test_pair_without_engines_is_labelled():
     rows = pd.DataFrame(
-        [("push", None, "d0", 1, 0.01, 0.001, 0.05, -0.001, 0.002, 0.0)], columns=list(PR.queries.PAIR_COLUMNS)
+        [("push", None, "d0", 1, 0.01, 0.001, 0.05, -0.001, 0.002, 0.0)], columns=list(pairs.queries.PAIR_COLUMNS)
     )
-    t = PR.pair_stats(rows)
+    t = pairs.pair_stats(rows)
     assert list(t["pair"]) == ["? → d0"] and t["p_engine"].isna().all()
     assert "p_engine" not in t["link"][0] and "d_engine=d0" in t["link"][0]
 
 
 def test_slowest_by_engine(pair_store):
     path, ids = pair_store
-    by_p = D.slowest(path, 100, p_engine="p1")
+    by_p = data.slowest(path, 100, p_engine="p1")
     assert len(by_p) == 20 and set(by_p["p_engine"]) == {"p1"}
     assert set(by_p["trace_id"]) == set(ids[SLOW]["push"] + ids[SLOW]["pull"])
-    by_d = D.slowest(path, 100, d_engine="d1", mode="pull")
+    by_d = data.slowest(path, 100, d_engine="d1", mode="pull")
     assert len(by_d) == 10 and set(by_d["d_engine"]) == {"d1"} and set(by_d["mode"]) == {"pull"}
-    both = D.slowest(path, 100, p_engine="p0", d_engine="d0", trace_ids=ids[FAST]["push"][:3])
+    both = data.slowest(path, 100, p_engine="p0", d_engine="d0", trace_ids=ids[FAST]["push"][:3])
     assert set(both["trace_id"]) == set(ids[FAST]["push"][:3])
-    assert D.slowest(path, 5, p_engine="p9").empty
-    assert D.slowest(path, 5, p_engine="p0", trace_ids=[]).empty
+    assert data.slowest(path, 5, p_engine="p9").empty
+    assert data.slowest(path, 5, p_engine="p0", trace_ids=[]).empty
 
 
 def test_overview_shows_the_pairs(app, pair_store):
@@ -154,14 +154,14 @@ def test_digits_follow_the_clock_bound():
 def test_one_unit_per_row_across_push_and_pull():
     from dashboard.pages.overview import row_units
 
-    push = D.ModeStats(
+    push = data.ModeStats(
         "push",
         requests=5.0,
         handoff={"p50": 0.02, "p90": 0.03, "p99": 0.04},
         ttft={"p50": 0.55, "p99": 12.6},
         tpot_mean=0.012,
     )
-    pull = D.ModeStats(
+    pull = data.ModeStats(
         "pull",
         requests=5.0,
         handoff={"p50": 0.01, "p90": 0.02, "p99": 0.03},
@@ -179,6 +179,6 @@ def test_one_unit_per_row_across_push_and_pull():
         "0.012",
     ]
     # a mode without requests does not choose the unit
-    idle = D.ModeStats("pull", requests=0.0, ttft={"p50": 20.0})
+    idle = data.ModeStats("pull", requests=0.0, ttft={"p50": 20.0})
     assert row_units({"push": push, "pull": idle})["ttft"] == ("s", 1.0)
     assert row_units({"push": pull, "pull": idle})["ttft"] == ("ms", 1e3)

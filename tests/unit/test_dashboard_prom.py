@@ -12,8 +12,8 @@ import subprocess
 import pytest
 import yaml
 
-from dashboard import data as D
-from dashboard import prom as P
+from dashboard import data
+from dashboard import prom as dashboard_prom
 from test_alert_rules import promtool
 
 
@@ -39,11 +39,11 @@ def test_data_age_and_tpot_by_mode_in_prometheus(tmp_path):
         {"series": 'kvlens_tpot_seconds_count{mode="pull"}', "values": "_x200 0+10x40"},
     ]
     tests = [
-        {"expr": P.age_expr("1h"), "eval_time": "60m", "exp_samples": [{"labels": "{}", "value": 600}]},
+        {"expr": dashboard_prom.age_expr("1h"), "eval_time": "60m", "exp_samples": [{"labels": "{}", "value": 600}]},
         # older than the range: the subquery sees only the range, so the age is the range
-        {"expr": P.age_expr("5m"), "eval_time": "60m", "exp_samples": [{"labels": "{}", "value": 300}]},
+        {"expr": dashboard_prom.age_expr("5m"), "eval_time": "60m", "exp_samples": [{"labels": "{}", "value": 300}]},
         {  # in microseconds, rounded: the float sums are not exact
-            "expr": f"round(({P.tpot_expr('5m')}) * 1e6)",
+            "expr": f"round(({dashboard_prom.tpot_expr('5m')}) * 1e6)",
             "eval_time": "60m",
             "exp_samples": [{"labels": '{mode="push"}', "value": 7000}, {"labels": '{mode="pull"}', "value": 10400}],
         },
@@ -54,10 +54,10 @@ def test_data_age_and_tpot_by_mode_in_prometheus(tmp_path):
 
 def test_rate_is_over_the_time_that_has_data():
     now = 10_000 * 10**9
-    assert D.rate_window(3600, now - 120 * 10**9, now) == 120  # a 2-minute-old store, 1 h range
-    assert D.rate_window(300, now - 3600 * 10**9, now) == 300
-    assert D.rate_window(None, now - 50 * 10**9, now) == 50
-    assert D.rate_window(3600, None, now) == 3600
+    assert data.rate_window(3600, now - 120 * 10**9, now) == 120  # a 2-minute-old store, 1 h range
+    assert data.rate_window(300, now - 3600 * 10**9, now) == 300
+    assert data.rate_window(None, now - 50 * 10**9, now) == 50
+    assert data.rate_window(3600, None, now) == 3600
     import pandas as pd
 
     # 20 push and 20 pull requests, one every 3 s each, over the last 2 minutes: 1/3 req/s each, not 20/3600
@@ -71,19 +71,23 @@ def test_rate_is_over_the_time_that_has_data():
             "outcome": ["ok"] * 40,
         }
     )
-    stats = D.stats_from_traces(df, 3600, now_ns=now)
+    stats = data.stats_from_traces(df, 3600, now_ns=now)
     for s in stats.values():
         assert s.rate_window_s == pytest.approx(120) and s.req_per_s == pytest.approx(20 / 120)
 
 
 def test_exact_percentiles_where_the_store_holds_the_requests():
-    prom = {m: D.ModeStats(mode=m, requests=100.0, handoff={"p50": 0.5, "p90": 1.15, "p99": 2.365}) for m in D.MODES}
-    store = {m: D.ModeStats(mode=m, requests=97.0, handoff={"p50": 0.41, "p90": 0.83, "p99": 1.2}) for m in D.MODES}
+    prom = {
+        m: data.ModeStats(mode=m, requests=100.0, handoff={"p50": 0.5, "p90": 1.15, "p99": 2.365}) for m in data.MODES
+    }
+    store = {
+        m: data.ModeStats(mode=m, requests=97.0, handoff={"p50": 0.41, "p90": 0.83, "p99": 1.2}) for m in data.MODES
+    }
     store["pull"].requests = 40.0  # a store that kept only some of pull's requests
-    for m in D.MODES:
+    for m in data.MODES:
         prom[m].req_per_s, prom[m].rate_window_s = 0.86, 90.0  # Prometheus' increase(), extrapolated
         store[m].req_per_s, store[m].rate_window_s = store[m].requests / 170.0, 170.0
-    D.exact_percentiles(prom, store)
+    data.exact_percentiles(prom, store)
     assert prom["push"].handoff == {"p50": 0.41, "p90": 0.83, "p99": 1.2} and prom["push"].pct_source == "store"
     # the rate is the store's count over the store's window where it holds the requests
     assert prom["push"].req_per_s == pytest.approx(97 / 170) and prom["push"].rate_window_s == 170.0
@@ -91,20 +95,20 @@ def test_exact_percentiles_where_the_store_holds_the_requests():
     assert "exact" in prom["push"].pct_note and "97" in prom["push"].pct_note
     assert prom["pull"].handoff["p90"] == 1.15 and prom["pull"].pct_source == "histogram"
     assert "holds 40 of the 100 pull requests" in prom["pull"].pct_note
-    unread = {m: D.ModeStats(mode=m, requests=10.0) for m in D.MODES}
-    D.exact_percentiles(unread, None, why="the trace store could not be read (locked)")
+    unread = {m: data.ModeStats(mode=m, requests=10.0) for m in data.MODES}
+    data.exact_percentiles(unread, None, why="the trace store could not be read (locked)")
     assert all("could not be read" in s.pct_note and s.pct_source == "histogram" for s in unread.values())
 
 
 def test_tpot_per_mode_from_kvlens_histogram():
-    stats = {m: D.ModeStats(mode=m, requests=5.0) for m in D.MODES}
+    stats = {m: data.ModeStats(mode=m, requests=5.0) for m in data.MODES}
 
     def q(expr: str):
-        if expr == P.tpot_expr("5m"):
+        if expr == dashboard_prom.tpot_expr("5m"):
             return [({"mode": "push"}, 0.007)]  # pull: no request of it had its tokens timed apart
         return [({}, 0.012)] if "vllm:" in expr else []
 
-    P._tpot(q, "5m", stats)
+    dashboard_prom._tpot(q, "5m", stats)
     assert stats["push"].tpot_mean == 0.007 and "kvlens_tpot_seconds" in stats["push"].tpot_note
     # vLLM's figure has no mode label and both modes ran: not given to pull, and the reason says so
     assert stats["pull"].tpot_mean is None and "no mode label" in stats["pull"].tpot_note

@@ -587,7 +587,7 @@ def test_multiprocess_mode_like_vllm(tmp_path):
 
 
 def test_dashboard_reads_dropped_telemetry_by_reason():
-    from dashboard import prom as P
+    from dashboard import prom
 
     asked = []
 
@@ -595,10 +595,10 @@ def test_dashboard_reads_dropped_telemetry_by_reason():
         asked.append(expr)
         return [({"reason": "store"}, 12.0), ({"reason": "queue_full"}, 3.0), ({"reason": "shutdown"}, 0.0)]
 
-    total, by = P._dropped(q, "15m")
+    total, by = prom._dropped(q, "15m")
     assert total == 15 and by == {"store": 12.0, "queue_full": 3.0}
     assert asked == ["sum by (reason) (increase(kvlens_telemetry_dropped_total[15m]))"]
-    assert P._dropped(lambda e: [], "5m") == (None, {})  # no series: n/a, not 0
+    assert prom._dropped(lambda e: [], "5m") == (None, {})  # no series: n/a, not 0
 
 
 def test_dropped_counter_reads_zero_before_the_first_loss(reg):

@@ -9,7 +9,7 @@ import json
 import pytest
 from store_fixture import make_store
 
-from dashboard import data as D
+from dashboard import data
 from kvtrace import costs, store, tracemodel
 from kvtrace.tracemodel import CRITICAL, OVERLAP, Trace
 from kvlens import traces as cli_traces
@@ -217,7 +217,7 @@ def test_cli_dashboard_and_breakdown_agree(fixture_store):
         trs = tracemodel.slowest(c, 100)
     assert len(trs) == 12
     for tr in trs:
-        _, df = D.trace_detail(fixture_store, tr.trace_id)
+        _, df = data.trace_detail(fixture_store, tr.trace_id)
         assert sorted(zip(df["phase"], df["role"], df["critical"])) == sorted(
             (s.name, s.role, s.critical) for s in tr.spans
         )
@@ -227,14 +227,14 @@ def test_cli_dashboard_and_breakdown_agree(fixture_store):
                 line = next(ln for ln in text.splitlines() if f" {s.name} " in ln and "[" in ln)
                 assert ("#" in line) == s.critical, line
     done = [t for t in trs if t.handoff_s is not None]
-    ph = D.phase_breakdown(fixture_store, None, None)
+    ph = data.phase_breakdown(fixture_store, None, None)
     for mode in ("push", "pull"):
         mine = [t for t in done if t.mode == mode]
         want: dict[str, float] = {}
         for t in mine:
             for (_, name), ns in t.tiling().phases.items():
                 want[name] = want.get(name, 0.0) + ns / 1e9 / len(mine)
-        got = ph[(ph["mode"] == mode) & (ph["path"] == CRITICAL) & (ph["phase"] != D.UNATTRIBUTED)]
+        got = ph[(ph["mode"] == mode) & (ph["path"] == CRITICAL) & (ph["phase"] != data.UNATTRIBUTED)]
         assert got.groupby("phase")["seconds"].sum().to_dict() == pytest.approx(
             {k: v for k, v in want.items() if v > 0}
         )
