@@ -47,7 +47,14 @@ Rules:
    options are in their own pages: routers.md, security.md, links.md, ...).
 6. **Setup**: every Debian package the Makefile's ``apt-get install`` installs
    is named in README.md.
-7. **Size caps**: the Layers section states ``tools/check_layout.py``'s caps
+7. **Dotted names** a doc gives under a layer package
+   (``kvtrace.stuck.stuck``, ``kvrecord.semconv.SPAN_HANDOFF_OPEN``): the
+   longest prefix that is a module exists and the part after it, if any, is a
+   word of that module's source. Under ``kvlens`` a name whose second part is
+   no module of ``kvlens/`` is a span attribute key (``kvlens.cpu.wait_s``):
+   some string of the layer packages' code is that key or starts with it
+   and a dot (``kvlens.prefill.*``).
+8. **Size caps**: the Layers section states ``tools/check_layout.py``'s caps
    as "no file over N lines, no function over M lines" and its warning
    levels as "past N lines (a file) or M lines (a function)".
 """
@@ -55,6 +62,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import re
 import subprocess
@@ -159,10 +167,6 @@ def item_name(item: str) -> str | None:
         return item
     m = re.match(r"`([a-z_]\w*)(?:\.py)?`", item)
     return m.group(1) if m else None
-
-
-def package_files(pkg: str) -> list[Path]:
-    return [f for f in layout.modules(REPO).values() if f.relative_to(REPO).parts[0] == pkg]
 
 
 def layers_problems(text: str, root: Path = REPO) -> list[str]:
@@ -299,6 +303,30 @@ def named_files_problems(root: Path = REPO) -> list[str]:
     return bad
 
 
+def dotted_problems(root: Path = REPO) -> list[str]:
+    """Rule 7 over README.md and docs/*.md."""
+    pkgs = layout.layers(root)
+    mods = layout.modules(root)
+    strings = {
+        node.value
+        for f in mods.values()
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    pattern = re.compile(rf"(?<![\w./-])((?:{'|'.join(pkgs)})(?:\.[A-Za-z_]\w*)+)")
+    bad = []
+    for doc in doc_files(root):
+        for name in sorted(set(pattern.findall(doc.read_text()))):
+            parts = name.split(".")
+            k = max((i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in mods), default=0)
+            if parts[0] == "kvlens" and k == 1:
+                if not any(x == name or x.startswith(name + ".") for x in strings):
+                    bad.append(f"{doc.relative_to(root)} names {name}: no module, and no attribute key of the code")
+            elif k < len(parts) and not re.search(rf"\b{parts[k]}\b", mods[".".join(parts[:k])].read_text()):
+                bad.append(f"{doc.relative_to(root)} names {name}: {'.'.join(parts[:k])} has no {parts[k]}")
+    return bad
+
+
 def code_words(root: Path = REPO) -> set[str]:
     """Every upper-case word of the repository's code (not docs/, not this file)."""
     words: set[str] = set()
@@ -354,6 +382,11 @@ def test_the_layout_section_is_the_folders():
 
 def test_every_file_a_doc_names_exists():
     bad = named_files_problems()
+    assert not bad, "\n".join(bad)
+
+
+def test_every_dotted_name_a_doc_gives_is_in_the_code():
+    bad = dotted_problems()
     assert not bad, "\n".join(bad)
 
 
@@ -459,6 +492,15 @@ def test_the_layout_check_catches_a_module_in_the_wrong_folder(tmp_path):
     assert "Layout: top/ names gone.py, which is not under top/" in bad, bad
     assert "Layout: top/ names sub/, which is not under top/" in bad, bad
     assert len(bad) == 5, bad
+
+
+def test_the_dotted_name_check_catches_a_moved_module_and_a_gone_function(tmp_path):
+    arch = "## Layers\n\n| folder | layer | modules | job |\n|---|---|---|---|\n| `low/` | low | | j |\n"
+    root = _tree(tmp_path, arch)
+    (root / "low" / "a.py").write_text("def f():\n    pass\n")
+    (root / "README.md").write_text("`low.a.f` and `low.a` are fine; `low.a.g` and `low.gone.h` are not\n")
+    bad = dotted_problems(root)
+    assert bad == ["README.md names low.a.g: low.a has no g", "README.md names low.gone.h: low has no gone"], bad
 
 
 def test_the_env_var_reader_finds_settings_not_prose(tmp_path):
