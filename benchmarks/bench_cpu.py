@@ -133,14 +133,14 @@ def snapshot(stack: Stack) -> Snap:
         if child.name not in ("prefill", "decode") or child.proc is None:
             continue
         for p in descendants(child.proc.pid):
-            st = _stat(f"/proc/{p.pid}/stat")
-            if st is None:
+            stat = _stat(f"/proc/{p.pid}/stat")
+            if stat is None:
                 continue
-            kind = _kind(p.pid, st[0])
+            kind = _kind(p.pid, stat[0])
             if kind is None:
                 continue
             s.meta[p.pid] = (child.name, kind)
-            s.total[p.pid] = st[1]
+            s.total[p.pid] = stat[1]
             kv = 0.0
             try:
                 tids = os.listdir(f"/proc/{p.pid}/task")
@@ -159,14 +159,14 @@ def recorder_stats(d: Path) -> dict[int, dict]:
     out: dict[int, dict] = {}
     for f in d.glob("*.json"):
         try:
-            st = json.loads(f.read_text())
+            rec = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
-        acc = out.setdefault(int(st["pid"]), {"role": st["role"]})
-        for k, v in st.items():
+        acc = out.setdefault(int(rec["pid"]), {"role": rec["role"]})
+        for k, v in rec.items():
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("pid", "sidecar_pid"):
                 acc[k] = acc.get(k, 0) + v
-        acc["sidecar"] = acc.get("sidecar", False) or bool(st.get("sidecar"))
+        acc["sidecar"] = acc.get("sidecar", False) or bool(rec.get("sidecar"))
     return out
 
 
@@ -199,7 +199,7 @@ def run_variant(mode: str, variant: str, a, model: Path, prompts: list[str], inl
     env = {STATS_DIR_ENV: str(stats_dir)}
     if variant != "stock":
         env["KVLENS_SPAN_BUILDER"] = variant
-    st = Stack(
+    stack = Stack(
         mode=mode,
         stock=(variant == "stock"),
         model=model,
@@ -211,21 +211,21 @@ def run_variant(mode: str, variant: str, a, model: Path, prompts: list[str], inl
     )
     print(f"[{mode}/{variant}] starting the pair ...", file=sys.stderr, flush=True)
     try:
-        st.start(timeout=a.start_timeout)
+        stack.start(timeout=a.start_timeout)
         time.sleep(a.settle)  # warm-up spans shipped, counters written
-        ev0, s0 = recorder_stats(stats_dir), snapshot(st)
+        ev0, s0 = recorder_stats(stats_dir), snapshot(stack)
         t0 = time.monotonic()
-        res = asyncio.run(_load(st.router_url, prompts, a))
+        res = asyncio.run(_load(stack.router_url, prompts, a))
         wall = time.monotonic() - t0
-        s1 = snapshot(st)
+        s1 = snapshot(stack)
         time.sleep(a.settle)  # kvlens' background work on the load's events finishes
-        s2, ev1 = snapshot(st), recorder_stats(stats_dir)
+        s2, ev1 = snapshot(stack), recorder_stats(stats_dir)
         ok = sum(r.ok for r in res)
         print(f"[{mode}/{variant}] {ok}/{len(res)} ok in {wall:.1f}s", file=sys.stderr, flush=True)
-        check = _check_nothing_lost(st, stats_dir, a.settle * 10)
+        check = _check_nothing_lost(stack, stats_dir, a.settle * 10)
     finally:
         with signals_ignored():
-            st.stop()
+            stack.stop()
     rows = []
     for pid, (role, kind) in sorted(s1.meta.items(), key=lambda kv: kv[1]):
         if pid not in s0.total:
@@ -252,7 +252,7 @@ def run_variant(mode: str, variant: str, a, model: Path, prompts: list[str], inl
     }
 
 
-def _check_nothing_lost(st: Stack, stats_dir: Path, wait_s: float) -> dict:
+def _check_nothing_lost(stack: Stack, stats_dir: Path, wait_s: float) -> dict:
     """Recorded P/D events vs stored P/D spans + counted losses, once both settle."""
     end = time.monotonic() + wait_s
     while True:
@@ -265,7 +265,7 @@ def _check_nothing_lost(st: Stack, stats_dir: Path, wait_s: float) -> dict:
             if v["role"] in ("prefill", "decode")
             for k in ("dropped", "shutdown_dropped", "failed_dropped", "processor_lost")
         )
-        stored = sum(_stored(st.store).values())
+        stored = sum(_stored(stack.store).values())
         if stored + lost >= recorded or time.monotonic() > end:
             return {"recorded": recorded, "stored": stored, "lost_counted": lost}
         time.sleep(0.5)

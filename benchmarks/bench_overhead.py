@@ -100,7 +100,7 @@ def _together(a, model: Path, home: Path, prompts: list[str]) -> int:
         urls = {}
         for label in LABELS if a.start_first == "stock" else LABELS[::-1]:
             print(f"starting the {label} {a.mode} pair ...", file=sys.stderr, flush=True)
-            st = Stack(
+            stack = Stack(
                 mode=a.mode,
                 stock=(label == "stock"),
                 model=model,
@@ -109,17 +109,17 @@ def _together(a, model: Path, home: Path, prompts: list[str]) -> int:
                 quiet=True,
                 vllm_args=["--no-enable-prefix-caching"],
             )
-            stacks.append(st)
+            stacks.append(stack)
             # the second pair starts next to a live one, whose idle workers spin two cores: give it time
-            urls[label] = st.start(timeout=900).router_url
+            urls[label] = stack.start(timeout=900).router_url
         res = asyncio.run(_interleaved(urls, prompts, a))
     except KeyboardInterrupt:
         print("interrupted; stopping both pairs", file=sys.stderr)
         return 130
     finally:
-        for st in stacks:
+        for stack in stacks:
             with signals_ignored():
-                st.stop()
+                stack.stop()
     failed = {k: sum(not r.ok for r in v) for k, v in res.items()}
     print(
         f"\nmode={a.mode} input={a.input_len} output={a.output_len} prompts={a.requests} (both pairs alive, "

@@ -82,7 +82,9 @@ class Collector:
 
 
 # ---------------------------------------------------------------- sender
-async def _export(client, sem, url: str, body: bytes, n: int, due: float, st: collections.Counter, lags: list) -> None:
+async def _export(
+    client, sem, url: str, body: bytes, n: int, due: float, counts: collections.Counter, lags: list
+) -> None:
     loop = asyncio.get_running_loop()
     first, backoff, attempt = loop.time(), 1.0, 0
     while True:
@@ -96,17 +98,17 @@ async def _export(client, sem, url: str, body: bytes, n: int, due: float, st: co
                 code, retry_after = None, None
         attempt += 1
         if code == 200:
-            st["ok_posts"] += 1
+            counts["ok_posts"] += 1
             return
         if code is not None and code not in RETRYABLE:
-            st[f"refused_{code}_posts"] += 1
-            st["refused_spans"] += n
+            counts[f"refused_{code}_posts"] += 1
+            counts["refused_spans"] += n
             return
-        st[f"retry_{code or 'conn'}"] += 1
+        counts[f"retry_{code or 'conn'}"] += 1
         wait = max(float(retry_after or 0), backoff) * random.uniform(0.8, 1.2)
         if loop.time() + wait - first > EXPORT_TIMEOUT_S:
-            st["gave_up_posts"] += 1
-            st["gave_up_spans"] += n
+            counts["gave_up_posts"] += 1
+            counts["gave_up_spans"] += n
             return
         await asyncio.sleep(wait)
         backoff *= 2
@@ -116,7 +118,7 @@ async def send_window(url: str, bodies: list, connections: int, progress) -> dic
     """Send every body at its time; returns counters, the send lags and the
     generator's CPU seconds while sending."""
     loop = asyncio.get_running_loop()
-    st: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
     lags: list[float] = []
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     cpu0 = time.process_time()
@@ -127,18 +129,18 @@ async def send_window(url: str, bodies: list, connections: int, progress) -> dic
             delay = t0 + at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(_export(client, sem, url, body, n, t0 + at, st, lags))
+            task = asyncio.create_task(_export(client, sem, url, body, n, t0 + at, counts, lags))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             if at - shown >= 10:
                 shown = at
                 progress(
-                    f"    t={at:5.0f}s  posts ok {st['ok_posts']:,}  retries {retries(st):,}  in flight {len(tasks)}"
+                    f"    t={at:5.0f}s  posts ok {counts['ok_posts']:,}  retries {retries(counts):,}  in flight {len(tasks)}"
                 )
         if tasks:
             await asyncio.gather(*tasks)
-    return {"stats": st, "lags": lags, "cpu_s": time.process_time() - cpu0, "wall_s": loop.time() - t0}
+    return {"stats": counts, "lags": lags, "cpu_s": time.process_time() - cpu0, "wall_s": loop.time() - t0}
 
 
-def retries(st) -> int:
-    return sum(v for k, v in st.items() if k.startswith("retry_"))
+def retries(counts) -> int:
+    return sum(v for k, v in counts.items() if k.startswith("retry_"))

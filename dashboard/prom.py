@@ -140,31 +140,31 @@ def _mode_stats(
 ) -> data.ModeStats:
     """Handoff / TTFT quantiles, request rate and outcomes of one mode over
     ``w`` (the rate over ``age`` seconds where that is shorter)."""
-    st = data.ModeStats(mode=mode, pct_source="histogram")
+    ms = data.ModeStats(mode=mode, pct_source="histogram")
     hb = selector("kvlens_handoff_seconds_bucket", mode=mode)
     # handoff pXX = histogram_quantile(q, sum by (le) (rate(kvlens_handoff_seconds_bucket{mode=m}[w])))
     for name, qq in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99)):
-        st.handoff[name] = _one(q(f"histogram_quantile({qq}, sum by (le) (rate({hb}[{w}])))"))
+        ms.handoff[name] = _one(q(f"histogram_quantile({qq}, sum by (le) (rate({hb}[{w}])))"))
     tb = selector("kvlens_ttft_seconds_bucket", mode=mode)
     for name, qq in (("p50", 0.5), ("p99", 0.99)):
-        st.ttft[name] = _one(q(f"histogram_quantile({qq}, sum by (le) (rate({tb}[{w}])))"))
-    st.ttft["mean"] = _one(
+        ms.ttft[name] = _one(q(f"histogram_quantile({qq}, sum by (le) (rate({tb}[{w}])))"))
+    ms.ttft["mean"] = _one(
         q(
             f"sum(rate({selector('kvlens_ttft_seconds_sum', mode=mode)}[{w}])) / "
             f"sum(rate({selector('kvlens_ttft_seconds_count', mode=mode)}[{w}]))"
         )
     )
     req = selector("kvlens_requests_total", mode=mode)
-    st.outcomes = {o: 0.0 for o in data.OUTCOMES}
+    ms.outcomes = {o: 0.0 for o in data.OUTCOMES}
     for labels, v in q(f"sum by (outcome) (increase({req}[{w}]))"):
-        st.outcomes[labels.get("outcome", sc.OTHER)] = v
-    st.requests = sum(st.outcomes.values())
+        ms.outcomes[labels.get("outcome", sc.OTHER)] = v
+    ms.requests = sum(ms.outcomes.values())
     # requests over the range, or over the data's age where it is shorter (rate() divides by the range)
     if age is not None:
-        st.rate_window_s = min(float(data.TIME_RANGES.get(w) or 7 * 86400), max(age, 1.0))
-        st.req_per_s = st.requests / st.rate_window_s
-    st.dropped, st.dropped_by_reason = dropped[0], dict(dropped[1])
-    return st
+        ms.rate_window_s = min(float(data.TIME_RANGES.get(w) or 7 * 86400), max(age, 1.0))
+        ms.req_per_s = ms.requests / ms.rate_window_s
+    ms.dropped, ms.dropped_by_reason = dropped[0], dict(dropped[1])
+    return ms
 
 
 def _mode_phases(q: Query, mode: str, w: str) -> list[tuple]:

@@ -285,11 +285,11 @@ def _parent(trace_id: int, pid: bytes, flags: int, trace_flags: TraceFlags) -> S
     return SpanContext(trace_id, int.from_bytes(pid, "big"), bool(flags & _PARENT_IS_REMOTE), trace_flags)
 
 
-def _status(st) -> Status:
+def _status(status) -> Status:
     """A protobuf ``Status`` as the SDK's (which keeps a description only on errors)."""
-    code = st.code
-    if code == 2 and st.message:
-        return Status(StatusCode.ERROR, st.message)
+    code = status.code
+    if code == 2 and status.message:
+        return Status(StatusCode.ERROR, status.message)
     return _STATUS.get(code) or _STATUS[0]
 
 

@@ -46,10 +46,10 @@ def _served_model(url: str, api_key: str | None = None) -> tuple[str | None, str
     import httpx  # here for start-up cost
 
     try:
-        st, models = _get_json(url + "/v1/models", api_key=api_key)
+        status, models = _get_json(url + "/v1/models", api_key=api_key)
     except httpx.HTTPError:
         return None, None, None
-    if st == 200 and isinstance(models, dict) and models.get("data"):
+    if status == 200 and isinstance(models, dict) and models.get("data"):
         m0 = models["data"][0]
         mml = m0.get("max_model_len")
         return m0.get("id"), m0.get("root"), int(mml) if mml else None
