@@ -317,6 +317,8 @@ def dotted_problems(root: Path = REPO) -> list[str]:
     bad = []
     for doc in doc_files(root):
         for name in sorted(set(pattern.findall(doc.read_text()))):
+            if re.search(r"\.(png|md|py|json|ya?ml|db|toml|sh)$", name):  # a file name (dashboard.png)
+                continue
             parts = name.split(".")
             k = max((i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in mods), default=0)
             if parts[0] == "kvlens" and k == 1:
@@ -498,7 +500,7 @@ def test_the_dotted_name_check_catches_a_moved_module_and_a_gone_function(tmp_pa
     arch = "## Layers\n\n| folder | layer | modules | job |\n|---|---|---|---|\n| `low/` | low | | j |\n"
     root = _tree(tmp_path, arch)
     (root / "low" / "a.py").write_text("def f():\n    pass\n")
-    (root / "README.md").write_text("`low.a.f` and `low.a` are fine; `low.a.g` and `low.gone.h` are not\n")
+    (root / "README.md").write_text("`low.a.f`, `low.a` and `low.png` are fine; `low.a.g` and `low.gone.h` are not\n")
     bad = dotted_problems(root)
     assert bad == ["README.md names low.a.g: low.a has no g", "README.md names low.gone.h: low has no gone"], bad
 
