@@ -102,7 +102,7 @@ _HOLD_HELP = (
 )
 
 
-class _Families:
+class Families:
     """Metric families of one registry (created once per process and registry).
 
     Labelled children are bound once and cached by their closed label tuple,
@@ -247,16 +247,16 @@ class _Families:
         return c
 
 
-_families: dict[int, tuple[CollectorRegistry, _Families]] = {}
+_families: dict[int, tuple[CollectorRegistry, Families]] = {}
 _families_lock = threading.Lock()
 
 
-def _families_for(registry: CollectorRegistry) -> _Families:
+def families_for(registry: CollectorRegistry) -> Families:
     key = id(registry)
     with _families_lock:
         hit = _families.get(key)
         if hit is not None and hit[0] is registry:
             return hit[1]
-        fam = _Families(registry)
+        fam = Families(registry)
         _families[key] = (registry, fam)
         return fam

@@ -94,7 +94,7 @@ class HandoffResolver:
     store every ``poll_s`` seconds with one batched query and observes each
     handoff exactly once, or counts it unresolved after ``deadline_s``.
 
-    ``fam``: the metric families (:class:`exporters.metrics` ``_Families``:
+    ``fam``: the metric families (:class:`exporters.metrics` ``Families``:
     ``child()``, ``handoff``, ``unresolved``) the results go to."""
 
     def __init__(

@@ -91,8 +91,8 @@ from opentelemetry.trace import format_trace_id
 from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multiprocess
 
 from kvtrace import ranks
-from exporters.families import _Families, _families_for  # noqa: F401  (re-exported for tests)
-from exporters.spanobs import _ROLES, _label, _table, plan
+from exporters.families import Families, families_for  # noqa: F401  (re-exported for tests)
+from exporters.spanobs import ROLE_LABELS, closed_label, label_table, plan
 from exporters.handoff import HandoffResolver
 from kvrecord import config
 from kvrecord import semconv as sc
@@ -119,7 +119,7 @@ _A_MODE, _A_ROLE, _A_OUTCOME = sc.ATTR_MODE, sc.ATTR_ROLE, sc.ATTR_OUTCOME
 DroppedSource = Callable[[], "Mapping[Any, int] | int"]
 _no_drops: DroppedSource = dict  # a processor given no source sees no drops
 _drop_override: DroppedSource | None = None
-_REASONS = _table(DropReason)
+_REASONS = label_table(DropReason)
 _BUFFER_FULL = DropReason.BUFFER_FULL.value
 
 
@@ -143,7 +143,7 @@ def set_dropped_source(fn: DroppedSource | None) -> None:
 def _drop_key(key: Any) -> tuple[str, str]:
     """(role, reason) label values, closed, of one ``dropped_source`` key."""
     role, reason = key if isinstance(key, tuple) and len(key) == 2 else (key, _BUFFER_FULL)
-    return _label(role, _ROLES, sc.Role), _label(reason, _REASONS, DropReason)
+    return closed_label(role, ROLE_LABELS, sc.Role), closed_label(reason, _REASONS, DropReason)
 
 
 # -------------------------------------------------------------- the processor
@@ -190,7 +190,7 @@ class PhaseMetricsProcessor(SpanProcessor):
         if int(handoff_max_pending) <= 0:
             raise ValueError(f"handoff_max_pending must be > 0, got {handoff_max_pending!r}")
         self.registry = registry if registry is not None else REGISTRY
-        self.fam = _families_for(self.registry)
+        self.fam = families_for(self.registry)
         if exemplars is None:
             exemplars = not os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         self.exemplars = bool(exemplars)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from exporters.families import _Families
+from exporters.families import Families
 from exporters.fasthistogram import FastHistogram, adder, observe_trace, trace_observer
 from kvrecord import derived as dv
 from kvrecord import semconv as sc
@@ -37,18 +37,18 @@ CPU_PHASES = frozenset(
 MAX_RANK_LABEL = 64
 
 
-def _table(enum_cls) -> dict[str, str]:
+def label_table(enum_cls) -> dict[str, str]:
     return {m.value: m.value for m in enum_cls}
 
 
-_MODES = _table(sc.Mode)
-_ROLES = _table(sc.Role)
-_PHASES = _table(sc.Phase)
-_OUTCOMES = _table(sc.Outcome)
-_DISPATCHES = _table(sc.Dispatch)
+_MODES = label_table(sc.Mode)
+ROLE_LABELS = label_table(sc.Role)
+_PHASES = label_table(sc.Phase)
+_OUTCOMES = label_table(sc.Outcome)
+_DISPATCHES = label_table(sc.Dispatch)
 
 
-def _label(value: Any, table: Mapping[str, str], enum_cls) -> str:
+def closed_label(value: Any, table: Mapping[str, str], enum_cls) -> str:
     """Closed label value: O(1) for plain strings, :func:`semconv.closed` otherwise."""
     try:
         return table[value]
@@ -75,16 +75,16 @@ def _observe_nothing(d: float, tid: Any) -> None:
     pass
 
 
-def plan(fam: _Families, owner: Any, name: Any, mode: Any, role: Any, outcome: Any) -> Plan:
+def plan(fam: Families, owner: Any, name: Any, mode: Any, role: Any, outcome: Any) -> Plan:
     """``(mode, observe, more)`` of a span named ``name`` whose mode, role and
     outcome attributes are these (as they came: they are closed here).
     ``owner``: the processor, whose ``link_gbps`` is read at each transfer."""
     if name == sc.SPAN_HANDOFF_OPEN:  # a partial trace, not a phase: no duration series (exporters.health)
-        return _label(mode, _MODES, sc.Mode), _observe_nothing, None, None
-    phase = _label(name, _PHASES, sc.Phase)
-    mode = _label(mode, _MODES, sc.Mode)
-    role = _label(role, _ROLES, sc.Role)
-    outcome = _label(outcome, _OUTCOMES, sc.Outcome)
+        return closed_label(mode, _MODES, sc.Mode), _observe_nothing, None, None
+    phase = closed_label(name, _PHASES, sc.Phase)
+    mode = closed_label(mode, _MODES, sc.Mode)
+    role = closed_label(role, ROLE_LABELS, sc.Role)
+    outcome = closed_label(outcome, _OUTCOMES, sc.Outcome)
     child = fam.child(fam.phase, (mode, role, phase, outcome))
     observe = trace_observer(child)
     m = _More(fam, owner, phase, mode, role, outcome)
@@ -129,7 +129,7 @@ class _More:
 
     __slots__ = ("fam", "owner", "phase", "mode", "role", "outcome", "gauges", "slots", "ttft", "cpu_incs")
 
-    def __init__(self, fam: _Families, owner: Any, phase: str, mode: str, role: str, outcome: str) -> None:
+    def __init__(self, fam: Families, owner: Any, phase: str, mode: str, role: str, outcome: str) -> None:
         self.fam, self.owner = fam, owner
         self.phase, self.mode, self.role, self.outcome = phase, mode, role, outcome
         self.gauges: tuple = ()
@@ -178,7 +178,7 @@ class _More:
             (self.slots[1] or self._slot(1, fam.tpot, (self.mode,)))(tpot, tid)
         ttft = _num(a.get(sc.ATTR_TTFT_S))
         if ttft is not None and ttft >= 0:
-            disp = _label(a.get(sc.ATTR_DISPATCH), _DISPATCHES, sc.Dispatch)
+            disp = closed_label(a.get(sc.ATTR_DISPATCH), _DISPATCHES, sc.Dispatch)
             observe = self.ttft.get(disp)
             if observe is None:  # bounded: dispatch is closed
                 observe = self.ttft[disp] = trace_observer(fam.child(fam.ttft, (self.mode, disp)))

@@ -53,7 +53,7 @@ from kvlens.bench.grid import (
     validate_grid,
 )
 from kvlens.bench.report import WIDTH, describe, print_report, wrap
-from kvlens.bench.runner import _stop, bench_stacks, new_run
+from kvlens.bench.runner import stop_stack, bench_stacks, new_run
 from kvlens.demolive import DEFAULT_PROMETHEUS_PORT, LIVE_INTERVAL_S, GentleLoad, live, start_fleet
 from kvlens.model import ensure_model
 from kvlens.signals import sigterm_as_interrupt
@@ -220,4 +220,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlens demo: error: the live part's fleet did not start: {e}", file=sys.stderr, flush=True)
         return 1
     finally:
-        _stop(stack)  # idempotent: a no-op after live()'s own stop
+        stop_stack(stack)  # idempotent: a no-op after live()'s own stop

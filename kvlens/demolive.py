@@ -332,9 +332,9 @@ def live(stack, loc: StoreLocation, args: argparse.Namespace, grid: Sequence[str
                 print(f"kvlens demo: live load stopped ({load.ok} requests served, {load.failed} failed)", flush=True)
             if watch is not None:
                 watch.stop()
-        from kvlens.bench.runner import _stop
+        from kvlens.bench.runner import stop_stack
 
-        _stop(stack)  # Prometheus with it; signals ignored while stopping
+        stop_stack(stack)  # Prometheus with it; signals ignored while stopping
         with contextlib.suppress(KeyboardInterrupt):
             if watch is not None:
                 try:

@@ -14,12 +14,12 @@ from kvtrace import store, stuck
 OPEN_SINCE_DEFAULT = "1m"
 
 
-def _clock(ns: int) -> str:
+def utc_clock(ns: int) -> str:
     t = time.gmtime(ns / 1e9)
     return time.strftime("%H:%M:%S", t) + f".{int(ns % 1_000_000_000) // 100_000_000}"
 
 
-def _fmt_age(s: float) -> str:
+def fmt_age(s: float) -> str:
     return f"{s:.1f}s" if s < 120 else f"{s / 60:.1f}m"
 
 
@@ -39,9 +39,9 @@ def open_text(sides: list[stuck.OpenSide], now_ns: int, where: str, since: str) 
                 o.mode or "-",
                 f"{o.side} ({o.role})",
                 o.phase or "-",
-                _clock(o.since_ns),
-                _fmt_age(o.age_s(now_ns)),
-                f"{_fmt_age(max(now_ns - o.seen_ns, 0) / 1e9)} ago",
+                utc_clock(o.since_ns),
+                fmt_age(o.age_s(now_ns)),
+                f"{fmt_age(max(now_ns - o.seen_ns, 0) / 1e9)} ago",
                 note,
             )
         )

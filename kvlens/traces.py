@@ -24,7 +24,7 @@ from kvlens.argtypes import duration_text, int_in
 from kvrecord import config
 from kvrecord import semconv as sc
 from kvtrace import costs, cpusplit, kvuse, perfetto, ranks, store, stuck, tracemodel
-from kvlens.stuckcmd import OPEN_SINCE_DEFAULT, _clock, _fmt_age, run_open
+from kvlens.stuckcmd import OPEN_SINCE_DEFAULT, utc_clock, fmt_age, run_open
 from kvrecord.keeprule import NOT_KEPT
 from kvtrace.tracemodel import NOT_KEPT_NOTE, Trace
 
@@ -152,8 +152,8 @@ def _health_lines(trace: Trace) -> list[str]:
     for o in trace.open:
         flag = ", push registration timed out" if o.registration_timeout else ""
         lines.append(
-            f"  OPEN: {o.side} ({o.role}) waiting in {o.phase or '?'} since {_clock(o.since_ns)} UTC, "
-            f"{_fmt_age(o.waited_s)} at its last report ({_clock(o.seen_ns)}){flag}: a partial trace, "
+            f"  OPEN: {o.side} ({o.role}) waiting in {o.phase or '?'} since {utc_clock(o.since_ns)} UTC, "
+            f"{fmt_age(o.waited_s)} at its last report ({utc_clock(o.seen_ns)}){flag}: a partial trace, "
             "as far as the handoff got"
         )
     if trace.stale:

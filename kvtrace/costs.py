@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 from kvrecord import derived
 from kvrecord import semconv as sc
 from kvtrace import cpusplit, store
-from kvtrace.tiling import _PHASES, NOT_HANDOFF_PHASES, Breakdown, Tiling, derive, summarize, tile
+from kvtrace.tiling import KVLENS_PHASES, NOT_HANDOFF_PHASES, Breakdown, Tiling, derive, summarize, tile
 from kvtrace.tracemodel import critical_ns, d_shift_ns, slowest
 
 
@@ -96,7 +96,7 @@ def handoff_costs(
     over: dict[tuple[str, str | None, str], int] = {}
     for tid, role, name, start, end in spans:
         w = window.get(tid)
-        if w is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
+        if w is None or name in NOT_HANDOFF_PHASES or name not in KVLENS_PHASES:
             continue
         d = w[3] if role == sc.Role.DECODE.value else 0
         row = _Row(name, role, start - d, end - d, attrs.get((tid, role, name, start, end), {}))

@@ -31,11 +31,11 @@ from kvrecord import semconv as sc
 #: Phases that are never a part of the handoff (the root contains it; P's
 #: prefill precedes it; P's hold of the blocks follows it).
 NOT_HANDOFF_PHASES: frozenset[str] = frozenset({sc.Phase.REQUEST.value, sc.Phase.PREFILL.value, sc.Phase.KV_HOLD.value})
-_POINTS = frozenset(p.value for p in sc.POINT_PHASES)
+POINT_NAMES = frozenset(p.value for p in sc.POINT_PHASES)
 #: kvlens' own phases; any other span in a trace (vLLM's ``llm_request``,
 #: joined by ``traceparent``) is context, never handoff cost.
-_PHASES = frozenset(p.value for p in sc.Phase)
-_DERIVED = frozenset(p.value for p in derived.DERIVED_PHASES)
+KVLENS_PHASES = frozenset(p.value for p in sc.Phase)
+DERIVED_NAMES = frozenset(p.value for p in derived.DERIVED_PHASES)
 _WAITING = frozenset(p.value for p in sc.WAITING_PHASES)
 #: Derived phases that are parts of a recorded one (``write.wire`` + ``write.noticed``
 #: = ``write.complete``): a sum of durations must not count both.
@@ -109,7 +109,7 @@ def derived_spans(spans: Sequence[Any]) -> list[Derived]:
     phase is cut from each span it names (:func:`_splits`)."""
     groups: dict[Any, list[tuple]] = {}
     for s in spans:
-        if s.name not in _DERIVED:
+        if s.name not in DERIVED_NAMES:
             item = (s.start_ns, s.end_ns, getattr(s, "outcome", None), getattr(s, "attributes", None))
             groups.setdefault((s.role, s.name), []).append(item)
     return derived_from(groups)
@@ -190,7 +190,7 @@ def release_of(spans: Iterable[Any]) -> Any | None:
     ``kv.hold`` would end at: ``kv.released``, P's ``write.complete``, or
     the lease's ``expired`` point), whenever it was; None without one."""
     ends = {(b.role, b.phase.value) for _, b in derived.DERIVED_PHASES[sc.Phase.KV_HOLD].pairs}
-    rel = [s for s in spans if (s.role, s.name) in ends and s.name not in _DERIVED]
+    rel = [s for s in spans if (s.role, s.name) in ends and s.name not in DERIVED_NAMES]
     return max(rel, key=lambda s: s.end_ns) if rel else None
 
 
@@ -269,9 +269,9 @@ def tile(spans: Iterable[Any], window: tuple[int, int] | None) -> Tiling | None:
         (kv, _label(sc.Role.DECODE.value, sc.Phase.KV_READY.value, None)),
     ]
     for s in spans:
-        if s.name in NOT_HANDOFF_PHASES or s.name not in _PHASES:
+        if s.name in NOT_HANDOFF_PHASES or s.name not in KVLENS_PHASES:
             continue
-        if s.start_ns == s.end_ns or s.name in _POINTS:
+        if s.start_ns == s.end_ns or s.name in POINT_NAMES:
             marks.append((s.start_ns, _label(s.role, s.name, None)))
             continue
         marks += [(s.start_ns, _label(s.role, s.name, "start")), (s.end_ns, _label(s.role, s.name, "end"))]

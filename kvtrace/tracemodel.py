@@ -40,12 +40,12 @@ from typing import Any, Iterable, Mapping, Sequence
 from kvtrace import cpusplit, kvuse, ranks, store, stuck
 from kvtrace.derivedread import d_shift_ns, derived_of  # noqa: F401 (re-exported: the one trace model's API)
 from kvtrace.tiling import (  # noqa: F401 (re-exported: the one trace model's API)
-    _DERIVED,
+    DERIVED_NAMES,
     DERIVATION_ATTRIBUTES,
     DERIVATION_INPUTS,
     Derived,
-    _PHASES,
-    _POINTS,
+    KVLENS_PHASES,
+    POINT_NAMES,
     NOT_HANDOFF_PHASES,
     SPLIT_PHASES,
     UNATTRIBUTED,
@@ -79,20 +79,20 @@ _PUSH_OVERLAP = frozenset(p.value for p in sc.PUSH_OVERLAP_PHASES)
 # ------------------------------------------------------------------ the rule
 def is_point(name: str, start_ns: int, end_ns: int) -> bool:
     """A point phase (``semconv.POINT_PHASES``) or any zero-length span."""
-    return start_ns == end_ns or name in _POINTS
+    return start_ns == end_ns or name in POINT_NAMES
 
 
 def critical_ns(name: str, start_ns: int, end_ns: int, pf_ns: int | None, kv_ns: int | None) -> int:
     """Nanoseconds of the span inside the handoff window ``[pf_ns, kv_ns]``
     (0 without a window, for a non-handoff phase, or a span outside it)."""
-    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
+    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES or name not in KVLENS_PHASES:
         return 0
     return max(0, min(end_ns, kv_ns) - max(start_ns, pf_ns))
 
 
 def on_critical_path(name: str, start_ns: int, end_ns: int, pf_ns: int | None, kv_ns: int | None) -> bool:
     """Whether the span is on the critical path (see the module docstring)."""
-    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES or name not in _PHASES:
+    if pf_ns is None or kv_ns is None or name in NOT_HANDOFF_PHASES or name not in KVLENS_PHASES:
         return False
     if is_point(name, start_ns, end_ns):
         return pf_ns <= start_ns <= kv_ns
@@ -103,7 +103,7 @@ def static_path(mode: str, phase: str) -> str | None:
     """:data:`CRITICAL` / :data:`OVERLAP` for a phase whose position against
     the window is unknown (Prometheus durations); ``None`` for phases that
     are not handoff cost at all (root, prefill, point phases)."""
-    if phase in NOT_HANDOFF_PHASES or phase in _POINTS:
+    if phase in NOT_HANDOFF_PHASES or phase in POINT_NAMES:
         return None
     return OVERLAP if mode == sc.Mode.PUSH.value and phase in _PUSH_OVERLAP else CRITICAL
 
@@ -279,7 +279,7 @@ class Trace:
         """The handoff split exclusively by phase (:func:`tile`); ``None``
         without a window. ``derived=False``: recorded phases only (what a
         store named before derived phases existed)."""
-        spans = self.spans if derived else [s for s in self.spans if s.name not in _DERIVED]
+        spans = self.spans if derived else [s for s in self.spans if s.name not in DERIVED_NAMES]
         return tile(spans, self.window)
 
     def decomposition(self) -> dict[str, float | None]:

@@ -301,7 +301,7 @@ def bench_stacks(
     try:
         for r, gi, start in stack_plan(len(groups), opts.repeat, opts.fresh_stacks):
             if start:
-                _stop(stack)
+                stop_stack(stack)
                 stack = None  # a failed start must not be stopped twice
                 stack, targets, model_name = _start(
                     stack_factory or Stack, groups[gi], model_dir, run.store.path.parent, opts
@@ -323,7 +323,7 @@ def bench_stacks(
         if done and keep_last:
             run.kept_stack = stack
         else:
-            _stop(stack)
+            stop_stack(stack)
     run.finish()
     return run
 
@@ -353,7 +353,7 @@ def _start(
             shape_links(stack, opts.links)  # after the start-up's warm-up (the NIXL handshakes)
         return stack, stack_targets(stack, mode, ds, opts), served_name(stack.router_url, _router_key(stack, opts))
     except BaseException:
-        _stop(stack)
+        stop_stack(stack)
         raise
 
 
@@ -394,7 +394,7 @@ def _decode_of(stack: Any, mode: str) -> str | None:
     return None
 
 
-def _stop(stack: Any) -> None:
+def stop_stack(stack: Any) -> None:
     if stack is not None:
         with signals_ignored():  # a second Ctrl-C while stopping must not leave orphans
             stack.stop()

@@ -14,7 +14,7 @@ import random
 from typing import Any, NamedTuple
 
 from kvtrace import store, tracemodel
-from kvtrace.tiling import _DERIVED, DERIVATION_INPUTS, Derived
+from kvtrace.tiling import DERIVED_NAMES, DERIVATION_INPUTS, Derived
 from kvrecord import derived
 from kvrecord import semconv as sc
 
@@ -37,7 +37,7 @@ def reference(spans: list[Any]) -> list[Derived]:
         return [s.end_ns if end == "end" else s.start_ns for s in rec if s.role == role and s.name == phase]
 
     out: list[Derived] = []
-    rec = [s for s in spans if s.name not in _DERIVED]
+    rec = [s for s in spans if s.name not in DERIVED_NAMES]
     present = {s.name for s in rec}
     for phase, how in derived.DERIVED_PHASES.items():
         if how.unless is not None and how.unless.value in present:

@@ -13,7 +13,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as om_lates
 
 from exporters import families
 from exporters.collector.wire import WireSpan
-from exporters.families import PHASE_BUCKETS, _Families
+from exporters.families import PHASE_BUCKETS, Families
 from exporters.fasthistogram import FastHistogram, observe_trace
 from exporters.metrics import PhaseMetricsProcessor
 from kvrecord import semconv as sc
@@ -76,7 +76,7 @@ def test_stock_histogram_where_prometheus_client_is_multiprocess(monkeypatch):
     from prometheus_client import values
 
     monkeypatch.setattr(values.ValueClass, "_multiprocess", True, raising=False)
-    assert type(_Families(CollectorRegistry()).phase) is Histogram
+    assert type(Families(CollectorRegistry()).phase) is Histogram
 
 
 def _span(name, k, mode="push", role="prefill", dur_ns=1_500_000, **attrs):

@@ -388,7 +388,7 @@ def test_ten_thousand_request_ids_add_no_series(reg):
         )
         == 10_010
     )
-    assert sum(len(c) for c in m._families_for(reg).children.values()) < 20
+    assert sum(len(c) for c in m.families_for(reg).children.values()) < 20
 
 
 class _Garbage:

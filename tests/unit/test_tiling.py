@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtrace import ranks, store, tracemodel
 from exporters.handoff import HandoffResolver
-from exporters.metrics import PhaseMetricsProcessor, _families_for
+from exporters.metrics import PhaseMetricsProcessor, families_for
 from exporters.pipeline import provider_factory
 from kvtrace.store import StoreSpanExporter
 from kvrecord import semconv as sc
@@ -274,7 +274,7 @@ def test_resolver_observes_the_split_and_counts_long_holds(tmp_path, monkeypatch
     _close(pre, dec)
     reg = CollectorRegistry()
     res = HandoffResolver(
-        _families_for(reg), tmp_path / "traces.db", deadline_s=5.0, max_pending=10, poll_s=0.01, exemplars=False
+        families_for(reg), tmp_path / "traces.db", deadline_s=5.0, max_pending=10, poll_s=0.01, exemplars=False
     )
     for t in trs:
         res.submit(t.trace_id, "push")
