@@ -189,7 +189,7 @@ class ShippingRecorder(Recorder):
                 with self._ship_lock:
                     self._sidecar_gone()
             self.drain()
-            self._run_periodic()
+            self.periodic.run_due()
             self._maybe_write_stats()
         if self._inline:
             self.drain()

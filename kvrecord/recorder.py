@@ -73,7 +73,7 @@ PipelineFactory = Callable[[ids.PinnedIdGenerator], Any]
 _SPAN, _ROOT, _REQUEST = Kind.SPAN, Kind.ROOT, sc.Phase.REQUEST  # module globals: the hot path reads them
 
 
-class Recorder(Periodic):
+class Recorder:
     """Bounded event buffer + background span builder for one process/role.
 
     ``pipeline_factory`` (see :data:`PipelineFactory`) runs on the background
@@ -124,6 +124,7 @@ class Recorder(Periodic):
         self._pipeline_failed = False
         self.thread_name = "kvlens-recorder"
         self.losses = None  # the provider's processors' loss counter (exporters.batching.LossCounter), once built
+        self.periodic = Periodic()  # calls its background thread runs when due (add_periodic)
 
     # ------------------------------------------------------------------ hot path
     def record(
@@ -237,6 +238,12 @@ class Recorder(Periodic):
         return self._stop.is_set()  # close has begun
 
     # --------------------------------------------------------------- background
+    def add_periodic(self, fn: Callable[[], None], every_s: float = 1.0) -> None:
+        """Run ``fn()`` on the background thread about every ``every_s``
+        (:class:`kvrecord.periodic.Periodic`); starts the thread."""
+        self.periodic.add(fn, every_s)
+        self.start()
+
     def start(self) -> "Recorder":
         """Start the background thread now (at engine start-up), so building
         the OTel pipeline - SQLite schema, exporters - never competes with
@@ -287,7 +294,7 @@ class Recorder(Periodic):
             self._wake.wait(self._interval)
             self._wake.clear()
             self.drain()
-            self._run_periodic()
+            self.periodic.run_due()
             write_stats(self)
         self.drain()
 
