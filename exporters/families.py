@@ -118,6 +118,19 @@ class Families:
             buckets=PHASE_BUCKETS,
             registry=r,
         )
+        self.dropped = Counter("kvlens_telemetry_dropped", _DROPPED_HELP, ("role", "reason"), registry=r)
+        self._handoff(r)
+        self._router(r)
+        self._transfer(r)
+        self._push_waiting(r)
+        self._cpu(r)
+        self.lock = threading.Lock()
+        self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child
+        self.drop_seen: dict[Any, int] = {}
+
+    def _handoff(self, r: CollectorRegistry) -> None:
+        """The handoff resolver's (exporters.handoff): the critical path read back from the trace store, what it could not resolve, the P/D clock bounds and P's long holds."""
+        Histogram = histogram_class()  # noqa: N806
         self.handoff = Histogram(
             "kvlens_handoff_seconds",
             "Critical-path handoff prefill.finished (P) -> kv.ready (D), seconds; read from the trace store.",
@@ -146,14 +159,10 @@ class Families:
             registry=r,
             multiprocess_mode="mostrecent",
         )
-        self._requests_and_transfers(r)
-        self._transfer_and_waiting(r)
-        self.lock = threading.Lock()
-        self.children: dict[Any, dict[tuple, Any]] = {}  # metric -> label tuple -> child
-        self.drop_seen: dict[Any, int] = {}
+        self.hold_long = Counter("kvlens_kv_hold_long", _HOLD_HELP, ("mode",), registry=r)
 
-    def _requests_and_transfers(self, r: CollectorRegistry) -> None:
-        """The router's TTFT and request count, NIXL's bytes and descriptors, the per-rank phases."""
+    def _router(self, r: CollectorRegistry) -> None:
+        """What the kvlens router sees of a request: TTFT, TPOT and the request count."""
         Histogram = histogram_class()  # noqa: N806
         self.ttft = Histogram(
             "kvlens_ttft_seconds",
@@ -173,6 +182,10 @@ class Families:
             buckets=TPOT_BUCKETS,
             registry=r,
         )
+
+    def _transfer(self, r: CollectorRegistry) -> None:
+        """NIXL's transfer per rank: bytes, descriptors, bandwidth, the per-rank phases, and KV moved but recomputed."""
+        Histogram = histogram_class()  # noqa: N806
         self.xfer_bytes = Histogram(
             "kvlens_transfer_bytes",
             "KV bytes NIXL moved for one request on one rank (write/read.complete), "
@@ -189,6 +202,10 @@ class Families:
             buckets=DESCRIPTOR_BUCKETS,
             registry=r,
         )
+        self.xfer_gbps = Histogram(
+            "kvlens_transfer_gbps", _GBPS_HELP, ("mode", "role"), buckets=GBPS_BUCKETS, registry=r
+        )
+        self.xfer_implausible = Counter("kvlens_transfer_implausible", _IMPLAUSIBLE_HELP, ("mode", "role"), registry=r)
         self.rank_phase = Histogram(
             "kvlens_rank_phase_duration_seconds",
             _RANK_HELP,
@@ -196,15 +213,6 @@ class Families:
             buckets=PHASE_BUCKETS,
             registry=r,
         )
-
-    def _transfer_and_waiting(self, r: CollectorRegistry) -> None:
-        """Bandwidth, P's long holds, the push waiting gauges, the drop counter and the phases' CPU figures."""
-        Histogram = histogram_class()  # noqa: N806
-        self.xfer_gbps = Histogram(
-            "kvlens_transfer_gbps", _GBPS_HELP, ("mode", "role"), buckets=GBPS_BUCKETS, registry=r
-        )
-        self.xfer_implausible = Counter("kvlens_transfer_implausible", _IMPLAUSIBLE_HELP, ("mode", "role"), registry=r)
-        self.hold_long = Counter("kvlens_kv_hold_long", _HOLD_HELP, ("mode",), registry=r)
         self.kv_recomputed = Counter(
             "kvlens_kv_recomputed",
             "Requests whose D computed more than the prompt's last partial block itself at "
@@ -213,6 +221,9 @@ class Families:
             ("mode",),
             registry=r,
         )
+
+    def _push_waiting(self, r: CollectorRegistry) -> None:
+        """Push's waiting gauges on P: registrations not yet matched, prefills waiting for one."""
         self.regs_waiting = Gauge(
             "kvlens_push_registrations_waiting",
             "Push: D registrations received on P and not yet matched with a finished prefill.",
@@ -225,7 +236,9 @@ class Families:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.dropped = Counter("kvlens_telemetry_dropped", _DROPPED_HELP, ("role", "reason"), registry=r)
+
+    def _cpu(self, r: CollectorRegistry) -> None:
+        """The phases' CPU figures (kvlens.cpu.*: docs/phases.md, "CPU or wire")."""
         labels = ("mode", "role", "phase")
         self.cpu_wait = Counter("kvlens_phase_cpu_wait_seconds", _CPU_WAIT_HELP, labels, registry=r)
         self.cpu_on = Counter("kvlens_phase_cpu_seconds", _CPU_ON_HELP, labels, registry=r)
