@@ -70,8 +70,9 @@ class HealthFamilies:
     """The health metric families of one registry (created once per process and registry)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self._handoffs(registry)
-        self._pinned_and_more(registry)
+        self._open_handoffs(registry)
+        self._pinned_kv(registry)
+        self._watch_limits(registry)
         # every counter at 0 for every label value from the start
         for mode in _MODES:
             self.stale.labels(mode)
@@ -82,7 +83,7 @@ class HealthFamilies:
                 for outcome in openhandoffs.OUTCOMES:
                     self.outcomes.labels(mode, role, outcome)
 
-    def _handoffs(self, r: CollectorRegistry) -> None:
+    def _open_handoffs(self, r: CollectorRegistry) -> None:
         """Open handoffs, attempts and outcomes."""
         self.open = Gauge(
             "kvlens_handoffs_open",
@@ -106,15 +107,9 @@ class HealthFamilies:
             ("mode", "role", "outcome"),
             registry=r,
         )
-        self.stale = Counter(
-            "kvlens_kv_stale",
-            "Requests whose KV was read (pull) or written / notified (push) after P released its blocks.",
-            ("mode",),
-            registry=r,
-        )
 
-    def _pinned_and_more(self, r: CollectorRegistry) -> None:
-        """Pinned KV on P, stale, registration timeouts, untracked handoffs."""
+    def _pinned_kv(self, r: CollectorRegistry) -> None:
+        """KV pinned on P while it waits for D, and KV used after P let it go (stale)."""
         self.pinned_requests = Gauge(
             "kvlens_kv_pinned_requests",
             "Requests holding KV on P while waiting for D, by state.",
@@ -136,6 +131,15 @@ class HealthFamilies:
             registry=r,
             multiprocess_mode="livemin",
         )
+        self.stale = Counter(
+            "kvlens_kv_stale",
+            "Requests whose KV was read (pull) or written / notified (push) after P released its blocks.",
+            ("mode",),
+            registry=r,
+        )
+
+    def _watch_limits(self, r: CollectorRegistry) -> None:
+        """What the watch itself ran into: push's registration watchdog firing, a full open-handoff table."""
         self.reg_timeouts = Counter(
             "kvlens_registration_timeouts",
             "Push registrations whose D-side soft watchdog fired while the request kept waiting.",
