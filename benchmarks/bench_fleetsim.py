@@ -69,7 +69,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fleetsim_io import Collector, retries, send_window  # noqa: E402
 from kvspans import Fleet, Proc, encode  # noqa: E402
 from kvtrace import store  # noqa: E402
-from kvtrace.store import queries, testing  # noqa: E402
+from kvtrace.store import queries  # noqa: E402
+
+# tests/store_sql.py: what a benchmark needs beneath the store API
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import store_sql  # noqa: E402
 
 
 # ---------------------------------------------------------------- schedule
@@ -126,7 +130,7 @@ def run_step(col: Collector, location: str, fleet: Fleet, rate: float, args, say
         f"{sum(len(b) for _, b, _ in bodies) / 2**20:.0f} MiB) in {gen_cpu:.1f} CPU-s "
         f"({gen_cpu / max(1, sched['spans']) * 1e6:.1f} us/span, before the window)"
     )
-    m0, cpu0, size0 = col.counters(), col.cpu_s(), testing.table_bytes(location)
+    m0, cpu0, size0 = col.counters(), col.cpu_s(), store_sql.table_bytes(location)
     sent = asyncio.run(send_window(col.base + "/v1/traces", bodies, args.connections, say))
     del bodies, sched["bodies"]
     t_sent, queue = time.monotonic(), col.queue()
@@ -137,7 +141,7 @@ def run_step(col: Collector, location: str, fleet: Fleet, rate: float, args, say
     t_held = time.monotonic()  # --keep sampled: requests still waiting for their decision (not part of "held")
     while col.counters().get("kvlens_collector_decision_buffer_spans", 0) and time.monotonic() - t_held < 30:
         time.sleep(0.2)
-    m1, cpu1, size1 = col.counters(), col.cpu_s(), testing.table_bytes(location)
+    m1, cpu1, size1 = col.counters(), col.cpu_s(), store_sql.table_bytes(location)
     rss, hwm = col.rss_mb()
     written = int(m1["kvlens_collector_spans_written_total"] - m0.get("kvlens_collector_spans_written_total", 0))
     # --keep sampled: spans of requests kept as their summary only are accounted for, not lost

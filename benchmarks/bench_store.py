@@ -52,7 +52,7 @@ from opentelemetry.trace import SpanContext, format_trace_id
 
 from dashboard import data as D
 from kvtrace import store
-from kvtrace.store.ddl import SUMMARY_PHASES, phase_column
+from kvtrace.store.columns import SUMMARY_PHASES, phase_column
 from kvrecord import semconv as sc
 
 import store_bytes

@@ -367,23 +367,6 @@ def breakdown_words(phases: pd.DataFrame) -> dict[str, str]:
     return {m: tracemodel.dominant_words(groups.get(m), m) for m in MODES}
 
 
-_SLOW_COLS = [
-    "trace_id",
-    "request_id",
-    "mode",
-    "dispatch",
-    "outcome",
-    "start_ns",
-    "ttft_s",
-    "handoff_s",
-    "n_spans",
-    "handoff_err_s",
-    "handoff_note",
-    "p_engine",
-    "d_engine",
-]
-
-
 def slowest(
     path: str | Path,
     n: int = 50,
@@ -393,11 +376,12 @@ def slowest(
     d_engine: str | None = None,
     **filters: Any,
 ) -> pd.DataFrame:
-    """The store's ``slowest`` as a DataFrame (columns ``_SLOW_COLS``), on the
-    engines given (None: any); ``filters``: the fields of :class:`kvtrace.store.TraceFilter`."""
+    """The store's ``slowest`` as a DataFrame (columns ``store.SUMMARY_COLUMNS``, the
+    trace summary's), on the engines given (None: any); ``filters``: the fields of
+    :class:`kvtrace.store.TraceFilter`."""
     with store.reading(path) as c:
         rows = store.slowest(c, n, p_engine=p_engine or None, d_engine=d_engine or None, order=order, **filters)
-    return pd.DataFrame([{k: r.get(k) for k in _SLOW_COLS} for r in rows], columns=_SLOW_COLS)
+    return pd.DataFrame(rows, columns=list(store.SUMMARY_COLUMNS))
 
 
 def _attr_col(key: str) -> str:

@@ -27,15 +27,16 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from kvrecord.location import StoreLocation
-from kvtrace.store.ddl import _TRACES_V2_DDL, SCHEMA_V4_TEMPLATE
+from kvtrace.store.ddl import TRACES_V2_DDL, SCHEMA_V4_TEMPLATE
 from kvtrace.store.dialect import POSTGRES, SQLITE
 from kvtrace.store.pg import translate_sql
 from kvtrace.store.schema import params
 
 #: A table's column names: SQLite and PostgreSQL ask differently.
-_SQLITE_COLUMNS = "SELECT name FROM pragma_table_info(?)"
+_SQLITE_COLUMNS = "SELECT name FROM pragma_table_xinfo(?)"  # xinfo: generated columns too
 _PG_COLUMNS = (
-    "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = ?"
+    "SELECT column_name FROM information_schema.columns WHERE table_schema = current_schema() AND table_name = ? "
+    "ORDER BY ordinal_position"
 )
 
 #: Version 1's traces table, as kvlens wrote it before the ``meta`` table and
@@ -56,7 +57,7 @@ _V2_SCRIPT = (
     "CREATE TABLE spans (trace_id TEXT NOT NULL, span_id TEXT NOT NULL, parent_id TEXT, name TEXT NOT NULL, "
     "role TEXT, mode TEXT, request_id TEXT, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, outcome TEXT, "
     "attributes TEXT, PRIMARY KEY (trace_id, span_id)) WITHOUT ROWID;"
-    + SQLITE.sql(_TRACES_V2_DDL.replace("@name@", "traces"))
+    + SQLITE.sql(TRACES_V2_DDL.replace("@name@", "traces"))
     + ";"
 )
 _OLD_SCRIPTS = {1: _V1_SCRIPT, 2: _V2_SCRIPT}

@@ -40,12 +40,11 @@ from kvtrace.store.errors import (
     StoreVersionError,
     is_transient,
 )
+from kvtrace.store.columns import PHASE_COLUMNS, SPAN_COLUMNS, SUMMARY_COLUMNS, TRACE_COLUMNS
 from kvtrace.store.queries import (
     HANDOFF_COLUMNS,
-    PHASE_COLUMNS,
     SAMPLE_SPAN_COLUMNS,
     SAMPLE_TRACE_COLUMNS,
-    SUMMARY_COLUMNS,
     WINDOW_COLUMNS,
     TraceFilter,
     attributes_of,
@@ -67,7 +66,7 @@ from kvtrace.store.queries import (
     spans_for,
     window,
 )
-from kvtrace.store.schema import SCHEMA_VERSION, SPAN_COLUMNS, TRACE_COLUMNS, checkpoint, connect, reading
+from kvtrace.store.schema import SCHEMA_VERSION, checkpoint, connect, reading
 from kvtrace.store.retention import Retention, prune
 from kvtrace.store.exporter import StoreSpanExporter
 from kvtrace.store.writer import bulk_insert, settle, write_spans

@@ -6,135 +6,21 @@ so both backends walk one and stop after N.
 """
 
 from kvrecord import semconv as sc
-from kvrecord.derived import DERIVED_PHASES
-
-#: The ``traces`` table (version 2: clock crossings and the settled handoff,
-#: docs/phases.md "Clocks across hosts"). ``handoff_raw_s`` is the two-clock
-#: difference; ``handoff_s`` is written by the writer's settle pass
-#: (:mod:`kvtrace.clockbounds`): corrected for the P/D clock offset, with
-#: ``handoff_err_s``, or NULL with ``handoff_note`` saying why it is unknown.
-#: ``xlo_ns`` / ``xhi_ns``: this request's own bounds on D's clock minus P's.
-#: A template: ``{int}``, ``{real}``, ``{least}`` are the dialect's (``@name@``: the table name).
-_TRACES_DDL = """
-CREATE TABLE IF NOT EXISTS @name@ (
-    trace_id            TEXT PRIMARY KEY,
-    request_id          TEXT,
-    mode                TEXT,
-    dispatch            TEXT,
-    outcome             TEXT,
-    start_ns            {int},
-    end_ns              {int},
-    ttft_s              {real},
-    prefill_finished_ns {int},
-    kv_ready_ns         {int},
-    n_spans             {int} NOT NULL DEFAULT 0,
-    p_engine            TEXT,
-    d_engine            TEXT,
-    d2p_sent_ns         {int},
-    d2p_recv_ns         {int},
-    p2d_sent_ns         {int},
-    p2d_recv_ns         {int},
-    handoff_s           {real},
-    handoff_err_s       {real},
-    clock_offset_s      {real},
-    clock_lo_s          {real},
-    clock_hi_s          {real},
-    handoff_note        TEXT,
-    handoff_raw_s       {real} GENERATED ALWAYS AS ((kv_ready_ns - prefill_finished_ns) / 1e9) STORED,
-    xlo_ns              {int} GENERATED ALWAYS AS (d2p_sent_ns - d2p_recv_ns) STORED,
-    xhi_ns              {int} GENERATED ALWAYS AS ({least}(
-                            COALESCE(p2d_recv_ns - p2d_sent_ns, kv_ready_ns - prefill_finished_ns),
-                            COALESCE(kv_ready_ns - prefill_finished_ns, p2d_recv_ns - p2d_sent_ns))) STORED
-)"""
-
-#: Columns version 3 added (``ALTER TABLE ... ADD COLUMN`` on an older
-#: store): the TTFT the engines prove where no kvlens router measured one.
-#: ``p_arrival_ns``: P's request arrival (its ``prefill`` span's start, P's
-#: clock); ``d_first_ns``: D's first token (``decode.first_step`` end, D's
-#: clock). The settle pass writes ``ttft_s`` from them (corrected like the
-#: handoff, ``ttft_err_s`` its bound) with ``ttft_source = 'engines'`` when
-#: no router root span gave the client-seen one (``ttft_source = 'router'``).
-V3_TRACE_COLUMNS = (
-    ("ttft_source", "TEXT"),
-    ("ttft_err_s", "{real}"),
-    ("p_arrival_ns", "{int}"),
-    ("d_first_ns", "{int}"),
-)
-
-#: Column order of a ``spans`` row (writer, ``bulk_insert``, ``spans_for``).
-SPAN_COLUMNS = (
-    "trace_id",
-    "span_id",
-    "parent_id",
-    "name",
-    "role",
-    "mode",
-    "request_id",
-    "start_ns",
-    "end_ns",
-    "outcome",
-    "attributes",
-)
-#: Column order of a written ``traces`` row (``bulk_insert``: synthetic rows
-#: carry their settled handoff as they are; the rest is generated or NULL).
-TRACE_COLUMNS = (
-    "trace_id",
-    "request_id",
-    "mode",
-    "dispatch",
-    "outcome",
-    "start_ns",
-    "end_ns",
-    "ttft_s",
-    "prefill_finished_ns",
-    "kv_ready_ns",
-    "n_spans",
-    "handoff_s",
-    "handoff_err_s",
-)
+from kvtrace.store.columns import SPANS, TRACES, Column, traces_up_to
 
 
-#: Recorded phases with a duration (no points, none of the derived ones:
-#: those need spans of two processes), one summary column each:
-#: ``d_<phase>`` (dots as underscores), seconds, the longest copy of the
-#: phase in the trace (with tensor parallelism one per rank).
-SUMMARY_PHASES: tuple[str, ...] = tuple(
-    p.value for p in sc.Phase if p not in sc.POINT_PHASES and p not in DERIVED_PHASES
-)
+def _table(head: str, columns: tuple[Column, ...], width: int, tail: str = "") -> str:
+    """``CREATE TABLE`` text: one line per column (the name padded to ``width``), then ``tail``."""
+    lines = [f"    {c.name:<{width}} {c.decl}" for c in columns] + ([f"    {tail}"] if tail else [])
+    return f"\n{head} (\n" + ",\n".join(lines) + "\n)"
 
 
-def phase_column(phase: str) -> str:
-    """The summary column of a recorded phase's duration (``write.complete`` -> ``d_write_complete``)."""
-    return "d_" + phase.replace(".", "_")
-
-
-#: Each of :data:`SUMMARY_PHASES` -> its summary column (writer, queries).
-PHASE_COLUMNS: dict[str, str] = {p: phase_column(p) for p in SUMMARY_PHASES}
-
-#: Columns version 4 added (the two tiers, issue 24): ``keep`` says whether
-#: the request's spans are stored and why (:mod:`kvtrace.store.keep`): NULL
-#: while undecided (or written before version 4: all spans kept), ``all``
-#: (``--keep all``), a keep reason (``slow``, ``failed``, ``ratio``, ...) or
-#: ``no`` (summary only); then one duration per :data:`SUMMARY_PHASES`.
-V4_TRACE_COLUMNS = (("keep", "TEXT"), *((c, "{real}") for c in PHASE_COLUMNS.values()))
-
-#: Columns version 7 added: what the live verdict (:mod:`kvtrace.verdict`)
-#: reads of a request beyond its timings, folded from its spans so that a
-#: request kept as its summary only (``--keep sampled``) still has them:
-#: ``prompt_tokens`` (P's count; the router's root span carries the same,
-#: from P's answer), ``split`` (the router's weight of the mode it drew;
-#: NULL when the mode was not drawn) and ``tpot_s`` (the client-seen time
-#: per output token of a stream).
-V7_TRACE_COLUMNS = (("prompt_tokens", "{int}"), ("split", "{real}"), ("tpot_s", "{real}"))
-
-
-def _with_columns(ddl: str, columns) -> str:
-    return ddl[: ddl.rindex(")")].rstrip() + "".join(f",\n    {c:<19} {t}" for c, t in columns) + "\n)"
-
-
-#: Version 2's traces table (what the version 1 -> 2 migration builds).
-_TRACES_V2_DDL = _TRACES_DDL
-_TRACES_DDL = _with_columns(_TRACES_V2_DDL, (*V3_TRACE_COLUMNS, *V4_TRACE_COLUMNS, *V7_TRACE_COLUMNS))
+#: The ``traces`` table as a template (:data:`kvtrace.store.columns.TRACES`
+#: says what each column holds): ``{int}``, ``{real}``, ``{least}`` are the
+#: dialect's (``@name@``: the table name). Version 2's (what the version
+#: 1 -> 2 migration builds), and today's.
+TRACES_V2_DDL = _table("CREATE TABLE IF NOT EXISTS @name@", traces_up_to(2), 19)
+_TRACES_DDL = _table("CREATE TABLE IF NOT EXISTS @name@", TRACES, 19)
 
 
 #: Indexes of ``traces`` up to version 4 that version 5 drops: each cost
@@ -150,21 +36,9 @@ _TRACES_DDL = _with_columns(_TRACES_V2_DDL, (*V3_TRACE_COLUMNS, *V4_TRACE_COLUMN
 #: shows which index each read walks.
 DROPPED_V5_INDEXES = ("traces_mode_outcome_handoff",)
 
-_SPANS_DDL = """
-CREATE TABLE IF NOT EXISTS spans (
-    trace_id   TEXT NOT NULL,
-    span_id    TEXT NOT NULL,
-    parent_id  TEXT,
-    name       TEXT NOT NULL,
-    role       TEXT,
-    mode       TEXT,
-    request_id TEXT,
-    start_ns   {int} NOT NULL,
-    end_ns     {int} NOT NULL,
-    outcome    TEXT,
-    attributes TEXT,
-    PRIMARY KEY (trace_id, span_id)
-){without_rowid}"""
+_SPANS_DDL = (
+    _table("CREATE TABLE IF NOT EXISTS spans", SPANS, 10, tail="PRIMARY KEY (trace_id, span_id)") + "{without_rowid}"
+)
 
 _TRACE_INDEXES = """
 CREATE INDEX IF NOT EXISTS traces_mode_handoff ON traces (mode, handoff_s {desc});

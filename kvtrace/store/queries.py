@@ -19,43 +19,13 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from kvrecord.durations import parse_duration
-from kvtrace.store.ddl import PHASE_COLUMNS
+from kvtrace.store.columns import SPANS, SUMMARY_COLUMNS, check_names
 from kvtrace.store.dialect import POSTGRES, dialect_of
 from kvtrace.store.partitions import day_of
 from kvtrace.store.spanrows import _tuples, named_spans, span_dict, spans_for  # noqa: F401 (the store API)
 from kvtrace.store.spanrows import OPEN_SPANS_LIMIT, open_spans, open_spans_plan  # noqa: F401 (the store API)
 from kvtrace.store.schema import PARAM, params, read_tx, write_tx
 
-#: Columns of a trace summary (``slowest`` rows, :mod:`kvtrace.tracemodel`).
-SUMMARY_COLUMNS = (
-    "trace_id",
-    "request_id",
-    "mode",
-    "dispatch",
-    "outcome",
-    "start_ns",
-    "end_ns",
-    "ttft_s",
-    "prefill_finished_ns",
-    "kv_ready_ns",
-    "handoff_s",
-    "n_spans",
-    "handoff_err_s",
-    "handoff_raw_s",
-    "clock_offset_s",
-    "clock_lo_s",
-    "clock_hi_s",
-    "handoff_note",
-    "p_engine",
-    "d_engine",
-    "ttft_source",
-    "ttft_err_s",
-    "keep",
-    *PHASE_COLUMNS.values(),
-    "prompt_tokens",
-    "split",
-    "tpot_s",
-)
 #: Columns of :func:`handoffs` rows (the resolver's view of a settled trace).
 #: ``complete``: the request's own crossings both ways have arrived, so a
 #: later span cannot change its settled figure any more.
@@ -77,6 +47,10 @@ WINDOW_COLUMNS = ("mode", "outcome", "start_ns", "ttft_s", "handoff_s", "ttft_so
 #: Tuple orders of :func:`handoff_sample` rows.
 SAMPLE_TRACE_COLUMNS = ("trace_id", "mode", "prefill_finished_ns", "kv_ready_ns", "handoff_s", "clock_offset_s")
 SAMPLE_SPAN_COLUMNS = ("trace_id", "role", "name", "start_ns", "end_ns")
+check_names("HANDOFF_COLUMNS", HANDOFF_COLUMNS[:-1])  # the last, "complete", is computed
+check_names("WINDOW_COLUMNS", WINDOW_COLUMNS)
+check_names("SAMPLE_TRACE_COLUMNS", SAMPLE_TRACE_COLUMNS)
+check_names("SAMPLE_SPAN_COLUMNS", SAMPLE_SPAN_COLUMNS, SPANS)
 _ORDER = {"handoff": "handoff_s", "ttft": "ttft_s", "start": "start_ns"}
 
 

@@ -49,9 +49,8 @@ from typing import Any, Iterator
 from urllib.parse import quote
 
 from kvtrace.store import partitions, pg, pgerrors
-from kvtrace.store.ddl import _TRACES_V2_DDL, DROPPED_V5_INDEXES, PG_SCHEMA_TEMPLATE, SCHEMA_TEMPLATE
-from kvtrace.store.ddl import SPAN_COLUMNS, TRACE_COLUMNS, V3_TRACE_COLUMNS, V4_TRACE_COLUMNS  # noqa: F401
-from kvtrace.store.ddl import V7_TRACE_COLUMNS
+from kvtrace.store.columns import added_in
+from kvtrace.store.ddl import TRACES_V2_DDL, DROPPED_V5_INDEXES, PG_SCHEMA_TEMPLATE, SCHEMA_TEMPLATE
 from kvrecord.location import StoreLocation
 from kvtrace.store.dialect import POSTGRES, SQLITE, Dialect, dialect_of
 from kvtrace.store.errors import StoreCorrupt, StoreError, StoreMissing, StoreVersionError
@@ -98,30 +97,30 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: (
         *(f"DROP INDEX IF EXISTS {i}" for i in _V1_INDEXES),
         "ALTER TABLE traces RENAME TO traces_v1",
-        _TRACES_V2_DDL.replace("@name@", "traces"),
+        TRACES_V2_DDL.replace("@name@", "traces"),
         f"INSERT INTO traces ({_V1_TRACE_COLUMNS}, handoff_note) SELECT {_V1_TRACE_COLUMNS}, "
         "CASE WHEN kv_ready_ns IS NOT NULL AND prefill_finished_ns IS NOT NULL "
         "THEN 'unknown: recorded before clock bounds (schema 1)' END FROM traces_v1",
         "DROP TABLE traces_v1",
     ),
-    # 2 -> 3: the engines' TTFT (ddl.V3_TRACE_COLUMNS); older rows keep NULLs.
-    2: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V3_TRACE_COLUMNS),
-    # 3 -> 4: the keep decision and the per-phase durations (ddl.V4_TRACE_COLUMNS);
+    # 2 -> 3: the engines' TTFT (columns.added_in(3)); older rows keep NULLs.
+    2: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in added_in(3)),
+    # 3 -> 4: the keep decision and the per-phase durations (columns.added_in(4));
     # older rows keep NULLs (their spans are all stored).
-    3: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in V4_TRACE_COLUMNS),
+    3: tuple(f"ALTER TABLE traces ADD COLUMN {c} {t}" for c, t in added_in(4)),
     # 4 -> 5: three traces indexes fewer (ddl.DROPPED_V5_INDEXES). PostgreSQL
     # also partitions spans and traces by day: PG_MIGRATIONS.
     4: tuple(f"DROP INDEX IF EXISTS {i}" for i in DROPPED_V5_INDEXES),
     # 5 -> 6: the partial index on ``handoff.open`` spans (ddl.OPEN_SPAN_NAME);
     # the schema script that follows every migration creates it. Both backends.
     5: (),
-    # 6 -> 7: what the verdict reads of a request (ddl.V7_TRACE_COLUMNS), so a
+    # 6 -> 7: what the verdict reads of a request (columns.added_in(7)), so a
     # summary-only request has it; older rows keep NULLs (read from their spans).
     # Added where missing (ADDED_COLUMNS): PostgreSQL's 4 -> 5 rebuilds traces with today's columns.
     6: (),
 }
 #: ``ADDED_COLUMNS[v]``: traces columns the step from ``v`` adds where the table lacks them.
-ADDED_COLUMNS = {6: V7_TRACE_COLUMNS}
+ADDED_COLUMNS = {6: added_in(7)}
 #: ``PG_MIGRATIONS[v]``: what a PostgreSQL store runs instead of ``MIGRATIONS[v]``
 #: (a function of the connection, in the same transaction).
 PG_MIGRATIONS = {4: partitions.migrate_v4}

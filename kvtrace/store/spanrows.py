@@ -9,7 +9,8 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from kvtrace.store.ddl import OPEN_SPAN_NAME
 from kvtrace.store.dialect import dialect_of
-from kvtrace.store.schema import PARAM, SPAN_COLUMNS, params
+from kvtrace.store.columns import SPAN_COLUMNS
+from kvtrace.store.schema import PARAM, params
 
 
 def _tuples(conn: sqlite3.Connection, sql: str, args: Sequence[Any]) -> list[tuple]:

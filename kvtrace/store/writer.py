@@ -20,11 +20,11 @@ from opentelemetry.sdk.trace import ReadableSpan
 
 from kvtrace import clockbounds
 from kvtrace.clockbounds import WINDOW_NS
-from kvtrace.store.ddl import PHASE_COLUMNS
+from kvtrace.store.columns import PHASE_COLUMNS, SPAN_COLUMNS, TRACE_COLUMNS
 from kvtrace.store import partitions
 from kvtrace.store.dialect import POSTGRES, SQLITE, dialect_of
 from kvtrace.store.partitions import day_of
-from kvtrace.store.schema import PARAM, SPAN_COLUMNS, TRACE_COLUMNS, params, write_tx
+from kvtrace.store.schema import PARAM, params, write_tx
 from kvrecord import semconv as sc
 from kvrecord.ids import base_request_id
 
@@ -49,7 +49,7 @@ def _rank(col: str) -> str:
 _FOLD_FIRST = ("prefill_finished_ns", "p_engine", "d_engine", "p_arrival_ns", "d_first_ns")
 _FOLD_MIN = ("d2p_sent_ns", "d2p_recv_ns", "p2d_sent_ns", "p2d_recv_ns")
 _FOLD_MAX = ("kv_ready_ns",)
-#: What the verdict reads (ddl.V7_TRACE_COLUMNS): the first value seen wins (P's count and the router's agree).
+#: What the verdict reads (columns.added_in(7)): the first value seen wins (P's count and the router's agree).
 _FOLD_VERDICT = ("prompt_tokens", "split", "tpot_s")
 _FOLDED = (*_FOLD_FIRST, *_FOLD_MIN, *_FOLD_MAX, *_FOLD_VERDICT)
 #: Each recorded phase's duration column (the longest copy wins: ranks, retries).

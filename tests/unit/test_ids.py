@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtrace import store, tiling, tracemodel
 from exporters.handoff import HandoffResolver
-from exporters.metrics import _families_for
+from exporters.metrics import families_for
 from exporters.pipeline import provider_factory
 from kvrecord import ids
 from kvrecord import semconv as sc
@@ -124,7 +124,7 @@ def test_unjoinable_request_is_two_half_traces_listed_and_counted(tmp_path):
     assert sorted(t.half for t in trs) == ["decode", "prefill"]
     assert all(t.handoff_s is None for t in trs)
     reg = CollectorRegistry()
-    fam = _families_for(reg)
+    fam = families_for(reg)
     res = HandoffResolver(fam, tmp_path / "traces.db", deadline_s=0.01, max_pending=10, poll_s=0.01, exemplars=False)
     d_trace = next(t for t in trs if t.half == "decode").trace_id
     res.submit(d_trace, "pull")
@@ -200,13 +200,13 @@ def test_engines_ttft_is_p_arrival_to_d_first_token_and_a_router_ttft_wins(tmp_p
 
 def test_schema_2_store_is_upgraded_with_the_ttft_columns(tmp_path):
     import store_sql
-    from kvtrace.store.ddl import V3_TRACE_COLUMNS
+    from kvtrace.store.columns import added_in
 
     db = tmp_path / "traces.db"
     store_sql.create_old_store(db, 2, [{"trace_id": "ab", "mode": "pull", "ttft_s": 0.5}])
     conn = store.connect(db)
     conn.close()
-    assert {c for c, _ in V3_TRACE_COLUMNS} <= set(store_sql.columns(db, "traces"))
+    assert {c for c, _ in added_in(3)} <= set(store_sql.columns(db, "traces"))
     assert store_sql.meta(db)["schema_version"] == str(store.SCHEMA_VERSION)
     with store.reading(db) as c:
         ((ttft_s, ttft_source),) = [(r["ttft_s"], r["ttft_source"]) for r in store.slowest(c, 10)]

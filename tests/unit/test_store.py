@@ -14,6 +14,7 @@ from exporters import pipeline
 from kvrecord.config import Options
 from kvtrace import store, tracemodel
 import store_sql
+from kvtrace.store import columns
 from kvrecord import semconv as sc
 from kvrecord.recorder import Recorder
 from store_backends import Backend
@@ -113,6 +114,23 @@ def test_a_new_store_records_its_schema_version(backend):
     assert store_sql.meta(p) == {"schema_version": str(store.SCHEMA_VERSION)}
     with store.reading(p) as c:
         assert store.info(c)["traces"] == 0
+
+
+def test_the_tables_are_the_one_column_list(backend, tmp_path):
+    """``kvtrace.store.columns`` is what the DDL builds, in its order, on both
+    backends (PostgreSQL's partitioned ``traces`` adds its partition key
+    ``day``), and what an old store migrates to; the summary and the written
+    row are parts of it."""
+    store.connect(backend.store).close()
+    want = [c.name for c in columns.TRACES]
+    assert [c for c in store_sql.columns(backend.store, "traces") if c != "day"] == want
+    assert store_sql.columns(backend.store, "spans") == list(store.SPAN_COLUMNS)
+    assert set(store.SUMMARY_COLUMNS) | set(store.TRACE_COLUMNS) <= set(want)
+    assert [c.since for c in columns.TRACES] == sorted(c.since for c in columns.TRACES)  # ADD COLUMN appends
+    old = tmp_path / "v2.db"
+    store_sql.create_old_store(old, 2)
+    store.connect(old).close()
+    assert store_sql.columns(old, "traces") == want
 
 
 def test_a_newer_store_is_refused_naming_both_versions(backend):

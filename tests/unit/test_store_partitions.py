@@ -14,8 +14,10 @@ from opentelemetry.trace import SpanContext
 
 from kvrecord import semconv as sc
 from kvtrace import store
-from kvtrace.store import partitions, testing
-from kvtrace.store.ddl import DROPPED_V5_INDEXES, SUMMARY_PHASES, phase_column
+from kvtrace.store import partitions
+import store_sql
+from kvtrace.store.columns import SUMMARY_PHASES, phase_column
+from kvtrace.store.ddl import DROPPED_V5_INDEXES
 from kvtrace.store.partitions import DAY_NS, day_of
 
 MS = 1_000_000
@@ -50,7 +52,7 @@ def test_writers_create_the_partitions_their_spans_need(pg_url):
         old = (today - 10) * DAY_NS + 3600 * S
         store.write_spans(conn, [_span(7, 1, "request", "router", old, old + S)])
         assert today - 10 in partitions.attached(conn, "spans") and today - 10 in partitions.attached(conn, "traces")
-        assert testing.trace_days(conn, format(7, "032x")) == [today - 10]
+        assert store_sql.trace_days(conn, format(7, "032x")) == [today - 10]
     finally:
         conn.close()
     with store.reading(pg_url) as c:
@@ -68,7 +70,7 @@ def test_a_request_straddling_midnight_is_one_summary_row(backend):
             for i in order:
                 store.write_spans(conn, halves[i])
             if backend.is_pg:
-                assert testing.trace_days(conn, format(tid, "032x")) == [day_of(midnight) - 1]
+                assert store_sql.trace_days(conn, format(tid, "032x")) == [day_of(midnight) - 1]
     finally:
         conn.close()
     ids = [format(0xA1, "032x"), format(0xA2, "032x")]
@@ -114,7 +116,7 @@ def test_concurrent_writers_fold_a_request_across_midnight_into_one_row(pg_url):
         rows = store.slowest(c, 100, trace_ids=ids)
         assert sorted(r["trace_id"] for r in rows) == ids  # one row each
         assert all(r["n_spans"] == 4 and r["start_ns"] == midnight - 2 * S for r in rows)
-        assert {d for t in ids for d in testing.trace_days(c, t)} == {day_of(midnight) - 1}
+        assert {d for t in ids for d in store_sql.trace_days(c, t)} == {day_of(midnight) - 1}
         assert sum(len(v) for v in store.spans_for(c, ids).values()) == 4 * len(ids)
 
 
@@ -160,12 +162,12 @@ def test_retention_drops_old_days_and_keeps_the_rest(backend):
 def test_a_version_4_store_is_migrated_with_its_rows(backend):
     """Version 4's tables as kvlens wrote them: partitioned on PostgreSQL,
     the rows copied, three indexes fewer on both backends, reads unchanged."""
-    testing.create_v4_store(backend.store)
+    store_sql.create_v4_store(backend.store)
     now = time.time_ns()
     starts = [now - 3 * DAY_NS, now - DAY_NS, now]
     ids = [format(0xC0 + i, "032x") for i in range(3)]
     cols = (*store.TRACE_COLUMNS, "keep")
-    testing.insert_rows(
+    store_sql.insert_rows(
         backend.store,
         "traces",
         cols,
@@ -174,25 +176,25 @@ def test_a_version_4_store_is_migrated_with_its_rows(backend):
             for i, (t, s) in enumerate(zip(ids, starts))
         ],
     )
-    testing.insert_rows(
+    store_sql.insert_rows(
         backend.store,
         "spans",
         store.SPAN_COLUMNS,
         [(t, "1", None, "request", "router", "pull", t, s, s + S, "ok", "{}") for t, s in zip(ids, starts)],
     )
-    assert testing.meta(backend.store)["schema_version"] == "4"
+    assert store_sql.meta(backend.store)["schema_version"] == "4"
     store.connect(backend.store).close()
     assert (
-        testing.meta(backend.store)["schema_version"] == str(store.SCHEMA_VERSION) == "7"
+        store_sql.meta(backend.store)["schema_version"] == str(store.SCHEMA_VERSION) == "7"
     )  # through 5 (issue 37: 6; the verdict columns: 7)
-    rels = testing.relation_bytes(backend.store)
+    rels = store_sql.relation_bytes(backend.store)
     assert not set(DROPPED_V5_INDEXES) & set(rels)
     with store.reading(backend.store) as c:
         rows = store.slowest(c, 10)
         spans = store.spans_for(c, ids)
         if backend.is_pg:
             assert {day_of(s) for s in starts} <= set(partitions.attached(c, "traces"))
-            assert [testing.trace_days(c, t) for t in ids] == [[day_of(s)] for s in starts]
+            assert [store_sql.trace_days(c, t) for t in ids] == [[day_of(s)] for s in starts]
     assert [r["trace_id"] for r in rows] == ids[::-1] and [r["handoff_s"] for r in rows] == [0.003, 0.002, 0.001]
     assert all(len(spans[t]) == 1 for t in ids)
 
