@@ -1,6 +1,8 @@
 """The dashboard's front door: a bearer token checked before Streamlit sees
 a request (:class:`TokenGate`, pure ASGI middleware on ``st.App``, see
-``dashboard/serve.py``).
+``dashboard/serve.py``). The token check itself is the services' one
+(:class:`frontdoor.bearer.BearerAuth`); what is the dashboard's own is how a
+browser signs in: the form, ``?token=``, the session cookie.
 
 Why a middleware and not a check inside the page: a Streamlit script runs
 only once the browser has loaded Streamlit's JavaScript and opened its
@@ -42,13 +44,15 @@ without its token) is a path on this site or ``/`` (:func:`safe_next`): a
 browser strips tabs and newlines from a URL, so ``/<TAB>/evil.example/``
 would take it to ``//evil.example/``, another site.
 
-Guessing is slowed (:class:`SignInBackoff`): a wrong token in the form, in
-``?token=`` or in ``Authorization`` counts against the client's address;
-after :data:`BACKOFF_FREE` of them, each further attempt from that address
-gets 429 with ``Retry-After`` (2 s, doubling per failure, at most
-:data:`BACKOFF_MAX_S`) and its token is not compared. A valid session
-cookie still passes (it is not guessable). The key is the address the
-server sees: behind a reverse proxy every user shares the proxy's.
+Guessing is slowed (:class:`frontdoor.backoff.SignInBackoff`): a wrong
+token in the form, in ``?token=`` or in ``Authorization`` counts against the
+client's address; after :data:`~frontdoor.backoff.SIGNIN_FREE` of them, each
+further attempt from that address gets 429 with ``Retry-After`` (2 s,
+doubling per failure, at most :data:`~frontdoor.backoff.SIGNIN_MAX_S`) and
+its token is not compared. A request with no token at all (a browser's
+first visit) is no guess: not counted, and answered with the form. A valid
+session cookie still passes (it is not guessable). The key is the address
+the server sees: behind a reverse proxy every user shares the proxy's.
 """
 
 from __future__ import annotations
@@ -57,11 +61,12 @@ import hashlib
 import hmac
 import html
 import json
-import math
-import time
-from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from frontdoor.backoff import SignInBackoff
+from frontdoor.bearer import BearerAuth, Refusal, client_of, header, respond, send_refusal
+from frontdoor.credentials import Security, matches
 
 #: Paths served without a token: Streamlit's liveness probe (answers "ok").
 EXEMPT = frozenset({"/_stcore/health"})
@@ -73,16 +78,10 @@ LOGOUT_PATH = "/_kvlens/logout"
 COOKIE = "kvlens_session"
 #: A login form body larger than this is refused (a token is < 1 KiB).
 MAX_FORM_BYTES = 8 * 1024
+#: The realm of ``WWW-Authenticate`` in every refusal.
+REALM = "kvlens dashboard"
 _LABEL = b"kvlens dashboard session v1"
-#: Wrong tokens one client address may send before it must wait (:class:`SignInBackoff`).
-BACKOFF_FREE = 5
-#: The first wait after :data:`BACKOFF_FREE` failures; it doubles per further failure, up to :data:`BACKOFF_MAX_S`.
-BACKOFF_FIRST_S = 2.0
-BACKOFF_MAX_S = 300.0
-#: A client's failures are forgotten after this long without one (longer than the longest wait).
-BACKOFF_FORGET_S = 600.0
-#: Client addresses remembered at most (the least recently failing one is dropped first).
-BACKOFF_CLIENTS = 4096
+_NOT_OURS = "That token is not this dashboard's."
 
 
 def session_value(token: bytes) -> str:
@@ -90,15 +89,8 @@ def session_value(token: bytes) -> str:
     return hmac.new(token, _LABEL, hashlib.sha256).hexdigest()
 
 
-def _header(scope: dict, name: bytes) -> bytes | None:
-    for k, v in scope.get("headers") or ():
-        if k == name:
-            return v
-    return None
-
-
 def _cookie(scope: dict, name: str) -> str | None:
-    raw = _header(scope, b"cookie")
+    raw = header(scope, b"cookie")
     if not raw:
         return None
     for part in raw.decode("latin-1").split(";"):
@@ -106,13 +98,6 @@ def _cookie(scope: dict, name: str) -> str | None:
         if k == name:
             return v
     return None
-
-
-def _bearer(header: bytes | None) -> bytes | None:
-    if not header:
-        return None
-    scheme, _, given = header.strip().partition(b" ")
-    return given.strip() if scheme.lower() == b"bearer" else None
 
 
 def safe_next(target: str | None) -> str:
@@ -136,59 +121,6 @@ def safe_next(target: str | None) -> str:
     return target
 
 
-class SignInBackoff:
-    """Wrong tokens per client address (module docstring): after ``free``
-    failures, each further one makes that address wait ``first_s`` seconds,
-    doubling, at most ``max_s``; a client without a failure for ``forget_s``
-    starts afresh, and a correct token clears it. At most ``max_clients``
-    addresses are kept (least recently failing dropped first), so a flood of
-    addresses cannot grow it. Event loop only (Streamlit's server has one)."""
-
-    def __init__(
-        self,
-        free: int = BACKOFF_FREE,
-        first_s: float = BACKOFF_FIRST_S,
-        max_s: float = BACKOFF_MAX_S,
-        forget_s: float = BACKOFF_FORGET_S,
-        max_clients: int = BACKOFF_CLIENTS,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.free, self.first_s, self.max_s, self.forget_s = free, first_s, max_s, forget_s
-        self.max_clients, self.clock = max_clients, clock
-        self._seen: OrderedDict[str, list[float]] = OrderedDict()  # client -> [failures, last failure, wait until]
-
-    def wait(self, client: str) -> float:
-        """Seconds ``client`` must still wait before a token of it is compared (0: none)."""
-        e = self._seen.get(client)
-        return 0.0 if e is None else max(0.0, e[2] - self.clock())
-
-    def failed(self, client: str) -> None:
-        """One wrong token from ``client``."""
-        now = self.clock()
-        e = self._seen.get(client)
-        if e is None or now - e[1] >= self.forget_s:
-            e = self._seen[client] = [0, now, now]
-        e[0] += 1
-        e[1] = now
-        if e[0] >= self.free:
-            e[2] = now + min(self.max_s, self.first_s * 2 ** min(e[0] - self.free, 32))
-        self._seen.move_to_end(client)
-        while len(self._seen) > self.max_clients:
-            self._seen.popitem(last=False)
-
-    def succeeded(self, client: str) -> None:
-        """``client`` gave the right token: its failures are forgotten."""
-        self._seen.pop(client, None)
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-
-def _client(scope: dict) -> str:
-    c = scope.get("client")
-    return str(c[0]) if c else "?"
-
-
 def _login_page(next_path: str, problem: str | None) -> bytes:
     note = f'<p class="err">{html.escape(problem)}</p>' if problem else ""
     return f"""<!doctype html>
@@ -205,14 +137,40 @@ input{{width:100%;padding:.5rem;margin:.5rem 0;box-sizing:border-box}}.err{{colo
 <input type="submit" value="Sign in"></form></body></html>""".encode()
 
 
+def _answer(scope: dict, next_path: str, problem: str | None) -> tuple[bytes, bytes]:
+    """A refusal's content type and body: the sign-in form (going back to
+    ``next_path``) for a browser, a JSON line otherwise."""
+    accept = (header(scope, b"accept") or b"").decode("latin-1")
+    if "text/html" in accept:
+        return b"text/html; charset=utf-8", _login_page(safe_next(next_path), problem)
+    msg = problem or "unauthorized: send Authorization: Bearer TOKEN, or sign in from a browser"
+    return b"application/json", json.dumps({"error": msg}).encode()
+
+
+def _wait_problem(refusal: Refusal) -> str:
+    return f"Too many wrong tokens from this address: try again in {refusal.retry_after_s} s."
+
+
+def _refusal_body(scope: dict, refusal: Refusal) -> tuple[bytes, bytes]:
+    """What :class:`~frontdoor.bearer.BearerAuth` answers for the dashboard:
+    the form going back to the page asked for (401), or to ``/`` with the
+    wait (429)."""
+    if refusal.status == 429:
+        return _answer(scope, "/", _wait_problem(refusal))
+    query = scope.get("query_string", b"").decode("latin-1")
+    return _answer(scope, (scope.get("path") or "/") + (f"?{query}" if query else ""), None)
+
+
 class TokenGate:
     """Pure ASGI middleware: with ``token`` set (bytes), an HTTP request or a
     websocket passes only with ``Authorization: Bearer <token>`` or the
     session cookie; everything else gets 401 (a login page for a browser, a
     JSON body otherwise; a websocket is closed before it is accepted, which
     the server answers 403). Handles :data:`LOGIN_PATH`, :data:`LOGOUT_PATH`
-    and ``?token=`` itself (module docstring). A client address that sent
-    too many wrong tokens gets 429 (``backoff``, :class:`SignInBackoff`).
+    and ``?token=`` itself (module docstring); every other request goes
+    through the services' bearer check (:class:`frontdoor.bearer.BearerAuth`,
+    the cookie as its ``signed_in``). A client address that sent too many
+    wrong tokens gets 429 (``backoff``, :class:`~frontdoor.backoff.SignInBackoff`).
     ``token=None`` passes everything through untouched (loopback, or
     ``--insecure``)."""
 
@@ -221,17 +179,28 @@ class TokenGate:
         self.token = token
         self.session = session_value(token) if token else None
         self.backoff = backoff if backoff is not None else SignInBackoff()
+        self.bearer = BearerAuth(
+            app,
+            Security(token=token),
+            exempt=EXEMPT,
+            body=_refusal_body,
+            realm=REALM,
+            signed_in=self._session_ok,
+            backoff=self.backoff,
+            count_missing=False,
+        )
 
     def _session_ok(self, scope: dict) -> bool:
         cookie = _cookie(scope, COOKIE)
         return cookie is not None and hmac.compare_digest(cookie.encode("latin-1"), self.session.encode())
 
     def _token_ok(self, scope: dict, given: bytes) -> bool:
-        """Compare a token the client sent (the caller checked the backoff); count the result."""
-        if hmac.compare_digest(given, self.token):
-            self.backoff.succeeded(_client(scope))
+        """Compare a token the client sent in the form or ``?token=`` (the
+        caller checked the backoff), as the bearer check does; count the result."""
+        if matches(given, (self.token,)):
+            self.backoff.succeeded(client_of(scope))
             return True
-        self.backoff.failed(_client(scope))
+        self.backoff.failed(client_of(scope))
         return False
 
     def _set_cookie(self, scope: dict) -> tuple[bytes, bytes]:
@@ -251,29 +220,12 @@ class TokenGate:
             clear = (b"set-cookie", f"{COOKIE}=; Path=/; Max-Age=0; HttpOnly; SameSite=Strict".encode())
             await _redirect(send, "/", [clear])
             return
-        if path in EXEMPT:
-            await self.app(scope, receive, send)
-            return
-        query = scope.get("query_string", b"").decode("latin-1")
-        params = parse_qsl(query, keep_blank_values=True)
-        if kind == "http" and any(k == "token" for k, _ in params):
-            await self._token_in_url(scope, send, path, params)
-            return
-        if self._session_ok(scope):
-            await self.app(scope, receive, send)
-            return
-        given = _bearer(_header(scope, b"authorization"))
-        wait = self.backoff.wait(_client(scope)) if given is not None else 0.0
-        if given is not None and not wait and self._token_ok(scope, given):
-            await self.app(scope, receive, send)
-            return
-        if kind == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        if wait:
-            await self._too_many(scope, send, "/", wait)
-            return
-        await self._refuse(scope, send, path + (f"?{query}" if query else ""), None)
+        if kind == "http" and path not in EXEMPT:
+            params = parse_qsl(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+            if any(k == "token" for k, _ in params):
+                await self._token_in_url(scope, send, path, params)
+                return
+        await self.bearer(scope, receive, send)
 
     async def _token_in_url(self, scope: dict, send, path: str, params: list[tuple[str, str]]) -> None:
         """``?token=``: the cookie and a redirect to the URL without it (a
@@ -281,19 +233,13 @@ class TokenGate:
         given = next(v for k, v in params if k == "token").encode("utf-8", "replace")
         rest = [(k, v) for k, v in params if k != "token"]
         target = safe_next(path + (f"?{urlencode(rest)}" if rest else ""))
-        wait = self.backoff.wait(_client(scope))
-        if wait:
-            await self._too_many(scope, send, target, wait)
-        elif self._token_ok(scope, given):
-            await _redirect(send, target, [self._set_cookie(scope)])
-        else:
-            await self._refuse(scope, send, target, "That token is not this dashboard's.")
+        await self._sign_in(scope, send, given, target)
 
     async def _login(self, scope: dict, receive, send) -> None:
         """POST of the login form: the cookie and a redirect, or the form
         again with 401 (429 while the client waits)."""
         if scope.get("method") != "POST":
-            await self._refuse(scope, send, "/", None)
+            await self._refuse(scope, send, Refusal(401, "sign in with a POST of the form"), "/", None)
             return
         body = b""
         more = True
@@ -304,47 +250,27 @@ class TokenGate:
             body += msg.get("body", b"")
             more = msg.get("more_body", False)
             if len(body) > MAX_FORM_BYTES:
-                await _respond(send, 413, b"login form too large", b"text/plain; charset=utf-8")
+                await respond(send, 413, b"login form too large", b"text/plain; charset=utf-8")
                 return
         form = dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
-        target = safe_next(form.get("next"))
         given = form.get("token", "").strip().encode("utf-8", "replace")
-        wait = self.backoff.wait(_client(scope))
+        await self._sign_in(scope, send, given, safe_next(form.get("next")))
+
+    async def _sign_in(self, scope: dict, send, given: bytes, target: str) -> None:
+        """A token from the form or ``?token=``: the cookie and a redirect to
+        ``target``; 401 and the form again when it is wrong (or empty); 429,
+        nothing compared, while the client waits."""
+        wait = self.backoff.wait(client_of(scope))
         if wait:
-            await self._too_many(scope, send, target, wait)
+            refusal = Refusal(429, "too many wrong tokens", wait_s=wait)
+            await self._refuse(scope, send, refusal, target, _wait_problem(refusal))
         elif given and self._token_ok(scope, given):
             await _redirect(send, target, [self._set_cookie(scope)])
         else:
-            await self._refuse(scope, send, target, "That token is not this dashboard's.")
+            await self._refuse(scope, send, Refusal(401, _NOT_OURS, why="wrong"), target, _NOT_OURS)
 
-    async def _too_many(self, scope: dict, send, next_path: str, wait: float) -> None:
-        """429 with ``Retry-After``: the client sent too many wrong tokens; nothing was compared."""
-        secs = max(1, math.ceil(wait))
-        problem = f"Too many wrong tokens from this address: try again in {secs} s."
-        await self._refuse(scope, send, next_path, problem, 429, [(b"retry-after", str(secs).encode())])
-
-    async def _refuse(
-        self, scope: dict, send, next_path: str, problem: str | None, status: int = 401, more: list | None = None
-    ) -> None:
-        accept = (_header(scope, b"accept") or b"").decode("latin-1")
-        extra = [(b"www-authenticate", b'Bearer realm="kvlens dashboard"'), *(more or [])]
-        if "text/html" in accept:
-            body = _login_page(safe_next(next_path), problem)
-            await _respond(send, status, body, b"text/html; charset=utf-8", extra)
-            return
-        msg = problem or "unauthorized: send Authorization: Bearer TOKEN, or sign in from a browser"
-        await _respond(send, status, json.dumps({"error": msg}).encode(), b"application/json", extra)
-
-
-async def _respond(send, status: int, body: bytes, ctype: bytes, extra: list | None = None) -> None:
-    headers = [
-        (b"content-type", ctype),
-        (b"content-length", str(len(body)).encode()),
-        (b"cache-control", b"no-store"),
-        *(extra or []),
-    ]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    async def _refuse(self, scope: dict, send, refusal: Refusal, next_path: str, problem: str | None) -> None:
+        await send_refusal(send, refusal, _answer(scope, next_path, problem), REALM)
 
 
 async def _redirect(send, location: str, extra: list) -> None:

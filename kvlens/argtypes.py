@@ -40,6 +40,15 @@ def int_in(lo: int, hi: int, what: str = "an integer"):
     return parse
 
 
+MAX_PORT = 65535
+
+
+def port_arg(allow_zero: bool = False):
+    """An argparse ``type=``: a TCP port 1..65535 (0 too with ``allow_zero``:
+    "pick a free one"); anything else is a usage error naming the value."""
+    return int_in(0 if allow_zero else 1, MAX_PORT, "a port number")
+
+
 def from_parser(fn, *errors: type[Exception]):
     """argparse ``type=`` around a parser that raises one of ``errors``
     with a message fit for the user (the message becomes the usage error)."""
@@ -102,51 +111,3 @@ def keep_rule(args: argparse.Namespace):
             if getattr(args, flag, None) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')} applies only with --keep sampled")
     return rule
-
-
-#: Environment variables the API key is read from when no flag gives it (the
-#: first set wins); ``VLLM_API_KEY`` is what vLLM itself reads.
-API_KEY_ENV = ("KVLENS_API_KEY", "VLLM_API_KEY")
-
-
-def add_api_key_arguments(p: argparse.ArgumentParser, what: str) -> None:
-    """``--api-key-file`` and ``--api-key`` (kept, with a warning: ps shows it),
-    for ``kvlens proxy``, ``up`` and ``bench``. ``what``: who requires it."""
-    p.add_argument(
-        "--api-key-file",
-        default=None,
-        metavar="PATH",
-        help=f"file holding the API key: {what} (default: ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]}, else none)",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        metavar="KEY",
-        help="the API key as a flag value: ps shows it to every user of the host (a warning says so); "
-        f"prefer --api-key-file or ${API_KEY_ENV[0]}",
-    )
-
-
-def api_key_arg(args: argparse.Namespace, warn) -> str | None:
-    """The API key the flags give: ``--api-key-file``'s content, else
-    ``--api-key`` (``warn`` gets one line naming the risk), else None (the
-    caller falls back to :data:`API_KEY_ENV`). ValueError naming the
-    problem: both flags, an unreadable or empty file, a key with spaces."""
-    path, flag = getattr(args, "api_key_file", None), getattr(args, "api_key", None)
-    if path and flag:
-        raise ValueError("give the API key once: --api-key-file or --api-key, not both")
-    if path:
-        try:
-            with open(path, "rb") as f:
-                key = f.read().decode("utf-8", "replace").strip()
-        except OSError as e:
-            raise ValueError(f"cannot read --api-key-file {path}: {e.strerror or e}") from None
-        if not key or any(c.isspace() or not c.isprintable() for c in key):
-            raise ValueError(f"--api-key-file {path}: the key must be one line of printable characters, no spaces")
-        return key
-    if flag:
-        warn(
-            "warning: --api-key puts the key on the command line, where ps shows it to every user of "
-            f"this host; use --api-key-file PATH or ${API_KEY_ENV[0]} instead"
-        )
-    return flag or None

@@ -7,7 +7,8 @@ own counters plus the phase and handoff histograms of the spans it stores,
 with trace-id exemplars) and ``GET /healthz`` with uvicorn on a socket bound
 here first, so a busy port is one clear line; ``TraceService/Export`` on the
 gRPC port (:mod:`exporters.collector.grpc_receiver`, its own bounded thread
-pool). Token and TLS: :mod:`kvlens.auth`, checked before anything binds.
+pool). Token and TLS: :mod:`frontdoor` (its flags, its bearer check, its
+TLS), checked before anything binds.
 SIGTERM / SIGINT: uvicorn stops taking requests, the lifespan hook stops the
 gRPC server (in-flight calls get :data:`GRPC_GRACE_S`), flushes the queue
 into the store (``Ingest.close``, bounded) and the command exits 0.
@@ -20,7 +21,8 @@ import socket
 import sqlite3
 import sys
 
-from kvlens import auth, origin
+from frontdoor import flags, samesite
+from frontdoor.credentials import Security, SecurityError
 from kvlens.argtypes import add_keep_arguments, keep_rule
 from kvrecord.config import default_store
 from kvrecord.location import StoreLocation
@@ -134,8 +136,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="answer when the queue is full (default 429; 503 for exporters that retry only 5xx, "
         "e.g. older opentelemetry-python OTLP/HTTP exporters; gRPC: RESOURCE_EXHAUSTED or UNAVAILABLE)",
     )
-    auth.add_arguments(p, client_certs=True, roles=COLLECTOR_ROLES)
-    origin.add_arguments(p)
+    flags.add_arguments(p, client_certs=True, roles=COLLECTOR_ROLES)
+    samesite.add_arguments(p)
 
 
 #: The collector's roles: exporters send the ingest token, readers of /metrics and health details the read token.
@@ -230,8 +232,8 @@ def run(args: argparse.Namespace) -> int:
     security = None
     if not problem:
         try:
-            security = auth.from_args(args, args.host, warn=_warn)
-        except auth.SecurityError as e:
+            security = flags.from_args(args, args.host, warn=_warn)
+        except SecurityError as e:
             problem = str(e)
     store, bad = (None, None) if problem else _store_arg(args)
     problem = problem or bad or _store_problem(store)
@@ -285,29 +287,27 @@ def _tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
-def _start_grpc(args: argparse.Namespace, ingest, security: auth.Security, max_body_bytes: int):
+def _start_grpc(args: argparse.Namespace, ingest, security: Security, max_body_bytes: int):
     """The OTLP/gRPC server, started, and its port; (None, None) with
     --no-grpc. RuntimeError when its port cannot be bound."""
     if args.no_grpc:
         return None, None
     from exporters.collector.grpc_receiver import add_port, grpc_server
+    from frontdoor.serving import grpc_credentials
 
-    authorized = None
-    if security.any_token:
-
-        def authorized(header: str | None) -> bool:  # an export: the ingest role
-            return security.allows("ingest", header)
-
-    server = grpc_server(ingest, authorized, max_body_bytes=max_body_bytes, busy_status=args.busy_status)
-    port = add_port(server, args.host, args.grpc_port, auth.grpc_credentials(security))
+    server = grpc_server(ingest, security, max_body_bytes=max_body_bytes, busy_status=args.busy_status)
+    port = add_port(server, args.host, args.grpc_port, grpc_credentials(security))
     server.start()
     return server, port
 
 
-def _http_app(args, ingest, registry, security: auth.Security, max_body: int, before_close):
-    """The collector's ASGI app, behind the bearer check when a token is set
-    (a refused export is counted ``unauthenticated``; a refused scrape is not an export)."""
+def _http_app(args, ingest, registry, security: Security, max_body: int, before_close):
+    """The collector's ASGI app behind the bearer check
+    (:class:`frontdoor.bearer.BearerAuth`, which passes everything when no
+    token is set; a refused export is counted ``unauthenticated``, a refused
+    scrape is not an export), behind the same-site guard."""
     from exporters.collector.app import TRACES_PATH, create_app
+    from frontdoor.bearer import BearerAuth
 
     app = create_app(
         ingest,
@@ -317,20 +317,22 @@ def _http_app(args, ingest, registry, security: auth.Security, max_body: int, be
         busy_status=args.busy_status,
         before_close=before_close,
     )
-    # no cross-site POST, no DNS rebinding (kvlens.origin), outside the token check
-    guard = {"bind_host": args.host, "allowed_hosts": getattr(args, "allowed_host", None) or ()}
-    guard["post_types"] = {TRACES_PATH: origin.OTLP_TYPES}
-    if not security.any_token:
-        return origin.SameSiteGuard(app, **guard)
 
     def refused(scope: dict) -> None:
         if scope.get("path") == TRACES_PATH:
             ingest.reject("unauthenticated")
 
-    return origin.SameSiteGuard(auth.BearerAuthMiddleware(app, security, on_reject=refused, role_of=_role_of), **guard)
+    checked = BearerAuth(app, security, on_reject=refused, role_of=_role_of)
+    # no cross-site POST, no DNS rebinding (frontdoor.samesite), outside the token check
+    return samesite.SameSiteGuard(
+        checked,
+        bind_host=args.host,
+        allowed_hosts=getattr(args, "allowed_host", None) or (),
+        post_types={TRACES_PATH: samesite.OTLP_TYPES},
+    )
 
 
-def _announce(sock: socket.socket, grpc_port: int | None, store, security: auth.Security, rule) -> None:
+def _announce(sock: socket.socket, grpc_port: int | None, store, security: Security, rule) -> None:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     scheme = security.scheme
@@ -340,13 +342,13 @@ def _announce(sock: socket.socket, grpc_port: int | None, store, security: auth.
     print(f"kvlens collect: {security.describe()}; {rule.describe()}", flush=True)
 
 
-def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket, security: auth.Security) -> int:
+def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket, security: Security) -> int:
     # start-up cost: uvicorn, starlette, protobuf and grpc load only when it serves
     import uvicorn
     from prometheus_client import CollectorRegistry
 
     from exporters.collector.ingest import collector_ingest
-    from kvlens import serving
+    from frontdoor import serving
     from kvlens.signals import sigterm_as_interrupt
 
     registry = CollectorRegistry()
@@ -370,7 +372,7 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket, 
             grpc_server.stop(GRPC_GRACE_S).wait(GRPC_GRACE_S + 1)
 
     app = _http_app(args, ingest, registry, security, max_body, stop_grpc)
-    # TLS 1.2+ with kvlens' ciphers, and a cap on concurrent connections (kvlens/serving.py)
+    # TLS 1.2+ with kvlens' ciphers, and a cap on concurrent connections (frontdoor/serving.py)
     config = serving.config(
         app, security, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=5
     )

@@ -3,7 +3,7 @@ through ``dashboard/serve.py``) as a child process bound to 127.0.0.1 unless
 ``--host`` says otherwise, print its URL, forward SIGINT/SIGTERM to it and
 exit with it.
 
-Token and TLS (:mod:`kvlens.auth`): a token from ``$KVLENS_TOKEN`` or
+Token and TLS (:mod:`frontdoor.flags`): a token from ``$KVLENS_TOKEN`` or
 ``--token-file`` makes every request need it (:class:`dashboard.gate.TokenGate`,
 ASGI middleware on Streamlit's own server: a login form or ``?token=`` once
 sets a session cookie; see that module for why the check is there and not
@@ -57,9 +57,10 @@ import sys
 from pathlib import Path
 
 import dashboard
-from kvlens import auth
+from frontdoor import flags
+from frontdoor.credentials import ROLE_ENV, Security, SecurityError
 from kvrecord.children import ChildProcess
-from kvrecord.config import HOME_ENV, default_store, home
+from kvrecord.config import HOME_ENV, TOKEN_ENV, default_store, home
 from kvrecord.location import StoreLocation
 
 DEFAULT_PORT = 8501
@@ -83,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host",
         default=DEFAULT_HOST,
-        help=f"address to bind (default {DEFAULT_HOST}); any other needs a token (${auth.TOKEN_ENV} or "
+        help=f"address to bind (default {DEFAULT_HOST}); any other needs a token (${TOKEN_ENV} or "
         "--token-file) or --insecure",
     )
     p.add_argument(
@@ -91,10 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="show exceptions with their traceback in the page (default: a short message only)",
     )
-    auth.add_arguments(p, roles=("read",))
+    flags.add_arguments(p, roles=("read",))
     p.epilog = (
-        f"The dashboard's one role is read: with a read token (--read-token-file or ${auth.ROLE_ENV['read']}) "
-        f"it takes that token, else the all-roles one (${auth.TOKEN_ENV} or --token-file). "
+        f"The dashboard's one role is read: with a read token (--read-token-file or ${ROLE_ENV['read']}) "
+        f"it takes that token, else the all-roles one (${TOKEN_ENV} or --token-file). "
         f"With a token every page needs it: a browser signs in once, "
         "with the form the dashboard shows or by opening any URL with ?token=TOKEN (the dashboard moves it "
         "into a session cookie and strips it from the URL), and scripts send Authorization: Bearer TOKEN. "
@@ -115,7 +116,7 @@ def workdir() -> Path:
     return app_path().parent.parent
 
 
-def gate_token(security: auth.Security) -> bytes | None:
+def gate_token(security: Security) -> bytes | None:
     """The one token the dashboard's gate checks: the read token when one is
     set (the dashboard only reads), else the all-roles token. The gate keeps
     one token (its session cookie is derived from it), so with both set the
@@ -123,18 +124,18 @@ def gate_token(security: auth.Security) -> bytes | None:
     return security.read_token or security.token
 
 
-def child_env(store: StoreLocation | None = None, security: auth.Security | None = None) -> dict[str, str]:
+def child_env(store: StoreLocation | None = None, security: Security | None = None) -> dict[str, str]:
     """The child's environment: ours, with ``KVLENS_HOME`` absolute (the
     child's working directory is not ours), a store URL's password as
     ``PGPASSWORD``, and ``security``'s token (:func:`gate_token`) as
     ``$KVLENS_TOKEN`` (none inherited otherwise: the gate's token is the one
     checked here)."""
     env = {**os.environ, HOME_ENV: str(home())}
-    env.pop(auth.TOKEN_ENV, None)
-    env.pop(auth.ROLE_ENV["read"], None)
+    env.pop(TOKEN_ENV, None)
+    env.pop(ROLE_ENV["read"], None)
     token = gate_token(security) if security is not None else None
     if token:
-        env[auth.TOKEN_ENV] = token.decode()
+        env[TOKEN_ENV] = token.decode()
     if store is not None:
         env.update(store.password_env())
     return env
@@ -190,7 +191,7 @@ def command(args: argparse.Namespace, store: StoreLocation | str | os.PathLike) 
         "--client.toolbarMode",
         "viewer",
     ]
-    if getattr(args, "tls_cert", None):  # paths, not secrets (auth.from_args checked them)
+    if getattr(args, "tls_cert", None):  # paths, not secrets (flags.from_args checked them)
         cmd += ["--server.sslCertFile", str(Path(args.tls_cert).resolve())]
         cmd += ["--server.sslKeyFile", str(Path(args.tls_key).resolve())]
     cmd += ["--", "--store", StoreLocation.parse(store).without_password().text]
@@ -212,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvlens dashboard: --store: {e}", file=sys.stderr)
         return 2
     try:
-        security = auth.from_args(args, args.host)
-    except auth.SecurityError as e:
+        security = flags.from_args(args, args.host)
+    except SecurityError as e:
         print(f"kvlens dashboard: {e}", file=sys.stderr)
         return 2
     problem = _check_store(store)

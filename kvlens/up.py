@@ -15,14 +15,14 @@ import os
 import sys
 import time
 
-from kvlens.argtypes import api_key_arg
+from frontdoor import flags
+from frontdoor.credentials import is_loopback
+from frontdoor.flags import api_key_arg, env_api_key
 from kvlens.signals import sigterm_as_interrupt
-from kvlens.stack.commands import env_api_key
 from kvlens.stack.errors import StackError
 from kvlens.stack.instances import check_routers
 from kvlens.stack.launch import Stack
 from kvlens.upargs import add_arguments  # noqa: F401 - kvlens.cli registers the command through this module
-from kvlens.stack.ports import is_loopback
 from kvlens.stack.supervise import signals_ignored
 from kvlens.stack.tp import tp_note
 from kvrecord.config import TOKEN_ENV, client_token
@@ -45,12 +45,10 @@ def check_args(args: argparse.Namespace) -> None:
 
 def use_token(args: argparse.Namespace) -> None:
     """``--token-file`` (else ``$KVLENS_TOKEN``), checked as every kvlens server
-    checks it (:func:`kvlens.auth.from_args`: 16 characters at least, no
+    checks it (:func:`frontdoor.flags.from_args`: 16 characters at least, no
     spaces; SecurityError naming the problem), put in our environment as
     ``$KVLENS_TOKEN``: every child inherits it, none gets it on its command line."""
-    from kvlens import auth
-
-    sec = auth.from_args(args, "127.0.0.1", warn=lambda line: print(f"kvlens up: {line}", file=sys.stderr, flush=True))
+    sec = flags.from_args(args, "127.0.0.1", warn=lambda line: print(f"kvlens up: {line}", file=sys.stderr, flush=True))
     if sec.token:
         os.environ[TOKEN_ENV] = sec.token.decode()
 
@@ -220,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         args.api_key = api_key_arg(args, lambda line: print(f"kvlens up: {line}", file=sys.stderr, flush=True))
         use_token(args)
         check_args(args)
-    except (StackError, ValueError) as e:  # auth.SecurityError included
+    except (StackError, ValueError) as e:  # frontdoor's SecurityError included
         print(f"kvlens up: error: {e}", file=sys.stderr, flush=True)
         return 2
     with sigterm_as_interrupt():

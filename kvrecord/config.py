@@ -38,10 +38,10 @@ from kvrecord.keeprule import KeepRule
 from kvrecord.location import StoreLocation, is_url
 
 HOME_ENV = "KVLENS_HOME"
-#: The bearer token kvlens servers check and kvlens clients send (:mod:`kvlens.auth`; read here so the
+#: The bearer token kvlens servers check and kvlens clients send (:mod:`frontdoor.flags`; read here so the
 #: exporters below the CLI layer send it too).
 TOKEN_ENV = "KVLENS_TOKEN"
-#: The ingest role's token (exporters -> a collector; :mod:`kvlens.auth`), and the
+#: The ingest role's token (exporters -> a collector; :mod:`frontdoor.credentials`), and the
 #: OTLP endpoints the operator marked as kvlens collectors (the only ones a token goes to).
 INGEST_TOKEN_ENV = "KVLENS_INGEST_TOKEN"
 COLLECTORS_ENV = "KVLENS_COLLECTOR_ENDPOINTS"

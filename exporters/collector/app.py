@@ -39,11 +39,9 @@ from starlette.routing import Route
 from exporters.collector import otlp, wire
 from exporters.collector.bodycap import read_capped
 from exporters.collector.ingest import Ingest
+from frontdoor.bearer import DETAILS_SCOPE_KEY
 
 TRACES_PATH = "/v1/traces"
-#: Set in the ASGI scope by the bearer check in front (``kvlens.auth.DETAILS_SCOPE_KEY``, same
-#: string: this layer cannot import it): False hides ``/healthz``'s details (queue, store).
-DETAILS_SCOPE_KEY = "kvlens.details"
 DEFAULT_MAX_BODY_BYTES = otlp.DEFAULT_MAX_BYTES
 RETRY_AFTER_S = 1
 #: Where the receiver shares its event loop with other routes (the router's
@@ -199,7 +197,7 @@ def create_app(
     False: without the read token). Its lifespan shutdown calls
     ``before_close`` (in a thread: the gRPC side stops taking calls), then
     flushes and closes ``ingest`` (``ingest.close(close_timeout_s)``).
-    (``kvlens collect`` wraps it in :class:`kvlens.auth.BearerAuthMiddleware`.)"""
+    (``kvlens collect`` wraps it in :class:`frontdoor.bearer.BearerAuth`.)"""
     import contextlib
 
     async def healthz(request: Request) -> Response:

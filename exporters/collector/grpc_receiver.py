@@ -58,7 +58,6 @@ worker while its message arrives: the token is what keeps strangers out.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import grpc
 from google.protobuf.duration_pb2 import Duration
@@ -68,6 +67,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from exporters.collector import otlp, wire
 from exporters.collector.app import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S
 from exporters.collector.ingest import Ingest
+from frontdoor.credentials import Security
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 METHOD = "Export"
@@ -115,18 +115,20 @@ def _authorization(metadata) -> str | None:
 
 class TokenFirst(grpc.ServerInterceptor):
     """Checks the ``authorization`` metadata when a call's headers arrive,
-    before its message is read (module docstring). A refused ``Export`` is
-    counted ``unauthenticated`` on ``ingest``; any other method is refused
-    too, uncounted."""
+    before its message is read (module docstring): an export needs the
+    ingest role (:meth:`frontdoor.credentials.Security.allows`: the ingest
+    token or the all-roles one, compared in constant time). A refused
+    ``Export`` is counted ``unauthenticated`` on ``ingest``; any other method
+    is refused too, uncounted."""
 
-    def __init__(self, authorized: Callable[[str | None], bool], ingest: Ingest) -> None:
-        self.authorized = authorized
+    def __init__(self, security: Security, ingest: Ingest) -> None:
+        self.security = security
         self.ingest = ingest
         self._refuse = {why: _refusal(why) for why in ("missing", "wrong")}
 
     def intercept_service(self, continuation, handler_call_details):
         header = _authorization(handler_call_details.invocation_metadata)
-        if self.authorized(header):
+        if self.security.allows("ingest", header):
             return continuation(handler_call_details)
         if handler_call_details.method == EXPORT_PATH:
             self.ingest.reject("unauthenticated")
@@ -193,16 +195,15 @@ def server_options(max_body_bytes: int) -> list[tuple[str, int]]:
 
 def grpc_server(
     ingest: Ingest,
-    authorized: Callable[[str | None], bool] | None = None,
+    security: Security | None = None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     busy_status: int = 429,
 ) -> grpc.Server:
     """A gRPC server (not started, no port yet) serving ``TraceService/Export``
-    into ``ingest``. ``authorized(authorization_metadata_or_None)``: whether
-    a call may write (None: every call may; ``kvlens collect`` passes
-    :func:`kvlens.auth.token_ok` bound to its token), checked before the
-    message is read (:class:`TokenFirst`). Add its port with
+    into ``ingest``. ``security``: the credentials a call must carry (the
+    ingest role), checked before the message is read (:class:`TokenFirst`);
+    None, or no token in it: every call may write. Add its port with
     :func:`add_port`; ``server.stop(grace)`` before ``ingest.close``."""
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
@@ -215,7 +216,7 @@ def grpc_server(
     return grpc.server(
         ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="kvlens-grpc"),
         handlers=[handler],
-        interceptors=[TokenFirst(authorized, ingest)] if authorized is not None else None,
+        interceptors=[TokenFirst(security, ingest)] if security is not None and security.any_token else None,
         options=server_options(max_body_bytes),
         maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
     )
@@ -228,7 +229,7 @@ def grpc_address(host: str, port: int) -> str:
 
 
 def add_port(server: grpc.Server, host: str, port: int, creds: grpc.ServerCredentials | None = None) -> int:
-    """Listen on ``host:port`` (TLS with ``creds``: :func:`kvlens.auth.grpc_credentials`);
+    """Listen on ``host:port`` (TLS with ``creds``: :func:`frontdoor.serving.grpc_credentials`);
     the port bound (``port`` 0: a free one). RuntimeError when it cannot be bound."""
     addr = grpc_address(host, port)
     bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)

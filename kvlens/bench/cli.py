@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from kvlens.argtypes import add_api_key_arguments, api_key_arg
+from frontdoor.flags import add_api_key_arguments, api_key_arg, env_api_key
 from kvlens.bench import grid
 from kvlens.bench.grid import BenchError, BenchOptions
 from kvlens.bench.links import check_link_args
@@ -19,7 +19,6 @@ from kvlens.bench.report import print_report
 from kvlens.bench.results import Target
 from kvlens.bench.runner import BenchRun, bench_routers, bench_stacks, new_run
 from kvlens.signals import sigterm_as_interrupt
-from kvlens.stack.commands import env_api_key
 from kvlens.stack.errors import StackError
 
 

@@ -6,12 +6,12 @@
 :class:`~kvlens.proxy.balancer.Balancer` picks; ``GET /health`` asks every
 P and D; ``GET /v1/models`` is the first D's; ``/metrics`` serves the router's span-derived
 Prometheus metrics. With any credential every route but ``/health`` requires
-one, scoped by role (:class:`~kvlens.proxy.intake.ClientAuth`): ``/v1/*`` the
+one, scoped by role (:func:`~kvlens.proxy.intake.client_auth`): ``/v1/*`` the
 token or the API key; ``/metrics`` (a Prometheus scrape job sends it with
 ``authorization: {credentials_file: ...}``) and ``/health``'s details the
 read token, the token or the API key; ``/admin/split`` the admin token or
 the token; with ``--collect``, ``POST /v1/traces`` the ingest token or the
-token. In front of it, :class:`kvlens.origin.SameSiteGuard` refuses a POST
+token. In front of it, :class:`frontdoor.samesite.SameSiteGuard` refuses a POST
 that is not JSON, a foreign ``Host`` or ``Origin`` (cross-site requests, DNS
 rebinding).
 
@@ -40,15 +40,15 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from exporters.metrics import metrics_app
+from frontdoor.bearer import DETAILS_SCOPE_KEY
+from frontdoor.samesite import OTLP_TYPES, SameSiteGuard
 from kvlens.proxy import relay
 from kvlens.proxy.balancer import Balancer
 from kvlens.proxy.config import MODES, ProxyConfig
 from kvlens.proxy.dispatch import dispatcher
 from kvlens.proxy.errors import Upstream, from_http_error
 from kvlens.proxy.exchange import Exchange
-from kvlens.auth import DETAILS_SCOPE_KEY
-from kvlens.origin import OTLP_TYPES, SameSiteGuard
-from kvlens.proxy.intake import TRACES_PATH, ClientAuth, Refused, check_fields, parse_object, read_limited
+from kvlens.proxy.intake import TRACES_PATH, Refused, check_fields, client_auth, parse_object, read_limited
 from kvlens.proxy.isolation import TraceIds
 from kvlens.proxy.split import Split, push_of_pull
 from kvlens.proxy.telemetry import RouterTelemetry
@@ -180,7 +180,7 @@ class Router:
 
     async def health(self, details: bool) -> Response:
         """200 when every P and every D answers its ``/health`` with 200, else
-        503. ``details`` (the read role proved, :class:`ClientAuth`): each
+        503. ``details`` (the read role proved, :func:`client_auth`): each
         instance named by engine id, never by URL, the modes, dispatch and
         split; else ``{"status": ...}`` alone. The instances' answers are
         cached :data:`HEALTH_CACHE_S` and asked on a pool of their own
@@ -292,7 +292,7 @@ class Router:
         return relay.streamed(ex, d_resp)
 
     async def handle(self, request: Request, endpoint: str) -> Response:
-        """One completion request (its key checked already: :class:`ClientAuth`):
+        """One completion request (its key checked already: :func:`client_auth`):
         trace id, body, P and D, relay."""
         t0 = time.time_ns()
         tid, parent, client_ids = self.ids.claim(request.headers)
@@ -333,7 +333,7 @@ class Router:
         """``GET``: the split; ``POST {"push": W}`` or ``{"pull": W}``: a new
         weight for the requests that come next (400 naming the problem; 409
         on a fleet of one mode: there is nothing to split). Its key was
-        checked already (:class:`ClientAuth`, as on every route but ``/health``)."""
+        checked already (:func:`client_auth`, as on every route but ``/health``)."""
         if request.method == "GET":
             return JSONResponse(self.split_state())
         if not self.cfg.mixed:
@@ -393,8 +393,8 @@ def create_app(config: ProxyConfig) -> FastAPI:
     app = FastAPI(title="kvlens proxy", lifespan=lifespan)
     app.state.kvlens_config = config
     # every route but /health, the receiver and /metrics included; then, outermost, the Host /
-    # Origin / Content-Type guard (kvlens.origin: no cross-site POST, no DNS rebinding)
-    app.add_middleware(ClientAuth, security=config.security(), api_key=config.api_key)
+    # Origin / Content-Type guard (frontdoor.samesite: no cross-site POST, no DNS rebinding)
+    app.add_middleware(client_auth, security=config.security(), api_key=config.api_key)
     app.add_middleware(
         SameSiteGuard,
         bind_host=config.bind_host,

@@ -10,29 +10,31 @@ push=URL --prefill pull=URL --decode push=URL --decode pull=URL``, and
 push weight. An untagged URL takes ``--mode`` (the one-mode syntax).
 
 Who may use the router (:func:`security`): a token from ``$KVLENS_TOKEN``
-or ``--token-file`` (:mod:`kvlens.auth`), the role tokens (``--ingest-``,
+or ``--token-file`` (:mod:`frontdoor.flags`), the role tokens (``--ingest-``,
 ``--read-``, ``--admin-token-file`` or their variables) and the API key P
 and D require (``--api-key-file``, ``$KVLENS_API_KEY``, ``$VLLM_API_KEY``;
 ``--api-key`` with a warning), each route taking its role's
-(:class:`~kvlens.proxy.intake.ClientAuth`). A host other than loopback with
+(:func:`~kvlens.proxy.intake.client_auth`). A host other than loopback with
 neither a token nor an API key is refused (exit 2) unless ``--insecure``.
 ``--allowed-host``: names clients use besides loopback ones
-(:mod:`kvlens.origin`). ``--tls-cert/--tls-key``: uvicorn serves HTTPS.
+(:mod:`frontdoor.samesite`). ``--tls-cert/--tls-key``: uvicorn serves HTTPS
+(:mod:`frontdoor.serving`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import urllib.parse
 
-from kvlens import auth, origin
-from kvlens.argtypes import API_KEY_ENV, add_api_key_arguments, add_keep_arguments, api_key_arg, keep_rule, positive
+from frontdoor import flags, samesite
+from frontdoor.credentials import ROLES, Security, SecurityError, is_loopback
+from frontdoor.flags import API_KEY_ENV, add_api_key_arguments, api_key_arg, env_api_key
+from kvlens.argtypes import add_keep_arguments, keep_rule, port_arg, positive
 from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SPLIT, MODES, Decode, Prefill, ProxyConfig
 from kvlens.proxy.split import parse_split
-from kvlens.stack.ports import is_loopback, port_arg
+from kvrecord.config import TOKEN_ENV
 
 logger = logging.getLogger("kvlens.proxy")
 
@@ -121,7 +123,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host",
         default="127.0.0.1",
-        help=f"bind address (default loopback; any other needs a token (${auth.TOKEN_ENV} or --token-file), "
+        help=f"bind address (default loopback; any other needs a token (${TOKEN_ENV} or --token-file), "
         "an API key, or --insecure)",
     )
     _add_instance_arguments(p)
@@ -194,7 +196,7 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         help="also receive OTLP/HTTP spans at POST /v1/traces (as `kvlens collect` does) into the "
         "router's trace store, so P and D on other hosts can send theirs here (their "
         "otlp_endpoint: http://ROUTER/v1/traces) and the router's handoff metric sees both ends; "
-        f"with a token they must send it (${auth.TOKEN_ENV} in their environment)",
+        f"with a token they must send it (${TOKEN_ENV} in their environment)",
     )
     p.add_argument(
         "--store",
@@ -211,10 +213,10 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
         "are written (default: keep all)",
     )
     add_keep_arguments(p)
-    auth.add_arguments(p, roles=auth.ROLES)
-    origin.add_arguments(p)
+    flags.add_arguments(p, roles=ROLES)
+    samesite.add_arguments(p)
     p.epilog = (
-        f"Credentials by role: /v1/* takes the token (${auth.TOKEN_ENV} or --token-file) or the API key; "
+        f"Credentials by role: /v1/* takes the token (${TOKEN_ENV} or --token-file) or the API key; "
         "/metrics and /health's details the read token, the token or the API key (Prometheus: "
         "authorization: {credentials_file: PATH} in the scrape job); POST /admin/split the admin token or "
         "the token; with --collect, POST /v1/traces the ingest token or the token (never the API key). "
@@ -227,10 +229,10 @@ def _add_serving_arguments(p: argparse.ArgumentParser) -> None:
 def api_key(args: argparse.Namespace) -> str | None:
     """``--api-key-file``, else ``--api-key`` (one warning), else the first of
     :data:`API_KEY_ENV` that is set, else None; read once per ``args``.
-    ValueError on a bad file (:func:`kvlens.argtypes.api_key_arg`)."""
+    ValueError on a bad file (:func:`frontdoor.flags.api_key_arg`)."""
     if not hasattr(args, "_api_key"):
         key = api_key_arg(args, lambda line: print(f"kvlens proxy: {line}", file=sys.stderr, flush=True))
-        args._api_key = key or next((os.environ[k] for k in API_KEY_ENV if os.environ.get(k)), None)
+        args._api_key = key or env_api_key()
     return args._api_key
 
 
@@ -288,22 +290,22 @@ def _router_mode(args: argparse.Namespace, prefills: list[Prefill]) -> str:
     return getattr(args, "mode", None) or prefills[0].mode
 
 
-def security(args: argparse.Namespace, key: str | None) -> auth.Security:
-    """TLS and the token for binding ``args.host`` (:func:`kvlens.auth.from_args`);
+def security(args: argparse.Namespace, key: str | None) -> Security:
+    """TLS and the token for binding ``args.host`` (:func:`frontdoor.flags.from_args`);
     the API key ``key`` counts as the clients' credential when no token is
     set (it is what an OpenAI client sends). SecurityError naming the
     problem: a host beyond loopback with neither and no ``--insecure``."""
-    sec = auth.from_args(args, "127.0.0.1")  # files and token checked; the bind check below knows the API key
-    if sec.token is None and not key and not sec.insecure and not auth.is_loopback(args.host):  # the API is open
-        raise auth.SecurityError(
+    sec = flags.from_args(args, "127.0.0.1")  # files and token checked; the bind check below knows the API key
+    if sec.token is None and not key and not sec.insecure and not is_loopback(args.host):  # the API is open
+        raise SecurityError(
             f"refusing to listen on {args.host} (beyond loopback) with no token and no API key: set "
-            f"${auth.TOKEN_ENV} or --token-file (or ${API_KEY_ENV[0]}), or pass --insecure to let anyone "
+            f"${TOKEN_ENV} or --token-file (or ${API_KEY_ENV[0]}), or pass --insecure to let anyone "
             "who reaches it in"
         )
     return sec
 
 
-def _role_tokens(sec: auth.Security | None) -> dict[str, str | None]:
+def _role_tokens(sec: Security | None) -> dict[str, str | None]:
     def s(t: bytes | None) -> str | None:
         return t.decode() if t else None
 
@@ -312,7 +314,7 @@ def _role_tokens(sec: auth.Security | None) -> dict[str, str | None]:
     return {"ingest_token": s(sec.ingest_token), "read_token": s(sec.read_token), "admin_token": s(sec.admin_token)}
 
 
-def config(args: argparse.Namespace, token: bytes | None = None, sec: auth.Security | None = None) -> ProxyConfig:
+def config(args: argparse.Namespace, token: bytes | None = None, sec: Security | None = None) -> ProxyConfig:
     """The router's settings from its flags (ValueError on a bad mix);
     ``token``: the clients' bearer token, ``sec``: the role tokens too (:func:`security`)."""
     prefills, decodes = instances(args)
@@ -372,14 +374,14 @@ def run(args: argparse.Namespace) -> int:
     """Serve the router until interrupted (uvicorn). 2 on a bad flag mix."""
     # start-up cost: uvicorn, fastapi and httpx load only when the router
     # really runs, not for ``kvlens --help`` (which imports this module)
-    from kvlens import serving
+    from frontdoor import serving
     from kvlens.proxy.app import create_app
 
     try:
         sec = security(args, api_key(args))
         cfg = config(args, sec.token, sec)
         check(cfg)
-    except ValueError as e:  # auth.SecurityError included
+    except ValueError as e:  # SecurityError included
         print(f"kvlens proxy: error: {e}", file=sys.stderr, flush=True)
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -397,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
         ", ".join(f"{d.engine_id}={d.mode}:{d.url}" for d in cfg.decodes),
         f" within each mode; split push={cfg.split:g}" if cfg.mixed else "",
     )
-    # TLS 1.2+ with kvlens' ciphers, and a cap on concurrent connections (kvlens/serving.py)
+    # TLS 1.2+ with kvlens' ciphers, and a cap on concurrent connections (frontdoor/serving.py)
     return serving.serve(
         serving.config(
             app, sec, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_graceful_shutdown=5

@@ -81,10 +81,10 @@ class ProxyConfig:
     them, and when no ``token`` is set clients must send the key instead
     (:attr:`client_key`). Neither set: the client's Authorization is passed
     on to P and D as it came. ``ingest_token`` / ``read_token`` /
-    ``admin_token``: the role tokens (:class:`~kvlens.proxy.intake.ClientAuth`
+    ``admin_token``: the role tokens (:func:`~kvlens.proxy.intake.client_auth`
     says which route takes which; the API key never opens ``/admin/*`` or
     ``/v1/traces``). ``bind_host`` / ``allowed_hosts``: the Host names the
-    router answers (:mod:`kvlens.origin`). ``max_body_bytes``: the
+    router answers (:mod:`frontdoor.samesite`). ``max_body_bytes``: the
     largest request body read (413 beyond). ``reuse_window_s``: see
     :data:`DEFAULT_REUSE_WINDOW_S`. :attr:`options`: the telemetry
     pipeline's options, built from these and checked once, at construction."""
@@ -109,11 +109,11 @@ class ProxyConfig:
     telemetry: bool = True
     api_key: str | None = field(default=None, repr=False)
     token: str | None = field(default=None, repr=False)
-    #: role tokens (``--ingest-token-file`` / ``$KVLENS_INGEST_TOKEN``, ...; :mod:`kvlens.auth`)
+    #: role tokens (``--ingest-token-file`` / ``$KVLENS_INGEST_TOKEN``, ...; :mod:`frontdoor.flags`)
     ingest_token: str | None = field(default=None, repr=False)
     read_token: str | None = field(default=None, repr=False)
     admin_token: str | None = field(default=None, repr=False)
-    #: the address the router listens on and the other names clients use (:mod:`kvlens.origin`)
+    #: the address the router listens on and the other names clients use (:mod:`frontdoor.samesite`)
     bind_host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -257,8 +257,8 @@ class ProxyConfig:
         return out
 
     def security(self):
-        """The router's tokens as a :class:`kvlens.auth.Security` (no TLS: that is uvicorn's)."""
-        from kvlens.auth import Security
+        """The router's tokens as a :class:`frontdoor.credentials.Security` (no TLS: that is uvicorn's)."""
+        from frontdoor.credentials import Security
 
         def b(t: str | None) -> bytes | None:
             return t.encode() if t else None

@@ -1,5 +1,5 @@
 """What the router checks before it spends anything on P or D: the client's
-key (:class:`ClientAuth`, in front of every route),
+key (:func:`client_auth`, in front of every route),
 the body's size, that it is a JSON object, and the few fields the router
 itself relies on. A failed check is a :class:`Refused` (4xx, OpenAI-style
 JSON error naming the field).
@@ -21,6 +21,8 @@ from typing import AsyncIterator, Mapping
 from fastapi.responses import JSONResponse
 
 from exporters.collector.bodycap import read_capped
+from frontdoor.bearer import BearerAuth, Refusal, json_body
+from frontdoor.credentials import Security
 
 
 class Refused(Exception):
@@ -52,10 +54,11 @@ OPEN_PATHS = frozenset({"/health"})
 TRACES_PATH = "/v1/traces"
 
 
-def route_role(path: str) -> str:
+def route_role(scope: dict) -> str:
     """The credential a route needs: ``ingest`` (``POST /v1/traces``),
     ``admin`` (``/admin/*``), ``read`` (``/metrics``), else ``api`` (the
     OpenAI routes)."""
+    path = scope.get("path", "")
     if path == TRACES_PATH:
         return "ingest"
     if path == "/admin" or path.startswith("/admin/"):
@@ -65,9 +68,16 @@ def route_role(path: str) -> str:
     return "api"
 
 
-class ClientAuth:
-    """Pure ASGI middleware in front of every route of the router. Each
-    route needs its role's credential (:func:`route_role`):
+def _refusal_body(scope: dict, refusal: Refusal) -> tuple[bytes, bytes]:
+    """401: :data:`UNAUTHORIZED`, an OpenAI-style error; 429: the front door's own JSON."""
+    if refusal.status == 401:
+        return b"application/json", UNAUTHORIZED.response(None).body
+    return json_body(scope, refusal)
+
+
+def client_auth(app, security: Security, api_key: str | None = None, backoff=None) -> BearerAuth:
+    """The router's bearer check (:class:`frontdoor.bearer.BearerAuth`) in
+    front of every route. Each route needs its role's credential (:func:`route_role`):
 
     * ``api`` (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``):
       the all-roles token (``$KVLENS_TOKEN``) or the API key; open when
@@ -81,60 +91,21 @@ class ClientAuth:
     refuses beyond it). A refused request gets 401 (:data:`UNAUTHORIZED`, an
     OpenAI-style error, and ``WWW-Authenticate: Bearer``) before any route
     runs: no trace id, no span, no body read, nothing written; a client
-    refused too often gets 429 (:class:`kvlens.auth.FailureBackoff`).
-    :data:`OPEN_PATHS` pass, with :data:`kvlens.auth.DETAILS_SCOPE_KEY` set
-    (the read role proved). Comparisons in constant time. A middleware
-    rather than a check per route: a route added later cannot forget it."""
-
-    def __init__(self, app, security, api_key: str | None = None, backoff=None) -> None:
-        from kvlens import auth
-
-        self.app = app
-        self._auth = auth
-        self._security = security
-        self._key = (api_key.encode(),) if api_key else ()
-        self._open = not security.any_token and not api_key
-        self._backoff = backoff if backoff is not None else auth.FailureBackoff()
-        body = UNAUTHORIZED.response(None)
-        self._body = body.body
-        self._headers = [(b"www-authenticate", b'Bearer realm="kvlens proxy"')]
-
-    def allows(self, role: str, header: bytes | None) -> bool:
-        sec = self._security
-        if role == "api":
-            creds = tuple(t for t in (sec.token, *self._key) if t)
-        elif role == "read":
-            creds = (*sec.credentials("read"), *self._key)
-        else:
-            creds = sec.credentials(role)
-        if not creds:
-            return self._open or (role == "api")
-        return self._auth.opens(header, creds)
-
-    async def __call__(self, scope, receive, send) -> None:
-        auth = self._auth
-        if scope.get("type") not in ("http", "websocket"):
-            await self.app(scope, receive, send)
-            return
-        header = auth.authorization(scope)
-        if scope.get("path") in OPEN_PATHS:
-            scope[auth.DETAILS_SCOPE_KEY] = self._open or self.allows("read", header)
-            await self.app(scope, receive, send)
-            return
-        client = auth.client_of(scope)
-        wait = 0.0 if self._open else self._backoff.blocked(client)
-        if wait <= 0 and self.allows(route_role(scope.get("path", "")), header):
-            await self.app(scope, receive, send)
-            return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        if wait > 0:
-            body, headers = auth.too_many(wait)
-            await auth.send_json(send, 429, body, headers)
-            return
-        self._backoff.failed(client)
-        await auth.send_json(send, 401, self._body, self._headers)
+    refused too often gets 429 (:class:`frontdoor.backoff.FailureBackoff`).
+    :data:`OPEN_PATHS` pass, with :data:`frontdoor.bearer.DETAILS_SCOPE_KEY`
+    set (the read role proved). Comparisons in constant time."""
+    key = (api_key.encode(),) if api_key else ()
+    return BearerAuth(
+        app,
+        security,
+        exempt=OPEN_PATHS,
+        body=_refusal_body,
+        realm="kvlens proxy",
+        role_of=route_role,
+        also={"api": key, "read": key},
+        open_roles=("api",),
+        backoff=backoff,
+    )
 
 
 # --------------------------------------------------------------------- body

@@ -1,7 +1,7 @@
 """A real P/D stack (two vLLM servers plus the kvlens router), in one-job modules:
 
 * :mod:`~kvlens.stack.supervise`  child processes: start, health-wait, stop whole process groups
-* :mod:`~kvlens.stack.ports`      a stack's ports checked and completed; port and host flags
+* :mod:`~kvlens.stack.ports`      a stack's ports checked and completed
 * :mod:`~kvlens.stack.pinning`    CPU pinning of vLLM's workers (CPU hosts)
 * :mod:`~kvlens.stack.commands`   command lines, environments, ``kv_transfer_config``
 * :mod:`~kvlens.stack.roles`      each child's command line, environment and log

@@ -12,13 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from frontdoor.flags import API_KEY_ENV
 from kvlens.stack.errors import StackError
 from kvrecord.location import StoreLocation, is_url
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-#: Where a stack's API key comes from when none is given, the first one set
-#: (as ``kvlens proxy`` reads it; VLLM_API_KEY is what vLLM itself reads).
-API_KEY_ENV = ("KVLENS_API_KEY", "VLLM_API_KEY")
 DEFAULT_TIMEOUT_S = 240.0
 MAX_MODEL_LEN = 4096
 
@@ -87,12 +85,6 @@ def kv_transfer_config(
             extra["otlp_endpoint"] = otlp_endpoint
         extra.update(options or {})
     return cfg
-
-
-def env_api_key(environ: Mapping[str, str] | None = None) -> str | None:
-    """The first of :data:`API_KEY_ENV` set in ``environ`` (default: ours), else None."""
-    env = os.environ if environ is None else environ
-    return next((env[k] for k in API_KEY_ENV if env.get(k)), None)
 
 
 def api_key_env(api_key: str | None) -> dict[str, str]:

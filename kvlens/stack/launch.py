@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from frontdoor.flags import env_api_key
 from kvrecord import config as kvconfig
 from kvrecord.ports import DEFAULT_HOST
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
-from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, auth_headers, env_api_key
+from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, auth_headers
 from kvlens.stack.errors import StackError
 from kvlens.stack.extras import StackExtras
 from kvlens.stack.instances import (

@@ -1,7 +1,7 @@
 """TCP ports for a stack: check and complete a set of them
-(:func:`assign_ports`, through :mod:`kvrecord.ports`' bind tests); plus the
-argparse checks of port flags (:func:`port_arg`; :func:`is_loopback` is
-:mod:`kvlens.auth`'s, the one rule for "beyond loopback").
+(:func:`assign_ports`, through :mod:`kvrecord.ports`' bind tests). The
+argparse check of a port flag is :func:`kvlens.argtypes.port_arg`; "beyond
+loopback" is :func:`frontdoor.credentials.is_loopback`.
 
 All functions are plain, blocking-free bind tests on the calling thread.
 """
@@ -11,17 +11,7 @@ from __future__ import annotations
 from typing import Iterable, Mapping
 
 from kvrecord.ports import free_port, port_in_use
-from kvlens.argtypes import int_in
-from kvlens.auth import is_loopback  # noqa: F401 - re-exported: the stack's and the router's flag checks
 from kvlens.stack.errors import StackError
-
-MAX_PORT = 65535
-
-
-def port_arg(allow_zero: bool = False):
-    """An argparse ``type=``: a TCP port 1..65535 (0 too with ``allow_zero``:
-    "pick a free one"); anything else is a usage error naming the value."""
-    return int_in(0 if allow_zero else 1, MAX_PORT, "a port number")
 
 
 def assign_ports(wanted: Mapping[str, int | None], host: str, auto: Iterable[str]) -> dict[str, int | None]:

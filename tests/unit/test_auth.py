@@ -1,4 +1,5 @@
-"""kvlens/auth.py: the token and TLS settings every kvlens server shares.
+"""frontdoor/ (credentials, flags, bearer, backoff, serving): the token and TLS settings
+every kvlens server shares.
 Real components: argparse, Starlette (in-process and served by uvicorn with
 TLS), httpx, certificates made here (``tlscerts``)."""
 
@@ -19,7 +20,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
-from kvlens import auth
+from frontdoor import backoff, bearer, credentials, flags, serving
+from kvrecord.config import TOKEN_ENV
 from tlscerts import make_tls
 
 TOKEN = "s3cret-Token_0123456789"
@@ -27,7 +29,7 @@ TOKEN = "s3cret-Token_0123456789"
 
 def _parse(argv: list[str], client_certs: bool = True) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    auth.add_arguments(p, client_certs=client_certs)
+    flags.add_arguments(p, client_certs=client_certs)
     return p.parse_args(argv)
 
 
@@ -41,28 +43,28 @@ def _token_file(tmp_path, text: str = TOKEN + "\n", mode: int = 0o600):
 # ------------------------------------------------------------ from_args
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost", "LOCALHOST"])
 def test_loopback_needs_no_token(host):
-    sec = auth.from_args(_parse([]), host, env={})
+    sec = flags.from_args(_parse([]), host, env={})
     assert sec.token is None and not sec.tls and not sec.insecure
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "example.org", ""])
 def test_beyond_loopback_without_token_is_refused_with_one_line(host):
-    with pytest.raises(auth.SecurityError) as e:
-        auth.from_args(_parse([]), host, env={})
+    with pytest.raises(credentials.SecurityError) as e:
+        flags.from_args(_parse([]), host, env={})
     msg = str(e.value)
-    assert "\n" not in msg and auth.TOKEN_ENV in msg and "--token-file" in msg and "--insecure" in msg
+    assert "\n" not in msg and TOKEN_ENV in msg and "--token-file" in msg and "--insecure" in msg
 
 
 def test_insecure_or_a_token_lets_it_bind_beyond_loopback(tmp_path):
-    assert auth.from_args(_parse(["--insecure"]), "0.0.0.0", env={}).insecure
-    assert auth.from_args(_parse([]), "0.0.0.0", env={auth.TOKEN_ENV: TOKEN}).token == TOKEN.encode()
+    assert flags.from_args(_parse(["--insecure"]), "0.0.0.0", env={}).insecure
+    assert flags.from_args(_parse([]), "0.0.0.0", env={TOKEN_ENV: TOKEN}).token == TOKEN.encode()
     f = _token_file(tmp_path)
-    assert auth.from_args(_parse(["--token-file", str(f)]), "0.0.0.0", env={}).token == TOKEN.encode()
+    assert flags.from_args(_parse(["--token-file", str(f)]), "0.0.0.0", env={}).token == TOKEN.encode()
 
 
 def test_token_file_wins_over_the_environment(tmp_path):
     f = _token_file(tmp_path, "from-file-0123456789\n")
-    sec = auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={auth.TOKEN_ENV: "from-env-0123456789"})
+    sec = flags.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={TOKEN_ENV: "from-env-0123456789"})
     assert sec.token == b"from-file-0123456789"
     assert "wins over" in _help()
 
@@ -70,21 +72,21 @@ def test_token_file_wins_over_the_environment(tmp_path):
 @pytest.mark.parametrize("short", ["x", "tok", "5char", "fifteen-chars-x"])
 def test_tokens_under_16_characters_are_refused(tmp_path, short):
     """Issue 42 item 10: a 5-character token was accepted for a bind on 0.0.0.0."""
-    with pytest.raises(auth.SecurityError, match=f"{len(short)} characters, under the minimum of 16"):
-        auth.from_args(_parse([]), "0.0.0.0", env={auth.TOKEN_ENV: short})
+    with pytest.raises(credentials.SecurityError, match=f"{len(short)} characters, under the minimum of 16"):
+        flags.from_args(_parse([]), "0.0.0.0", env={TOKEN_ENV: short})
     f = _token_file(tmp_path, short + "\n")
-    with pytest.raises(auth.SecurityError, match="--token-file .* under the minimum of 16"):
-        auth.from_args(_parse(["--token-file", str(f)]), "0.0.0.0", env={})
+    with pytest.raises(credentials.SecurityError, match="--token-file .* under the minimum of 16"):
+        flags.from_args(_parse(["--token-file", str(f)]), "0.0.0.0", env={})
     p = argparse.ArgumentParser()
-    auth.add_arguments(p, roles=auth.ROLES)
-    with pytest.raises(auth.SecurityError, match="KVLENS_ADMIN_TOKEN: the token is"):
-        auth.from_args(p.parse_args([]), "127.0.0.1", env={"KVLENS_ADMIN_TOKEN": short})
-    assert auth.from_args(_parse([]), "0.0.0.0", env={auth.TOKEN_ENV: "x" * 16}).token == b"x" * 16
+    flags.add_arguments(p, roles=credentials.ROLES)
+    with pytest.raises(credentials.SecurityError, match="KVLENS_ADMIN_TOKEN: the token is"):
+        flags.from_args(p.parse_args([]), "127.0.0.1", env={"KVLENS_ADMIN_TOKEN": short})
+    assert flags.from_args(_parse([]), "0.0.0.0", env={TOKEN_ENV: "x" * 16}).token == b"x" * 16
 
 
 def _roles_parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    auth.add_arguments(p, roles=auth.ROLES)
+    flags.add_arguments(p, roles=credentials.ROLES)
     return p.parse_args(argv)
 
 
@@ -92,7 +94,7 @@ def test_role_tokens_come_from_their_files_or_variables_and_the_shortcut_opens_e
     ingest, read, admin = "ingest-" + "i" * 16, "read-" + "r" * 16, "admin-" + "a" * 16
     f = _token_file(tmp_path, admin + "\n")
     warned: list[str] = []
-    sec = auth.from_args(
+    sec = flags.from_args(
         _roles_parse(["--admin-token-file", str(f)]),
         "0.0.0.0",
         env={"KVLENS_INGEST_TOKEN": ingest, "KVLENS_READ_TOKEN": read, "KVLENS_ADMIN_TOKEN": "loses-to-the-file-0"},
@@ -110,16 +112,16 @@ def test_role_tokens_come_from_their_files_or_variables_and_the_shortcut_opens_e
             assert sec.allows(other, f"Bearer {tok}") == (other == role), (role, other)
     assert not sec.allows("admin", None) and not sec.allows("admin", "Bearer ")
     # the shortcut opens all of them
-    both = auth.Security(token=TOKEN.encode(), admin_token=admin.encode())
-    assert all(both.allows(r, f"Bearer {TOKEN}") for r in auth.ROLES)
+    both = credentials.Security(token=TOKEN.encode(), admin_token=admin.encode())
+    assert all(both.allows(r, f"Bearer {TOKEN}") for r in credentials.ROLES)
     assert both.allows("admin", f"Bearer {admin}") and not both.allows("read", f"Bearer {admin}")
     # a role with no token of its own and no shortcut is closed once any credential is set, and said so
-    only_read = auth.from_args(_roles_parse([]), "127.0.0.1", env={"KVLENS_READ_TOKEN": read}, warn=warned.append)
+    only_read = flags.from_args(_roles_parse([]), "127.0.0.1", env={"KVLENS_READ_TOKEN": read}, warn=warned.append)
     assert not only_read.allows("ingest", f"Bearer {read}") and not only_read.allows("ingest", None)
     assert any("no ingest token" in w for w in warned) and any("no admin token" in w for w in warned)
-    assert auth.Security().allows("admin", None)  # nothing set at all: open (loopback only: the bind check)
+    assert credentials.Security().allows("admin", None)  # nothing set at all: open (loopback only: the bind check)
     help_text = argparse.ArgumentParser()
-    auth.add_arguments(help_text, roles=auth.ROLES)
+    flags.add_arguments(help_text, roles=credentials.ROLES)
     out = help_text.format_help()
     for flag in ("--ingest-token-file", "--read-token-file", "--admin-token-file", "KVLENS_ADMIN_TOKEN"):
         assert flag in out
@@ -127,35 +129,35 @@ def test_role_tokens_come_from_their_files_or_variables_and_the_shortcut_opens_e
 
 def test_role_tokens_let_a_server_bind_beyond_loopback_and_are_checked():
     env = {"KVLENS_INGEST_TOKEN": "i" * 20}
-    assert auth.from_args(_roles_parse([]), "0.0.0.0", env=env, warn=lambda _l: None).ingest_token == b"i" * 20
-    with pytest.raises(auth.SecurityError, match="KVLENS_READ_TOKEN: the token must be printable"):
-        auth.from_args(_roles_parse([]), "127.0.0.1", env={"KVLENS_READ_TOKEN": "two words here xxxxx"})
-    with pytest.raises(auth.SecurityError, match="cannot read --ingest-token-file"):
-        auth.from_args(_roles_parse(["--ingest-token-file", "/nonexistent/x"]), "127.0.0.1", env={})
+    assert flags.from_args(_roles_parse([]), "0.0.0.0", env=env, warn=lambda _l: None).ingest_token == b"i" * 20
+    with pytest.raises(credentials.SecurityError, match="KVLENS_READ_TOKEN: the token must be printable"):
+        flags.from_args(_roles_parse([]), "127.0.0.1", env={"KVLENS_READ_TOKEN": "two words here xxxxx"})
+    with pytest.raises(credentials.SecurityError, match="cannot read --ingest-token-file"):
+        flags.from_args(_roles_parse(["--ingest-token-file", "/nonexistent/x"]), "127.0.0.1", env={})
 
 
 def test_failure_backoff_blocks_after_n_refusals_per_client_and_stays_bounded():
     now = [100.0]
-    b = auth.FailureBackoff(failures=3, window_s=10.0, max_clients=4, clock=lambda: now[0])
+    b = backoff.FailureBackoff(failures=3, window_s=10.0, max_clients=4, clock=lambda: now[0])
     for _ in range(2):
         b.failed("10.0.0.1")
-    assert b.blocked("10.0.0.1") == 0.0
+    assert b.wait("10.0.0.1") == 0.0
     b.failed("10.0.0.1")
-    assert b.blocked("10.0.0.1") == pytest.approx(10.0) and b.blocked("10.0.0.2") == 0.0
+    assert b.wait("10.0.0.1") == pytest.approx(10.0) and b.wait("10.0.0.2") == 0.0
     now[0] += 4
-    assert b.blocked("10.0.0.1") == pytest.approx(6.0)
+    assert b.wait("10.0.0.1") == pytest.approx(6.0)
     now[0] += 6
-    assert b.blocked("10.0.0.1") == 0.0  # the window is over
+    assert b.wait("10.0.0.1") == 0.0  # the window is over
     b.failed("10.0.0.1")
-    assert b.blocked("10.0.0.1") == 0.0  # a new window, one refusal in it
+    assert b.wait("10.0.0.1") == 0.0  # a new window, one refusal in it
     for i in range(100):  # a flood of addresses: bounded memory
         b.failed(f"192.0.2.{i}")
-    assert len(b) == 4 and b.blocked("10.0.0.1") == 0.0
+    assert len(b) == 4 and b.wait("10.0.0.1") == 0.0
 
 
 def _help() -> str:
     p = argparse.ArgumentParser()
-    auth.add_arguments(p, client_certs=True)
+    flags.add_arguments(p, client_certs=True)
     return p.format_help()
 
 
@@ -165,59 +167,59 @@ def _help() -> str:
 )
 def test_bad_token_files_are_refused(tmp_path, text, why):
     f = _token_file(tmp_path, text)
-    with pytest.raises(auth.SecurityError, match=why):
-        auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={})
+    with pytest.raises(credentials.SecurityError, match=why):
+        flags.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={})
 
 
 def test_missing_or_directory_token_file_is_refused(tmp_path):
-    with pytest.raises(auth.SecurityError, match="cannot read --token-file .*nope"):
-        auth.from_args(_parse(["--token-file", str(tmp_path / "nope")]), "127.0.0.1", env={})
-    with pytest.raises(auth.SecurityError, match="is a directory"):
-        auth.from_args(_parse(["--token-file", str(tmp_path)]), "127.0.0.1", env={})
+    with pytest.raises(credentials.SecurityError, match="cannot read --token-file .*nope"):
+        flags.from_args(_parse(["--token-file", str(tmp_path / "nope")]), "127.0.0.1", env={})
+    with pytest.raises(credentials.SecurityError, match="is a directory"):
+        flags.from_args(_parse(["--token-file", str(tmp_path)]), "127.0.0.1", env={})
 
 
 def test_empty_environment_token_means_none_but_a_bad_one_is_refused():
-    assert auth.from_args(_parse([]), "127.0.0.1", env={auth.TOKEN_ENV: ""}).token is None
-    with pytest.raises(auth.SecurityError, match=auth.TOKEN_ENV):
-        auth.from_args(_parse([]), "127.0.0.1", env={auth.TOKEN_ENV: "a b"})
+    assert flags.from_args(_parse([]), "127.0.0.1", env={TOKEN_ENV: ""}).token is None
+    with pytest.raises(credentials.SecurityError, match=TOKEN_ENV):
+        flags.from_args(_parse([]), "127.0.0.1", env={TOKEN_ENV: "a b"})
 
 
 def test_a_token_file_others_can_read_warns_and_is_used(tmp_path):
     f = _token_file(tmp_path, mode=0o644)
     warned: list[str] = []
-    sec = auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={}, warn=warned.append)
+    sec = flags.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={}, warn=warned.append)
     assert sec.token == TOKEN.encode()
     assert len(warned) == 1 and "chmod 600" in warned[0] and str(f) in warned[0]
     warned.clear()
     f.chmod(0o600)
-    auth.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={}, warn=warned.append)
+    flags.from_args(_parse(["--token-file", str(f)]), "127.0.0.1", env={}, warn=warned.append)
     assert warned == []
 
 
 def test_tls_flags_come_in_pairs_and_must_be_readable(tmp_path):
     tls = make_tls(tmp_path / "tls")
-    with pytest.raises(auth.SecurityError, match="--tls-cert needs --tls-key"):
-        auth.from_args(_parse(["--tls-cert", str(tls.cert)]), "127.0.0.1", env={})
-    with pytest.raises(auth.SecurityError, match="--tls-key needs --tls-cert"):
-        auth.from_args(_parse(["--tls-key", str(tls.key)]), "127.0.0.1", env={})
-    with pytest.raises(auth.SecurityError, match="--tls-client-ca needs --tls-cert"):
-        auth.from_args(_parse(["--tls-client-ca", str(tls.ca)]), "127.0.0.1", env={})
-    with pytest.raises(auth.SecurityError, match="cannot read --tls-key .*missing"):
-        auth.from_args(
+    with pytest.raises(credentials.SecurityError, match="--tls-cert needs --tls-key"):
+        flags.from_args(_parse(["--tls-cert", str(tls.cert)]), "127.0.0.1", env={})
+    with pytest.raises(credentials.SecurityError, match="--tls-key needs --tls-cert"):
+        flags.from_args(_parse(["--tls-key", str(tls.key)]), "127.0.0.1", env={})
+    with pytest.raises(credentials.SecurityError, match="--tls-client-ca needs --tls-cert"):
+        flags.from_args(_parse(["--tls-client-ca", str(tls.ca)]), "127.0.0.1", env={})
+    with pytest.raises(credentials.SecurityError, match="cannot read --tls-key .*missing"):
+        flags.from_args(
             _parse(["--tls-cert", str(tls.cert), "--tls-key", str(tmp_path / "missing")]), "127.0.0.1", env={}
         )
-    sec = auth.from_args(
+    sec = flags.from_args(
         _parse(["--tls-cert", str(tls.cert), "--tls-key", str(tls.key), "--tls-client-ca", str(tls.ca)]),
         "127.0.0.1",
         env={},
     )
     assert sec.tls and sec.scheme == "https"
     assert "client certificates required" in sec.describe()
-    kw = auth.uvicorn_ssl_kwargs(sec)
+    kw = serving.uvicorn_ssl_kwargs(sec)
     assert kw["ssl_certfile"] == str(tls.cert) and kw["ssl_cert_reqs"] == ssl.CERT_REQUIRED
-    assert auth.uvicorn_ssl_kwargs(auth.Security()) == {}
-    assert auth.grpc_credentials(auth.Security()) is None
-    assert auth.grpc_credentials(sec) is not None
+    assert serving.uvicorn_ssl_kwargs(credentials.Security()) == {}
+    assert serving.grpc_credentials(credentials.Security()) is None
+    assert serving.grpc_credentials(sec) is not None
 
 
 def test_without_client_certs_the_flag_is_absent():
@@ -226,7 +228,7 @@ def test_without_client_certs_the_flag_is_absent():
 
 
 def test_repr_and_str_never_show_the_token():
-    sec = auth.Security(token=TOKEN.encode())
+    sec = credentials.Security(token=TOKEN.encode())
     for text in (repr(sec), str(sec), f"{sec}", repr([sec])):
         assert TOKEN not in text
     assert "token=set" in repr(sec)
@@ -234,23 +236,23 @@ def test_repr_and_str_never_show_the_token():
 
 # ------------------------------------------------------------ token_ok
 def test_token_ok():
-    sec = auth.Security(token=TOKEN.encode())
-    assert auth.token_ok(sec, f"Bearer {TOKEN}")
-    assert auth.token_ok(sec, f"bearer {TOKEN}".encode())
-    assert auth.token_ok(sec, f"BEARER  {TOKEN} ")
+    sec = credentials.Security(token=TOKEN.encode())
+    assert credentials.token_ok(sec, f"Bearer {TOKEN}")
+    assert credentials.token_ok(sec, f"bearer {TOKEN}".encode())
+    assert credentials.token_ok(sec, f"BEARER  {TOKEN} ")
     for bad in (None, "", "Bearer", "Bearer ", f"Basic {TOKEN}", f"Bearer {TOKEN}x", f"Bearer {TOKEN[:-1]}", TOKEN):
-        assert not auth.token_ok(sec, bad), bad
-    assert auth.token_ok(auth.Security(), None)  # no token configured: everything passes
+        assert not credentials.token_ok(sec, bad), bad
+    assert credentials.token_ok(credentials.Security(), None)  # no token configured: everything passes
 
 
 def test_client_headers():
-    assert auth.client_headers({}) == {}
-    assert auth.client_headers({auth.TOKEN_ENV: "  "}) == {}
-    assert auth.client_headers({auth.TOKEN_ENV: f"{TOKEN}\n"}) == {"Authorization": f"Bearer {TOKEN}"}
+    assert credentials.client_headers({}) == {}
+    assert credentials.client_headers({TOKEN_ENV: "  "}) == {}
+    assert credentials.client_headers({TOKEN_ENV: f"{TOKEN}\n"}) == {"Authorization": f"Bearer {TOKEN}"}
 
 
 # ------------------------------------------------------------ middleware
-def _app(security: auth.Security, rejected: list) -> Starlette:
+def _app(security: credentials.Security, rejected: list) -> Starlette:
     async def hello(request):
         return PlainTextResponse("hello")
 
@@ -267,12 +269,12 @@ def _app(security: auth.Security, rejected: list) -> Starlette:
             WebSocketRoute("/ws", ws),
         ]
     )
-    return auth.BearerAuthMiddleware(inner, security, on_reject=lambda scope: rejected.append(scope["path"]))
+    return bearer.BearerAuth(inner, security, on_reject=lambda scope: rejected.append(scope["path"]))
 
 
 def test_middleware_refuses_missing_and_wrong_tokens_and_exempts_health():
     rejected: list[str] = []
-    client = TestClient(_app(auth.Security(token=TOKEN.encode()), rejected))
+    client = TestClient(_app(credentials.Security(token=TOKEN.encode()), rejected))
     r = client.get("/data")
     assert r.status_code == 401
     assert r.headers["www-authenticate"].startswith("Bearer")
@@ -293,11 +295,44 @@ def test_middleware_refuses_missing_and_wrong_tokens_and_exempts_health():
 
 def test_middleware_without_a_token_passes_everything():
     rejected: list[str] = []
-    client = TestClient(_app(auth.Security(), rejected))
+    client = TestClient(_app(credentials.Security(), rejected))
     assert client.get("/data").text == "hello"
     with client.websocket_connect("/ws") as ws:
         assert ws.receive_text() == "hi"
     assert rejected == []
+
+
+def test_the_router_and_the_dashboard_check_tokens_with_the_same_middleware():
+    """Issue 44: one bearer middleware. The router's check and the dashboard
+    gate's are :class:`frontdoor.bearer.BearerAuth`, given their own words:
+    the router an OpenAI-style 401 and its realm, the dashboard its sign-in
+    form; a request without a token counts against the router's backoff but
+    not the dashboard's (a browser's first visit)."""
+    from dashboard.gate import TokenGate
+    from kvlens.proxy.intake import client_auth
+
+    async def inner(scope, receive, send):
+        await PlainTextResponse("hello")(scope, receive, send)
+
+    sec = credentials.Security(token=TOKEN.encode())
+    router = client_auth(inner, sec, api_key="sk-" + "k" * 20, backoff=backoff.FailureBackoff(failures=2))
+    gate = TokenGate(inner, TOKEN.encode(), backoff.SignInBackoff(free=2))
+    assert type(router) is bearer.BearerAuth and type(gate.bearer) is bearer.BearerAuth
+
+    r = TestClient(router).get("/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert r.headers["www-authenticate"] == 'Bearer realm="kvlens proxy"'
+    assert TestClient(router).get("/v1/models", headers={"Authorization": "Bearer sk-" + "k" * 20}).text == "hello"
+    assert TestClient(router).get("/v1/models").status_code == 401
+    assert TestClient(router).get("/v1/models").status_code == 429  # two refusals, missing tokens included
+
+    page = TestClient(gate).get("/", headers={"Accept": "text/html"})
+    assert page.status_code == 401 and "<form" in page.text
+    assert page.headers["www-authenticate"] == 'Bearer realm="kvlens dashboard"'
+    for _ in range(3):  # no token is no guess
+        assert TestClient(gate).get("/").status_code == 401
+    assert len(gate.backoff) == 0
+    assert TestClient(gate).get("/", headers={"Authorization": f"Bearer {TOKEN}"}).text == "hello"
 
 
 def test_a_failing_on_reject_still_answers_401():
@@ -307,18 +342,18 @@ def test_a_failing_on_reject_still_answers_401():
     async def inner(scope, receive, send):  # never reached
         raise AssertionError
 
-    app = auth.BearerAuthMiddleware(inner, auth.Security(token=TOKEN.encode()), on_reject=boom)
+    app = bearer.BearerAuth(inner, credentials.Security(token=TOKEN.encode()), on_reject=boom)
     assert TestClient(app).get("/x").status_code == 401
 
 
 # ------------------------------------------------------------ real TLS
 @contextlib.contextmanager
-def _serve(app, security: auth.Security):
+def _serve(app, security: credentials.Security):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="off", **auth.uvicorn_ssl_kwargs(security))
+        uvicorn.Config(app, log_level="warning", lifespan="off", **serving.uvicorn_ssl_kwargs(security))
     )
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
@@ -336,7 +371,7 @@ def _serve(app, security: auth.Security):
 
 def test_uvicorn_serves_tls_and_requires_client_certs(tmp_path):
     tls = make_tls(tmp_path / "tls")
-    sec = auth.Security(token=TOKEN.encode(), tls_cert=str(tls.cert), tls_key=str(tls.key))
+    sec = credentials.Security(token=TOKEN.encode(), tls_cert=str(tls.cert), tls_key=str(tls.key))
     with _serve(_app(sec, []), sec) as port:
         url = f"https://127.0.0.1:{port}/data"
         with pytest.raises(httpx.ConnectError):  # the default trust store does not know the test CA
@@ -348,7 +383,7 @@ def test_uvicorn_serves_tls_and_requires_client_certs(tmp_path):
         )
         assert r.text == "hello"
 
-    mtls = auth.Security(tls_cert=str(tls.cert), tls_key=str(tls.key), tls_client_ca=str(tls.ca))
+    mtls = credentials.Security(tls_cert=str(tls.cert), tls_key=str(tls.key), tls_client_ca=str(tls.ca))
     with _serve(_app(mtls, []), mtls) as port:
         url = f"https://127.0.0.1:{port}/data"
         ctx = ssl.create_default_context(cafile=str(tls.ca))
@@ -369,15 +404,15 @@ def test_repeated_refusals_get_429_with_retry_after_from_a_real_server():
         return PlainTextResponse("hello")
 
     inner = Starlette(routes=[Route("/data", data, methods=["GET", "POST"])])
-    sec = auth.Security(token=TOKEN.encode())
-    with _serve(auth.BearerAuthMiddleware(inner, sec), sec) as port:
+    sec = credentials.Security(token=TOKEN.encode())
+    with _serve(bearer.BearerAuth(inner, sec), sec) as port:
         url = f"http://127.0.0.1:{port}/data"
         bad = {"Authorization": "Bearer " + "g" * 20}
         with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), trust_env=False) as guesser:
-            codes = [guesser.post(url, headers=bad, content=b"x").status_code for _ in range(auth.BACKOFF_FAILURES)]
-            assert codes == [401] * auth.BACKOFF_FAILURES
+            codes = [guesser.post(url, headers=bad, content=b"x").status_code for _ in range(backoff.BACKOFF_FAILURES)]
+            assert codes == [401] * backoff.BACKOFF_FAILURES
             r = guesser.post(url, headers=bad, content=b"x")
-            assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= auth.BACKOFF_WINDOW_S
+            assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= backoff.BACKOFF_WINDOW_S
             assert "too many refused credentials" in r.json()["message"]
             r = guesser.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
             assert r.status_code == 429  # blocked: the token is not even compared

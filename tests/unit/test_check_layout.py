@@ -31,7 +31,15 @@ def test_folders_import_only_downward_and_nobody_imports_the_plugin(mods):
 
 
 def test_the_layer_order_is_the_architecture_tables():
-    assert layout.layers() == ["kvrecord", "kvtrace", "exporters", "dashboard", "instrumented_connector", "kvlens"]
+    assert layout.layers() == [
+        "kvrecord",
+        "frontdoor",
+        "kvtrace",
+        "exporters",
+        "dashboard",
+        "instrumented_connector",
+        "kvlens",
+    ]
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:

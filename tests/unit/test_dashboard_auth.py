@@ -28,7 +28,9 @@ from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from dashboard.gate import COOKIE, LOGIN_PATH, TokenGate, session_value
-from kvlens import auth, dashboard_cmd
+from frontdoor import credentials
+from kvlens import dashboard_cmd
+from kvrecord.config import TOKEN_ENV
 from kvrecord.guard import parent_death_signal
 from kvrecord.ports import free_port
 from test_tls_settings import handshake
@@ -130,21 +132,21 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_dashboard_refuses_an_open_host_without_token(monkeypatch, tmp_path, capsys):
-    monkeypatch.delenv(auth.TOKEN_ENV, raising=False)
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
     assert dashboard_cmd.run(_args("--host", "0.0.0.0", "--store", str(tmp_path / "t.db"))) == 2
     err = capsys.readouterr().err
     assert "refusing to listen on 0.0.0.0" in err and "--insecure" in err
     assert dashboard_cmd.run(_args("--tls-key", str(tmp_path / "k.pem"))) == 2
     assert "--tls-key needs --tls-cert" in capsys.readouterr().err
     # the token goes to Streamlit in its environment (which the app empties), never on its command line
-    monkeypatch.setenv(auth.TOKEN_ENV, "inherited")
-    sec = auth.Security(token=TOKEN.encode())
+    monkeypatch.setenv(TOKEN_ENV, "inherited")
+    sec = credentials.Security(token=TOKEN.encode())
     args = _args("--tls-cert", "c.pem", "--tls-key", "k.pem")
     cmd = dashboard_cmd.command(args, tmp_path / "t.db")
     assert TOKEN not in " ".join(cmd) and cmd[4].endswith("dashboard/serve.py")
     assert cmd[cmd.index("--server.sslCertFile") + 1] == str(Path("c.pem").resolve())
-    assert dashboard_cmd.child_env(security=sec)[auth.TOKEN_ENV] == TOKEN
-    assert auth.TOKEN_ENV not in dashboard_cmd.child_env(security=auth.Security())  # no stray inherited token
+    assert dashboard_cmd.child_env(security=sec)[TOKEN_ENV] == TOKEN
+    assert TOKEN_ENV not in dashboard_cmd.child_env(security=credentials.Security())  # no stray inherited token
 
 
 # ------------------------------------------------ the real kvlens dashboard
@@ -166,7 +168,7 @@ def dashboard(tmp_path):
     """``kvlens dashboard`` with ``$KVLENS_TOKEN`` and TLS on a free loopback port."""
     tls = make_tls(tmp_path / "tls")
     port = free_port()
-    env = {**os.environ, auth.TOKEN_ENV: TOKEN, "KVLENS_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, TOKEN_ENV: TOKEN, "KVLENS_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
     argv = [
         sys.executable, "-m", "kvlens.cli", "dashboard", "--port", str(port), "--store", str(tmp_path / "t.db"),
         "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),

@@ -18,7 +18,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from dashboard.gate import COOKIE, LOGIN_PATH, SignInBackoff, TokenGate, safe_next, session_value
+from dashboard.gate import COOKIE, LOGIN_PATH, TokenGate, safe_next, session_value
+from frontdoor.backoff import SignInBackoff
 from test_dashboard_auth import _inner
 from uvicorn_thread import serve
 

@@ -27,9 +27,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fakes import FakeVllm, d_answers, p_ok
-from kvlens import auth
 from kvlens.proxy import cli
+from frontdoor.flags import API_KEY_ENV
 from kvrecord import semconv as sc
+from kvrecord.config import TOKEN_ENV
 from kvrecord.guard import parent_death_signal
 from kvrecord.ports import free_port
 from kvrecord.recorder import Recorder
@@ -94,8 +95,8 @@ def router_proc(tmp_path):
     tls = make_tls(tmp_path / "tls")
     p, d = FakeVllm(p_ok), FakeVllm(d_answers)
     port = free_port()
-    env = {**os.environ, "KVLENS_HOME": str(tmp_path / "home"), auth.TOKEN_ENV: TOKEN, "PYTHONPATH": str(REPO)}
-    for k in cli.API_KEY_ENV:
+    env = {**os.environ, "KVLENS_HOME": str(tmp_path / "home"), TOKEN_ENV: TOKEN, "PYTHONPATH": str(REPO)}
+    for k in API_KEY_ENV:
         env.pop(k, None)
     argv = [
         sys.executable, "-m", "kvlens.cli", "proxy", "--mode", "pull", "--prefill", p.url, "--decode", d.url,
@@ -181,15 +182,15 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_router_refuses_an_open_host_without_token_or_key(monkeypatch, tmp_path, capsys):
-    for k in (auth.TOKEN_ENV, *cli.API_KEY_ENV):
+    for k in (TOKEN_ENV, *API_KEY_ENV):
         monkeypatch.delenv(k, raising=False)
     assert cli.run(_args("--host", "0.0.0.0")) == 2
     err = capsys.readouterr().err
-    assert "refusing to listen on 0.0.0.0" in err and "--insecure" in err and auth.TOKEN_ENV in err
+    assert "refusing to listen on 0.0.0.0" in err and "--insecure" in err and TOKEN_ENV in err
     # what lets it bind: a token, an API key (what OpenAI clients send), or --insecure
     assert cli.security(_args("--host", "0.0.0.0", "--insecure"), None).insecure
     assert cli.security(_args("--host", "0.0.0.0"), "sk-1").token is None
-    monkeypatch.setenv(auth.TOKEN_ENV, TOKEN)
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
     sec = cli.security(_args("--host", "0.0.0.0"), None)
     assert sec.token == TOKEN.encode() and TOKEN not in repr(sec)
     cfg = cli.config(_args(), sec.token)

@@ -332,21 +332,22 @@ def test_the_dashboard_takes_the_read_token(monkeypatch):
     otherwise, and a short read token is refused like any token."""
     import argparse
 
-    from kvlens import auth, dashboard_cmd
+    from frontdoor import credentials, flags
+    from kvlens import dashboard_cmd
 
     p = argparse.ArgumentParser()
     dashboard_cmd.add_arguments(p)
     monkeypatch.setenv(TOKEN_ENV, "all-roles-" + "t" * 16)
     monkeypatch.setenv("KVLENS_READ_TOKEN", READ)
-    sec = auth.from_args(p.parse_args([]), "0.0.0.0")
+    sec = flags.from_args(p.parse_args([]), "0.0.0.0")
     env = dashboard_cmd.child_env(security=sec)
     assert env[TOKEN_ENV] == READ and "KVLENS_READ_TOKEN" not in env
     monkeypatch.delenv("KVLENS_READ_TOKEN")
-    sec = auth.from_args(p.parse_args([]), "0.0.0.0")
+    sec = flags.from_args(p.parse_args([]), "0.0.0.0")
     assert dashboard_cmd.child_env(security=sec)[TOKEN_ENV] == "all-roles-" + "t" * 16
     monkeypatch.setenv("KVLENS_READ_TOKEN", "short")
-    with pytest.raises(auth.SecurityError, match="KVLENS_READ_TOKEN: the token is 5 characters"):
-        auth.from_args(p.parse_args([]), "127.0.0.1")
+    with pytest.raises(credentials.SecurityError, match="KVLENS_READ_TOKEN: the token is 5 characters"):
+        flags.from_args(p.parse_args([]), "127.0.0.1")
     assert "--read-token-file" in p.format_help()
 
 
@@ -354,7 +355,7 @@ def test_the_router_slows_a_guesser_down(tmp_path):
     """Item 10 on the router: after BACKOFF_FAILURES refusals from one
     address, 429 with Retry-After, the key no longer compared; /health and
     other clients unaffected; no request reached the routes."""
-    from kvlens import auth
+    from frontdoor import backoff
 
     key = "sk-" + "k" * 24
     cfg = proxy.ProxyConfig(
@@ -365,8 +366,8 @@ def test_the_router_slows_a_guesser_down(tmp_path):
         guess = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), trust_env=False, timeout=20)
         with guess:
             bad = _bearer("g" * 24)
-            codes = [guess.get(url + "/admin/split", headers=bad).status_code for _ in range(auth.BACKOFF_FAILURES)]
-            assert codes == [401] * auth.BACKOFF_FAILURES
+            codes = [guess.get(url + "/admin/split", headers=bad).status_code for _ in range(backoff.BACKOFF_FAILURES)]
+            assert codes == [401] * backoff.BACKOFF_FAILURES
             r = guess.get(url + "/v1/models", headers=_bearer(key))
             assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
             assert guess.get(url + "/health").json() == {"status": "unhealthy"}  # never slowed (P, D: none here)

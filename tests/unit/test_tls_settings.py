@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from collect_proc import Collect
-from kvlens import auth, serving
+from frontdoor import credentials, serving
 from kvrecord.config import TOKEN_ENV
 from test_router_auth import router_proc  # noqa: F401 (the fixture: the real kvlens proxy over TLS)
 from tlscerts import make_tls
@@ -135,15 +135,15 @@ def test_the_router_refuses_old_tls(router_proc, control):  # noqa: F811
 
 def test_the_tls_context_is_kvlens_own(tmp_path):
     tls = make_tls(tmp_path / "tls")
-    sec = auth.Security(token=TOKEN.encode(), tls_cert=str(tls.cert), tls_key=str(tls.key))
+    sec = credentials.Security(token=TOKEN.encode(), tls_cert=str(tls.cert), tls_key=str(tls.key))
     cfg = serving.config(lambda *a: None, sec)
     cfg.load()
     assert cfg.ssl.minimum_version == ssl.TLSVersion.TLSv1_2
     names = {c["name"] for c in cfg.ssl.get_ciphers() if c["protocol"] == "TLSv1.2"}
     assert names and all(("GCM" in n or "CHACHA20" in n) and n.startswith("ECDHE") for n in names), names
     assert cfg.limit_concurrency == serving.MAX_CONCURRENCY
-    plain = serving.config(lambda *a: None, auth.Security())
-    assert "ssl_ciphers" not in serving.tls_kwargs(auth.Security()) and plain.ssl_certfile is None
+    plain = serving.config(lambda *a: None, credentials.Security())
+    assert "ssl_ciphers" not in serving.tls_kwargs(credentials.Security()) and plain.ssl_certfile is None
 
 
 def test_past_its_concurrency_cap_a_server_answers_503(tmp_path):
@@ -158,7 +158,7 @@ def test_past_its_concurrency_cap_a_server_answers_503(tmp_path):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(
-        serving.config(app, auth.Security(), log_level="warning", lifespan="off", limit_concurrency=2)
+        serving.config(app, credentials.Security(), log_level="warning", lifespan="off", limit_concurrency=2)
     )
     t = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()

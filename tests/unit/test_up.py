@@ -226,7 +226,8 @@ def test_stack_passes_the_token_by_environment_and_insecure_by_flag(tmp_path, mo
 def test_port_arg_and_loopback():
     import argparse
 
-    from kvlens.stack.ports import is_loopback, port_arg
+    from frontdoor.credentials import is_loopback
+    from kvlens.argtypes import port_arg
 
     assert port_arg()("8000") == 8000 and port_arg(allow_zero=True)("0") == 0
     for bad in ("0", "65536", "x", "8e3"):
@@ -259,14 +260,15 @@ def _stack(tmp_path, **kw):
 
 
 def test_api_key_reaches_p_d_and_router_through_the_environment_only(tmp_path, monkeypatch):
+    from frontdoor.flags import API_KEY_ENV, env_api_key
     from kvlens.stack import commands
 
-    for k in commands.API_KEY_ENV:
+    for k in API_KEY_ENV:
         monkeypatch.delenv(k, raising=False)
     assert commands.api_key_env(None) == {} and commands.auth_headers(None) == {}
     assert commands.api_key_env("sk") == {"KVLENS_API_KEY": "sk", "VLLM_API_KEY": "sk"}
-    assert commands.env_api_key({"VLLM_API_KEY": "v"}) == "v"
-    assert commands.env_api_key({"VLLM_API_KEY": "v", "KVLENS_API_KEY": "k"}) == "k"  # as kvlens proxy reads them
+    assert env_api_key({"VLLM_API_KEY": "v"}) == "v"
+    assert env_api_key({"VLLM_API_KEY": "v", "KVLENS_API_KEY": "k"}) == "k"  # as kvlens proxy reads them
     monkeypatch.setenv("KVLENS_API_KEY", "sk-inherited")  # must not win over the stack's own key
     s = _stack(tmp_path, api_key="sk-stack")
     p, d, r = s._server("prefill"), s._server("decode"), s._router("overlapped", 18000)
@@ -516,7 +518,7 @@ def test_up_token_file_reaches_every_child_by_environment_and_short_tokens_are_r
     # the router exports to the collector kvlens configured: marked, and vLLM's header for it set
     assert r.env["KVLENS_COLLECTOR_ENDPOINTS"] == r.env["OTEL_EXPORTER_OTLP_ENDPOINT"]
     tok.write_text("short\n")
-    from kvlens.auth import SecurityError
+    from frontdoor.credentials import SecurityError
 
     with pytest.raises(SecurityError, match="5 characters, under the minimum of 16"):
         up.use_token(args)

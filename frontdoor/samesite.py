@@ -1,7 +1,8 @@
 """What a browser could make a kvlens server do on a page's behalf: the
 guard against cross-site requests and DNS rebinding (issue 42, item 5),
 shared by the router (``kvlens proxy``, ``kvlens up``'s router) and the
-collector (``kvlens collect``).
+collector (``kvlens collect``), in front of their bearer check
+(:mod:`frontdoor.bearer`).
 
 A server on loopback with no token trusts everyone who reaches it, and a
 web page the operator opens reaches it: a form can POST ``text/plain`` to
@@ -37,7 +38,8 @@ import json
 import urllib.parse
 from collections.abc import Callable, Iterable
 
-from kvlens.auth import is_loopback, send_json
+from frontdoor.bearer import respond
+from frontdoor.credentials import is_loopback
 
 #: POST content types per path; every other path takes :data:`JSON_TYPES`.
 JSON_TYPES = frozenset({"application/json"})
@@ -141,7 +143,7 @@ class SameSiteGuard:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send_json(send, bad[0], self.body(*bad))
+        await respond(send, bad[0], self.body(*bad))
 
 
 def add_arguments(p) -> None:

@@ -1,5 +1,6 @@
-"""What kvlens' own uvicorn servers share: the collector's OTLP/HTTP side
-(``kvlens collect``) and the router (``kvlens proxy``).
+"""What kvlens' own servers share: the uvicorn of the collector's OTLP/HTTP
+side (``kvlens collect``) and of the router (``kvlens proxy``), and the TLS
+credentials of the collector's gRPC side (:func:`grpc_credentials`).
 
 **TLS is set here, not inherited** (issue 42). uvicorn before 0.48 set the
 cipher string ``TLSv1`` by default (every cipher TLS 1.0 knows: CBC, SHA-1
@@ -28,11 +29,12 @@ at once instead of reading another request body (each up to the server's
 from __future__ import annotations
 
 import ssl
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
-from kvlens import auth
+from frontdoor.credentials import Security
 
 MIN_TLS = ssl.TLSVersion.TLSv1_2
 #: OpenSSL cipher string for TLS 1.2: ECDHE key exchange, AES-GCM or ChaCha20-Poly1305 only.
@@ -55,17 +57,28 @@ class Config(uvicorn.Config):
             self.ssl.minimum_version = MIN_TLS
 
 
-def tls_kwargs(security: auth.Security) -> dict[str, Any]:
+def uvicorn_ssl_kwargs(security: Security) -> dict[str, Any]:
+    """Keyword arguments for ``uvicorn.Config``: TLS files, and client
+    certificates required when ``tls_client_ca`` is set; ``{}`` without TLS."""
+    if not security.tls:
+        return {}
+    kw: dict[str, Any] = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
+    if security.tls_client_ca:
+        kw["ssl_ca_certs"] = security.tls_client_ca
+        kw["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+    return kw
+
+
+def tls_kwargs(security: Security) -> dict[str, Any]:
     """``uvicorn.Config`` keyword arguments for ``security``'s TLS
-    (:func:`kvlens.auth.uvicorn_ssl_kwargs`) with :data:`CIPHERS`; ``{}``
-    without TLS."""
-    kw = auth.uvicorn_ssl_kwargs(security)
+    (:func:`uvicorn_ssl_kwargs`) with :data:`CIPHERS`; ``{}`` without TLS."""
+    kw = uvicorn_ssl_kwargs(security)
     if kw:
         kw["ssl_ciphers"] = CIPHERS
     return kw
 
 
-def config(app: Any, security: auth.Security, **kw: Any) -> Config:
+def config(app: Any, security: Security, **kw: Any) -> Config:
     """A :class:`Config` for a kvlens server: its TLS (:func:`tls_kwargs`),
     ``limit_concurrency`` :data:`MAX_CONCURRENCY` (``kw`` may override it),
     and ``kw`` (host, port, log level, ...)."""
@@ -82,3 +95,17 @@ def serve(cfg: Config) -> int:
     except KeyboardInterrupt:  # uvicorn re-raises the signal it stopped on
         pass
     return 0 if server.started else STARTUP_FAILURE
+
+
+def grpc_credentials(security: Security):
+    """``grpc.ssl_server_credentials`` for ``security``'s TLS files (client
+    certificates required when ``tls_client_ca`` is set), or None without TLS
+    (serve with ``add_insecure_port``)."""
+    if not security.tls:
+        return None
+    import grpc
+
+    key = Path(security.tls_key).read_bytes()
+    cert = Path(security.tls_cert).read_bytes()
+    ca = Path(security.tls_client_ca).read_bytes() if security.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
