@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector,
 
 from exporters import health
 from exporters.pipeline import get_recorder
-from instrumented_connector import hooks, scheduler, worker
+from instrumented_connector import hooks, nixlagent, scheduler, worker
 from kvrecord import semconv as sc
 from kvrecord.config import Options
 from instrumented_connector.cputap import CpuRecorder, watch_new_threads, watch_upstream
@@ -54,11 +54,16 @@ def _role(vllm_config) -> str:
     return {"kv_producer": sc.Role.PREFILL.value, "kv_consumer": sc.Role.DECODE.value}.get(kv_role, sc.OTHER)
 
 
-def _make_recorder(vllm_config, mode: str, engine_id: str) -> Recorder | NullRecorder:
+def _options(vllm_config) -> Options:
+    """This engine's kvlens options; a bad one raises (strict at start)."""
+    return Options.from_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+
+
+def _make_recorder(vllm_config, mode: str, engine_id: str, options: Options | None = None) -> Recorder | NullRecorder:
     """The process's started recorder, its handoff-health publisher attached
     (:mod:`exporters.health`). A bad kvlens option raises (strict at start);
     any other setup failure disables telemetry with one warning."""
-    options = Options.from_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    options = _options(vllm_config) if options is None else options
     try:
         rec = get_recorder(_role(vllm_config), mode, engine_id, options).start()
     except Exception:
@@ -85,7 +90,8 @@ def _attach(connector: NixlBaseConnector, vllm_config, role, mode: str, sched_cl
     """Build the instrumented scheduler / worker for ``role`` (as vLLM's own
     facade does) and connect them to this process's recorder."""
     _warn_disabled()
-    rec = CpuRecorder(_make_recorder(vllm_config, mode, connector.engine_id))
+    options = _options(vllm_config)
+    rec = CpuRecorder(_make_recorder(vllm_config, mode, connector.engine_id, options))
     watch_upstream()  # the parent's main thread: what this engine's threads wait on, blocked
     if role == KVConnectorRole.SCHEDULER:
         connector.connector_scheduler = sched_cls(vllm_config, connector.engine_id, connector.kv_cache_config)
@@ -94,7 +100,9 @@ def _attach(connector: NixlBaseConnector, vllm_config, role, mode: str, sched_cl
     elif role == KVConnectorRole.WORKER:
         connector.connector_scheduler = None
         before = thread_ids()  # NIXL's agent starts its progress thread in the worker's __init__
-        connector.connector_worker = worker_cls(vllm_config, connector.engine_id, connector.kv_cache_config)
+        # kvlens_nixl_progress_thread off: NIXL's agent without its progress thread (an experiment)
+        with nixlagent.agent_config(options.nixl_progress_thread):
+            connector.connector_worker = worker_cls(vllm_config, connector.engine_id, connector.kv_cache_config)
         connector.connector_worker._kvl_setup(rec)
         watch_new_threads(before)
     else:

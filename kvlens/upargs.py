@@ -257,7 +257,9 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "when it runs. idle: SCHED_IDLE once its server is up (it runs only when its CPU has "
         "nothing else to do); startup: idle only until every server is up, then as vLLM runs it; "
         "as-is: never touched; auto (default): idle when the engine processes (one per TP rank) "
-        "outnumber the CPUs, else startup. Stock and instrumented stacks alike",
+        "outnumber the CPUs, else startup. Stock and instrumented stacks alike. off (an experiment, kvlens' "
+        "connector only): each worker's NIXL agent is created without the thread, so UCX progresses only "
+        "from vLLM's own calls (docs/links.md, 'Without NIXL's progress thread')",
     )
 
 

@@ -63,6 +63,7 @@ KNOWN_KEYS = frozenset(
         "kvlens_keep_ratio",
         "kvlens_keep_slow",
         "open_trace_after_s",
+        "kvlens_nixl_progress_thread",
     }
 )
 
@@ -160,6 +161,16 @@ def _seconds_or_off(key: str, v: Any) -> float:
     return n
 
 
+def _on_off(key: str, v: Any) -> bool:
+    """A switch: a bool, or ``on``/``true``/``off``/``false``; ValueError naming ``key`` otherwise."""
+    if isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text not in _ON + _OFF:
+        raise ValueError(f"{key} must be 'on' or 'off', got {v!r}")
+    return text in _ON
+
+
 def _unknown_key_error(key: str) -> ValueError | None:
     """The error for ``key`` when it looks like a misspelled kvlens option, else None."""
     k = key.strip().lower()
@@ -206,6 +217,8 @@ def _checked(cfg: Mapping[str, Any]) -> dict[str, Any]:
     )
     if "open_trace_after_s" in out:
         out["open_trace_after_s"] = _seconds_or_off("open_trace_after_s", out["open_trace_after_s"])
+    if "kvlens_nixl_progress_thread" in out:
+        out["kvlens_nixl_progress_thread"] = _on_off("kvlens_nixl_progress_thread", out["kvlens_nixl_progress_thread"])
     builder = out.get("kvlens_span_builder")
     if "kvlens_span_builder" in out and str(builder).strip().lower() not in SPAN_BUILDERS:
         raise ValueError(f"kvlens_span_builder must be 'sidecar' or 'inline', got {builder!r}")
@@ -252,6 +265,9 @@ class Options:
     keep: KeepRule = KeepRule()
     #: a handoff open this long (s) is written out as a ``handoff.open`` partial trace; 0: never (docs/health.md)
     open_trace_after_s: float = DEFAULT_OPEN_TRACE_AFTER_S
+    #: ``kvlens_nixl_progress_thread``: False creates the worker's NIXL agent without its UCX progress
+    #: thread (an experiment for small hosts, :mod:`instrumented_connector.nixlagent`, docs/links.md)
+    nixl_progress_thread: bool = True
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | None = None) -> "Options":
@@ -280,6 +296,7 @@ class Options:
             otlp_protocol=str(out["otlp_protocol"]).strip().lower() if out.get("otlp_protocol") else None,
             keep=out["kvlens_keep"],
             open_trace_after_s=out.get("open_trace_after_s", DEFAULT_OPEN_TRACE_AFTER_S),
+            nixl_progress_thread=out.get("kvlens_nixl_progress_thread", True),
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -307,4 +324,6 @@ class Options:
             out["open_trace_after_s"] = self.open_trace_after_s
         if self.keep.sampled:
             out.update(self.keep.to_config())
+        if not self.nixl_progress_thread:
+            out["kvlens_nixl_progress_thread"] = "off"
         return out

@@ -44,7 +44,7 @@ from kvlens.stack.instances import (
 from kvlens.stack.netstack import StackNetwork
 from kvlens.stack.preflight import preflight
 from kvlens.stack.roles import StackRoles
-from kvlens.stack.spinners import ProgressThreads, check_mode, resolve_mode
+from kvlens.stack.spinners import OFF_OPTION, ProgressThreads, check_mode, resolve_mode
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
 from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, per_mode_tp, start_waves
@@ -165,6 +165,10 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             check_mode(self.nixl_progress)
         except ValueError as e:
             raise StackError(str(e)) from None
+        if self.nixl_progress == "off":  # no progress thread: an option of kvlens' connector (spinners.OFF_OPTION)
+            if self.stock:
+                raise StackError("--nixl-progress off needs kvlens' connector (vLLM's own does not expose it)")
+            self.connector_options = {**(self.connector_options or {}), **OFF_OPTION}
         if self.kv_load_failure_policy not in (None, "fail", "recompute"):
             raise StackError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
         self.routers = parse_routers(self.routers)

@@ -18,7 +18,11 @@ a transfer, and never takes time from a forward pass or from another engine
 still starting. vLLM progresses UCX from its own calls too (``checkXfer`` /
 ``getNotifs`` on every engine step). Stock and instrumented stacks get the
 same treatment, so comparing them stays fair; ``--nixl-progress as-is``
-leaves the threads alone.
+leaves the threads alone. ``--nixl-progress off`` (kvlens' connector only)
+has no thread to treat: each worker's NIXL agent is created without it
+(connector option ``kvlens_nixl_progress_thread``,
+:mod:`instrumented_connector.nixlagent`), an experiment measured in
+docs/links.md, "Without NIXL's progress thread".
 
 The thread has no name of its own (it inherits the worker's ``comm``), so it
 is found by what it does: once its engine answers ``/health`` (idle), the
@@ -39,8 +43,11 @@ except ImportError:  # pragma: no cover
     psutil = None  # type: ignore[assignment]
 
 #: ``--nixl-progress`` values: ``auto`` is ``idle`` where the stack's engine
-#: processes outnumber the CPUs, else ``startup`` (:func:`resolve_mode`).
-MODES = ("auto", "idle", "startup", "as-is")
+#: processes outnumber the CPUs, else ``startup`` (:func:`resolve_mode`);
+#: ``off``: no progress thread at all (:data:`OFF_OPTION`).
+MODES = ("auto", "idle", "startup", "as-is", "off")
+#: The connector option ``--nixl-progress off`` sets in every engine (kvlens' connector only).
+OFF_OPTION = {"kvlens_nixl_progress_thread": "off"}
 #: Share of one CPU a worker's busiest non-main thread must use, engine idle,
 #: to count as the spinning progress thread (a spinning one shared a CPU with
 #: at most three others here: >= 20 %; an idle worker's other threads: <= 2 %).

@@ -321,3 +321,25 @@ def test_scheduler_output_names_what_ends_a_handoff():
     from vllm.v1.core.sched import scheduler as vsched
 
     assert "_connector_finished(request)" in inspect.getsource(vsched.Scheduler._free_request)
+
+
+def test_nixl_agent_config_hook_point():
+    """``kvlens_nixl_progress_thread`` off (:mod:`instrumented_connector.nixlagent`)
+    swaps the ``nixl_agent_config`` that vLLM's worker module imported, while
+    the worker's __init__ runs: the name must be a module global there, take
+    ``enable_prog_thread`` (default on), and be what __init__ calls before it
+    creates the agent."""
+    from instrumented_connector import nixlagent
+
+    mod, factory = nixlagent.hook_point()
+    assert mod.__name__ == nixlagent.HOOK_MODULE and mod.nixl_agent_config is factory
+    assert inspect.signature(factory).parameters[nixlagent.FLAG].default is True
+    init = inspect.getsource(mod.NixlBaseConnectorWorker.__init__)
+    assert init.index("nixl_agent_config(") < init.index("self.nixl_wrapper = nixl_wrapper_cls(")
+    for cls in (nixl.NixlPushConnectorWorker, nixl.NixlPullConnectorWorker):  # both build their agent there
+        assert mod.NixlBaseConnectorWorker in cls.__mro__
+        assert "nixl_agent_config(" not in "".join(
+            inspect.getsource(c.__init__)
+            for c in cls.__mro__[: cls.__mro__.index(mod.NixlBaseConnectorWorker)]
+            if "__init__" in c.__dict__
+        )
