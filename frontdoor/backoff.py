@@ -3,7 +3,7 @@
 tokens must wait, and while it waits its tokens are not compared at all (no
 oracle for a guesser who ignores ``Retry-After``).
 
-Two policies, one interface (``wait``, ``failed``, ``succeeded``: what
+Two policies, one interface (:class:`Backoff`: ``wait``, ``failed``, ``succeeded``, what
 :class:`frontdoor.bearer.BearerAuth` calls):
 
 * :class:`FailureBackoff`, the API's (router, collector): after
@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Protocol
 
 #: Refusals of one client within :data:`BACKOFF_WINDOW_S` before it gets 429 (:class:`FailureBackoff`).
 BACKOFF_FAILURES = 20
@@ -41,6 +41,19 @@ SIGNIN_FIRST_S = 2.0
 SIGNIN_MAX_S = 300.0
 #: An address's failures are forgotten after this long without one (longer than the longest wait).
 SIGNIN_FORGET_S = 600.0
+
+
+class Backoff(Protocol):
+    """What :class:`frontdoor.bearer.BearerAuth` asks of a policy."""
+
+    def wait(self, client: str) -> float:
+        """Seconds ``client`` must still wait before a token of it is compared (0: none)."""
+
+    def failed(self, client: str) -> None:
+        """One refused token from ``client``."""
+
+    def succeeded(self, client: str) -> None:
+        """``client`` gave a right token."""
 
 
 class FailureBackoff:

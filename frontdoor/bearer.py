@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from frontdoor.backoff import FailureBackoff
+from frontdoor.backoff import Backoff, FailureBackoff
 from frontdoor.credentials import ROLE_ENV, ROLES, Security, bearer_of, opens
 
 #: Paths a :class:`BearerAuth` lets through without a token by default (liveness probes).
@@ -153,8 +153,8 @@ def too_many(wait_s: float) -> Refusal:
 
 class BearerAuth:
     """The bearer-token middleware (module docstring for each parameter).
-    Any thread that runs the server's event loop; ``backoff`` must suit it
-    (:class:`~frontdoor.backoff.FailureBackoff` is thread-safe)."""
+    Runs on the server's event loop; ``backoff`` (default a fresh
+    :class:`~frontdoor.backoff.FailureBackoff`, thread-safe) must suit it."""
 
     def __init__(
         self,
@@ -168,7 +168,7 @@ class BearerAuth:
         also: Mapping[str, Iterable[bytes]] | None = None,
         open_roles: Iterable[str] = (),
         signed_in: Callable[[dict], bool] | None = None,
-        backoff: Any = None,
+        backoff: Backoff | None = None,
         count_missing: bool = True,
         on_reject: Callable[[dict], None] | None = None,
     ) -> None:
