@@ -1,6 +1,7 @@
 """``kvlens`` command line. Each subcommand lives in its own module exposing
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only
-when their subcommand runs, so ``kvlens --help`` stays fast."""
+when their subcommand runs, so ``kvlens --help`` stays fast. Every command
+exits with :mod:`kvlens.exits`' codes (2: bad input, as argparse's own)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import argparse
 import importlib
 import logging
 import sys
+
+from kvlens import exits
 
 SUBCOMMANDS = {
     "up": ("kvlens.up", "start P and D (real vLLM with the instrumented connector) and the router"),
@@ -69,12 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not getattr(args, "command", None):
         parser.print_help()
-        return 2
+        return exits.USAGE
     mod = importlib.import_module(args._module)
     try:
         return int(mod.run(args) or 0)
     except KeyboardInterrupt:
-        return 130
+        return exits.INTERRUPTED
 
 
 if __name__ == "__main__":

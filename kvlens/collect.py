@@ -23,6 +23,7 @@ import sys
 
 from frontdoor import flags, samesite
 from frontdoor.credentials import Security, SecurityError
+from kvlens import exits
 from kvlens.argtypes import add_keep_arguments, keep_rule
 from kvrecord.config import default_store
 from kvrecord.location import StoreLocation
@@ -151,27 +152,29 @@ def _role_of(scope: dict) -> str:
     return "ingest" if scope.get("path") == TRACES_PATH else "read"
 
 
-def _store_problem(path: StoreLocation) -> str | None:
+def _store_problem(path: StoreLocation) -> tuple[str, int] | None:
     """One line saying why ``path`` (a file or a PostgreSQL URL) cannot be
-    written as a trace store, or None."""
+    written as a trace store, with its exit code (:mod:`kvlens.exits`: 1 for
+    a server that cannot be reached now or a store another writer holds
+    locked, 2 for the rest), or None."""
     from kvtrace import store
     from exporters.collector.ingest import check_store
     from kvtrace.store.schema import translate
 
     if not path.is_postgres and path.path.is_dir():
-        return f"--store {path} is a directory; give the store file (e.g. {path.path / 'traces.db'})"
+        return f"--store {path} is a directory; give the store file (e.g. {path.path / 'traces.db'})", exits.USAGE
     try:
         check_store(path)
     except store.StoreError as e:
-        return str(e)
+        return str(e), exits.store_code(e)
     except sqlite3.OperationalError as e:
         if "locked" in str(e) or "busy" in str(e):
-            return str(translate(e, path))
-        return f"cannot write the trace store {path}: {e}"
+            return str(translate(e, path)), exits.FAILED
+        return f"cannot write the trace store {path}: {e}", exits.USAGE
     except sqlite3.Error as e:
-        return str(translate(e, path))
+        return str(translate(e, path)), exits.USAGE
     except OSError as e:
-        return f"cannot create the trace store {path}: {e.strerror or e}"
+        return f"cannot create the trace store {path}: {e.strerror or e}", exits.USAGE
     return None
 
 
@@ -236,10 +239,12 @@ def run(args: argparse.Namespace) -> int:
         except SecurityError as e:
             problem = str(e)
     store, bad = (None, None) if problem else _store_arg(args)
-    problem = problem or bad or _store_problem(store)
+    problem, code = problem or bad, exits.USAGE
+    if not problem:
+        problem, code = _store_problem(store) or (None, exits.OK)
     if problem:
         print(f"kvlens collect: {problem}", file=sys.stderr, flush=True)
-        return 2
+        return code
     try:
         sock = _listen(args.host, args.port)
     except OSError as e:

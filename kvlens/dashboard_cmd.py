@@ -59,6 +59,7 @@ from pathlib import Path
 import dashboard
 from frontdoor import flags
 from frontdoor.credentials import ROLE_ENV, Security, SecurityError
+from kvlens import exits
 from kvrecord.children import ChildProcess
 from kvrecord.config import HOME_ENV, TOKEN_ENV, default_store, home
 from kvrecord.location import StoreLocation
@@ -141,10 +142,11 @@ def child_env(store: StoreLocation | None = None, security: Security | None = No
     return env
 
 
-def _check_store(store: StoreLocation) -> str | None:
-    """Why the dashboard cannot read a PostgreSQL store at all, or None (a
-    file that does not exist yet, or a database without kvlens tables, is
-    not an error: the page says so)."""
+def _check_store(store: StoreLocation) -> tuple[str, int] | None:
+    """Why the dashboard cannot read a PostgreSQL store at all, with its exit
+    code (:func:`kvlens.exits.store_code`), or None (a file that does not
+    exist yet, or a database without kvlens tables, is not an error: the
+    page says so)."""
     from kvtrace import store as st
 
     if not store.is_postgres:
@@ -158,9 +160,9 @@ def _check_store(store: StoreLocation) -> str | None:
         if "no kvlens tables" in str(e):
             print(f"kvlens dashboard: {e} (the page will say so)", file=sys.stderr)
             return None
-        return str(e)
+        return str(e), exits.store_code(e)
     except st.StoreError as e:
-        return str(e)
+        return str(e), exits.store_code(e)
     return None
 
 
@@ -219,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     problem = _check_store(store)
     if problem:
-        print(f"kvlens dashboard: {problem}", file=sys.stderr)
-        return 2
+        print(f"kvlens dashboard: {problem[0]}", file=sys.stderr)
+        return problem[1]
     env = child_env(store, security)
     # death_signal: a kvlens dashboard killed outright (SIGKILL) takes Streamlit with it
     child = ChildProcess(

@@ -41,7 +41,7 @@ import time
 
 from kvrecord import config
 from kvrecord.location import StoreLocation
-from kvlens import traces
+from kvlens import exits, traces
 from kvlens.bench.cli import add_grid_arguments, options_from_args, quiet_http_logs, run_guarded
 from kvlens.bench.grid import (
     DEFAULT_MAX_MODEL_LEN,
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         opts = _check(args)
     except BenchError as e:
         print(f"kvlens demo: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return exits.USAGE
 
     t0 = time.time()
     if opts.model is None:
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"(bench part took {time.time() - t0:.0f}s)", flush=True)
                 _traces(run_.store, time.time() - t0 + 5)
     except KeyboardInterrupt:
-        code = 130
+        code = exits.INTERRUPTED
     if code is not None:
         return code
     if args.no_dashboard:
@@ -215,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
             stack = start_fleet(opts, run_.store.path.parent)  # stops what it started when it fails
             return live(stack, run_.store, args, _grid_verdict(run_))  # stops the fleet
     except KeyboardInterrupt:
-        return 130
+        return exits.INTERRUPTED
     except StackError as e:
         print(f"kvlens demo: error: the live part's fleet did not start: {e}", file=sys.stderr, flush=True)
-        return 1
+        return e.exit_code
     finally:
         stop_stack(stack)  # idempotent: a no-op after live()'s own stop

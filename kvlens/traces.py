@@ -20,6 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from kvlens import exits
 from kvlens.argtypes import duration_text, int_in
 from kvrecord import config
 from kvrecord import semconv as sc
@@ -389,28 +390,29 @@ def _write_perfetto(out: str, traces: list[Trace], path: store.StoreLocation) ->
         Path(out).write_text(text + "\n", encoding="utf-8")
     except OSError as e:
         print(f"kvlens traces: cannot write {out}: {e.strerror or e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     print(summary + " (open it in ui.perfetto.dev or chrome://tracing)")
     return 0
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the traces asked for: 0; 1 when the store cannot be read or the
-    trace is missing (one line on stderr, naming the file); 2 on a bad value
-    (callers that build ``args`` themselves skip argparse's checks)."""
+    """Print the traces asked for: 0, else one line on stderr naming the
+    problem and :mod:`kvlens.exits`' code: 2 for a bad value (callers that
+    build ``args`` themselves skip argparse's checks) or a store that cannot
+    be used (missing, not a store, a directory, a malformed URL), 1 for a
+    server that cannot be reached now or a trace that is not in the store."""
     try:
         since_arg(args.since) if args.since else None
         int_in(1, MAX_SLOWEST)(str(args.slowest))
         path = store.StoreLocation.parse(args.store) if args.store else config.default_store()
     except argparse.ArgumentTypeError as e:
         print(f"kvlens traces: {e}", file=sys.stderr)
-        return 2
+        return exits.USAGE
     except store.StoreError as e:  # a malformed store URL
-        print(f"kvlens traces: {e}", file=sys.stderr)
-        return 1
+        return exits.store_exit("traces", e)
     if not path.is_postgres and path.path.is_dir():  # the store's reader lets sqlite's "disk I/O error" through
         print(f"kvlens traces: {path} is a directory, not a trace store file", file=sys.stderr)
-        return 1
+        return exits.USAGE
     try:
         if getattr(args, "open", False):
             return run_open(path, args)
@@ -424,15 +426,11 @@ def run(args: argparse.Namespace) -> int:
         traces = _load(path, args)
         quiet = args.json or args.trace or getattr(args, "perfetto", None) or not traces
         summary = [] if quiet else _summary_lines(path, args)
-    except store.StoreMissing as e:
-        print(f"kvlens traces: {e} (run `kvlens up` and send requests, or pass --store)", file=sys.stderr)
-        return 1
     except store.StoreError as e:
-        print(f"kvlens traces: {e}", file=sys.stderr)
-        return 1
+        return exits.store_exit("traces", e)
     if args.trace and not traces:
         print(f"kvlens traces: no trace {args.trace} in {path}", file=sys.stderr)
-        return 1
+        return exits.FAILED
     if getattr(args, "perfetto", None):
         return _write_perfetto(args.perfetto, traces, path)
     if args.json:

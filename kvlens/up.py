@@ -18,6 +18,7 @@ import time
 from frontdoor import flags
 from frontdoor.credentials import is_loopback
 from frontdoor.flags import api_key_arg, env_api_key
+from kvlens import exits
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.errors import StackError
 from kvlens.stack.instances import check_routers
@@ -212,7 +213,11 @@ def _watch(stack: Stack) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Start the stack, print its endpoints, serve until Ctrl-C / SIGTERM
-    (exit 0), a child's death (1) or a start-up error (2). Main thread."""
+    (exit 0) or a child's death (1). A flag refused before anything starts
+    exits 2, a start that fails its StackError's code (:mod:`kvlens.exits`:
+    2 for a model directory that is none, 1 for a busy port or a child that
+    did not come up). Main thread."""
+    checked = False
     stack: Stack | None = None
     try:
         args.api_key = api_key_arg(args, lambda line: print(f"kvlens up: {line}", file=sys.stderr, flush=True))
@@ -220,17 +225,18 @@ def run(args: argparse.Namespace) -> int:
         check_args(args)
     except (StackError, ValueError) as e:  # frontdoor's SecurityError included
         print(f"kvlens up: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return exits.USAGE
     with sigterm_as_interrupt():
         try:
             stack = _stack(args)
             check_hosts(args)  # after the stack's own checks (a bad --link is named first); nothing started yet
+            checked = True
             stack.start(timeout=args.timeout)
             _print_ready(args, stack)
             return _watch(stack)
         except StackError as e:
             print(f"kvlens up: error: {e}", file=sys.stderr, flush=True)
-            return 2
+            return e.exit_code if checked else exits.USAGE
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (signals.Terminated)
             print("kvlens up: stopping", flush=True)
             return 0

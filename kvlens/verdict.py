@@ -22,6 +22,7 @@ import sys
 from typing import Any, Callable
 
 from kvrecord import config
+from kvlens import exits
 from kvlens.argtypes import duration_text
 from kvtrace import store
 from kvtrace import verdict as kv_verdict
@@ -63,28 +64,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def with_store(cmd: str, args: argparse.Namespace, read: Callable[[Any, int], Any]) -> tuple[int, Any]:
     """Check ``args``' window and store, then ``read(conn, since_ns)`` on a
     read-only connection: (0, its result), or (exit code, None) after one
-    line on stderr naming the problem."""
+    line on stderr naming the problem (the codes: :mod:`kvlens.exits`)."""
     try:
         window_arg(args.window)
         loc = store.StoreLocation.parse(args.store) if args.store else config.default_store()
-    except (argparse.ArgumentTypeError, store.StoreError) as e:
+    except argparse.ArgumentTypeError as e:
         print(f"kvlens {cmd}: {e}", file=sys.stderr)
-        return 2, None
+        return exits.USAGE, None
+    except store.StoreError as e:  # a malformed store URL
+        return exits.store_exit(cmd, e), None
     if not loc.is_postgres and loc.path.is_dir():
         print(f"kvlens {cmd}: {loc} is a directory, not a trace store file", file=sys.stderr)
-        return 2, None
+        return exits.USAGE, None
     try:
         with store.reading(loc) as conn:
-            return 0, read(conn, store.parse_since(args.window))
-    except store.StoreMissing as e:
-        print(f"kvlens {cmd}: {e} (run `kvlens up` and send requests, or pass --store)", file=sys.stderr)
-        return 2, None
-    except store.StoreUnavailable as e:
-        print(f"kvlens {cmd}: {e}", file=sys.stderr)
-        return 1, None
+            return exits.OK, read(conn, store.parse_since(args.window))
     except store.StoreError as e:
-        print(f"kvlens {cmd}: {e}", file=sys.stderr)
-        return 2, None
+        return exits.store_exit(cmd, e), None
 
 
 def run(args: argparse.Namespace) -> int:

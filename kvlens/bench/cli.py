@@ -18,6 +18,7 @@ from kvlens.bench.probe import probe_router
 from kvlens.bench.report import print_report
 from kvlens.bench.results import Target
 from kvlens.bench.runner import BenchRun, bench_routers, bench_stacks, new_run
+from kvlens import exits
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.errors import StackError
 
@@ -198,22 +199,23 @@ def _parse(args: argparse.Namespace) -> tuple[BenchOptions, list[str] | None, li
 
 def run_guarded(prog: str, run_: BenchRun, body: Callable[[], Any]) -> int | None:
     """Call ``body`` (which fills ``run_``) with SIGTERM unwinding like Ctrl-C.
-    Returns None when it finished, else the exit code after saying why:
-    2 bad input, 1 a stack did not start, 130 interrupted. Finished cells are
+    Returns None when it finished, else the exit code after saying why
+    (:mod:`kvlens.exits`): 2 bad input (a model directory that is none
+    included), 1 a stack did not start, 130 interrupted. Finished cells are
     reported (their rows are already saved). Main thread only."""
     try:
         with sigterm_as_interrupt():
             body()
     except BenchError as e:
         print(f"kvlens {prog}: error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return exits.USAGE
     except StackError as e:
         print(f"kvlens {prog}: could not start a stack: {e}", file=sys.stderr, flush=True)
-        code = 1
+        code = e.exit_code
     except KeyboardInterrupt:
         run_.interrupted = True
         print(f"\nkvlens {prog}: interrupted; keeping {len(run_.cells)} finished cells", file=sys.stderr, flush=True)
-        code = 130
+        code = exits.INTERRUPTED
     else:
         return None
     _finish(prog, run_)

@@ -9,7 +9,7 @@ from pathlib import Path
 from kvrecord import config as kvconfig
 from kvlens.model import ensure_model
 from kvlens.stack.commands import check_model, find_vllm_router
-from kvlens.stack.errors import StackError
+from kvlens.stack.errors import StackError, StackInputError
 from kvlens.stack.instances import VLLM_ROUTER_METRICS_PORT, VLLM_ROUTER_PORT, more_ports
 from kvlens.stack.leftovers import busy_hint, find_leftovers
 from kvlens.stack.ports import assign_ports
@@ -25,12 +25,18 @@ def preflight(stack) -> None:
     the model directory (made when not given), vllm-router installed when
     asked for, Prometheus, leftovers of earlier stacks (named, never
     stopped), and every port (given ones free, the others picked). Fills the
-    stack's ports. Raises StackError."""
+    stack's ports. Raises StackInputError for what the command line names
+    and cannot be used (the model, a tool not installed), StackError for a busy port."""
     if stack.model is None:
         stack.model = ensure_model(kvconfig.model_dir({"kvlens_home": str(stack.kvlens_home)}))
-    stack.model = check_model(Path(stack.model))
-    if "vllm-router" in stack.routers:
-        find_vllm_router()  # not installed: say so before minutes of vLLM start-up
+    try:
+        stack.model = check_model(Path(stack.model))
+        if "vllm-router" in stack.routers:
+            find_vllm_router()  # not installed: say so before minutes of vLLM start-up
+    except StackInputError:
+        raise
+    except StackError as e:
+        raise StackInputError(str(e)) from None
     named = {
         "router port": stack.port,
         "prefill port": stack.prefill_port,
@@ -41,7 +47,7 @@ def preflight(stack) -> None:
     if stack.prometheus:
         named["prometheus port"] = stack.prometheus_port
         if shutil.which("prometheus") is None and not Path("/usr/bin/prometheus").exists():
-            raise StackError(
+            raise StackInputError(
                 "--prometheus needs the prometheus binary: apt-get install prometheus (make setup does it)"
             )
     more = more_ports(

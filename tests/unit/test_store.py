@@ -221,16 +221,16 @@ def test_traces_cli_prints_one_line_on_a_bad_store(tmp_path, capsys):
 
     bad = tmp_path / "traces.db"
     bad.write_bytes(b"garbage" * 1000)
-    assert main(["traces", "--store", str(bad)]) == 1
+    assert main(["traces", "--store", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("kvlens traces:") and "Traceback" not in err
     store_p = tmp_path / "new" / "traces.db"
     store.connect(store_p).close()
     store_sql.set_schema_version(store_p, store.SCHEMA_VERSION + 1)
-    assert main(["traces", "--store", str(store_p)]) == 1
+    assert main(["traces", "--store", str(store_p)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "schema version" in err
-    assert main(["traces", "--store", str(tmp_path / "absent.db")]) == 1
+    assert main(["traces", "--store", str(tmp_path / "absent.db")]) == 2
     assert "trace store not found" in capsys.readouterr().err
 
 

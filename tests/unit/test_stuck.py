@@ -128,7 +128,7 @@ def test_cli_open_says_so_when_none(tmp_path, capsys):
 
 
 def test_cli_open_missing_store_is_one_line(tmp_path, capsys):
-    assert main(["traces", "--store", str(tmp_path / "none.db"), "--open"]) == 1
+    assert main(["traces", "--store", str(tmp_path / "none.db"), "--open"]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "none.db" in err
 

@@ -58,7 +58,7 @@ def test_bad_values_are_usage_errors(tmp_path, capsys, flag, value):
     ],
 )
 def test_limits_themselves_are_accepted(tmp_path, capsys, flag, value):
-    assert main(["traces", "--store", str(tmp_path / "none.db"), f"{flag}={value}"]) == 1  # store missing
+    assert main(["traces", "--store", str(tmp_path / "none.db"), f"{flag}={value}"]) == 2  # store missing
     assert "trace store not found" in capsys.readouterr().err
 
 
@@ -66,13 +66,13 @@ def test_limits_themselves_are_accepted(tmp_path, capsys, flag, value):
 def test_empty_or_corrupt_store_is_one_line_naming_the_file(tmp_path, capsys, content):
     bad = tmp_path / "odd #name%.db"
     bad.write_bytes(content)
-    assert main(["traces", "--store", str(bad)]) == 1
+    assert main(["traces", "--store", str(bad)]) == 2  # not a store: bad input (kvlens.exits)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(bad) in err and "Traceback" not in err
 
 
 def test_store_that_is_a_directory_is_one_line(tmp_path, capsys):
-    assert main(["traces", "--store", str(tmp_path)]) != 0
+    assert main(["traces", "--store", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
 
