@@ -4,7 +4,9 @@
   clock + schedstat + PSI, read with the GIL held) against ``time.time_ns``;
 * the per-step reading (``CpuClock.sample``);
 * a span event through ``CpuRecorder`` (its figures: a ring walk, two
-  parses, the lookback) against the plain recorder's append.
+  parses, the lookback) against the plain recorder's append;
+* once per request on each EngineCore: where its API server's wait landed
+  (``CpuClock.landings`` over a full ring, for ``kv.released`` / ``decode.queue``).
 
     .venv/bin/python benchmarks/bench_cpuclock.py [--repeats 15]
 
@@ -17,6 +19,7 @@ request (benchmarks/bench_cpu.py) for kvlens' share.
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import time
@@ -67,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         q.clear() if len(q) > 50_000 else None
         wrapped.record(sc.Phase.WRITE_POST, "r", t - 200_000, t, "ok", {sc.ATTR_BLOCKS: 4})
 
+    # the upstream (API server) ring full, its wait growing every 3rd step: where it landed over the last second,
+    # once per request (P's kv.released, D's decode.queue)
+    up = [(t0 - (1024 - i) * 1_000_000, 0, b"", (i // 3) * 100_000) for i in range(1024)]
+    clock.rings[-1] = collections.deque(up, maxlen=1024)
+
+    def landings():
+        clock.landings(-1, t0, 1_000_000_000)
+
     plain._thread = wrapped._rec._thread = object()  # no background thread: the append alone
     rows = {
         "time.time_ns": time.time_ns,
@@ -74,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         "CpuClock.sample (per step)": clock.sample,
         "span event, plain (time_ns + record)": rec_plain,
         "span event, CPU figures (now + CpuRecorder.record)": rec_cpu,
+        "API server's wait landings (per request)": landings,
     }
     res = {k: [per_call_us(f) for _ in range(a.repeats)] for k, f in rows.items()}
     print(f"per call, µs (median [min-max] of {a.repeats} x {N}):")

@@ -92,7 +92,8 @@ def _attach(connector: NixlBaseConnector, vllm_config, role, mode: str, sched_cl
     _warn_disabled()
     options = _options(vllm_config)
     rec = CpuRecorder(_make_recorder(vllm_config, mode, connector.engine_id, options))
-    watch_upstream()  # the parent's main thread: what this engine's threads wait on, blocked
+    # the parent's main thread: what this engine's threads wait on, blocked (the scheduler's: the API server)
+    watch_upstream(frontend=role == KVConnectorRole.SCHEDULER)
     if role == KVConnectorRole.SCHEDULER:
         connector.connector_scheduler = sched_cls(vllm_config, connector.engine_id, connector.kv_cache_config)
         connector.connector_worker = None

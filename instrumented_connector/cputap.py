@@ -29,6 +29,17 @@ from instrumented_connector.hooks import fail
 _CLOCK = cpuclock.CLOCK
 _tid = threading.get_native_id
 _WIRE = frozenset({sc.Phase.WRITE_COMPLETE, sc.Phase.READ_COMPLETE, "write.complete", "read.complete"})
+#: Events recorded in an EngineCore just after a derived phase in its API server ended: they carry where the
+#: API server's CPU wait landed (:func:`landed`), which kvtrace.cpusplit places inside that phase. P's
+#: ``kv.released`` (pull: D's read-done notice, after P's answer went out: ``prefill.respond``) and D's
+#: ``decode.queue`` (the request's arrival -> D's alloc, just after ``decode.intake``). Value: how far
+#: before the event's start to look, ns (the phase lies before it; a whole handoff back for P's).
+_LANDINGS = {
+    sc.Phase.KV_RELEASED: 2_000_000_000,
+    "kv.released": 2_000_000_000,
+    sc.Phase.DECODE_QUEUE: 500_000_000,
+    "decode.queue": 500_000_000,
+}
 #: Seconds to let NIXL's agent start its threads before sampling them.
 SPIN_SETTLE_S = 2.0
 
@@ -49,6 +60,9 @@ class CpuRecorder:
             if end_ns > start_ns:
                 figures(phase, start_ns, end_ns, attrs)
             before(start_ns, attrs)
+            back = _LANDINGS.get(phase)
+            if back is not None:
+                landed(end_ns, attrs, end_ns - start_ns + back)
         except Exception:
             fail("cpu figures")
         self._rec.record(phase, request_id, start_ns, end_ns, outcome, attrs)
@@ -122,12 +136,24 @@ def before(at_ns: int, attrs: dict) -> dict:
     """``attrs`` with the calling thread's readings before ``at_ns``
     (:meth:`kvrecord.cpuclock.CpuClock.lookback`), unless the hook already
     gave those of the thread that stamped ``at_ns`` (``writer.wake``)."""
-    if _CLOCK.enabled and sc.ATTR_CPU_BEFORE_AGE_S not in attrs:
-        ages, ons, waits = _CLOCK.lookback(_tid(), at_ns)
-        if ages:
-            attrs[sc.ATTR_CPU_BEFORE_AGE_S] = ages
-            attrs[sc.ATTR_CPU_BEFORE_ON_S] = ons
-            attrs[sc.ATTR_CPU_BEFORE_WAIT_S] = waits
+    if sc.ATTR_CPU_BEFORE_AGE_S not in attrs:
+        _CLOCK.before_attrs(at_ns, attrs)
+    return attrs
+
+
+def landed(at_ns: int, attrs: dict, max_age_ns: int = 2_000_000_000) -> dict:
+    """``attrs`` with where the API server's main thread's CPU wait landed
+    up to ``max_age_ns`` before ``at_ns`` (:meth:`kvrecord.cpuclock.CpuClock.landings`),
+    in an EngineCore (its upstream is the API server; a TP worker's is its
+    EngineCore: nothing added there)."""
+    up = _CLOCK.upstream
+    if _CLOCK.enabled and up is not None and _CLOCK.upstream_frontend:
+        lo, hi, grew = _CLOCK.landings(up, at_ns, max_age_ns)
+        if lo:
+            attrs[sc.ATTR_CPU_UP_LANDED_LO_S] = lo
+            attrs[sc.ATTR_CPU_UP_LANDED_HI_S] = hi
+            attrs[sc.ATTR_CPU_UP_LANDED_WAIT_S] = grew
+            attrs[sc.ATTR_CPU_UP_PID] = -up
     return attrs
 
 
@@ -138,10 +164,11 @@ def lookback_attrs(at_ns: int) -> dict:
     return before(at_ns, {})
 
 
-def watch_upstream() -> None:
+def watch_upstream(frontend: bool = False) -> None:
     """Read this process's parent's main thread once per step, where the
     parent is a vLLM process (a worker's EngineCore, an EngineCore's API
-    server): the thread the engine waits on, blocked."""
+    server): the thread the engine waits on, blocked. ``frontend``: this
+    process runs the scheduler (an EngineCore), so its parent is the API server."""
     if not _CLOCK.enabled:
         return
     try:
@@ -149,7 +176,7 @@ def watch_upstream() -> None:
         with open(f"/proc/{ppid}/cmdline", "rb") as f:
             cmd = f.read()
         if b"vllm" in cmd.lower() or b"VLLM" in cmd:
-            _CLOCK.watch_upstream(ppid)
+            _CLOCK.watch_upstream(ppid, frontend)
     except Exception:
         fail("upstream thread")
 

@@ -48,6 +48,7 @@ import threading
 import time
 from typing import Any, Iterable, NamedTuple
 
+from kvrecord import semconv as sc
 from kvrecord.logutil import log_once
 
 SCHEDSTAT = "/proc/self/task/{tid}/schedstat"
@@ -131,6 +132,11 @@ def _wait(raw: bytes) -> int:
     return int(raw.split(None, 2)[1])
 
 
+def _runs(raw: bytes) -> int:
+    """schedstat's third figure: how many times the thread was put on a CPU (each after a wait, maybe 0)."""
+    return int(raw.split(None, 2)[2])
+
+
 def parse_psi_some_us(raw: bytes) -> int:
     """PSI ``some total`` (µs) of one ``/proc/pressure/cpu`` reading."""
     first = raw.split(b"\n", 1)[0]
@@ -168,6 +174,7 @@ class CpuClock:
         self.spinners: frozenset[int] = frozenset()
         self._up: tuple[int, int] | None = None  # (ring key, fd) of the upstream thread (watch_upstream)
         self.upstream: int | None = None
+        self.upstream_frontend = False  # the upstream is an API server (this process runs the scheduler)
         self._psi_fd = -1
         self.smeared = 0  # readings dropped: they ended more than SMEAR_NS after their timestamp
         if os.environ.get(ENV, "1").strip() == "0":
@@ -207,7 +214,8 @@ class CpuClock:
                     ts = _time_ns()
                     raw = _pread(up[1], 96, 0)
                     if _time_ns() - ts < SMEAR_NS:
-                        self.rings[up[0]].append((ts, int(raw.split(None, 1)[0]), raw))
+                        on, wait, _ = raw.split(None, 2)  # the wait parsed once here: landings() scans many
+                        self.rings[up[0]].append((ts, int(on), raw, int(wait)))
                 except OSError:  # it exited: stop reading it
                     self._up = self.upstream = None
             for stid, sfd, cid in self._spin:  # each stamped on its own (interpolated between readings)
@@ -280,6 +288,7 @@ class CpuClock:
         self.rings.clear()
         self._spin, self.spinners = (), frozenset()
         self._up = self.upstream = None
+        self.upstream_frontend = False
 
     def _open(self, tid: int) -> int:
         fd = -1
@@ -298,12 +307,12 @@ class CpuClock:
         self.unknown = "schedstat read failed in this process (see its log)"
 
     # ------------------------------------------------------------ upstream
-    def watch_upstream(self, pid: int) -> int | None:
+    def watch_upstream(self, pid: int, frontend: bool = False) -> int | None:
         """Read the main thread of process ``pid`` at every step: the thread
         this process's engine waits on, blocked, while it waits for a CPU
         (a vLLM worker's EngineCore; an EngineCore's API server). Its ring's
         key is returned (``-pid``: never a thread id); None where it cannot
-        be read."""
+        be read. ``frontend``: ``pid`` is an API server (this process is an EngineCore)."""
         try:
             fd = os.open(f"/proc/{pid}/task/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -312,6 +321,7 @@ class CpuClock:
         self.rings[key] = collections.deque(maxlen=self._ring)
         self._up = (key, fd)
         self.upstream = key
+        self.upstream_frontend = self.upstream_frontend or frontend
         return key
 
     # ------------------------------------------------------------ spinners
@@ -350,38 +360,126 @@ class CpuClock:
 
     def lookback(self, tid: int, at_ns: int, n: int = 8, max_age_ns: int = 2_000_000_000, min_step_ns: int = 500_000):
         """``tid``'s counters before ``at_ns``: for up to ``n`` earlier readings
-        (at least ``min_step_ns`` apart, at most ``max_age_ns`` back), their age
-        and the on-CPU and CPU wait from each up to the last reading at or
-        before ``at_ns``, seconds: three lists, youngest first (empty: none).
-        A derived phase that ends where this thread's event starts takes its
-        figures from here (:mod:`kvtrace.cpusplit`)."""
+        (one per burst: the oldest of those within ``min_step_ns`` of the
+        burst's youngest; at most ``max_age_ns`` back), their age
+        and the on-CPU, CPU wait and times put on a CPU (schedstat's run count)
+        from each up to the last reading at or before ``at_ns``: four lists,
+        youngest first (empty: none); seconds, the runs a count, -1 where that
+        last reading is not ``at_ns``'s own (a run count then says nothing of
+        ``at_ns``). A derived phase that ends where this thread's event starts
+        takes its figures from here (:mod:`kvtrace.cpusplit`)."""
         ring = self.rings.get(tid)
         ages: list[float] = []
         ons: list[float] = []
         waits: list[float] = []
+        runs: list[int] = []
         if not ring:
-            return ages, ons, waits
+            return ages, ons, waits, runs
         ref = None
-        last_t = None
+        anchor = None  # the youngest reading of the current burst (readings within min_step_ns of it)
+        oldest = None  # the burst's oldest reading so far: it stands for the burst (parsed once, when it closes)
         for k, (t, on, raw) in enumerate(reversed(ring)):
             if k >= LOOKBACK_SCAN:
                 break
             if ref is None:
                 if t <= at_ns:
-                    ref = (t, on, _wait(raw))
-                    last_t = t
+                    ref = (t, on, _wait(raw), _runs(raw) if t == at_ns else None)
+                    anchor = t
                 continue
             if at_ns - t > max_age_ns:
                 break
-            if last_t - t < min_step_ns:
+            if anchor - t < min_step_ns:
+                # within a burst the oldest reading stands for it: a phase that began at the burst's first
+                # reading (an event stamped just before a step's reading) finds its start
+                if oldest is not None:
+                    oldest = (t, on, raw)
                 continue
-            ages.append((at_ns - t) / 1e9)
-            ons.append((ref[1] - on) / 1e9)
-            waits.append((ref[2] - _wait(raw)) / 1e9)
-            last_t = t
+            if oldest is not None:
+                _entry(ref, oldest, at_ns, ages, ons, waits, runs)
+            if len(ages) >= n:
+                oldest = None
+                break
+            oldest = (t, on, raw)
+            anchor = t
+        if oldest is not None:
+            _entry(ref, oldest, at_ns, ages, ons, waits, runs)
+        return ages, ons, waits, runs
+        ref = None
+        anchor = None  # the youngest reading of the current cluster (readings within min_step_ns of it)
+        for k, (t, on, raw) in enumerate(reversed(ring)):
+            if k >= LOOKBACK_SCAN:
+                break
+            if ref is None:
+                if t <= at_ns:
+                    ref = (t, on, _wait(raw), _runs(raw) if t == at_ns else None)
+                    anchor = t
+                continue
+            if at_ns - t > max_age_ns:
+                break
+            entry = (
+                (at_ns - t) / 1e9,
+                (ref[1] - on) / 1e9,
+                (ref[2] - _wait(raw)) / 1e9,
+                -1 if ref[3] is None else ref[3] - _runs(raw),
+            )
+            if anchor - t < min_step_ns:
+                # within a burst the oldest reading stands for it: a phase that began at the burst's first
+                # reading (an event stamped just before a step's reading) finds its start
+                if ages and anchor != ref[0]:
+                    ages[-1], ons[-1], waits[-1], runs[-1] = entry
+                continue
             if len(ages) >= n:
                 break
-        return ages, ons, waits
+            ages.append(entry[0])
+            ons.append(entry[1])
+            waits.append(entry[2])
+            runs.append(entry[3])
+            anchor = t
+        return ages, ons, waits, runs
+
+    def before_attrs(self, at_ns: int, attrs: dict) -> dict:
+        """``attrs`` with the calling thread's :meth:`lookback` before ``at_ns``
+        as span attributes (``kvlens.cpu.before.*``), where there is one."""
+        if self.enabled:
+            ages, ons, waits, runs = self.lookback(_get_tid(), at_ns)
+            if ages:
+                attrs[sc.ATTR_CPU_BEFORE_AGE_S] = ages
+                attrs[sc.ATTR_CPU_BEFORE_ON_S] = ons
+                attrs[sc.ATTR_CPU_BEFORE_WAIT_S] = waits
+                attrs[sc.ATTR_CPU_BEFORE_RUNS] = runs
+        return attrs
+
+    def landings(self, key: int, at_ns: int, max_age_ns: int = 2_000_000_000, n: int = 48, scan: int = 768):
+        """Where ring ``key``'s CPU wait grew before ``at_ns`` (another
+        thread's, read once per step: :meth:`watch_upstream`): for each pair
+        of consecutive readings between which it grew, youngest first, the
+        older's and the newer's age and the growth, seconds (three lists).
+        Another thread's wait lands when it gets a CPU, so each growth is
+        waiting that ended between the two readings; :mod:`kvtrace.cpusplit`
+        places it inside a phase from these bounds. At most ``n`` pairs,
+        ``scan`` readings and ``max_age_ns`` back."""
+        ring = self.rings.get(key)
+        lo: list[float] = []
+        hi: list[float] = []
+        grew: list[float] = []
+        if not ring:
+            return lo, hi, grew
+        newer = None
+        for k, r in enumerate(reversed(ring)):
+            t = r[0]
+            if k >= scan or at_ns - t > max_age_ns:
+                break
+            if t > at_ns:
+                continue
+            w = r[3] if len(r) > 3 else _wait(r[2])
+            if newer is not None and newer[1] > w:
+                lo.append((at_ns - t) / 1e9)
+                hi.append((at_ns - newer[0]) / 1e9)
+                grew.append((newer[1] - w) / 1e9)
+                if len(lo) >= n:
+                    break
+            newer = (t, w)
+        return lo, hi, grew
 
     def spinner_window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
         """A spinning thread's counters over ``[start_ns, end_ns]``, each end
@@ -416,6 +514,15 @@ class CpuClock:
         if r0 is None or r1 is None:
             return None
         return (parse_psi_some_us(r1) - parse_psi_some_us(r0)) / 1e6
+
+
+def _entry(ref, r, at_ns: int, ages: list, ons: list, waits: list, runs: list) -> None:
+    """One :meth:`CpuClock.lookback` entry: reading ``r``'s age before ``at_ns`` and the counters from it up to ``ref``."""
+    t, on, raw = r
+    ages.append((at_ns - t) / 1e9)
+    ons.append((ref[1] - on) / 1e9)
+    waits.append((ref[2] - _wait(raw)) / 1e9)
+    runs.append(-1 if ref[3] is None else ref[3] - _runs(raw))
 
 
 def _interp(ring, t_ns: int) -> tuple[float, float] | None:

@@ -327,6 +327,21 @@ ATTR_CPU_BEFORE_ON_S: Final = "kvlens.cpu.before.on_s"
 """On-CPU seconds from each of those readings up to the event's start."""
 ATTR_CPU_BEFORE_WAIT_S: Final = "kvlens.cpu.before.wait_s"
 """CPU wait seconds from each of those readings up to the event's start."""
+ATTR_CPU_BEFORE_RUNS: Final = "kvlens.cpu.before.runs"
+"""How many times the thread was put on a CPU from each of those readings up to
+the event's start (schedstat's run count; -1: no reading at the start itself).
+One run means the thread ran once, without a break, up to the start: its wait
+lies just before that run, which places it in time (:mod:`kvtrace.cpusplit`)."""
+ATTR_CPU_UP_LANDED_LO_S: Final = "kvlens.cpu.up.landed.lo_s"
+"""The upstream thread's wait (``kvlens.cpu.up.pid``'s main thread: an
+EngineCore's API server) before this event, by where it landed: for each pair
+of per-step readings between which it grew, youngest first, the older's age
+before the event's end, seconds (with the two lists below; a derived phase
+in that thread's path places it from these bounds, :mod:`kvtrace.cpusplit`)."""
+ATTR_CPU_UP_LANDED_HI_S: Final = "kvlens.cpu.up.landed.hi_s"
+"""The newer reading's age of each such pair, seconds."""
+ATTR_CPU_UP_LANDED_WAIT_S: Final = "kvlens.cpu.up.landed.wait_s"
+"""The wait that ended between each such pair of readings, seconds."""
 ATTR_CPU_UP_WAIT_S: Final = "kvlens.cpu.up.wait_s"
 """CPU wait of the thread this process's engine waits on, blocked, during the
 phase (a vLLM worker's EngineCore thread; an EngineCore's API server), seconds,

@@ -12,11 +12,18 @@ cut from. A derived phase that ends where a recorded event starts
 (``prefill.dispatch`` at ``writer.wake``, ``decode.dispatch`` at
 ``descriptor.prep``, ``write.notify`` at ``kv.ready``) takes the figures of
 the thread that stamped that start, from its readings before it
-(``kvlens.cpu.before.*``): the reading nearest before the phase's start,
-scaled to the phase's length (its share of that stretch). Derived phases with
-no such reading (``prefill.respond``, ``decode.intake``: vLLM's API server,
-a process kvlens does not run in) have no figures: their time is
-``unknown_s``, never counted as either.
+(``kvlens.cpu.before.*``): where the thread was put on a CPU once since a
+reading before the phase's start (a blocked thread woken by the phase's
+end), its wait lies just before that run, so the part of it that must lie
+inside the phase counts (:func:`derived_figures`); else the reading nearest
+before the phase's start, scaled to the phase's length (its share of that
+stretch). ``prefill.respond`` (P's answer through its API server to the
+router's ``relay``) takes the router's event loop's this way, and
+``prefill.respond`` / ``decode.intake`` also take the engine's API server's
+wait that must lie inside them, from where it landed between the
+EngineCore's per-step readings of it (:func:`landed_wait`). Derived phases
+with neither have no figures: their time is ``unknown_s``, never counted as
+either.
 
 Pure functions of a :class:`kvtrace.tracemodel.Trace`-like object.
 """
@@ -43,8 +50,9 @@ WIRE_NOTE = (
 )
 #: Why a derived phase carries no CPU figures.
 DERIVED_NOTE = (
-    "a derived phase between two processes whose ending thread has no reading near its start "
-    "(or it ends in a process kvlens does not run in: vLLM's API server, the router)"
+    "a derived phase between two processes with no reading that places its ending thread's CPU wait inside it "
+    "(none near its start, the thread woken more than once since; vLLM's API server is read only by its "
+    "EngineCore, once per step while it steps)"
 )
 #: A reading before a derived phase's start counts when it lies within this share of the phase's length
 #: (plus :data:`GAP_SLACK_S`) before it: further back, the thread's figures are mostly another stretch's.
@@ -57,6 +65,9 @@ _ENDS = {
     for p, how in dv.DERIVED_PHASES.items()
     if how.split is None and not how.latest
 }
+#: derived phases whose path runs through an engine's API server (the connector's upstream thread in the
+#: EngineCore): they also take that thread's wait placed inside them (:func:`landed_wait`)
+_FRONTEND = frozenset({sc.Phase.PREFILL_RESPOND.value, sc.Phase.DECODE_INTAKE.value})
 #: What the figures are where the thread spins (said wherever they are shown).
 SPIN_NOTE = (
     "NIXL's UCX progress thread spins (polls with timeout 0): its on-CPU time includes the wait for the wire, "
@@ -132,8 +143,14 @@ def noticed_figures(span: Any) -> tuple[PhaseCpu, float] | None:
 
 def derived_figures(dur_ns: int, ends: Iterable[Any]) -> PhaseCpu | None:
     """A derived phase's figures from the readings before the first of
-    ``ends`` (recorded spans, or None) that has one near enough before the
-    phase's start (module docstring); None: unknown."""
+    ``ends`` (recorded spans, or None) that has one before the phase's start
+    (module docstring); None: unknown. Where the thread ran once, without a
+    break, from its wake-up to the phase's end (``kvlens.cpu.before.runs``
+    of 1: one run since that reading), its wait lies just before that run,
+    which began at most its on-CPU time before the end: the part of the wait
+    that must lie inside the phase counts, however far back the reading is.
+    Otherwise the reading must lie near the start (:data:`GAP_SHARE`) and its
+    figures are scaled to the phase's length."""
     dur = dur_ns / 1e9
     for e in ends:
         a = (e.attributes or {}) if e is not None else {}
@@ -142,13 +159,41 @@ def derived_figures(dur_ns: int, ends: Iterable[Any]) -> PhaseCpu | None:
         )
         if not ages or not ons or not waits:
             continue
-        for age, on, wait in zip(ages, ons, waits):
+        runs = a.get(sc.ATTR_CPU_BEFORE_RUNS) or ()
+        for i, (age, on, wait) in enumerate(zip(ages, ons, waits)):
             if age + 1e-6 >= dur:
+                if i < len(runs) and runs[i] in (0, 1):
+                    w = min(max(dur - on, 0.0), max(wait, 0.0))
+                    return PhaseCpu(min(max(on, 0.0), dur - w), w)
                 if age - dur > GAP_SHARE * dur + GAP_SLACK_S:
                     return None  # the nearest reading before the start is too far back
                 share = dur / age if age > 0 else 1.0
                 return PhaseCpu(max(on, 0.0) * share, max(wait, 0.0) * share)
         return None  # no reading far enough back
+    return None
+
+
+def landed_wait(start_ns: int, end_ns: int, carriers: Iterable[Any]) -> float | None:
+    """The CPU wait of an engine's API server that lies inside ``[start_ns,
+    end_ns]`` for sure, from where it landed (``kvlens.cpu.up.landed.*`` on
+    the first of ``carriers``, recorded spans of that engine, that has them);
+    None: no such readings. A growth between two readings is waiting that
+    ended when the thread got a CPU, between them; it began at most its own
+    length before: the part that lies in the phase wherever it ended counts."""
+    for c in carriers:
+        a = c.attributes or {}
+        lo, hi, grew = (
+            a.get(k) for k in (sc.ATTR_CPU_UP_LANDED_LO_S, sc.ATTR_CPU_UP_LANDED_HI_S, sc.ATTR_CPU_UP_LANDED_WAIT_S)
+        )
+        if not lo or not hi or not grew:
+            continue
+        dur = (end_ns - start_ns) / 1e9
+        total = 0.0
+        for lo_s, hi_s, g in zip(lo, hi, grew):
+            t_lo = c.end_ns - int(lo_s * 1e9)
+            t_hi = c.end_ns - int(hi_s * 1e9)
+            total += max(0.0, min(g, (t_lo - start_ns) / 1e9, (end_ns - t_hi) / 1e9 + g, dur))
+        return min(total, dur)
     return None
 
 
@@ -196,9 +241,18 @@ def handoff_cpu(trace: Any) -> HandoffCpu:
                 po[name] = (po.get(name) or 0.0) + o
                 continue
         fig = span_figures(src.attributes or {}, (src.end_ns - src.start_ns) / 1e9) if src is not None else None
+        on_known = True
         if src is None and name in _ENDS and (role, name) in derived:
             d = derived[(role, name)]
             fig = derived_figures(d.end_ns - d.start_ns, [rec.get(e) for e in _ENDS[name]])
+            if name in _FRONTEND:
+                up = landed_wait(d.start_ns, d.end_ns, [s for (r, _n), s in rec.items() if r == role])
+                if up is not None:
+                    d_s = (d.end_ns - d.start_ns) / 1e9
+                    if fig is None:
+                        fig, on_known = PhaseCpu(0.0, up), False  # the API server's CPU work is not read
+                    else:
+                        fig = PhaseCpu(fig.on_s, min(fig.wait_s + up, max(d_s - fig.on_s, fig.wait_s)))
             if fig is not None:
                 src = d
         if fig is None:
@@ -216,7 +270,10 @@ def handoff_cpu(trace: Any) -> HandoffCpu:
         o = min(fig.on_s * share, ns / 1e9 - w)
         wait, on, known = wait + w, on + o, True
         pw[name] = (pw.get(name) or 0.0) + w
-        po[name] = (po.get(name) or 0.0) + o
+        if on_known:
+            po[name] = (po.get(name) or 0.0) + o
+        else:
+            po.setdefault(name, None)
     unknown += tiling.unattributed_ns / 1e9
     if any((s.attributes or {}).get(sc.ATTR_CPU_PROGRESS_SPINS) for s in rec.values()):
         notes["progress thread"] = SPIN_NOTE

@@ -31,8 +31,9 @@ Dispatch = Callable[[Exchange], Awaitable[httpx.Response]]
 
 async def _prefill_then_decode(ex: Exchange) -> httpx.Response:
     """P answers; its ``kv_transfer_params`` go to D verbatim (``relay`` span)."""
+    ex.tel.now()  # a reading of the loop's CPU counters as P's request goes out (RouterTelemetry.relay)
     p_json = await ex.call_prefill()
-    t_p = time.time_ns()
+    t_p = ex.tel.now()
     ex.prompt_tokens = prompt_tokens(p_json)
     kv = p_json.get("kv_transfer_params")
     if not isinstance(kv, dict):

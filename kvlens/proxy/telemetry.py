@@ -9,9 +9,11 @@ only enqueues).
 from __future__ import annotations
 
 import logging
+import time
 
 from exporters.pipeline import get_recorder
 from kvrecord import semconv as sc
+from kvrecord.cpuclock import CLOCK
 from kvlens.proxy.config import ProxyConfig
 
 logger = logging.getLogger("kvlens.proxy")
@@ -60,13 +62,26 @@ class RouterTelemetry:
         except Exception:
             logger.debug("request span failed", exc_info=True)
 
+    def now(self) -> int:
+        """Wall-clock ns; with telemetry on, also a reading of this (the event
+        loop's) thread's CPU counters stamped with it (:mod:`kvrecord.cpuclock`):
+        taken as the request goes to P and as P's answer is in, :meth:`relay`
+        puts the thread's CPU wait between the two on its span."""
+        if self.rec is None:
+            return time.time_ns()
+        return CLOCK.now()
+
     def relay(self, tid: str, t0: int, t1: int, outcome: str = "ok", mode: str | None = None) -> None:
         """The ``relay`` span: P's answer handed on to D (pull, sequential
-        push); ``mode``: the request's (a mixed fleet's), else the router's."""
+        push); ``mode``: the request's (a mixed fleet's), else the router's.
+        ``t0`` from :meth:`now`: the span carries the event loop's CPU
+        readings before it (``kvlens.cpu.before.*``): the router's share of
+        ``prefill.respond``'s CPU wait (:mod:`kvtrace.cpusplit`)."""
         if self.rec is None:
             return
         try:
-            self.rec.record(sc.Phase.RELAY, tid, t0, t1, outcome, {sc.ATTR_MODE: mode} if mode else None)
+            a = CLOCK.before_attrs(t0, {sc.ATTR_MODE: mode} if mode else {})
+            self.rec.record(sc.Phase.RELAY, tid, t0, t1, outcome, a or None)
         except Exception:
             logger.debug("relay span failed", exc_info=True)
 
