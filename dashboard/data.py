@@ -226,7 +226,11 @@ STORE_HOLDS = 0.9
 
 
 def exact_percentiles(
-    prom_stats: dict[str, ModeStats], store_stats: dict[str, ModeStats] | None, why: str = ""
+    prom_stats: dict[str, ModeStats],
+    store_stats: dict[str, ModeStats] | None,
+    why: str = "",
+    df: pd.DataFrame | None = None,
+    now_ns: int | None = None,
 ) -> None:
     """Replace the handoff and TTFT percentiles of ``prom_stats`` (interpolated
     within Prometheus' histogram buckets, which are 1-2.5 s wide past 1 s) with
@@ -235,11 +239,14 @@ def exact_percentiles(
     (:data:`STORE_HOLDS`); elsewhere say why in ``pct_note``. ``why``: why the
     store could not be read, when it could not.
 
-    Where the store holds them, the request rate is the store's too: its count
-    over its window. Prometheus' ``increase()`` extrapolates a young series
-    past its samples and its first sample already holds the requests served
-    before it, so a fleet two minutes old read +48 % against what it served;
-    the store counts each request once, by its start."""
+    Where the store holds them and ``df`` (the store's rows behind
+    ``store_stats``) is given, the request rate counts the store's requests
+    that started within Prometheus' own window (``rate_window_s``: the range,
+    or the age of Prometheus' data where that is shorter; the store may hold
+    older requests, e.g. the demo's grid). Prometheus' ``increase()``
+    extrapolates a young series past its samples, and its first sample
+    already holds the requests served before it, so a fleet two minutes old
+    read +48 % against what it served; the store counts each request once."""
     for mode, p in prom_stats.items():
         s = (store_stats or {}).get(mode)
         n_prom, n_store = p.requests or 0.0, (s.requests or 0.0) if s else 0.0
@@ -247,8 +254,9 @@ def exact_percentiles(
             p.handoff = dict(s.handoff)
             p.ttft = dict(s.ttft)
             p.ttft_source = s.ttft_source
-            if s.req_per_s is not None:
-                p.req_per_s, p.rate_window_s = s.req_per_s, s.rate_window_s
+            if df is not None and len(df) and p.rate_window_s:
+                since = (time.time_ns() if now_ns is None else now_ns) - p.rate_window_s * 1e9
+                p.req_per_s = int(((df["mode"] == mode) & (df["start_ns"] >= since)).sum()) / p.rate_window_s
             p.pct_source = "store"
             p.pct_note = (
                 f"exact, over the {n_store:,.0f} {mode} requests the trace store holds in this range "

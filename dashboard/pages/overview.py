@@ -62,7 +62,7 @@ def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
         return None
     try:
         df = loaders.load_window(cfg.store, range_key, loaders.now_bucket(range_key))
-        data.exact_percentiles(stats, data.stats_from_traces(df, data.TIME_RANGES[range_key]))
+        data.exact_percentiles(stats, data.stats_from_traces(df, data.TIME_RANGES[range_key]), df=df)
     except (data.StoreMissing, data.StoreError) as e:
         data.exact_percentiles(stats, None, why=f"the trace store could not be read: {e}")
     return stats, phases, hist, f"Prometheus at `{cfg.prometheus}` (counts over {prom.prom_range(range_key)})"
@@ -217,8 +217,9 @@ def mode_figures(mode: str, s: data.ModeStats, from_prom: bool, units: dict[str,
         "req/s",
         ui.fmt_rate(s.req_per_s),
         help=f"Requests per second over {over}: the time range, or the age of the data in it where that is "
-        "shorter (a fleet 2 minutes old is not read as 2 minutes of traffic in an hour). Counted in the trace "
-        "store where it holds this mode's requests (see the percentiles' source above), else Prometheus' increase().",
+        "shorter (a fleet 2 minutes old is not read as 2 minutes of traffic in an hour). The requests that started "
+        "in that window are counted in the trace store where it holds this mode's requests (see the percentiles' "
+        "source above), else Prometheus' increase().",
     )
     a.caption(f"{ui.fmt_n(s.requests)} requests, rate over {over}")
     bad = {k: v for k, v in s.outcomes.items() if k != sc.Outcome.OK.value}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -86,12 +87,16 @@ def test_exact_percentiles_where_the_store_holds_the_requests():
     store["pull"].requests = 40.0  # a store that kept only some of pull's requests
     for m in data.MODES:
         prom[m].req_per_s, prom[m].rate_window_s = 0.86, 90.0  # Prometheus' increase(), extrapolated
-        store[m].req_per_s, store[m].rate_window_s = store[m].requests / 170.0, 170.0
-    data.exact_percentiles(prom, store)
+    now = 10_000 * 10**9
+    # the store's rows: 60 push requests over the last 90 s, 37 older ones (the demo's grid, say); pull's
+    rows = [("push", now - int(i * 1.5e9)) for i in range(60)] + [("push", now - 300 * 10**9)] * 37
+    rows += [("pull", now - 10**9)] * 40
+    df = pd.DataFrame(rows, columns=["mode", "start_ns"])
+    data.exact_percentiles(prom, store, df=df, now_ns=now)
     assert prom["push"].handoff == {"p50": 0.41, "p90": 0.83, "p99": 1.2} and prom["push"].pct_source == "store"
-    # the rate is the store's count over the store's window where it holds the requests
-    assert prom["push"].req_per_s == pytest.approx(97 / 170) and prom["push"].rate_window_s == 170.0
-    assert prom["pull"].req_per_s == 0.86 and prom["pull"].rate_window_s == 90.0
+    # the rate counts the store's requests within Prometheus' window where the store holds them
+    assert prom["push"].req_per_s == pytest.approx(60 / 90) and prom["push"].rate_window_s == 90.0
+    assert prom["pull"].req_per_s == 0.86 and prom["pull"].rate_window_s == 90.0  # the store holds too few
     assert "exact" in prom["push"].pct_note and "97" in prom["push"].pct_note
     assert prom["pull"].handoff["p90"] == 1.15 and prom["pull"].pct_source == "histogram"
     assert "holds 40 of the 100 pull requests" in prom["pull"].pct_note
