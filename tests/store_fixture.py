@@ -93,13 +93,16 @@ def _request(
     }
     prefill_s = rng.uniform(0.020, 0.060) * (1 + i % 5 / 4)
     pf = t0 + 1 * MS + int(prefill_s * 1e9)
-    pre.record(P.PREFILL, p_rid, t0 + 1 * MS, pf, "ok", {sc.ATTR_TOKENS: rng.choice([128, 512, 1024])})
+    # the prompt's tokens: P and D count the same prompt (the store keeps the first count that arrives,
+    # which differs between backends and batches: two counts that disagree made the folded row vary)
+    tokens = rng.choice([128, 512, 1024])
+    pre.record(P.PREFILL, p_rid, t0 + 1 * MS, pf, "ok", {sc.ATTR_TOKENS: tokens})
     pre.record(P.PREFILL_FINISHED, p_rid, pf, pf, "ok", {sc.ATTR_BLOCKS: blocks})
     outcome = "ok"
     if mode == "push":
         # overlapped: D gets its request with P, queues and registers while P computes
         reg = t0 + 2 * MS
-        dec.record(P.DECODE_QUEUE, d_rid, t0 + int(0.6 * MS), reg, "ok", {sc.ATTR_TOKENS: 512})
+        dec.record(P.DECODE_QUEUE, d_rid, t0 + int(0.6 * MS), reg, "ok", {sc.ATTR_TOKENS: tokens})
         dec.record(P.REGISTRATION_STAGE, d_rid, reg, reg, "ok", {sc.ATTR_BLOCKS: blocks})
         snd = reg + int(0.3 * MS)  # D's step hands it to the writer thread (registration.dispatch, derived)
         dec.record(P.REGISTRATION_SEND, d_rid, snd, snd + int(0.8 * MS), "ok", {sc.ATTR_REMOTE_ENGINE_ID: "p0"})
@@ -133,7 +136,7 @@ def _request(
         router.record(P.RELAY, tid, t, t + relay, "ok")
         t += relay + int(rng.uniform(0.5, 1.0) * MS)  # D's HTTP intake (decode.intake, derived)
         q = int(rng.uniform(5.0, 30.0) * MS)
-        dec.record(P.DECODE_QUEUE, d_rid, t, t + q, "ok", {sc.ATTR_TOKENS: 512})
+        dec.record(P.DECODE_QUEUE, d_rid, t, t + q, "ok", {sc.ATTR_TOKENS: tokens})
         t += q
         dec.record(P.ALLOC, d_rid, t, t, "ok", {sc.ATTR_BLOCKS: blocks})
         t += int(rng.uniform(0.5, 2.0) * MS)  # D's step reaching its worker (decode.dispatch, derived)
