@@ -7,8 +7,9 @@ posts). vLLM does not expose the flag: its worker builds the config in
 ``NixlBaseConnectorWorker.__init__`` from the ``nixl_agent_config`` its
 module imported. With the connector option ``kvlens_nixl_progress_thread``
 off (``kvlens up --nixl-progress off``), :func:`agent_config` swaps that
-module name for one that adds ``enable_prog_thread=False``, only while the
-worker's ``__init__`` runs, and puts vLLM's back after. Where the hook point
+module name for one that adds ``enable_prog_thread=False`` (and nixl's
+``STRICT`` lock, :func:`_strict_sync`), only while the worker's ``__init__``
+runs, and puts vLLM's back after. Where the hook point
 is missing (another vLLM or nixl), one warning and vLLM's own configuration.
 What it does to the handoff on a small host: docs/links.md, "Without NIXL's
 progress thread". ``tests/unit/test_hooks_contract.py`` pins the hook point.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import sys
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Callable, Iterator
@@ -29,6 +31,8 @@ from kvrecord.logutil import log_once
 HOOK_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 HOOK_NAME = "nixl_agent_config"
 FLAG = "enable_prog_thread"
+#: nixl's thread-safety mode of the agent (None: nixl's default, no lock without a listener thread)
+SYNC = "sync_mode"
 
 logger = logging.getLogger("kvlens")
 
@@ -51,6 +55,22 @@ def hook_point(module: ModuleType | None = None) -> tuple[ModuleType, Callable[.
     if FLAG not in params:
         raise LookupError(f"{module.__name__}.{HOOK_NAME} takes no {FLAG}")
     return module, factory
+
+
+def _strict_sync(factory: Callable[..., Any], sig: inspect.Signature) -> Any:
+    """nixl's ``NIXL_THREAD_SYNC_STRICT`` where the factory takes ``sync_mode``, else None.
+
+    Without the progress thread nothing serializes the agent's UCX worker:
+    vLLM calls the agent from more than one thread (push D: the writer
+    thread's ``send_notif`` beside the engine thread's ``check_xfer_state``),
+    and with nixl's default for an agent without a listener (``NONE``: no
+    lock) push D's worker died in ``uct_tcp_ep_am_zcopy`` under ``genNotif``
+    on its first request (docs/links.md). ``STRICT`` takes the agent's lock
+    around every call."""
+    if SYNC not in sig.parameters:
+        return None
+    enum = getattr(sys.modules.get(getattr(factory, "__module__", "") or ""), "nixl_thread_sync_t", None)
+    return getattr(enum, "NIXL_THREAD_SYNC_STRICT", None)
 
 
 class Outcome:
@@ -80,11 +100,14 @@ def agent_config(progress_thread: bool, module: ModuleType | None = None) -> Ite
         yield out
         return
     sig = inspect.signature(factory)
+    strict = _strict_sync(factory, sig)
 
     def without_thread(*args: Any, **kwargs: Any) -> Any:
         try:
             bound = sig.bind_partial(*args, **kwargs)
             bound.arguments[FLAG] = False
+            if strict is not None and bound.arguments.get(SYNC) is None:
+                bound.arguments[SYNC] = strict
             args, kwargs = bound.args, bound.kwargs
         except TypeError:  # vLLM's own call is wrong: let the factory say so
             return factory(*args, **kwargs)

@@ -117,6 +117,8 @@ def test_the_real_hook_point_gets_nixls_config_without_the_thread():
         cfg = mod.nixl_agent_config(num_threads=4, capture_telemetry=True)
     assert mod.nixl_agent_config is real and isinstance(cfg, real)
     assert (cfg.enable_pthread, cfg.num_threads, out.applied) == (False, 4, 1)
+    # nothing else serializes the agent's UCX worker without the thread: nixl's strict lock
+    assert cfg.sync_mode.name == "NIXL_THREAD_SYNC_STRICT" and real(num_threads=4).sync_mode is None
     assert real(num_threads=4).enable_pthread is True  # vLLM's default stays the thread
 
 
