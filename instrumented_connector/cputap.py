@@ -144,10 +144,9 @@ def before(at_ns: int, attrs: dict) -> dict:
 def landed(at_ns: int, attrs: dict, max_age_ns: int = 2_000_000_000) -> dict:
     """``attrs`` with where the API server's main thread's CPU wait landed
     up to ``max_age_ns`` before ``at_ns`` (:meth:`kvrecord.cpuclock.CpuClock.landings`),
-    in an EngineCore (its upstream is the API server; a TP worker's is its
-    EngineCore: nothing added there)."""
-    up = _CLOCK.upstream
-    if _CLOCK.enabled and up is not None and _CLOCK.upstream_frontend:
+    (:func:`watch_upstream` finds it: an EngineCore's parent, a worker's grandparent)."""
+    up = _CLOCK.frontend
+    if _CLOCK.enabled and up is not None:
         lo, hi, grew = _CLOCK.landings(up, at_ns, max_age_ns)
         if lo:
             attrs[sc.ATTR_CPU_UP_LANDED_LO_S] = lo
@@ -164,19 +163,33 @@ def lookback_attrs(at_ns: int) -> dict:
     return before(at_ns, {})
 
 
+def _is_vllm(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"vllm" in f.read().lower()
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[1])
+
+
 def watch_upstream(frontend: bool = False) -> None:
     """Read this process's parent's main thread once per step, where the
     parent is a vLLM process (a worker's EngineCore, an EngineCore's API
-    server): the thread the engine waits on, blocked. ``frontend``: this
-    process runs the scheduler (an EngineCore), so its parent is the API server."""
+    server): the thread the engine waits on, blocked. And the API server's
+    (:meth:`kvrecord.cpuclock.CpuClock.watch_frontend`): ``frontend``, this
+    process runs the scheduler (an EngineCore): its parent; else (a worker,
+    the scheduler elsewhere) its grandparent, until a scheduler here says
+    otherwise (a one-process executor builds its worker first)."""
     if not _CLOCK.enabled:
         return
     try:
         ppid = os.getppid()
-        with open(f"/proc/{ppid}/cmdline", "rb") as f:
-            cmd = f.read()
-        if b"vllm" in cmd.lower() or b"VLLM" in cmd:
-            _CLOCK.watch_upstream(ppid, frontend)
+        if _is_vllm(ppid):
+            _CLOCK.watch_upstream(ppid)
+        api = ppid if frontend else _parent(ppid)
+        if (frontend or _CLOCK.frontend is None) and api > 1 and _is_vllm(api):
+            _CLOCK.watch_frontend(api)
     except Exception:
         fail("upstream thread")
 

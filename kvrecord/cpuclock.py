@@ -174,7 +174,8 @@ class CpuClock:
         self.spinners: frozenset[int] = frozenset()
         self._up: tuple[int, int] | None = None  # (ring key, fd) of the upstream thread (watch_upstream)
         self.upstream: int | None = None
-        self.upstream_frontend = False  # the upstream is an API server (this process runs the scheduler)
+        self._front: tuple[int, int] | None = None  # (ring key, fd) of the API server's main thread (watch_frontend)
+        self.frontend: int | None = None  # its ring's key (the upstream's where that is the API server)
         self._psi_fd = -1
         self.smeared = 0  # readings dropped: they ended more than SMEAR_NS after their timestamp
         if os.environ.get(ENV, "1").strip() == "0":
@@ -208,16 +209,10 @@ class CpuClock:
         within a step)."""
         try:
             self._read(_get_tid())
-            up = self._up
-            if up is not None:  # another process's thread: its wait from schedstat (on-CPU: schedstat's, coarse)
-                try:
-                    ts = _time_ns()
-                    raw = _pread(up[1], 96, 0)
-                    if _time_ns() - ts < SMEAR_NS:
-                        on, wait, _ = raw.split(None, 2)  # the wait parsed once here: landings() scans many
-                        self.rings[up[0]].append((ts, int(on), raw, int(wait)))
-                except OSError:  # it exited: stop reading it
-                    self._up = self.upstream = None
+            if self._up is not None and not self._other(self._up):  # it exited: stop reading it
+                self._up = self.upstream = None
+            if self._front is not None and not self._other(self._front):
+                self._front = self.frontend = None
             for stid, sfd, cid in self._spin:  # each stamped on its own (interpolated between readings)
                 try:
                     for _ in range(2):
@@ -236,6 +231,19 @@ class CpuClock:
                     self.psi.append(r)
         except Exception:
             self._failed()
+
+    def _other(self, up: tuple[int, int]) -> bool:
+        """A reading of another process's thread (``(ring key, fd)``): its wait
+        from schedstat (on-CPU: schedstat's, coarse); False where it exited."""
+        try:
+            ts = _time_ns()
+            raw = _pread(up[1], 96, 0)
+            if _time_ns() - ts < SMEAR_NS:
+                on, wait, _ = raw.split(None, 2)  # the wait parsed once here: landings() scans many
+                self.rings[up[0]].append((ts, int(on), raw, int(wait)))
+            return True
+        except OSError:
+            return False
 
     def _read(self, tid: int) -> int:
         """This thread's reading, stamped; kept only if it ended within
@@ -288,7 +296,7 @@ class CpuClock:
         self.rings.clear()
         self._spin, self.spinners = (), frozenset()
         self._up = self.upstream = None
-        self.upstream_frontend = False
+        self._front = self.frontend = None
 
     def _open(self, tid: int) -> int:
         fd = -1
@@ -307,12 +315,14 @@ class CpuClock:
         self.unknown = "schedstat read failed in this process (see its log)"
 
     # ------------------------------------------------------------ upstream
-    def watch_upstream(self, pid: int, frontend: bool = False) -> int | None:
+    def watch_upstream(self, pid: int) -> int | None:
         """Read the main thread of process ``pid`` at every step: the thread
         this process's engine waits on, blocked, while it waits for a CPU
         (a vLLM worker's EngineCore; an EngineCore's API server). Its ring's
         key is returned (``-pid``: never a thread id); None where it cannot
-        be read. ``frontend``: ``pid`` is an API server (this process is an EngineCore)."""
+        be read."""
+        if self._up is not None and self._up[0] == -pid:
+            return self.upstream
         try:
             fd = os.open(f"/proc/{pid}/task/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
@@ -321,7 +331,28 @@ class CpuClock:
         self.rings[key] = collections.deque(maxlen=self._ring)
         self._up = (key, fd)
         self.upstream = key
-        self.upstream_frontend = self.upstream_frontend or frontend
+        if self._front is not None and self._front[0] == key:  # read once, as the upstream
+            self._front = None
+        return key
+
+    def watch_frontend(self, pid: int) -> int | None:
+        """Also read the main thread of process ``pid``, the engine's API
+        server, at every step (where it is this process's upstream, that
+        ring serves): where its CPU wait landed (:meth:`landings`) places it
+        in the derived phases that end in it. Its ring's key; None where it
+        cannot be read."""
+        key = -pid
+        if self.upstream == key:
+            self._front, self.frontend = None, key
+            return key
+        if self._front is not None and self._front[0] == key:
+            return key
+        try:
+            fd = os.open(f"/proc/{pid}/task/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        self.rings[key] = collections.deque(maxlen=self._ring)
+        self._front, self.frontend = (key, fd), key
         return key
 
     # ------------------------------------------------------------ spinners

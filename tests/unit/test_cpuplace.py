@@ -152,8 +152,8 @@ def test_pull_respond_takes_the_routers_and_the_api_servers_wait():
 
 
 def test_recorder_puts_landings_on_the_engine_cores_later_events_only(monkeypatch):
-    """P's kv.released and D's decode.queue carry where the API server's wait landed, in an EngineCore
-    (the scheduler's process: its upstream is the API server); a TP worker's upstream is its EngineCore."""
+    """P's kv.released and D's decode.queue carry where the API server's wait landed, where the process reads
+    it (an EngineCore: its parent; a worker: its grandparent)."""
     from instrumented_connector import cputap
 
     got = []
@@ -164,12 +164,12 @@ def test_recorder_puts_landings_on_the_engine_cores_later_events_only(monkeypatc
 
     up = -4242
     c = _clock(up, (T0, 0, 0, 1), (T0 + 2 * MS, 0, 3 * MS, 2))
-    c.upstream = up
+    c.upstream = -1  # the parent read for up.wait_s: not the API server
     monkeypatch.setattr(cputap, "_CLOCK", c)
     rec = cputap.CpuRecorder(Sink())
     rec.record(sc.Phase.KV_RELEASED, "r", T0 + 5 * MS, T0 + 5 * MS)
-    assert sc.ATTR_CPU_UP_LANDED_WAIT_S not in got[-1]  # not known to be the API server
-    c.upstream_frontend = True
+    assert sc.ATTR_CPU_UP_LANDED_WAIT_S not in got[-1]  # the API server not read here
+    c.frontend = up
     rec.record(sc.Phase.KV_RELEASED, "r", T0 + 5 * MS, T0 + 5 * MS)
     assert got[-1][sc.ATTR_CPU_UP_LANDED_WAIT_S] == pytest.approx([0.003])
     assert got[-1][sc.ATTR_CPU_UP_LANDED_LO_S] == pytest.approx([0.005]) and got[-1][sc.ATTR_CPU_UP_PID] == 4242
@@ -177,3 +177,25 @@ def test_recorder_puts_landings_on_the_engine_cores_later_events_only(monkeypatc
     assert got[-1][sc.ATTR_CPU_UP_LANDED_HI_S] == pytest.approx([0.003])
     rec.record(sc.Phase.WRITE_POST, "r", T0 + 3 * MS, T0 + 5 * MS)
     assert sc.ATTR_CPU_UP_LANDED_WAIT_S not in got[-1]  # other events: none
+
+
+def test_the_api_server_is_read_once_where_it_is_the_upstream():
+    import os
+
+    c = cpuclock.CpuClock()
+    me = os.getpid()
+    assert c.watch_frontend(me) == -me and c.frontend == -me  # a process of its own: its own ring
+    assert c.watch_upstream(me) == -me and c._front is None and c.frontend == -me  # now the upstream's ring serves
+    for _ in range(200):  # read once per step (a reading preempted past 50 µs is dropped: a busy host)
+        c.sample()
+        if c.rings[-me]:
+            break
+    assert c.rings[-me] and len(c.rings[-me][0]) == 4  # its wait parsed as it is read
+
+
+def test_a_workers_api_server_is_its_grandparent():
+    import os
+
+    from instrumented_connector import cputap
+
+    assert cputap._parent(os.getpid()) == os.getppid()  # /proc/<pid>/stat's 4th field, past the command's ")"
