@@ -147,11 +147,12 @@ def landed(at_ns: int, attrs: dict, max_age_ns: int = 2_000_000_000) -> dict:
     (:func:`watch_upstream` finds it: an EngineCore's parent, a worker's grandparent)."""
     up = _CLOCK.frontend
     if _CLOCK.enabled and up is not None:
-        lo, hi, grew = _CLOCK.landings(up, at_ns, max_age_ns)
-        if lo:
+        lo, hi, grew, newest = _CLOCK.landings(up, at_ns, max_age_ns)
+        if newest is not None:  # empty lists: read, and it waited for no CPU
             attrs[sc.ATTR_CPU_UP_LANDED_LO_S] = lo
             attrs[sc.ATTR_CPU_UP_LANDED_HI_S] = hi
             attrs[sc.ATTR_CPU_UP_LANDED_WAIT_S] = grew
+            attrs[sc.ATTR_CPU_UP_LANDED_NEWEST_S] = newest
             attrs[sc.ATTR_CPU_UP_PID] = -up
     return attrs
 

@@ -484,7 +484,9 @@ class CpuClock:
         """Where ring ``key``'s CPU wait grew before ``at_ns`` (another
         thread's, read once per step: :meth:`watch_upstream`): for each pair
         of consecutive readings between which it grew, youngest first, the
-        older's and the newer's age and the growth, seconds (three lists).
+        older's and the newer's age and the growth, seconds (three lists), and
+        the newest reading's age (None: no reading): a wait still running then
+        has not landed, so a phase after it is not covered.
         Another thread's wait lands when it gets a CPU, so each growth is
         waiting that ended between the two readings; :mod:`kvtrace.cpusplit`
         places it inside a phase from these bounds. At most ``n`` pairs,
@@ -493,8 +495,9 @@ class CpuClock:
         lo: list[float] = []
         hi: list[float] = []
         grew: list[float] = []
+        newest = None
         if not ring:
-            return lo, hi, grew
+            return lo, hi, grew, newest
         newer = None
         for k, r in enumerate(reversed(ring)):
             t = r[0]
@@ -502,6 +505,8 @@ class CpuClock:
                 break
             if t > at_ns:
                 continue
+            if newest is None:
+                newest = (at_ns - t) / 1e9
             w = r[3] if len(r) > 3 else _wait(r[2])
             if newer is not None and newer[1] > w:
                 lo.append((at_ns - t) / 1e9)
@@ -510,7 +515,7 @@ class CpuClock:
                 if len(lo) >= n:
                     break
             newer = (t, w)
-        return lo, hi, grew
+        return lo, hi, grew, newest
 
     def spinner_window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
         """A spinning thread's counters over ``[start_ns, end_ns]``, each end

@@ -342,6 +342,9 @@ ATTR_CPU_UP_LANDED_HI_S: Final = "kvlens.cpu.up.landed.hi_s"
 """The newer reading's age of each such pair, seconds."""
 ATTR_CPU_UP_LANDED_WAIT_S: Final = "kvlens.cpu.up.landed.wait_s"
 """The wait that ended between each such pair of readings, seconds."""
+ATTR_CPU_UP_LANDED_NEWEST_S: Final = "kvlens.cpu.up.landed.newest_s"
+"""The newest of those readings' age before the event's end, seconds: a phase
+ending after it is not covered (a wait still running then had not landed)."""
 ATTR_CPU_UP_WAIT_S: Final = "kvlens.cpu.up.wait_s"
 """CPU wait of the thread this process's engine waits on, blocked, during the
 phase (a vLLM worker's EngineCore thread; an EngineCore's API server), seconds,

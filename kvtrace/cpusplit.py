@@ -177,22 +177,32 @@ def landed_wait(start_ns: int, end_ns: int, carriers: Iterable[Any]) -> float | 
     """The CPU wait of an engine's API server that lies inside ``[start_ns,
     end_ns]`` for sure, from where it landed (``kvlens.cpu.up.landed.*`` on
     the first of ``carriers``, recorded spans of that engine, that has them);
-    None: no such readings. A growth between two readings is waiting that
-    ended when the thread got a CPU, between them; it began at most its own
-    length before: the part that lies in the phase wherever it ended counts."""
+    None: unknown. A growth between two readings is waiting that ended when
+    the thread got a CPU, between them; it began at most its own length
+    before: the part that lies in the phase wherever it ended counts.
+    Unknown where no reading followed the phase's end (a wait then running
+    had not landed: an idle EngineCore reads nothing), or where nothing is
+    certain but a growth may overlap the phase (readings too far apart)."""
     for c in carriers:
         a = c.attributes or {}
         lo, hi, grew = (
             a.get(k) for k in (sc.ATTR_CPU_UP_LANDED_LO_S, sc.ATTR_CPU_UP_LANDED_HI_S, sc.ATTR_CPU_UP_LANDED_WAIT_S)
         )
-        if not lo or not hi or not grew:
+        newest = a.get(sc.ATTR_CPU_UP_LANDED_NEWEST_S)
+        if lo is None or hi is None or grew is None or not isinstance(newest, (int, float)):
             continue
+        if c.end_ns - int(newest * 1e9) < end_ns:
+            return None
         dur = (end_ns - start_ns) / 1e9
         total = 0.0
+        maybe = False
         for lo_s, hi_s, g in zip(lo, hi, grew):
             t_lo = c.end_ns - int(lo_s * 1e9)
             t_hi = c.end_ns - int(hi_s * 1e9)
             total += max(0.0, min(g, (t_lo - start_ns) / 1e9, (end_ns - t_hi) / 1e9 + g, dur))
+            maybe = maybe or (t_hi >= start_ns and t_lo - int(g * 1e9) <= end_ns)
+        if total <= 0.0 and maybe:
+            return None
         return min(total, dur)
     return None
 

@@ -59,11 +59,11 @@ def test_landings_bound_where_another_threads_wait_ended():
         (T0 + 4 * MS, 0, 9 * MS, 2),  # 4 ms ended in (2, 4] ms
         (T0 + 6 * MS, 0, 10 * MS, 3),  # 1 ms ended in (4, 6] ms
     )
-    lo, hi, grew = c.landings(key, T0 + 10 * MS)
+    lo, hi, grew, newest = c.landings(key, T0 + 10 * MS)
     assert lo == pytest.approx([0.006, 0.008]) and hi == pytest.approx([0.004, 0.006])  # youngest first
-    assert grew == pytest.approx([0.001, 0.004])
-    assert c.landings(key, T0 + 3 * MS) == ([], [], [])  # none before 3 ms
-    assert c.landings(-1, T0) == ([], [], [])  # no such ring
+    assert grew == pytest.approx([0.001, 0.004]) and newest == pytest.approx(0.004)
+    assert c.landings(key, T0 + 3 * MS) == ([], [], [], pytest.approx(0.001))  # read, but no growth before 3 ms
+    assert c.landings(-1, T0) == ([], [], [], None)  # no such ring
 
 
 class _S:
@@ -99,9 +99,23 @@ def test_landed_wait_counts_what_must_lie_inside_the_phase():
         sc.ATTR_CPU_UP_LANDED_LO_S: [0.040, 0.061, 0.080, 0.088],
         sc.ATTR_CPU_UP_LANDED_HI_S: [0.039, 0.055, 0.078, 0.087],
         sc.ATTR_CPU_UP_LANDED_WAIT_S: [0.001, 0.003, 0.006, 0.005],
+        sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.010,
     }
     assert cpusplit.landed_wait(s, e, [_S({}, end), _S(landed, end)]) == pytest.approx(0.006 + 0.002)
     assert cpusplit.landed_wait(s, e, [_S({}, end)]) is None
+    # no reading after the phase's end (an idle EngineCore): a wait then running had not landed: unknown
+    assert cpusplit.landed_wait(s, e, [_S({**landed, sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.065}, end)]) is None
+    # read all along and no growth: it waited for no CPU (0, known)
+    quiet = {k: [] for k in (sc.ATTR_CPU_UP_LANDED_LO_S, sc.ATTR_CPU_UP_LANDED_HI_S, sc.ATTR_CPU_UP_LANDED_WAIT_S)}
+    assert cpusplit.landed_wait(s, e, [_S({**quiet, sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.010}, end)]) == 0.0
+    # nothing certain, but a growth may overlap the phase (its readings 30 ms apart around the start): unknown
+    wide = {**quiet, sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.010}
+    wide |= {
+        sc.ATTR_CPU_UP_LANDED_LO_S: [0.095],
+        sc.ATTR_CPU_UP_LANDED_HI_S: [0.065],
+        sc.ATTR_CPU_UP_LANDED_WAIT_S: [0.02],
+    }
+    assert cpusplit.landed_wait(s, e, [_S(wide, end)]) is None
 
 
 def _span(name, role, start, end, **attrs):
@@ -121,6 +135,7 @@ def test_pull_respond_takes_the_routers_and_the_api_servers_wait():
         sc.ATTR_CPU_UP_LANDED_LO_S: [(released - (T0 + 70 * MS)) / 1e9],
         sc.ATTR_CPU_UP_LANDED_HI_S: [(released - (T0 + 72 * MS)) / 1e9],
         sc.ATTR_CPU_UP_LANDED_WAIT_S: [0.012],
+        sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.001,
     }
     spans = [
         _span("prefill.finished", "prefill", pf, pf),
@@ -173,6 +188,7 @@ def test_recorder_puts_landings_on_the_engine_cores_later_events_only(monkeypatc
     rec.record(sc.Phase.KV_RELEASED, "r", T0 + 5 * MS, T0 + 5 * MS)
     assert got[-1][sc.ATTR_CPU_UP_LANDED_WAIT_S] == pytest.approx([0.003])
     assert got[-1][sc.ATTR_CPU_UP_LANDED_LO_S] == pytest.approx([0.005]) and got[-1][sc.ATTR_CPU_UP_PID] == 4242
+    assert got[-1][sc.ATTR_CPU_UP_LANDED_NEWEST_S] == pytest.approx(0.003)
     rec.record(sc.Phase.DECODE_QUEUE, "r", T0 + 3 * MS, T0 + 5 * MS)
     assert got[-1][sc.ATTR_CPU_UP_LANDED_HI_S] == pytest.approx([0.003])
     rec.record(sc.Phase.WRITE_POST, "r", T0 + 3 * MS, T0 + 5 * MS)
