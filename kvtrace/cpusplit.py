@@ -23,7 +23,9 @@ router's ``relay``) takes the router's event loop's this way, and
 wait that must lie inside them, from where it landed between the
 EngineCore's per-step readings of it (:func:`landed_wait`). Derived phases
 with neither have no figures: their time is ``unknown_s``, never counted as
-either.
+either. Where a placement rule gave the figures they are a lower bound (the
+path's other threads are not all read): the rest of the phase is
+``unknown_s`` too, not off-CPU.
 
 Pure functions of a :class:`kvtrace.tracemodel.Trace`-like object.
 """
@@ -80,6 +82,9 @@ class PhaseCpu(NamedTuple):
 
     on_s: float
     wait_s: float
+    #: False: the figures are the part placed for sure (a lower bound: :func:`derived_figures`' one-run rule,
+    #: :func:`landed_wait`); the phase's rest is unknown, not off-CPU (threads on its path were not all read)
+    rest_known: bool = True
 
 
 class HandoffCpu(NamedTuple):
@@ -164,7 +169,7 @@ def derived_figures(dur_ns: int, ends: Iterable[Any]) -> PhaseCpu | None:
             if age + 1e-6 >= dur:
                 if i < len(runs) and runs[i] in (0, 1):
                     w = min(max(dur - on, 0.0), max(wait, 0.0))
-                    return PhaseCpu(min(max(on, 0.0), dur - w), w)
+                    return PhaseCpu(min(max(on, 0.0), dur - w), w, False)
                 if age - dur > GAP_SHARE * dur + GAP_SLACK_S:
                     return None  # the nearest reading before the start is too far back
                 share = dur / age if age > 0 else 1.0
@@ -260,9 +265,9 @@ def handoff_cpu(trace: Any) -> HandoffCpu:
                 if up is not None:
                     d_s = (d.end_ns - d.start_ns) / 1e9
                     if fig is None:
-                        fig, on_known = PhaseCpu(0.0, up), False  # the API server's CPU work is not read
+                        fig, on_known = PhaseCpu(0.0, up, False), False  # the API server's CPU work is not read
                     else:
-                        fig = PhaseCpu(fig.on_s, min(fig.wait_s + up, max(d_s - fig.on_s, fig.wait_s)))
+                        fig = PhaseCpu(fig.on_s, min(fig.wait_s + up, max(d_s - fig.on_s, fig.wait_s)), False)
             if fig is not None:
                 src = d
         if fig is None:
@@ -279,6 +284,8 @@ def handoff_cpu(trace: Any) -> HandoffCpu:
         w = min(fig.wait_s * share, ns / 1e9)
         o = min(fig.on_s * share, ns / 1e9 - w)
         wait, on, known = wait + w, on + o, True
+        if not fig.rest_known:  # only a lower bound is placed: the rest is neither
+            unknown += max(ns / 1e9 - w - o, 0.0)
         pw[name] = (pw.get(name) or 0.0) + w
         if on_known:
             po[name] = (po.get(name) or 0.0) + o

@@ -80,9 +80,9 @@ def test_one_run_places_the_wait_however_far_back_the_reading_is():
         sc.ATTR_CPU_BEFORE_RUNS: [1],
     }
     # a 30 ms phase: the run began at most 2 ms before its end, the 20 ms wait just before that: all inside
-    assert cpusplit.derived_figures(30 * MS, [_S(lb)]) == pytest.approx((0.002, 0.020))
+    assert cpusplit.derived_figures(30 * MS, [_S(lb)]) == pytest.approx((0.002, 0.020, False))
     # a 10 ms phase: only the 8 ms before the run's earliest start must be inside it
-    assert cpusplit.derived_figures(10 * MS, [_S(lb)]) == pytest.approx((0.002, 0.008))
+    assert cpusplit.derived_figures(10 * MS, [_S(lb)]) == pytest.approx((0.002, 0.008, False))
     # put on a CPU three times since: the wait may lie anywhere; that reading is too far back for the old rule
     assert cpusplit.derived_figures(10 * MS, [_S({**lb, sc.ATTR_CPU_BEFORE_RUNS: [3]})]) is None
     assert cpusplit.derived_figures(10 * MS, [_S({**lb, sc.ATTR_CPU_BEFORE_RUNS: [-1]})]) is None
@@ -159,6 +159,9 @@ def test_pull_respond_takes_the_routers_and_the_api_servers_wait():
     h = cpusplit.handoff_cpu(Trace.from_rows(summary, spans))
     assert h.phases_wait_s["prefill.respond"] == pytest.approx(0.008 + 0.012)
     assert h.phases_on_s["prefill.respond"] == pytest.approx(0.001)  # the router's; the API server's is not read
+    # a lower bound: the rest of the 30 ms is unknown, not off-CPU (P's output thread is not read)
+    # (+ relay's 1 ms and decode.intake's 1 ms: no figures; the 6 ms from decode.queue's end to kv.ready: unnamed)
+    assert h.unknown_s == pytest.approx((0.030 - 0.020 - 0.001) + 0.001 + 0.001 + 0.006)
     # without the router's readings: the API server's wait alone, its CPU work unknown (not 0)
     spans[1] = _span("relay", "router", relay, relay + MS)
     h = cpusplit.handoff_cpu(Trace.from_rows(summary, spans))
