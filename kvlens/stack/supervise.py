@@ -4,7 +4,8 @@ Every child runs in a process group of its own (a
 :class:`~kvrecord.children.ChildProcess`) so that stopping it also stops the
 EngineCore processes vLLM spawns; leftovers found through psutil are killed
 as well. Each child logs to its own file; when a child dies early the tail
-of its log is part of the error.
+of its log is part of the error, and the error lines above that tail (vLLM's
+EngineCore failure is logged further up than its API server's traceback).
 
 No orphans when the supervisor dies, however it dies (SIGKILL, OOM kill,
 a crash): on Linux each child runs under a small guard process
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -47,17 +49,43 @@ POLL_S = 0.5
 NOTE_EVERY_S = 15.0
 
 
+#: A log line that names an error: a log record at ERROR or CRITICAL (vLLM's
+#: ``ERROR 12-07 02:44:12 [core.py:…]``, Python's ``ERROR:name:``), or an
+#: exception's last line (``RuntimeError: …``), after an optional process prefix
+#: (vLLM's ``(EngineCore_DP0 pid=123)``).
+ERROR_LINE = re.compile(r"^(\(\S+ pid=\d+\)\s*)?(\S*\s*(ERROR|CRITICAL)\b|[\w.]*(Error|Exception|Exit)\b:)")
+#: At most this many of the earlier error lines go into :meth:`Child.died_message`.
+EARLIER_ERRORS = 12
+
+
+def _log_lines(path: Path) -> list[str]:
+    """The lines of a log file's last 64 KiB (OSError when it cannot be read)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - 64 * 1024))
+        return f.read().decode("utf-8", "replace").splitlines()
+
+
 def tail(path: Path, n: int = 40) -> str:
     """The last ``n`` lines of a log file (read from its last 64 KiB)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-        return "\n".join(lines[-n:])
+        return "\n".join(_log_lines(path)[-n:])
     except OSError as e:
         return f"(no log: {e})"
+
+
+def earlier_errors(path: Path, n: int = 40, most: int = EARLIER_ERRORS) -> list[str]:
+    """The error lines (:data:`ERROR_LINE`) of a log above its last ``n``
+    lines, the last ``most`` of them. A vLLM server whose EngineCore died
+    ends its log with the API server's own traceback ("Engine core
+    initialization failed. See root cause above"): the cause is further up,
+    in the EngineCore's lines, out of :func:`tail`'s reach."""
+    try:
+        lines = _log_lines(path)[:-n]
+    except OSError:
+        return []
+    return [ln for ln in lines if ERROR_LINE.match(ln)][-most:]
 
 
 @dataclass
@@ -102,7 +130,11 @@ class Child:
 
     def died_message(self) -> str:
         rc = self.proc.returncode if self.proc else None
-        return f"{self.name} exited with code {rc}; last lines of {self.log}:\n{tail(self.log)}"
+        msg = f"{self.name} exited with code {rc}; last lines of {self.log}:\n{tail(self.log)}"
+        errors = earlier_errors(self.log)
+        if errors:
+            msg += "\nerror lines above those:\n" + "\n".join(errors)
+        return msg
 
 
 def descendants(pid: int) -> list:

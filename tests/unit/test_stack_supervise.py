@@ -254,3 +254,46 @@ def test_kvlens_dashboard_does_not_depend_on_the_callers_directory(tmp_path, mon
         ("--server.enableXsrfProtection", "true"),
     ):
         assert cmd[cmd.index(flag) + 1] == val
+
+
+#: A vLLM server whose EngineCore died, as its log reads (shortened): the
+#: EngineCore's error and its exception, then the API server's own traceback,
+#: longer than the tail, ending in "See root cause above".
+DEAD_ENGINE = r"""
+import sys
+print("(APIServer pid=10) INFO 12-07 02:44:01 [api_server.py:1] vLLM API server version 0.0")
+print("(EngineCore_DP0 pid=11) ERROR 12-07 02:44:12 [core.py:1] EngineCore failed to start.")
+print("(EngineCore_DP0 pid=11) ERROR 12-07 02:44:12 [core.py:1] Traceback (most recent call last):")
+print('(EngineCore_DP0 pid=11) ERROR 12-07 02:44:12 [core.py:1]   File "core.py", line 1, in run')
+print("(EngineCore_DP0 pid=11) ERROR 12-07 02:44:12 [core.py:1] ValueError: the root cause")
+print("(APIServer pid=10) Traceback (most recent call last):")
+for i in range(60):
+    print(f'(APIServer pid=10)   File "frame{i}.py", line {i}, in f{i}')
+print("(APIServer pid=10) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+sys.exit(1)
+"""
+
+
+def test_a_dead_childs_message_has_the_root_cause_above_its_tail(tmp_path):
+    """The tail is the API server's traceback; the EngineCore's error, above
+    it, is in the message too, and the lines that are not errors are not."""
+    c = _child(tmp_path, DEAD_ENGINE)
+    assert c.proc.wait(30) == 1
+    msg = c.died_message()
+    assert "exited with code 1" in msg and "See root cause above" in msg
+    head, above = msg.split("\nerror lines above those:\n")
+    assert "ValueError: the root cause" not in head
+    assert above.splitlines() == [
+        "(EngineCore_DP0 pid=11) ERROR 12-07 02:44:12 [core.py:1] EngineCore failed to start.",
+        "(EngineCore_DP0 pid=11) ERROR 12-07 02:44:12 [core.py:1] Traceback (most recent call last):",
+        '(EngineCore_DP0 pid=11) ERROR 12-07 02:44:12 [core.py:1]   File "core.py", line 1, in run',
+        "(EngineCore_DP0 pid=11) ERROR 12-07 02:44:12 [core.py:1] ValueError: the root cause",
+    ]
+
+
+def test_a_short_log_adds_no_error_lines(tmp_path):
+    """A log within the tail: the message is the tail alone."""
+    c = _child(tmp_path, "import sys; print('RuntimeError: boom'); sys.exit(2)")
+    assert c.proc.wait(30) == 2
+    msg = c.died_message()
+    assert "RuntimeError: boom" in msg and "error lines above" not in msg
