@@ -32,7 +32,14 @@ def warm_up(
     waits past it, and a warm-up still unanswered then is a StackError saying
     where it is stuck: ``where_stuck(trace_id)`` (which side waits, in which
     phase, from the store), so a start that hangs fails within its timeout
-    and names the side (issue 43 item 7), instead of reporting ready.
+    and names the side (issue 43 item 7), instead of reporting ready. With a
+    deadline the last try waits until it (not ``timeout_s``), and a request
+    that failed every try is a StackError too: ``tries`` times ``timeout_s``
+    (270 s by default) is shorter than a mixed fleet's start timeout (600 s),
+    so a hung D used to run the tries out and the stack reported ready with a
+    warning while its D hung (vLLM ends a hung worker only after
+    ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, 300 s). Without a deadline a
+    request that failed every try is a warning, as before.
 
     The first request to a new P/D pair pays for kernel warm-up and the
     first-contact NIXL handshakes; vLLM gives a handshake reply 5 s, and
@@ -44,10 +51,13 @@ def warm_up(
     import httpx  # start-up cost: ``kvlens --help`` imports this module
 
     last: str | None = None  # the trace id of the last request that got no answer
+    last_error = ""  # how it failed: HTTP status or transport error
     for n in range(1, rounds + 1):
         tag = f" {n}/{rounds}" if rounds > 1 else ""
         for i in range(1, tries + 1):
-            left = timeout_s if deadline is None else min(timeout_s, deadline - time.monotonic())
+            left = timeout_s if deadline is None else deadline - time.monotonic()
+            if deadline is not None and i < tries:
+                left = min(timeout_s, left)  # the last try waits until the deadline
             tid = new_trace_id()
             if left < 1.0:
                 raise StackError(_stuck_message(tag, tid, last, where_stuck))
@@ -61,9 +71,11 @@ def warm_up(
                 if r.status_code == 200:
                     say(f"warm-up request{tag} ok ({i}/{tries})")
                     break
-                say(f"warm-up request{tag} returned HTTP {r.status_code} ({i}/{tries})")
+                last_error = f"HTTP {r.status_code}"
+                say(f"warm-up request{tag} returned {last_error} ({i}/{tries})")
             except httpx.HTTPError as e:
-                say(f"warm-up request{tag} failed: {type(e).__name__} ({i}/{tries})")
+                last_error = type(e).__name__
+                say(f"warm-up request{tag} failed: {last_error} ({i}/{tries})")
             last = tid
             dead = dead_child()
             if dead is not None:
@@ -71,6 +83,8 @@ def warm_up(
             if deadline is not None and deadline - time.monotonic() < 1.0:
                 raise StackError(_stuck_message(tag, tid, tid, where_stuck))
         else:
+            if deadline is not None:  # every try answered with an error: the stack does not serve
+                raise StackError(_failed_message(tag, tries, last_error, last, where_stuck))
             say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
             return
 
@@ -78,15 +92,28 @@ def warm_up(
 def _stuck_message(tag: str, tid: str, last: str | None, where_stuck: Callable[[str], str | None] | None) -> str:
     """Why the start timed out in the warm-up, naming the stuck side where the store knows it."""
     last = last or tid
-    where = None
-    if where_stuck is not None:
-        try:
-            where = where_stuck(last)
-        except Exception as e:  # noqa: BLE001 - the timeout is the error; the store only explains it
-            where = f"the trace store could not say where ({type(e).__name__}: {e})"
-    return f"start timeout: the warm-up request{tag} (trace {last}) got no answer in time; " + (
-        where or "the trace store holds no span of it that names a waiting side"
+    return f"start timeout: the warm-up request{tag} (trace {last}) got no answer in time; " + _where(where_stuck, last)
+
+
+def _failed_message(
+    tag: str, tries: int, error: str, tid: str | None, where_stuck: Callable[[str], str | None] | None
+) -> str:
+    """Why the start failed when every warm-up try ended in an error before the deadline."""
+    return (
+        f"start failed: the warm-up request{tag} failed {tries} of {tries} tries (last: {error}, trace {tid}); "
+        + _where(where_stuck, tid)
     )
+
+
+def _where(where_stuck: Callable[[str], str | None] | None, tid: str | None) -> str:
+    """Where the store says request ``tid`` is stuck, or why it cannot say."""
+    where = None
+    if where_stuck is not None and tid is not None:
+        try:
+            where = where_stuck(tid)
+        except Exception as e:  # noqa: BLE001 - the failed start is the error; the store only explains it
+            where = f"the trace store could not say where ({type(e).__name__}: {e})"
+    return where or "the trace store holds no span of it that names a waiting side"
 
 
 def where_stuck(loc, trace_id: str) -> str | None:
