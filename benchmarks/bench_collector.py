@@ -9,8 +9,8 @@ stage on its own and end to end; medians over ``--rounds``, CPU time per
 span from the process clock (all threads), so a busy machine shows in the
 wall figures but much less in the CPU ones:
 
-1. decode: body -> ReadableSpans (:func:`exporters.collector.otlp.decode`,
-   the SDK's type) and body -> WireSpans (:func:`exporters.collector.wire.decode`,
+1. decode: body -> ReadableSpans (:func:`collector.otlp.decode`,
+   the SDK's type) and body -> WireSpans (:func:`collector.wire.decode`,
    what the collector uses);
 2. store: :func:`kvtrace.store.write_spans` of the decoded spans, in the
    collector's batches (2000), fresh traces each round;
@@ -61,13 +61,13 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from prometheus_client import CollectorRegistry
 
 from kvtrace import store, tracemodel  # noqa: E402
-from exporters.collector import otlp  # noqa: E402
-from exporters.collector.ingest import collector_ingest  # noqa: E402
+from collector import otlp  # noqa: E402
+from collector.ingest import collector_ingest  # noqa: E402
 from exporters.metrics import PhaseMetricsProcessor  # noqa: E402
 from kvrecord.keeprule import KeepRule  # noqa: E402
 
 try:
-    from exporters.collector import wire  # noqa: E402
+    from collector import wire  # noqa: E402
 except ImportError:  # an older checkout: ReadableSpans only
     wire = None
 
@@ -168,7 +168,7 @@ def bench_app(bodies: list[bytes], path: Path, keep=None) -> tuple[float, float,
     """(CPU s, wall s, CPU s by thread group) of the in-process app (``keep``: its keep rule)."""
     from starlette.testclient import TestClient
 
-    from exporters.collector.app import create_app
+    from collector.app import create_app
 
     reg = CollectorRegistry()
     ing = collector_ingest(path, reg, max_queue_spans=10**7, handoff_deadline_s=1.0, keep=keep)

@@ -6,7 +6,7 @@ Serves ``POST /v1/traces`` (protobuf or JSON, gzip), ``GET /metrics`` (its
 own counters plus the phase and handoff histograms of the spans it stores,
 with trace-id exemplars) and ``GET /healthz`` with uvicorn on a socket bound
 here first, so a busy port is one clear line; ``TraceService/Export`` on the
-gRPC port (:mod:`exporters.collector.grpc_receiver`, its own bounded thread
+gRPC port (:mod:`collector.grpc_receiver`, its own bounded thread
 pool). Token and TLS: :mod:`frontdoor` (its flags, its bearer check, its
 TLS), checked before anything binds.
 SIGTERM / SIGINT: uvicorn stops taking requests, the lifespan hook stops the
@@ -24,7 +24,7 @@ import sys
 from frontdoor import flags, samesite
 from frontdoor.credentials import Security, SecurityError
 from kvlens import exits
-from kvlens.argtypes import add_keep_arguments, keep_rule
+from kvrecord.argtypes import add_keep_arguments, keep_rule
 from kvrecord.config import default_store
 from kvrecord.location import StoreLocation
 
@@ -147,7 +147,7 @@ COLLECTOR_ROLES = ("ingest", "read")
 
 def _role_of(scope: dict) -> str:
     """``POST /v1/traces``: ingest; everything else (``/metrics``): read."""
-    from exporters.collector.app import TRACES_PATH
+    from collector.app import TRACES_PATH
 
     return "ingest" if scope.get("path") == TRACES_PATH else "read"
 
@@ -158,7 +158,7 @@ def _store_problem(path: StoreLocation) -> tuple[str, int] | None:
     a server that cannot be reached now or a store another writer holds
     locked, 2 for the rest), or None."""
     from kvtrace import store
-    from exporters.collector.ingest import check_store
+    from collector.ingest import check_store
     from kvtrace.store.schema import translate
 
     if not path.is_postgres and path.path.is_dir():
@@ -297,7 +297,7 @@ def _start_grpc(args: argparse.Namespace, ingest, security: Security, max_body_b
     --no-grpc. RuntimeError when its port cannot be bound."""
     if args.no_grpc:
         return None, None
-    from exporters.collector.grpc_receiver import add_port, grpc_server
+    from collector.grpc_receiver import add_port, grpc_server
     from frontdoor.serving import grpc_credentials
 
     server = grpc_server(ingest, security, max_body_bytes=max_body_bytes, busy_status=args.busy_status)
@@ -311,7 +311,7 @@ def _http_app(args, ingest, registry, security: Security, max_body: int, before_
     (:class:`frontdoor.bearer.BearerAuth`, which passes everything when no
     token is set; a refused export is counted ``unauthenticated``, a refused
     scrape is not an export), behind the same-site guard."""
-    from exporters.collector.app import TRACES_PATH, create_app
+    from collector.app import TRACES_PATH, create_app
     from frontdoor.bearer import BearerAuth
 
     app = create_app(
@@ -352,7 +352,7 @@ def _serve(args: argparse.Namespace, store: StoreLocation, sock: socket.socket, 
     import uvicorn
     from prometheus_client import CollectorRegistry
 
-    from exporters.collector.ingest import collector_ingest
+    from collector.ingest import collector_ingest
     from frontdoor import serving
     from kvlens.signals import sigterm_as_interrupt
 

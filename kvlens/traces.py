@@ -21,7 +21,7 @@ import textwrap
 from pathlib import Path
 
 from kvlens import exits
-from kvlens.argtypes import duration_text, int_in
+from kvrecord.argtypes import duration_text, int_in
 from kvrecord import config
 from kvrecord import semconv as sc
 from kvtrace import costs, cpusplit, kvuse, perfetto, ranks, store, stuck, tracemodel

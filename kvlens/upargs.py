@@ -8,10 +8,10 @@ from pathlib import Path
 
 from frontdoor.flags import add_api_key_arguments
 from kvrecord.ports import DEFAULT_HOST
-from kvlens.argtypes import from_parser, int_in, port_arg, positive
+from kvrecord.argtypes import from_parser, int_in, port_arg, positive
 from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, DEFAULT_TIMEOUT_S
 from kvlens.stack.errors import StackError
-from kvlens.proxy.split import parse_split
+from proxy.split import parse_split
 from kvlens.stack.instances import MAX_INSTANCES, ROUTERS, parse_modes, parse_routers
 from kvlens.stack.spinners import MODES as SPIN_MODES
 from kvlens.stack.tp import MAX_TP, STARTUP_S_PER_EXTRA_PROCESS, parse_tp

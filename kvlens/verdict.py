@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from kvrecord import config
 from kvlens import exits
-from kvlens.argtypes import duration_text
+from kvrecord.argtypes import duration_text
 from kvtrace import store
 from kvtrace import verdict as kv_verdict
 

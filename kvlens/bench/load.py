@@ -4,7 +4,7 @@ open-loop Poisson process (asyncio + httpx).
 Every request carries its own 32-hex ``X-Request-Id`` (a fresh trace id); the
 router keeps it as the trace id, which is how a cell's traces are found in
 the store afterwards. TTFT starts at the first SSE event with generated text
-(:mod:`kvlens.sse`), the rule the router's span TTFT uses, so the two can be
+(:mod:`proxy.sse`), the rule the router's span TTFT uses, so the two can be
 cross-checked. ``ignore_eos`` makes every request yield ``output_len`` tokens.
 
 Tokens are timed per network read, not per event: every event of one read
@@ -25,13 +25,13 @@ from typing import Any, Sequence
 
 from kvrecord.ids import new_trace_id, trace_of_response
 from kvlens.bench.results import RequestResult, Target
-from kvlens.sse import has_text, parse_data_line
+from proxy.sse import has_text, parse_data_line
 from kvlens.stack.commands import auth_headers
 
 logger = logging.getLogger(__name__)
 
 
-#: The router header that names a request's mode (``kvlens.proxy.app.MODE_HEADER``; not imported: it pulls in starlette).
+#: The router header that names a request's mode (``proxy.app.MODE_HEADER``; not imported: it pulls in starlette).
 MODE_HEADER = "X-Kvlens-Mode"
 
 

@@ -1,6 +1,6 @@
 """TCP ports for a stack: check and complete a set of them
 (:func:`assign_ports`, through :mod:`kvrecord.ports`' bind tests). The
-argparse check of a port flag is :func:`kvlens.argtypes.port_arg`; "beyond
+argparse check of a port flag is :func:`kvrecord.argtypes.port_arg`; "beyond
 loopback" is :func:`frontdoor.credentials.is_loopback`.
 
 All functions are plain, blocking-free bind tests on the calling thread.

@@ -48,7 +48,7 @@ import httpx
 import psutil
 
 from kvrecord import semconv as sc
-from kvlens.sse import has_text, parse_data_line
+from proxy.sse import has_text, parse_data_line
 from kvtrace import store, tracemodel
 
 #: requests drawn at the default split (enough for >= 10 per mode in one

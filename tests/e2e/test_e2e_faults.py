@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from kvrecord import semconv as sc
-from kvlens import proxy
+import proxy
 import fault_harness as fh
 from stack_settings import FAULT_FREEZE_S, FAULT_KV_LEASE_S, FAULT_REGISTRATION_TIMEOUT_S
 

@@ -26,7 +26,7 @@ import pytest
 from kvtrace import store, tracemodel
 from kvrecord import ids
 from kvrecord.ports import free_port
-from kvlens.proxy.bodies import decode_body, prefill_body
+from proxy.bodies import decode_body, prefill_body
 
 pytestmark = pytest.mark.e2e
 

@@ -309,7 +309,7 @@ def test_the_router_and_the_dashboard_check_tokens_with_the_same_middleware():
     form; a request without a token counts against the router's backoff but
     not the dashboard's (a browser's first visit)."""
     from dashboard.gate import TokenGate
-    from kvlens.proxy.intake import client_auth
+    from proxy.intake import client_auth
 
     async def inner(scope, receive, send):
         await PlainTextResponse("hello")(scope, receive, send)

@@ -36,7 +36,9 @@ def test_the_layer_order_is_the_architecture_tables():
         "frontdoor",
         "kvtrace",
         "exporters",
+        "collector",
         "dashboard",
+        "proxy",
         "instrumented_connector",
         "kvlens",
     ]

@@ -32,9 +32,9 @@ from prometheus_client import CollectorRegistry
 from starlette.testclient import TestClient
 
 from kvtrace import store
-from exporters.collector import otlp, wire
-from exporters.collector.app import INLINE_DECODE_BYTES, create_app, mount_receiver
-from exporters.collector.ingest import Ingest, collector_ingest
+from collector import otlp, wire
+from collector.app import INLINE_DECODE_BYTES, create_app, mount_receiver
+from collector.ingest import Ingest, collector_ingest
 from exporters.metrics import PhaseMetricsProcessor
 from kvtrace.store.schema import write_tx
 from fakes import wait_for
@@ -438,7 +438,7 @@ def test_bodies_decoded_on_the_loop_or_in_a_thread_land_alike(tmp_path, inline):
     from starlette.applications import Starlette
     from starlette.routing import Route
 
-    from exporters.collector.app import receiver
+    from collector.app import receiver
 
     reg, db = CollectorRegistry(), tmp_path / "traces.db"
     ing = collector_ingest(db, reg, handoff_deadline_s=1.0)
@@ -640,8 +640,8 @@ def test_the_router_hosts_the_receiver_with_collect(tmp_path, sdk_spans):
     """``kvlens proxy --collect``: P's and D's spans posted to the router land
     in the router's store (where its handoff resolver reads), the router's
     own routes still answer, and the ingest is flushed at shutdown."""
-    from kvlens.proxy.app import create_app as router_app
-    from kvlens.proxy.config import ProxyConfig
+    from proxy.app import create_app as router_app
+    from proxy.config import ProxyConfig
 
     cfg = ProxyConfig(
         prefill_url="http://127.0.0.1:9",
@@ -665,8 +665,8 @@ def test_the_router_hosts_the_receiver_with_collect(tmp_path, sdk_spans):
 def test_the_router_receiver_writes_a_postgresql_store(tmp_path, sdk_spans, pg_url):
     """``kvlens proxy --collect --store URL``: the receiver's queue writes the
     database (the app around it is the one tested above)."""
-    from kvlens.proxy.app import _receiver_ingest
-    from kvlens.proxy.config import ProxyConfig
+    from proxy.app import _receiver_ingest
+    from proxy.config import ProxyConfig
 
     cfg = ProxyConfig(
         prefill_url="http://127.0.0.1:9",
@@ -688,7 +688,7 @@ def test_the_router_receiver_writes_a_postgresql_store(tmp_path, sdk_spans, pg_u
 
 
 def test_router_store_option_takes_only_a_postgresql_url(tmp_path):
-    from kvlens.proxy.config import ProxyConfig
+    from proxy.config import ProxyConfig
 
     kw = dict(prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull", telemetry=False)
     with pytest.raises(ValueError, match="store must be a postgresql://"):

@@ -18,7 +18,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 
 from collect_proc import Collect
 from exporters import pipeline
-from exporters.collector.grpc_receiver import METHOD, SERVICE
+from collector.grpc_receiver import METHOD, SERVICE
 from kvrecord.config import TOKEN_ENV
 from test_collector import pb_body, record_spans, stored, trace_ids
 from tlscerts import make_tls

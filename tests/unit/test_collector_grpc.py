@@ -17,8 +17,8 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from prometheus_client import CollectorRegistry
 
 from collect_proc import Collect
-from exporters.collector.grpc_receiver import METHOD, SERVICE, add_port, grpc_address, grpc_server
-from exporters.collector.ingest import Ingest
+from collector.grpc_receiver import METHOD, SERVICE, add_port, grpc_address, grpc_server
+from collector.ingest import Ingest
 from kvtrace import store
 from kvtrace.store.schema import write_tx
 from fakes import wait_for

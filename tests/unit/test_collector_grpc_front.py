@@ -19,7 +19,7 @@ import pytest
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
 
 from collect_proc import Collect
-from exporters.collector.grpc_receiver import EXPORT_PATH, WORKERS, message_encoding
+from collector.grpc_receiver import EXPORT_PATH, WORKERS, message_encoding
 from kvrecord.config import TOKEN_ENV
 from test_collector import pb_body, record_spans, stored, trace_ids
 

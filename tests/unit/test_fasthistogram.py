@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
 from exporters import families
-from exporters.collector.wire import WireSpan
+from collector.wire import WireSpan
 from exporters.families import PHASE_BUCKETS, Families
 from exporters.fasthistogram import FastHistogram, observe_trace
 from exporters.metrics import PhaseMetricsProcessor

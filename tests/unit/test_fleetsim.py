@@ -13,7 +13,7 @@ from pathlib import Path
 
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-from exporters.collector import otlp
+from collector import otlp
 from kvrecord import semconv as sc
 from kvrecord.ids import root_span_id
 from kvtrace import store

@@ -261,7 +261,7 @@ def test_collector_metrics_count_every_request_and_exemplars_name_only_kept_ones
     from prometheus_client import CollectorRegistry
     from prometheus_client.openmetrics.exposition import generate_latest
 
-    from exporters.collector.ingest import collector_ingest
+    from collector.ingest import collector_ingest
 
     reg = CollectorRegistry()
     rule = KeepRule.parse("sampled", 0, "50ms", wait_s=1.0, grace_s=0.2)
@@ -382,8 +382,8 @@ def test_the_connectors_store_exporter_decides_when_idle_and_at_shutdown(backend
 def test_the_router_takes_the_keep_flags_for_its_own_spans_and_what_it_collects(tmp_path, monkeypatch):
     import argparse
 
-    from kvlens.proxy import cli
-    from kvlens.proxy.app import _receiver_ingest
+    from proxy import cli
+    from proxy.app import _receiver_ingest
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)

@@ -19,9 +19,9 @@ import pytest
 from opentelemetry.trace import format_span_id
 
 from kvrecord import ids
-from kvlens import proxy
-from kvlens.proxy import telemetry
-from kvlens.sse import TextTimes
+import proxy
+from proxy import telemetry
+from proxy.sse import TextTimes
 from uvicorn_thread import serve
 from fakes import (
     P_KV,
@@ -331,7 +331,7 @@ def test_client_id_reused_after_the_request_ended_is_not_reused(tmp_path, record
 
 
 def test_trace_ids_registry_window():
-    from kvlens.proxy.isolation import TraceIds
+    from proxy.isolation import TraceIds
 
     reg = TraceIds(reuse_window_s=0.2)
     tid, parent, attrs = reg.claim({"x-request-id": TID})
@@ -359,7 +359,7 @@ def test_trace_ids_registry_window():
 
 
 def test_used_ids_filter_is_a_bloom_filter_with_few_false_positives():
-    from kvlens.proxy.isolation import UsedIds
+    from proxy.isolation import UsedIds
 
     used = UsedIds(bits=1 << 20)
     mine = [f"{i:032x}" for i in range(1, 20_001)]
@@ -573,7 +573,7 @@ def test_retry_only_on_a_stale_pooled_connection(tmp_path, recorder, served, exp
 
 
 def test_retry_rule():
-    from kvlens.proxy.retry import safe_to_retry
+    from proxy.retry import safe_to_retry
 
     req = httpx.Request("POST", "http://p/v1/completions")
     assert safe_to_retry(httpx.ConnectError("refused", request=req), new_connection=True)
@@ -628,9 +628,9 @@ def test_router_key_is_required_and_sent_upstream(tmp_path, recorder):
 
 
 def test_open_host_without_key_warns_once(caplog):
-    from kvlens.proxy.cli import warn_if_open
+    from proxy.cli import warn_if_open
 
-    with caplog.at_level("WARNING", logger="kvlens.proxy"):
+    with caplog.at_level("WARNING", logger="proxy"):
         assert warn_if_open("0.0.0.0", None, collect=True)  # --insecure
         assert not warn_if_open("0.0.0.0", "sk") and not warn_if_open("127.0.0.1", None)
         assert not warn_if_open("localhost", None) and not warn_if_open("::1", None)
@@ -641,7 +641,7 @@ def test_open_host_without_key_warns_once(caplog):
 def test_api_key_from_flag_then_env(monkeypatch):
     import argparse
 
-    from kvlens.proxy import cli
+    from proxy import cli
 
     monkeypatch.delenv("KVLENS_API_KEY", raising=False)
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
@@ -661,7 +661,7 @@ def test_unreachable_side_is_named_without_its_url(tmp_path, recorder, caplog, d
             cfg.prefill_url = dead_url
         else:
             cfg.decode_url = dead_url
-        with caplog.at_level("WARNING", logger="kvlens.proxy"), router(cfg) as url:
+        with caplog.at_level("WARNING", logger="proxy"), router(cfg) as url:
             r = _post(url, {"prompt": "hi", "max_tokens": 3}, {"X-Request-Id": TID})
             models = httpx.get(url + "/v1/models", timeout=20, trust_env=False) if dead == "decode" else None
     assert r.status_code == 502 and r.headers["x-request-id"] == TID
@@ -679,7 +679,7 @@ def test_unreachable_side_is_named_without_its_url(tmp_path, recorder, caplog, d
 
 
 def test_transport_error_messages():
-    from kvlens.proxy.errors import as_upstream, from_http_error
+    from proxy.errors import as_upstream, from_http_error
 
     req = httpx.Request("POST", "http://10.1.2.3:8100/v1/completions")
     t = from_http_error("decode", "http://10.1.2.3:8100", httpx.ReadTimeout("read timed out at 10.1.2.3", request=req))
@@ -751,7 +751,7 @@ def test_unexpected_upstream_reply_is_a_json_error_with_id_and_span(
     tmp_path, recorder, caplog, mode, dispatch, p_answer, d_answer, stream, side, words
 ):
     with (
-        caplog.at_level("WARNING", logger="kvlens.proxy"),
+        caplog.at_level("WARNING", logger="proxy"),
         pair(p_answer, d_answer) as (p, d),
         router(_cfg(p, d, mode, dispatch, tmp_path)) as url,
     ):

@@ -13,9 +13,9 @@ import pytest
 from fakes import TID, FakeVllm, closed_port_url, d_echo, p_echo_id
 from test_proxy import _post, recorder, router  # noqa: F401 (recorder: a fixture)
 
-from kvlens import proxy
-from kvlens.proxy.balancer import Balancer
-from kvlens.proxy.config import Decode, Prefill, ProxyConfig
+import proxy
+from proxy.balancer import Balancer
+from proxy.config import Decode, Prefill, ProxyConfig
 
 
 def _prefills(n: int) -> list[Prefill]:
@@ -168,7 +168,7 @@ def _args(*argv: str):
 
 
 def test_repeated_flags_pair_by_position():
-    from kvlens.proxy.cli import check, config
+    from proxy.cli import check, config
 
     args = _args(
         "--mode",

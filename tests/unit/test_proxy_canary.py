@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from kvrecord import semconv as sc
-from kvlens import proxy
-from kvlens.proxy import cli as proxy_cli
-from kvlens.proxy import telemetry
-from kvlens.proxy.split import Split, parse_split
-from kvlens.sse import TextTimes
+import proxy
+from proxy import cli as proxy_cli
+from proxy import telemetry
+from proxy.split import Split, parse_split
+from proxy.sse import TextTimes
 from fakes import P_KV, FakeVllm, closed_port_url, send_json, wait_for
 from uvicorn_thread import serve
 

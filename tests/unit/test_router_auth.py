@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from fakes import FakeVllm, d_answers, p_ok
-from kvlens.proxy import cli
+from proxy import cli
 from frontdoor.flags import API_KEY_ENV
 from kvrecord import semconv as sc
 from kvrecord.config import TOKEN_ENV

@@ -21,7 +21,7 @@ import pytest
 
 from collect_proc import Collect
 from exporters import pipeline
-from kvlens import proxy
+import proxy
 from kvrecord.config import COLLECTORS_ENV, TOKEN_ENV
 from test_collector import pb_body, record_spans, stored, trace_ids
 from test_collector_auth import _grpc_call

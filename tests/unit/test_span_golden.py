@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from exporters import pipeline
 from kvtrace import store
-from exporters.collector import otlp
+from collector import otlp
 from kvrecord import semconv as sc
 from kvrecord.recorder import Recorder
 

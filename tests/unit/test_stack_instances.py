@@ -128,7 +128,7 @@ def test_two_p_three_d_commands_and_environments(tmp_path):
 
 def test_the_router_built_for_n_x_m_parses(tmp_path):
     from kvlens.cli import build_parser
-    from kvlens.proxy.cli import check, config
+    from proxy.cli import check, config
 
     s = _stack(tmp_path, prefill_instances=3, decode_instances=2)
     s.preflight()

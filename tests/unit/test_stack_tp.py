@@ -198,7 +198,7 @@ def test_repin_moves_each_rank_to_its_own_list():
 # ------------------------------------------------ what a TP stack runs
 def test_tp_servers_commands_environments_and_router(tmp_path):
     from kvlens.cli import build_parser
-    from kvlens.proxy.cli import check, config
+    from proxy.cli import check, config
     from kvlens.stack.pinning import available_cpus, cpu_binding
 
     s = _stack(tmp_path, mode="push", prefill_tp=2, decode_instances=2, decode_tp=(2, 1))
@@ -223,7 +223,7 @@ def test_tp_servers_commands_environments_and_router(tmp_path):
 
 def test_per_p_tp_sizes_reach_the_router(tmp_path):
     from kvlens.cli import build_parser
-    from kvlens.proxy.cli import config
+    from proxy.cli import config
 
     s = _stack(tmp_path, mode="push", prefill_instances=2, prefill_tp=(1, 2))
     s.preflight()

@@ -422,7 +422,7 @@ def test_connector_start_fails_on_a_misspelled_option():
 def test_span_attributes_are_stored_as_json_whatever_their_values(backend):
     """Attributes go in as JSON text (orjson, or the json module for what it
     refuses, such as an int past 64 bits) and come back as they were recorded."""
-    from exporters.collector.wire import WireSpan
+    from collector.wire import WireSpan
 
     attrs = {
         "kvlens.role": "prefill",

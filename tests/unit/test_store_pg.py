@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kvtrace import store, tiling, tracemodel
-from exporters.collector.ingest import Ingest
+from collector.ingest import Ingest
 from fakes import wait_for
 from store_backends import Backend
 from synthetic_store import build

@@ -227,7 +227,7 @@ def test_port_arg_and_loopback():
     import argparse
 
     from frontdoor.credentials import is_loopback
-    from kvlens.argtypes import port_arg
+    from kvrecord.argtypes import port_arg
 
     assert port_arg()("8000") == 8000 and port_arg(allow_zero=True)("0") == 0
     for bad in ("0", "65536", "x", "8e3"):

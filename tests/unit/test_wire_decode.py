@@ -1,5 +1,5 @@
-"""The collector's lean protobuf decoder (:func:`exporters.collector.wire.decode`)
-against the reference (:func:`exporters.collector.otlp.decode`, SDK
+"""The collector's lean protobuf decoder (:func:`collector.wire.decode`)
+against the reference (:func:`collector.otlp.decode`, SDK
 ReadableSpans, and the reference walk :func:`wire.wire_spans_of`): the same
 spans, attributes (values, order), ids and the same errors, on bodies built
 field by field with the real protobuf types, damaged bodies included."""
@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1 import common_pb2
 
-from exporters.collector import otlp, wire
+from collector import otlp, wire
 
 PB = "application/x-protobuf"
 TID, SID, PID = bytes(range(1, 17)), b"\x02" * 8, b"\x03" * 8

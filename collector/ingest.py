@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 from prometheus_client import CollectorRegistry
 
 from kvtrace import store
-from exporters.collector.counters import DROP_REASONS, REJECT_REASONS, IngestMetrics
+from collector.counters import DROP_REASONS, REJECT_REASONS, IngestMetrics
 from kvrecord.keeprule import KeepRule
 from kvrecord.logutil import log_once
 

@@ -1,6 +1,6 @@
 """The collector's own counters: what it received, wrote, dropped, refused
 and, under ``--keep sampled``, decided (their meaning and the sum they make:
-:mod:`exporters.collector.ingest`)."""
+:mod:`collector.ingest`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ REJECT_REASONS = ("too_large", "content_type", "decode", "invalid_span", "queue_
 
 
 class IngestMetrics:
-    """The collector's ``kvlens_collector_*`` counters (:mod:`exporters.collector.ingest` says what each counts)."""
+    """The collector's ``kvlens_collector_*`` counters (:mod:`collector.ingest` says what each counts)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry

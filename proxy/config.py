@@ -15,7 +15,7 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 #: How long (s) a trace id stays taken after its request ended. P may hold a
 #: request's KV for D until vLLM's ``push_registration_timeout`` (480 s by
 #: default) or ``kv_lease_duration`` ends; an id reused inside that window
-#: could meet that request's leftovers on P (see :mod:`kvlens.proxy.isolation`).
+#: could meet that request's leftovers on P (see :mod:`proxy.isolation`).
 DEFAULT_REUSE_WINDOW_S = 600.0
 
 #: The handoff modes, in the order the router lists them.
@@ -61,7 +61,7 @@ class ProxyConfig:
     ``decode_url`` / ``decode_engine_id`` the first D; ``more_prefills`` /
     ``more_decodes``: the instances after them. :attr:`prefills` and
     :attr:`decodes` list them all (the router balances over those, see
-    :mod:`kvlens.proxy.balancer`); :meth:`of` builds a config from lists.
+    :mod:`proxy.balancer`); :meth:`of` builds a config from lists.
     A **mixed fleet** (a canary): instances of both modes (each
     :class:`Prefill` / :class:`Decode` names its ``mode``; ``prefill_mode``
     / ``decode_mode`` the first's; None: ``mode``); ``split`` is the push
@@ -81,7 +81,7 @@ class ProxyConfig:
     them, and when no ``token`` is set clients must send the key instead
     (:attr:`client_key`). Neither set: the client's Authorization is passed
     on to P and D as it came. ``ingest_token`` / ``read_token`` /
-    ``admin_token``: the role tokens (:func:`~kvlens.proxy.intake.client_auth`
+    ``admin_token``: the role tokens (:func:`~proxy.intake.client_auth`
     says which route takes which; the API key never opens ``/admin/*`` or
     ``/v1/traces``). ``bind_host`` / ``allowed_hosts``: the Host names the
     router answers (:mod:`frontdoor.samesite`). ``max_body_bytes``: the

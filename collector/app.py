@@ -10,7 +10,7 @@ router can host the receiver next to its own routes).
   streamed body passes the cap (never read whole into memory);
 * unsupported ``Content-Type`` / ``Content-Encoding`` -> 415; a malformed
   body or a span without valid ids -> 400 naming it (not retried);
-* the spans go onto the :class:`~exporters.collector.ingest.Ingest` queue;
+* the spans go onto the :class:`~collector.ingest.Ingest` queue;
   a full queue answers 429 (or ``busy_status=503``; 503 always while shutting
   down) with ``Retry-After: 1``, which OTLP exporters honour and retry;
 * success is 200 with an empty ``ExportTraceServiceResponse`` in the
@@ -36,9 +36,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from exporters.collector import otlp, wire
-from exporters.collector.bodycap import read_capped
-from exporters.collector.ingest import Ingest
+from collector import otlp, wire
+from collector.bodycap import read_capped
+from collector.ingest import Ingest
 from frontdoor.bearer import DETAILS_SCOPE_KEY
 
 TRACES_PATH = "/v1/traces"

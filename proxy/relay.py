@@ -2,7 +2,7 @@
 the request's root span (:meth:`Exchange.finish`) exactly once.
 
 TTFT: for a stream, when the first SSE event with generated text
-(:class:`kvlens.sse.TextTimes`) passes through the router; for a
+(:class:`proxy.sse.TextTimes`) passes through the router; for a
 plain answer, when D's whole body has arrived. TPOT (streams only): the
 time from the first text event to the last over the tokens after the first. An answer of D the router
 cannot pass on (a plain body that is not a completion object, a "stream"
@@ -21,9 +21,9 @@ from typing import AsyncIterator
 import httpx
 from fastapi.responses import Response, StreamingResponse
 
-from kvlens.proxy.errors import Upstream, as_upstream, completion_problem, from_http_error, sse_error, unexpected
-from kvlens.proxy.exchange import Exchange, settle
-from kvlens.sse import TextTimes
+from proxy.errors import Upstream, as_upstream, completion_problem, from_http_error, sse_error, unexpected
+from proxy.exchange import Exchange, settle
+from proxy.sse import TextTimes
 
 
 logger = logging.getLogger("kvlens.proxy")

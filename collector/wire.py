@@ -1,7 +1,7 @@
 """OTLP/HTTP ``/v1/traces`` request bodies -> :class:`WireSpan` s: the
 collector's receive path.
 
-:func:`decode` checks a body exactly as :func:`exporters.collector.otlp.decode`
+:func:`decode` checks a body exactly as :func:`collector.otlp.decode`
 does (the same 413 / 415 / 400 answers, the same rejection reasons, the
 resource's ``service.name`` copied into a span's attributes) but builds no
 OpenTelemetry SDK objects: a :class:`WireSpan` carries only what the trace
@@ -39,7 +39,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
-from exporters.collector.otlp import (
+from collector.otlp import (
     DEFAULT_MAX_BYTES,
     PROTOBUF,
     checked,
@@ -59,7 +59,7 @@ def decode(
     cache: AttributeCache | None = None,
 ) -> list[WireSpan]:
     """The spans of one OTLP/HTTP ``/v1/traces`` request body as
-    :class:`WireSpan` s; arguments and errors as :func:`exporters.collector.otlp.decode`.
+    :class:`WireSpan` s; arguments and errors as :func:`collector.otlp.decode`.
     ``cache``: where decoded attributes are kept (default: the process's)."""
     kind = content_kind(content_type)
     raw = decompress(body, encoding, max_bytes)
@@ -134,7 +134,7 @@ class WireSpan:
 
 def wire_spans_of(req: ExportTraceServiceRequest) -> list[WireSpan]:
     """Every span of a parsed request as a :class:`WireSpan`, checked and
-    attributed as :func:`exporters.collector.otlp.checked` does (the same
+    attributed as :func:`collector.otlp.checked` does (the same
     400s, the resource's ``service.name`` copied in); resources, scopes,
     kinds, status and trace state are not built (nothing the collector
     stores reads them): the reference :func:`lean_spans_of` answers as."""
@@ -218,7 +218,7 @@ _LONG_KEYVALUE = 160
 
 class AttributeCache(dict):
     """Serialized ``KeyValue`` -> its (key, value) as the reference decodes
-    it (:func:`exporters.collector.otlp.value_of`), for the attributes with
+    it (:func:`collector.otlp.value_of`), for the attributes with
     a value, so ``dict(map(cache.__getitem__, raws))`` is a span's
     attributes; a ``KeyValue`` not held yet is decoded on the look-up
     (``__missing__``), one with an empty value raises ``KeyError`` (a span
@@ -241,7 +241,7 @@ class AttributeCache(dict):
 
     def attributes(self, raws: Iterable[bytes]) -> dict:
         """The attributes of serialized ``KeyValue`` s as
-        :func:`exporters.collector.otlp.attributes_of` reads them (later
+        :func:`collector.otlp.attributes_of` reads them (later
         keys win, empty values left out), through the cache."""
         out: dict = {}
         get, empty = self.get, self.empty
@@ -253,7 +253,7 @@ class AttributeCache(dict):
 
     def decode(self, raw: bytes) -> tuple:
         """(key, value) of one serialized ``KeyValue``, value None when
-        empty, as :func:`~exporters.collector.otlp.attributes_of` reads it; kept."""
+        empty, as :func:`~collector.otlp.attributes_of` reads it; kept."""
         kv = _span_attribute(raw) if len(raw) >= _LONG_KEYVALUE else _KeyValue(raw)
         v = kv.value
         kind = v.WhichOneof("value")

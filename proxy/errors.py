@@ -5,7 +5,7 @@ and the warnings written to the router's log.
 
 A client learns which side failed (``prefill`` / ``decode``) and the error's
 class, never the instances' internal URLs or addresses: those, with the
-error's own text, go to the router's log (logger ``kvlens.proxy``). An
+error's own text, go to the router's log (logger ``proxy``). An
 upstream answer the router cannot use (a 200 whose body is not JSON, JSON of
 the wrong shape, no field the router needs) is a 502 naming the side, as a
 transport failure is.

@@ -107,7 +107,7 @@ def decode(
     ``Content-Encoding`` headers. ``max_bytes`` caps the decompressed body.
     Raises :class:`OTLPError` (415 content type or encoding, 413 too large,
     400 malformed body or a span without valid ids). Any thread; CPU only.
-    (The collector takes :func:`exporters.collector.wire.decode`: the same
+    (The collector takes :func:`collector.wire.decode`: the same
     checks, lighter spans.)
     """
     return spans_of(parse(body, content_type, encoding, max_bytes))

@@ -2,9 +2,9 @@
 trace, its body and headers, the calls to P and D, and its end (root span).
 
 Everything here runs on the event loop; the calls to P and D await the
-network (timeouts from :class:`~kvlens.proxy.config.ProxyConfig`) and are
+network (timeouts from :class:`~proxy.config.ProxyConfig`) and are
 retried once only when they provably never reached the server
-(:mod:`kvlens.proxy.retry`).
+(:mod:`proxy.retry`).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from opentelemetry.trace import format_span_id
 
 from kvrecord import semconv as sc
 from kvrecord.ids import root_span_id
-from kvlens.proxy.balancer import Route
-from kvlens.proxy.bodies import prefill_body
-from kvlens.proxy.config import ProxyConfig
-from kvlens.proxy.errors import from_http_error, from_status, unexpected
-from kvlens.proxy.retry import send_once_more
-from kvlens.proxy.telemetry import RouterTelemetry
+from proxy.balancer import Route
+from proxy.bodies import prefill_body
+from proxy.config import ProxyConfig
+from proxy.errors import from_http_error, from_status, unexpected
+from proxy.retry import send_once_more
+from proxy.telemetry import RouterTelemetry
 
 
 def traceparent(trace_id: str) -> str:
@@ -40,11 +40,11 @@ def traceparent(trace_id: str) -> str:
 class Exchange:
     """State of one client request. ``t0_ns``: wall clock when it arrived
     (the root span's start and the zero of client-seen TTFT). ``route``: the
-    P and D it goes to (:class:`~kvlens.proxy.balancer.Balancer`), chosen
+    P and D it goes to (:class:`~proxy.balancer.Balancer`), chosen
     once the request passed intake (a refused one names none). ``p_task``:
     P's call when it runs in the background (overlapped push).
     ``client_attrs``: what the client sent as ids, when not the trace id
-    (:mod:`kvlens.proxy.isolation`). ``on_finish``: called once, when the
+    (:mod:`proxy.isolation`). ``on_finish``: called once, when the
     request ends (frees its trace id). ``mode``: the handoff mode it goes
     by (None until chosen: the router's); ``split``: the push weight its
     mode was drawn with (a mixed fleet's draw; None: not drawn).

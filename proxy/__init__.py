@@ -38,9 +38,9 @@ function per mode/dispatch), ``relay`` (D's answer to the client, TTFT),
 ``errors``, ``telemetry``, ``app`` (create_app, routes), ``cli``.
 """
 
-from kvlens.proxy.bodies import P_KV_PARAMS, overlapped_d_params, prefill_body
-from kvlens.proxy.cli import add_arguments, run
-from kvlens.proxy.config import Decode, Prefill, ProxyConfig
+from proxy.bodies import P_KV_PARAMS, overlapped_d_params, prefill_body
+from proxy.cli import add_arguments, run
+from proxy.config import Decode, Prefill, ProxyConfig
 
 __all__ = [
     "P_KV_PARAMS",
@@ -59,7 +59,7 @@ def __getattr__(name: str):
     if name == "create_app":
         # start-up cost: the app pulls in fastapi, httpx and the telemetry
         # pipeline (~0.5 s); ``kvlens --help`` imports this package for its flags
-        from kvlens.proxy.app import create_app
+        from proxy.app import create_app
 
         return create_app
-    raise AttributeError(f"module 'kvlens.proxy' has no attribute {name!r}")
+    raise AttributeError(f"module 'proxy' has no attribute {name!r}")

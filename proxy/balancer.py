@@ -6,7 +6,7 @@ requests over the instances it was given so that every (P, D) pair shows up
 in the traces; a load-aware policy would need the instances' queue depths,
 which the router does not have. A failed request does not take its upstream
 out of the rotation: the next request simply goes to the next instance
-(failures stay per request, :mod:`kvlens.proxy.retry`), so one broken
+(failures stay per request, :mod:`proxy.retry`), so one broken
 instance costs its share of requests, never the others.
 
 Why a cycle over the pairs: two counters stepped together (P = k mod N,
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from kvrecord import semconv as sc
-from kvlens.proxy.config import Decode, Prefill, ProxyConfig
+from proxy.config import Decode, Prefill, ProxyConfig
 
 
 @dataclass(frozen=True)

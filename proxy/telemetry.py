@@ -14,7 +14,7 @@ import time
 from exporters.pipeline import get_recorder
 from kvrecord import semconv as sc
 from kvrecord.cpuclock import CLOCK
-from kvlens.proxy.config import ProxyConfig
+from proxy.config import ProxyConfig
 
 logger = logging.getLogger("kvlens.proxy")
 
@@ -47,7 +47,7 @@ class RouterTelemetry:
     ) -> None:
         """The root span of trace ``tid``; times in wall-clock ns, TTFT in s.
         ``error``: why it failed, in words; ``attrs``: more attributes
-        (the client's own ids, :mod:`kvlens.proxy.isolation`; a mixed
+        (the client's own ids, :mod:`proxy.isolation`; a mixed
         fleet's request mode, split weight, prompt tokens and TPOT)."""
         if self.rec is None:
             return

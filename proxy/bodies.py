@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvrecord.ids import vllm_request_id_base
-from kvlens.proxy.config import Prefill, ProxyConfig
+from proxy.config import Prefill, ProxyConfig
 
 #: What vLLM's own disaggregated proxy examples send to P.
 P_KV_PARAMS = {

@@ -2,11 +2,11 @@
 (``opentelemetry.proto.collector.trace.v1``), the protocol the OpenTelemetry
 Collector's ``loadbalancing`` exporter and most SDKs speak on port 4317.
 
-The same road as ``POST /v1/traces`` (:mod:`exporters.collector.app`): a
+The same road as ``POST /v1/traces`` (:mod:`collector.app`): a
 generic handler with no request deserializer hands over the request's raw
-protobuf bytes, which :func:`exporters.collector.wire.decode` checks and
+protobuf bytes, which :func:`collector.wire.decode` checks and
 decodes exactly as an HTTP body, onto the same
-:class:`~exporters.collector.ingest.Ingest` queue, with the same counters.
+:class:`~collector.ingest.Ingest` queue, with the same counters.
 
 **The token before the message** (issue 42). grpcio reads a unary call's
 whole message on a worker thread before its handler runs, so a handler that
@@ -22,7 +22,7 @@ inflated or decoded.
 (``grpc.per_message_decompression``: grpcio releases differ in whether they
 bound it): a compressed message reaches :func:`export_handler` as sent,
 at most ``max_body_bytes`` on the wire (``grpc.max_receive_message_length``,
-the same cap), and is inflated by :func:`exporters.collector.otlp.decompress`,
+the same cap), and is inflated by :func:`collector.otlp.decompress`,
 which never produces more than ``max_body_bytes`` + 1 bytes whatever the
 ratio (a gzip bomb costs its compressed size, not its inflated one). gRPC
 passes no ``grpc-encoding`` to the handler, so the encoding is read from the
@@ -41,7 +41,7 @@ Answers:
 * a malformed message or a span without valid ids: ``INVALID_ARGUMENT``
   naming it, counted as over HTTP (``decode``, ``invalid_span``);
 * the write queue full: ``RESOURCE_EXHAUSTED`` with a ``RetryInfo`` of
-  :data:`~exporters.collector.app.RETRY_AFTER_S` (what OTLP exporters
+  :data:`~collector.app.RETRY_AFTER_S` (what OTLP exporters
   retry), or ``UNAVAILABLE`` with ``busy_status=503``; shutting down:
   ``UNAVAILABLE``;
 * success: an empty ``ExportTraceServiceResponse``.
@@ -64,9 +64,9 @@ from google.protobuf.duration_pb2 import Duration
 from google.rpc.error_details_pb2 import RetryInfo
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from exporters.collector import otlp, wire
-from exporters.collector.app import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S
-from exporters.collector.ingest import Ingest
+from collector import otlp, wire
+from collector.app import DEFAULT_MAX_BODY_BYTES, RETRY_AFTER_S
+from collector.ingest import Ingest
 from frontdoor.credentials import Security
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"

@@ -5,7 +5,7 @@ itself relies on. A failed check is a :class:`Refused` (4xx, OpenAI-style
 JSON error naming the field).
 
 Why these fields and no others: P gets a rewritten copy of the body
-(:func:`kvlens.proxy.bodies.prefill_body`: ``max_tokens=1``, ``stream=false``,
+(:func:`proxy.bodies.prefill_body`: ``max_tokens=1``, ``stream=false``,
 no ``min_tokens`` / ``stream_options``), so vLLM on P never sees the
 client's values of those fields; only D would reject them, after P has
 spent a full prefill. ``stream`` also decides how the router relays the
@@ -20,7 +20,7 @@ from typing import AsyncIterator, Mapping
 
 from fastapi.responses import JSONResponse
 
-from exporters.collector.bodycap import read_capped
+from collector.bodycap import read_capped
 from frontdoor.bearer import BearerAuth, Refusal, json_body
 from frontdoor.credentials import Security
 
@@ -111,7 +111,7 @@ def client_auth(app, security: Security, api_key: str | None = None, backoff=Non
 # --------------------------------------------------------------------- body
 async def read_limited(headers: Mapping[str, str], chunks: AsyncIterator[bytes], limit: int) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit``
-    bytes (:func:`~exporters.collector.bodycap.read_capped`; a
+    bytes (:func:`~collector.bodycap.read_capped`; a
     ``Content-Length`` that is not a number is left to the cap while reading)."""
     return await read_capped(headers, chunks, limit, lambda _n: too_large(limit))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import threading
 
-from kvlens.proxy.config import MODES
+from proxy.config import MODES
 
 #: What a request of one mode came to, as counted: ``ok`` or ``failed``
 #: (every other outcome: timeout, client gone, refused upstream).

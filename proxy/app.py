@@ -1,12 +1,12 @@
 """The router's ASGI app: :func:`create_app` and its routes.
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` go through P and D
-(:mod:`kvlens.proxy.dispatch`, :mod:`kvlens.proxy.relay`) once
-:mod:`kvlens.proxy.intake` accepted them, to the P and D the
-:class:`~kvlens.proxy.balancer.Balancer` picks; ``GET /health`` asks every
+(:mod:`proxy.dispatch`, :mod:`proxy.relay`) once
+:mod:`proxy.intake` accepted them, to the P and D the
+:class:`~proxy.balancer.Balancer` picks; ``GET /health`` asks every
 P and D; ``GET /v1/models`` is the first D's; ``/metrics`` serves the router's span-derived
 Prometheus metrics. With any credential every route but ``/health`` requires
-one, scoped by role (:func:`~kvlens.proxy.intake.client_auth`): ``/v1/*`` the
+one, scoped by role (:func:`~proxy.intake.client_auth`): ``/v1/*`` the
 token or the API key; ``/metrics`` (a Prometheus scrape job sends it with
 ``authorization: {credentials_file: ...}``) and ``/health``'s details the
 read token, the token or the API key; ``/admin/split`` the admin token or
@@ -16,7 +16,7 @@ that is not JSON, a foreign ``Host`` or ``Origin`` (cross-site requests, DNS
 rebinding).
 
 A mixed fleet (push and pull instances, a canary): each request's mode is
-drawn with the split's push weight (:mod:`kvlens.proxy.split`), then its P
+drawn with the split's push weight (:mod:`proxy.split`), then its P
 and D are picked among that mode's instances and it is dispatched as that
 mode needs; the root span records the mode and the weight. A request may
 name its mode itself (header ``X-Kvlens-Mode: push|pull``: no draw, no
@@ -42,16 +42,16 @@ from starlette.requests import ClientDisconnect
 from exporters.metrics import metrics_app
 from frontdoor.bearer import DETAILS_SCOPE_KEY
 from frontdoor.samesite import OTLP_TYPES, SameSiteGuard
-from kvlens.proxy import relay
-from kvlens.proxy.balancer import Balancer
-from kvlens.proxy.config import MODES, ProxyConfig
-from kvlens.proxy.dispatch import dispatcher
-from kvlens.proxy.errors import Upstream, from_http_error
-from kvlens.proxy.exchange import Exchange
-from kvlens.proxy.intake import TRACES_PATH, Refused, check_fields, client_auth, parse_object, read_limited
-from kvlens.proxy.isolation import TraceIds
-from kvlens.proxy.split import Split, push_of_pull
-from kvlens.proxy.telemetry import RouterTelemetry
+from proxy import relay
+from proxy.balancer import Balancer
+from proxy.config import MODES, ProxyConfig
+from proxy.dispatch import dispatcher
+from proxy.errors import Upstream, from_http_error
+from proxy.exchange import Exchange
+from proxy.intake import TRACES_PATH, Refused, check_fields, client_auth, parse_object, read_limited
+from proxy.isolation import TraceIds
+from proxy.split import Split, push_of_pull
+from proxy.telemetry import RouterTelemetry
 
 logger = logging.getLogger("kvlens.proxy")
 
@@ -96,7 +96,7 @@ async def unless_client_gone(request: Request, work: Awaitable[Response]) -> Res
 class Router:
     """One app's shared state: the HTTP client towards P and D, the
     balancer, the telemetry, the trace ids in use
-    (:class:`~kvlens.proxy.isolation.TraceIds`) and D's model name (asked
+    (:class:`~proxy.isolation.TraceIds`) and D's model name (asked
     once, for bodies without one).
     ``client``/``tel`` exist between :meth:`open` and :meth:`close`."""
 
@@ -247,7 +247,7 @@ class Router:
 
     async def _intake(self, ex: Exchange, request: Request) -> None:
         """Read and check the client body into ``ex`` (raises
-        :class:`~kvlens.proxy.intake.Refused`); set upstream headers."""
+        :class:`~proxy.intake.Refused`); set upstream headers."""
         raw = await read_limited(request.headers, request.stream(), self.cfg.max_body_bytes)
         ex.body = parse_object(raw)
         check_fields(ex.body, ex.endpoint)
@@ -366,7 +366,7 @@ def _receiver_ingest(config: ProxyConfig):
     ends, now that P's and D's spans reach its store."""
     if not config.collect:
         return None
-    from exporters.collector.ingest import Ingest
+    from collector.ingest import Ingest
     from prometheus_client import CollectorRegistry
 
     return Ingest(
@@ -405,7 +405,7 @@ def create_app(config: ProxyConfig) -> FastAPI:
         ),
     )
     if ingest is not None:
-        from exporters.collector.app import mount_receiver
+        from collector.app import mount_receiver
         from prometheus_client import REGISTRY
 
         mount_receiver(app, ingest, REGISTRY)

@@ -14,7 +14,7 @@ or ``--token-file`` (:mod:`frontdoor.flags`), the role tokens (``--ingest-``,
 ``--read-``, ``--admin-token-file`` or their variables) and the API key P
 and D require (``--api-key-file``, ``$KVLENS_API_KEY``, ``$VLLM_API_KEY``;
 ``--api-key`` with a warning), each route taking its role's
-(:func:`~kvlens.proxy.intake.client_auth`). A host other than loopback with
+(:func:`~proxy.intake.client_auth`). A host other than loopback with
 neither a token nor an API key is refused (exit 2) unless ``--insecure``.
 ``--allowed-host``: names clients use besides loopback ones
 (:mod:`frontdoor.samesite`). ``--tls-cert/--tls-key``: uvicorn serves HTTPS
@@ -31,9 +31,9 @@ import urllib.parse
 from frontdoor import flags, samesite
 from frontdoor.credentials import ROLES, Security, SecurityError, is_loopback
 from frontdoor.flags import API_KEY_ENV, add_api_key_arguments, api_key_arg, env_api_key
-from kvlens.argtypes import add_keep_arguments, keep_rule, port_arg, positive
-from kvlens.proxy.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SPLIT, MODES, Decode, Prefill, ProxyConfig
-from kvlens.proxy.split import parse_split
+from kvrecord.argtypes import add_keep_arguments, keep_rule, port_arg, positive
+from proxy.config import DEFAULT_MAX_BODY_BYTES, DEFAULT_SPLIT, MODES, Decode, Prefill, ProxyConfig
+from proxy.split import parse_split
 from kvrecord.config import TOKEN_ENV
 
 logger = logging.getLogger("kvlens.proxy")
@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
     # start-up cost: uvicorn, fastapi and httpx load only when the router
     # really runs, not for ``kvlens --help`` (which imports this module)
     from frontdoor import serving
-    from kvlens.proxy.app import create_app
+    from proxy.app import create_app
 
     try:
         sec = security(args, api_key(args))

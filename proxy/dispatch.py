@@ -9,7 +9,7 @@
 P and D are the ones the balancer chose for this request (``ex.route``).
 
 Each returns D's open 200 response (body not read; the caller relays and
-closes it) or raises :class:`~kvlens.proxy.errors.Upstream`. Event loop only.
+closes it) or raises :class:`~proxy.errors.Upstream`. Event loop only.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Awaitable, Callable
 
 import httpx
 
-from kvlens.proxy.bodies import decode_body, overlapped_d_params
-from kvlens.proxy.config import ProxyConfig
-from kvlens.proxy.errors import unexpected
-from kvlens.proxy.exchange import Exchange, prompt_tokens, settle
+from proxy.bodies import decode_body, overlapped_d_params
+from proxy.config import ProxyConfig
+from proxy.errors import unexpected
+from proxy.exchange import Exchange, prompt_tokens, settle
 
 Dispatch = Callable[[Exchange], Awaitable[httpx.Response]]
 
