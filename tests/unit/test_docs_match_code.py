@@ -30,7 +30,8 @@ Rules:
    entry's folder, and the ``docs/`` entry names every page of docs/.
 3. **Files a doc names** (README.md, docs/*.md): a path that starts with a
    top-level folder of the repository (``tests/e2e/test_e2e_tp.py``,
-   ``kvtrace/store/testing.py``, ``tools/tp_probe.sh``) exists; a bare
+   ``kvtrace/store/testing.py``, ``tools/tp_probe.sh``, ``kvlens/stack``)
+   exists, file or folder; a bare
    ``test_*.py`` is a file under tests/, a bare ``bench_*.py`` one under
    benchmarks/.
 4. **Environment variables a doc names**: every ``KVLENS_*`` name, and every
@@ -294,7 +295,7 @@ def named_files_problems(root: Path = REPO) -> list[str]:
     for doc in doc_files(root):
         text = doc.read_text()
         for path in sorted(set(re.findall(r"(?<![\w./-])([A-Za-z_][\w-]*/[\w./-]*\w)", text))):
-            if path.split("/")[0] in tops and "." in path.rsplit("/", 1)[-1] and not (root / path).exists():
+            if path.split("/")[0] in tops and not (root / path).exists():
                 bad.append(f"{doc.relative_to(root)} names {path}, which does not exist")
         for name in sorted(set(re.findall(r"(?<![\w./-])(test_\w+\.py)", text)) - tests):
             bad.append(f"{doc.relative_to(root)} names {name}, no file under tests/")
@@ -503,6 +504,22 @@ def test_the_dotted_name_check_catches_a_moved_module_and_a_gone_function(tmp_pa
     (root / "README.md").write_text("`low.a.f`, `low.a` and `low.png` are fine; `low.a.g` and `low.gone.h` are not\n")
     bad = dotted_problems(root)
     assert bad == ["README.md names low.a.g: low.a has no g", "README.md names low.gone.h: low has no gone"], bad
+
+
+def test_the_named_files_check_catches_a_gone_file_and_folder(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "unit" / "test_here.py").write_text("")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / "README.md").write_text(
+        "`tests/unit`, `tests/unit/test_here.py` and `test_here.py` exist; `tests/gone.py`, `tests/nowhere` "
+        "and `test_gone.py` do not; `P/D` and `docs/<page>.md` are no paths\n"
+    )
+    assert named_files_problems(tmp_path) == [
+        "README.md names tests/gone.py, which does not exist",
+        "README.md names tests/nowhere, which does not exist",
+        "README.md names test_gone.py, no file under tests/",
+    ]
 
 
 def test_the_env_var_reader_finds_settings_not_prose(tmp_path):
