@@ -336,7 +336,8 @@ def main() -> int:
     print(f"inline cost per event (Recorder.record, measured here): {inline_us:.3f} us", file=sys.stderr)
     table_us = statistics.median(bench_recorder(shipping=True, table=True)) / 1000
     print(
-        f"  with one open-handoff table op per event (upper bound; docs/health.md): {table_us:.3f} us", file=sys.stderr
+        f"  with one open-handoff table op per event (upper bound; docs/handoff-health.md): {table_us:.3f} us",
+        file=sys.stderr,
     )
     home = scratch_dir("kvlens-cpu-")
     from kvlens.model import ensure_model

@@ -53,7 +53,7 @@ def bench_recorder(shipping: bool = False, table: bool = False) -> list[float]:
     ``table``: each event also does one open-handoff table operation
     (:mod:`kvrecord.openhandoffs`: open, move, close in turn, as push P's
     hooks do per handoff): an upper bound, the hooks do about 3 of them per
-    ~8 events of a handoff side (docs/health.md)."""
+    ~8 events of a handoff side (docs/handoff-health.md)."""
     kw = dict(role="prefill", mode="push", capacity=BATCH * 4, pipeline_factory=None)
     r = ShippingRecorder(sidecar_spec={}, **kw) if shipping else Recorder(**kw)
     r._thread = object()  # measure the caller's cost only; nothing drains
@@ -99,7 +99,7 @@ def bench_health_tick(open_n: int = 1000) -> float:
     thread, once a second; never on vLLM's threads)."""
     from prometheus_client import CollectorRegistry
 
-    from exporters.health import HealthPublisher
+    from exporters.handoffhealth import HealthPublisher
 
     tab = HandoffTable("push", "decode")
     tab.own(sc.OPEN_PHASES[("push", "decode")])

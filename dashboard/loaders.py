@@ -17,7 +17,7 @@ import streamlit as st
 
 from dashboard import benchdata
 from dashboard import data
-from dashboard import health
+from dashboard import handoffhealth
 from dashboard import pairs, prom
 from kvtrace import benchrows
 from kvtrace.store import StoreLocation
@@ -142,10 +142,10 @@ def load_whatif(path: StoreLocation, since_ns: int | None, from_mode: str):
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
-def load_prom_health(url: str, range_key: str, _bucket: int) -> dict[str, health.Figure]:
+def load_prom_health(url: str, range_key: str, _bucket: int) -> dict[str, handoffhealth.Figure]:
     return prom.prom_health(url, range_key)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def load_stuck(path: StoreLocation, now_s: int) -> pd.DataFrame:
-    return health.stuck_table(path, now_s * 1_000_000_000)
+    return handoffhealth.stuck_table(path, now_s * 1_000_000_000)

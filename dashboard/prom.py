@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import pandas as pd
 
 from dashboard import data
-from dashboard import health
+from dashboard import handoffhealth
 from exporters import promapi
 from kvtrace import tracemodel
 from exporters.promapi import PrometheusError
@@ -241,14 +241,14 @@ def _absent(metric: str) -> str:
     return f"Prometheus has no {metric} series (P and D not scraped, or a kvlens connector from before handoff health)"
 
 
-def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str, health.Figure]:
+def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str, handoffhealth.Figure]:
     """The Overview's health strip (:data:`dashboard.data.HEALTH_FIGURES`) from
     Prometheus: open now and the oldest open age from the gauges (summed over
     every instance; NaN "oldest" gauges of idle sides dropped), the rest as
     ``increase()`` over the range (extrapolated, so rounded). A figure whose
     metric has no series is unknown, with the reason; never 0."""
     w = prom_range(range_key)
-    out: dict[str, health.Figure] = {}
+    out: dict[str, handoffhealth.Figure] = {}
     with promapi.client(timeout_s) as c:
 
         def q(expr: str) -> list[tuple[dict[str, str], float]]:
@@ -257,7 +257,9 @@ def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str
         def count(key: str, metric: str, expr: str, help_: str) -> None:
             v = _one(q(expr))
             out[key] = (
-                health.Figure(None, help_, unknown=_absent(metric)) if v is None else health.Figure(round(v), help_)
+                handoffhealth.Figure(None, help_, unknown=_absent(metric))
+                if v is None
+                else handoffhealth.Figure(round(v), help_)
             )
 
         count(
@@ -270,13 +272,13 @@ def prom_health(url: str, range_key: str, *, timeout_s: float = 3.0) -> dict[str
         oldest = _one(q("time() - min(kvlens_handoff_oldest_open_start_timestamp_seconds > 0)"))
         help_ = "Age of the oldest open handoff on any instance (time() - kvlens_handoff_oldest_open_start_timestamp_seconds)."
         if oldest is not None:
-            out["oldest_s"] = health.Figure(max(oldest, 0.0), help_)
+            out["oldest_s"] = handoffhealth.Figure(max(oldest, 0.0), help_)
         elif out["open"].unknown:
-            out["oldest_s"] = health.Figure(
+            out["oldest_s"] = handoffhealth.Figure(
                 None, help_, unknown=_absent("kvlens_handoff_oldest_open_start_timestamp_seconds")
             )
         else:
-            out["oldest_s"] = health.Figure(None, help_)
+            out["oldest_s"] = handoffhealth.Figure(None, help_)
         count(
             "stale",
             "kvlens_kv_stale_total",

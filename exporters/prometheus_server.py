@@ -51,7 +51,7 @@ def rules_path() -> Path:
 
 
 def alert_rules_path() -> Path:
-    """The packaged alert rules (``exporters/assets/alert_rules.yml``; docs/health.md)."""
+    """The packaged alert rules (``exporters/assets/alert_rules.yml``; docs/handoff-health.md)."""
     return Path(str(resources.files("exporters") / "assets" / ALERTS_FILE))
 
 

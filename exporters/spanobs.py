@@ -79,7 +79,7 @@ def plan(fam: Families, owner: Any, name: Any, mode: Any, role: Any, outcome: An
     """``(mode, observe, more)`` of a span named ``name`` whose mode, role and
     outcome attributes are these (as they came: they are closed here).
     ``owner``: the processor, whose ``link_gbps`` is read at each transfer."""
-    if name == sc.SPAN_HANDOFF_OPEN:  # a partial trace, not a phase: no duration series (exporters.health)
+    if name == sc.SPAN_HANDOFF_OPEN:  # a partial trace, not a phase: no duration series (exporters.handoffhealth)
         return closed_label(mode, _MODES, sc.Mode), _observe_nothing, None, None
     phase = closed_label(name, _PHASES, sc.Phase)
     mode = closed_label(mode, _MODES, sc.Mode)

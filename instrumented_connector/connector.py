@@ -18,7 +18,7 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlPullConnector, NixlPushConnector
 
-from exporters import health
+from exporters import handoffhealth
 from exporters.pipeline import get_recorder
 from instrumented_connector import hooks, nixlagent, scheduler, worker
 from kvrecord import semconv as sc
@@ -61,7 +61,7 @@ def _options(vllm_config) -> Options:
 
 def _make_recorder(vllm_config, mode: str, engine_id: str, options: Options | None = None) -> Recorder | NullRecorder:
     """The process's started recorder, its handoff-health publisher attached
-    (:mod:`exporters.health`). A bad kvlens option raises (strict at start);
+    (:mod:`exporters.handoffhealth`). A bad kvlens option raises (strict at start);
     any other setup failure disables telemetry with one warning."""
     options = _options(vllm_config) if options is None else options
     try:
@@ -70,7 +70,7 @@ def _make_recorder(vllm_config, mode: str, engine_id: str, options: Options | No
         log_once("recorder-init", "telemetry disabled: recorder setup failed", exc_info=True)
         return NullRecorder()
     try:
-        health.attach(rec, options.open_trace_after_s)
+        handoffhealth.attach(rec, options.open_trace_after_s)
     except Exception:
         log_once("health-init", "handoff health disabled: setup failed", exc_info=True)
     return rec

@@ -72,7 +72,7 @@ WORKER_HOOKS: Final[dict[str, dict[str, tuple[Phase, ...]]]] = {
 WORKER_ATTRS: Final = ("nixl_wrapper", "_recving_transfers")
 PUSH_SCHEDULER_ATTRS: Final = ("_push_registration_deadlines",)
 
-#: Handoff-health signals (docs/health.md) -> the vLLM worker instance
+#: Handoff-health signals (docs/handoff-health.md) -> the vLLM worker instance
 #: attributes they read, checked once at set-up: a missing one disables that
 #: signal with one warning. ``stale`` replays vLLM's own "unrecognized
 #: request" test (``req_id not in _reqs_to_send and not in _reqs_to_process``)
@@ -187,7 +187,7 @@ def nblocks(block_ids) -> int:
 
 
 #: Flag key of an open handoff (not a span attribute): when push's
-#: registration watchdog fired, wall-clock ns (exporters.health reads it too).
+#: registration watchdog fired, wall-clock ns (exporters.handoffhealth reads it too).
 TIMEOUT_AT: Final = "_registration_timeout_at_ns"
 
 

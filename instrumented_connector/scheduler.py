@@ -63,7 +63,7 @@ class _SchedulerHooks:
         except Exception:
             fail("open-handoff table")
 
-    # -- open handoffs (docs/health.md) ---------------------------------------
+    # -- open handoffs (docs/handoff-health.md) ---------------------------------------
     def _kvl_d_ended(self, request) -> None:
         """D's request finished (or was aborted) while its handoff was still
         open: the KV never arrived. Its kv.ready ends now, ``timeout`` when

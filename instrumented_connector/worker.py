@@ -23,7 +23,7 @@ from instrumented_connector.hooks import NullRecorder, Pending, fail, nblocks, n
 from kvrecord.ids import base_request_id
 from instrumented_connector.cputap import lookback_attrs
 from instrumented_connector.taps import NixlTap as _NixlTap
-from instrumented_connector.healthhooks import PullWorkerHealth, PushWorkerHealth, WorkerHealth
+from instrumented_connector.handoffhealthhooks import PullWorkerHealth, PushWorkerHealth, WorkerHealth
 from instrumented_connector.taps import RankedRecorder
 from instrumented_connector.taps import XferTimes as _XferTimes
 

@@ -1,5 +1,5 @@
 """``kvlens traces --open``: the handoffs stuck now, from their partial
-traces (:func:`kvtrace.stuck.stuck`; docs/health.md, "Stuck now")."""
+traces (:func:`kvtrace.stuck.stuck`; docs/handoff-health.md, "Stuck now")."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead of waterfalls: the handoffs stuck now, from their partial traces (trace id, request id, "
         "mode, the side that waits, phase, since when, age, last report); only those reported within --since "
-        f"(default {OPEN_SINCE_DEFAULT}); with --mode, one mode (docs/health.md)",
+        f"(default {OPEN_SINCE_DEFAULT}); with --mode, one mode (docs/handoff-health.md)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
     p.add_argument(

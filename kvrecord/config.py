@@ -263,7 +263,7 @@ class Options:
     otlp_protocol: str | None = None
     #: which requests keep their spans in the store (``kvlens_keep``, ``kvlens_keep_ratio``, ``kvlens_keep_slow``)
     keep: KeepRule = KeepRule()
-    #: a handoff open this long (s) is written out as a ``handoff.open`` partial trace; 0: never (docs/health.md)
+    #: a handoff open this long (s) is written out as a ``handoff.open`` partial trace; 0: never (docs/handoff-health.md)
     open_trace_after_s: float = DEFAULT_OPEN_TRACE_AFTER_S
     #: ``kvlens_nixl_progress_thread``: False creates the worker's NIXL agent without its UCX progress
     #: thread (an experiment for small hosts, :mod:`instrumented_connector.nixlagent`, docs/links.md)

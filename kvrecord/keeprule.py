@@ -7,7 +7,7 @@ TTFT, outcome, one duration per phase). Its spans are stored too when
 * ``--keep all`` (the default: today's behaviour, what a single host wants), or
 * ``--keep sampled`` and the request is kept, for the first reason that holds:
   ``failed`` / ``timeout`` / ``expired`` / ``stale`` (its outcome; stale: its
-  KV moved after P released it, docs/health.md), ``clock_unknown``
+  KV moved after P released it, docs/handoff-health.md), ``clock_unknown``
   (both ends of its handoff recorded, the clocks not bounded), ``slow``
   (handoff or TTFT above ``--keep-slow``: a fixed duration, or a live
   percentile ``pNN`` of its (mode, dispatch, P/D pair) window; ``warmup``

@@ -1,11 +1,11 @@
 """Open handoffs of one process: a bounded table the hooks keep as handoffs
 open, move between phases and end, and that this process's background thread
-reads once a second (docs/health.md).
+reads once a second (docs/handoff-health.md).
 
 Hot path (the hooks: the engine loop, the push writer thread): a timestamp
 the hook already took, one uncontended lock and a dict operation; counters are
 plain ints. Nothing here touches Prometheus or builds a span:
-:mod:`exporters.health` publishes a :meth:`HandoffTable.snapshot` from the
+:mod:`exporters.handoffhealth` publishes a :meth:`HandoffTable.snapshot` from the
 recorder's background thread.
 
 Each phase has its own insertion-ordered dict, so the oldest entry of a phase

@@ -1,6 +1,6 @@
 """Periodic work on a background thread that already exists (the recorder's),
 so a process gets no second always-on thread for work that must stay off
-vLLM's threads (:mod:`exporters.health`).
+vLLM's threads (:mod:`exporters.handoffhealth`).
 
 A :class:`Periodic` is a schedule its owner holds, not a base class: the
 owner adds calls to it (:meth:`Periodic.add`) and its background loop runs

@@ -232,7 +232,7 @@ class Outcome(str, enum.Enum):
     EXPIRED = "expired"
     STALE = "stale"
     """KV read (pull) or written / notified (push) after P released its blocks
-    (P's lease ran out first): the answer may come from reused memory (docs/health.md)."""
+    (P's lease ran out first): the answer may come from reused memory (docs/handoff-health.md)."""
 
 
 class TtftSource(str, enum.Enum):
@@ -424,7 +424,7 @@ ATTR_ERROR: Final = "kvlens.error"
 """Short error text for failed outcomes (exception class and message)."""
 
 
-# --- handoff health (docs/health.md) -----------------------------------------
+# --- handoff health (docs/handoff-health.md) -----------------------------------------
 SPAN_HANDOFF_OPEN: Final = "handoff.open"
 """Span name of a partial trace: a handoff still open on one side, written
 out by that process's background thread once it has been open longer than
@@ -450,4 +450,4 @@ ATTR_OPEN_BLOCKS: Final = "kvlens.open.blocks"
 """``handoff.open``: KV blocks the open handoff holds on this side (0: unknown)."""
 
 # the open phases and pinned states (closed label sets), defined beside their use:
-from kvrecord.healthnames import OPEN_PHASES, PINNED_MODE, PINNED_OF, OpenPhase, PinnedState  # noqa: E402,F401
+from kvrecord.handoffhealthnames import OPEN_PHASES, PINNED_MODE, PINNED_OF, OpenPhase, PinnedState  # noqa: E402,F401

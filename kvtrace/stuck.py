@@ -1,5 +1,5 @@
 """Open handoffs read back from the store: which side of a request still
-waits, in which phase, since when (docs/health.md, "Partial traces").
+waits, in which phase, since when (docs/handoff-health.md, "Partial traces").
 
 A process writes a ``handoff.open`` span (:data:`kvrecord.semconv.SPAN_HANDOFF_OPEN`)
 for each of its handoffs open longer than ``open_trace_after_s``, and again
@@ -35,7 +35,7 @@ from kvtrace import store
 
 OPEN = sc.SPAN_HANDOFF_OPEN
 
-#: The spans that end a handoff on each side (docs/health.md, "Phases of an
+#: The spans that end a handoff on each side (docs/handoff-health.md, "Phases of an
 #: open handoff"): D's ``kv.ready`` (the KV arrived, failed, or the request
 #: ended without it); P's release of the blocks: ``kv.released`` (pull, D's
 #: read-done), ``write.complete`` (push, the WRITE seen done, or the lease's

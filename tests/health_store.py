@@ -1,6 +1,6 @@
 """Partial and stale traces, written as the connector writes them (the real
 pipeline: Recorder -> OTel SDK -> store exporter; ``handoff.open`` spans as
-``exporters.health`` records them, docs/health.md), into any store, beside
+``exporters.handoffhealth`` records them, docs/handoff-health.md), into any store, beside
 the complete traces other fixtures write.
 
 :func:`add_health_traces` writes, around ``now_ns``:

@@ -21,7 +21,7 @@ from dashboard import charts
 from dashboard import benchdata
 from dashboard import data
 from dashboard import loaders
-from dashboard import cpushare, healthview, pairs, prom, ui, verdictview
+from dashboard import cpushare, handoffhealthview, pairs, prom, ui, verdictview
 from kvrecord import semconv as sc
 
 REFRESH_CHOICES = {"2s": 2, "5s": 5, "10s": 10, "30s": 30}
@@ -105,7 +105,7 @@ def add_bench_tpot(cfg: ui.Config, stats: dict[str, data.ModeStats]) -> None:
 
 
 def body(cfg: ui.Config, range_key: str) -> None:
-    healthview.health_strip(cfg, range_key, TRACES_PAGE)
+    handoffhealthview.health_strip(cfg, range_key, TRACES_PAGE)
     got = from_prometheus(cfg, range_key) or from_store(cfg, range_key)
     if isinstance(got, str):
         no_figures(got)

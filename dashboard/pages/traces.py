@@ -17,7 +17,7 @@ import streamlit as st
 from dashboard import charts
 from dashboard import data
 from dashboard import loaders
-from dashboard import healthview, ui
+from dashboard import handoffhealthview, ui
 from dashboard.pairs import pair_label
 from kvrecord import semconv as sc
 
@@ -283,7 +283,7 @@ def trace_view(cfg: ui.Config, tid: str) -> None:
         st.info("This trace has no spans in the store.")
         return
     trace_cards(rec)
-    healthview.health_notes(rec)
+    handoffhealthview.health_notes(rec)
     st.caption(
         f"trace `{rec['trace_id']}` · request `{rec['request_id']}` · dispatch {rec.get('dispatch') or 'n/a'} · "
         f"P → D `{pair_label(rec.get('p_engine'), rec.get('d_engine'))}` · {ui.clock_caption(rec)} "

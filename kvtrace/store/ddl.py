@@ -113,7 +113,7 @@ _PG_TRACES_DDL = (
 if not _TRACES_DDL.endswith("\n)"):
     raise AssertionError("the traces DDL must end with its closing parenthesis")
 
-#: Version 6: the partial traces (``handoff.open`` spans, docs/health.md) by
+#: Version 6: the partial traces (``handoff.open`` spans, docs/handoff-health.md) by
 #: their snapshot time, so "stuck now" (``store.open_spans``) reads a few index
 #: entries instead of every span. Partial: the other spans cost nothing. The
 #: span name is a literal (a partial index serves only a query that names it so).

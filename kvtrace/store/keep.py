@@ -56,7 +56,7 @@ WINDOW = 1000
 MIN_WINDOW = 20
 _OUTCOMES_KEPT = ("failed", "timeout", "expired", "stale")
 _ROOT = "request"
-#: Partial-trace spans are stored at once whatever the decision (docs/health.md): a
+#: Partial-trace spans are stored at once whatever the decision (docs/handoff-health.md): a
 #: stuck request is what they are for, and it is undecided while it is stuck.
 _OPEN = SPAN_HANDOFF_OPEN
 

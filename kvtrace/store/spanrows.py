@@ -78,7 +78,7 @@ _OPEN_SPANS_SQL = (
 def open_spans(
     conn: sqlite3.Connection, *, since_ns: int | None, limit: int = OPEN_SPANS_LIMIT
 ) -> list[dict[str, Any]]:
-    """The partial-trace spans (``handoff.open``, docs/health.md) whose snapshot
+    """The partial-trace spans (``handoff.open``, docs/handoff-health.md) whose snapshot
     (their end) is at or after ``since_ns`` (None: all), newest snapshot first,
     at most ``limit``: dicts keyed :data:`SPAN_COLUMNS`, attributes decoded.
     Walks the partial index ``spans_open`` (the span name is a literal so

@@ -31,7 +31,7 @@ from kvrecord.ids import base_request_id
 logger = logging.getLogger("kvlens")
 
 # Worst outcome wins when folding spans into a trace (docs/phases.md):
-# unknown < ok < expired < timeout < failed < stale (served from released KV: docs/health.md).
+# unknown < ok < expired < timeout < failed < stale (served from released KV: docs/handoff-health.md).
 _OUTCOME_RANK = ("ok", "expired", "timeout", "failed", "stale")
 
 

@@ -114,7 +114,7 @@ def test_registration_that_never_matches_ends_timeout(fault_push_stack):
         try:
             sent = await _wait_span(stack.store, tid, _is_reg_send, SLACK_S, "registration.send on D")
             # while D keeps waiting after its watchdog, the handoff is open
-            # and its partial trace carries the flag (docs/health.md)
+            # and its partial trace carries the flag (docs/handoff-health.md)
             partial = await _wait_span(
                 stack.store,
                 tid,

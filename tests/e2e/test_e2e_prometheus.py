@@ -178,7 +178,7 @@ def _health(prom, mode: str) -> tuple[dict, dict] | None:
 
 
 def _check_health(prom, mode: str, before, open0: float) -> None:
-    """docs/health.md on real vLLM: every healthy request is one attempt and
+    """docs/handoff-health.md on real vLLM: every healthy request is one attempt and
     one ok outcome on each side, nothing stays open (the oldest start is NaN),
     nothing is flagged stale, and every outcome series exists from the start."""
     att0, ok0 = before

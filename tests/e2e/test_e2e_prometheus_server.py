@@ -99,7 +99,7 @@ def target(tmp_path):
 @pytest.fixture
 def health_target():
     """A second scrape target with handoff-health series as the connector exports
-    them (names: docs/health.md), in a registry of their own: one stuck decode
+    them (names: docs/handoff-health.md), in a registry of their own: one stuck decode
     handoff (oldest open started a minute ago), an idle prefill side (NaN), a
     stale counter at 0 that the test then increments."""
     reg = CollectorRegistry()
@@ -263,7 +263,7 @@ def test_real_prometheus_scrapes_rules_and_exemplars(target, health_target, tmp_
         assert [a["labels"]["role"] for a in stuck] == ["decode"], states["KvlensHandoffStuck"]
         labels = stuck[0]["labels"]
         assert (labels["instance"], labels["mode"], labels["phase"]) == (health_addr, "push", "awaiting_kv")
-        assert stuck[0]["annotations"]["runbook_url"] == "docs/health.md#kvlenshandoffstuck"
+        assert stuck[0]["annotations"]["runbook_url"] == "docs/handoff-health.md#kvlenshandoffstuck"
         assert health_addr in stuck[0]["annotations"]["summary"]
         st = [a for a in states["KvlensStaleKV"] if a["state"] == "firing"]
         assert [a["labels"]["mode"] for a in st] == ["pull"], states["KvlensStaleKV"]

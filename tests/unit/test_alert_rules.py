@@ -22,7 +22,7 @@ from exporters.prometheus_server import RULE_FILES, alert_rules_path, rules_path
 
 ASSETS = rules_path().parent
 TESTS_FILE = ASSETS / "alert_rules_test.yml"
-RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "health.md"
+RUNBOOK = Path(__file__).resolve().parents[2] / "docs" / "handoff-health.md"
 
 
 def promtool() -> str:
@@ -115,14 +115,14 @@ def test_every_alert_says_where_what_and_links_its_runbook():
                 f"{name} does not say its {label}"
             )
         path, _, anchor = notes["runbook_url"].partition("#")
-        assert path == "docs/health.md", name
-        assert anchor in anchors, f"{name}: runbook section #{anchor} missing from docs/health.md"
+        assert path == "docs/handoff-health.md", name
+        assert anchor in anchors, f"{name}: runbook section #{anchor} missing from docs/handoff-health.md"
 
 
 def test_every_metric_an_alert_reads_is_one_kvlens_exports_with_those_labels():
     from prometheus_client import CollectorRegistry
 
-    from exporters.health import HealthFamilies
+    from exporters.handoffhealth import HealthFamilies
 
     reg = CollectorRegistry()
     fams = HealthFamilies(reg)

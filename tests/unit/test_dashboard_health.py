@@ -18,7 +18,7 @@ from health_store import add_health_traces
 from store_fixture import make_store
 
 from dashboard import data
-from dashboard import health
+from dashboard import handoffhealth
 from dashboard import prom
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def app(monkeypatch):
 
 
 def cards(at) -> dict[str, str]:
-    labels = {lab: lab for lab in health.HEALTH_FIGURES.values()} | {"oldest open": "oldest open (s)"}
+    labels = {lab: lab for lab in handoffhealth.HEALTH_FIGURES.values()} | {"oldest open": "oldest open (s)"}
     got = {m.label: m for m in at.metric}
     return {k: got[v].value for k, v in labels.items() if v in got}
 

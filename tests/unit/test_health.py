@@ -1,4 +1,4 @@
-"""Handoff health (docs/health.md): the open-handoff table, its metrics and
+"""Handoff health (docs/handoff-health.md): the open-handoff table, its metrics and
 partial traces, and the stale / expired / registration-timeout / pinned paths
 driven through vLLM's own NIXL methods where they run without an agent."""
 
@@ -14,7 +14,7 @@ import types
 import pytest
 from prometheus_client import CollectorRegistry
 
-from exporters import health
+from exporters import handoffhealth
 from instrumented_connector import hooks, scheduler, worker
 from instrumented_connector.taps import NixlTap, NotifQueueTap
 from kvrecord import openhandoffs
@@ -146,12 +146,14 @@ def test_table_survives_concurrent_threads():
 
 # ------------------------------------------------------------------ metrics
 def _publisher(tables, registry, rec=None, after_s=5.0):
-    return health.HealthPublisher(rec or ListRecorder(), registry, open_trace_after_s=after_s, tables=lambda: tables)
+    return handoffhealth.HealthPublisher(
+        rec or ListRecorder(), registry, open_trace_after_s=after_s, tables=lambda: tables
+    )
 
 
 def test_every_counter_is_zero_before_the_first_event():
     reg = CollectorRegistry()
-    health.health_families(reg)
+    handoffhealth.health_families(reg)
     v = reg.get_sample_value
     for mode in ("push", "pull"):
         assert v("kvlens_kv_stale_total", {"mode": mode}) == 0
@@ -248,17 +250,17 @@ def test_a_failing_reconciler_is_logged_and_skipped(caplog):
 
 def test_attach_runs_on_the_recorder_thread_once_per_process():
     rec = ListRecorder()
-    saved = dict(health._publishers)
-    health._publishers.clear()
+    saved = dict(handoffhealth._publishers)
+    handoffhealth._publishers.clear()
     try:
-        p = health.attach(rec, 5.0, registry=CollectorRegistry())
-        assert health.attach(rec, 5.0) is p and rec.periodic == [p.tick]
-        assert health.attach(hooks.NullRecorder(), 5.0) is p  # the process's publisher
-        health._publishers.clear()
-        assert health.attach(hooks.NullRecorder(), 5.0) is None  # no background thread: no health
+        p = handoffhealth.attach(rec, 5.0, registry=CollectorRegistry())
+        assert handoffhealth.attach(rec, 5.0) is p and rec.periodic == [p.tick]
+        assert handoffhealth.attach(hooks.NullRecorder(), 5.0) is p  # the process's publisher
+        handoffhealth._publishers.clear()
+        assert handoffhealth.attach(hooks.NullRecorder(), 5.0) is None  # no background thread: no health
     finally:
-        health._publishers.clear()
-        health._publishers.update(saved)
+        handoffhealth._publishers.clear()
+        handoffhealth._publishers.update(saved)
 
 
 def test_open_trace_after_s_option():

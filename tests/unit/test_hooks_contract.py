@@ -274,7 +274,7 @@ def test_per_rank_and_join_fields_the_hooks_read():
     assert "remote_request_id=request.request_id" in src  # what D's params name: P's own request id
 
 
-# -------------------------------------------- handoff health (docs/health.md)
+# -------------------------------------------- handoff health (docs/handoff-health.md)
 def _init_sources(cls) -> str:
     return "".join(inspect.getsource(c.__init__) for c in cls.__mro__ if "__init__" in c.__dict__ and c is not object)
 

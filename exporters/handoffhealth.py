@@ -1,4 +1,4 @@
-"""Handoff health on ``/metrics`` and as partial traces (docs/health.md).
+"""Handoff health on ``/metrics`` and as partial traces (docs/handoff-health.md).
 
 The hooks keep this process's open handoffs in
 :class:`kvrecord.openhandoffs.HandoffTable` s; :class:`HealthPublisher`
@@ -87,7 +87,7 @@ class HealthFamilies:
         """Open handoffs, attempts and outcomes."""
         self.open = Gauge(
             "kvlens_handoffs_open",
-            "Handoffs open on this instance, by the phase they wait in (docs/health.md).",
+            "Handoffs open on this instance, by the phase they wait in (docs/handoff-health.md).",
             ("mode", "role", "phase"),
             registry=r,
             multiprocess_mode="livemax",

@@ -1,4 +1,4 @@
-"""Closed label sets of handoff health (docs/health.md): where an open handoff
+"""Closed label sets of handoff health (docs/handoff-health.md): where an open handoff
 waits, and the states of KV pinned on P. Re-exported by
 :mod:`kvrecord.semconv`, the one place names are read from."""
 

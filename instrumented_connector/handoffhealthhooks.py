@@ -1,4 +1,4 @@
-"""Handoff-health part of the worker hooks (docs/health.md): the open-handoff
+"""Handoff-health part of the worker hooks (docs/handoff-health.md): the open-handoff
 table of a worker, and the stale signal, which replays vLLM's own
 "unrecognized request" test where vLLM makes it. Mixins of the instrumented
 workers (:mod:`instrumented_connector.worker`); same contract: a failure is

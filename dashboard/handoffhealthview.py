@@ -1,6 +1,6 @@
-"""Drawing the handoff health (docs/health.md): the Overview's strip and its
+"""Drawing the handoff health (docs/handoff-health.md): the Overview's strip and its
 list of requests stuck now, and what the Traces page says of a partial or a
-stale trace. Data from :mod:`dashboard.health` / :func:`dashboard.prom.prom_health`
+stale trace. Data from :mod:`dashboard.handoffhealth` / :func:`dashboard.prom.prom_health`
 through the cached loaders."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import data
-from dashboard import health
+from dashboard import handoffhealth
 from dashboard import loaders
 from dashboard import prom, ui
 from kvtrace import stuck
 from kvtrace.stuck import SIDE
 
 HEALTH_HELP = (
-    "Handoffs that have not ended, and those that ended badly (docs/health.md). Open now and the oldest "
+    "Handoffs that have not ended, and those that ended badly (docs/handoff-health.md). Open now and the oldest "
     "open age are live; the others count over the time range. A figure kvlens cannot know says "
-    "\u201cunknown\u201d and why, never 0. Alert rules on the same metrics: docs/health.md, \u201cAlerts\u201d."
+    "\u201cunknown\u201d and why, never 0. Alert rules on the same metrics: docs/handoff-health.md, \u201cAlerts\u201d."
 )
 #: Most stuck requests listed as links (the rest: ``kvlens traces --open``).
 STUCK_SHOWN = 20
@@ -42,17 +42,17 @@ def health_figures(cfg: ui.Config, range_key: str, stuck_df: pd.DataFrame | None
         window = loaders.load_window(cfg.store, range_key, loaders.now_bucket(range_key))
     except (data.StoreMissing, data.StoreError) as e:
         why = f"no readable trace store ({e})"
-        return {k: health.Figure(None, unknown=why) for k in health.HEALTH_FIGURES}, "nothing"
-    figs = health.health_from_store(
-        window, stuck_df if stuck_df is not None else pd.DataFrame(columns=health.STUCK_COLUMNS), range_key
+        return {k: handoffhealth.Figure(None, unknown=why) for k in handoffhealth.HEALTH_FIGURES}, "nothing"
+    figs = handoffhealth.health_from_store(
+        window, stuck_df if stuck_df is not None else pd.DataFrame(columns=handoffhealth.STUCK_COLUMNS), range_key
     )
     if stuck_df is None:
         for k in ("open", "oldest_s"):
-            figs[k] = health.Figure(None, figs[k].help, unknown=stuck_why)
+            figs[k] = handoffhealth.Figure(None, figs[k].help, unknown=stuck_why)
     return figs, f"trace store `{cfg.store}`"
 
 
-def health_value(key: str, f: health.Figure) -> str:
+def health_value(key: str, f: handoffhealth.Figure) -> str:
     """A strip card's value: ``unknown``, ``none`` (an age with nothing open), seconds, or a count."""
     if f.unknown:
         return "unknown"
@@ -73,7 +73,7 @@ def health_strip(cfg: ui.Config, range_key: str, traces_page: str) -> None:
     with st.container(border=True, key="ov_health"):
         st.subheader("Handoff health", help=HEALTH_HELP)
         # two rows of three: six cards in one row cut "unknown" at a laptop's width (1280 px, sidebar open)
-        items = list(health.HEALTH_FIGURES.items())
+        items = list(handoffhealth.HEALTH_FIGURES.items())
         cols = [c for _ in range(0, len(items), 3) for c in st.columns(3)]
         for col, (key, label) in zip(cols, items):
             f = figs[key]
@@ -90,12 +90,12 @@ def health_strip(cfg: ui.Config, range_key: str, traces_page: str) -> None:
 def stuck_list(df: pd.DataFrame | None, why: str, traces_page: str) -> None:
     """One link per handoff side stuck now, oldest first (to its partial trace on the Traces page)."""
     with st.container(key="ov_stuck"):
-        st.markdown("**Stuck now**", help=health.STUCK_HELP)
+        st.markdown("**Stuck now**", help=handoffhealth.STUCK_HELP)
         if df is None:
             st.caption(f"Unavailable: {why}.")
             return
         if not len(df):
-            st.caption(f"No handoff is stuck now (none open and reported in the last {health.STUCK_FRESH_S} s).")
+            st.caption(f"No handoff is stuck now (none open and reported in the last {handoffhealth.STUCK_FRESH_S} s).")
             return
         now = time.time_ns()  # the table may be a few seconds old (cached): ages from now
         for r in df.head(STUCK_SHOWN).itertuples():

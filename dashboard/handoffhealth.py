@@ -1,4 +1,4 @@
-"""The Overview's handoff health from the trace store (docs/health.md): the
+"""The Overview's handoff health from the trace store (docs/handoff-health.md): the
 requests stuck now (:func:`stuck_table`) and the strip's figures
 (:func:`health_from_store`); the Prometheus side is :func:`dashboard.prom.prom_health`.
 Pure: plain arguments in, DataFrames and :class:`Figure` s out, no Streamlit."""
@@ -16,7 +16,7 @@ from kvrecord import semconv as sc
 from kvtrace import store, stuck
 
 #: A handoff still open and reported within this many seconds is "stuck now"
-#: (its process re-reports it every few seconds: docs/health.md).
+#: (its process re-reports it every few seconds: docs/handoff-health.md).
 STUCK_FRESH_S = 60
 #: The stuck list's columns (:func:`stuck_table`).
 STUCK_COLUMNS = (
