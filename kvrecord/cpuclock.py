@@ -435,38 +435,6 @@ class CpuClock:
         if oldest is not None:
             _entry(ref, oldest, at_ns, ages, ons, waits, runs)
         return ages, ons, waits, runs
-        ref = None
-        anchor = None  # the youngest reading of the current cluster (readings within min_step_ns of it)
-        for k, (t, on, raw) in enumerate(reversed(ring)):
-            if k >= LOOKBACK_SCAN:
-                break
-            if ref is None:
-                if t <= at_ns:
-                    ref = (t, on, _wait(raw), _runs(raw) if t == at_ns else None)
-                    anchor = t
-                continue
-            if at_ns - t > max_age_ns:
-                break
-            entry = (
-                (at_ns - t) / 1e9,
-                (ref[1] - on) / 1e9,
-                (ref[2] - _wait(raw)) / 1e9,
-                -1 if ref[3] is None else ref[3] - _runs(raw),
-            )
-            if anchor - t < min_step_ns:
-                # within a burst the oldest reading stands for it: a phase that began at the burst's first
-                # reading (an event stamped just before a step's reading) finds its start
-                if ages and anchor != ref[0]:
-                    ages[-1], ons[-1], waits[-1], runs[-1] = entry
-                continue
-            if len(ages) >= n:
-                break
-            ages.append(entry[0])
-            ons.append(entry[1])
-            waits.append(entry[2])
-            runs.append(entry[3])
-            anchor = t
-        return ages, ons, waits, runs
 
     def before_attrs(self, at_ns: int, attrs: dict) -> dict:
         """``attrs`` with the calling thread's :meth:`lookback` before ``at_ns``
