@@ -47,11 +47,11 @@ from kvtrace import benchrows
 LINKS = ("p-d", "router-d")
 
 
-def _floats(text: str) -> list[float]:
+def floats_arg(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-def _ints(text: str) -> list[int]:
+def ints_arg(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
@@ -72,8 +72,9 @@ def pair_directions(stack: Stack) -> set[tuple[str, str]]:
     return out
 
 
-def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions) -> dict:
-    """Re-shape the links to ``delay_ms``, probe them, run the grid, check the what-if per cell."""
+def reshaped_run(stack: Stack, delay_ms: float, opts: BenchOptions):
+    """Re-shape the stack's links to ``delay_ms``, probe them and run the grid
+    over both modes (overlapped push): (the targets, the bench run)."""
     t0 = time.monotonic()
     specs = specs_for(delay_ms)
     for sp in specs:
@@ -83,7 +84,14 @@ def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions) -> dict:
     targets = stack_targets(stack, "push,pull", ["overlapped"], o)
     link = targets[0].link
     print(f"\n=== delay {delay_ms:g} ms: {link['summary']} (re-shaped and probed in {time.monotonic() - t0:.0f}s)")
-    run = bench_routers(targets, o, run=new_run(o))
+    return targets, bench_routers(targets, o, run=new_run(o))
+
+
+def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions) -> dict:
+    """Re-shape the links to ``delay_ms``, probe them, run the grid, check the what-if per cell."""
+    t0 = time.monotonic()
+    targets, run = reshaped_run(stack, delay_ms, opts)
+    link = targets[0].link
     whatif, phases = [], []
     for tokens in opts.input_lens:
         for qps in opts.qps:
@@ -119,7 +127,7 @@ def transfer_medians(traces: list) -> dict:
     }
 
 
-def _ratio(row: dict, metric: str) -> str:
+def ratio_text(row: dict, metric: str) -> str:
     r = row.get(benchrows.ratio_key(metric))
     lo, hi = (row.get(k) for k in benchrows.interval_keys(metric))
     if r is None:
@@ -128,7 +136,7 @@ def _ratio(row: dict, metric: str) -> str:
     return f"{r:.2f} {iv}"
 
 
-def _says(row: dict, metric: str) -> str:
+def says(row: dict, metric: str) -> str:
     lo, hi = (row.get(k) for k in benchrows.interval_keys(metric))
     if lo is None or hi is None:
         return "unknown (too few requests)"
@@ -166,9 +174,9 @@ def grid_lines(delays: list[dict]) -> list[str]:
             )
             out.append(
                 f"| {dl['delay_ms']:g} ms | {rtt} | {push['input_len']} | {push['qps']:g} "
-                f"| {ms(pull.get('handoff_p50_s'))} / {ms(push.get('handoff_p50_s'))} | {_ratio(push, 'handoff_p50_s')} "
-                f"| {_says(push, 'handoff_p50_s')} | {ms(pull.get('ttft_p50_s'))} / {ms(push.get('ttft_p50_s'))} "
-                f"| {_ratio(push, 'ttft_p50_s')} | {_says(push, 'ttft_p50_s')} "
+                f"| {ms(pull.get('handoff_p50_s'))} / {ms(push.get('handoff_p50_s'))} | {ratio_text(push, 'handoff_p50_s')} "
+                f"| {says(push, 'handoff_p50_s')} | {ms(pull.get('ttft_p50_s'))} / {ms(push.get('ttft_p50_s'))} "
+                f"| {ratio_text(push, 'ttft_p50_s')} | {says(push, 'ttft_p50_s')} "
                 f"| {pull.get('completed', '-')} / {push.get('completed', '-')} |"
             )
     return out
@@ -205,9 +213,9 @@ def print_tables(delays: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--delays", type=_floats, default=[0, 1, 5, 20], help="one-way delays, ms (default 0,1,5,20)")
-    ap.add_argument("--tokens", type=_ints, default=[256, 2048], help="prompt lengths (default 256,2048)")
-    ap.add_argument("--qps", type=_floats, default=[1.0, 4.0], help="Poisson arrival rates per mode (default 1,4)")
+    ap.add_argument("--delays", type=floats_arg, default=[0, 1, 5, 20], help="one-way delays, ms (default 0,1,5,20)")
+    ap.add_argument("--tokens", type=ints_arg, default=[256, 2048], help="prompt lengths (default 256,2048)")
+    ap.add_argument("--qps", type=floats_arg, default=[1.0, 4.0], help="Poisson arrival rates per mode (default 1,4)")
     ap.add_argument("--requests", type=int, default=16, help="requests per cell and mode (default 16)")
     ap.add_argument("--output-len", type=int, default=16, help="output tokens per request (default 16)")
     ap.add_argument("--seed", type=int, default=0)

@@ -30,16 +30,14 @@ import sys
 import time
 from pathlib import Path
 
-from dataclasses import replace
 
 import numpy as np
-from bench_links import _floats, _ints, _ratio, _says, pair_directions, specs_for  # noqa: E402 (benchmarks/)
+from bench_links import floats_arg, ints_arg, ratio_text, reshaped_run, says, specs_for  # noqa: E402 (benchmarks/)
 from scratch import scratch_dir  # noqa: E402
 from whatif_check import phase_medians, settled
 
 from kvlens.bench.grid import BenchOptions
 from kvlens.bench.prompts import PromptMaker, rng
-from kvlens.bench.runner import bench_routers, new_run, stack_targets
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack import spinners
 from kvlens.stack.commands import auth_headers
@@ -129,20 +127,13 @@ def cell_figures(traces: list) -> dict:
 def run_one(stack: Stack, delay_ms: float, opts: BenchOptions, maker: PromptMaker, seed: int) -> dict:
     """Re-shape to ``delay_ms``, probe, run the grid, then the output check."""
     t0 = time.monotonic()
-    specs = specs_for(delay_ms)
-    for sp in specs:
-        stack.reshape(sp, probe=False)
-    stack.probe_links(only=pair_directions(stack))
-    o = replace(opts, links=tuple(specs))
-    targets = stack_targets(stack, "push,pull", ["overlapped"], o)
-    print(f"\n=== delay {delay_ms:g} ms: {targets[0].link['summary']}", flush=True)
-    run = bench_routers(targets, o, run=new_run(o))
+    targets, run = reshaped_run(stack, delay_ms, opts)
     cells = []
     for push in (r for r in run.rows if r["mode"] == "push"):
         tokens, qps = push["input_len"], push["qps"]
-        cell: dict = {"delay_ms": delay_ms, "tokens": tokens, "qps": qps, "says": _says(push, "handoff_p50_s"),
-                      "ratio": _ratio(push, "handoff_p50_s"), "ttft_says": _says(push, "ttft_p50_s"),
-                      "ttft_ratio": _ratio(push, "ttft_p50_s")}  # fmt: skip
+        cell: dict = {"delay_ms": delay_ms, "tokens": tokens, "qps": qps, "says": says(push, "handoff_p50_s"),
+                      "ratio": ratio_text(push, "handoff_p50_s"), "ttft_says": says(push, "ttft_p50_s"),
+                      "ttft_ratio": ratio_text(push, "ttft_p50_s")}  # fmt: skip
         mine = [c for c in run.cells if c.input_len == tokens and c.qps == qps]
         traces = settled(stack.store, [r.trace for c in mine for r in c.results if r.ok], timeout_s=60.0)
         for mode in ("push", "pull"):
@@ -207,9 +198,9 @@ def print_tables(runs: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nixl-progress", choices=spinners.MODES, default="auto")
-    ap.add_argument("--delays", type=_floats, default=[0, 5])
-    ap.add_argument("--tokens", type=_ints, default=[256])
-    ap.add_argument("--qps", type=_floats, default=[1.0])
+    ap.add_argument("--delays", type=floats_arg, default=[0, 5])
+    ap.add_argument("--tokens", type=ints_arg, default=[256])
+    ap.add_argument("--qps", type=floats_arg, default=[1.0])
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default=None, help="the run's name in the tables (default: the mode)")
