@@ -52,7 +52,9 @@ class SilentRouter:
             c.close()
 
 
-def test_warm_up_fails_at_the_start_deadline_naming_the_stuck_side():
+def _start_against_a_silent_router(timeout_s: float, deadline_in_s: float) -> tuple[str, list[str], list[str]]:
+    """A warm-up with a start deadline against a router that never answers:
+    (the StackError's message, the trace ids the router saw, what was said)."""
     router = SilentRouter()
     said: list[str] = []
     try:
@@ -63,15 +65,19 @@ def test_warm_up_fails_at_the_start_deadline_naming_the_stuck_side():
                 said.append,
                 lambda: None,
                 tries=3,
-                timeout_s=90.0,
-                deadline=time.monotonic() + 3.0,
+                timeout_s=timeout_s,
+                deadline=time.monotonic() + deadline_in_s,
                 where_stuck=lambda tid: f"push D (d0) still waits in awaiting_kv for {tid}",
             )
     finally:
         router.close()
-    msg = str(e.value)
-    assert msg.startswith("start timeout: the warm-up request") and router.ids, (msg, router.ids)
-    assert f"(trace {router.ids[-1]})" in msg and f"awaiting_kv for {router.ids[-1]}" in msg, msg
+    return str(e.value), router.ids, said
+
+
+def test_warm_up_fails_at_the_start_deadline_naming_the_stuck_side():
+    msg, ids, said = _start_against_a_silent_router(timeout_s=90.0, deadline_in_s=3.0)
+    assert msg.startswith("start timeout: the warm-up request") and ids, (msg, ids)
+    assert f"(trace {ids[-1]})" in msg and f"awaiting_kv for {ids[-1]}" in msg, msg
     assert said and "ReadTimeout" in said[0]  # the request's own wait ended at the deadline, not at 90 s
 
 
@@ -79,27 +85,11 @@ def test_warm_up_last_try_waits_until_the_deadline():
     """Tries that run out before the start timeout (3 x 90 s against a mixed fleet's 600 s)
     no longer report a hung stack ready with a warning: the last try waits until the
     deadline, which then fails the start naming the stuck side."""
-    router = SilentRouter()
-    said: list[str] = []
-    try:
-        with pytest.raises(StackError) as e:
-            warm_up(
-                router.url,
-                {},
-                said.append,
-                lambda: None,
-                tries=3,
-                timeout_s=1.0,
-                deadline=time.monotonic() + 10.0,
-                where_stuck=lambda tid: f"push D (d0) still waits in awaiting_kv for {tid}",
-            )
-    finally:
-        router.close()
-    msg = str(e.value)
+    msg, ids, said = _start_against_a_silent_router(timeout_s=1.0, deadline_in_s=10.0)
     # the old rule ran its 3 tries out (~3 s) and returned with a warning; two tries end at timeout_s,
     # the third only at the deadline (how many reach the router before it depends on the machine)
-    assert router.ids and not any("never succeeded" in m for m in said), (router.ids, said)
-    assert msg.startswith("start timeout: the warm-up request") and f"awaiting_kv for {router.ids[-1]}" in msg, msg
+    assert ids and not any("never succeeded" in m for m in said), (ids, said)
+    assert msg.startswith("start timeout: the warm-up request") and f"awaiting_kv for {ids[-1]}" in msg, msg
 
 
 def test_warm_up_that_fails_every_try_fails_the_start():
