@@ -225,7 +225,7 @@ def stats_from_traces(df: pd.DataFrame, window_s: float | None, now_ns: int | No
 STORE_HOLDS = 0.9
 
 
-def exact_percentiles(
+def exact_from_store(
     prom_stats: dict[str, ModeStats],
     store_stats: dict[str, ModeStats] | None,
     why: str = "",

@@ -48,7 +48,7 @@ def main() -> None:
 def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
     """(stats, phases, hist, source) from Prometheus, the handoff and TTFT
     percentiles exact from the trace store where it holds the requests
-    (:func:`dashboard.data.exact_percentiles`); None (after a message) when
+    (:func:`dashboard.data.exact_from_store`); None (after a message) when
     Prometheus is not set, fails or has no kvlens samples in the range."""
     if not cfg.prometheus:
         return None
@@ -62,9 +62,9 @@ def from_prometheus(cfg: ui.Config, range_key: str) -> tuple | None:
         return None
     try:
         df = loaders.load_window(cfg.store, range_key, loaders.now_bucket(range_key))
-        data.exact_percentiles(stats, data.stats_from_traces(df, data.TIME_RANGES[range_key]), df=df)
+        data.exact_from_store(stats, data.stats_from_traces(df, data.TIME_RANGES[range_key]), df=df)
     except (data.StoreMissing, data.StoreError) as e:
-        data.exact_percentiles(stats, None, why=f"the trace store could not be read: {e}")
+        data.exact_from_store(stats, None, why=f"the trace store could not be read: {e}")
     return stats, phases, hist, f"Prometheus at `{cfg.prometheus}` (counts over {prom.prom_range(range_key)})"
 
 

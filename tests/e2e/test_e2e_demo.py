@@ -336,7 +336,7 @@ def _check_figures_agree(page, kvlens_home, db, manifest: dict) -> None:
             f"old) vs {served:.3f} served then ({n} requests in the store); TPOT {t} ms"
         )
         # Issue 43's 30 %: the store holds the demo's requests, so the page counts them there (Prometheus'
-        # increase() read a series this young +48 % in a clean-clone run: dashboard.data.exact_percentiles)
+        # increase() read a series this young +48 % in a clean-clone run: dashboard.data.exact_from_store)
         assert 0.7 * served <= shown <= 1.3 * served, (mode, shown, served, win, cards)
     assert "Handoff percentiles from the trace store" in body
     for mode, p50, p90 in zip(

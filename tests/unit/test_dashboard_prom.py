@@ -77,7 +77,7 @@ def test_rate_is_over_the_time_that_has_data():
         assert s.rate_window_s == pytest.approx(120) and s.req_per_s == pytest.approx(20 / 120)
 
 
-def test_exact_percentiles_where_the_store_holds_the_requests():
+def test_exact_from_store_where_the_store_holds_the_requests():
     prom = {
         m: data.ModeStats(mode=m, requests=100.0, handoff={"p50": 0.5, "p90": 1.15, "p99": 2.365}) for m in data.MODES
     }
@@ -92,7 +92,7 @@ def test_exact_percentiles_where_the_store_holds_the_requests():
     rows = [("push", now - int(i * 1.5e9)) for i in range(60)] + [("push", now - 300 * 10**9)] * 37
     rows += [("pull", now - 10**9)] * 40
     df = pd.DataFrame(rows, columns=["mode", "start_ns"])
-    data.exact_percentiles(prom, store, df=df, now_ns=now)
+    data.exact_from_store(prom, store, df=df, now_ns=now)
     assert prom["push"].handoff == {"p50": 0.41, "p90": 0.83, "p99": 1.2} and prom["push"].pct_source == "store"
     # the rate counts the store's requests within Prometheus' window where the store holds them
     assert prom["push"].req_per_s == pytest.approx(60 / 90) and prom["push"].rate_window_s == 90.0
@@ -101,7 +101,7 @@ def test_exact_percentiles_where_the_store_holds_the_requests():
     assert prom["pull"].handoff["p90"] == 1.15 and prom["pull"].pct_source == "histogram"
     assert "holds 40 of the 100 pull requests" in prom["pull"].pct_note
     unread = {m: data.ModeStats(mode=m, requests=10.0) for m in data.MODES}
-    data.exact_percentiles(unread, None, why="the trace store could not be read (locked)")
+    data.exact_from_store(unread, None, why="the trace store could not be read (locked)")
     assert all("could not be read" in s.pct_note and s.pct_source == "histogram" for s in unread.values())
 
 
