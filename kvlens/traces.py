@@ -15,6 +15,7 @@ off-CPU and unknown (:mod:`kvtrace.cpusplit`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import textwrap
@@ -25,6 +26,7 @@ from kvrecord.argtypes import duration_text, int_in
 from kvrecord import config
 from kvrecord import semconv as sc
 from kvtrace import costs, cpusplit, kvuse, perfetto, ranks, store, stuck, tracemodel
+from kvlens.verdict import sched_of
 from kvlens.stuckcmd import OPEN_SINCE_DEFAULT, utc_clock, fmt_age, run_open
 from kvrecord.keeprule import NOT_KEPT
 from kvtrace.tracemodel import NOT_KEPT_NOTE, Trace
@@ -91,6 +93,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"(default {OPEN_SINCE_DEFAULT}); with --mode, one mode (docs/handoff-health.md)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of text")
+    p.add_argument(
+        "--sched",
+        metavar="DIR",
+        help="the kernel's scheduler record kept by `kvlens up --sched-trace` (<log dir>/sched): every phase "
+        "but the transfer itself takes its CPU work, CPU wait and off-CPU time from its critical path "
+        "through it, across threads and processes (docs/phases.md, 'The kernel's record')",
+    )
     p.add_argument(
         "--width",
         type=int_in(MIN_WIDTH, MAX_WIDTH),
@@ -424,6 +433,9 @@ def run(args: argparse.Namespace) -> int:
                 print(f"\n{n} completed requests kept as summaries only (--keep sampled) are not in this breakdown")
             return 0
         traces = _load(path, args)
+        sched = sched_of("traces", args)  # the kernel's record: the CPU split walks it
+        if sched is not None:
+            traces = [dataclasses.replace(t, sched=sched) for t in traces]
         quiet = args.json or args.trace or getattr(args, "perfetto", None) or not traces
         summary = [] if quiet else _summary_lines(path, args)
     except store.StoreError as e:

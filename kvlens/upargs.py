@@ -261,6 +261,14 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "connector only): each worker's NIXL agent is created without the thread, so UCX progresses only "
         "from vLLM's own calls (docs/links.md, 'Without NIXL's progress thread')",
     )
+    p.add_argument(
+        "--sched-trace",
+        action="store_true",
+        help="keep the kernel's scheduler record (sched_switch/sched_wakeup on every CPU, in a tracefs instance; root) "
+        "in <log dir>/sched once the stack is ready, so `kvlens traces --sched <log dir>/sched` splits "
+        "every phase into CPU work, CPU wait and off-CPU along its critical path, across threads and "
+        "processes (docs/phases.md, 'The kernel's record'). 64 MiB of kernel memory a CPU, the newest kept",
+    )
 
 
 def _add_tp_arguments(p: argparse.ArgumentParser) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from kvrecord import config
 from kvlens import exits
 from kvrecord.argtypes import duration_text
-from kvtrace import store
+from kvtrace import schedtrace, store
 from kvtrace import verdict as kv_verdict
 
 #: The longest --window (a year): "everything recent" without an overflowing bound.
@@ -51,6 +51,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
         help="trace store: a SQLite file or a postgresql://user@host:port/db URL (default $KVLENS_HOME/traces.db)",
     )
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    p.add_argument(
+        "--sched",
+        metavar="DIR",
+        help="the kernel's scheduler record kept by `kvlens up --sched-trace` (<log dir>/sched): the handoff's "
+        "CPU wait walks every phase's critical path through it (docs/phases.md, 'The kernel's record')",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,8 +89,23 @@ def with_store(cmd: str, args: argparse.Namespace, read: Callable[[Any, int], An
         return exits.store_exit(cmd, e), None
 
 
+def sched_of(cmd: str, args: argparse.Namespace) -> Any:
+    """The kernel's scheduler record ``--sched`` names, read; None where none
+    is asked for, or it cannot be read (said on stderr, once: the per-thread
+    counters' figures stand)."""
+    folder = getattr(args, "sched", None)
+    if not folder:
+        return None
+    try:
+        return schedtrace.load(folder)
+    except schedtrace.SchedUnavailable as e:
+        print(f"kvlens {cmd}: --sched: {e}; CPU figures from the per-thread counters only", file=sys.stderr)
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
-    rc, v = with_store("verdict", args, lambda conn, since: kv_verdict.from_store(conn, since_ns=since))
+    sched = sched_of("verdict", args)
+    rc, v = with_store("verdict", args, lambda conn, since: kv_verdict.from_store(conn, since_ns=since, sched=sched))
     if rc:
         return rc
     if args.json:

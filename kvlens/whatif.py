@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvlens.verdict import add_common, with_store
+from kvlens.verdict import add_common, sched_of, with_store
 from kvrecord import semconv as sc
 from kvtrace import stats
 from kvtrace import whatif as kv_whatif
@@ -81,7 +81,10 @@ def text(w: kv_whatif.WhatIf, window: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    rc, w = with_store("whatif", args, lambda conn, since: kv_whatif.from_store(conn, since, args.from_mode))
+    sched = sched_of("whatif", args)
+    rc, w = with_store(
+        "whatif", args, lambda conn, since: kv_whatif.from_store(conn, since, args.from_mode, sched=sched)
+    )
     if rc:
         return rc
     print(json.dumps({"window": args.window, **w.to_json()}) if args.json else text(w, args.window))

@@ -440,12 +440,14 @@ class CpuClock:
         """``attrs`` with the calling thread's :meth:`lookback` before ``at_ns``
         as span attributes (``kvlens.cpu.before.*``), where there is one."""
         if self.enabled:
-            ages, ons, waits, runs = self.lookback(_get_tid(), at_ns)
+            tid = _get_tid()
+            ages, ons, waits, runs = self.lookback(tid, at_ns)
             if ages:
                 attrs[sc.ATTR_CPU_BEFORE_AGE_S] = ages
                 attrs[sc.ATTR_CPU_BEFORE_ON_S] = ons
                 attrs[sc.ATTR_CPU_BEFORE_WAIT_S] = waits
                 attrs[sc.ATTR_CPU_BEFORE_RUNS] = runs
+                attrs[sc.ATTR_CPU_BEFORE_TID] = tid
         return attrs
 
     def landings(self, key: int, at_ns: int, max_age_ns: int = 2_000_000_000, n: int = 48, scan: int = 768):

@@ -327,6 +327,10 @@ ATTR_CPU_BEFORE_ON_S: Final = "kvlens.cpu.before.on_s"
 """On-CPU seconds from each of those readings up to the event's start."""
 ATTR_CPU_BEFORE_WAIT_S: Final = "kvlens.cpu.before.wait_s"
 """CPU wait seconds from each of those readings up to the event's start."""
+ATTR_CPU_BEFORE_TID: Final = "kvlens.cpu.before.tid"
+"""The Linux thread id those readings are of: the thread that stamped the
+event's start (a derived phase ending there is walked back from it in the
+kernel's scheduler record, :mod:`kvtrace.schedtrace`)."""
 ATTR_CPU_BEFORE_RUNS: Final = "kvlens.cpu.before.runs"
 """How many times the thread was put on a CPU from each of those readings up to
 the event's start (schedstat's run count; -1: no reading at the start itself).

@@ -224,8 +224,86 @@ def _longest(spans: Iterable[Any]) -> dict[tuple[str | None, str], Any]:
     return out
 
 
-def handoff_cpu(trace: Any) -> HandoffCpu:
-    """The split of ``trace``'s handoff (its :meth:`tiling`)."""
+def kernel_figures(sched: Any, name: str, start_ns: int, end_ns: int, tid: int | None) -> PhaseCpu | None:
+    """A phase's figures from the kernel's record (:class:`kvtrace.schedtrace.Timeline`):
+    its critical path walked back from ``tid``, the thread that stamped its
+    end (:func:`ending_tid`). None where the record does not cover the phase,
+    no thread is known, or the phase is the transfer itself (its threads
+    poll: :data:`WIRE_NOTE`). What the walk does not reach is off-CPU:
+    waiting for an interrupt's wake-up (the wire, a peer on another host, a
+    timer)."""
+    if sched is None or tid is None or name in POLLED or end_ns <= start_ns or not sched.covers(start_ns, end_ns):
+        return None
+    w = sched.walk(tid, start_ns, end_ns)
+    return PhaseCpu(w.on_ns / 1e9, w.wait_ns / 1e9)
+
+
+def ending_tid(name: str, own: Any, ends: Iterable[Any]) -> int | None:
+    """The thread that stamped phase ``name``'s end: a recorded phase's own
+    (``own``'s ``kvlens.cpu.tid``); a derived phase's, the thread that
+    stamped the start of the first of ``ends`` (recorded spans or None) that
+    names it."""
+    if name not in _ENDS:
+        tid = ((own.attributes or {}) if own is not None else {}).get(sc.ATTR_CPU_TID)
+        return tid if isinstance(tid, int) and tid > 0 else None
+    for e in ends:
+        if e is None:
+            continue
+        a = e.attributes or {}
+        # decode.queue starts at the request's arrival, stamped by the engine's API server (its main thread);
+        # elsewhere the thread whose readings before the start the event carries stamped it
+        keys = (sc.ATTR_CPU_UP_PID,) if e.name in _UP_STAMPED else (sc.ATTR_CPU_BEFORE_TID, sc.ATTR_CPU_TID)
+        for k in keys:
+            tid = a.get(k)
+            if isinstance(tid, int) and tid > 0:
+                return tid
+    return None
+
+
+#: Phases the kernel's record is not walked for: the transfer itself, and push's notification crossing to D
+#: (``write.notify``: D's worker polls for it every step); their threads poll, so a wait while the data or the
+#: notification was still on the wire cannot be told from one that delayed noticing it (:data:`WIRE_NOTE`)
+POLLED = WIRE_PARTS | {"write.notify"}
+#: recorded phases whose start is stamped by the engine's upstream thread (``kvlens.cpu.up.pid``'s main
+#: thread), not by the thread that ends them: vLLM's ``Request.arrival_time``, set in the API server
+_UP_STAMPED = frozenset({sc.Phase.DECODE_QUEUE.value})
+#: Said of a phase whose figures come from the kernel's record.
+KERNEL_NOTE = (
+    "from the kernel's scheduler record (kvlens up --sched-trace): its critical path walked back through "
+    "wake-ups from the thread that ended it; before an interrupt's wake-up, off-CPU"
+)
+
+
+def _kernel_part(
+    sched: Any, role: str | None, name: str, ns: int, src: Any, derived: Mapping, rec: Mapping
+) -> tuple[float, float] | None:
+    """The kernel's (CPU wait, CPU work) of ``ns`` of phase ``name`` on the
+    critical path (its share of the phase's walk), or None where the record
+    has none for it (:func:`kernel_figures`). A split tail (``read.noticed``)
+    is walked from its parent's end back over its own stretch."""
+    if name in POLLED:
+        return None
+    # a split tail or a derived phase: its own interval; a recorded phase: its span
+    span = derived.get((role, name)) if name in _NOTICED_PARTS or name in _ENDS else src
+    if span is None:
+        return None
+    tid = ending_tid(name, src, [rec.get(e) for e in _ENDS.get(name, ())])
+    kf = kernel_figures(sched, name, span.start_ns, span.end_ns, tid)
+    if kf is None:
+        return None
+    share = min(ns / max(span.end_ns - span.start_ns, 1), 1.0)
+    w = min(kf.wait_s * share, ns / 1e9)
+    return w, min(kf.on_s * share, ns / 1e9 - w)
+
+
+def handoff_cpu(trace: Any, sched: Any = None) -> HandoffCpu:
+    """The split of ``trace``'s handoff (its :meth:`tiling`). ``sched``: the
+    kernel's record of the host's threads (:func:`kvtrace.schedtrace.load`),
+    where one was kept: a phase the counters leave unknown or only bound
+    (derived phases between processes) takes its figures from it
+    (:func:`kernel_figures`)."""
+    if sched is None:
+        sched = getattr(trace, "sched", None)
     tiling = trace.tiling()
     if tiling is None or tiling.handoff_ns <= 0:
         return HandoffCpu(None, None, None, None, {}, {}, {})
@@ -243,6 +321,14 @@ def handoff_cpu(trace: Any) -> HandoffCpu:
             pw.setdefault(name, None)
             po.setdefault(name, None)
             notes[name] = WIRE_NOTE
+            continue
+        kp = _kernel_part(sched, role, name, ns, src, derived, rec) if sched is not None else None
+        if kp is not None:  # the kernel's record, where it covers the phase, first
+            w, o = kp
+            wait, on, known = wait + w, on + o, True
+            pw[name] = (pw.get(name) or 0.0) + w
+            po[name] = (po.get(name) or 0.0) + o
+            notes[name] = KERNEL_NOTE
             continue
         if name in _NOTICED_PARTS and src is not None:
             nf = noticed_figures(src)

@@ -189,6 +189,10 @@ class Trace:
     open: tuple[stuck.OpenSide, ...] = ()
     #: A span says its KV moved after P released it: possibly served from reused memory.
     stale: bool = False
+    #: The kernel's scheduler record of the host, where one was kept and read
+    #: (:func:`kvtrace.schedtrace.load`): the CPU split walks phases through it
+    #: (:func:`kvtrace.cpusplit.handoff_cpu`); attach with ``dataclasses.replace``.
+    sched: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_rows(cls, summary: Mapping[str, Any], spans: Sequence[Mapping[str, Any]] = ()) -> Trace:

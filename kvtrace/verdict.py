@@ -107,9 +107,12 @@ def _num(v: Any) -> float | None:
     return float(v) if ok else None
 
 
-def load(conn, *, since_ns: int | None, until_ns: int | None = None, limit: int = MAX_REQUESTS) -> list[Request]:
+def load(
+    conn, *, since_ns: int | None, until_ns: int | None = None, limit: int = MAX_REQUESTS, sched: Any = None
+) -> list[Request]:
     """The window's requests, newest first, at most ``limit`` (runs on the
-    caller's thread). One read of the summaries, which carry the prompt
+    caller's thread); ``sched``: the kernel's scheduler record, where one was
+    kept (:func:`with_cpu_wait`). One read of the summaries, which carry the prompt
     length, split weight and TPOT since schema 7 (also for requests kept as
     their summary only); a second read of span attributes only for the rows
     that lack them (written before schema 7): the few spans named in
@@ -144,19 +147,20 @@ def load(conn, *, since_ns: int | None, until_ns: int | None = None, limit: int 
                 _num(tpot),
             )
         )
-    return with_cpu_wait(conn, out)
+    return with_cpu_wait(conn, out, sched=sched)
 
 
-def with_cpu_wait(conn, requests: list[Request], limit: int = MAX_CPU_REQUESTS) -> list[Request]:
+def with_cpu_wait(conn, requests: list[Request], limit: int = MAX_CPU_REQUESTS, sched: Any = None) -> list[Request]:
     """``requests`` with the handoff's CPU wait of the newest ``limit`` that
-    have a handoff (their spans read: :func:`kvtrace.cpusplit.handoff_cpu`)."""
+    have a handoff (their spans read: :func:`kvtrace.cpusplit.handoff_cpu`,
+    through ``sched``, the kernel's scheduler record, where one was kept)."""
     from kvtrace import cpusplit, tracemodel  # the split reads spans: only here
 
     want = [r.trace_id for r in requests if r.handoff_s is not None][:limit]
     waits: dict[str, float | None] = {}
     for i in range(0, len(want), 500):
         for tid, tr in tracemodel.find(conn, want[i : i + 500]).items():
-            waits[tid] = cpusplit.handoff_cpu(tr).cpu_wait_s
+            waits[tid] = cpusplit.handoff_cpu(tr, sched).cpu_wait_s
     return [r._replace(cpu_wait_s=waits.get(r.trace_id)) for r in requests]
 
 
@@ -316,7 +320,9 @@ def text(v: Verdict, window: str) -> str:
     return "\n".join(lines)
 
 
-def from_store(conn, *, since_ns: int | None, limit: int = MAX_REQUESTS, **kw: Any) -> Verdict:
-    """:func:`compute` over the newest ``limit`` requests since ``since_ns`` (``truncated`` where there were more)."""
-    rows = load(conn, since_ns=since_ns, limit=limit + 1)
+def from_store(conn, *, since_ns: int | None, limit: int = MAX_REQUESTS, sched: Any = None, **kw: Any) -> Verdict:
+    """:func:`compute` over the newest ``limit`` requests since ``since_ns``
+    (``truncated`` where there were more); ``sched``: the kernel's scheduler
+    record, where one was kept (the CPU-wait shares walk it)."""
+    rows = load(conn, since_ns=since_ns, limit=limit + 1, sched=sched)
     return compute(rows[:limit], truncated=len(rows) > limit, **kw)

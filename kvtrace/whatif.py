@@ -21,6 +21,8 @@ draws together the predicted distribution. Pure; no I/O.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -362,12 +364,17 @@ def _simulate(usable: Sequence[Parts], pools: Sequence[Borrowed], resamples: int
     return h, f, rows, nw
 
 
-def from_store(conn, since_ns: int | None, from_mode: str, limit: int = MAX_TRACES) -> WhatIf:
+def from_store(conn, since_ns: int | None, from_mode: str, limit: int = MAX_TRACES, sched: Any = None) -> WhatIf:
     """:func:`predict` over the window's newest ``limit`` completed requests of
     ``from_mode`` (with their spans), against the other mode's measured ones
-    in the same window (runs on the caller's thread; three reads)."""
+    in the same window (runs on the caller's thread; three reads). ``sched``:
+    the kernel's scheduler record, where one was kept: the CPU split of both
+    sides walks it (:func:`kvtrace.cpusplit.handoff_cpu`)."""
     other = PULL if from_mode == PUSH else PUSH
     mine = tracemodel.slowest(conn, limit, order="start", since_ns=since_ns, mode=from_mode, completed=True)
     # with their spans: their CPU wait is the measured side of the prediction without it
     theirs = tracemodel.slowest(conn, limit, order="start", since_ns=since_ns, mode=other, completed=True)
+    if sched is not None:
+        mine = [dataclasses.replace(t, sched=sched) for t in mine]
+        theirs = [dataclasses.replace(t, sched=sched) for t in theirs]
     return predict(from_mode, mine, theirs)

@@ -9,6 +9,7 @@ only enqueues).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from exporters.pipeline import get_recorder
@@ -81,6 +82,8 @@ class RouterTelemetry:
             return
         try:
             a = CLOCK.before_attrs(t0, {sc.ATTR_MODE: mode} if mode else {})
+            # the loop's thread stamped t0: where the kernel's record is kept, prefill.respond's walk starts here
+            a[sc.ATTR_CPU_TID] = threading.get_native_id()
             self.rec.record(sc.Phase.RELAY, tid, t0, t1, outcome, a or None)
         except Exception:
             logger.debug("relay span failed", exc_info=True)

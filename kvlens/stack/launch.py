@@ -44,6 +44,8 @@ from kvlens.stack.instances import (
 from kvlens.stack.netstack import StackNetwork
 from kvlens.stack.preflight import preflight
 from kvlens.stack.roles import StackRoles
+from kvlens.stack import schedrec
+from kvlens.stack.schedrec import SchedRecording
 from kvlens.stack.spinners import OFF_OPTION, ProgressThreads, check_mode, resolve_mode
 from kvlens.stack.supervise import Child, stop_children, wait_healthy
 from kvlens.stack.topology import COLLECTORS, Topology
@@ -120,6 +122,8 @@ class Stack(StackRoles, StackExtras, StackNetwork):
     links: Sequence[str] = ()
     #: with ``hosts``: the collector's database server, run in a ``store`` namespace (:mod:`kvlens.stack.netstack`)
     store_command: str | Sequence[str] | None = None
+    #: keep the kernel's scheduler record in ``<log_dir>/sched`` once ready (:mod:`kvlens.stack.schedrec`)
+    sched_trace: bool = False
 
     # filled by start()
     router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
@@ -137,6 +141,7 @@ class Stack(StackRoles, StackExtras, StackNetwork):
     per_mode: tuple[int, int] = field(default=(1, 1), init=False)
     net: Any = field(default=None, repr=False)  #: the :class:`~kvlens.stack.netns.Net` of a ``hosts`` stack
     _dead_delayers: set = field(default_factory=set, repr=False)
+    sched: SchedRecording | None = field(default=None, repr=False)  #: the kernel's record, with ``sched_trace``
 
     def __post_init__(self) -> None:
         self.modes = parse_modes(self.mode)
@@ -268,6 +273,8 @@ class Stack(StackRoles, StackExtras, StackNetwork):
         t0 = time.monotonic()
         timeout = self.default_timeout_s if timeout is None else timeout
         self._check_network_tools()
+        if self.sched_trace:
+            schedrec.check()  # perf and root, before minutes of start-up
         self.preflight()
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
@@ -292,6 +299,8 @@ class Stack(StackRoles, StackExtras, StackNetwork):
                     self._warm_up(rounds=n_p * n_d, mode=mode if self.mixed else None, deadline=t0 + timeout)
             if self.prometheus:
                 self.start_prometheus(self.prometheus_port)
+            if self.sched_trace:  # after the warm-up: the record holds serving, not start-up
+                self.record_sched()
         except BaseException:
             self.stop()
             raise
@@ -364,6 +373,16 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             where_stuck=lambda tid: where_stuck(self.store, tid),
         )
 
+    def record_sched(self, folder: Path | str | None = None) -> SchedRecording:
+        """Start keeping the kernel's scheduler record of this running stack
+        in ``folder`` (default ``<log_dir>/sched``): what ``--sched-trace``
+        does once the stack is ready. Returned started (a context manager
+        that stops it); :meth:`stop` stops it too."""
+        if self.sched is not None:
+            self.sched.stop()
+        self.sched = SchedRecording(Path(folder or Path(self.log_dir) / "sched"), self.pids(), self._say).start()
+        return self.sched
+
     @property
     def router_key(self) -> str | None:
         """What kvlens' router asks its clients for (``kvlens proxy``'s rule):
@@ -398,7 +417,12 @@ class Stack(StackRoles, StackExtras, StackNetwork):
         return [c.proc.pid for c in self.children if c.proc is not None]
 
     def stop(self) -> None:
-        """Stop Prometheus and every child (newest first). Idempotent."""
+        """Stop the kernel's record, Prometheus and every child (newest first). Idempotent."""
+        if self.sched is not None:
+            try:
+                self.sched.stop()
+            finally:
+                self.sched = None
         if self.prometheus_server is not None:
             try:
                 self.prometheus_server.stop()

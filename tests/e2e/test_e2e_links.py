@@ -42,7 +42,7 @@ import httpx
 import pytest
 
 from conftest import FLEET_CLOCK_SHIFT_S
-from kvtrace import cpusplit, store, tracemodel
+from kvtrace import cpusplit, schedtrace, store, tracemodel
 import store_sql
 
 pytestmark = pytest.mark.e2e
@@ -216,12 +216,12 @@ def _joined(db, sent: dict[str, int]) -> dict:
         time.sleep(1)
 
 
-def _delay_is_not_cpu_wait(base: dict, delayed: dict, d_handoff: float) -> None:
+def _delay_is_not_cpu_wait(base: dict, delayed: dict, d_handoff: float, sched=None) -> None:
     """Issue 41's known answer for the wire: a link delay's rise in the handoff
     lies outside CPU wait (>= 70 %), the CPU wait rises by no more than its own
     spread without the delay (p90 - p10 of the baseline's per-request CPU wait:
     the noise), and the read phases' CPU wait stays a small part of their rise."""
-    split = {k: [cpusplit.handoff_cpu(t) for t in v.values()] for k, v in (("base", base), ("delayed", delayed))}
+    split = {k: [cpusplit.handoff_cpu(t, sched) for t in v.values()] for k, v in (("base", base), ("delayed", delayed))}
     waits = {k: [h.cpu_wait_s for h in v] for k, v in split.items()}
     assert all(w is not None for v in waits.values() for w in v), waits  # every request carries its figures
     med = {k: statistics.median(v) for k, v in waits.items()}
@@ -232,7 +232,7 @@ def _delay_is_not_cpu_wait(base: dict, delayed: dict, d_handoff: float) -> None:
         k: statistics.median(sum(h.phases_wait_s.get(p) or 0.0 for p in READ_PHASES) for h in v)
         for k, v in split.items()
     }
-    print(f"CPU wait p50 {med['base'] * 1e3:.1f} -> {med['delayed'] * 1e3:.1f} ms (noise p90-p10 without the "
+    print(f"{'kernel record: ' if sched is not None else ''}CPU wait p50 {med['base'] * 1e3:.1f} -> {med['delayed'] * 1e3:.1f} ms (noise p90-p10 without the "
           f"delay {noise * 1e3:.1f} ms); read phases' CPU wait p50 {read_wait['base'] * 1e3:.1f} -> "
           f"{read_wait['delayed'] * 1e3:.1f} ms; handoff +{d_handoff * 1e3:.1f} ms")  # fmt: skip
     assert d_handoff - rise >= 0.7 * d_handoff, (d_handoff, med)
@@ -264,10 +264,12 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
 
     # 2. baseline, then one-way delay d on P<->D
     t0 = time.monotonic()
-    base = _traces(stack.store, _send(stack.router_url, N, 300, "base"))
-    links = stack.reshape(f"p-d={DELAY_S * 1e3:g}ms")
-    rtt = statistics.median(x["measured"]["rtt_min_s"] for x in links if "p0" in (x["src"], x["dst"]))
-    delayed = _traces(stack.store, _send(stack.router_url, N, 300, "delayed"))
+    sched_dir = Path(stack.log_dir) / "sched-delay"
+    with stack.record_sched(sched_dir):  # the kernel's record of both batches (kvlens up --sched-trace)
+        base = _traces(stack.store, _send(stack.router_url, N, 300, "base"))
+        links = stack.reshape(f"p-d={DELAY_S * 1e3:g}ms")
+        rtt = statistics.median(x["measured"]["rtt_min_s"] for x in links if "p0" in (x["src"], x["dst"]))
+        delayed = _traces(stack.store, _send(stack.router_url, N, 300, "delayed"))
     b_med, d_med = _phase_medians(base), _phase_medians(delayed)
     d_handoff = statistics.median(t.handoff_s for t in delayed.values()) - statistics.median(
         t.handoff_s for t in base.values()
@@ -300,6 +302,8 @@ def test_links_pull_delay_rate_clock_and_cleanup(links_stack, stack_factory, kvl
     for t in delayed.values():  # the clock bound still holds the shift, with real round trips
         assert t.clock_lo_s - EPS <= shift <= t.clock_hi_s + EPS, (t.trace_id, t.clock_lo_s, t.clock_hi_s)
     _delay_is_not_cpu_wait(base, delayed, d_handoff)
+    # the same answer, each phase walked in the kernel's record
+    _delay_is_not_cpu_wait(base, delayed, d_handoff, schedtrace.load(sched_dir))
     took("delay", t0)
 
     # 3. loss on P<->D, on top of the delay: TCP retransmits, the READs take longer, nothing is lost or mis-joined

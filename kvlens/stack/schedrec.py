@@ -1,0 +1,186 @@
+"""``kvlens up --sched-trace``: the kernel's scheduler events, recorded
+while a stack serves, for :mod:`kvtrace.schedtrace` to walk each phase's
+critical path through (docs/phases.md, "The kernel's record").
+
+The kernel records them itself, into a tracefs instance of its own
+(``instances/kvlens-<pid>-<n>``): ``sched_switch``, ``sched_wakeup`` and
+``sched_wakeup_new`` on every CPU, on CLOCK_MONOTONIC, with each event's
+process id and interrupt context, in a ring buffer of :data:`BUFFER_KB` KiB
+per CPU that keeps the newest events (the memory it takes is bounded; a long
+run keeps its last stretch). No process of ours copies events out while the
+stack serves: a first version ran ``perf record``, and on this 2-core host
+under CPU load the perf process was migrated between the CPUs for a minute
+without once getting one (runnable, 0 ms of CPU; ``/proc/<pid>/sched``),
+so its start timed out. At :meth:`SchedRecording.stop` the instance's
+buffer is written to ``<folder>/sched.trace`` (text) and the instance
+removed; while it runs, :func:`kvtrace.schedtrace.load` reads the live
+buffer.
+
+A small holder process (``sh`` under ``unshare --mount``) owns the
+instance: where tracefs is not mounted it mounts it in its own mount
+namespace, so the host is left as it was; it runs under the parent-death
+guard (:mod:`kvrecord.guard`), and on SIGTERM or SIGINT (a stop, or its
+parent's death through the guard) it writes the buffer out, turns the
+events off and removes the instance. Root only; anything missing is a
+:class:`~kvlens.stack.errors.StackError` naming it. Beside the record,
+``sched.json``: the offset from CLOCK_MONOTONIC to the wall clock the spans
+use (read when recording began and when it ended), the stack's processes (a
+wake-up in a softirq is followed only into those) and the instance.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Iterable
+
+from kvrecord.children import ChildProcess
+from kvlens.stack.errors import StackError
+from kvtrace.schedtrace import META, READY, TEXT, TRACEFS
+
+logger = logging.getLogger("kvlens.up")
+
+#: Ring buffer per CPU, KiB: about 10 minutes of a serving 1P1D pair on this host (~60,000 events a minute
+#: per CPU at ~100 bytes each, counted in the e2e runs), the newest kept.
+BUFFER_KB = 65536
+#: Seconds for the holder to set the instance up.
+START_TIMEOUT_S = 60.0
+#: Seconds the holder gets to write the buffer out when stopped (then it is killed, the instance possibly left:
+#: the next recording's holder removes an instance whose owner is gone).
+STOP_GRACE_S = 120.0
+#: The instance's name prefix (``<prefix><pid>-<n>``).
+PREFIX = "kvlens-"
+_seq = itertools.count()
+
+#: The holder (sh): $1 instance name, $2 buffer KiB, $3 folder (the record and its ready file go there).
+HOLDER = r"""
+T=/sys/kernel/tracing
+mountpoint -q "$T" || mount -t tracefs nodev "$T" || { echo "cannot mount tracefs at $T" >&2; exit 3; }
+I="$T/instances/$1"
+F="$3"
+for d in "$T"/instances/kvlens-*; do  # an instance whose holder was killed before it could remove it
+  [ -d "$d" ] || continue
+  owner=${d##*/kvlens-}; owner=${owner%%-*}
+  kill -0 "$owner" 2>/dev/null || { echo 0 > "$d/events/enable"; rmdir "$d"; }
+done
+mkdir "$I" || { echo "cannot create the tracefs instance $I" >&2; exit 4; }
+stop() {
+  echo 0 > "$I/tracing_on"
+  cat "$I/trace" > "$F/sched.trace.part" && mv "$F/sched.trace.part" "$F/sched.trace"
+  echo 0 > "$I/events/enable"
+  rmdir "$I"
+  exit 0
+}
+trap stop TERM INT HUP
+echo mono > "$I/trace_clock" && echo "$2" > "$I/buffer_size_kb" && echo 1 > "$I/options/record-tgid" \
+  && echo 1 > "$I/events/sched/sched_switch/enable" && echo 1 > "$I/events/sched/sched_wakeup/enable" \
+  && echo 1 > "$I/events/sched/sched_wakeup_new/enable" && echo 1 > "$I/tracing_on" \
+  || { echo "cannot set up the tracefs instance $I" >&2; echo 0 > "$I/events/enable"; rmdir "$I"; exit 5; }
+echo "$$" > "$F/sched.ready"
+while :; do sleep 3600 & wait $!; done
+"""
+
+
+def check() -> None:
+    """StackError naming what is missing where the kernel's record cannot be kept here."""
+    if os.geteuid() != 0:
+        raise StackError("--sched-trace needs root (the kernel's scheduler tracepoints, through tracefs)")
+    for tool in ("unshare", "sh", "mountpoint"):
+        if shutil.which(tool) is None:
+            raise StackError(f"--sched-trace needs {tool} (util-linux)")
+    if not os.path.isdir(TRACEFS):
+        raise StackError(f"--sched-trace needs tracefs at {TRACEFS} (a kernel with CONFIG_TRACING)")
+
+
+def _tree(pids: Iterable[int]) -> list[int]:
+    """``pids`` and every process under them."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil ships with vLLM
+        return sorted(set(pids))
+    out = set()
+    for pid in pids:
+        try:
+            out.add(pid)
+            out.update(c.pid for c in psutil.Process(pid).children(recursive=True))
+        except psutil.Error:
+            continue
+    return sorted(out)
+
+
+def _offset_ns() -> int:
+    """Wall clock minus CLOCK_MONOTONIC, ns (the middle of two bracketing reads)."""
+    a = time.time_ns()
+    m = time.monotonic_ns()
+    b = time.time_ns()
+    return (a + b) // 2 - m
+
+
+class SchedRecording:
+    """The kernel's scheduler record of a running stack, kept in ``folder``.
+    ``start()`` returns once the kernel records; ``stop()`` writes the
+    record out and removes the instance. A context manager too."""
+
+    def __init__(self, folder: Path | str, pids: Iterable[int], say=logger.info) -> None:
+        self.folder = Path(folder)
+        self.pids = list(pids)
+        self.say = say
+        self.proc: ChildProcess | None = None
+        self.meta: dict = {}
+        self.instance = f"{PREFIX}{os.getpid()}-{next(_seq)}"
+
+    def start(self) -> "SchedRecording":
+        check()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for old in (TEXT, READY, META):
+            (self.folder / old).unlink(missing_ok=True)
+        argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", HOLDER, "sh"]
+        argv += [self.instance, str(BUFFER_KB), str(self.folder)]
+        self.proc = ChildProcess(argv, log=self.folder / "holder.log", guard=True, guard_grace_s=STOP_GRACE_S)
+        self.proc.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (self.folder / READY).exists():
+            if not self.proc.alive() or time.monotonic() > deadline:
+                log = (self.folder / "holder.log").read_text(errors="replace").strip()[-300:]
+                self.stop()
+                raise StackError(f"the kernel's scheduler record did not start: {log or 'no output'}")
+            time.sleep(0.05)
+        self.meta = {
+            "offset_ns": _offset_ns(),
+            "pids": _tree(self.pids),
+            "started": time.time(),
+            "instance": self.instance,
+            "holder_pid": int((self.folder / READY).read_text().strip() or 0),
+            "buffer_kb": BUFFER_KB,
+        }
+        self._write_meta()
+        self.say(f"kernel scheduler record: {self.folder} (tracefs instance {self.instance}, {BUFFER_KB} KiB a CPU)")
+        return self
+
+    def _write_meta(self) -> None:
+        (self.folder / META).write_text(json.dumps(self.meta, indent=1))
+
+    def stop(self) -> None:
+        """Write the record out (``sched.trace``) and remove the instance; idempotent."""
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
+        proc.stop(grace_s=STOP_GRACE_S, first=signal.SIGTERM)
+        (self.folder / READY).unlink(missing_ok=True)
+        if self.meta:
+            self.meta["offset_ns_end"] = _offset_ns()
+            self.meta["stopped"] = time.time()
+            self.meta.pop("holder_pid", None)  # the record is the file now
+            self._write_meta()
+
+    def __enter__(self) -> "SchedRecording":
+        return self if self.proc is not None else self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

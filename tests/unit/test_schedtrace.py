@@ -1,0 +1,230 @@
+"""The kernel's scheduler record (kvtrace.schedtrace): its lines parsed into
+each thread's runs, runnable waits and wake-ups, and a phase's critical path
+walked back through them (cpusplit's source where ``kvlens up
+--sched-trace`` kept one). The recording itself runs on real stacks in
+tests/e2e/test_e2e_cpu.py and test_e2e_links.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from kvrecord import semconv as sc
+from kvtrace import cpusplit, schedtrace
+from test_cpusplit import KV, MS, PF, _span, _trace
+
+US = 1_000
+A, B, C, OUTSIDE = 10, 20, 30, 99  # threads: A and B of the stack's process 10 (B in process 20), C of 30
+
+
+def _lines(events):
+    """``(kind, t_us, a, b, c)`` -> the kernel's trace text (``record-tgid``): S (prev, prev_state, next) with
+    prev_state 0 / 0x100 for R / R+ (left runnable) and 1 for S; W (woken, waker, context flags)."""
+    tgid = {A: 10, B: 20, C: 30, OUTSIDE: 99, 0: 0}
+    out = ["# tracer: nop", "#"]
+    for kind, t, x, y, z in events:
+        stamp = f"{t // 1_000_000}.{t % 1_000_000:06d}"
+        if kind == "S":
+            state = {0: "R", 0x100: "R+"}.get(y, "S")
+            cur, body = x, f"sched_switch: prev_comm=t{x} prev_pid={x} prev_prio=120 prev_state={state} ==> " \
+                f"next_comm=t{z} next_pid={z} next_prio=120"  # fmt: skip
+            flags = "d..2."
+        else:
+            ctx = "h" if z & schedtrace.FLAG_HARDIRQ else "s" if z & schedtrace.FLAG_SOFTIRQ else "."
+            cur, body, flags = y, f"sched_wakeup: comm=t{x} pid={x} prio=120 target_cpu=000", f"d.{ctx}3."
+        out.append(f"   t{cur}-{cur}   ({tgid.get(cur, 0):>7}) [000] {flags} {stamp}: {body}")
+    out.append("CPU:1 [LOST 3 EVENTS]")
+    return out
+
+
+def _timeline(events, own=(10, 20, 30)):
+    return schedtrace.parse(_lines(events), 0, frozenset(own))
+
+
+#: B runs 0-30, is preempted (R, 0) and waits 30-50, runs 50-120 and wakes A at 100 (process context, flags
+#: 1); A waits 100-150, runs 150-200 and stamps the phase's end at 180.
+CHAIN = [
+    ("S", 0, 0, 1, B),
+    ("S", 30, B, 0, C),
+    ("S", 50, C, 1, B),
+    ("W", 100, A, B, 1),
+    ("S", 120, B, 1, 0),
+    ("S", 150, 0, 1, A),
+    ("S", 200, A, 1, 0),
+]
+
+
+def test_walk_follows_preemption_and_wakeups_back_to_the_start():
+    tl = _timeline(CHAIN)
+    assert tl.lost == 3 and tl.tgid[B] == 20
+    w = tl.walk(A, 20 * US, 180 * US)
+    # A: on 150-180, waited 100-150; woken by B: B on 50-100, waited 30-50 (preempted), on 20-30
+    assert (w.on_ns, w.wait_ns) == (30 * US + 50 * US + 10 * US, 50 * US + 20 * US)
+    assert w.tids == (A, B) and w.stop_ns == 20 * US
+    assert w.on_ns + w.wait_ns == 160 * US  # nothing off-CPU: the path ran or waited throughout
+
+
+def test_an_interrupts_wakeup_ends_the_walk_what_lies_before_is_off_cpu():
+    hard = [e if e[0] != "W" else ("W", 100, A, B, schedtrace.FLAG_HARDIRQ | 1) for e in CHAIN]
+    w = _timeline(hard).walk(A, 20 * US, 180 * US)
+    assert (w.on_ns, w.wait_ns, w.stop_ns, w.tids) == (30 * US, 50 * US, 100 * US, (A,))
+
+
+def test_a_softirq_wakeup_is_followed_only_into_the_stacks_threads():
+    soft = [e if e[0] != "W" else ("W", 100, A, B, schedtrace.FLAG_SOFTIRQ | 1) for e in CHAIN]
+    assert _timeline(soft).walk(A, 20 * US, 180 * US).tids == (A, B)  # B's own send on a local socket
+    assert _timeline(soft, own=(10, 30)).walk(A, 20 * US, 180 * US).tids == (A,)  # B only interrupted
+
+
+def test_preempted_in_kernel_counts_as_runnable_and_coverage():
+    tl = _timeline([("S", 0, 0, 1, B), ("S", 10, B, 0x100, C), ("S", 25, C, 1, B), ("S", 40, B, 1, 0)])
+    assert tl.waits[B] == [(10 * US, 25 * US)]
+    assert tl.covers(5 * US, 35 * US) and not tl.covers(5 * US, 45 * US)
+    w = tl.walk(B, 0, 30 * US)
+    assert (w.on_ns, w.wait_ns) == (5 * US + 10 * US, 15 * US)
+
+
+def test_a_thread_not_on_a_cpu_at_its_stamp_places_nothing():
+    w = _timeline(CHAIN).walk(A, 20 * US, 130 * US)  # A was waiting, not running, at 130
+    assert (w.on_ns, w.wait_ns, w.stop_ns) == (0, 0, 130 * US)
+
+
+def test_the_handoff_split_takes_derived_phases_from_the_kernel_and_leaves_the_wire_unknown():
+    """prefill.respond ends at the router's relay, stamped by its loop thread (``kvlens.cpu.tid``):
+    walked back from there. The transfer itself stays unknown (its threads poll)."""
+    t0 = PF // US
+    events = [
+        ("S", t0 - 10, 0, 1, B),
+        ("W", t0 + 1_000, A, B, 1),  # P's API server (B) wakes the router's loop (A)
+        ("S", t0 + 1_500, B, 1, 0),
+        ("S", t0 + 4_000, 0, 1, A),  # the loop waited 3 ms for a CPU
+        ("S", (KV // US) + 10, A, 1, 0),
+    ]
+    tl = _timeline(events)
+    relay_at = PF + 5 * MS
+    wire = {sc.ATTR_CPU_ON_S: 0.0, sc.ATTR_CPU_WAIT_S: 0.0, sc.ATTR_NIXL_XFER_S: 0.005}
+    tr = _trace(
+        [
+            _span("prefill.finished", "prefill", PF, PF),
+            _span("relay", "router", relay_at, relay_at + 10 * US, **{sc.ATTR_CPU_TID: A}),
+            _span("read.complete", "decode", relay_at + 10 * US, KV, **wire, **{sc.ATTR_CPU_TID: A}),
+            _span("kv.ready", "decode", KV, KV),
+        ]
+    )
+    counters = cpusplit.handoff_cpu(tr)
+    assert counters.phases_wait_s["prefill.respond"] is None  # the counters cannot place it
+    h = cpusplit.handoff_cpu(tr, tl)
+    assert h.notes["prefill.respond"] == cpusplit.KERNEL_NOTE
+    assert h.phases_wait_s["prefill.respond"] == pytest.approx(0.003)  # A's wait, 1-4 ms after PF
+    assert h.phases_on_s["prefill.respond"] == pytest.approx(0.001 + 0.001)  # A 4-5 ms, B 0-1 ms after PF
+    assert h.phases_wait_s["read.wire"] is None and h.notes["read.wire"] == cpusplit.WIRE_NOTE
+    assert cpusplit.handoff_cpu(tr, _timeline(events[:1])).phases_wait_s["prefill.respond"] is None  # not covered
+
+
+def test_load_says_why_there_is_no_record(tmp_path):
+    with pytest.raises(schedtrace.SchedUnavailable, match="no kernel scheduler record"):
+        schedtrace.load(tmp_path)
+    (tmp_path / schedtrace.META).write_text(json.dumps({"offset_ns": 0, "pids": [10, 20]}))
+    with pytest.raises(schedtrace.SchedUnavailable, match="has no data"):
+        schedtrace.load(tmp_path)
+    (tmp_path / schedtrace.TEXT).write_text("\n".join(_lines(CHAIN)))
+    assert schedtrace.load(tmp_path).walk(A, 20 * US, 180 * US).tids == (A, B)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's tracepoints need root")
+def test_a_real_recording_walks_this_threads_sleep(tmp_path):
+    """The kernel records this process; a thread that sleeps 50 ms and then spins 20 ms is walked back over
+    its run and stops at the timer's wake-up (an interrupt): the sleep is off-CPU."""
+    import threading
+    import time
+
+    from kvlens.stack.schedrec import SchedRecording
+
+    got = {}
+
+    def work():
+        got["tid"] = threading.get_native_id()
+        got["t0"] = time.time_ns()
+        time.sleep(0.05)
+        end = time.monotonic() + 0.02
+        while time.monotonic() < end:
+            pass
+        got["t1"] = time.time_ns()
+
+    _was_mounted = schedtrace.TRACEFS in open("/proc/self/mounts").read()
+    with SchedRecording(tmp_path, [os.getpid()]):
+        th = threading.Thread(target=work)
+        th.start()
+        th.join()
+    assert not (tmp_path / schedtrace.READY).exists()
+    assert schedtrace.TRACEFS not in open("/proc/self/mounts").read() or _was_mounted, "tracefs left mounted"
+    tl = schedtrace.load(tmp_path)
+    w = tl.walk(got["tid"], got["t0"], got["t1"])
+    span = got["t1"] - got["t0"]
+    assert w.on_ns + w.wait_ns <= span
+    # the 20 ms spin is on a CPU or waiting for one, however busy the machine (it never blocks) ...
+    assert w.on_ns > 0 and w.on_ns + w.wait_ns >= 19 * MS
+    # ... and the 50 ms sleep is off-CPU: the walk stops at the timer's wake-up (an interrupt)
+    assert span - w.on_ns - w.wait_ns >= 45 * MS
+
+
+def test_up_sched_trace_without_root_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
+    from kvlens.cli import main
+    from kvlens.stack import schedrec
+
+    monkeypatch.setattr(schedrec.os, "geteuid", lambda: 1000)
+    rc = main(["up", "--mode", "push", "--sched-trace", "--log-dir", str(tmp_path / "run"), "--model", str(tmp_path)])
+    assert rc == 1  # what the machine or user lacks, like --hosts' ip and tc (kvlens.exits)
+    assert "--sched-trace needs root" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's tracepoints need root")
+def _instances() -> list[str]:
+    """The kernel's tracefs instances, looked at from a mount namespace of our own (the host's stays as it was)."""
+    import subprocess
+
+    script = f"mountpoint -q {schedtrace.TRACEFS} || mount -t tracefs nodev {schedtrace.TRACEFS}; ls {schedtrace.TRACEFS}/instances"
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], capture_output=True,
+                         text=True, timeout=30, check=True)  # fmt: skip
+    return out.stdout.split()
+
+
+def test_a_killed_recorder_leaves_no_instance_no_holder_and_no_mount(tmp_path):
+    """SIGKILL to the process that started the recording (nothing of it runs
+    its clean-up): the parent-death guard stops the holder, which writes the
+    record out and removes its instance; the tracefs it mounted went with its
+    own mount namespace."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    mounts_before = open("/proc/self/mounts").read().count("tracefs")
+    code = (
+        "import os, sys, time\n"
+        "from kvlens.stack.schedrec import SchedRecording\n"
+        f"r = SchedRecording({str(tmp_path)!r}, [os.getpid()]).start()\n"
+        "print(r.instance, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        instance = p.stdout.readline().strip()
+        assert instance.startswith("kvlens-") and instance in _instances()
+        kids = psutil.Process(p.pid).children(recursive=True)
+        assert kids, "the holder runs under the recording's process"
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        _gone, alive = psutil.wait_procs(kids, timeout=120)
+        assert not alive, [k.cmdline() for k in alive]
+        assert instance not in _instances()
+        assert (tmp_path / schedtrace.TEXT).stat().st_size > 0  # written out on the way
+        assert open("/proc/self/mounts").read().count("tracefs") == mounts_before
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
