@@ -134,40 +134,34 @@ def test_load_says_why_there_is_no_record(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's tracepoints need root")
-def test_a_real_recording_walks_this_threads_sleep(tmp_path):
-    """The kernel records this process; a thread that sleeps 50 ms and then spins 20 ms is walked back over
-    its run and stops at the timer's wake-up (an interrupt): the sleep is off-CPU."""
-    import threading
-    import time
+def test_a_real_recording_walks_a_sleep_and_a_spin(tmp_path):
+    """The kernel records a process that sleeps 50 ms and then spins 20 ms
+    (a process of its own, one thread: in ours the spin would wait for the
+    GIL, which the walk rightly follows into its holder): walked back from
+    the spin's end, the spin is on a CPU or waiting for one, however busy the
+    machine, and the walk stops at the timer's wake-up, so the sleep is
+    off-CPU."""
+    import subprocess
+    import sys
 
     from kvlens.stack.schedrec import SchedRecording
 
-    got = {}
-
-    def work():
-        got["tid"] = threading.get_native_id()
-        got["t0"] = time.time_ns()
-        time.sleep(0.05)
-        end = time.monotonic() + 0.02
-        while time.monotonic() < end:
-            pass
-        got["t1"] = time.time_ns()
-
-    _was_mounted = schedtrace.TRACEFS in open("/proc/self/mounts").read()
-    with SchedRecording(tmp_path, [os.getpid()]):
-        th = threading.Thread(target=work)
-        th.start()
-        th.join()
+    code = (
+        "import threading, time\n"
+        "t0 = time.time_ns(); time.sleep(0.05); end = time.monotonic() + 0.02\n"
+        "while time.monotonic() < end: pass\n"
+        "print(threading.get_native_id(), t0, time.time_ns(), flush=True)\n"
+    )
+    was_mounted = schedtrace.TRACEFS in open("/proc/self/mounts").read()
+    with SchedRecording(tmp_path, []):  # no process of "the stack": a softirq's wake-up is never followed
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert not (tmp_path / schedtrace.READY).exists()
-    assert schedtrace.TRACEFS not in open("/proc/self/mounts").read() or _was_mounted, "tracefs left mounted"
-    tl = schedtrace.load(tmp_path)
-    w = tl.walk(got["tid"], got["t0"], got["t1"])
-    span = got["t1"] - got["t0"]
-    assert w.on_ns + w.wait_ns <= span
-    # the 20 ms spin is on a CPU or waiting for one, however busy the machine (it never blocks) ...
-    assert w.on_ns > 0 and w.on_ns + w.wait_ns >= 19 * MS
-    # ... and the 50 ms sleep is off-CPU: the walk stops at the timer's wake-up (an interrupt)
-    assert span - w.on_ns - w.wait_ns >= 45 * MS
+    assert was_mounted or schedtrace.TRACEFS not in open("/proc/self/mounts").read(), "tracefs left mounted"
+    tid, t0, t1 = (int(x) for x in out.stdout.split())
+    w = schedtrace.load(tmp_path).walk(tid, t0, t1)
+    assert w.on_ns > 0 and w.on_ns + w.wait_ns >= 19 * MS, w
+    assert (t1 - t0) - w.on_ns - w.wait_ns >= 45 * MS, w
+    assert w.tids == (tid,), w
 
 
 def test_up_sched_trace_without_root_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
