@@ -7,8 +7,12 @@ when their TP sizes differ) and then the routers (command
 lines from :mod:`kvlens.stack.commands`), waits for health, re-pins the
 workers' CPUs (:mod:`kvlens.stack.pinning`), warms every instance up and
 writes ``stack.json`` (:mod:`kvlens.stack.manifest`, at each child's start
-too: :mod:`kvlens.stack.leftovers` reads it). A ``hosts`` stack's network
-and links are its mixin :class:`~kvlens.stack.netstack.StackNetwork`'s. With
+too: :mod:`kvlens.stack.leftovers` reads it). It is a facade over what it
+is made of, each passed what it needs: its configuration
+(:class:`~kvlens.stack.spec.StackSpec`, checked when the stack is made), its
+children (:class:`~kvlens.stack.children.Children`), a ``hosts`` stack's
+network and links (:class:`~kvlens.stack.netstack.StackNetwork`) and what
+builds each child (:class:`~kvlens.stack.roles.Roles`). With
 an API key, P, D and the router require it and the stack's calls send it.
 Tests and the benchmark start a stack in-process with it
 (``with Stack("push") as s: ... s.router_url``). Its methods block the
@@ -18,185 +22,87 @@ calling thread; ``start`` may take minutes.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import fields
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from frontdoor.flags import env_api_key
 from kvrecord import config as kvconfig
-from kvrecord.ports import DEFAULT_HOST
+from kvlens.stack import extras
 from kvlens.stack import manifest as stack_manifest
 from kvlens.stack import pinning
-from kvlens.stack.commands import DEFAULT_KV_LEASE_S, DEFAULT_PUSH_REGISTRATION_TIMEOUT_S, auth_headers
-from kvlens.stack.errors import StackError
-from kvlens.stack.extras import StackExtras
-from kvlens.stack.instances import (
-    Instance,
-    check_count,
-    check_routers,
-    child_name,
-    parse_modes,
-    parse_routers,
-    port_names,
-)
+from kvlens.stack.children import Children
+from kvlens.stack.commands import auth_headers
+from kvlens.stack.instances import Instance
 from kvlens.stack.netstack import StackNetwork
 from kvlens.stack.preflight import preflight
-from kvlens.stack.roles import StackRoles
 from kvlens.stack import schedrec
+from kvlens.stack.roles import Roles
 from kvlens.stack.schedrec import SchedRecording
-from kvlens.stack.spinners import OFF_OPTION, ProgressThreads, check_mode, resolve_mode
-from kvlens.stack.supervise import Child, stop_children, wait_healthy
-from kvlens.stack.topology import COLLECTORS, Topology
-from kvlens.stack.tp import check_tp, check_vllm_args, engine_processes, per_mode_tp, start_waves
-from kvlens.stack.tp import startup_timeout_s, tp_note
+from kvlens.stack.spec import StackSpec
+from kvlens.stack.spinners import ProgressThreads, resolve_mode
+from kvlens.stack.supervise import Child, wait_healthy
+from kvlens.stack.topology import Topology
+from kvlens.stack.tp import engine_processes, start_waves, tp_note
 from kvlens.stack.warmup import warm_up, where_stuck
 
 logger = logging.getLogger("kvlens.up")
 
 
-@dataclass
-class Stack(StackRoles, StackExtras, StackNetwork):
+class Stack:
     """P and D instances plus router(s). ``start()`` blocks until all are
-    healthy. ``prefill_port`` / ``prefill_side_port`` (and D's) are the first
-    instance's; the others get free ports. ``routers``: ``"kvlens"``,
-    ``"vllm-router"`` or both (comma-separated or a list); ``port`` is kvlens'
-    router's, or vLLM's router's when it runs alone (else
-    ``vllm_router_port``, default a free one). ``mode``: ``push``, ``pull``
-    or ``push,pull``: a mixed fleet, ``prefill_instances`` P and
-    ``decode_instances`` D per mode (the fields then hold the totals after
-    init; ``per_mode`` the counts given), one kvlens router in front of all."""
+    healthy. Its keywords are its :class:`~kvlens.stack.spec.StackSpec`'s
+    (checked there: a StackError names what is wrong), each also an
+    attribute of the stack (read from, and set on, ``spec``); what start
+    fills in (``router_url``, ``startup_s``, ...) is the stack's own.
 
-    mode: str = "push"
-    dispatch: str = "overlapped"
-    model: Path | str | None = None
-    port: int | None = 8000
-    prefill_port: int | None = None
-    decode_port: int | None = None
-    stock: bool = False
-    log_dir: Path | str | None = None
-    env_extra: Mapping[str, str] | None = None
-    host: str = DEFAULT_HOST
-    kvlens_home: Path | str | None = None
-    prefill_side_port: int | None = None
-    decode_side_port: int | None = None
-    vllm_args: list[str] = field(default_factory=list)
-    quiet: bool = False
-    warmup: bool = True
-    kv_lease_s: int = DEFAULT_KV_LEASE_S
-    push_registration_timeout_s: int = DEFAULT_PUSH_REGISTRATION_TIMEOUT_S
-    prometheus: bool = False
-    prometheus_port: int = 9090
-    prometheus_server: Any = None
-    #: separate homes per process + an OTLP collector (:mod:`kvlens.stack.topology`)
-    separate_homes: bool = False
-    collector: str = "process"
-    collector_port: int | None = None
-    collector_store: kvconfig.StoreLocation | str | None = None  #: the collector's store (a path or URL is parsed)
-    #: extra environment per role (prefill, decode, router, collector), on top of env_extra
-    role_env: Mapping[str, Mapping[str, str]] | None = None
-    #: required by P, D and the router (default: $KVLENS_API_KEY, else $VLLM_API_KEY, else none)
-    api_key: str | None = field(default=None, repr=False)
-    #: bind beyond loopback with no token and no API key: ``--insecure`` to the router and the collector
-    insecure: bool = False
-    prefill_instances: int = 1
-    decode_instances: int = 1
-    routers: str | Sequence[str] = "kvlens"
-    vllm_router_port: int | None = None
-    vllm_router_metrics_port: int | None = None
-    #: TP size of the P (D): one for all or one per instance (:mod:`kvlens.stack.tp`); tuples after init
-    prefill_tp: int | Sequence[int] = 1
-    decode_tp: int | Sequence[int] = 1
-    #: NIXL's spinning UCX progress threads: auto, idle, startup or as-is (:mod:`kvlens.stack.spinners`)
-    nixl_progress: str = "auto"
-    #: D's vLLM kv_load_failure_policy: None (vLLM's default, fail) or "fail" / "recompute"
-    kv_load_failure_policy: str | None = None
-    #: more ``kvlens_*`` keys for kvlens' connector (benchmarks: e.g. the store off)
-    connector_options: Mapping[str, Any] | None = None
-    #: a mixed fleet's push weight at start (None: the router's default, 0.5)
-    split: float | None = None
-    #: every role in its own network namespace (:mod:`kvlens.stack.netns`, docs/links.md); root only
-    hosts: bool = False
-    #: ``--link`` specs (:mod:`kvlens.stack.linkspec`): each direction's delay, jitter, rate, loss; needs ``hosts``
-    links: Sequence[str] = ()
-    #: with ``hosts``: the collector's database server, run in a ``store`` namespace (:mod:`kvlens.stack.netstack`)
-    store_command: str | Sequence[str] | None = None
-    #: keep the kernel's scheduler record in ``<log_dir>/sched`` once ready (:mod:`kvlens.stack.schedrec`)
-    sched_trace: bool = False
+    Made of: ``spec`` (the configuration), ``supervised`` (the
+    :class:`~kvlens.stack.children.Children`, whose list is ``children``),
+    ``network`` (the :class:`~kvlens.stack.netstack.StackNetwork`; its
+    ``net`` is the stack's) and ``roles`` (the
+    :class:`~kvlens.stack.roles.Roles` that build each child)."""
 
-    # filled by start()
-    router_url: str = ""  #: kvlens' router; vLLM's when it runs alone
-    vllm_router_url: str = ""
-    prefill_url: str = ""  #: the first P (``prefills`` lists all)
-    decode_url: str = ""  #: the first D (``decodes`` lists all)
-    #: ports of the instances after the first, by :func:`~kvlens.stack.instances.port_names`
-    more_ports: dict[str, int] = field(default_factory=dict, repr=False)
-    children: list[Child] = field(default_factory=list)
-    startup_s: float | None = None
-    progress: ProgressThreads | None = field(default=None, repr=False)
-    extra_routers: dict[str, str] = field(default_factory=dict, repr=False)
-    #: the modes (one, or push and pull: a mixed fleet) and the P and D count of each
-    modes: tuple[str, ...] = field(default=(), init=False)
-    per_mode: tuple[int, int] = field(default=(1, 1), init=False)
-    net: Any = field(default=None, repr=False)  #: the :class:`~kvlens.stack.netns.Net` of a ``hosts`` stack
-    _dead_delayers: set = field(default_factory=set, repr=False)
-    sched: SchedRecording | None = field(default=None, repr=False)  #: the kernel's record, with ``sched_trace``
+    def __init__(self, *args: Any, prometheus_server: Any = None, **config: Any) -> None:
+        self.spec = StackSpec(*args, **config)
+        self.supervised = Children(self.write_manifest, lambda c: self.network.delayer_died(c))
+        self.network = StackNetwork(self.spec, self.say, self.supervised.spawn, self.dead_child, self.write_manifest)
+        self.roles = Roles(self.spec, self.network, self.supervised.pid_of)
+        self.prometheus_server = prometheus_server  #: :meth:`start_prometheus`'s server, stopped with the stack
+        # filled by start()
+        self.router_url = ""  #: kvlens' router; vLLM's when it runs alone
+        self.vllm_router_url = ""
+        self.prefill_url = ""  #: the first P (``prefills`` lists all)
+        self.decode_url = ""  #: the first D (``decodes`` lists all)
+        self.startup_s: float | None = None
+        self.progress: ProgressThreads | None = None
+        self.extra_routers: dict[str, str] = {}  #: dispatch -> URL of the routers :meth:`router_for` added
+        self.sched: SchedRecording | None = None  #: the kernel's record (``sched_trace``, :meth:`record_sched`)
 
-    def __post_init__(self) -> None:
-        self.modes = parse_modes(self.mode)
-        self.mode = ",".join(self.modes)
-        if self.dispatch not in ("overlapped", "sequential"):
-            raise StackError(f"dispatch must be overlapped or sequential, got {self.dispatch!r}")
-        if self.collector not in COLLECTORS:
-            raise StackError(f"collector must be one of {', '.join(COLLECTORS)}, got {self.collector!r}")
-        if self.collector_store and not (self.separate_homes and self.collector == "process"):
-            raise StackError("--collector-store needs --separate-homes with --collector process")
-        check_count("--prefill-instances", self.prefill_instances)
-        check_count("--decode-instances", self.decode_instances)
-        self.per_mode = (self.prefill_instances, self.decode_instances)
-        if self.split is not None and not self.mixed:
-            raise StackError("--split needs --mode push,pull (a mixed fleet)")
-        if self.mixed:  # the TP sizes given per mode's instances count for each mode
-            k = len(self.modes)
-            self.prefill_tp = per_mode_tp(self.prefill_tp, self.prefill_instances, k)
-            self.decode_tp = per_mode_tp(self.decode_tp, self.decode_instances, k)
-            self.prefill_instances *= k
-            self.decode_instances *= k
-        self.prefill_tp = check_tp("--prefill-tp", self.prefill_tp, self.prefill_instances)
-        self.decode_tp = check_tp("--decode-tp", self.decode_tp, self.decode_instances)
-        check_vllm_args(self.vllm_args)
-        try:
-            check_mode(self.nixl_progress)
-        except ValueError as e:
-            raise StackError(str(e)) from None
-        if self.nixl_progress == "off":  # no progress thread: an option of kvlens' connector (spinners.OFF_OPTION)
-            if self.stock:
-                raise StackError("--nixl-progress off needs kvlens' connector (vLLM's own does not expose it)")
-            self.connector_options = {**(self.connector_options or {}), **OFF_OPTION}
-        if self.kv_load_failure_policy not in (None, "fail", "recompute"):
-            raise StackError(f"kv_load_failure_policy must be fail or recompute, got {self.kv_load_failure_policy!r}")
-        self.routers = parse_routers(self.routers)
-        self._check_links()
-        self.kvlens_home = Path(self.kvlens_home).resolve() if self.kvlens_home else kvconfig.home()
-        self.api_key = self.api_key or env_api_key()
-        check_routers(self.routers, self.mode, self.api_key, self.separate_homes, self.collector)
-        if self.log_dir is None:
-            tag = (
-                f"{'+'.join(self.modes)}{'-stock' if self.stock else ''}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-            )
-            self.log_dir = Path(self.kvlens_home) / "runs" / tag
-        self.log_dir = Path(self.log_dir).resolve()
+    def __repr__(self) -> str:
+        return f"Stack({self.spec!r}, router_url={self.router_url!r})"
 
     @property
     def mixed(self) -> bool:
         """Push and pull pairs together behind one router (a canary)."""
-        return len(self.modes) > 1
+        return self.spec.mixed
 
     def mode_of(self, role: str, index: int) -> str:
         """The mode of the ``index``-th P or D (a mixed fleet numbers push's first)."""
-        n = self.per_mode[0 if role == "prefill" else 1]
-        return self.modes[min(index // n, len(self.modes) - 1)]
+        return self.spec.mode_of(role, index)
+
+    @property
+    def children(self) -> list[Child]:
+        """Every child started, oldest first (emptied by :meth:`stop`)."""
+        return self.supervised.started
+
+    @property
+    def net(self):
+        """The :class:`~kvlens.stack.netns.Net` of a started ``hosts`` stack, else None."""
+        return self.network.net
+
+    @net.setter
+    def net(self, net) -> None:
+        self.network.net = net
 
     def __enter__(self) -> "Stack":
         self.start()
@@ -205,7 +111,8 @@ class Stack(StackRoles, StackExtras, StackNetwork):
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _say(self, msg: str) -> None:
+    def say(self, msg: str) -> None:
+        """Print ``msg`` as ``kvlens up`` does (logged instead when ``quiet``)."""
         (logger.info if self.quiet else lambda m: print(f"[kvlens up] {m}", flush=True))(msg)
 
     # -------------------------------------------------------------- start
@@ -215,54 +122,26 @@ class Stack(StackRoles, StackExtras, StackNetwork):
 
     @property
     def topology(self) -> Topology:
-        return Topology(
-            Path(self.kvlens_home),
-            self.role_host("router"),
-            int(self.port or 0),
-            self.separate_homes,
-            self.collector,
-            self.collector_port,
-            self._collector_store(),
-            kvlens_router="kvlens" in self.routers,
-            collector_host=self.role_host("collector"),
-        )
-
-    def _instance(self, role: str, index: int) -> Instance:
-        if index == 0:
-            port = self.prefill_port if role == "prefill" else self.decode_port
-            side = self.prefill_side_port if role == "prefill" else self.decode_side_port
-        else:
-            port, side = (self.more_ports.get(n) for n in port_names(role, index))
-        name = child_name(role, index)
-        pid = next((c.proc.pid for c in self.children if c.name == name and c.proc is not None), None)
-        tp = (self.prefill_tp if role == "prefill" else self.decode_tp)[index]  # type: ignore[index]
-        return Instance(role, index, self.role_host(role, index), port, side, pid, tp, self.mode_of(role, index))
+        return self.roles.topology
 
     @property
     def prefills(self) -> list[Instance]:
         """Every P instance (URL, engine id, ports, pid once started), first first."""
-        return [self._instance("prefill", i) for i in range(self.prefill_instances)]
+        return self.roles.prefills
 
     @property
     def decodes(self) -> list[Instance]:
         """Every D instance, first first."""
-        return [self._instance("decode", i) for i in range(self.decode_instances)]
+        return self.roles.decodes
 
-    def _env(self, role: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """``env_extra``, then ``extra`` (the topology's), then ``role_env[role]``."""
-        return {**(self.env_extra or {}), **(extra or {}), **((self.role_env or {}).get(role) or {})}
-
-    def _spawn(self, c: Child) -> Child:
-        """Start ``c``, keep it, and record it in ``stack.json`` at once."""
-        c.start()
-        self.children.append(c)
-        self._write_manifest()
-        return c
+    def role_host(self, role: str, index: int = 0) -> str:
+        """The address ``role`` binds and is reached at (:meth:`~kvlens.stack.netstack.StackNetwork.role_host`)."""
+        return self.network.role_host(role, index)
 
     @property
     def default_timeout_s(self) -> float:
         """``start``'s default seconds: more per TP rank (:func:`~kvlens.stack.tp.startup_timeout_s`)."""
-        return startup_timeout_s(engine_processes(self.prefill_tp, self.decode_tp))  # type: ignore[arg-type]
+        return self.spec.default_timeout_s
 
     def start(self, timeout: float | None = None) -> "Stack":
         """Start every P and D at once, wait for health, re-pin their
@@ -272,21 +151,22 @@ class Stack(StackRoles, StackExtras, StackNetwork):
         stopped and the error (StackError mostly) propagates."""
         t0 = time.monotonic()
         timeout = self.default_timeout_s if timeout is None else timeout
-        self._check_network_tools()
+        self.network.check_tools()
         if self.sched_trace:
-            schedrec.check()  # perf and root, before minutes of start-up
+            schedrec.check()  # root and tracefs, before minutes of start-up
         self.preflight()
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         Path(self.kvlens_home).mkdir(parents=True, exist_ok=True)
         auth = auth_headers(self.api_key)
+        spawn = self.supervised.spawn
         try:
             if self.hosts:
-                self._start_network(t0 + timeout)
+                self.network.start(t0 + timeout)
             if self.separate_homes and self.collector == "process":
-                wait_healthy([self._spawn(self._collector())], t0 + timeout, self._say, auth)
-            servers = [self._server(i.role, i.index) for i in [*self.prefills, *self.decodes]]
+                wait_healthy([spawn(self.roles.collector())], t0 + timeout, self.say, auth)
+            servers = [self.roles.server(i.role, i.index) for i in [*self.prefills, *self.decodes]]
             self.prefill_url, self.decode_url = self.prefills[0].url, self.decodes[0].url
-            self._say(
+            self.say(
                 f"starting {self.mode} {self.prefill_instances}P x {self.decode_instances}D"
                 f"{tp_note(self.prefill_tp, self.decode_tp)} ({'stock' if self.stock else 'instrumented'} "
                 f"connector) model={self.model} logs={self.log_dir}"
@@ -296,7 +176,7 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             if self.warmup:
                 for mode in self.modes:  # every pair's handshake; a mixed fleet's one mode at a time
                     n_p, n_d = self.per_mode
-                    self._warm_up(rounds=n_p * n_d, mode=mode if self.mixed else None, deadline=t0 + timeout)
+                    self.warm_up(rounds=n_p * n_d, mode=mode if self.mixed else None, deadline=t0 + timeout)
             if self.prometheus:
                 self.start_prometheus(self.prometheus_port)
             if self.sched_trace:  # after the warm-up: the record holds serving, not start-up
@@ -305,8 +185,8 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             self.stop()
             raise
         self.startup_s = time.monotonic() - t0
-        self._write_manifest()
-        self._say(f"ready in {self.startup_s:.0f}s")
+        self.write_manifest()
+        self.say(f"ready in {self.startup_s:.0f}s")
         return self
 
     def _start_servers(self, servers: list[Child], deadline: float, auth: Mapping[str, str]) -> None:
@@ -316,7 +196,7 @@ class Stack(StackRoles, StackExtras, StackNetwork):
         and demote a ready server's NIXL progress threads (:mod:`~kvlens.stack.spinners`)."""
         processes = engine_processes(self.prefill_tp, self.decode_tp)  # type: ignore[arg-type]
         self.progress = ProgressThreads(
-            resolve_mode(self.nixl_progress, processes, len(pinning.available_cpus())), self._say
+            resolve_mode(self.nixl_progress, processes, len(pinning.available_cpus())), self.say
         )
         by_name = {c.name: c for c in servers}
 
@@ -327,12 +207,12 @@ class Stack(StackRoles, StackExtras, StackNetwork):
         waves = start_waves([(i.name, i.tp) for i in [*self.prefills, *self.decodes]])
         for n, wave in enumerate(waves):
             if len(waves) > 1:
-                self._say(f"start-up wave {n + 1}/{len(waves)}: {', '.join(wave)} (largest TP first)")
+                self.say(f"start-up wave {n + 1}/{len(waves)}: {', '.join(wave)} (largest TP first)")
             for name in wave:
-                self._spawn(by_name[name])
-            wait_healthy([by_name[name] for name in wave], deadline, self._say, auth, each_poll=each_poll)
+                self.supervised.spawn(by_name[name])
+            wait_healthy([by_name[name] for name in wave], deadline, self.say, auth, each_poll=each_poll)
             for name in wave:
-                pinning.repin(by_name[name], self._say)
+                pinning.repin(by_name[name], self.say)
                 self.progress.on_poll(by_name[name])
         self.progress.restore()
 
@@ -340,15 +220,15 @@ class Stack(StackRoles, StackExtras, StackNetwork):
         """kvlens' router and/or vLLM's, started together, health-waited."""
         started = []
         if "kvlens" in self.routers:
-            started.append(r := self._spawn(self._router(self.dispatch, int(self.port))))
+            started.append(r := self.supervised.spawn(self.roles.router(self.dispatch, int(self.port))))
             self.router_url = r.url
         if "vllm-router" in self.routers:
-            started.append(v := self._spawn(self._vllm_router()))
+            started.append(v := self.supervised.spawn(self.roles.vllm_router()))
             self.vllm_router_url = v.url
             self.router_url = self.router_url or v.url
-        wait_healthy(started, deadline, self._say, auth_headers(self.router_key))
+        wait_healthy(started, deadline, self.say, auth_headers(self.router_key))
 
-    def _warm_up(
+    def warm_up(
         self,
         tries: int = 3,
         timeout_s: float = 90.0,
@@ -364,7 +244,7 @@ class Stack(StackRoles, StackExtras, StackNetwork):
         warm_up(
             self.router_url,
             headers,
-            self._say,
+            self.say,
             self.dead_child,
             tries,
             timeout_s,
@@ -373,22 +253,15 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             where_stuck=lambda tid: where_stuck(self.store, tid),
         )
 
-    def record_sched(self, folder: Path | str | None = None) -> SchedRecording:
-        """Start keeping the kernel's scheduler record of this running stack
-        in ``folder`` (default ``<log_dir>/sched``): what ``--sched-trace``
-        does once the stack is ready. Returned started (a context manager
-        that stops it); :meth:`stop` stops it too."""
-        if self.sched is not None:
-            self.sched.stop()
-        self.sched = SchedRecording(Path(folder or Path(self.log_dir) / "sched"), self.pids(), self._say).start()
-        return self.sched
-
     @property
     def router_key(self) -> str | None:
-        """What kvlens' router asks its clients for (``kvlens proxy``'s rule):
-        the token its environment gives it (``$KVLENS_TOKEN``, inherited from
-        ours), else the stack's API key, else None."""
-        return kvconfig.client_token() or self.api_key
+        """What kvlens' router asks its clients for (:attr:`~kvlens.stack.spec.StackSpec.router_key`)."""
+        return self.spec.router_key
+
+    @property
+    def open_bind(self) -> bool:
+        """Whether the router and the collector get ``--insecure`` (:attr:`~kvlens.stack.spec.StackSpec.open_bind`)."""
+        return self.spec.open_bind
 
     @property
     def store(self) -> kvconfig.StoreLocation:
@@ -400,21 +273,59 @@ class Stack(StackRoles, StackExtras, StackNetwork):
         """The OTLP receiver's base URL (``/v1/traces``, ``/metrics``), if any."""
         return self.topology.collector_url
 
+    # ------------------------------------------------------ what it may add
+    def add_router(self, dispatch: str, port: int | None = None, timeout: float = 60.0) -> str:
+        """One more router on the same P/D (:func:`kvlens.stack.extras.add_router`); returns its URL."""
+        return extras.add_router(self, dispatch, port, timeout)
+
+    def router_for(self, dispatch: str) -> str:
+        """A kvlens router with this dispatch, started on first use (:func:`kvlens.stack.extras.router_for`)."""
+        return extras.router_for(self, dispatch)
+
+    @property
+    def sequential_router_url(self) -> str:
+        return self.router_for("sequential")
+
+    def start_prometheus(self, port: int = 9090, timeout: float = 60.0):
+        """A real Prometheus scraping this stack (:func:`kvlens.stack.extras.start_prometheus`)."""
+        return extras.start_prometheus(self, port, timeout)
+
+    # ------------------------------------------------- its links (``hosts``)
+    def probe_links(self, only=None) -> list[dict]:
+        """Measure the shaped directions (:meth:`~kvlens.stack.netstack.StackNetwork.probe_links`)."""
+        return self.network.probe_links(only)
+
+    def reshape(self, spec: str, probe: bool = True) -> list[dict]:
+        """Change shaped directions of a running ``hosts`` stack (:meth:`~kvlens.stack.netstack.StackNetwork.reshape`)."""
+        return self.network.reshape(spec, probe)
+
+    def delayer_cpu_s(self) -> dict[str, float | None]:
+        """CPU seconds (user + system) each delayer used so far (None: gone)."""
+        return self.network.delayer_cpu_s()
+
+    def delayer_death(self, c: Child) -> str:
+        """What is said of a link delayer that died."""
+        return self.network.delayer_death(c)
+
     # ---------------------------------------------------------- run, stop
     def dead_child(self, delayers: bool = False) -> Child | None:
         """The first child that exited. A link delayer's death is not the
         stack's (``delayers`` False): its packets then pass undelayed
         (``--queue-bypass``), which is said loudly, once, and recorded in ``stack.json``."""
-        for c in self.children:
-            if c.proc is not None and c.proc.poll() is not None:
-                if c.name.startswith("delay-") and not delayers:
-                    self._delayer_died(c)
-                    continue
-                return c
-        return None
+        return self.supervised.dead(delayers)
 
     def pids(self) -> list[int]:
-        return [c.proc.pid for c in self.children if c.proc is not None]
+        return self.supervised.pids()
+
+    def record_sched(self, folder: Path | str | None = None) -> SchedRecording:
+        """Start keeping the kernel's scheduler record of this running stack
+        in ``folder`` (default ``<log_dir>/sched``): what ``--sched-trace``
+        does once the stack is ready. Returned started (a context manager
+        that stops it); :meth:`stop` stops it too."""
+        if self.sched is not None:
+            self.sched.stop()
+        self.sched = SchedRecording(Path(folder or Path(self.log_dir) / "sched"), self.pids(), self.say).start()
+        return self.sched
 
     def stop(self) -> None:
         """Stop the kernel's record, Prometheus and every child (newest first). Idempotent."""
@@ -429,15 +340,29 @@ class Stack(StackRoles, StackExtras, StackNetwork):
             finally:
                 self.prometheus_server = None
         if self.children:
-            self._record_network()
-            stop_children(list(reversed(self.children)))
-            self._say("stopped")
-        self.children = []
-        self._stop_network()
+            self.network.record_before_stop()
+            self.supervised.stop()
+            self.say("stopped")
+        self.network.stop()
 
     def manifest(self) -> dict:
         """What ``stack.json`` holds (:func:`kvlens.stack.manifest.manifest`)."""
         return stack_manifest.manifest(self)
 
-    def _write_manifest(self) -> None:
+    def write_manifest(self) -> None:
+        """Write ``stack.json`` under ``log_dir`` (:func:`kvlens.stack.manifest.write`)."""
         stack_manifest.write(self)
+
+
+def _spec_field(name: str) -> property:
+    """``Stack.<name>``: the spec's field, read and set there."""
+    return property(
+        lambda stack: getattr(stack.spec, name),
+        lambda stack, value: setattr(stack.spec, name, value),
+        doc=f"The spec's ``{name}`` (:class:`~kvlens.stack.spec.StackSpec`).",
+    )
+
+
+for _f in fields(StackSpec):  # mode, routers, log_dir, ports, ...: every field of the spec
+    setattr(Stack, _f.name, _spec_field(_f.name))
+del _f

@@ -83,7 +83,7 @@ def _network(stack) -> dict:
         "network": {
             **net.to_json(),
             "delayer_cpu_s": stack.delayer_cpu_s(),
-            "delayers_dead": sorted(stack._dead_delayers),
+            "delayers_dead": sorted(stack.network.dead_delayers),
         }
     }
 

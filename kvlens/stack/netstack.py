@@ -1,5 +1,5 @@
 """The real links of a ``hosts`` :class:`~kvlens.stack.launch.Stack` (its
-mixin :class:`StackNetwork`, docs/links.md): the roles' network namespaces
+:class:`StackNetwork`, docs/links.md): the roles' network namespaces
 (:mod:`kvlens.stack.netns`), the keeper that removes them
 (:mod:`kvlens.stack.netclean`), a delayer per shaped direction
 (:mod:`kvlens.stack.delayer`) and the link probe; re-shaping at run time and
@@ -29,12 +29,14 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 from urllib.parse import urlsplit
 
-from kvlens.stack.commands import base_env
+from kvlens.stack.children import DELAYER_PREFIX
+from kvlens.stack.commands import REPO_ROOT, base_env
 from kvlens.stack.errors import StackError
-from kvlens.stack.linkspec import parse_link, parse_links
+from kvlens.stack.linkspec import parse_link
+from kvlens.stack.sudo import as_user, hand_over, sudo_user, user_env
 from kvlens.stack.supervise import Child
 from kvrecord.location import StoreLocation, redact_text
 
@@ -92,61 +94,107 @@ def store_answers(loc: StoreLocation) -> str | None:
 
 
 class StackNetwork:
-    """Methods of :class:`~kvlens.stack.launch.Stack` (its fields ``net``,
-    ``_link_shapes``, ``children`` and ``_spawn`` / ``_child`` / ``_say`` /
-    ``_write_manifest``) for the network of a ``hosts`` stack."""
+    """The network of a :class:`~kvlens.stack.launch.Stack`: none (``net``
+    None: every role on ``spec.host``) until :meth:`start` makes a ``hosts``
+    stack's. Given the stack's :class:`~kvlens.stack.spec.StackSpec`, how it
+    says things (``say``), starts and records a child (``spawn``), finds a
+    dead one (``dead_child``) and writes ``stack.json`` (``record``)."""
+
+    def __init__(
+        self,
+        spec,
+        say: Callable[[str], None],
+        spawn: Callable[[Child], Child],
+        dead_child: Callable[..., Child | None],
+        record: Callable[[], None],
+    ) -> None:
+        self.spec = spec
+        self.say = say
+        self.spawn = spawn
+        self.dead_child = dead_child
+        self.record = record
+        self.net = None  #: the :class:`~kvlens.stack.netns.Net` of a ``hosts`` stack, once started
+        self.delayers: list[Child] = []  #: a delayer per shaped direction, as started
+        self.dead_delayers: set[str] = set()  #: the names of the delayers that died (said once each)
 
     def role_host(self, role: str, index: int = 0) -> str:
         """The address ``role`` (prefill, decode, router, collector) binds
         and is reached at: its namespace's on a ``hosts`` stack, else ``host``."""
         if self.net is None:
-            return self.host
+            return self.spec.host
         from kvlens.stack.netns import role_key
 
         return self.net.addr(role_key(role, index))
 
-    def _check_links(self) -> None:
-        """Parse ``links`` (StackError on a bad spec, before anything starts) and check they fit ``hosts``."""
-        self._link_shapes = parse_links(self.links)
-        if self._link_shapes and not self.hosts:
-            raise StackError("--link needs --hosts (the links join the roles' network namespaces)")
-        if self.hosts and "vllm-router" in self.routers:
-            raise StackError("--hosts runs kvlens' router only (vllm-router is not placed in a namespace)")
-        check_store(self.store_command, self.hosts, self.separate_homes, self.collector, self.collector_store)
+    def child(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        url: str,
+        key: str | None = None,
+        writes: tuple[Path, ...] | None = None,
+    ) -> Child:
+        """A child logging to ``<log_dir>/<name>.log``, run from the repository
+        root; on a ``hosts`` stack in the network namespace of ``key`` (``p0``,
+        ``router``, ...: ``ip netns exec`` execs the command in place, so the
+        pid and its process group stay the child's). ``writes``: a server's
+        directories; given, under ``sudo`` the server runs as the invoking
+        user, who is handed them first (:mod:`kvlens.stack.sudo`)."""
+        if key is not None and self.net is not None:
+            user = sudo_user() if writes is not None else None
+            if user is not None:
+                hand_over(user, *writes)
+                argv, env = as_user(user, argv), user_env(user, env)
+            argv = ["ip", "netns", "exec", self.net.ns(key), *argv]
+        return Child(name, argv, env, Path(self.spec.log_dir) / f"{name}.log", url, cwd=str(REPO_ROOT))
 
-    def _check_network_tools(self) -> None:
+    def ucx_env(self) -> dict[str, str]:
+        """On a ``hosts`` stack: UCX (NIXL's transport) over TCP on the
+        namespace's veth only. Left to itself UCX picks shared memory or
+        CMA between processes of one machine, and the link would be bypassed."""
+        if self.net is None:
+            return {}
+        from kvlens.stack.netns import IFACE
+
+        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": IFACE}
+
+    def check_tools(self) -> None:
         """A ``hosts`` stack's tools (:func:`kvlens.stack.netns.check_tools`), before minutes of
         model generation or start-up."""
-        if self.hosts:
+        spec = self.spec
+        if spec.hosts:
             from kvlens.stack.netns import check_tools
-            from kvlens.stack.sudo import check_setpriv, sudo_user
+            from kvlens.stack.sudo import check_setpriv
 
-            check_tools(need_queue=bool(self._link_shapes))
+            check_tools(need_queue=bool(spec.link_shapes))
             check_setpriv(sudo_user())  # the servers run as sudo's user
-        if self.store_command and shutil.which(store_argv(self.store_command)[0]) is None:
-            raise StackError(f"--store-command: command not found: {store_argv(self.store_command)[0]}")
+        if spec.store_command and shutil.which(store_argv(spec.store_command)[0]) is None:
+            raise StackError(f"--store-command: command not found: {store_argv(spec.store_command)[0]}")
 
-    def _start_network(self, deadline: float) -> None:
+    def start(self, deadline: float) -> None:
         """Namespaces, the keeper that removes them (:func:`kvlens.stack.netclean.keep`,
         the first child: stopped last, and run by its guard when this process is
         killed), a delayer per shaped direction, then the link probe."""
         from kvlens.stack import netclean, netns
 
-        say = (lambda m: logger.warning(m)) if self.quiet else self._say
-        ipt = netns.check_tools(need_queue=bool(self._link_shapes))
+        spec = self.spec
+        say = (lambda m: logger.warning(m)) if spec.quiet else self.say
+        ipt = netns.check_tools(need_queue=bool(spec.link_shapes))
         netclean.remove_leftovers(say)
         keys = ["router"]
-        if self.separate_homes and self.collector == "process":
+        if spec.separate_homes and spec.collector == "process":
             keys.append("collector")
-        keys += ["store"] if self.store_command else []
-        keys += [f"p{i}" for i in range(self.prefill_instances)] + [f"d{i}" for i in range(self.decode_instances)]
-        self.net = netns.Net.create(keys, ipt, Path(self.log_dir))
+        keys += ["store"] if spec.store_command else []
+        keys += [f"p{i}" for i in range(spec.prefill_instances)] + [f"d{i}" for i in range(spec.decode_instances)]
+        self.net = netns.Net.create(keys, ipt, Path(spec.log_dir))
         keeper = [sys.executable, "-m", "kvlens.stack.netclean", "keep", self.net.sid]
-        self._spawn(self._child("netns", keeper, base_env(Path(self.kvlens_home)), ""))
-        for (src, dst), shape in netns.expand(self._link_shapes, keys).items():
+        self.spawn(self.child("netns", keeper, base_env(Path(spec.kvlens_home)), ""))
+        for (src, dst), shape in netns.expand(spec.link_shapes, keys).items():
             d = self.net.add_direction(src, dst, shape)
-            self._spawn(
-                self._child(f"delay-{src}-{dst}", self.net.delayer_argv(d), base_env(Path(self.kvlens_home)), "")
+            name = f"{DELAYER_PREFIX}{src}-{dst}"
+            self.delayers.append(
+                self.spawn(self.child(name, self.net.delayer_argv(d), base_env(Path(spec.kvlens_home)), ""))
             )
         for d in self.net.directions.values():
             while not self.net.queue_bound(d):
@@ -156,30 +204,33 @@ class StackNetwork:
                 if time.monotonic() > deadline:
                     raise StackError(f"the delayer of {d.src}>{d.dst} did not bind nfqueue {d.queue}")
                 time.sleep(0.1)
-        self._say(f"network {self.net.sid}: {len(keys)} namespaces on 198.18.{self.net.third}.0/24")
+        self.say(f"network {self.net.sid}: {len(keys)} namespaces on 198.18.{self.net.third}.0/24")
         self.probe_links()
-        if self.store_command:
+        if spec.store_command:
             self._start_store(deadline)
 
-    def _collector_store(self) -> StoreLocation | str | None:
+    def collector_store(self) -> StoreLocation | str | None:
         """``collector_store``, on a stack with ``store_command`` and its network made: at the store's address."""
-        if not (self.store_command and self.net is not None and self.collector_store):
-            return self.collector_store
-        return place_store(StoreLocation.parse(self.collector_store), self.net.addr("store"))
+        spec = self.spec
+        if not (spec.store_command and self.net is not None and spec.collector_store):
+            return spec.collector_store
+        return place_store(StoreLocation.parse(spec.collector_store), self.net.addr("store"))
 
     def _start_store(self, deadline: float) -> None:
         """``store_command`` in the ``store`` namespace (module docstring), waited for until the
-        collector's store takes a connection; StackError (with its log) when it exits or the deadline passes."""
-        env = {**base_env(Path(self.kvlens_home)), **self._env("store")}
-        c = self._spawn(self._child("store", store_argv(self.store_command), env, "", "store"))
-        loc = self.store
+        collector's store takes a connection; StackError (with its log) when it exits or the deadline passes.
+        The collector's store is the stack's (:attr:`Stack.store`): ``--store-command`` needs ``--collector-store``."""
+        spec = self.spec
+        env = {**base_env(Path(spec.kvlens_home)), **spec.env("store")}
+        c = self.spawn(self.child("store", store_argv(spec.store_command), env, "", "store"))
+        loc = StoreLocation.parse(self.collector_store())
         while (why := store_answers(loc)) is not None:
             if not c.alive():
                 raise StackError(f"--store-command: {c.died_message()}")
             if time.monotonic() > deadline:
                 raise StackError(f"--store-command: {loc} did not answer ({why}); log {c.log}")
             time.sleep(0.2)
-        self._say(f"store ready at {loc} (namespace {self.net.ns('store')}, log {c.log})")
+        self.say(f"store ready at {loc} (namespace {self.net.ns('store')}, log {c.log})")
 
     def probe_links(self, only=None) -> list[dict]:
         """Measure every shaped direction (:meth:`kvlens.stack.netns.Net.probe`), or those
@@ -190,12 +241,12 @@ class StackNetwork:
                 continue
             m = self.net.probe(d)
             gp = m.get("goodput_bps")
-            self._say(
+            self.say(
                 f"link {d.src}>{d.dst}: asked {d.shape.delay_s * 1e3:g} ms"
                 f"{f', {d.shape.rate_bps / 1e6:g} Mbit/s' if d.shape.rate_bps else ''}; measured round trip "
                 f"{m['rtt_s'] * 1e3:.2f} ms, goodput {gp / 1e6 if gp else float('nan'):.0f} Mbit/s"
             )
-        self._write_manifest()
+        self.record()
         return self.net.to_json()["links"]
 
     def reshape(self, spec: str, probe: bool = True) -> list[dict]:
@@ -215,8 +266,8 @@ class StackNetwork:
     def delayer_cpu_s(self) -> dict[str, float | None]:
         """CPU seconds (user + system) each delayer used so far (None: gone)."""
         out = {}
-        for c in self.children:
-            if not c.name.startswith("delay-") or c.proc is None:
+        for c in self.delayers:
+            if c.proc is None:
                 continue
             try:
                 import psutil
@@ -227,15 +278,15 @@ class StackNetwork:
                 out[c.name] = None
         return out
 
-    def _delayer_died(self, c: Child) -> None:
+    def delayer_died(self, c: Child) -> None:
         """Say a delayer's death loudly, once, and record it in ``stack.json``
         (its packets now pass undelayed: ``--queue-bypass``)."""
-        if c.name not in self._dead_delayers:
-            self._dead_delayers.add(c.name)
+        if c.name not in self.dead_delayers:
+            self.dead_delayers.add(c.name)
             logger.error("%s", self.delayer_death(c))
-            if not self.quiet:
+            if not self.spec.quiet:
                 print(f"kvlens up: WARNING: {self.delayer_death(c)}", flush=True)
-            self._write_manifest()
+            self.record()
 
     def delayer_death(self, c: Child) -> str:
         return (
@@ -243,14 +294,16 @@ class StackNetwork:
             f"is no longer what was asked; log {c.log}"
         )
 
-    def _record_network(self) -> None:
+    def record_before_stop(self) -> None:
         """Write ``stack.json`` once more before the children stop: the delayers' CPU, while they run."""
         if self.net is not None:
             with contextlib.suppress(Exception):
-                self._write_manifest()
+                self.record()
 
-    def _stop_network(self) -> None:
-        """Remove the namespaces (the keeper did it; a second time costs nothing)."""
+    def stop(self) -> None:
+        """Forget the delayers (stopped with the stack's children) and remove the
+        namespaces (the keeper did it; a second time costs nothing)."""
+        self.delayers = []
         if self.net is not None:
             from kvlens.stack import netclean
 

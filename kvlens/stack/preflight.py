@@ -64,7 +64,7 @@ def preflight(stack) -> None:
         auto = (*auto, "collector port")
     left = find_leftovers(Path(stack.kvlens_home) / "runs")
     for lo in left:  # named, never stopped: they may be someone else's
-        (logger.warning if stack.quiet else stack._say)(f"warning: {lo.line()}")
+        (logger.warning if stack.quiet else stack.say)(f"warning: {lo.line()}")
     try:
         got = assign_ports(named, stack.host, auto)
     except StackError as e:  # a busy port: say what holds it when we know

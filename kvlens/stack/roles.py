@@ -1,9 +1,10 @@
-"""What each child of a :class:`~kvlens.stack.launch.Stack` runs (its mixin
-:class:`StackRoles`): a P or D vLLM server, kvlens' router, vLLM's
+"""What each child of a :class:`~kvlens.stack.launch.Stack` runs (its
+:class:`Roles`): a P or D vLLM server, kvlens' router, vLLM's
 ``vllm-router`` and the OTLP collector, each a
 :class:`~kvlens.stack.supervise.Child` with its command line (from
-:mod:`kvlens.stack.commands`), environment, log file and health URL. Builds
-only; :meth:`Stack._spawn` starts them.
+:mod:`kvlens.stack.commands`), environment, log file and health URL; and the
+P and D instances and the topology they are built from. Builds only, from
+the stack's spec and network; :class:`~kvlens.stack.children.Children` starts them.
 """
 
 from __future__ import annotations
@@ -11,12 +12,11 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 from urllib.parse import quote
 
 from kvlens.stack import pinning
 from kvlens.stack.commands import (
-    REPO_ROOT,
     api_key_env,
     base_env,
     collector_argv,
@@ -28,8 +28,11 @@ from kvlens.stack.commands import (
     vllm_router_argv,
     without_store_password,
 )
-from kvlens.stack.sudo import as_user, hand_over, sudo_user, user_env
+from kvlens.stack.instances import Instance, child_name, port_names
+from kvlens.stack.netstack import StackNetwork
+from kvlens.stack.spec import StackSpec
 from kvlens.stack.supervise import Child
+from kvlens.stack.topology import Topology
 from kvlens.stack.tp import tp_args
 from kvrecord import config as kvconfig
 
@@ -48,69 +51,80 @@ def otlp_token_env(topo, given: Mapping[str, str]) -> dict[str, str]:
     return {"OTEL_EXPORTER_OTLP_TRACES_HEADERS": "authorization=" + quote(f"Bearer {token}", safe="")}
 
 
-class StackRoles:
-    """Methods of :class:`~kvlens.stack.launch.Stack` (its fields,
-    ``topology``, ``_instance``, ``prefills`` / ``decodes`` and ``_env``)
-    that build its children."""
+class Roles:
+    """A stack's children, built: from its ``spec``, placed by its
+    ``network`` (each role's address, namespace and UCX environment), with
+    the pids ``pid_of`` knows (a started instance's, by child name)."""
 
-    def _child(
-        self,
-        name: str,
-        argv: list[str],
-        env: dict[str, str],
-        url: str,
-        key: str | None = None,
-        writes: tuple[Path, ...] | None = None,
-    ) -> Child:
-        """A child logging to ``<log_dir>/<name>.log``, run from the repository
-        root; on a ``hosts`` stack in the network namespace of ``key`` (``p0``,
-        ``router``, ...: ``ip netns exec`` execs the command in place, so the
-        pid and its process group stay the child's). ``writes``: a server's
-        directories; given, under ``sudo`` the server runs as the invoking
-        user, who is handed them first (:mod:`kvlens.stack.sudo`)."""
-        if key is not None and self.net is not None:
-            user = sudo_user() if writes is not None else None
-            if user is not None:
-                hand_over(user, *writes)
-                argv, env = as_user(user, argv), user_env(user, env)
-            argv = ["ip", "netns", "exec", self.net.ns(key), *argv]
-        return Child(name, argv, env, Path(self.log_dir) / f"{name}.log", url, cwd=str(REPO_ROOT))
+    def __init__(self, spec: StackSpec, network: StackNetwork, pid_of: Callable[[str], int | None]) -> None:
+        self.spec = spec
+        self.network = network
+        self.pid_of = pid_of
 
-    def _net_env(self) -> dict[str, str]:
-        """On a ``hosts`` stack: UCX (NIXL's transport) over TCP on the
-        namespace's veth only. Left to itself UCX picks shared memory or
-        CMA between processes of one machine, and the link would be bypassed."""
-        if self.net is None:
-            return {}
-        from kvlens.stack.netns import IFACE
+    @property
+    def topology(self) -> Topology:
+        spec, network = self.spec, self.network
+        return Topology(
+            Path(spec.kvlens_home),
+            network.role_host("router"),
+            int(spec.port or 0),
+            spec.separate_homes,
+            spec.collector,
+            spec.collector_port,
+            network.collector_store(),
+            kvlens_router="kvlens" in spec.routers,
+            collector_host=network.role_host("collector"),
+        )
 
-        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": IFACE}
+    def instance(self, role: str, index: int) -> Instance:
+        """The ``index``-th P or D: its address, ports (the first's given or picked,
+        the others' from ``more_ports``), pid once started, TP size and mode."""
+        spec = self.spec
+        if index == 0:
+            port = spec.prefill_port if role == "prefill" else spec.decode_port
+            side = spec.prefill_side_port if role == "prefill" else spec.decode_side_port
+        else:
+            port, side = (spec.more_ports.get(n) for n in port_names(role, index))
+        tp = (spec.prefill_tp if role == "prefill" else spec.decode_tp)[index]  # type: ignore[index]
+        host, pid = self.network.role_host(role, index), self.pid_of(child_name(role, index))
+        return Instance(role, index, host, port, side, pid, tp, spec.mode_of(role, index))
 
-    def _server(self, role: str, index: int = 0) -> Child:
+    @property
+    def prefills(self) -> list[Instance]:
+        """Every P instance (URL, engine id, ports, pid once started), first first."""
+        return [self.instance("prefill", i) for i in range(self.spec.prefill_instances)]
+
+    @property
+    def decodes(self) -> list[Instance]:
+        """Every D instance, first first."""
+        return [self.instance("decode", i) for i in range(self.spec.decode_instances)]
+
+    def server(self, role: str, index: int = 0) -> Child:
         """The ``index``-th P or D: its own HTTP and side-channel ports,
         Prometheus dir, log and CPU (:func:`~kvlens.stack.pinning.cpu_binding`)."""
-        inst = self._instance(role, index)
-        prom = Path(self.log_dir) / f"prometheus-{inst.name}"
+        spec = self.spec
+        inst = self.instance(role, index)
+        prom = Path(spec.log_dir) / f"prometheus-{inst.name}"
         shutil.rmtree(prom, ignore_errors=True)
         prom.mkdir(parents=True)
         topo = self.topology
         home = topo.home_for(role)
-        tps = {"prefill": self.prefill_tp, "decode": self.decode_tp}
-        cpus = pinning.cpu_binding(role, index, self.prefill_instances, self.decode_instances, tps=tps)
-        options, secret = without_store_password(self.connector_options)  # a password in the environment only
+        tps = {"prefill": spec.prefill_tp, "decode": spec.decode_tp}
+        cpus = pinning.cpu_binding(role, index, spec.prefill_instances, spec.decode_instances, tps=tps)
+        options, secret = without_store_password(spec.connector_options)  # a password in the environment only
         env = server_env(
             base_env(home),
             role == "prefill",
             inst.host,
             inst.side_port,
             prom,
-            self._env(
+            spec.env(
                 role,
                 {
-                    **self._net_env(),
+                    **self.network.ucx_env(),
                     **topo.server_env(role),
-                    **otlp_token_env(topo, {**os.environ, **self._env(role)}),
-                    **api_key_env(self.api_key),
+                    **otlp_token_env(topo, {**os.environ, **spec.env(role)}),
+                    **api_key_env(spec.api_key),
                     **secret,
                 },
             ),
@@ -120,37 +134,39 @@ class StackRoles:
             inst.mode,
             role,
             inst.engine_id,
-            self.stock,
+            spec.stock,
             home,
-            self.kv_lease_s,
-            self.push_registration_timeout_s,
+            spec.kv_lease_s,
+            spec.push_registration_timeout_s,
             topo.traces_url,
-            self.kv_load_failure_policy,
+            spec.kv_load_failure_policy,
             options,
         )
         argv = vllm_argv(
-            Path(self.model), inst.host, inst.port, ktc, [*tp_args(inst.tp), *self.vllm_args, *topo.server_args(role)]
+            Path(spec.model), inst.host, inst.port, ktc, [*tp_args(inst.tp), *spec.vllm_args, *topo.server_args(role)]
         )
-        return self._child(inst.name, argv, env, inst.url, inst.engine_id, writes=(home, prom))
+        return self.network.child(inst.name, argv, env, inst.url, inst.engine_id, writes=(home, prom))
 
-    def _router(self, dispatch: str, port: int, name: str = "router") -> Child:
+    def router(self, dispatch: str, port: int, name: str = "router") -> Child:
+        spec = self.spec
         topo = self.topology
+        prefills, decodes = self.prefills, self.decodes
         argv = router_argv(
-            [(p.url, p.engine_id, p.side_port, p.tp) for p in self.prefills],
-            [(d.url, d.engine_id) for d in self.decodes],
-            self.mode,
+            [(p.url, p.engine_id, p.side_port, p.tp) for p in prefills],
+            [(d.url, d.engine_id) for d in decodes],
+            spec.mode,
             dispatch,
-            self.role_host("router"),
+            self.network.role_host("router"),
             port,
-            modes=([p.mode for p in self.prefills], [d.mode for d in self.decodes]) if self.mixed else None,
-            split=self.split,
-            side_hosts=[p.host for p in self.prefills],
+            modes=([p.mode for p in prefills], [d.mode for d in decodes]) if spec.mixed else None,
+            split=spec.split,
+            side_hosts=[p.host for p in prefills],
         )
         # only the main router hosts the receiver (``--collect``); extra routers export to it
         hosts_receiver = name == "router"
         if hosts_receiver:
             argv += topo.router_args()
-        if self.open_bind:
+        if spec.open_bind:
             argv.append("--insecure")
         env = base_env(topo.home_for("router"))
         extra = topo.router_env()
@@ -161,44 +177,37 @@ class StackRoles:
                 kvconfig.COLLECTORS_ENV: str(topo.collector_url),
             }
         if extra.get("OTEL_EXPORTER_OTLP_ENDPOINT"):  # it exports to a collector that may ask for the token
-            extra.update(otlp_token_env(topo, {**os.environ, **self._env("router")}))
-        env.update(self._env("router", {**extra, **api_key_env(self.api_key)}))
-        url = f"http://{self.role_host('router')}:{port}"
-        return self._child(name, argv, env, url, "router", writes=(topo.home_for("router"),))
+            extra.update(otlp_token_env(topo, {**os.environ, **spec.env("router")}))
+        env.update(spec.env("router", {**extra, **api_key_env(spec.api_key)}))
+        url = f"http://{self.network.role_host('router')}:{port}"
+        return self.network.child(name, argv, env, url, "router", writes=(topo.home_for("router"),))
 
-    def _vllm_router(self) -> Child:
+    def vllm_router(self) -> Child:
         """vLLM's own router in front of every P and D (pull only; a StackError
         when it is not installed). Its environment: the router role's."""
-        port = int(self.vllm_router_port or 0)
+        spec = self.spec
+        port = int(spec.vllm_router_port or 0)
         argv = vllm_router_argv(
             find_vllm_router(),
             [p.url for p in self.prefills],
             [d.url for d in self.decodes],
-            self.host,
+            spec.host,
             port,
-            int(self.vllm_router_metrics_port or 0),
+            int(spec.vllm_router_metrics_port or 0),
         )
         env = base_env(self.topology.home_for("router"))
-        env.update(self._env("router"))
-        return self._child("vllm-router", argv, env, f"http://{self.host}:{port}")
+        env.update(spec.env("router"))
+        return self.network.child("vllm-router", argv, env, f"http://{spec.host}:{port}")
 
-    @property
-    def open_bind(self) -> bool:
-        """Whether the router and the collector get ``--insecure``: ``kvlens up
-        --insecure`` (a host beyond loopback with no token, on purpose), or a
-        ``--hosts`` stack with no token: its 198.18.N.0/24 addresses live on a
-        bridge in the stack's own namespaces, with no route out, reachable from
-        this host alone (docs/links.md), as loopback is. ``kvlens up --hosts``
-        itself refuses that case unless ``--insecure`` is given
-        (:func:`kvlens.up.check_hosts`); this is the :class:`Stack` API's rule."""
-        return bool(self.insecure or (getattr(self, "hosts", False) and not kvconfig.client_token()))
-
-    def _collector(self) -> Child:
+    def collector(self) -> Child:
+        spec = self.spec
         topo = self.topology
         env = base_env(topo.home_for("collector"))
         # the store's password (if its URL has one) in the environment: ps shows argv
-        env.update(self._env("collector", {**topo.collector_env(), **topo.store.password_env()}))
-        argv = collector_argv(self.role_host("collector"), int(self.collector_port), topo.store)
-        if self.open_bind:
+        env.update(spec.env("collector", {**topo.collector_env(), **topo.store.password_env()}))
+        argv = collector_argv(self.network.role_host("collector"), int(spec.collector_port), topo.store)
+        if spec.open_bind:
             argv.append("--insecure")
-        return self._child("collector", argv, env, str(topo.collector_url), "collector", (topo.home_for("collector"),))
+        return self.network.child(
+            "collector", argv, env, str(topo.collector_url), "collector", (topo.home_for("collector"),)
+        )

@@ -69,12 +69,12 @@ def test_under_sudo_the_servers_of_a_hosts_stack_run_as_the_invoking_user(tmp_pa
         prefill_side_port=free_port(), decode_side_port=free_port(), model=str(base / "model"), quiet=True,
     )  # fmt: skip
     spans = record_spans(1)
-    s._check_network_tools()
+    s.network.check_tools()
     try:
-        s._start_network(time.monotonic() + 60)
+        s.network.start(time.monotonic() + 60)
         # the keeper stays root: it removes the namespaces
         assert psutil.Process(s.children[0].proc.pid).uids().real == 0
-        c = s._spawn(s._collector())
+        c = s.supervised.spawn(s.roles.collector())
         wait_healthy([c], time.monotonic() + 60, lambda m: None)
         uid, _ = _server_uid(c.proc.pid, "kvlens.cli collect")
         assert uid == NOBODY
@@ -83,7 +83,7 @@ def test_under_sudo_the_servers_of_a_hosts_stack_run_as_the_invoking_user(tmp_pa
             headers={"content-type": "application/x-protobuf", "authorization": f"Bearer {TOKEN}"},
         )  # fmt: skip
         assert r.status_code == 200, r.text
-        router = s._spawn(s._router("overlapped", int(s.port)))
+        router = s.supervised.spawn(s.roles.router("overlapped", int(s.port)))
         deadline = time.monotonic() + 60
         while True:  # no P or D behind it: /health answers 503, but it answers
             assert router.alive() and time.monotonic() < deadline, router.died_message()
@@ -94,7 +94,7 @@ def test_under_sudo_the_servers_of_a_hosts_stack_run_as_the_invoking_user(tmp_pa
                 time.sleep(0.2)
         assert _server_uid(router.proc.pid, "kvlens.cli proxy")[0] == NOBODY
         # P and D go through the same door (built, not started: no vLLM here)
-        p = s._server("prefill")
+        p = s.roles.server("prefill")
         i = p.argv.index("setpriv")
         assert p.argv[:3] == ["ip", "netns", "exec"] and p.argv[i + 1 : i + 3] == [
             f"--reuid={NOBODY}",

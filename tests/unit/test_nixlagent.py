@@ -181,11 +181,11 @@ def test_up_nixl_progress_off_sets_the_option_in_every_engine_and_skips_the_spin
     args = p.parse_args(["--mode", "pull", "--nixl-progress", "off", "--log-dir", str(tmp_path / "run")])
     assert up._stack(args).nixl_progress == "off"
     s = _stack(tmp_path, nixl_progress="off", connector_options={"kvlens_metrics": "off"})
-    for child in (s._server("prefill"), s._server("decode")):
+    for child in (s.roles.server("prefill"), s.roles.server("decode")):
         extra = _extra(child)
         assert extra["kvlens_nixl_progress_thread"] == "off" and extra["kvlens_metrics"] == "off"
         assert Options.from_config(extra).nixl_progress_thread is False
-    assert "kvlens_nixl_progress_thread" not in _extra(_stack(tmp_path)._server("prefill"))  # default: untouched
+    assert "kvlens_nixl_progress_thread" not in _extra(_stack(tmp_path).roles.server("prefill"))  # default: untouched
     assert spinners.resolve_mode("off", 5, 2) == "off"
     said: list[str] = []
     t = spinners.ProgressThreads("off", said.append)

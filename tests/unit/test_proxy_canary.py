@@ -445,7 +445,7 @@ def test_mixed_stack_numbers_push_then_pull_and_tags_the_router(tmp_path):
     assert [(i.engine_id, i.mode) for i in s.decodes] == [("d0", "push"), ("d1", "pull")]
     s.prefill_port, s.decode_port = 8100, 8200
     s.more_ports = {"p1 port": 8101, "p2 port": 8102, "p3 port": 8103, "d1 port": 8201}
-    argv = s._router("overlapped", 8000).argv
+    argv = s.roles.router("overlapped", 8000).argv
     assert "--mode" not in argv and "--split" not in argv
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--prefill"] == [
         "push=http://127.0.0.1:8100", "push=http://127.0.0.1:8101", "pull=http://127.0.0.1:8102", "pull=http://127.0.0.1:8103",
@@ -458,7 +458,7 @@ def test_mixed_stack_numbers_push_then_pull_and_tags_the_router(tmp_path):
     assert m["modes"] == ["push", "pull"] and set(m["connector"]) == {"push", "pull"}
     assert [i["mode"] for i in m["instances"]["prefill"]] == ["push", "push", "pull", "pull"]
     one = Stack(mode="pull", log_dir=tmp_path / "one", kvlens_home=tmp_path)
-    assert one.mode == "pull" and not one.mixed and one._router("overlapped", 8000).argv[4:6] == ["--mode", "pull"]
+    assert one.mode == "pull" and not one.mixed and one.roles.router("overlapped", 8000).argv[4:6] == ["--mode", "pull"]
     with pytest.raises(StackError, match="mode must be push, pull or push,pull"):
         Stack(mode="push,push", kvlens_home=tmp_path)
     with pytest.raises(StackError, match="vllm-router needs --mode pull"):
@@ -475,7 +475,7 @@ def test_up_split_reaches_the_router_and_needs_a_mixed_fleet(tmp_path):
     s = Stack(mode="push,pull", log_dir=tmp_path / "logs", kvlens_home=tmp_path, split=0.25)
     s.prefill_port, s.decode_port, s.prefill_side_port = 8100, 8200, 5600
     s.more_ports = {"p1 port": 8101, "p1 side-channel port": 5601, "d1 port": 8201}
-    argv = s._router("overlapped", 8000).argv
+    argv = s.roles.router("overlapped", 8000).argv
     assert argv[argv.index("--split") + 1] == "push=0.25"
     assert proxy_cli.config(_args(*argv[argv.index("proxy") + 1 :])).split == 0.25
     with pytest.raises(StackError, match="--split needs --mode push,pull"):

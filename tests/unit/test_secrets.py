@@ -81,16 +81,16 @@ def test_stack_children_get_the_password_in_their_environment_only(tmp_path, mon
         collector_store=URL,
         connector_options={"kvlens_store": URL.replace("traces?", "other?")},
     )
-    col = s._collector()
+    col = s.roles.collector()
     assert PW not in _in(col) and "s3cr" not in _in(col)
     assert col.argv[col.argv.index("--store") + 1] == BARE
     assert col.env["PGPASSWORD"] == PW
     for role in ("prefill", "decode"):
-        srv = s._server(role)
+        srv = s.roles.server(role)
         ktc = json.loads(srv.argv[srv.argv.index("--kv-transfer-config") + 1])
         assert ktc["kv_connector_extra_config"]["kvlens_store"] == BARE.replace("traces?", "other?")
         assert "s3cr" not in _in(srv) and srv.env["PGPASSWORD"] == PW
-    r = s._router("overlapped", 18000)
+    r = s.roles.router("overlapped", 18000)
     assert "s3cr" not in _in(r) and "PGPASSWORD" not in r.env
     m = s.manifest()
     assert m["store"] == BARE and "s3cr" not in json.dumps(m)
@@ -102,7 +102,7 @@ def test_a_password_given_as_pgpassword_passes_through(tmp_path, monkeypatch):
     """The URL without a password and PGPASSWORD set: the children inherit it."""
     monkeypatch.setenv("PGPASSWORD", "from-env")
     s = _stack(tmp_path, separate_homes=True, collector="process", collector_port=18005, collector_store=BARE)
-    col = s._collector()
+    col = s.roles.collector()
     assert col.argv[col.argv.index("--store") + 1] == BARE and col.env["PGPASSWORD"] == "from-env"
 
 

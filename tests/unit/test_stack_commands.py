@@ -74,7 +74,7 @@ def test_vllm_router_built_by_kvlens_routes_p_then_d(tmp_path):
     c = None
     try:
         s = _stack(tmp_path, [p0, p1], d)
-        c = s._vllm_router()
+        c = s.roles.vllm_router()
         assert c.argv[:2] == [VLLM_ROUTER, "--vllm-pd-disaggregation"]
         assert c.argv.count("--prefill") == 2 and c.argv.count("--decode") == 1
         assert c.argv[c.argv.index("--policy") + 1] == "round_robin"

@@ -104,7 +104,7 @@ def test_two_p_three_d_commands_and_environments(tmp_path):
     assert [i.engine_id for i in ps] == ["p0", "p1"] and [i.engine_id for i in ds] == ["d0", "d1", "d2"]
     assert (ps[0].port, ds[0].port, ps[0].side_port) == (s.prefill_port, s.decode_port, s.prefill_side_port)
     assert (s.prefill_url, s.decode_url) == ("", "")  # set by start(); the instances know theirs
-    children = [s._server(i.role, i.index) for i in [*ps, *ds]]
+    children = [s.roles.server(i.role, i.index) for i in [*ps, *ds]]
     assert [c.name for c in children] == ["prefill", "prefill-p1", "decode", "decode-d1", "decode-d2"]
     ports = [s.port] + [i.port for i in ps + ds] + [i.side_port for i in ps + ds]
     assert len(set(ports)) == len(ports) and all(ports)  # every instance its own HTTP and side-channel port
@@ -119,7 +119,7 @@ def test_two_p_three_d_commands_and_environments(tmp_path):
         assert c.log == Path(s.log_dir) / f"{inst.name}.log"
         assert "KVLENS_HANDOFF_FROM" not in c.env  # kvlens' router resolves the handoff
     assert len({c.env["PROMETHEUS_MULTIPROC_DIR"] for c in children}) == 5
-    r = s._router("overlapped", s.port).argv
+    r = s.roles.router("overlapped", s.port).argv
     pairs = [(r[i + 1], r[i + 3], r[i + 5]) for i, a in enumerate(r) if a == "--prefill"]
     assert pairs == [(p.url, p.engine_id, str(p.side_port)) for p in ps]
     assert [r[i + 1] for i, a in enumerate(r) if a == "--decode"] == [d.url for d in ds]
@@ -132,7 +132,7 @@ def test_the_router_built_for_n_x_m_parses(tmp_path):
 
     s = _stack(tmp_path, prefill_instances=3, decode_instances=2)
     s.preflight()
-    argv = s._router("overlapped", s.port).argv
+    argv = s.roles.router("overlapped", s.port).argv
     cfg = config(build_parser().parse_args(argv[argv.index("proxy") :]))
     check(cfg)  # overlapped push: every P's side channel known
     assert [(p.url, p.engine_id, p.side_port) for p in cfg.prefills] == [
@@ -146,8 +146,8 @@ def test_without_kvlens_router_d_resolves_the_handoff(tmp_path):
     s.preflight()
     assert s.vllm_router_port == s.port and s.vllm_router_metrics_port not in (None, s.port)
     for inst in [*s.prefills, *s.decodes]:
-        assert s._server(inst.role, inst.index).env["KVLENS_HANDOFF_FROM"] == "decode"
-    v = s._vllm_router()
+        assert s.roles.server(inst.role, inst.index).env["KVLENS_HANDOFF_FROM"] == "decode"
+    v = s.roles.vllm_router()
     assert v.name == "vllm-router" and v.argv[v.argv.index("--port") + 1] == str(s.port)
     assert [v.argv[i + 1] for i, a in enumerate(v.argv) if a == "--prefill"] == [p.url for p in s.prefills]
     both = _stack(tmp_path, mode="pull", routers=["kvlens", "vllm-router"])
@@ -155,8 +155,8 @@ def test_without_kvlens_router_d_resolves_the_handoff(tmp_path):
     assert both.vllm_router_port not in (None, both.port)
     sep = _stack(tmp_path, mode="pull", routers="vllm-router", separate_homes=True)
     sep.preflight()
-    assert sep._collector().env["KVLENS_HANDOFF_FROM"] == "decode"  # the only store with both ends
-    assert "KVLENS_HANDOFF_FROM" not in sep._server("decode").env
+    assert sep.roles.collector().env["KVLENS_HANDOFF_FROM"] == "decode"  # the only store with both ends
+    assert "KVLENS_HANDOFF_FROM" not in sep.roles.server("decode").env
 
 
 # ------------------------------------------------------------- the CPUs
@@ -206,7 +206,7 @@ def test_manifest_lists_every_instance_and_leftovers_still_read_it(tmp_path):
     c.start()
     try:
         s.children.append(c)
-        s._write_manifest()
+        s.write_manifest()
         m = json.loads((Path(s.log_dir) / "stack.json").read_text())
         assert [i["engine_id"] for i in m["instances"]["prefill"]] == ["p0", "p1"]
         assert m["instances"]["prefill"][1]["pid"] == c.proc.pid and m["instances"]["prefill"][0]["pid"] is None

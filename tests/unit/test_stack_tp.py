@@ -206,15 +206,15 @@ def test_tp_servers_commands_environments_and_router(tmp_path):
     insts = [*s.prefills, *s.decodes]
     assert [(i.engine_id, i.tp) for i in insts] == [("p0", 2), ("d0", 2), ("d1", 1)]
     for inst in insts:
-        c = s._server(inst.role, inst.index)
+        c = s.roles.server(inst.role, inst.index)
         bind = c.env["VLLM_CPU_OMP_THREADS_BIND"]
         assert len(bind.split("|")) == inst.tp, (inst.name, bind)
         assert bind == cpu_binding(inst.role, inst.index, 1, 2, available_cpus(), {"prefill": (2,), "decode": (2, 1)})
         want = [str(inst.tp)] if inst.tp > 1 else []
         assert _flag(c.argv, "--tensor-parallel-size") == want, (inst.name, c.argv)
     if available_cpus() == [0, 1]:  # this 2-core host: what ran in docs/tensor-parallel.md
-        assert [s._server(i.role, i.index).env["VLLM_CPU_OMP_THREADS_BIND"] for i in insts] == ["0|1", "0|1", "1"]
-    r = s._router("overlapped", s.port).argv
+        assert [s.roles.server(i.role, i.index).env["VLLM_CPU_OMP_THREADS_BIND"] for i in insts] == ["0|1", "0|1", "1"]
+    r = s.roles.router("overlapped", s.port).argv
     assert _flag(r, "--prefill-tp-size") == ["2"]
     cfg = config(build_parser().parse_args(r[r.index("proxy") :]))
     check(cfg)
@@ -227,7 +227,7 @@ def test_per_p_tp_sizes_reach_the_router(tmp_path):
 
     s = _stack(tmp_path, mode="push", prefill_instances=2, prefill_tp=(1, 2))
     s.preflight()
-    r = s._router("overlapped", s.port).argv
+    r = s.roles.router("overlapped", s.port).argv
     assert _flag(r, "--prefill-tp-size") == ["1", "2"]
     cfg = config(build_parser().parse_args(r[r.index("proxy") :]))
     assert [(p.engine_id, p.tp_size) for p in cfg.prefills] == [("p0", 1), ("p1", 2)]
@@ -237,9 +237,9 @@ def test_one_rank_stack_is_unchanged(tmp_path):
     s = _stack(tmp_path, mode="push")
     s.preflight()
     for inst in [*s.prefills, *s.decodes]:
-        c = s._server(inst.role, inst.index)
+        c = s.roles.server(inst.role, inst.index)
         assert "--tensor-parallel-size" not in c.argv and "|" not in c.env["VLLM_CPU_OMP_THREADS_BIND"]
-    assert "--prefill-tp-size" not in s._router("overlapped", s.port).argv
+    assert "--prefill-tp-size" not in s.roles.router("overlapped", s.port).argv
 
 
 def test_startup_deadline_grows_with_engine_processes(tmp_path):

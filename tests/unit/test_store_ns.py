@@ -124,16 +124,16 @@ def test_a_store_command_that_exits_is_a_start_error_with_its_log(tmp_path):
 
     _need_root()
     s = _stack(tmp_path, store_command="sh -c 'echo no database here; exit 3'", log_dir=tmp_path / "logs")
-    s._check_network_tools()
+    s.network.check_tools()
     try:
         with pytest.raises(StackError, match=r"(?s)--store-command: store exited with code 3.*no database here"):
-            s._start_network(time.monotonic() + 60)
+            s.network.start(time.monotonic() + 60)
         assert s.net.ns("store") in netclean.objects(s.net.sid)["namespaces"]
     finally:
         s.stop()
     assert netclean.objects(s.net.sid) == {"namespaces": [], "veths": [], "pids": []}
     with pytest.raises(StackError, match="command not found: no-such-db-server"):
-        _stack(tmp_path, store_command="no-such-db-server -D /x")._check_network_tools()
+        _stack(tmp_path, store_command="no-such-db-server -D /x").network.check_tools()
 
 
 # ------------------------------------------------------------------ real PostgreSQL in a namespace (root)
@@ -145,8 +145,8 @@ _SUPERVISOR = textwrap.dedent(
     work, url, argv = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     s = Stack("push", hosts=True, separate_homes=True, collector_store=url, store_command=argv,
               kvlens_home=work / "home", log_dir=work / "logs", quiet=True)
-    s._check_network_tools()
-    s._start_network(time.monotonic() + 120)  # the stack's own start, up to the collector
+    s.network.check_tools()
+    s.network.start(time.monotonic() + 120)  # the stack's own start, up to the collector
     print(json.dumps({"sid": s.net.sid, "addr": s.net.addr("store"), "url": s.store.text,
                       "pid": s.manifest()["pids"]["store"]}), flush=True)
     if sys.stdin.readline().strip() == "stop":

@@ -192,7 +192,7 @@ def test_stack_passes_the_token_by_environment_and_insecure_by_flag(tmp_path, mo
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("KVLENS_TOKEN", "tok-stack-0123456789")
     s = _stack(tmp_path, separate_homes=True, collector="process", collector_port=18005, insecure=True)
-    p, r, c = s._server("prefill"), s._router("overlapped", 18000), s._collector()
+    p, r, c = s.roles.server("prefill"), s.roles.router("overlapped", 18000), s.roles.collector()
     for child in (p, r, c):
         assert (
             "tok-stack-0123456789" not in " ".join(child.argv) and child.env["KVLENS_TOKEN"] == "tok-stack-0123456789"
@@ -217,8 +217,8 @@ def test_stack_passes_the_token_by_environment_and_insecure_by_flag(tmp_path, mo
     (tmp_path / "one").mkdir()
     s = _stack(tmp_path / "one")
     assert (
-        "OTEL_EXPORTER_OTLP_TRACES_HEADERS" not in s._server("prefill").env
-        and "--insecure" not in s._router("overlapped", 18000).argv
+        "OTEL_EXPORTER_OTLP_TRACES_HEADERS" not in s.roles.server("prefill").env
+        and "--insecure" not in s.roles.router("overlapped", 18000).argv
     )
     assert manifest.scrape_credentials(s) == {} and s.router_key is None
 
@@ -271,7 +271,7 @@ def test_api_key_reaches_p_d_and_router_through_the_environment_only(tmp_path, m
     assert env_api_key({"VLLM_API_KEY": "v", "KVLENS_API_KEY": "k"}) == "k"  # as kvlens proxy reads them
     monkeypatch.setenv("KVLENS_API_KEY", "sk-inherited")  # must not win over the stack's own key
     s = _stack(tmp_path, api_key="sk-stack")
-    p, d, r = s._server("prefill"), s._server("decode"), s._router("overlapped", 18000)
+    p, d, r = s.roles.server("prefill"), s.roles.server("decode"), s.roles.router("overlapped", 18000)
     for c in (p, d, r):
         assert "sk-stack" not in " ".join(c.argv) and "--api-key" not in c.argv  # `ps` shows command lines
         assert c.env["VLLM_API_KEY"] == "sk-stack"  # what vLLM reads as --api-key
@@ -305,7 +305,7 @@ def test_warm_up_and_health_checks_send_the_key(tmp_path):
     try:
         s = _stack(tmp_path, api_key="sk-w", quiet=True)
         s.router_url = srv.url
-        s._warm_up(tries=1, timeout_s=10)
+        s.warm_up(tries=1, timeout_s=10)
         c = Child("fake", ["x"], {}, tmp_path / "x.log", srv.url, proc=sleeper)
         wait_healthy([c], time.monotonic() + 10, lambda m: None, {"Authorization": "Bearer sk-w"})
     finally:
@@ -511,7 +511,7 @@ def test_up_token_file_reaches_every_child_by_environment_and_short_tokens_are_r
     assert os.environ["KVLENS_TOKEN"] == "file-token-0123456789"
     up.check_hosts(args)  # a token: no refusal, and no --insecure for the router and the collector
     s = _stack(tmp_path, separate_homes=True, collector="process", collector_port=18005)
-    r, c = s._router("overlapped", 18000), s._collector()
+    r, c = s.roles.router("overlapped", 18000), s.roles.collector()
     for child in (r, c):
         assert "--insecure" not in child.argv and "file-token-0123456789" not in " ".join(child.argv)
         assert child.env["KVLENS_TOKEN"] == "file-token-0123456789"
