@@ -267,7 +267,7 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="keep the kernel's scheduler record (sched_switch/sched_wakeup on every CPU, in a tracefs instance; root) "
         "in <log dir>/sched once the stack is ready, so `kvlens traces --sched <log dir>/sched` splits "
         "every phase into CPU work, CPU wait and off-CPU along its critical path, across threads and "
-        "processes (docs/phases.md, 'The kernel's record'). 64 MiB of kernel memory a CPU, the newest kept",
+        "processes (docs/phases.md, 'The kernel's record'). 128 MiB of kernel memory in all, the newest kept",
     )
 
 

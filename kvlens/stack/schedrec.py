@@ -5,10 +5,10 @@ critical path through (docs/phases.md, "The kernel's record").
 The kernel records them itself, into a tracefs instance of its own
 (``instances/kvlens-<pid>-<n>``): ``sched_switch``, ``sched_wakeup`` and
 ``sched_wakeup_new`` on every CPU, on CLOCK_MONOTONIC, with each event's
-process id and interrupt context, in a ring buffer of :data:`BUFFER_KB` KiB
-per CPU that keeps the newest events (the memory it takes is bounded; a long
-run keeps its last stretch). No process of ours copies events out while the
-stack serves: a first version ran ``perf record``, and on this 2-core host
+process id and interrupt context, in a ring buffer per CPU
+(:func:`buffer_kb`: 128 MiB in all, at most 64 MiB a CPU) that keeps the
+newest events (the memory it takes is bounded; a long run keeps its last
+stretch). No process of ours copies events out while the stack serves: a first version ran ``perf record``, and on this 2-core host
 under CPU load the perf process was migrated between the CPUs for a minute
 without once getting one (runnable, 0 ms of CPU; ``/proc/<pid>/sched``),
 so its start timed out. At :meth:`SchedRecording.stop` the instance's
@@ -46,9 +46,20 @@ from kvtrace.schedtrace import META, READY, TEXT, TRACEFS
 
 logger = logging.getLogger("kvlens.up")
 
-#: Ring buffer per CPU, KiB: about 10 minutes of a serving 1P1D pair on this host (~60,000 events a minute
-#: per CPU at ~100 bytes each, counted in the e2e runs), the newest kept.
-BUFFER_KB = 65536
+#: Kernel memory the record may take, KiB, shared out per CPU (:func:`buffer_kb`); the newest events kept. A
+#: serving 1P1D pair on this 2-core host made ~6,000 context switches a second plus as many wake-ups
+#: (benchmarks/bench_schedrec.py): 64 MiB a CPU holds about three minutes of it.
+TOTAL_KB = 131072
+#: Each CPU's share stays within these (a many-core host keeps a shorter stretch, never more memory).
+MIN_CPU_KB, MAX_CPU_KB = 1024, 65536
+
+
+def buffer_kb(cpus: int | None = None) -> int:
+    """The ring buffer per CPU, KiB: :data:`TOTAL_KB` shared out, within the bounds."""
+    n = cpus or os.cpu_count() or 1
+    return max(MIN_CPU_KB, min(MAX_CPU_KB, TOTAL_KB // n))
+
+
 #: Seconds for the holder to set the instance up.
 START_TIMEOUT_S = 60.0
 #: Seconds the holder gets to write the buffer out when stopped (then it is killed, the instance possibly left:
@@ -141,7 +152,7 @@ class SchedRecording:
         for old in (TEXT, READY, META):
             (self.folder / old).unlink(missing_ok=True)
         argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", HOLDER, "sh"]
-        argv += [self.instance, str(BUFFER_KB), str(self.folder)]
+        argv += [self.instance, str(buffer_kb()), str(self.folder)]
         self.proc = ChildProcess(argv, log=self.folder / "holder.log", guard=True, guard_grace_s=STOP_GRACE_S)
         self.proc.start()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -157,10 +168,10 @@ class SchedRecording:
             "started": time.time(),
             "instance": self.instance,
             "holder_pid": int((self.folder / READY).read_text().strip() or 0),
-            "buffer_kb": BUFFER_KB,
+            "buffer_kb": buffer_kb(),
         }
         self._write_meta()
-        self.say(f"kernel scheduler record: {self.folder} (tracefs instance {self.instance}, {BUFFER_KB} KiB a CPU)")
+        self.say(f"kernel scheduler record: {self.folder} (tracefs instance {self.instance}, {buffer_kb()} KiB a CPU)")
         return self
 
     def _write_meta(self) -> None:
