@@ -155,6 +155,8 @@ def test_a_real_recording_walks_a_sleep_and_a_spin(tmp_path):
     was_mounted = schedtrace.TRACEFS in open("/proc/self/mounts").read()
     with SchedRecording(tmp_path, []):  # no process of "the stack": a softirq's wake-up is never followed
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        live = schedtrace.load(tmp_path)  # while it records: the live buffer, through the holder's namespace
+        assert not (tmp_path / schedtrace.TEXT).exists() and live.runs
     assert not (tmp_path / schedtrace.READY).exists()
     assert was_mounted or schedtrace.TRACEFS not in open("/proc/self/mounts").read(), "tracefs left mounted"
     tid, t0, t1 = (int(x) for x in out.stdout.split())
