@@ -97,10 +97,15 @@ def sched_of(cmd: str, args: argparse.Namespace) -> Any:
     if not folder:
         return None
     try:
-        return schedtrace.load(folder)
+        tl = schedtrace.load(folder)
     except schedtrace.SchedUnavailable as e:
         print(f"kvlens {cmd}: --sched: {e}; CPU figures from the per-thread counters only", file=sys.stderr)
         return None
+    if tl.lost:  # counted, never silent: a walk across a lost event may stop early (more off-CPU)
+        print(
+            f"kvlens {cmd}: --sched: the kernel's record lost {tl.lost} events (its buffer was full)", file=sys.stderr
+        )
+    return tl
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,6 +27,14 @@ either. Where a placement rule gave the figures they are a lower bound (the
 path's other threads are not all read): the rest of the phase is
 ``unknown_s`` too, not off-CPU.
 
+Where the kernel's scheduler record was kept (``kvlens up --sched-trace``,
+:mod:`kvtrace.schedtrace`), every phase it covers but the crossings their
+threads poll for (:data:`POLLED`) takes its figures from its critical path
+walked back through that record instead (:func:`kernel_figures`): the
+thread that stamped its end, the threads that woke it, across processes,
+up to an interrupt's wake-up (before it, off-CPU). Those figures are
+exact, not bounds.
+
 Pure functions of a :class:`kvtrace.tracemodel.Trace`-like object.
 """
 
@@ -228,8 +236,8 @@ def kernel_figures(sched: Any, name: str, start_ns: int, end_ns: int, tid: int |
     """A phase's figures from the kernel's record (:class:`kvtrace.schedtrace.Timeline`):
     its critical path walked back from ``tid``, the thread that stamped its
     end (:func:`ending_tid`). None where the record does not cover the phase,
-    no thread is known, or the phase is the transfer itself (its threads
-    poll: :data:`WIRE_NOTE`). What the walk does not reach is off-CPU:
+    no thread is known, or the phase is a crossing its threads poll for
+    (:data:`POLLED`: the transfer itself, push's notification). What the walk does not reach is off-CPU:
     waiting for an interrupt's wake-up (the wire, a peer on another host, a
     timer)."""
     if sched is None or tid is None or name in POLLED or end_ns <= start_ns or not sched.covers(start_ns, end_ns):
@@ -263,7 +271,7 @@ def ending_tid(name: str, own: Any, ends: Iterable[Any]) -> int | None:
 #: Phases the kernel's record is not walked for: the transfer itself, and push's notification crossing to D
 #: (``write.notify``: D's worker polls for it every step); their threads poll, so a wait while the data or the
 #: notification was still on the wire cannot be told from one that delayed noticing it (:data:`WIRE_NOTE`)
-POLLED = WIRE_PARTS | {"write.notify"}
+POLLED = WIRE_PARTS | {sc.Phase.WRITE_NOTIFY.value}
 #: recorded phases whose start is stamped by the engine's upstream thread (``kvlens.cpu.up.pid``'s main
 #: thread), not by the thread that ends them: vLLM's ``Request.arrival_time``, set in the API server
 _UP_STAMPED = frozenset({sc.Phase.DECODE_QUEUE.value})
@@ -298,10 +306,11 @@ def _kernel_part(
 
 def handoff_cpu(trace: Any, sched: Any = None) -> HandoffCpu:
     """The split of ``trace``'s handoff (its :meth:`tiling`). ``sched``: the
-    kernel's record of the host's threads (:func:`kvtrace.schedtrace.load`),
-    where one was kept: a phase the counters leave unknown or only bound
-    (derived phases between processes) takes its figures from it
-    (:func:`kernel_figures`)."""
+    kernel's record of the host's threads (:func:`kvtrace.schedtrace.load`;
+    default the trace's own ``sched``), where one was kept: every phase it
+    covers but the crossings their threads poll for (:data:`POLLED`) takes
+    its figures from the walk (:func:`kernel_figures`); the counters' rules
+    stand for the rest."""
     if sched is None:
         sched = getattr(trace, "sched", None)
     tiling = trace.tiling()

@@ -26,7 +26,8 @@ something outside the stack's threads, off-CPU (the wire, a peer, a timer).
 A thread that polls (NIXL's progress thread, the engine loop waiting for
 DONE inside a transfer) is never woken: the walk cannot see what it polled
 for, and its CPU wait while the thing had not arrived is not the path's. The
-transfer itself (``*.wire``) is therefore not walked (:data:`~kvtrace.cpusplit.WIRE_NOTE`).
+transfer itself (``*.wire``) and push's notification to D (``write.notify``)
+are therefore not walked (:data:`kvtrace.cpusplit.POLLED`).
 
 No I/O at import; :func:`load` reads the record.
 """
@@ -48,8 +49,6 @@ TEXT = "sched.trace"
 READY = "sched.ready"
 #: Where tracefs is (mounted by the holder, in its own mount namespace, where it is not).
 TRACEFS = "/sys/kernel/tracing"
-#: The tracepoints recorded.
-EVENTS = ("sched_switch", "sched_wakeup", "sched_wakeup_new")
 #: trace flag bits (the kernel's ``trace_flag_type``): a wake-up in one of these contexts came from an interrupt.
 FLAG_HARDIRQ, FLAG_SOFTIRQ, FLAG_NMI = 0x08, 0x10, 0x40
 #: The trace text's hardirq/softirq column (the flags' third character) -> those bits.
