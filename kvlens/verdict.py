@@ -101,9 +101,11 @@ def sched_of(cmd: str, args: argparse.Namespace) -> Any:
     except schedtrace.SchedUnavailable as e:
         print(f"kvlens {cmd}: --sched: {e}; CPU figures from the per-thread counters only", file=sys.stderr)
         return None
-    if tl.lost:  # counted, never silent: a walk across a lost event may stop early (more off-CPU)
+    if tl.lost or tl.missed:  # counted, never silent: a walk across a gap stops there (more off-CPU)
         print(
-            f"kvlens {cmd}: --sched: the kernel's record lost {tl.lost} events (its buffer was full)", file=sys.stderr
+            f"kvlens {cmd}: --sched: the kernel's record lost {tl.lost} events and misses {tl.missed} switch-ins; "
+            "a phase walked across one stops there",
+            file=sys.stderr,
         )
     return tl
 

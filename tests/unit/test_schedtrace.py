@@ -86,6 +86,24 @@ def test_preempted_in_kernel_counts_as_runnable_and_coverage():
     assert (w.on_ns, w.wait_ns) == (5 * US + 10 * US, 15 * US)
 
 
+def test_a_switch_in_missing_from_the_record_counts_no_wait_across_it():
+    """Seen under a SCHED_FIFO hog: A preempted on one CPU, its switch-in on the other missing, then its
+    switch-out to sleep, a timer's wake-up and its run. Without the fix its wait spanned the sleep."""
+    events = [
+        ("S", 0, 0, 1, A),
+        ("S", 10, A, 0x100, C),  # preempted (R+)
+        # (A's switch-in on the other CPU at ~40 is not in the record)
+        ("S", 50, A, 1, 0),  # ... its switch-out to sleep is
+        ("W", 100, A, OUTSIDE, schedtrace.FLAG_HARDIRQ | 1),  # the timer
+        ("S", 130, C, 1, A),
+        ("S", 160, A, 1, 0),
+    ]
+    tl = _timeline(events)
+    assert tl.missed == 1 and tl.waits[A] == [(100 * US, 130 * US)]
+    w = tl.walk(A, 0, 150 * US)
+    assert (w.on_ns, w.wait_ns, w.stop_ns) == (20 * US, 30 * US, 100 * US)
+
+
 def test_a_thread_not_on_a_cpu_at_its_stamp_places_nothing():
     w = _timeline(CHAIN).walk(A, 20 * US, 130 * US)  # A was waiting, not running, at 130
     assert (w.on_ns, w.wait_ns, w.stop_ns) == (0, 0, 130 * US)
