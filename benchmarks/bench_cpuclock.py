@@ -6,7 +6,7 @@
 * a span event through ``CpuRecorder`` (its figures: a ring walk, two
   parses, the lookback) against the plain recorder's append;
 * once per request on each EngineCore: where its API server's wait landed
-  (``CpuClock.landings`` over a full ring, for ``kv.released`` / ``decode.queue``).
+  (``cpufigures.landings`` over a full ring, for ``kv.released`` / ``decode.queue``).
 
     .venv/bin/python benchmarks/bench_cpuclock.py [--repeats 15]
 
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from instrumented_connector.cputap import CpuRecorder  # noqa: E402
 from kvrecord import semconv as sc  # noqa: E402
 from kvrecord.cpuclock import CpuClock  # noqa: E402
+from kvrecord import cpufigures  # noqa: E402
 from kvrecord.recorder import Recorder  # noqa: E402
 
 N = 20_000
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     clock.rings[-1] = collections.deque(up, maxlen=1024)
 
     def landings():
-        clock.landings(-1, t0, 1_000_000_000)
+        cpufigures.landings(clock.rings.get(-1), t0, 1_000_000_000)
 
     plain._thread = wrapped._rec._thread = object()  # no background thread: the append alone
     rows = {

@@ -5,7 +5,8 @@ plus the thread-discovery that finds NIXL's spinning progress thread.
 :class:`~instrumented_connector.taps.RankedRecorder`): a span's event gets,
 for the thread that records it (the thread whose wake-up ends the phase),
 its on-CPU and run-queue wait over the span (``kvlens.cpu.on_s``,
-``kvlens.cpu.wait_s``) from :data:`kvrecord.cpuclock.CLOCK`'s readings; the
+``kvlens.cpu.wait_s``) from :data:`kvrecord.cpuclock.CLOCK`'s readings
+(:mod:`kvrecord.cpufigures`); the
 wire phases (``write.complete``, ``read.complete``) also get NIXL's progress
 threads' figures, marked as spinning. Where a figure cannot be had the event
 says why (``kvlens.cpu.unknown``), never 0. Points pass through unchanged.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 
-from kvrecord import cpuclock
+from kvrecord import cpuclock, cpufigures
 from kvrecord import semconv as sc
 
 from instrumented_connector.hooks import fail
@@ -88,7 +89,8 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
         attrs[sc.ATTR_CPU_UNKNOWN] = clock.unknown
         return attrs
     tid = _tid()
-    w = clock.window(tid, start_ns, end_ns)
+    rings = clock.rings
+    w = cpufigures.window(rings.get(tid), start_ns, end_ns)
     if w is None:
         attrs[sc.ATTR_CPU_UNKNOWN] = "no reading of the thread at or before the phase's start"
     else:
@@ -98,7 +100,7 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
         attrs[sc.ATTR_CPU_TID] = tid
         up = clock.upstream
         if up is not None:
-            uw = clock.window(up, start_ns, end_ns)
+            uw = cpufigures.window(rings.get(up), start_ns, end_ns)
             if uw is not None:  # a stretch that began earlier can land in the window: at most the wall
                 attrs[sc.ATTR_CPU_UP_WAIT_S] = min(uw.wait_s, (end_ns - start_ns) / 1e9)
                 attrs[sc.ATTR_CPU_UP_PID] = -up
@@ -107,11 +109,12 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
         # the engine loop polls for DONE: its CPU wait delays the phase only once the transfer is done
         t_done = start_ns + int(xfer * 1e9)
         if t_done < end_ns:
-            nw = clock.window(tid, t_done, end_ns)
+            nw = cpufigures.window(rings.get(tid), t_done, end_ns)
             if nw is not None:
                 wall = (end_ns - t_done) / 1e9
                 wait = nw.wait_s
-                if clock.upstream is not None and (uw := clock.window(clock.upstream, t_done, end_ns)) is not None:
+                up = clock.upstream
+                if up is not None and (uw := cpufigures.window(rings.get(up), t_done, end_ns)) is not None:
                     wait = min(wait + uw.wait_s, max(wall - nw.on_s, wait))
                 attrs[sc.ATTR_CPU_NOTICED_ON_S] = nw.on_s
                 attrs[sc.ATTR_CPU_NOTICED_WAIT_S] = wait
@@ -119,14 +122,14 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
         on = wait = 0.0
         seen = False
         for s in clock.spinners:
-            sw = clock.spinner_window(s, start_ns, end_ns)
+            sw = cpufigures.spinner_window(rings.get(s), start_ns, end_ns)
             if sw is not None:
                 on, wait, seen = on + sw.on_s, wait + sw.wait_s, True
         if seen:
             attrs[sc.ATTR_CPU_PROGRESS_ON_S] = on
             attrs[sc.ATTR_CPU_PROGRESS_WAIT_S] = wait
             attrs[sc.ATTR_CPU_PROGRESS_SPINS] = True
-    psi = clock.psi_some_s(start_ns, end_ns)
+    psi = cpufigures.psi_some_s(clock.psi, start_ns, end_ns)
     if psi is not None:
         attrs[sc.ATTR_CPU_PSI_SOME_S] = psi
     return attrs
@@ -134,20 +137,20 @@ def figures(phase, start_ns: int, end_ns: int, attrs: dict) -> dict:
 
 def before(at_ns: int, attrs: dict) -> dict:
     """``attrs`` with the calling thread's readings before ``at_ns``
-    (:meth:`kvrecord.cpuclock.CpuClock.lookback`), unless the hook already
+    (:func:`kvrecord.cpufigures.lookback`), unless the hook already
     gave those of the thread that stamped ``at_ns`` (``writer.wake``)."""
     if sc.ATTR_CPU_BEFORE_AGE_S not in attrs:
-        _CLOCK.before_attrs(at_ns, attrs)
+        cpufigures.before_attrs(_CLOCK, at_ns, attrs)
     return attrs
 
 
 def landed(at_ns: int, attrs: dict, max_age_ns: int = 2_000_000_000) -> dict:
     """``attrs`` with where the API server's main thread's CPU wait landed
-    up to ``max_age_ns`` before ``at_ns`` (:meth:`kvrecord.cpuclock.CpuClock.landings`),
+    up to ``max_age_ns`` before ``at_ns`` (:func:`kvrecord.cpufigures.landings`),
     (:func:`watch_upstream` finds it: an EngineCore's parent, a worker's grandparent)."""
     up = _CLOCK.frontend
     if _CLOCK.enabled and up is not None:
-        lo, hi, grew, newest = _CLOCK.landings(up, at_ns, max_age_ns)
+        lo, hi, grew, newest = cpufigures.landings(_CLOCK.rings.get(up), at_ns, max_age_ns)
         if newest is not None:  # empty lists: read, and it waited for no CPU
             attrs[sc.ATTR_CPU_UP_LANDED_LO_S] = lo
             attrs[sc.ATTR_CPU_UP_LANDED_HI_S] = hi

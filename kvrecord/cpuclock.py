@@ -1,5 +1,6 @@
-"""Per-thread CPU accounting at phase boundaries: CPU work, waiting for a
-CPU, and the rest (off-CPU), from the kernel's own counters.
+"""Per-thread CPU readings at phase boundaries, from the kernel's own
+counters: what CPU work, waiting for a CPU, and the rest (off-CPU) are
+computed from (:mod:`kvrecord.cpufigures`).
 
 ``/proc/<pid>/task/<tid>/schedstat`` (``CONFIG_SCHED_INFO``) holds three
 numbers per thread: ns spent on a CPU, ns spent runnable but waiting on a
@@ -26,12 +27,14 @@ How kvlens reads them (docs/phases.md, "CPU or wire"):
   (benchmarks/bench_cpuclock.py; the files stay open).
   :meth:`CpuClock.sample`, once per engine step, reads the same and also
   each watched spinning thread (NIXL's UCX progress thread) and PSI.
-* :meth:`CpuClock.window` turns two readings into ``(on_s, wait_s)`` for one
-  thread over ``[start, end]``: the last reading at or before each end (a
-  sleeping thread's counters do not move, so a reading taken before it went
-  to sleep stands for the start; ``gap_s`` says how far before it was).
-  :meth:`CpuClock.spinner_window` interpolates a spinning thread's counters
-  (they grow with the wall clock) at any instant.
+* The readings stay in :attr:`CpuClock.rings` (one ring per thread, keyed
+  by thread id; another process's main thread under ``-pid``) and
+  :attr:`CpuClock.psi`; :mod:`kvrecord.cpufigures` turns them into each
+  phase's figures (a thread's window between two readings, its lookback,
+  where another thread's wait landed, a spinner's interpolated counters).
+  A ring's entry is ``(t_ns, on-CPU ns, raw schedstat)``; another process's
+  thread's also carries its wait, parsed (``(..., wait ns)``); a PSI entry
+  is ``(t_ns, raw PSI)``.
 * Where a file is missing or unreadable (another kernel, a container without
   ``/proc``), :attr:`CpuClock.unknown` holds the reason, every figure is
   absent (never 0) and the hooks' clock is the plain wall clock: one warning,
@@ -46,9 +49,8 @@ import collections
 import os
 import threading
 import time
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
-from kvrecord import semconv as sc
 from kvrecord.logutil import log_once
 
 SCHEDSTAT = "/proc/self/task/{tid}/schedstat"
@@ -62,8 +64,6 @@ MAX_THREADS = 64
 #: this share of the wall clock while its engine was idle: NIXL's UCX progress
 #: thread polls with timeout 0 (runnable ~100 %); a sleeping one is ~0 %.
 SPIN_SHARE = 0.5
-#: Readings a lookback examines at most (a burst of hooks can put hundreds within a millisecond).
-LOOKBACK_SCAN = 16
 #: ``0`` turns the readings off (the cost benchmark's baseline); figures are then unknown with this reason.
 ENV = "KVLENS_CPU_ACCOUNTING"
 
@@ -114,25 +114,18 @@ def thread_clock_id(tid: int) -> int:
     return ((~tid) << 3) | 6
 
 
-class Window(NamedTuple):
-    """One thread's counters over an interval, seconds."""
-
-    on_s: float  # on a CPU
-    wait_s: float  # runnable, waiting for a CPU
-    gap_s: float  # how long before the interval's start the start reading was taken
-
-
 def parse_schedstat(raw: bytes) -> tuple[int, int]:
     """(on-CPU ns, run-queue wait ns) of one schedstat reading."""
     a, b, _ = raw.split(None, 2)
     return int(a), int(b)
 
 
-def _wait(raw: bytes) -> int:
+def wait_ns(raw: bytes) -> int:
+    """schedstat's second figure: the run-queue wait, ns, of one reading."""
     return int(raw.split(None, 2)[1])
 
 
-def _runs(raw: bytes) -> int:
+def runs(raw: bytes) -> int:
     """schedstat's third figure: how many times the thread was put on a CPU (each after a wait, maybe 0)."""
     return int(raw.split(None, 2)[2])
 
@@ -239,7 +232,7 @@ class CpuClock:
             ts = _time_ns()
             raw = _pread(up[1], 96, 0)
             if _time_ns() - ts < SMEAR_NS:
-                on, wait, _ = raw.split(None, 2)  # the wait parsed once here: landings() scans many
+                on, wait, _ = raw.split(None, 2)  # the wait parsed once here: cpufigures.landings scans many
                 self.rings[up[0]].append((ts, int(on), raw, int(wait)))
             return True
         except OSError:
@@ -338,9 +331,9 @@ class CpuClock:
     def watch_frontend(self, pid: int) -> int | None:
         """Also read the main thread of process ``pid``, the engine's API
         server, at every step (where it is this process's upstream, that
-        ring serves): where its CPU wait landed (:meth:`landings`) places it
-        in the derived phases that end in it. Its ring's key; None where it
-        cannot be read."""
+        ring serves): where its CPU wait landed
+        (:func:`kvrecord.cpufigures.landings`) places it in the derived
+        phases that end in it. Its ring's key; None where it cannot be read."""
         key = -pid
         if self.upstream == key:
             self._front, self.frontend = None, key
@@ -368,186 +361,6 @@ class CpuClock:
         self._spin = tuple(spin)
         self.spinners = frozenset(t for t, *_ in spin)
 
-    # ------------------------------------------------------------ reading
-    def window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
-        """``tid``'s on-CPU and run-queue wait over ``[start_ns, end_ns]``:
-        the last readings at or before each end; None without one."""
-        ring = self.rings.get(tid)
-        if not ring:
-            return None
-        r1 = r0 = None
-        for r in reversed(ring):
-            if r1 is None:
-                if r[0] <= end_ns:
-                    r1 = r
-                else:
-                    continue
-            if r[0] <= start_ns:
-                r0 = r
-                break
-        if r0 is None or r1 is None:
-            return None
-        return Window((r1[1] - r0[1]) / 1e9, (_wait(r1[2]) - _wait(r0[2])) / 1e9, (start_ns - r0[0]) / 1e9)
-
-    def lookback(self, tid: int, at_ns: int, n: int = 8, max_age_ns: int = 2_000_000_000, min_step_ns: int = 500_000):
-        """``tid``'s counters before ``at_ns``: for up to ``n`` earlier readings
-        (one per burst: the oldest of those within ``min_step_ns`` of the
-        burst's youngest; at most ``max_age_ns`` back), their age
-        and the on-CPU, CPU wait and times put on a CPU (schedstat's run count)
-        from each up to the last reading at or before ``at_ns``: four lists,
-        youngest first (empty: none); seconds, the runs a count, -1 where that
-        last reading is not ``at_ns``'s own (a run count then says nothing of
-        ``at_ns``). A derived phase that ends where this thread's event starts
-        takes its figures from here (:mod:`kvtrace.cpusplit`)."""
-        ring = self.rings.get(tid)
-        ages: list[float] = []
-        ons: list[float] = []
-        waits: list[float] = []
-        runs: list[int] = []
-        if not ring:
-            return ages, ons, waits, runs
-        ref = None
-        anchor = None  # the youngest reading of the current burst (readings within min_step_ns of it)
-        oldest = None  # the burst's oldest reading so far: it stands for the burst (parsed once, when it closes)
-        for k, (t, on, raw) in enumerate(reversed(ring)):
-            if k >= LOOKBACK_SCAN:
-                break
-            if ref is None:
-                if t <= at_ns:
-                    ref = (t, on, _wait(raw), _runs(raw) if t == at_ns else None)
-                    anchor = t
-                continue
-            if at_ns - t > max_age_ns:
-                break
-            if anchor - t < min_step_ns:
-                # within a burst the oldest reading stands for it: a phase that began at the burst's first
-                # reading (an event stamped just before a step's reading) finds its start
-                if oldest is not None:
-                    oldest = (t, on, raw)
-                continue
-            if oldest is not None:
-                _entry(ref, oldest, at_ns, ages, ons, waits, runs)
-            if len(ages) >= n:
-                oldest = None
-                break
-            oldest = (t, on, raw)
-            anchor = t
-        if oldest is not None:
-            _entry(ref, oldest, at_ns, ages, ons, waits, runs)
-        return ages, ons, waits, runs
-
-    def before_attrs(self, at_ns: int, attrs: dict) -> dict:
-        """``attrs`` with the calling thread's :meth:`lookback` before ``at_ns``
-        as span attributes (``kvlens.cpu.before.*``), where there is one."""
-        if self.enabled:
-            tid = _get_tid()
-            ages, ons, waits, runs = self.lookback(tid, at_ns)
-            if ages:
-                attrs[sc.ATTR_CPU_BEFORE_AGE_S] = ages
-                attrs[sc.ATTR_CPU_BEFORE_ON_S] = ons
-                attrs[sc.ATTR_CPU_BEFORE_WAIT_S] = waits
-                attrs[sc.ATTR_CPU_BEFORE_RUNS] = runs
-                attrs[sc.ATTR_CPU_BEFORE_TID] = tid
-        return attrs
-
-    def landings(self, key: int, at_ns: int, max_age_ns: int = 2_000_000_000, n: int = 48, scan: int = 768):
-        """Where ring ``key``'s CPU wait grew before ``at_ns`` (another
-        thread's, read once per step: :meth:`watch_upstream`): for each pair
-        of consecutive readings between which it grew, youngest first, the
-        older's and the newer's age and the growth, seconds (three lists), and
-        the newest reading's age (None: no reading): a wait still running then
-        has not landed, so a phase after it is not covered.
-        Another thread's wait lands when it gets a CPU, so each growth is
-        waiting that ended between the two readings; :mod:`kvtrace.cpusplit`
-        places it inside a phase from these bounds. At most ``n`` pairs,
-        ``scan`` readings and ``max_age_ns`` back."""
-        ring = self.rings.get(key)
-        lo: list[float] = []
-        hi: list[float] = []
-        grew: list[float] = []
-        newest = None
-        if not ring:
-            return lo, hi, grew, newest
-        newer = None
-        for k, r in enumerate(reversed(ring)):
-            t = r[0]
-            if k >= scan or at_ns - t > max_age_ns:
-                break
-            if t > at_ns:
-                continue
-            if newest is None:
-                newest = (at_ns - t) / 1e9
-            w = r[3] if len(r) > 3 else _wait(r[2])
-            if newer is not None and newer[1] > w:
-                lo.append((at_ns - t) / 1e9)
-                hi.append((at_ns - newer[0]) / 1e9)
-                grew.append((newer[1] - w) / 1e9)
-                if len(lo) >= n:
-                    break
-            newer = (t, w)
-        return lo, hi, grew, newest
-
-    def spinner_window(self, tid: int, start_ns: int, end_ns: int) -> Window | None:
-        """A spinning thread's counters over ``[start_ns, end_ns]``, each end
-        interpolated between the readings around it (a spinner is always
-        runnable: its counters grow with the wall clock); None where the
-        ring does not hold both ends."""
-        ring = self.rings.get(tid)
-        if not ring:
-            return None
-        a = _interp(ring, start_ns)
-        b = _interp(ring, end_ns)
-        if a is None or b is None:
-            return None
-        # another thread's schedstat wait grows only when that thread gets a CPU (the whole stretch at once):
-        # a stretch that began before the window can land in it, so the figures are bounded by the wall
-        wall = (end_ns - start_ns) / 1e9
-        on = min(max(b[0] - a[0], 0.0) / 1e9, wall)
-        return Window(on, min(max(b[1] - a[1], 0.0) / 1e9, wall - on), 0.0)
-
-    def psi_some_s(self, start_ns: int, end_ns: int) -> float | None:
-        """The host's PSI ``some`` time over ``[start_ns, end_ns]`` (last readings at or before each end)."""
-        r1 = r0 = None
-        for t, raw in reversed(self.psi):
-            if r1 is None:
-                if t <= end_ns:
-                    r1 = raw
-                else:
-                    continue
-            if t <= start_ns:
-                r0 = raw
-                break
-        if r0 is None or r1 is None:
-            return None
-        return (parse_psi_some_us(r1) - parse_psi_some_us(r0)) / 1e6
-
-
-def _entry(ref, r, at_ns: int, ages: list, ons: list, waits: list, runs: list) -> None:
-    """One :meth:`CpuClock.lookback` entry: reading ``r``'s age before ``at_ns`` and the counters from it up to ``ref``."""
-    t, on, raw = r
-    ages.append((at_ns - t) / 1e9)
-    ons.append((ref[1] - on) / 1e9)
-    waits.append((ref[2] - _wait(raw)) / 1e9)
-    runs.append(-1 if ref[3] is None else ref[3] - _runs(raw))
-
-
-def _interp(ring, t_ns: int) -> tuple[float, float] | None:
-    """Counters (on, wait) at ``t_ns``, linear between the readings around it;
-    None where no reading lies on one side of it."""
-    after = None
-    for t, on0, raw in reversed(ring):
-        if t <= t_ns:
-            w0 = _wait(raw)
-            if t == t_ns:
-                return float(on0), float(w0)
-            if after is None:
-                return None
-            t1, on1, w1 = after
-            f = (t_ns - t) / (t1 - t)
-            return on0 + f * (on1 - on0), w0 + f * (w1 - w0)
-        after = (t, on0, _wait(raw))
-    return None
-
 
 def thread_ids(pid: int | str = "self") -> set[int]:
     """The thread ids of a process (empty where /proc cannot be read)."""
@@ -566,7 +379,7 @@ def find_spinners(candidates: Iterable[int], sample_s: float = 0.5) -> set[int]:
     def read(tid: int) -> int | None:
         try:
             with open(SCHEDSTAT.format(tid=tid), "rb") as f:
-                wait = _wait(f.read())
+                wait = wait_ns(f.read())
             return _clock_ns(thread_clock_id(tid)) + wait
         except Exception:
             return None

@@ -15,6 +15,7 @@ import time
 from exporters.pipeline import get_recorder
 from kvrecord import semconv as sc
 from kvrecord.cpuclock import CLOCK
+from kvrecord.cpufigures import before_attrs
 from proxy.config import ProxyConfig
 
 logger = logging.getLogger("kvlens.proxy")
@@ -81,7 +82,7 @@ class RouterTelemetry:
         if self.rec is None:
             return
         try:
-            a = CLOCK.before_attrs(t0, {sc.ATTR_MODE: mode} if mode else {})
+            a = before_attrs(CLOCK, t0, {sc.ATTR_MODE: mode} if mode else {})
             # the loop's thread stamped t0: where the kernel's record is kept, prefill.respond's walk starts here
             a[sc.ATTR_CPU_TID] = threading.get_native_id()
             self.rec.record(sc.Phase.RELAY, tid, t0, t1, outcome, a or None)

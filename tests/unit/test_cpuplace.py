@@ -11,7 +11,7 @@ import collections
 
 import pytest
 
-from kvrecord import cpuclock
+from kvrecord import cpuclock, cpufigures
 from kvrecord import semconv as sc
 from kvtrace import cpusplit
 from kvtrace.tracemodel import Trace
@@ -34,19 +34,19 @@ def _clock(key, *readings):
 
 def test_lookback_gives_the_runs_since_each_reading_only_from_a_reading_at_its_instant():
     c = _clock(7, (T0, 0, 0, 10), (T0 + 5 * MS, MS, 0, 10), (T0 + 40 * MS, 3 * MS, 20 * MS, 11))
-    ages, ons, waits, runs = c.lookback(7, T0 + 40 * MS)
+    ages, ons, waits, runs = cpufigures.lookback(c.rings.get(7), T0 + 40 * MS)
     assert ages == pytest.approx([0.035, 0.040])
     assert waits == pytest.approx([0.020, 0.020]) and ons == pytest.approx([0.002, 0.003])
     assert runs == [1, 1]  # put on a CPU once since either (the wake-up that took the last reading)
     # no reading at the instant itself: the runs say nothing of it
-    assert c.lookback(7, T0 + 41 * MS)[3] == [-1, -1]
+    assert cpufigures.lookback(c.rings.get(7), T0 + 41 * MS)[3] == [-1, -1]
 
 
 def test_lookback_keeps_the_oldest_reading_of_a_burst():
     """decode.dispatch starts at D's alloc stamp; the step's own reading follows 0.2 ms later: the phase's
     start reading must not be dropped for the younger one (then the next lay a whole idle stretch back)."""
     c = _clock(7, (T0 - 900 * MS, 0, 0, 5), (T0, 0, 0, 6), (T0 + MS // 5, MS // 5, 0, 6), (T0 + 6 * MS, MS, 4 * MS, 7))
-    ages, _ons, waits, runs = c.lookback(7, T0 + 6 * MS)
+    ages, _ons, waits, runs = cpufigures.lookback(c.rings.get(7), T0 + 6 * MS)
     assert ages == pytest.approx([0.006, 0.906]) and waits == pytest.approx([0.004, 0.004]) and runs == [1, 2]
 
 
@@ -59,11 +59,12 @@ def test_landings_bound_where_another_threads_wait_ended():
         (T0 + 4 * MS, 0, 9 * MS, 2),  # 4 ms ended in (2, 4] ms
         (T0 + 6 * MS, 0, 10 * MS, 3),  # 1 ms ended in (4, 6] ms
     )
-    lo, hi, grew, newest = c.landings(key, T0 + 10 * MS)
+    lo, hi, grew, newest = cpufigures.landings(c.rings.get(key), T0 + 10 * MS)
     assert lo == pytest.approx([0.006, 0.008]) and hi == pytest.approx([0.004, 0.006])  # youngest first
     assert grew == pytest.approx([0.001, 0.004]) and newest == pytest.approx(0.004)
-    assert c.landings(key, T0 + 3 * MS) == ([], [], [], pytest.approx(0.001))  # read, but no growth before 3 ms
-    assert c.landings(-1, T0) == ([], [], [], None)  # no such ring
+    # read, but no growth before 3 ms
+    assert cpufigures.landings(c.rings.get(key), T0 + 3 * MS) == ([], [], [], pytest.approx(0.001))
+    assert cpufigures.landings(c.rings.get(-1), T0) == ([], [], [], None)  # no such ring
 
 
 class _S:

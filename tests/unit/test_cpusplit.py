@@ -10,7 +10,7 @@ import time
 import pytest
 
 from instrumented_connector import cputap
-from kvrecord import cpuclock
+from kvrecord import cpuclock, cpufigures
 from kvrecord import semconv as sc
 from kvtrace import cpusplit
 from kvtrace.tracemodel import Trace
@@ -32,13 +32,13 @@ def test_clock_splits_work_from_sleep_on_this_kernel():
         x += i
     time.sleep(0.05)  # off a CPU: the counters do not move
     t1 = clock.now()
-    w = clock.window(threading.get_native_id(), t0, t1)
+    w = cpufigures.window(clock.rings.get(threading.get_native_id()), t0, t1)
     wall = (t1 - t0) / 1e9
     assert w is not None and w.on_s > 0
     assert w.on_s + w.wait_s <= wall + 0.001  # closure: on + wait <= wall
     assert wall - w.on_s - w.wait_s >= 0.045  # the sleep is off-CPU
     # a reading after the end is not used for it; none before the start: unknown, not 0
-    assert clock.window(threading.get_native_id(), t0 - 10**9, t1) is None
+    assert cpufigures.window(clock.rings.get(threading.get_native_id()), t0 - 10**9, t1) is None
 
 
 @needs_schedstat
@@ -70,7 +70,7 @@ def test_spinner_found_and_interpolated():
         c = clock.now()
         clock.sample()
         start = a + (b - a) // 2
-        w = clock.spinner_window(th.native_id, start, c)
+        w = cpufigures.spinner_window(clock.rings.get(th.native_id), start, c)
         # interpolated within the readings around each end, never past the window's wall time; it spun, so the
         # window holds some of its runnable time (how much depends on how often it got a CPU since its last reading)
         wall = (c - start) / 1e9
@@ -263,7 +263,7 @@ def test_upstream_thread_of_another_process_is_read_per_step(tmp_path):
         time.sleep(0.05)
         read_once()
         t1 = time.time_ns()
-        w = clock.window(key, t0, t1)
+        w = cpufigures.window(clock.rings.get(key), t0, t1)
         assert w is not None and w.wait_s >= 0 and w.on_s >= 0
     finally:
         child.kill()
@@ -295,4 +295,4 @@ def test_a_thread_that_exits_costs_only_its_own_readings():
     assert clock.enabled and th.native_id not in clock.spinners
     t0 = clock.now()
     t1 = clock.now()
-    assert clock.window(threading.get_native_id(), t0, t1) is not None
+    assert cpufigures.window(clock.rings.get(threading.get_native_id()), t0, t1) is not None
