@@ -14,7 +14,7 @@ from kvlens import exits
 
 SUBCOMMANDS = {
     "up": ("kvlens.up", "start P and D (real vLLM with the instrumented connector) and the router"),
-    "proxy": ("proxy", "OpenAI-compatible P/D router that emits the root span per request"),
+    "proxy": ("proxy.cli", "OpenAI-compatible P/D router that emits the root span per request"),
     "bench": ("kvlens.bench", "push-vs-pull benchmark grid on a real stack"),
     "traces": ("kvlens.traces", "slowest requests by handoff, with a text waterfall"),
     "verdict": ("kvlens.verdict", "push vs pull on the live traffic of a window, like with like, with intervals"),

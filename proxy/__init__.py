@@ -35,31 +35,8 @@ Modules: ``config`` (ProxyConfig, Prefill, Decode), ``balancer``, ``intake`` (ch
 ``isolation`` (trace ids in use), ``bodies`` (what P and D get),
 ``exchange`` (one request: calls to P and D), ``retry``, ``dispatch`` (one
 function per mode/dispatch), ``relay`` (D's answer to the client, TTFT),
-``errors``, ``telemetry``, ``app`` (create_app, routes), ``cli``.
+``errors``, ``telemetry``, ``app`` (create_app, routes), ``cli`` (``kvlens
+proxy``: add_arguments, run). Each name is imported from the module that
+defines it; this package re-exports none (importing it pulls in nothing:
+``proxy.app`` brings fastapi, httpx and the telemetry pipeline, ~0.5 s).
 """
-
-from proxy.bodies import P_KV_PARAMS, overlapped_d_params, prefill_body
-from proxy.cli import add_arguments, run
-from proxy.config import Decode, Prefill, ProxyConfig
-
-__all__ = [
-    "P_KV_PARAMS",
-    "Decode",
-    "Prefill",
-    "ProxyConfig",
-    "add_arguments",
-    "create_app",
-    "overlapped_d_params",
-    "prefill_body",
-    "run",
-]
-
-
-def __getattr__(name: str):
-    if name == "create_app":
-        # start-up cost: the app pulls in fastapi, httpx and the telemetry
-        # pipeline (~0.5 s); ``kvlens --help`` imports this package for its flags
-        from proxy.app import create_app
-
-        return create_app
-    raise AttributeError(f"module 'proxy' has no attribute {name!r}")

@@ -26,7 +26,8 @@ import httpx
 import pytest
 
 from kvrecord import semconv as sc
-import proxy
+from proxy.bodies import overlapped_d_params, prefill_body
+from proxy.config import ProxyConfig
 import fault_harness as fh
 from stack_settings import FAULT_FREEZE_S, FAULT_KV_LEASE_S, FAULT_REGISTRATION_TIMEOUT_S
 
@@ -38,8 +39,8 @@ ENDPOINT = "/v1/completions"
 SLACK_S = 90.0
 
 
-def _cfg(stack) -> proxy.ProxyConfig:
-    return proxy.ProxyConfig(
+def _cfg(stack) -> ProxyConfig:
+    return ProxyConfig(
         prefill_url=stack.prefill_url,
         decode_url=stack.decode_url,
         mode="push",
@@ -56,7 +57,7 @@ def _body(tag: str) -> dict:
 
 def _d_body(stack, tid: str) -> dict:
     b = _body(tid)
-    b["kv_transfer_params"] = proxy.overlapped_d_params(_cfg(stack), ENDPOINT, tid)
+    b["kv_transfer_params"] = overlapped_d_params(_cfg(stack), ENDPOINT, tid)
     return b
 
 
@@ -275,14 +276,14 @@ def test_push_registration_that_cannot_reach_p(fault_push_stack, fault_prometheu
         hole.listen(8)  # accepts, never answers
         body = _body("unreachable")
         body["kv_transfer_params"] = {
-            **proxy.overlapped_d_params(_cfg(stack), ENDPOINT, tid),
+            **overlapped_d_params(_cfg(stack), ENDPOINT, tid),
             "remote_engine_id": "p-unreachable",
             "remote_port": hole.getsockname()[1],
         }
         det.start = time.time()
         d = fh.InFlight(stack.decode_url + ENDPOINT, body, tid)
         with httpx.Client(timeout=180) as c:
-            r = c.post(stack.prefill_url + ENDPOINT, json=proxy.prefill_body(_body(tid)), headers={"X-Request-Id": tid})
+            r = c.post(stack.prefill_url + ENDPOINT, json=prefill_body(_body(tid)), headers={"X-Request-Id": tid})
             assert r.status_code == 200, r.text
         d_status = d.wait(SLACK_S)
         det.mark("D answered")
@@ -344,7 +345,7 @@ def test_decode_killed_before_the_write_fails_on_p_and_p_keeps_serving(fault_pus
     assert d_result != 200, "D answered although it was killed"
 
     with httpx.Client(timeout=180) as c:
-        r = c.post(stack.prefill_url + ENDPOINT, json=proxy.prefill_body(_body(tid)), headers={"X-Request-Id": tid})
+        r = c.post(stack.prefill_url + ENDPOINT, json=prefill_body(_body(tid)), headers={"X-Request-Id": tid})
         assert r.status_code == 200, r.text
 
     done = asyncio.run(

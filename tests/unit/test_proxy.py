@@ -19,7 +19,9 @@ import pytest
 from opentelemetry.trace import format_span_id
 
 from kvrecord import ids
-import proxy
+from proxy.app import create_app
+from proxy.bodies import P_KV_PARAMS, overlapped_d_params, prefill_body
+from proxy.config import ProxyConfig
 from proxy import telemetry
 from proxy.sse import TextTimes
 from uvicorn_thread import serve
@@ -66,19 +68,17 @@ def test_prefill_body_and_overlapped_params():
         "stream_options": {"include_usage": True},
         "max_completion_tokens": 9,
     }
-    p = proxy.prefill_body(body)
+    p = prefill_body(body)
     assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["stream"] is False
     assert "min_tokens" not in p and "stream_options" not in p
     assert p["kv_transfer_params"]["do_remote_decode"] is True
     assert body["max_tokens"] == 50  # not mutated
-    cfg = proxy.ProxyConfig("http://p", "http://d", prefill_side_port=5600, kvlens_home="/tmp")
-    d = proxy.overlapped_d_params(cfg, "/v1/completions", "ab" * 16)
+    cfg = ProxyConfig("http://p", "http://d", prefill_side_port=5600, kvlens_home="/tmp")
+    d = overlapped_d_params(cfg, "/v1/completions", "ab" * 16)
     assert d["do_remote_prefill"] is True and d["remote_engine_id"] == "p0"
     assert d["remote_port"] == 5600 and d["tp_size"] == 1
     assert d["remote_request_id"] == f"cmpl-{'ab' * 16}-0"
-    assert proxy.overlapped_d_params(cfg, "/v1/chat/completions", "ab" * 16)["remote_request_id"] == (
-        f"chatcmpl-{'ab' * 16}"
-    )
+    assert overlapped_d_params(cfg, "/v1/chat/completions", "ab" * 16)["remote_request_id"] == (f"chatcmpl-{'ab' * 16}")
 
 
 def test_sse_first_text_across_chunks():
@@ -119,9 +119,9 @@ def recorder(monkeypatch) -> FakeRecorder:
 
 
 @contextlib.contextmanager
-def router(cfg: proxy.ProxyConfig) -> Iterator[str]:
+def router(cfg: ProxyConfig) -> Iterator[str]:
     """The real router app served by uvicorn on a loopback port, in a thread."""
-    with serve(proxy.create_app(cfg)) as url:
+    with serve(create_app(cfg)) as url:
         yield url
 
 
@@ -137,10 +137,8 @@ def pair(p_answer, d_answer=d_answers) -> Iterator[tuple[FakeVllm, FakeVllm]]:
         d.close()
 
 
-def _cfg(p: FakeVllm, d: FakeVllm, mode: str, dispatch: str, tmp_path) -> proxy.ProxyConfig:
-    return proxy.ProxyConfig(
-        p.url, d.url, mode=mode, dispatch=dispatch, prefill_side_port=5600, kvlens_home=str(tmp_path)
-    )
+def _cfg(p: FakeVllm, d: FakeVllm, mode: str, dispatch: str, tmp_path) -> ProxyConfig:
+    return ProxyConfig(p.url, d.url, mode=mode, dispatch=dispatch, prefill_side_port=5600, kvlens_home=str(tmp_path))
 
 
 # ------------------------------------------------------------ router app
@@ -158,7 +156,7 @@ def test_pull_hands_p_params_to_d_verbatim(tmp_path, recorder):
     (p_req,), (d_req,) = p.requests, d.requests
     assert p_req["headers"]["X-Request-Id"] == TID and d_req["headers"]["X-Request-Id"] == TID
     assert p_req["body"]["max_tokens"] == 1 and p_req["body"]["stream"] is False
-    assert p_req["body"]["kv_transfer_params"] == proxy.P_KV_PARAMS
+    assert p_req["body"]["kv_transfer_params"] == P_KV_PARAMS
     assert d_req["body"]["kv_transfer_params"] == P_KV
     assert d_req["body"]["max_tokens"] == 7 and d_req["body"]["model"] == "fake-model"
     assert d_req["t"] >= p_req["t"]
@@ -191,7 +189,7 @@ def test_overlapped_push_sends_d_at_once(tmp_path, recorder, stream):
     assert "hello" in r.text
     assert d_first.is_set(), "D got its request only after P answered"
     (d_req,) = d.requests
-    assert d_req["body"]["kv_transfer_params"] == proxy.overlapped_d_params(cfg, "/v1/completions", TID)
+    assert d_req["body"]["kv_transfer_params"] == overlapped_d_params(cfg, "/v1/completions", TID)
     assert d_req["headers"]["X-Request-Id"] == TID == p.requests[0]["headers"]["X-Request-Id"]
     (root,) = recorder.roots
     assert root[:2] == (TID, 0xB7AD6B7169203331) and root[4] == "ok"
@@ -308,7 +306,7 @@ def test_concurrent_requests_with_one_client_id_get_distinct_ids(tmp_path, recor
     remote = {req["body"]["kv_transfer_params"]["remote_request_id"] for req in d.requests}
     assert len(remote) == 2
     if mode == "push":
-        assert remote == {proxy.overlapped_d_params(cfg, "/v1/completions", u)["remote_request_id"] for u in used}
+        assert remote == {overlapped_d_params(cfg, "/v1/completions", u)["remote_request_id"] for u in used}
     roots = {r[0]: r for r in recorder.roots}
     assert set(roots) == set(used)
     fresh = next(u for u in used if u != TID)

@@ -13,7 +13,7 @@ import pytest
 from fakes import TID, FakeVllm, closed_port_url, d_echo, p_echo_id
 from test_proxy import _post, recorder, router  # noqa: F401 (recorder: a fixture)
 
-import proxy
+from proxy.bodies import overlapped_d_params
 from proxy.balancer import Balancer
 from proxy.config import Decode, Prefill, ProxyConfig
 
@@ -79,9 +79,9 @@ def test_config_lists_and_one_pair_names():
     with pytest.raises(ValueError, match="prefill engine ids must be distinct"):
         ProxyConfig.of([Prefill("http://a", "p0"), Prefill("http://b", "p0")], _decodes(1), kvlens_home="/tmp")
     # overlapped push: D is told the chosen P, not the first one
-    d = proxy.overlapped_d_params(cfg.prefills[1], "/v1/completions", TID)
+    d = overlapped_d_params(cfg.prefills[1], "/v1/completions", TID)
     assert (d["remote_engine_id"], d["remote_port"]) == ("p1", 5601)
-    assert proxy.overlapped_d_params(cfg, "/v1/completions", TID)["remote_engine_id"] == "p0"
+    assert overlapped_d_params(cfg, "/v1/completions", TID)["remote_engine_id"] == "p0"
 
 
 # ------------------------------------------------- the router, 2 P x 2 D

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from kvrecord import semconv as sc
-import proxy
+from proxy.app import create_app
+from proxy.config import Decode, Prefill, ProxyConfig
 from proxy import cli as proxy_cli
 from proxy import telemetry
 from proxy.split import Split, parse_split
@@ -55,8 +56,8 @@ def recorder(monkeypatch) -> FakeRecorder:
 
 
 @contextlib.contextmanager
-def router(cfg: proxy.ProxyConfig) -> Iterator[str]:
-    with serve(proxy.create_app(cfg)) as url:
+def router(cfg: ProxyConfig) -> Iterator[str]:
+    with serve(create_app(cfg)) as url:
         yield url
 
 
@@ -104,12 +105,12 @@ def fleet(pull_decode_down: bool = False):
                 d.close()
 
 
-def _mixed_cfg(fakes, tmp_path, **kw) -> proxy.ProxyConfig:
+def _mixed_cfg(fakes, tmp_path, **kw) -> ProxyConfig:
     (pp, pd), (lp, ld) = fakes["push"], fakes["pull"]
     ld_url = ld.url if ld is not None else closed_port_url()
-    return proxy.ProxyConfig.of(
-        [proxy.Prefill(pp.url, "p0", side_port=5600, mode="push"), proxy.Prefill(lp.url, "p1", mode="pull")],
-        [proxy.Decode(pd.url, "d0", mode="push"), proxy.Decode(ld_url, "d1", mode="pull")],
+    return ProxyConfig.of(
+        [Prefill(pp.url, "p0", side_port=5600, mode="push"), Prefill(lp.url, "p1", mode="pull")],
+        [Decode(pd.url, "d0", mode="push"), Decode(ld_url, "d1", mode="pull")],
         mode="push",
         kvlens_home=str(tmp_path),
         **kw,
@@ -272,7 +273,7 @@ def test_a_request_may_name_its_mode_and_is_then_not_drawn(tmp_path, recorder):
 def test_a_mode_without_instances_is_a_clear_error(tmp_path, recorder):
     p, d = FakeVllm(p_usage), FakeVllm(d_slow_stream)
     try:
-        cfg = proxy.ProxyConfig(p.url, d.url, mode="pull", kvlens_home=str(tmp_path))
+        cfg = ProxyConfig(p.url, d.url, mode="pull", kvlens_home=str(tmp_path))
         with router(cfg) as url:
             r = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers={"X-Kvlens-Mode": "push"}, timeout=20)
             assert r.status_code == 503 and "no push instances" in r.json()["error"]["message"]

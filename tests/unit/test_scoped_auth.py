@@ -21,7 +21,8 @@ import pytest
 
 from collect_proc import Collect
 from exporters import pipeline
-import proxy
+from proxy.app import create_app
+from proxy.config import ProxyConfig
 from kvrecord.config import COLLECTORS_ENV, TOKEN_ENV
 from test_collector import pb_body, record_spans, stored, trace_ids
 from test_collector_auth import _grpc_call
@@ -179,8 +180,8 @@ def test_token_refusal_rules(endpoint, marked, env, refused):
 
 
 @contextlib.contextmanager
-def _router(cfg: proxy.ProxyConfig):
-    with serve(proxy.create_app(cfg)) as url:
+def _router(cfg: ProxyConfig):
+    with serve(create_app(cfg)) as url:
         yield url
 
 
@@ -358,7 +359,7 @@ def test_the_router_slows_a_guesser_down(tmp_path):
     from frontdoor import backoff
 
     key = "sk-" + "k" * 24
-    cfg = proxy.ProxyConfig(
+    cfg = ProxyConfig(
         prefill_url="http://127.0.0.1:9", decode_url="http://127.0.0.1:9", mode="pull",
         kvlens_home=str(tmp_path), telemetry=False, api_key=key,
     )  # fmt: skip
@@ -381,7 +382,7 @@ def test_bench_reads_the_routers_mode_with_the_read_token(tmp_path, monkeypatch)
     from kvlens.bench.probe import probe_router
 
     p, d = FakeVllm(p_ok), FakeVllm(d_answers)
-    cfg = proxy.ProxyConfig(
+    cfg = ProxyConfig(
         prefill_url=p.url, decode_url=d.url, mode="pull", kvlens_home=str(tmp_path), telemetry=False,
         read_token=READ, token="all-roles-" + "t" * 16,
     )  # fmt: skip
