@@ -187,7 +187,7 @@ def is_stale(spans: Iterable[Any]) -> bool:
 
 
 def stuck(
-    conn: Any, *, since_ns: int | None, mode: str | None = None, limit: int = store.queries.OPEN_SPANS_LIMIT
+    conn: Any, *, since_ns: int | None, mode: str | None = None, limit: int = store.spanrows.OPEN_SPANS_LIMIT
 ) -> list[OpenSide]:
     """The handoffs stuck now (see the module docstring): open on a side and
     reported at or after ``since_ns``, oldest wait first; ``mode``: only

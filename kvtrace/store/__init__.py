@@ -55,17 +55,13 @@ from kvtrace.store.queries import (
     handoffs,
     halves,
     info,
-    named_spans,
-    open_spans,
-    open_spans_plan,
     parse_since,
     save_bench_rows,
     slowest,
     slowest_plan,
-    span_dict,
-    spans_for,
     window,
 )
+from kvtrace.store.spanrows import named_spans, open_spans, open_spans_plan, span_dict, spans_for
 from kvtrace.store.schema import SCHEMA_VERSION, checkpoint, connect, reading
 from kvtrace.store.retention import Retention, prune
 from kvtrace.store.exporter import StoreSpanExporter

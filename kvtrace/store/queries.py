@@ -22,8 +22,7 @@ from kvrecord.durations import parse_duration
 from kvtrace.store.columns import SPANS, SUMMARY_COLUMNS, check_names
 from kvtrace.store.dialect import POSTGRES, dialect_of
 from kvtrace.store.partitions import day_of
-from kvtrace.store.spanrows import _tuples, named_spans, span_dict, spans_for  # noqa: F401 (the store API)
-from kvtrace.store.spanrows import OPEN_SPANS_LIMIT, open_spans, open_spans_plan  # noqa: F401 (the store API)
+from kvtrace.store.spanrows import tuples
 from kvtrace.store.schema import PARAM, params, read_tx, write_tx
 
 #: Columns of :func:`handoffs` rows (the resolver's view of a settled trace).
@@ -176,7 +175,7 @@ def window(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int | No
     ``limit``: tuples in :data:`WINDOW_COLUMNS` order."""
     where, args = _where(conn, since_ns=since_ns, until_ns=until_ns)
     sql = f"SELECT {', '.join(WINDOW_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
-    return _tuples(conn, sql, [*args, int(limit)])
+    return tuples(conn, sql, [*args, int(limit)])
 
 
 def handoff_sample(
@@ -199,12 +198,12 @@ def handoff_sample(
     # of spans (3.7 s at 10 M spans; this: ~0.1 s on both backends).
     not_skipped = f" AND name NOT IN ({params(len(skip))})" if skip else ""
     with read_tx(conn):
-        traces = _tuples(conn, sample, [*args, int(limit)])
+        traces = tuples(conn, sample, [*args, int(limit)])
         spans: list[tuple] = []
         ids = [t[0] for t in traces]
         for i in range(0, len(ids), 500):
             chunk = ids[i : i + 500]
-            spans += _tuples(
+            spans += tuples(
                 conn,
                 f"SELECT {', '.join(SAMPLE_SPAN_COLUMNS)} FROM spans "
                 f"WHERE trace_id IN ({params(len(chunk))}){not_skipped}",
@@ -229,7 +228,7 @@ def attributes_of(
             f"SELECT trace_id, role, name, start_ns, end_ns, attributes FROM spans "
             f"WHERE trace_id IN ({params(len(chunk))}) AND name IN ({params(len(names))})"
         )
-        for tid, role, name, t0, t1, attrs in _tuples(conn, sql, [*chunk, *names]):
+        for tid, role, name, t0, t1, attrs in tuples(conn, sql, [*chunk, *names]):
             out[(tid, role, name, t0, t1)] = json.loads(attrs or "{}")
     return out
 
@@ -349,7 +348,7 @@ def pair_rows(conn: sqlite3.Connection, *, since_ns: int | None, until_ns: int |
     percentiles, which SQLite cannot compute, so the caller aggregates)."""
     where, args = _where(conn, since_ns=since_ns, until_ns=until_ns)
     sql = f"SELECT {', '.join(PAIR_COLUMNS)} FROM traces WHERE {where} ORDER BY start_ns DESC LIMIT {PARAM}"
-    return _tuples(conn, sql, [*args, int(limit)])
+    return tuples(conn, sql, [*args, int(limit)])
 
 
 def engines(conn: sqlite3.Connection) -> list[tuple[str | None, str | None]]:
@@ -368,4 +367,4 @@ def pair_clocks(conn: sqlite3.Connection) -> dict[tuple[str, str], dict[str, Any
         "SELECT p_engine, d_engine, COUNT(*), COUNT(clock_lo_s), MAX(clock_lo_s), MIN(clock_hi_s) FROM traces "
         "WHERE p_engine IS NOT NULL AND d_engine IS NOT NULL AND kv_ready_ns IS NOT NULL GROUP BY p_engine, d_engine"
     )
-    return {(p, d): {"n": n, "settled": k, "lo_s": lo, "hi_s": hi} for p, d, n, k, lo, hi in _tuples(conn, sql, ())}
+    return {(p, d): {"n": n, "settled": k, "lo_s": lo, "hi_s": hi} for p, d, n, k, lo, hi in tuples(conn, sql, ())}

@@ -13,7 +13,8 @@ from kvtrace.store.columns import SPAN_COLUMNS
 from kvtrace.store.schema import PARAM, params
 
 
-def _tuples(conn: sqlite3.Connection, sql: str, args: Sequence[Any]) -> list[tuple]:
+def tuples(conn: sqlite3.Connection, sql: str, args: Sequence[Any]) -> list[tuple]:
+    """The rows of ``sql`` as plain tuples (no row factory: the queries that read many rows)."""
     cur = conn.cursor()
     cur.row_factory = None  # plain tuples
     return cur.execute(sql, list(args)).fetchall()
@@ -62,7 +63,7 @@ def named_spans(
             f"WHERE trace_id IN ({params(len(chunk))}) AND name IN ({params(len(names))}) "
             "ORDER BY trace_id, start_ns, end_ns"
         )
-        for r in _tuples(conn, sql, [*decode, *chunk, *names]):
+        for r in tuples(conn, sql, [*decode, *chunk, *names]):
             yield r if r[6] is None else (*r[:6], json.loads(r[6]))  # most rows: as read, no copy
 
 
