@@ -91,7 +91,7 @@ from opentelemetry.trace import format_trace_id
 from prometheus_client import REGISTRY, CollectorRegistry, make_asgi_app, multiprocess
 
 from kvtrace import ranks
-from exporters.families import Families, families_for  # noqa: F401  (re-exported for tests)
+from exporters.families import families_for
 from exporters.spanobs import ROLE_LABELS, closed_label, label_table, plan
 from exporters.handoff import HandoffResolver
 from kvrecord import config

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from kvtrace import store, tiling, tracemodel
 from exporters.handoff import HandoffResolver
-from exporters.metrics import families_for
+from exporters.families import families_for
 from exporters.pipeline import provider_factory
 from kvrecord import ids
 from kvrecord import semconv as sc

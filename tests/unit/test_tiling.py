@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from kvtrace import ranks, store, tracemodel
 from exporters.handoff import HandoffResolver
-from exporters.metrics import PhaseMetricsProcessor, families_for
+from exporters.families import families_for
+from exporters.metrics import PhaseMetricsProcessor
 from exporters.pipeline import provider_factory
 from kvtrace.store import StoreSpanExporter
 from kvrecord import semconv as sc
