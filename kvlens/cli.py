@@ -1,6 +1,8 @@
 """``kvlens`` command line. Each subcommand lives in its own module exposing
-``add_arguments(parser)`` and ``run(args) -> int``; modules are imported only
-when their subcommand runs, so ``kvlens --help`` stays fast. Every command
+``add_arguments(parser)`` and ``run(args) -> int`` (or :class:`Sub` names
+the module that defines its flags: ``kvlens up``'s are in
+:mod:`kvlens.upargs`); modules are imported only when their subcommand runs,
+so ``kvlens --help`` stays fast. Every command
 exits with :mod:`kvlens.exits`' codes (2: bad input, as argparse's own)."""
 
 from __future__ import annotations
@@ -9,22 +11,35 @@ import argparse
 import importlib
 import logging
 import sys
+from typing import NamedTuple
 
 from kvlens import exits
 
+
+class Sub(NamedTuple):
+    """A subcommand: the module with its ``run(args)``, its help line, and
+    the module with its ``add_arguments(parser)`` where that is another."""
+
+    module: str
+    help: str
+    flags: str | None = None
+
+
 SUBCOMMANDS = {
-    "up": ("kvlens.up", "start P and D (real vLLM with the instrumented connector) and the router"),
-    "proxy": ("proxy.cli", "OpenAI-compatible P/D router that emits the root span per request"),
-    "bench": ("kvlens.bench", "push-vs-pull benchmark grid on a real stack"),
-    "traces": ("kvlens.traces", "slowest requests by handoff, with a text waterfall"),
-    "verdict": ("kvlens.verdict", "push vs pull on the live traffic of a window, like with like, with intervals"),
-    "whatif": ("kvlens.whatif", "the other mode's handoff and TTFT, predicted from one mode's traces"),
-    "dashboard": ("kvlens.dashboard_cmd", "start the Streamlit dashboard"),
-    "collect": (
+    "up": Sub(
+        "kvlens.up", "start P and D (real vLLM with the instrumented connector) and the router", flags="kvlens.upargs"
+    ),
+    "proxy": Sub("proxy.cli", "OpenAI-compatible P/D router that emits the root span per request"),
+    "bench": Sub("kvlens.bench.cli", "push-vs-pull benchmark grid on a real stack"),
+    "traces": Sub("kvlens.traces", "slowest requests by handoff, with a text waterfall"),
+    "verdict": Sub("kvlens.verdict", "push vs pull on the live traffic of a window, like with like, with intervals"),
+    "whatif": Sub("kvlens.whatif", "the other mode's handoff and TTFT, predicted from one mode's traces"),
+    "dashboard": Sub("kvlens.dashboard_cmd", "start the Streamlit dashboard"),
+    "collect": Sub(
         "kvlens.collect",
         "OTLP/HTTP and OTLP/gRPC span receiver writing the trace store (P, D, router on several hosts)",
     ),
-    "demo": ("kvlens.demo", "the main job: model, push and pull runs, table, traces, dashboard"),
+    "demo": Sub("kvlens.demo", "the main job: model, push and pull runs, table, traces, dashboard"),
 }
 
 
@@ -36,10 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (modname, help_) in SUBCOMMANDS.items():
+    for name, (modname, help_, flags) in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.set_defaults(_module=modname)
-        importlib.import_module(modname).add_arguments(sp)
+        importlib.import_module(flags or modname).add_arguments(sp)
     return p
 
 

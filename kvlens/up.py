@@ -23,7 +23,6 @@ from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.errors import StackError
 from kvlens.stack.instances import check_routers
 from kvlens.stack.launch import Stack
-from kvlens.upargs import add_arguments  # noqa: F401 - kvlens.cli registers the command through this module
 from kvlens.stack.supervise import signals_ignored
 from kvlens.stack.tp import tp_note
 from kvrecord.config import TOKEN_ENV, client_token

@@ -37,11 +37,7 @@ store join, the row), :mod:`.probe` (what a router says about itself),
 :mod:`.load` (the HTTP load loop), :mod:`.report` (table, findings,
 cross-checks), :mod:`.rounds` (ABBA order, pooled rows, intervals),
 :mod:`.runner` (routers or started stacks), :mod:`.cli`.
-The package itself is the command (``add_arguments``, ``run``: what
-:mod:`kvlens.cli` loads by name); everything else is imported from the
-module that defines it.
+:mod:`.cli` is the command (``add_arguments``, ``run``: what
+:mod:`kvlens.cli` loads by name); every name is imported from the module
+that defines it (this package re-exports none).
 """
-
-from kvlens.bench.cli import add_arguments, run
-
-__all__ = ["add_arguments", "run"]

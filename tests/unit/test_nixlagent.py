@@ -172,12 +172,12 @@ def _extra(child) -> dict:
 
 
 def test_up_nixl_progress_off_sets_the_option_in_every_engine_and_skips_the_spinners(tmp_path):
-    from kvlens import up
+    from kvlens import up, upargs
     from kvlens.stack import spinners
     from kvlens.stack.errors import StackError
 
     p = argparse.ArgumentParser()
-    up.add_arguments(p)
+    upargs.add_arguments(p)
     args = p.parse_args(["--mode", "pull", "--nixl-progress", "off", "--log-dir", str(tmp_path / "run")])
     assert up._stack(args).nixl_progress == "off"
     s = _stack(tmp_path, nixl_progress="off", connector_options={"kvlens_metrics": "off"})

@@ -469,7 +469,7 @@ def test_mixed_stack_numbers_push_then_pull_and_tags_the_router(tmp_path):
 def test_up_split_reaches_the_router_and_needs_a_mixed_fleet(tmp_path):
     import argparse as _argparse
 
-    from kvlens import up
+    from kvlens import upargs
     from kvlens.stack.errors import StackError
     from kvlens.stack.launch import Stack
 
@@ -482,7 +482,7 @@ def test_up_split_reaches_the_router_and_needs_a_mixed_fleet(tmp_path):
     with pytest.raises(StackError, match="--split needs --mode push,pull"):
         Stack(mode="push", kvlens_home=tmp_path, split=0.3)
     p = _argparse.ArgumentParser()
-    up.add_arguments(p)
+    upargs.add_arguments(p)
     assert p.parse_args(["--mode", "pull,push", "--split", "pull=0.75"]).split == 0.25
     with pytest.raises(SystemExit):
         p.parse_args(["--mode", "push,sideways"])

@@ -72,10 +72,10 @@ def test_what_vllm_router_cannot_do_is_refused_before_anything_starts(tmp_path, 
 def test_up_flags_reach_the_stack(tmp_path):
     import argparse
 
-    from kvlens import up
+    from kvlens import up, upargs
 
     p = argparse.ArgumentParser()
-    up.add_arguments(p)
+    upargs.add_arguments(p)
     args = p.parse_args(
         [
             "--mode",

@@ -88,10 +88,10 @@ def test_a_size_per_instance_must_match_the_instances(tmp_path, capsys):
 def test_tp_flags_reach_the_stack(tmp_path):
     import argparse
 
-    from kvlens import up
+    from kvlens import up, upargs
 
     p = argparse.ArgumentParser()
-    up.add_arguments(p)
+    upargs.add_arguments(p)
 
     def stack(*argv):
         return up._stack(p.parse_args(["--mode", "pull", "--log-dir", str(tmp_path / "run"), *argv]))

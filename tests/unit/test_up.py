@@ -284,12 +284,12 @@ def test_api_key_reaches_p_d_and_router_through_the_environment_only(tmp_path, m
 def test_up_api_key_flag(tmp_path, monkeypatch):
     import argparse
 
-    from kvlens import up
+    from kvlens import up, upargs
 
     monkeypatch.delenv("KVLENS_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     p = argparse.ArgumentParser()
-    up.add_arguments(p)
+    upargs.add_arguments(p)
     args = p.parse_args(
         ["--mode", "pull", "--api-key", "sk-flag", "--model", str(tmp_path), "--log-dir", str(tmp_path / "run")]
     )
