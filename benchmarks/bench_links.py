@@ -11,7 +11,7 @@ also the what-if validation: each mode predicted from the other's traces
 measured, and each mode's median tiled phases:
 
     .venv/bin/python benchmarks/bench_links.py [--delays 0,1,5,20] [--tokens 256,2048] [--qps 1,4] \\
-        [--requests 16] [--out FILE]
+        [--requests 16] [--sched-trace] [--out FILE]
     .venv/bin/python benchmarks/bench_links.py --table FILE [FILE ...]   # the tables of earlier runs, merged
 
 Root only (network namespaces). Delay 0 keeps the delayers in the path with
@@ -41,7 +41,7 @@ from kvlens.bench.runner import bench_routers, new_run, stack_targets
 from kvlens.signals import sigterm_as_interrupt
 from kvlens.stack.launch import Stack
 from kvlens.stack.supervise import signals_ignored
-from kvtrace import benchrows
+from kvtrace import benchrows, schedtrace
 
 #: The links the delay goes on (both directions of each).
 LINKS = ("p-d", "router-d")
@@ -87,8 +87,9 @@ def reshaped_run(stack: Stack, delay_ms: float, opts: BenchOptions):
     return targets, bench_routers(targets, o, run=new_run(o))
 
 
-def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions) -> dict:
-    """Re-shape the links to ``delay_ms``, probe them, run the grid, check the what-if per cell."""
+def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions, sched_dir: Path | None = None) -> dict:
+    """Re-shape the links to ``delay_ms``, probe them, run the grid, check the what-if per cell
+    (with ``sched_dir``, the CPU split walked through the kernel's record kept there, read after each cell)."""
     t0 = time.monotonic()
     targets, run = reshaped_run(stack, delay_ms, opts)
     link = targets[0].link
@@ -99,6 +100,14 @@ def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions) -> dict:
             cells = [c for c in run.cells if c.input_len == tokens and c.qps == qps]
             tids = [r.trace for c in cells for r in c.results if r.ok]
             traces = list(settled(stack.store, tids, timeout_s=opts.trace_wait_s).values())
+            if sched_dir is not None:  # the live record, while the cell's requests are still in its buffer
+                t0_read = time.monotonic()
+                tl = schedtrace.load(sched_dir)
+                covered = sum(1 for t in traces if t.start_ns and t.end_ns and tl.covers(t.start_ns, t.end_ns))
+                traces = [replace(t, sched=tl) for t in traces]
+                print(f"  {cell}: kernel record read in {time.monotonic() - t0_read:.0f}s, covers {covered} of "
+                      f"{len(traces)} requests (lost events {tl.lost}, missed switch-ins {tl.missed}, TCP "
+                      f"tracepoints {'on' if tl.net else 'off'})", flush=True)  # fmt: skip
             for mode in ("push", "pull"):
                 mine = [t for t in traces if t.mode == mode]
                 med = phase_medians(mine)
@@ -222,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None, help="model dir (default: the generated tiny model)")
     ap.add_argument("--out", type=Path, default=None, help="write each delay's figures here as JSON (as they come)")
     ap.add_argument("--table", type=Path, nargs="+", default=None, help="only print the tables of these --out files")
+    ap.add_argument("--sched-trace", action="store_true",
+                    help="keep the kernel's scheduler record (as kvlens up --sched-trace) and give the what-if the "
+                    "CPU split walked through it: every phase's CPU wait, the transfer's from its TCP tracepoints")  # fmt: skip
     a = ap.parse_args(argv)
     if a.table:
         print_tables([d for f in a.table for d in json.loads(f.read_text())["delays"]])
@@ -240,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mixed --hosts fleet up in {time.monotonic() - t0:.0f}s: {stack.router_url}", flush=True)
             opts = BenchOptions(qps=a.qps, input_lens=a.tokens, output_len=a.output_len, num_prompts=a.requests,
                                 seed=a.seed, store=str(stack.store.path), model=stack.model, trace_wait_s=60.0)  # fmt: skip
+            sched_dir = stack.record_sched().folder if a.sched_trace else None
             for d in a.delays:
-                delays.append(run_delay(stack, d, opts))
+                delays.append(run_delay(stack, d, opts, sched_dir))
                 if a.out:
                     a.out.write_text(json.dumps({"delays": delays}, indent=1) + "\n")
         except KeyboardInterrupt:

@@ -33,7 +33,10 @@ threads poll for (:data:`POLLED`) takes its figures from its critical path
 walked back through that record instead (:func:`kernel_figures`): the
 thread that stamped its end, the threads that woke it, across processes,
 up to an interrupt's wake-up (before it, off-CPU). Those figures are
-exact, not bounds.
+exact, not bounds. Where the record kept the kernel's TCP tracepoints too,
+the polled crossings get their CPU wait from it (:func:`polled_wait`: data
+that had arrived, waiting for a starved reader); their CPU work stays
+unknown (the pollers spin), the rest is the wire's.
 
 Pure functions of a :class:`kvtrace.tracemodel.Trace`-like object.
 """
@@ -246,6 +249,51 @@ def kernel_figures(sched: Any, name: str, start_ns: int, end_ns: int, tid: int |
     return PhaseCpu(w.on_ns / 1e9, w.wait_ns / 1e9)
 
 
+def polled_wait(sched: Any, start_ns: int, end_ns: int, tgids: Iterable[int]) -> float | None:
+    """A polled crossing's CPU wait (:data:`POLLED`) from the kernel's record
+    with its TCP tracepoints (:meth:`kvtrace.schedtrace.Timeline.starved_ns`):
+    how long data that had reached a socket of the request's engines
+    (``tgids``) waited there for a reader that waited for a CPU. None where
+    the record lacks the tracepoints or does not cover the stretch."""
+    if sched is None or not getattr(sched, "net", False) or end_ns <= start_ns or not sched.covers(start_ns, end_ns):
+        return None
+    return sched.starved_ns(tgids, start_ns, end_ns) / 1e9
+
+
+def polled_figures(sched: Any, name: str, span: Any, tgids: frozenset[int], rec: Mapping) -> PhaseCpu | None:
+    """A polled crossing's figures (``span``: its interval) from the kernel's
+    record with its TCP tracepoints; None where it has none
+    (:func:`polled_wait`). The transfer itself (``*.wire``, ended where NIXL
+    saw it done): the data's wait for starved readers. A crossing a thread
+    of ours stamps the end of (``write.notify``, D's engine loop noticing
+    P's notification): up to the last read from a socket in that thread's
+    process (the notification taken in by its progress thread), the same;
+    from there to the end its critical path is walked back from that thread
+    (:func:`kernel_figures`' walk: the engine loop late to notice, or
+    working), its CPU work counted."""
+    wait = polled_wait(sched, span.start_ns, span.end_ns, tgids)
+    if wait is None or name not in _ENDS:
+        return None if wait is None else PhaseCpu(0.0, wait)
+    tid = ending_tid(name, None, [rec.get(e) for e in _ENDS[name]])
+    pid = sched.tgid.get(tid) if tid is not None else None
+    got = sched.last_read((pid,), span.start_ns, span.end_ns) if pid is not None else None
+    if got is None:
+        return PhaseCpu(0.0, wait)
+    w = sched.walk(tid, got, span.end_ns)
+    return PhaseCpu(w.on_ns / 1e9, sched.starved_ns(tgids, span.start_ns, got) / 1e9 + w.wait_ns / 1e9)
+
+
+def engine_tgids(sched: Any, spans: Iterable[Any]) -> frozenset[int]:
+    """The processes of the threads that recorded ``spans`` (their ``kvlens.cpu.tid``), per the kernel's record:
+    the request's engines (their workers, on P and on D)."""
+    out = set()
+    for s in spans:
+        tid = (s.attributes or {}).get(sc.ATTR_CPU_TID)
+        if isinstance(tid, int) and (pid := sched.tgid.get(tid)) is not None:
+            out.add(pid)
+    return frozenset(out)
+
+
 def ending_tid(name: str, own: Any, ends: Iterable[Any]) -> int | None:
     """The thread that stamped phase ``name``'s end: a recorded phase's own
     (``own``'s ``kvlens.cpu.tid``); a derived phase's, the thread that
@@ -275,6 +323,14 @@ POLLED = WIRE_PARTS | {sc.Phase.WRITE_NOTIFY.value}
 #: recorded phases whose start is stamped by the engine's upstream thread (``kvlens.cpu.up.pid``'s main
 #: thread), not by the thread that ends them: vLLM's ``Request.arrival_time``, set in the API server
 _UP_STAMPED = frozenset({sc.Phase.DECODE_QUEUE.value})
+#: Said of a polled crossing whose CPU wait comes from the kernel's record with its TCP tracepoints.
+NET_NOTE = (
+    "from the kernel's record with its TCP tracepoints (kvlens up --sched-trace): CPU wait is the time data that "
+    "had reached a socket of the request's engines (tcp_probe) waited there while the thread that then read it "
+    "(tcp_rcv_space_adjust) waited for a CPU; the rest is the wire, the peer and the pollers' own polling and "
+    "work (they spin: their CPU work is not told from their polling). Not seen: a sender starved while its socket "
+    "had room (counted with the wire), and the engine loop's wait after the progress thread received the data"
+)
 #: Said of a phase whose figures come from the kernel's record.
 KERNEL_NOTE = (
     "from the kernel's scheduler record (kvlens up --sched-trace): its critical path walked back through "
@@ -323,8 +379,20 @@ def handoff_cpu(trace: Any, sched: Any = None) -> HandoffCpu:
     po: dict[str, float | None] = {}
     notes: dict[str, str] = {}
     derived = {(s.role, s.name): s for s in trace.spans if (s.attributes or {}).get(sc.ATTR_DERIVED)}
+    tgids = engine_tgids(sched, rec.values()) if sched is not None and getattr(sched, "net", False) else frozenset()
     for (role, name), ns in tiling.phases.items():
         src = rec.get((role, _PARENT.get(name, name)))
+        span = derived.get((role, name)) if name in POLLED and tgids else None
+        pf = polled_figures(sched, name, span, tgids, rec) if span is not None else None
+        if pf is not None:  # the polled crossing's CPU wait, from the record's TCP tracepoints
+            share = min(ns / max(span.end_ns - span.start_ns, 1), 1.0)
+            w = min(pf.wait_s * share, ns / 1e9)
+            o = min(pf.on_s * share, ns / 1e9 - w)
+            wait, on, known = wait + w, on + o, True
+            pw[name] = (pw.get(name) or 0.0) + w
+            po.setdefault(name, None)  # the pollers spin: their work is not told from their polling
+            notes[name] = NET_NOTE
+            continue
         if name in WIRE_PARTS:
             unknown += ns / 1e9
             pw.setdefault(name, None)

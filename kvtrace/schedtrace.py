@@ -27,7 +27,14 @@ A thread that polls (NIXL's progress thread, the engine loop waiting for
 DONE inside a transfer) is never woken: the walk cannot see what it polled
 for, and its CPU wait while the thing had not arrived is not the path's. The
 transfer itself (``*.wire``) and push's notification to D (``write.notify``)
-are therefore not walked (:data:`kvtrace.cpusplit.POLLED`).
+are therefore not walked (:data:`kvtrace.cpusplit.POLLED`). Where the
+recording also kept the kernel's TCP tracepoints (:attr:`Timeline.net`),
+what a poller polls for can be seen: a segment with data reaching a socket
+(``tcp_probe``, in the receiving softirq) and the next read from that socket
+(``tcp_rcv_space_adjust``, by the thread that read it). Between the two the
+data waited for its reader; the stretches of it the reader spent runnable,
+not running, are the transfer's CPU wait (:meth:`Timeline.starved_ns`). A
+poller's wait while nothing had arrived is not counted: that is the wire's.
 
 No I/O at import; :func:`load` reads the record.
 """
@@ -47,6 +54,8 @@ META = "sched.json"
 TEXT = "sched.trace"
 #: Written by the recorder's holder once the kernel records: its pid (its mount namespace holds tracefs).
 READY = "sched.ready"
+#: Written by the holder where the kernel's TCP tracepoints are on too (``tcp_probe``, ``tcp_rcv_space_adjust``).
+NET = "sched.net"
 #: Where tracefs is (mounted by the holder, in its own mount namespace, where it is not).
 TRACEFS = "/sys/kernel/tracing"
 #: trace flag bits (the kernel's ``trace_flag_type``): a wake-up in one of these contexts came from an interrupt.
@@ -98,14 +107,63 @@ class Timeline:
     #: switch-outs of a thread whose switch-in the record does not hold (once in ~40 runs under a SCHED_FIFO
     #: hog here, a thread migrated to the other CPU): no wait is counted across such a gap; a walk stops there
     missed: int = 0
+    #: tid -> sorted (arrived, read): data reached a socket (the first segment since that socket's last read)
+    #: and waited there until this thread read it (the TCP tracepoints; empty without them)
+    pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    #: whether the TCP tracepoints were recorded (:data:`NET`): without them :meth:`starved_ns` is unknown
+    net: bool = False
 
     def __post_init__(self) -> None:
         self._run_starts = {k: [a for a, _ in v] for k, v in self.runs.items()}
         self._wait_ends = {k: [b for _, b in v] for k, v in self.waits.items()}
         self._ready_ts = {k: [x[0] for x in v] for k, v in self.readies.items()}
+        self._reads = {k: sorted(r for _, r in v) for k, v in self.pending.items()}
 
     def covers(self, start_ns: int, end_ns: int) -> bool:
         return self.first_ns <= start_ns and end_ns <= self.last_ns
+
+    def starved_ns(self, tgids: Iterable[int], start_ns: int, end_ns: int) -> int:
+        """How long, within ``[start_ns, end_ns]``, data that had reached a
+        socket of one of the processes ``tgids`` waited there while the thread
+        that then read it waited for a CPU (runnable, not running): the
+        stretches of :attr:`pending` that lie in that thread's runnable
+        waits, merged over the threads (two starved at once count once)."""
+        procs = set(tgids)
+        cut: list[tuple[int, int]] = []
+        for tid, spans in self.pending.items():
+            if self.tgid.get(tid) not in procs:
+                continue
+            waits = self.waits.get(tid, [])
+            for a, r in spans:
+                lo, hi = max(a, start_ns), min(r, end_ns)
+                if hi <= lo:
+                    continue
+                i = max(bisect.bisect_right(self._wait_ends.get(tid, []), lo), 0)
+                while i < len(waits) and waits[i][0] < hi:
+                    w0, w1 = max(waits[i][0], lo), min(waits[i][1], hi)
+                    if w1 > w0:
+                        cut.append((w0, w1))
+                    i += 1
+        total, reach = 0, start_ns
+        for a, b in sorted(cut):
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return total
+
+    def last_read(self, tgids: Iterable[int], start_ns: int, end_ns: int) -> int | None:
+        """When a thread of the processes ``tgids`` last read data from a
+        socket within ``[start_ns, end_ns]`` (:attr:`pending`'s reads), or
+        None: where a polled crossing's data entered the process."""
+        procs = set(tgids)
+        best = None
+        for tid, reads in self._reads.items():
+            if self.tgid.get(tid) not in procs:
+                continue
+            i = bisect.bisect_right(reads, end_ns) - 1
+            if i >= 0 and reads[i] >= start_ns and (best is None or reads[i] > best):
+                best = reads[i]
+        return best
 
     def _run_before(self, tid: int, t: int) -> tuple[int, int] | None:
         i = bisect.bisect_left(self._run_starts.get(tid, []), t) - 1
@@ -164,12 +222,13 @@ class Timeline:
         return Walk(on, wait, max(t, start_ns), tuple(tids))
 
 
-def parse(lines: Iterable[str], offset_ns: int, own: frozenset[int] = frozenset()) -> Timeline:
+def parse(lines: Iterable[str], offset_ns: int, own: frozenset[int] = frozenset(), net: bool = False) -> Timeline:
     """A :class:`Timeline` from the trace text's ``lines`` (``record-tgid``);
     ``offset_ns``: wall clock minus the record's clock (CLOCK_MONOTONIC).
     The record covers the stretch every CPU's events cover (a ring buffer
     that wrapped keeps each CPU's newest); lost events are counted, and so
-    are switch-outs whose switch-in is missing (:attr:`Timeline.missed`)."""
+    are switch-outs whose switch-in is missing (:attr:`Timeline.missed`).
+    ``net``: the TCP tracepoints were recorded too (:attr:`Timeline.net`)."""
     runs: dict[int, list] = {}
     waits: dict[int, list] = {}
     readies: dict[int, list] = {}
@@ -180,6 +239,8 @@ def parse(lines: Iterable[str], offset_ns: int, own: frozenset[int] = frozenset(
     last = 0
     lost = missed = 0
     seen: set[int] = set()
+    arrived: dict[str, int] = {}  # socket cookie -> the first data segment since its last read
+    pending: dict[int, list] = {}
     for line in lines:
         m = _LINE.match(line)
         if m is None:
@@ -208,6 +269,14 @@ def parse(lines: Iterable[str], offset_ns: int, own: frozenset[int] = frozenset(
             if nxt in ready:
                 waits.setdefault(nxt, []).append((ready.pop(nxt), t))
             on[nxt] = t
+        elif event == "tcp_probe":  # data reached a socket (the recorder's filter: data_len > 0)
+            cookie = f.get("sock_cookie")
+            if cookie is not None and f.get("data_len", "1") != "0":
+                arrived.setdefault(cookie, t)
+        elif event == "tcp_rcv_space_adjust":  # this thread read from the socket
+            a = arrived.pop(f.get("sock_cookie", ""), None)
+            if a is not None and t > a:
+                pending.setdefault(int(cur), []).append((a, t))
         elif event in ("sched_wakeup", "sched_wakeup_new"):
             woken = int(f.get("pid", -1))
             seen.add(woken)
@@ -215,10 +284,12 @@ def parse(lines: Iterable[str], offset_ns: int, own: frozenset[int] = frozenset(
                 ctx = _CONTEXT.get(flags[2:3], 0) if len(flags) >= 3 else 0
                 ready[woken] = t
                 readies.setdefault(woken, []).append((t, int(cur), ctx))
-    for d in (runs, waits, readies):
+    for d in (runs, waits, readies, pending):
         for v in d.values():
             v.sort()
-    return Timeline(runs, waits, readies, tgid, frozenset(own), max(first.values(), default=0), last, lost, missed)
+    return Timeline(
+        runs, waits, readies, tgid, frozenset(own), max(first.values(), default=0), last, lost, missed, pending, net
+    )
 
 
 def _live(meta: dict) -> Path | None:
@@ -245,6 +316,7 @@ def load(folder: Path | str) -> Timeline:
         raise SchedUnavailable(f"the kernel scheduler record in {folder} has no data (stopped before it was written?)")
     try:
         with open(src, errors="replace") as fh:
-            return parse(fh, int(meta["offset_ns"]), frozenset(int(x) for x in meta.get("pids") or ()))
+            own = frozenset(int(x) for x in meta.get("pids") or ())
+            return parse(fh, int(meta["offset_ns"]), own, bool(meta.get("net")))
     except (OSError, KeyError, ValueError) as e:
         raise SchedUnavailable(f"cannot read the kernel scheduler record {src}: {e}") from None

@@ -126,8 +126,13 @@ def _waits(from_mode: str, t: Trace, extra: float, queue: float) -> tuple[float 
     pw = cpu.phases_wait_s
 
     def total(phases) -> float | None:
-        # the transfer itself has no separable CPU wait (cpusplit.WIRE_NOTE): none is removed from it
-        vals = [pw[p.value] for p in phases if p.value in pw and p.value not in cpusplit.WIRE_PARTS]
+        # the transfer itself has a CPU wait only from the kernel's record with its TCP tracepoints
+        # (cpusplit.polled_wait); without it none is removed from it (cpusplit.WIRE_NOTE)
+        vals = [
+            pw[p.value]
+            for p in phases
+            if p.value in pw and not (p.value in cpusplit.WIRE_PARTS and pw[p.value] is None)
+        ]
         return None if any(v is None for v in vals) else sum(vals)
 
     kept, wire = total(KEPT[from_mode]), total(_WIRE[from_mode])

@@ -5,7 +5,10 @@ critical path through (docs/phases.md, "The kernel's record").
 The kernel records them itself, into a tracefs instance of its own
 (``instances/kvlens-<pid>-<n>``): ``sched_switch``, ``sched_wakeup`` and
 ``sched_wakeup_new`` on every CPU, on CLOCK_MONOTONIC, with each event's
-process id and interrupt context, in a ring buffer per CPU
+process id and interrupt context, and where the kernel has them the TCP
+tracepoints that say when data reached a socket and when a thread read it
+(``tcp_probe`` with data, ``tcp_rcv_space_adjust``: the transfer's CPU wait,
+:meth:`kvtrace.schedtrace.Timeline.starved_ns`; ``sched.net`` says they were on), in a ring buffer per CPU
 (:func:`buffer_kb`: 128 MiB in all, at most 64 MiB a CPU) that keeps the
 newest events (the memory it takes is bounded; a long run keeps its last
 stretch). No process of ours copies events out while the stack serves: a first version ran ``perf record``, and on this 2-core host
@@ -42,7 +45,7 @@ from typing import Iterable
 
 from kvrecord.children import ChildProcess
 from kvlens.stack.errors import StackError
-from kvtrace.schedtrace import META, READY, TEXT, TRACEFS
+from kvtrace.schedtrace import META, NET, READY, TEXT, TRACEFS
 
 logger = logging.getLogger("kvlens.up")
 
@@ -93,6 +96,13 @@ echo mono > "$I/trace_clock" && echo "$2" > "$I/buffer_size_kb" && echo 1 > "$I/
   && echo 1 > "$I/events/sched/sched_switch/enable" && echo 1 > "$I/events/sched/sched_wakeup/enable" \
   && echo 1 > "$I/events/sched/sched_wakeup_new/enable" && echo 1 > "$I/tracing_on" \
   || { echo "cannot set up the tracefs instance $I" >&2; echo 0 > "$I/events/enable"; rmdir "$I"; exit 5; }
+# the transfer's sockets, where the kernel has the tracepoints: a segment that brought data (tcp_probe, in the
+# receiving softirq) and a read from a socket (tcp_rcv_space_adjust, by the reading thread); kvtrace.schedtrace
+E="$I/events/tcp"
+if [ -d "$E/tcp_probe" ] && [ -d "$E/tcp_rcv_space_adjust" ] && echo 'data_len > 0' > "$E/tcp_probe/filter" \
+  && echo 1 > "$E/tcp_probe/enable" && echo 1 > "$E/tcp_rcv_space_adjust/enable"; then
+  echo 1 > "$F/sched.net"  # kvtrace.schedtrace.NET
+fi
 echo "$$" > "$F/sched.ready"
 while :; do sleep 3600 & wait $!; done
 """
@@ -149,7 +159,7 @@ class SchedRecording:
     def start(self) -> "SchedRecording":
         check()
         self.folder.mkdir(parents=True, exist_ok=True)
-        for old in (TEXT, READY, META):
+        for old in (TEXT, READY, META, NET):
             (self.folder / old).unlink(missing_ok=True)
         argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", HOLDER, "sh"]
         argv += [self.instance, str(buffer_kb()), str(self.folder)]
@@ -169,6 +179,8 @@ class SchedRecording:
             "instance": self.instance,
             "holder_pid": int((self.folder / READY).read_text().strip() or 0),
             "buffer_kb": buffer_kb(),
+            # the TCP tracepoints were on: the transfer's CPU wait can be read (kvtrace.schedtrace.Timeline.net)
+            "net": (self.folder / NET).exists(),
         }
         self._write_meta()
         self.say(f"kernel scheduler record: {self.folder} (tracefs instance {self.instance}, {buffer_kb()} KiB a CPU)")

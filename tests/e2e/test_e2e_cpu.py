@@ -162,6 +162,16 @@ def _contention(stack, mode: str) -> None:
     _closure(during["traces"])
 
 
+def _polled(figs: dict) -> dict:
+    """The polled crossings' median CPU wait (ms) where the record's TCP tracepoints gave one."""
+    got: dict[str, list[float]] = {}
+    for h in figs["splits"]:
+        for name, w in h.phases_wait_s.items():
+            if w is not None and h.notes.get(name) == cpusplit.NET_NOTE:
+                got.setdefault(name, []).append(w)
+    return {k: round(statistics.median(v) * 1e3, 1) for k, v in got.items()}
+
+
 def _kernel_answer(sched, mode: str, before: dict, during: dict) -> None:
     """The known answer with the kernel's record: >= 70 % of the rise in the part with figures is CPU wait,
     and every phase's walked figures close (on-CPU + CPU wait <= its time on the path)."""
@@ -169,7 +179,7 @@ def _kernel_answer(sched, mode: str, before: dict, during: dict) -> None:
     for h, t in zip(kd["splits"], during["traces"].values()):
         path = {name: ns / 1e9 for (_r, name), ns in t.tiling().phases.items()}
         for name, w in h.phases_wait_s.items():
-            if w is not None and h.notes.get(name) == cpusplit.KERNEL_NOTE:
+            if w is not None and h.notes.get(name) in (cpusplit.KERNEL_NOTE, cpusplit.NET_NOTE):
                 assert w + (h.phases_on_s.get(name) or 0.0) <= path[name] + 1e-6, (name, w, path[name])
     figs = {k: {f: round(v[f] * 1e3, 1) for f in ("handoff", "wait", "unknown", "known")} for k, v in
             (("before", kb), ("fifo", kd))}  # fmt: skip
@@ -178,7 +188,8 @@ def _kernel_answer(sched, mode: str, before: dict, during: dict) -> None:
     print(f"{mode} with the kernel's record, handoff / CPU wait / unknown / with figures p50 (ms): {figs}; "
           f"CPU wait rose {wait_rise * 1e3:.1f} ms of {known_rise * 1e3:.1f} ms with figures "
           f"({wait_rise / known_rise:.0%}), of a {(kd['handoff'] - kb['handoff']) * 1e3:.1f} ms rise; "
-          f"phases without figures (median ms): {kd['unknown_phases']}")  # fmt: skip
+          f"phases without figures (median ms): {kd['unknown_phases']}; polled crossings' CPU wait from the TCP "
+          f"tracepoints (median ms, before / fifo): {_polled(kb)} / {_polled(kd)}")  # fmt: skip
     assert known_rise > 0, figs
     assert wait_rise >= MIN_SHARE_KERNEL * known_rise, (mode, figs)
 

@@ -21,7 +21,8 @@ A, B, C, OUTSIDE = 10, 20, 30, 99  # threads: A and B of the stack's process 10 
 
 def _lines(events):
     """``(kind, t_us, a, b, c)`` -> the kernel's trace text (``record-tgid``): S (prev, prev_state, next) with
-    prev_state 0 / 0x100 for R / R+ (left runnable) and 1 for S; W (woken, waker, context flags)."""
+    prev_state 0 / 0x100 for R / R+ (left runnable) and 1 for S; W (woken, waker, context flags); P (socket
+    cookie, data bytes, the thread the softirq interrupted): data reached a socket; R (cookie, reader, -): a read."""
     tgid = {A: 10, B: 20, C: 30, OUTSIDE: 99, 0: 0}
     out = ["# tracer: nop", "#"]
     for kind, t, x, y, z in events:
@@ -31,6 +32,12 @@ def _lines(events):
             cur, body = x, f"sched_switch: prev_comm=t{x} prev_pid={x} prev_prio=120 prev_state={state} ==> " \
                 f"next_comm=t{z} next_pid={z} next_prio=120"  # fmt: skip
             flags = "d..2."
+        elif kind == "P":
+            cur, flags = z, "..s2."
+            body = f"tcp_probe: family=AF_INET src=127.0.0.1:1 dest=127.0.0.1:2 mark=0x0 data_len={y} sock_cookie={x:x}"
+        elif kind == "R":
+            cur, flags = y, "....."
+            body = f"tcp_rcv_space_adjust: family=AF_INET sport=2 dport=1 saddr=127.0.0.1 sock_cookie={x:x}"
         else:
             ctx = "h" if z & schedtrace.FLAG_HARDIRQ else "s" if z & schedtrace.FLAG_SOFTIRQ else "."
             cur, body, flags = y, f"sched_wakeup: comm=t{x} pid={x} prio=120 target_cpu=000", f"d.{ctx}3."
@@ -39,8 +46,8 @@ def _lines(events):
     return out
 
 
-def _timeline(events, own=(10, 20, 30)):
-    return schedtrace.parse(_lines(events), 0, frozenset(own))
+def _timeline(events, own=(10, 20, 30), net=False):
+    return schedtrace.parse(_lines(events), 0, frozenset(own), net)
 
 
 #: B runs 0-30, is preempted (R, 0) and waits 30-50, runs 50-120 and wakes A at 100 (process context, flags
@@ -141,6 +148,94 @@ def test_the_handoff_split_takes_derived_phases_from_the_kernel_and_leaves_the_w
     assert cpusplit.handoff_cpu(tr, _timeline(events[:1])).phases_wait_s["prefill.respond"] is None  # not covered
 
 
+#: A polls a socket (cookie 7): running 0-40, preempted and runnable 40-90, running 90-300, preempted and
+#: runnable 300-400, running 400-500. Data reaches the socket at 60 (while A waits: counted 60-90) and A reads it
+#: at 95; data reaches it at 200 while A runs and is read at 210 (no wait); data reaches it at 320, during A's
+#: second wait (counted 320-400), read at 410. C (process 30) runs 40-90, is preempted and waits 90-500 with
+#: data on its socket 8 since 60, read at 600: counted 90-500, only with its process asked.
+POLLING = [
+    ("S", 0, 0, 1, A),
+    ("S", 40, A, 0, C),
+    ("P", 60, 7, 4096, C),
+    ("P", 70, 7, 4096, C),
+    ("P", 60, 8, 100, C),
+    ("S", 90, C, 0, A),
+    ("R", 95, 7, A, 0),
+    ("P", 200, 7, 4096, A),
+    ("R", 210, 7, A, 0),
+    ("S", 300, A, 0, B),
+    ("P", 320, 7, 4096, B),
+    ("S", 400, B, 1, A),
+    ("R", 410, 7, A, 0),
+    ("S", 500, A, 0, C),
+    ("R", 600, 8, C, 0),
+]
+
+
+def test_a_pollers_cpu_wait_counts_only_while_data_waited_for_it():
+    tl = _timeline(POLLING, net=True)
+    assert tl.pending[A] == [(60 * US, 95 * US), (200 * US, 210 * US), (320 * US, 410 * US)]
+    assert tl.starved_ns([10], 0, 500 * US) == 30 * US + 80 * US  # 60-90 and 320-400; not 40-60 nor 300-320
+    assert tl.starved_ns([10], 80 * US, 350 * US) == 10 * US + 30 * US  # clipped to the stretch asked for
+    assert tl.starved_ns([30], 0, 600 * US) == 410 * US
+    assert tl.starved_ns([10, 30], 0, 600 * US) == 440 * US  # 60-500: A's and C's overlap counts once
+    assert tl.starved_ns([20], 0, 600 * US) == 0  # B read no socket
+    assert (tl.last_read([10], 0, 500 * US), tl.last_read([10], 0, 300 * US)) == (410 * US, 210 * US)
+    assert tl.last_read([10], 420 * US, 500 * US) is None and tl.last_read([20], 0, 600 * US) is None
+    assert schedtrace.parse(_lines(POLLING), 0).net is False  # the tracepoints were not said to be on
+
+
+def test_the_transfer_gets_its_cpu_wait_from_the_tcp_tracepoints():
+    """read.wire: unknown without the TCP tracepoints; with them, the time data waited in a socket of the
+    request's engines while its reader waited for a CPU (the engine's process from the spans' tids)."""
+    start = PF + 5 * MS
+    t = start // US
+    events = [("S", t - 100, 0, 1, A), ("S", t + 100, A, 0, C), ("P", t + 200, 7, 4096, C),
+              ("S", t + 1_200, C, 0, A), ("R", t + 1_300, 7, A, 0), ("S", (KV // US) + 10, A, 1, 0)]  # fmt: skip
+    wire = {sc.ATTR_CPU_ON_S: 0.0, sc.ATTR_CPU_WAIT_S: 0.0, sc.ATTR_NIXL_XFER_S: 0.003, sc.ATTR_CPU_TID: A}
+    tr = _trace(
+        [
+            _span("prefill.finished", "prefill", PF, PF),
+            _span("read.complete", "decode", start, KV, **wire),
+            _span("kv.ready", "decode", KV, KV),
+        ]
+    )
+    assert cpusplit.handoff_cpu(tr, _timeline(events)).notes["read.wire"] == cpusplit.WIRE_NOTE
+    h = cpusplit.handoff_cpu(tr, _timeline(events, net=True))
+    assert h.notes["read.wire"] == cpusplit.NET_NOTE
+    assert h.phases_wait_s["read.wire"] == pytest.approx(0.001)  # data there at +0.2 ms, A runnable to +1.2 ms
+    assert h.phases_on_s["read.wire"] is None  # the pollers spin: their work is not told from polling
+
+
+def test_push_notification_waits_for_its_reader_then_for_the_engine_loop():
+    """write.notify (P's write done -> D's engine loop noticing, kv.ready): up to the notification's read in
+    D's process, the data's wait for a starved reader; from there the loop's path, walked back from its end."""
+    p = PF // US
+    events = [
+        ("S", p - 100, 0, 1, A),
+        ("S", p + 6_000, A, 0, B),  # D's thread (A) preempted at +6 ms: runnable
+        ("P", p + 8_000, 9, 64, B),  # P's notification reaches D's socket at +8 ms
+        ("S", p + 12_000, B, 1, A),  # A back on a CPU at +12 ms: 4 ms of it starved
+        ("R", p + 12_500, 9, A, 0),  # A takes the notification in
+        ("S", p + 14_000, A, 0, B),  # preempted again: waits 14-17
+        ("S", p + 17_000, B, 1, A),  # runs 17 ms -> past kv.ready at +20 ms
+        ("S", (KV // US) + 10, A, 1, 0),
+    ]
+    done = {sc.ATTR_CPU_ON_S: 0.0, sc.ATTR_CPU_WAIT_S: 0.0, sc.ATTR_NIXL_XFER_S: 0.003, sc.ATTR_CPU_TID: B}
+    tr = _trace(
+        [
+            _span("prefill.finished", "prefill", PF, PF),
+            _span("write.complete", "prefill", PF, PF + 5 * MS, **done),
+            _span("kv.ready", "decode", KV, KV, **{sc.ATTR_CPU_TID: A}),
+        ]
+    )
+    h = cpusplit.handoff_cpu(tr, _timeline(events, net=True))
+    assert h.notes["write.notify"] == cpusplit.NET_NOTE
+    # 8-12 ms: the notification waited for A, runnable; 12.5-20: A ran 12.5-14 and 17-20, waited 14-17
+    assert h.phases_wait_s["write.notify"] == pytest.approx(0.004 + 0.003)
+    assert h.cpu_on_s == pytest.approx(0.0045)
+
+
 def test_load_says_why_there_is_no_record(tmp_path):
     with pytest.raises(schedtrace.SchedUnavailable, match="no kernel scheduler record"):
         schedtrace.load(tmp_path)
@@ -165,10 +260,15 @@ def test_a_real_recording_walks_a_sleep_and_a_spin(tmp_path):
     from kvlens.stack.schedrec import SchedRecording
 
     code = (
-        "import threading, time\n"
+        "import os, socket, threading, time\n"
         "t0 = time.time_ns(); time.sleep(0.05); end = time.monotonic() + 0.02\n"
         "while time.monotonic() < end: pass\n"
-        "print(threading.get_native_id(), t0, time.time_ns(), flush=True)\n"
+        "t1 = time.time_ns()\n"
+        # then data that waits 30 ms in a socket for its reader, asleep: the wire's time, not CPU wait
+        "s = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(s.getsockname())\n"
+        "r, _ = s.accept(); c.sendall(b'x' * 100_000); time.sleep(0.03); n = 0\n"
+        "while n < 100_000: n += len(r.recv(1 << 20))\n"
+        "print(threading.get_native_id(), t0, t1, time.time_ns(), os.getpid(), flush=True)\n"
     )
     was_mounted = schedtrace.TRACEFS in open("/proc/self/mounts").read()
     with SchedRecording(tmp_path, []):  # no process of "the stack": a softirq's wake-up is never followed
@@ -177,11 +277,16 @@ def test_a_real_recording_walks_a_sleep_and_a_spin(tmp_path):
         assert not (tmp_path / schedtrace.TEXT).exists() and live.runs
     assert not (tmp_path / schedtrace.READY).exists()
     assert was_mounted or schedtrace.TRACEFS not in open("/proc/self/mounts").read(), "tracefs left mounted"
-    tid, t0, t1 = (int(x) for x in out.stdout.split())
-    w = schedtrace.load(tmp_path).walk(tid, t0, t1)
+    tid, t0, t1, t2, pid = (int(x) for x in out.stdout.split())
+    tl = schedtrace.load(tmp_path)
+    w = tl.walk(tid, t0, t1)
     assert w.on_ns > 0 and w.on_ns + w.wait_ns >= 19 * MS, w
     assert (t1 - t0) - w.on_ns - w.wait_ns >= 45 * MS, w
     assert w.tids == (tid,), w
+    if tl.net:  # the kernel has the TCP tracepoints (this one does)
+        (a, r), *_ = [p for p in tl.pending.get(tid, []) if p[0] >= t1]
+        assert r - a >= 29 * MS and r <= t2, (a, r)  # the data waited for its sleeping reader
+        assert tl.starved_ns([pid], a, r) <= (r - a) - 29 * MS  # asleep is not waiting for a CPU
 
 
 def test_up_sched_trace_without_root_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
