@@ -25,7 +25,7 @@ from kvlens import exits
 from kvrecord.argtypes import duration_text, int_in
 from kvrecord import config
 from kvrecord import semconv as sc
-from kvtrace import costs, cpusplit, kvuse, perfetto, ranks, store, stuck, tracemodel
+from kvtrace import costs, cpucounters, cpusplit, kvuse, perfetto, ranks, store, stuck, tracemodel
 from kvlens.verdict import sched_of
 from kvlens.stuckcmd import OPEN_SINCE_DEFAULT, utc_clock, fmt_age, run_open
 from kvrecord.keeprule import NOT_KEPT
@@ -232,7 +232,7 @@ def waterfall(trace: Trace, width: int = 60) -> str:
 
 def _wait_cells(s, cells: int) -> int:
     """How many of a span's ``cells`` show its thread's CPU wait (0: none, or no figures)."""
-    fig = cpusplit.span_figures(s.attributes or {})
+    fig = cpucounters.span_figures(s.attributes or {})
     if fig is None or s.end_ns <= s.start_ns or fig.wait_s <= 0:
         return 0
     return min(cells, round(cells * fig.wait_s * 1e9 / (s.end_ns - s.start_ns)))

@@ -53,7 +53,7 @@ class _Tiled(NamedTuple):
 
 #: Recorded phases whose spans can carry CPU figures (the attributes a sample reads for the CPU split):
 #: every one with a length, and the events a derived phase ends at (their ``kvlens.cpu.before.*``
-#: readings are the derived phase's figures, :func:`kvtrace.cpusplit.derived_figures`).
+#: readings are the derived phase's figures, :func:`kvtrace.cpucounters.derived_figures`).
 CPU_PHASES = (
     frozenset(p.value for p in sc.Phase if p not in sc.POINT_PHASES and p not in derived.DERIVED_PHASES)
     - NOT_HANDOFF_PHASES

@@ -1,31 +1,14 @@
 """CPU or wire: a trace's handoff split into waiting for a CPU, CPU work and
 the rest (docs/phases.md, "CPU or wire").
 
-Every recorded phase with a length carries the CPU figures of the thread
-that ended it (:mod:`kvrecord.cpuclock`, ``kvlens.cpu.on_s`` /
-``kvlens.cpu.wait_s``): the thread whose wake-up the phase waited for. Over
-the handoff's tiling (:func:`kvtrace.tiling.tile`, each ns owned by one
-phase), each phase contributes its figures in proportion to the share of it
-that lies on the critical path; a split part (``write.wire`` /
-``write.noticed`` of ``write.complete``) takes its share of the span it was
-cut from. A derived phase that ends where a recorded event starts
-(``prefill.dispatch`` at ``writer.wake``, ``decode.dispatch`` at
-``descriptor.prep``, ``write.notify`` at ``kv.ready``) takes the figures of
-the thread that stamped that start, from its readings before it
-(``kvlens.cpu.before.*``): where the thread was put on a CPU once since a
-reading before the phase's start (a blocked thread woken by the phase's
-end), its wait lies just before that run, so the part of it that must lie
-inside the phase counts (:func:`derived_figures`); else the reading nearest
-before the phase's start, scaled to the phase's length (its share of that
-stretch). ``prefill.respond`` (P's answer through its API server to the
-router's ``relay``) takes the router's event loop's this way, and
-``prefill.respond`` / ``decode.intake`` also take the engine's API server's
-wait that must lie inside them, from where it landed between the
-EngineCore's per-step readings of it (:func:`landed_wait`). Derived phases
-with neither have no figures: their time is ``unknown_s``, never counted as
-either. Where a placement rule gave the figures they are a lower bound (the
-path's other threads are not all read): the rest of the phase is
-``unknown_s`` too, not off-CPU.
+Each phase's figures come from the first source that has them
+(:func:`_phase_part`). Without the kernel's record: the per-thread counters
+kvlens' hooks read at phase boundaries, and their placement rules for
+derived phases (:mod:`kvtrace.cpucounters`); over the handoff's tiling
+(:func:`kvtrace.tiling.tile`, each ns owned by one phase), each phase
+contributes its figures in proportion to the share of it that lies on the
+critical path. Derived phases without figures have their time in
+``unknown_s``, never counted as either.
 
 Where the kernel's scheduler record was kept (``kvlens up --sched-trace``,
 :mod:`kvtrace.schedtrace`), every phase it covers but the crossings their
@@ -47,6 +30,7 @@ from typing import Any, Iterable, Mapping, NamedTuple
 
 from kvrecord import derived as dv
 from kvrecord import semconv as sc
+from kvtrace.cpucounters import PhaseCpu, derived_figures, landed_wait, noticed_figures, span_figures
 
 #: split part -> the recorded phase it is cut from (``write.wire`` -> ``write.complete``)
 _PARENT = {p.value: how.split.phase.value for p, how in dv.DERIVED_PHASES.items() if how.split is not None}
@@ -67,10 +51,6 @@ DERIVED_NOTE = (
     "(none near its start, the thread woken more than once since; vLLM's API server is read only by its "
     "EngineCore, once per step while it steps)"
 )
-#: A reading before a derived phase's start counts when it lies within this share of the phase's length
-#: (plus :data:`GAP_SLACK_S`) before it: further back, the thread's figures are mostly another stretch's.
-GAP_SHARE = 0.5
-GAP_SLACK_S = 0.001
 #: derived phase -> its (role, recorded phase) ends, in the order tried: the thread that stamped that event's
 #: start is the one the derived phase waited on
 _ENDS = {
@@ -86,16 +66,6 @@ SPIN_NOTE = (
     "NIXL's UCX progress thread spins (polls with timeout 0): its on-CPU time includes the wait for the wire, "
     "so only its CPU wait is contention"
 )
-
-
-class PhaseCpu(NamedTuple):
-    """One phase's CPU figures on the critical path (seconds)."""
-
-    on_s: float
-    wait_s: float
-    #: False: the figures are the part placed for sure (a lower bound: :func:`derived_figures`' one-run rule,
-    #: :func:`landed_wait`); the phase's rest is unknown, not off-CPU (threads on its path were not all read)
-    rest_known: bool = True
 
 
 class HandoffCpu(NamedTuple):
@@ -130,97 +100,6 @@ class HandoffCpu(NamedTuple):
             "phases_cpu_on_s": self.phases_on_s,
             "cpu_notes": self.notes,
         }
-
-
-def span_figures(attrs: Mapping[str, Any], wall_s: float | None = None) -> PhaseCpu | None:
-    """A recorded span's own figures, or None (unknown). With ``wall_s``, its
-    critical-path wait: the ending thread's plus the upstream thread's
-    (``kvlens.cpu.up.wait_s``: the engine thread the ending thread waits on,
-    blocked, while it waits for a CPU), at most the span's off-CPU remainder
-    (both at once would count twice)."""
-    on, wait = attrs.get(sc.ATTR_CPU_ON_S), attrs.get(sc.ATTR_CPU_WAIT_S)
-    if not (isinstance(on, (int, float)) and isinstance(wait, (int, float))):
-        return None
-    up = attrs.get(sc.ATTR_CPU_UP_WAIT_S)
-    if wall_s is not None and isinstance(up, (int, float)) and up > 0:
-        wait = min(float(wait) + float(up), max(wall_s - float(on), float(wait)))
-    return PhaseCpu(float(on), float(wait))
-
-
-def noticed_figures(span: Any) -> tuple[PhaseCpu, float] | None:
-    """A completion span's figures after NIXL's transfer ended, and that
-    stretch's length in seconds (None: not recorded)."""
-    a = span.attributes or {}
-    on, wait, xfer = a.get(sc.ATTR_CPU_NOTICED_ON_S), a.get(sc.ATTR_CPU_NOTICED_WAIT_S), a.get(sc.ATTR_NIXL_XFER_S)
-    if not all(isinstance(v, (int, float)) for v in (on, wait, xfer)):
-        return None
-    return PhaseCpu(float(on), float(wait)), max((span.end_ns - span.start_ns) / 1e9 - float(xfer), 0.0)
-
-
-def derived_figures(dur_ns: int, ends: Iterable[Any]) -> PhaseCpu | None:
-    """A derived phase's figures from the readings before the first of
-    ``ends`` (recorded spans, or None) that has one before the phase's start
-    (module docstring); None: unknown. Where the thread ran once, without a
-    break, from its wake-up to the phase's end (``kvlens.cpu.before.runs``
-    of 1: one run since that reading), its wait lies just before that run,
-    which began at most its on-CPU time before the end: the part of the wait
-    that must lie inside the phase counts, however far back the reading is.
-    Otherwise the reading must lie near the start (:data:`GAP_SHARE`) and its
-    figures are scaled to the phase's length."""
-    dur = dur_ns / 1e9
-    for e in ends:
-        a = (e.attributes or {}) if e is not None else {}
-        ages, ons, waits = (
-            a.get(k) for k in (sc.ATTR_CPU_BEFORE_AGE_S, sc.ATTR_CPU_BEFORE_ON_S, sc.ATTR_CPU_BEFORE_WAIT_S)
-        )
-        if not ages or not ons or not waits:
-            continue
-        runs = a.get(sc.ATTR_CPU_BEFORE_RUNS) or ()
-        for i, (age, on, wait) in enumerate(zip(ages, ons, waits)):
-            if age + 1e-6 >= dur:
-                if i < len(runs) and runs[i] in (0, 1):
-                    w = min(max(dur - on, 0.0), max(wait, 0.0))
-                    return PhaseCpu(min(max(on, 0.0), dur - w), w, False)
-                if age - dur > GAP_SHARE * dur + GAP_SLACK_S:
-                    return None  # the nearest reading before the start is too far back
-                share = dur / age if age > 0 else 1.0
-                return PhaseCpu(max(on, 0.0) * share, max(wait, 0.0) * share)
-        return None  # no reading far enough back
-    return None
-
-
-def landed_wait(start_ns: int, end_ns: int, carriers: Iterable[Any]) -> float | None:
-    """The CPU wait of an engine's API server that lies inside ``[start_ns,
-    end_ns]`` for sure, from where it landed (``kvlens.cpu.up.landed.*`` on
-    the first of ``carriers``, recorded spans of that engine, that has them);
-    None: unknown. A growth between two readings is waiting that ended when
-    the thread got a CPU, between them; it began at most its own length
-    before: the part that lies in the phase wherever it ended counts.
-    Unknown where no reading followed the phase's end (a wait then running
-    had not landed: an idle EngineCore reads nothing), or where nothing is
-    certain but a growth may overlap the phase (readings too far apart)."""
-    for c in carriers:
-        a = c.attributes or {}
-        lo, hi, grew = (
-            a.get(k) for k in (sc.ATTR_CPU_UP_LANDED_LO_S, sc.ATTR_CPU_UP_LANDED_HI_S, sc.ATTR_CPU_UP_LANDED_WAIT_S)
-        )
-        newest = a.get(sc.ATTR_CPU_UP_LANDED_NEWEST_S)
-        if lo is None or hi is None or grew is None or not isinstance(newest, (int, float)):
-            continue
-        if c.end_ns - int(newest * 1e9) < end_ns:
-            return None
-        dur = (end_ns - start_ns) / 1e9
-        total = 0.0
-        maybe = False
-        for lo_s, hi_s, g in zip(lo, hi, grew):
-            t_lo = c.end_ns - int(lo_s * 1e9)
-            t_hi = c.end_ns - int(hi_s * 1e9)
-            total += max(0.0, min(g, (t_lo - start_ns) / 1e9, (end_ns - t_hi) / 1e9 + g, dur))
-            maybe = maybe or (t_hi >= start_ns and t_lo - int(g * 1e9) <= end_ns)
-        if total <= 0.0 and maybe:
-            return None
-        return min(total, dur)
-    return None
 
 
 def _longest(spans: Iterable[Any]) -> dict[tuple[str | None, str], Any]:
@@ -360,98 +239,117 @@ def _kernel_part(
     return w, min(kf.on_s * share, ns / 1e9 - w)
 
 
+class _Part(NamedTuple):
+    """One tiled phase's part of the split over its ``ns`` on the path (seconds): ``wait_s`` None is unknown."""
+
+    wait_s: float | None
+    on_s: float = 0.0
+    #: False: the CPU work is not read (an API server's, the pollers'); ``on_s`` still counts in the total
+    on_known: bool = True
+    #: the part of it that is neither (only a lower bound was placed)
+    rest_unknown_s: float = 0.0
+    #: said of the phase (``cpu_notes``), where there is something to say
+    note: str | None = None
+
+
+def _scaled(fig: PhaseCpu, share: float, ns: int) -> tuple[float, float]:
+    """``fig`` scaled to ``share`` of its stretch, within the ``ns`` on the path: (wait, on)."""
+    w = min(fig.wait_s * share, ns / 1e9)
+    return w, min(fig.on_s * share, ns / 1e9 - w)
+
+
+class _Sources(NamedTuple):
+    """What one trace's phases take their figures from."""
+
+    sched: Any
+    #: (role, name) -> the longest recorded span (:func:`_longest`)
+    rec: dict
+    #: (role, name) -> the derived span (split parts and derived phases)
+    derived: dict
+    #: the request's engines' processes, where the record kept the TCP tracepoints (:func:`engine_tgids`)
+    tgids: frozenset[int]
+
+
+def _phase_part(src: _Sources, role: str | None, name: str, ns: int) -> _Part:
+    """Phase ``name``'s part, from the first source that has it: the record's
+    TCP tracepoints for a polled crossing (:func:`polled_figures`), else the
+    transfer unknown (:data:`WIRE_NOTE`); the kernel's walk
+    (:func:`_kernel_part`); the counters after NIXL's transfer
+    (:func:`noticed_figures`); the ending span's counters, or a derived
+    phase's placement rules (:func:`derived_figures`, :func:`landed_wait`)."""
+    own = src.rec.get((role, _PARENT.get(name, name)))
+    span = src.derived.get((role, name)) if name in POLLED and src.tgids else None
+    pf = polled_figures(src.sched, name, span, src.tgids, src.rec) if span is not None else None
+    if pf is not None:  # the pollers spin: their work is not told from their polling
+        w, o = _scaled(pf, min(ns / max(span.end_ns - span.start_ns, 1), 1.0), ns)
+        return _Part(w, o, on_known=False, note=NET_NOTE)
+    if name in WIRE_PARTS:
+        return _Part(None, note=WIRE_NOTE)
+    kp = _kernel_part(src.sched, role, name, ns, own, src.derived, src.rec) if src.sched is not None else None
+    if kp is not None:  # the kernel's record, where it covers the phase, first
+        return _Part(kp[0], kp[1], note=KERNEL_NOTE)
+    if name in _NOTICED_PARTS and own is not None and (nf := noticed_figures(own)) is not None:
+        fig, dur_s = nf
+        return _Part(*_scaled(fig, min(ns / 1e9 / dur_s, 1.0) if dur_s > 0 else 1.0, ns))
+    fig = span_figures(own.attributes or {}, (own.end_ns - own.start_ns) / 1e9) if own is not None else None
+    on_known = True
+    if own is None and name in _ENDS and (role, name) in src.derived:
+        d = src.derived[(role, name)]
+        fig = derived_figures(d.end_ns - d.start_ns, [src.rec.get(e) for e in _ENDS[name]])
+        if name in _FRONTEND:
+            up = landed_wait(d.start_ns, d.end_ns, [s for (r, _n), s in src.rec.items() if r == role])
+            if up is not None:
+                d_s = (d.end_ns - d.start_ns) / 1e9
+                if fig is None:
+                    fig, on_known = PhaseCpu(0.0, up, False), False  # the API server's CPU work is not read
+                else:
+                    fig = PhaseCpu(fig.on_s, min(fig.wait_s + up, max(d_s - fig.on_s, fig.wait_s)), False)
+        if fig is not None:
+            own = d
+    if fig is None:
+        if own is None:
+            return _Part(None, note=DERIVED_NOTE)
+        return _Part(None, note=str((own.attributes or {}).get(sc.ATTR_CPU_UNKNOWN) or "no CPU figures recorded"))
+    w, o = _scaled(fig, min(ns / max(own.end_ns - own.start_ns, 1), 1.0), ns)
+    # where only a lower bound is placed, the rest is neither
+    return _Part(w, o, on_known, 0.0 if fig.rest_known else max(ns / 1e9 - w - o, 0.0))
+
+
 def handoff_cpu(trace: Any, sched: Any = None) -> HandoffCpu:
     """The split of ``trace``'s handoff (its :meth:`tiling`). ``sched``: the
     kernel's record of the host's threads (:func:`kvtrace.schedtrace.load`;
     default the trace's own ``sched``), where one was kept: every phase it
     covers but the crossings their threads poll for (:data:`POLLED`) takes
-    its figures from the walk (:func:`kernel_figures`); the counters' rules
-    stand for the rest."""
+    its figures from the walk (:func:`kernel_figures`), and those their CPU
+    wait from its TCP tracepoints where it kept them (:func:`polled_figures`);
+    the counters' rules stand for the rest (:func:`_phase_part`)."""
     if sched is None:
         sched = getattr(trace, "sched", None)
     tiling = trace.tiling()
     if tiling is None or tiling.handoff_ns <= 0:
         return HandoffCpu(None, None, None, None, {}, {}, {})
     rec = _longest(trace.spans)
+    derived = {(s.role, s.name): s for s in trace.spans if (s.attributes or {}).get(sc.ATTR_DERIVED)}
+    tgids = engine_tgids(sched, rec.values()) if sched is not None and getattr(sched, "net", False) else frozenset()
+    sources = _Sources(sched, rec, derived, tgids)
     wait = on = unknown = 0.0
     known = False
     pw: dict[str, float | None] = {}
     po: dict[str, float | None] = {}
     notes: dict[str, str] = {}
-    derived = {(s.role, s.name): s for s in trace.spans if (s.attributes or {}).get(sc.ATTR_DERIVED)}
-    tgids = engine_tgids(sched, rec.values()) if sched is not None and getattr(sched, "net", False) else frozenset()
     for (role, name), ns in tiling.phases.items():
-        src = rec.get((role, _PARENT.get(name, name)))
-        span = derived.get((role, name)) if name in POLLED and tgids else None
-        pf = polled_figures(sched, name, span, tgids, rec) if span is not None else None
-        if pf is not None:  # the polled crossing's CPU wait, from the record's TCP tracepoints
-            share = min(ns / max(span.end_ns - span.start_ns, 1), 1.0)
-            w = min(pf.wait_s * share, ns / 1e9)
-            o = min(pf.on_s * share, ns / 1e9 - w)
-            wait, on, known = wait + w, on + o, True
-            pw[name] = (pw.get(name) or 0.0) + w
-            po.setdefault(name, None)  # the pollers spin: their work is not told from their polling
-            notes[name] = NET_NOTE
-            continue
-        if name in WIRE_PARTS:
+        part = _phase_part(sources, role, name, ns)
+        if part.note is not None:
+            notes[name] = part.note
+        if part.wait_s is None:
             unknown += ns / 1e9
             pw.setdefault(name, None)
             po.setdefault(name, None)
-            notes[name] = WIRE_NOTE
             continue
-        kp = _kernel_part(sched, role, name, ns, src, derived, rec) if sched is not None else None
-        if kp is not None:  # the kernel's record, where it covers the phase, first
-            w, o = kp
-            wait, on, known = wait + w, on + o, True
-            pw[name] = (pw.get(name) or 0.0) + w
-            po[name] = (po.get(name) or 0.0) + o
-            notes[name] = KERNEL_NOTE
-            continue
-        if name in _NOTICED_PARTS and src is not None:
-            nf = noticed_figures(src)
-            if nf is not None:
-                fig, dur_s = nf
-                share = min(ns / 1e9 / dur_s, 1.0) if dur_s > 0 else 1.0
-                w = min(fig.wait_s * share, ns / 1e9)
-                o = min(fig.on_s * share, ns / 1e9 - w)
-                wait, on, known = wait + w, on + o, True
-                pw[name] = (pw.get(name) or 0.0) + w
-                po[name] = (po.get(name) or 0.0) + o
-                continue
-        fig = span_figures(src.attributes or {}, (src.end_ns - src.start_ns) / 1e9) if src is not None else None
-        on_known = True
-        if src is None and name in _ENDS and (role, name) in derived:
-            d = derived[(role, name)]
-            fig = derived_figures(d.end_ns - d.start_ns, [rec.get(e) for e in _ENDS[name]])
-            if name in _FRONTEND:
-                up = landed_wait(d.start_ns, d.end_ns, [s for (r, _n), s in rec.items() if r == role])
-                if up is not None:
-                    d_s = (d.end_ns - d.start_ns) / 1e9
-                    if fig is None:
-                        fig, on_known = PhaseCpu(0.0, up, False), False  # the API server's CPU work is not read
-                    else:
-                        fig = PhaseCpu(fig.on_s, min(fig.wait_s + up, max(d_s - fig.on_s, fig.wait_s)), False)
-            if fig is not None:
-                src = d
-        if fig is None:
-            unknown += ns / 1e9
-            pw.setdefault(name, None)
-            po.setdefault(name, None)
-            if src is None:
-                notes[name] = DERIVED_NOTE
-            else:
-                notes[name] = str((src.attributes or {}).get(sc.ATTR_CPU_UNKNOWN) or "no CPU figures recorded")
-            continue
-        dur = max(src.end_ns - src.start_ns, 1)
-        share = min(ns / dur, 1.0)
-        w = min(fig.wait_s * share, ns / 1e9)
-        o = min(fig.on_s * share, ns / 1e9 - w)
-        wait, on, known = wait + w, on + o, True
-        if not fig.rest_known:  # only a lower bound is placed: the rest is neither
-            unknown += max(ns / 1e9 - w - o, 0.0)
-        pw[name] = (pw.get(name) or 0.0) + w
-        if on_known:
-            po[name] = (po.get(name) or 0.0) + o
+        wait, on, unknown, known = wait + part.wait_s, on + part.on_s, unknown + part.rest_unknown_s, True
+        pw[name] = (pw.get(name) or 0.0) + part.wait_s
+        if part.on_known:
+            po[name] = (po.get(name) or 0.0) + part.on_s
         else:
             po.setdefault(name, None)
     unknown += tiling.unattributed_ns / 1e9

@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from kvtrace import cpusplit
+from kvtrace import cpucounters, cpusplit
 from kvtrace.tracemodel import Span, Trace
 from kvrecord import semconv as sc
 
@@ -356,7 +356,7 @@ def _add_cpu(b: _Builder, p: _Proc, thread: str, s: Span, trace: Trace) -> None:
     """The thread-state slices of one recorded span (module docstring, "CPU or wire")."""
     a = s.attributes
     base = {"trace_id": trace.trace_id, "phase": s.name, "span_id": s.span_id, "order": CPU_ORDER_NOTE}
-    fig = cpusplit.span_figures(a)
+    fig = cpucounters.span_figures(a)
     if fig is not None:
         args = {**base, "thread_tid": a.get(sc.ATTR_CPU_TID), "psi_some_s": a.get(sc.ATTR_CPU_PSI_SOME_S)}
         _cpu_slices(b, p, f"{thread} cpu", s, _states(s, fig.on_s, fig.wait_s), args)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from kvrecord import semconv as sc
-from kvtrace import cpusplit, ranks, stats, tracemodel
+from kvtrace import cpucounters, cpusplit, ranks, stats, tracemodel
 from kvtrace.borrowed import Borrowed, borrowed, duration, tiled_phases
 from kvtrace.tracemodel import Trace
 
@@ -137,7 +137,7 @@ def _waits(from_mode: str, t: Trace, extra: float, queue: float) -> tuple[float 
 
     kept, wire = total(KEPT[from_mode]), total(_WIRE[from_mode])
     q = next((s for s in t.spans if s.name == P.DECODE_QUEUE.value and not s.attributes.get(sc.ATTR_DERIVED)), None)
-    qfig = cpusplit.span_figures(q.attributes) if q is not None else None
+    qfig = cpucounters.span_figures(q.attributes) if q is not None else None
     if extra > 0 and qfig is None:
         return None, wire, cpu.cpu_wait_s
     extra_wait = 0.0 if extra <= 0 else min(qfig.wait_s * min(extra / queue, 1.0) if queue > 0 else 0.0, extra)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from e2e_client import send_completions
 
-from kvtrace import cpusplit, schedtrace, store, tracemodel
+from kvtrace import cpucounters, cpusplit, schedtrace, store, tracemodel
 
 pytestmark = pytest.mark.e2e
 
@@ -111,7 +111,7 @@ def _closure(trs) -> None:
     n = 0
     for t in trs.values():
         for s in t.spans:
-            fig = cpusplit.span_figures(s.attributes)
+            fig = cpucounters.span_figures(s.attributes)
             if fig is None:
                 continue
             n += 1

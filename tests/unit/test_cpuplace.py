@@ -13,7 +13,7 @@ import pytest
 
 from kvrecord import cpuclock, cpufigures
 from kvrecord import semconv as sc
-from kvtrace import cpusplit
+from kvtrace import cpucounters, cpusplit
 from kvtrace.tracemodel import Trace
 
 MS = 1_000_000
@@ -81,12 +81,12 @@ def test_one_run_places_the_wait_however_far_back_the_reading_is():
         sc.ATTR_CPU_BEFORE_RUNS: [1],
     }
     # a 30 ms phase: the run began at most 2 ms before its end, the 20 ms wait just before that: all inside
-    assert cpusplit.derived_figures(30 * MS, [_S(lb)]) == pytest.approx((0.002, 0.020, False))
+    assert cpucounters.derived_figures(30 * MS, [_S(lb)]) == pytest.approx((0.002, 0.020, False))
     # a 10 ms phase: only the 8 ms before the run's earliest start must be inside it
-    assert cpusplit.derived_figures(10 * MS, [_S(lb)]) == pytest.approx((0.002, 0.008, False))
+    assert cpucounters.derived_figures(10 * MS, [_S(lb)]) == pytest.approx((0.002, 0.008, False))
     # put on a CPU three times since: the wait may lie anywhere; that reading is too far back for the old rule
-    assert cpusplit.derived_figures(10 * MS, [_S({**lb, sc.ATTR_CPU_BEFORE_RUNS: [3]})]) is None
-    assert cpusplit.derived_figures(10 * MS, [_S({**lb, sc.ATTR_CPU_BEFORE_RUNS: [-1]})]) is None
+    assert cpucounters.derived_figures(10 * MS, [_S({**lb, sc.ATTR_CPU_BEFORE_RUNS: [3]})]) is None
+    assert cpucounters.derived_figures(10 * MS, [_S({**lb, sc.ATTR_CPU_BEFORE_RUNS: [-1]})]) is None
 
 
 def test_landed_wait_counts_what_must_lie_inside_the_phase():
@@ -102,13 +102,13 @@ def test_landed_wait_counts_what_must_lie_inside_the_phase():
         sc.ATTR_CPU_UP_LANDED_WAIT_S: [0.001, 0.003, 0.006, 0.005],
         sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.010,
     }
-    assert cpusplit.landed_wait(s, e, [_S({}, end), _S(landed, end)]) == pytest.approx(0.006 + 0.002)
-    assert cpusplit.landed_wait(s, e, [_S({}, end)]) is None
+    assert cpucounters.landed_wait(s, e, [_S({}, end), _S(landed, end)]) == pytest.approx(0.006 + 0.002)
+    assert cpucounters.landed_wait(s, e, [_S({}, end)]) is None
     # no reading after the phase's end (an idle EngineCore): a wait then running had not landed: unknown
-    assert cpusplit.landed_wait(s, e, [_S({**landed, sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.065}, end)]) is None
+    assert cpucounters.landed_wait(s, e, [_S({**landed, sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.065}, end)]) is None
     # read all along and no growth: it waited for no CPU (0, known)
     quiet = {k: [] for k in (sc.ATTR_CPU_UP_LANDED_LO_S, sc.ATTR_CPU_UP_LANDED_HI_S, sc.ATTR_CPU_UP_LANDED_WAIT_S)}
-    assert cpusplit.landed_wait(s, e, [_S({**quiet, sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.010}, end)]) == 0.0
+    assert cpucounters.landed_wait(s, e, [_S({**quiet, sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.010}, end)]) == 0.0
     # nothing certain, but a growth may overlap the phase (its readings 30 ms apart around the start): unknown
     wide = {**quiet, sc.ATTR_CPU_UP_LANDED_NEWEST_S: 0.010}
     wide |= {
@@ -116,7 +116,7 @@ def test_landed_wait_counts_what_must_lie_inside_the_phase():
         sc.ATTR_CPU_UP_LANDED_HI_S: [0.065],
         sc.ATTR_CPU_UP_LANDED_WAIT_S: [0.02],
     }
-    assert cpusplit.landed_wait(s, e, [_S(wide, end)]) is None
+    assert cpucounters.landed_wait(s, e, [_S(wide, end)]) is None
 
 
 def _span(name, role, start, end, **attrs):

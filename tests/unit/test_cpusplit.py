@@ -12,7 +12,7 @@ import pytest
 from instrumented_connector import cputap
 from kvrecord import cpuclock, cpufigures
 from kvrecord import semconv as sc
-from kvtrace import cpusplit
+from kvtrace import cpucounters, cpusplit
 from kvtrace.tracemodel import Trace
 
 MS = 1_000_000
@@ -234,7 +234,7 @@ def test_derived_phase_takes_the_ending_threads_readings():
     assert h.phases_wait_s["write.notify"] == pytest.approx(0.0009 / 1.2)
     assert h.cpu_wait_s == pytest.approx(0.0009 / 1.2)
     far = {k: v[2:] for k, v in lb.items()}  # only a reading 4 ms back: too far for a 1 ms phase
-    assert cpusplit.derived_figures(MS, [type("S", (), {"attributes": far})()]) is None
+    assert cpucounters.derived_figures(MS, [type("S", (), {"attributes": far})()]) is None
 
 
 @needs_schedstat
@@ -273,9 +273,9 @@ def test_upstream_thread_of_another_process_is_read_per_step(tmp_path):
 
 def test_upstream_wait_adds_to_the_phase_capped_by_its_off_cpu_time():
     a = {sc.ATTR_CPU_ON_S: 0.002, sc.ATTR_CPU_WAIT_S: 0.001, sc.ATTR_CPU_UP_WAIT_S: 0.004}
-    assert cpusplit.span_figures(a, 0.010).wait_s == pytest.approx(0.005)
-    assert cpusplit.span_figures(a, 0.004).wait_s == pytest.approx(0.002)  # 10 ms - 2 ms on-CPU caps it
-    assert cpusplit.span_figures(a).wait_s == pytest.approx(0.001)  # the thread's own, where the wall is not given
+    assert cpucounters.span_figures(a, 0.010).wait_s == pytest.approx(0.005)
+    assert cpucounters.span_figures(a, 0.004).wait_s == pytest.approx(0.002)  # 10 ms - 2 ms on-CPU caps it
+    assert cpucounters.span_figures(a).wait_s == pytest.approx(0.001)  # the thread's own, where the wall is not given
 
 
 @needs_schedstat
