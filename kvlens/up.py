@@ -132,6 +132,7 @@ def _stack(args: argparse.Namespace) -> Stack:
         links=tuple(getattr(args, "link", None) or ()),
         store_command=getattr(args, "store_command", None),
         sched_trace=getattr(args, "sched_trace", False),
+        sched_buffer_mb=getattr(args, "sched_buffer_mb", 128),
     )
 
 

@@ -267,7 +267,16 @@ def _add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="keep the kernel's scheduler record (sched_switch/sched_wakeup on every CPU, in a tracefs instance; root) "
         "in <log dir>/sched once the stack is ready, so `kvlens traces --sched <log dir>/sched` splits "
         "every phase into CPU work, CPU wait and off-CPU along its critical path, across threads and "
-        "processes (docs/phases.md, 'The kernel's record'). 128 MiB of kernel memory in all, the newest kept",
+        "processes (docs/phases.md, 'The kernel's record'). --sched-buffer-mb of kernel memory in all, the newest "
+        "kept",
+    )
+    p.add_argument(
+        "--sched-buffer-mb",
+        type=int_in(1, 65536, "a size in MiB"),
+        default=128,
+        help="with --sched-trace: the kernel memory the record may take, MiB in all, shared out per CPU "
+        "(default 128: about three minutes of a serving 1P1D pair on 2 CPUs, about 100 s of a mixed fleet; "
+        "older events are overwritten)",
     )
 
 

@@ -222,13 +222,33 @@ class Timeline:
         return Walk(on, wait, max(t, start_ns), tuple(tids))
 
 
-def parse(lines: Iterable[str], offset_ns: int, own: frozenset[int] = frozenset(), net: bool = False) -> Timeline:
+def _stamp_ns(line: str) -> int | None:
+    """A trace line's timestamp (the record's clock, ns) without the full parse, or None."""
+    j = line.find("] ")
+    k = line.find(": ", j)
+    if j < 0 or k < 0:
+        return None
+    secs, _, frac = line[j + 2 : k].rpartition(" ")[2].partition(".")
+    return int(secs) * 1_000_000_000 + int(frac.ljust(9, "0")[:9]) if secs.isdigit() and frac.isdigit() else None
+
+
+def parse(
+    lines: Iterable[str],
+    offset_ns: int,
+    own: frozenset[int] = frozenset(),
+    net: bool = False,
+    since_ns: int | None = None,
+) -> Timeline:
     """A :class:`Timeline` from the trace text's ``lines`` (``record-tgid``);
     ``offset_ns``: wall clock minus the record's clock (CLOCK_MONOTONIC).
     The record covers the stretch every CPU's events cover (a ring buffer
     that wrapped keeps each CPU's newest); lost events are counted, and so
     are switch-outs whose switch-in is missing (:attr:`Timeline.missed`).
-    ``net``: the TCP tracepoints were recorded too (:attr:`Timeline.net`)."""
+    ``net``: the TCP tracepoints were recorded too (:attr:`Timeline.net`).
+    ``since_ns`` (wall clock): lines before it are skipped unparsed (a long
+    record read for its newest stretch; a wait that began before it is seen
+    from its end only, so leave a margin before the stretch wanted)."""
+    skip = None if since_ns is None else since_ns - offset_ns
     runs: dict[int, list] = {}
     waits: dict[int, list] = {}
     readies: dict[int, list] = {}
@@ -242,6 +262,11 @@ def parse(lines: Iterable[str], offset_ns: int, own: frozenset[int] = frozenset(
     arrived: dict[str, int] = {}  # socket cookie -> the first data segment since its last read
     pending: dict[int, list] = {}
     for line in lines:
+        if skip is not None:
+            t0 = _stamp_ns(line)
+            if t0 is not None and t0 < skip:
+                continue
+            skip = None if t0 is not None else skip  # sorted by time: past the first line at or after it
         m = _LINE.match(line)
         if m is None:
             if (x := _LOST.search(line)) is not None:
@@ -301,9 +326,10 @@ def _live(meta: dict) -> Path | None:
     return p if p.exists() else None
 
 
-def load(folder: Path | str) -> Timeline:
+def load(folder: Path | str, since_ns: int | None = None) -> Timeline:
     """The kernel record kept in ``folder`` (:data:`META` and :data:`TEXT`,
-    or the live buffer of a recording still running);
+    or the live buffer of a recording still running), from ``since_ns`` on
+    (wall clock; default all of it, :func:`parse`);
     :class:`SchedUnavailable` with the reason where there is none or it
     cannot be read."""
     folder = Path(folder)
@@ -317,6 +343,6 @@ def load(folder: Path | str) -> Timeline:
     try:
         with open(src, errors="replace") as fh:
             own = frozenset(int(x) for x in meta.get("pids") or ())
-            return parse(fh, int(meta["offset_ns"]), own, bool(meta.get("net")))
+            return parse(fh, int(meta["offset_ns"]), own, bool(meta.get("net")), since_ns)
     except (OSError, KeyError, ValueError) as e:
         raise SchedUnavailable(f"cannot read the kernel scheduler record {src}: {e}") from None

@@ -317,33 +317,39 @@ class Stack:
     def pids(self) -> list[int]:
         return self.supervised.pids()
 
-    def record_sched(self, folder: Path | str | None = None) -> SchedRecording:
+    def record_sched(self, folder: Path | str | None = None, buffer_mb: int | None = None) -> SchedRecording:
         """Start keeping the kernel's scheduler record of this running stack
-        in ``folder`` (default ``<log_dir>/sched``): what ``--sched-trace``
+        in ``folder`` (default ``<log_dir>/sched``), in ``buffer_mb`` MiB of
+        kernel memory (default ``sched_buffer_mb``): what ``--sched-trace``
         does once the stack is ready. Returned started (a context manager
         that stops it); :meth:`stop` stops it too."""
         if self.sched is not None:
             self.sched.stop()
-        self.sched = SchedRecording(Path(folder or Path(self.log_dir) / "sched"), self.pids(), self.say).start()
+        folder = Path(folder or Path(self.log_dir) / "sched")
+        total_kb = (buffer_mb or self.sched_buffer_mb) * 1024
+        self.sched = SchedRecording(folder, self.pids(), self.say, total_kb=total_kb).start()
         return self.sched
 
     def stop(self) -> None:
-        """Stop the kernel's record, Prometheus and every child (newest first). Idempotent."""
-        if self.sched is not None:
-            try:
-                self.sched.stop()
-            finally:
-                self.sched = None
-        if self.prometheus_server is not None:
-            try:
-                self.prometheus_server.stop()
-            finally:
-                self.prometheus_server = None
-        if self.children:
-            self.network.record_before_stop()
-            self.supervised.stop()
-            self.say("stopped")
-        self.network.stop()
+        """Stop the kernel's record, Prometheus and every child (newest first). Idempotent.
+        The record ends first; it is written out last, once the children no longer take the CPUs."""
+        sched, self.sched = self.sched, None
+        try:
+            if sched is not None:
+                sched.freeze()
+            if self.prometheus_server is not None:
+                try:
+                    self.prometheus_server.stop()
+                finally:
+                    self.prometheus_server = None
+            if self.children:
+                self.network.record_before_stop()
+                self.supervised.stop()
+                self.say("stopped")
+            self.network.stop()
+        finally:
+            if sched is not None:
+                sched.stop()
 
     def manifest(self) -> dict:
         """What ``stack.json`` holds (:func:`kvlens.stack.manifest.manifest`)."""

@@ -9,7 +9,7 @@ process id and interrupt context, and where the kernel has them the TCP
 tracepoints that say when data reached a socket and when a thread read it
 (``tcp_probe`` with data, ``tcp_rcv_space_adjust``: the transfer's CPU wait,
 :meth:`kvtrace.schedtrace.Timeline.starved_ns`; ``sched.net`` says they were on), in a ring buffer per CPU
-(:func:`buffer_kb`: 128 MiB in all, at most 64 MiB a CPU) that keeps the
+(:func:`buffer_kb`: 128 MiB in all by default, ``--sched-buffer-mb``) that keeps the
 newest events (the memory it takes is bounded; a long run keeps its last
 stretch). No process of ours copies events out while the stack serves: a first version ran ``perf record``, and on this 2-core host
 under CPU load the perf process was migrated between the CPUs for a minute
@@ -51,16 +51,17 @@ logger = logging.getLogger("kvlens.up")
 
 #: Kernel memory the record may take, KiB, shared out per CPU (:func:`buffer_kb`); the newest events kept. A
 #: serving 1P1D pair on this 2-core host made ~6,000 context switches a second plus as many wake-ups
-#: (benchmarks/bench_schedrec.py): 64 MiB a CPU holds about three minutes of it.
+#: (benchmarks/bench_schedrec.py): 64 MiB a CPU holds about three minutes of it; a mixed fleet (two pairs,
+#: the delayers) twice that rate, about 100 s (benchmarks/bench_links.py takes 512 MiB).
 TOTAL_KB = 131072
-#: Each CPU's share stays within these (a many-core host keeps a shorter stretch, never more memory).
-MIN_CPU_KB, MAX_CPU_KB = 1024, 65536
+#: Each CPU's share is at least this (a many-core host keeps a shorter stretch, never more memory than asked).
+MIN_CPU_KB = 1024
 
 
-def buffer_kb(cpus: int | None = None) -> int:
-    """The ring buffer per CPU, KiB: :data:`TOTAL_KB` shared out, within the bounds."""
+def buffer_kb(cpus: int | None = None, total_kb: int = TOTAL_KB) -> int:
+    """The ring buffer per CPU, KiB: ``total_kb`` shared out, at least :data:`MIN_CPU_KB`."""
     n = cpus or os.cpu_count() or 1
-    return max(MIN_CPU_KB, min(MAX_CPU_KB, TOTAL_KB // n))
+    return max(MIN_CPU_KB, total_kb // n)
 
 
 #: Seconds for the holder to set the instance up.
@@ -91,7 +92,15 @@ stop() {
   rmdir "$I"
   exit 0
 }
+discard() {  # the record is not wanted (a benchmark that read it live): no minutes of text
+  echo 0 > "$I/tracing_on"
+  echo 0 > "$I/events/enable"
+  rmdir "$I"
+  exit 0
+}
 trap stop TERM INT HUP
+trap discard USR1
+trap 'echo 0 > "$I/tracing_on"' USR2  # freeze: the record ends here; written out at the stop
 echo mono > "$I/trace_clock" && echo "$2" > "$I/buffer_size_kb" && echo 1 > "$I/options/record-tgid" \
   && echo 1 > "$I/events/sched/sched_switch/enable" && echo 1 > "$I/events/sched/sched_wakeup/enable" \
   && echo 1 > "$I/events/sched/sched_wakeup_new/enable" && echo 1 > "$I/tracing_on" \
@@ -148,13 +157,14 @@ class SchedRecording:
     ``start()`` returns once the kernel records; ``stop()`` writes the
     record out and removes the instance. A context manager too."""
 
-    def __init__(self, folder: Path | str, pids: Iterable[int], say=logger.info) -> None:
+    def __init__(self, folder: Path | str, pids: Iterable[int], say=logger.info, total_kb: int = TOTAL_KB) -> None:
         self.folder = Path(folder)
         self.pids = list(pids)
         self.say = say
         self.proc: ChildProcess | None = None
         self.meta: dict = {}
         self.instance = f"{PREFIX}{os.getpid()}-{next(_seq)}"
+        self.buffer_kb = buffer_kb(total_kb=total_kb)
 
     def start(self) -> "SchedRecording":
         check()
@@ -162,7 +172,7 @@ class SchedRecording:
         for old in (TEXT, READY, META, NET):
             (self.folder / old).unlink(missing_ok=True)
         argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", HOLDER, "sh"]
-        argv += [self.instance, str(buffer_kb()), str(self.folder)]
+        argv += [self.instance, str(self.buffer_kb), str(self.folder)]
         self.proc = ChildProcess(argv, log=self.folder / "holder.log", guard=True, guard_grace_s=STOP_GRACE_S)
         self.proc.start()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -178,26 +188,47 @@ class SchedRecording:
             "started": time.time(),
             "instance": self.instance,
             "holder_pid": int((self.folder / READY).read_text().strip() or 0),
-            "buffer_kb": buffer_kb(),
+            "buffer_kb": self.buffer_kb,
             # the TCP tracepoints were on: the transfer's CPU wait can be read (kvtrace.schedtrace.Timeline.net)
             "net": (self.folder / NET).exists(),
         }
         self._write_meta()
-        self.say(f"kernel scheduler record: {self.folder} (tracefs instance {self.instance}, {buffer_kb()} KiB a CPU)")
+        self.say(
+            f"kernel scheduler record: {self.folder} (tracefs instance {self.instance}, {self.buffer_kb} KiB a CPU)"
+        )
         return self
 
     def _write_meta(self) -> None:
         (self.folder / META).write_text(json.dumps(self.meta, indent=1))
 
-    def stop(self) -> None:
-        """Write the record out (``sched.trace``) and remove the instance; idempotent."""
+    def _signal_holder(self, sig: int) -> bool:
+        holder = self.meta.get("holder_pid")
+        if self.proc is None or not holder:
+            return False
+        try:
+            os.kill(int(holder), sig)
+        except OSError:
+            return False
+        return True
+
+    def freeze(self) -> None:
+        """End the record now (the kernel stops writing to it) without writing it out yet: a stack stops its
+        record first, then its children, so the text is written with the CPUs free (:meth:`stop`)."""
+        if self._signal_holder(signal.SIGUSR2):
+            self.meta["offset_ns_end"] = _offset_ns()
+
+    def stop(self, keep: bool = True) -> None:
+        """Write the record out (``sched.trace``; with ``keep`` False, not: the instance is dropped at once)
+        and remove the instance; idempotent. Writing takes about a second per MiB of a full buffer here."""
         if self.proc is None:
             return
+        if not keep and self._signal_holder(signal.SIGUSR1):
+            self.proc.wait(STOP_GRACE_S)
         proc, self.proc = self.proc, None
         proc.stop(grace_s=STOP_GRACE_S, first=signal.SIGTERM)
         (self.folder / READY).unlink(missing_ok=True)
         if self.meta:
-            self.meta["offset_ns_end"] = _offset_ns()
+            self.meta.setdefault("offset_ns_end", _offset_ns())
             self.meta["stopped"] = time.time()
             self.meta.pop("holder_pid", None)  # the record is the file now
             self._write_meta()

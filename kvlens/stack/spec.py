@@ -96,6 +96,8 @@ class StackSpec:
     store_command: str | Sequence[str] | None = None
     #: keep the kernel's scheduler record in ``<log_dir>/sched`` once ready (:mod:`kvlens.stack.schedrec`)
     sched_trace: bool = False
+    #: the kernel memory that record may take, MiB in all (the newest events kept)
+    sched_buffer_mb: int = 128
     #: ports of the instances after the first, by :func:`~kvlens.stack.instances.port_names` (preflight's)
     more_ports: dict[str, int] = field(default_factory=dict, repr=False)
 
@@ -109,6 +111,8 @@ class StackSpec:
     def __post_init__(self) -> None:
         self.modes = parse_modes(self.mode)
         self.mode = ",".join(self.modes)
+        if not 1 <= self.sched_buffer_mb <= 65536:
+            raise StackError(f"the kernel record's buffer must be 1..65536 MiB, got {self.sched_buffer_mb}")
         if self.dispatch not in ("overlapped", "sequential"):
             raise StackError(f"dispatch must be overlapped or sequential, got {self.dispatch!r}")
         if self.collector not in COLLECTORS:

@@ -71,6 +71,8 @@ def test_walk_follows_preemption_and_wakeups_back_to_the_start():
     assert (w.on_ns, w.wait_ns) == (30 * US + 50 * US + 10 * US, 50 * US + 20 * US)
     assert w.tids == (A, B) and w.stop_ns == 20 * US
     assert w.on_ns + w.wait_ns == 160 * US  # nothing off-CPU: the path ran or waited throughout
+    late = schedtrace.parse(_lines(CHAIN), 0, frozenset((10, 20, 30)), since_ns=100 * US)  # the newest stretch
+    assert late.first_ns == 100 * US and not late.covers(20 * US, 180 * US) and late.waits[A] == [(100 * US, 150 * US)]
 
 
 def test_an_interrupts_wakeup_ends_the_walk_what_lies_before_is_off_cpu():
@@ -347,3 +349,25 @@ def test_a_killed_recorder_leaves_no_instance_no_holder_and_no_mount(tmp_path):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's tracepoints need root")
+def test_a_frozen_record_ends_there_and_a_discarded_one_is_not_written(tmp_path):
+    """A stack freezes its record before stopping its children (the text is written once the CPUs are free);
+    a benchmark that read it live drops it: nothing written, the instance gone."""
+    import time
+
+    from kvlens.stack.schedrec import SchedRecording
+
+    kept = SchedRecording(tmp_path / "kept", []).start()
+    kept.freeze()
+    time.sleep(0.3)
+    frozen_at = time.time_ns()
+    time.sleep(0.3)
+    kept.stop()
+    tl = schedtrace.load(tmp_path / "kept")
+    assert tl.runs and tl.last_ns < frozen_at  # nothing recorded after the freeze
+    dropped = SchedRecording(tmp_path / "dropped", []).start()
+    dropped.stop(keep=False)
+    assert not (tmp_path / "dropped" / schedtrace.TEXT).exists()
+    assert not [i for i in _instances() if i in (kept.instance, dropped.instance)]
