@@ -222,6 +222,43 @@ class Timeline:
         return Walk(on, wait, max(t, start_ns), tuple(tids))
 
 
+class _Sockets:
+    """The TCP tracepoints while the record is read: data that reached each
+    socket (``tcp_probe``, the recorder keeps only segments with data) and
+    waited there until a thread read it (``tcp_rcv_space_adjust``)."""
+
+    EVENTS = frozenset({"tcp_probe", "tcp_rcv_space_adjust"})
+
+    def __init__(self) -> None:
+        self.arrived: dict[str, int] = {}  # socket cookie -> the first data segment since its last read
+        #: reader tid -> (arrived, read) (:attr:`Timeline.pending`)
+        self.pending: dict[int, list[tuple[int, int]]] = {}
+
+    def event(self, event: str, t: int, tid: int, fields: dict[str, str]) -> None:
+        cookie = fields.get("sock_cookie")
+        if cookie is None:
+            return
+        if event == "tcp_probe":
+            if fields.get("data_len", "1") != "0":
+                self.arrived.setdefault(cookie, t)
+        else:  # this thread read from the socket
+            a = self.arrived.pop(cookie, None)
+            if a is not None and t > a:
+                self.pending.setdefault(tid, []).append((a, t))
+
+
+def _from(lines: Iterable[str], since: int) -> Iterable[str]:
+    """``lines`` from the first whose timestamp (the record's clock) is at or after ``since`` (the text is in
+    time order), the ones before it skipped without the full parse."""
+    it = iter(lines)
+    for line in it:
+        t = _stamp_ns(line)
+        if t is not None and t >= since:
+            yield line
+            break
+    yield from it
+
+
 def _stamp_ns(line: str) -> int | None:
     """A trace line's timestamp (the record's clock, ns) without the full parse, or None."""
     j = line.find("] ")
@@ -248,7 +285,8 @@ def parse(
     ``since_ns`` (wall clock): lines before it are skipped unparsed (a long
     record read for its newest stretch; a wait that began before it is seen
     from its end only, so leave a margin before the stretch wanted)."""
-    skip = None if since_ns is None else since_ns - offset_ns
+    if since_ns is not None:
+        lines = _from(lines, since_ns - offset_ns)
     runs: dict[int, list] = {}
     waits: dict[int, list] = {}
     readies: dict[int, list] = {}
@@ -259,14 +297,8 @@ def parse(
     last = 0
     lost = missed = 0
     seen: set[int] = set()
-    arrived: dict[str, int] = {}  # socket cookie -> the first data segment since its last read
-    pending: dict[int, list] = {}
+    sockets = _Sockets()
     for line in lines:
-        if skip is not None:
-            t0 = _stamp_ns(line)
-            if t0 is not None and t0 < skip:
-                continue
-            skip = None if t0 is not None else skip  # sorted by time: past the first line at or after it
         m = _LINE.match(line)
         if m is None:
             if (x := _LOST.search(line)) is not None:
@@ -294,14 +326,8 @@ def parse(
             if nxt in ready:
                 waits.setdefault(nxt, []).append((ready.pop(nxt), t))
             on[nxt] = t
-        elif event == "tcp_probe":  # data reached a socket (the recorder's filter: data_len > 0)
-            cookie = f.get("sock_cookie")
-            if cookie is not None and f.get("data_len", "1") != "0":
-                arrived.setdefault(cookie, t)
-        elif event == "tcp_rcv_space_adjust":  # this thread read from the socket
-            a = arrived.pop(f.get("sock_cookie", ""), None)
-            if a is not None and t > a:
-                pending.setdefault(int(cur), []).append((a, t))
+        elif event in _Sockets.EVENTS:
+            sockets.event(event, t, int(cur), f)
         elif event in ("sched_wakeup", "sched_wakeup_new"):
             woken = int(f.get("pid", -1))
             seen.add(woken)
@@ -309,6 +335,7 @@ def parse(
                 ctx = _CONTEXT.get(flags[2:3], 0) if len(flags) >= 3 else 0
                 ready[woken] = t
                 readies.setdefault(woken, []).append((t, int(cur), ctx))
+    pending = sockets.pending
     for d in (runs, waits, readies, pending):
         for v in d.values():
             v.sort()
