@@ -36,6 +36,7 @@ from pathlib import Path
 from scratch import scratch_dir  # noqa: E402 (benchmarks/: the script's own directory)
 from whatif_check import HEADER, check_cell, coverage_lines, line, ms, phase_medians, settled
 
+from kvrecord.argtypes import int_in
 from kvlens.bench.grid import BenchOptions
 from kvlens.bench.runner import bench_routers, new_run, stack_targets
 from kvlens.signals import sigterm_as_interrupt
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sched-trace", action="store_true",
                     help="keep the kernel's scheduler record (as kvlens up --sched-trace) and give the what-if the "
                     "CPU split walked through it: every phase's CPU wait, the transfer's from its TCP tracepoints")  # fmt: skip
-    ap.add_argument("--sched-buffer-mb", type=int, default=512,
+    ap.add_argument("--sched-buffer-mb", type=int_in(1, 65536, "a size in MiB"), default=512,
                     help="with --sched-trace: the record's kernel memory, MiB (default 512: a cell's requests must "
                     "still be in it when the cell is read; the mixed fleet fills 128 MiB in about 100 s)")  # fmt: skip
     a = ap.parse_args(argv)
