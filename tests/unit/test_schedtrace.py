@@ -371,3 +371,17 @@ def test_a_frozen_record_ends_there_and_a_discarded_one_is_not_written(tmp_path)
     dropped.stop(keep=False)
     assert not (tmp_path / "dropped" / schedtrace.TEXT).exists()
     assert not [i for i in _instances() if i in (kept.instance, dropped.instance)]
+
+
+def test_the_records_buffer_size_is_checked(capsys):
+    from kvlens.cli import main
+    from kvlens.stack.errors import StackError
+    from kvlens.stack.schedrec import MIN_CPU_KB, buffer_kb
+    from kvlens.stack.spec import StackSpec
+
+    with pytest.raises(StackError, match="1..65536 MiB, got 0"):
+        StackSpec(mode="push", sched_buffer_mb=0)
+    with pytest.raises(SystemExit) as e:
+        main(["up", "--sched-trace", "--sched-buffer-mb", "70000"])
+    assert e.value.code == 2 and "out of range 1..65536" in capsys.readouterr().err
+    assert buffer_kb(2, 512 * 1024) == 256 * 1024 and buffer_kb(4096, 1024) == MIN_CPU_KB  # shared out, a floor
