@@ -162,11 +162,17 @@ def polled_figures(sched: Any, name: str, span: Any, tgids: frozenset[int], rec:
     return PhaseCpu(w.on_ns / 1e9, sched.starved_ns(tgids, span.start_ns, got) / 1e9 + w.wait_ns / 1e9)
 
 
+#: The roles whose spans the engines record (the router's ``relay`` carries its loop's thread: not an engine).
+_ENGINE_ROLES = frozenset({sc.Role.PREFILL.value, sc.Role.DECODE.value})
+
+
 def engine_tgids(sched: Any, spans: Iterable[Any]) -> frozenset[int]:
     """The processes of the threads that recorded ``spans`` (their ``kvlens.cpu.tid``), per the kernel's record:
-    the request's engines (their workers, on P and on D)."""
+    the request's engines (their workers, on P and on D); the router's sockets (HTTP) are not the transfer's."""
     out = set()
     for s in spans:
+        if s.role not in _ENGINE_ROLES:
+            continue
         tid = (s.attributes or {}).get(sc.ATTR_CPU_TID)
         if isinstance(tid, int) and (pid := sched.tgid.get(tid)) is not None:
             out.add(pid)

@@ -193,11 +193,16 @@ def test_the_transfer_gets_its_cpu_wait_from_the_tcp_tracepoints():
     start = PF + 5 * MS
     t = start // US
     events = [("S", t - 100, 0, 1, A), ("S", t + 100, A, 0, C), ("P", t + 200, 7, 4096, C),
-              ("S", t + 1_200, C, 0, A), ("R", t + 1_300, 7, A, 0), ("S", (KV // US) + 10, A, 1, 0)]  # fmt: skip
+              ("S", t + 1_200, C, 0, A), ("R", t + 1_300, 7, A, 0),
+              # the router's loop (B, process 20) has HTTP data waiting 0.1-2 ms while it waits for a CPU
+              ("S", t + 1_400, A, 0, C), ("P", t + 1_500, 8, 512, C), ("W", t + 1_600, B, C, 1),
+              ("S", t + 3_400, C, 0, B),
+              ("R", t + 3_500, 8, B, 0), ("S", (KV // US) + 10, B, 1, A)]  # fmt: skip
     wire = {sc.ATTR_CPU_ON_S: 0.0, sc.ATTR_CPU_WAIT_S: 0.0, sc.ATTR_NIXL_XFER_S: 0.003, sc.ATTR_CPU_TID: A}
     tr = _trace(
         [
             _span("prefill.finished", "prefill", PF, PF),
+            _span("relay", "router", start - 10 * US, start - 5 * US, **{sc.ATTR_CPU_TID: B}),
             _span("read.complete", "decode", start, KV, **wire),
             _span("kv.ready", "decode", KV, KV),
         ]
@@ -205,7 +210,8 @@ def test_the_transfer_gets_its_cpu_wait_from_the_tcp_tracepoints():
     assert cpusplit.handoff_cpu(tr, _timeline(events)).notes["read.wire"] == cpusplit.WIRE_NOTE
     h = cpusplit.handoff_cpu(tr, _timeline(events, net=True))
     assert h.notes["read.wire"] == cpusplit.NET_NOTE
-    assert h.phases_wait_s["read.wire"] == pytest.approx(0.001)  # data there at +0.2 ms, A runnable to +1.2 ms
+    # data there at +0.2 ms, A runnable to +1.2 ms; the router's starved HTTP read is not the transfer's
+    assert h.phases_wait_s["read.wire"] == pytest.approx(0.001)
     assert h.phases_on_s["read.wire"] is None  # the pollers spin: their work is not told from polling
 
 
