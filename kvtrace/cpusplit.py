@@ -17,7 +17,7 @@ walked back through that record instead (:func:`kernel_figures`): the
 thread that stamped its end, the threads that woke it, across processes,
 up to an interrupt's wake-up (before it, off-CPU). Those figures are
 exact, not bounds. Where the record kept the kernel's TCP tracepoints too,
-the polled crossings get their CPU wait from it (:func:`polled_wait`: data
+the polled crossings get their CPU wait from it (:func:`polled_figures`: data
 that had arrived, waiting for a starved reader); their CPU work stays
 unknown (the pollers spin), the rest is the wire's.
 
@@ -128,38 +128,29 @@ def kernel_figures(sched: Any, name: str, start_ns: int, end_ns: int, tid: int |
     return PhaseCpu(w.on_ns / 1e9, w.wait_ns / 1e9)
 
 
-def polled_wait(sched: Any, start_ns: int, end_ns: int, tgids: Iterable[int]) -> float | None:
-    """A polled crossing's CPU wait (:data:`POLLED`) from the kernel's record
-    with its TCP tracepoints (:meth:`kvtrace.schedtrace.Timeline.starved_ns`):
-    how long data that had reached a socket of the request's engines
-    (``tgids``) waited there for a reader that waited for a CPU. None where
-    the record lacks the tracepoints or does not cover the stretch."""
-    if sched is None or not getattr(sched, "net", False) or end_ns <= start_ns or not sched.covers(start_ns, end_ns):
-        return None
-    return sched.starved_ns(tgids, start_ns, end_ns) / 1e9
-
-
 def polled_figures(sched: Any, name: str, span: Any, tgids: frozenset[int], rec: Mapping) -> PhaseCpu | None:
     """A polled crossing's figures (``span``: its interval) from the kernel's
-    record with its TCP tracepoints; None where it has none
-    (:func:`polled_wait`). The transfer itself (``*.wire``, ended where NIXL
-    saw it done): the data's wait for starved readers. A crossing a thread
-    of ours stamps the end of (``write.notify``, D's engine loop noticing
-    P's notification): up to the last read from a socket in that thread's
-    process (the notification taken in by its progress thread), the same;
-    from there to the end its critical path is walked back from that thread
-    (:func:`kernel_figures`' walk: the engine loop late to notice, or
-    working), its CPU work counted."""
-    wait = polled_wait(sched, span.start_ns, span.end_ns, tgids)
-    if wait is None or name not in _ENDS:
-        return None if wait is None else PhaseCpu(0.0, wait)
-    tid = ending_tid(name, None, [rec.get(e) for e in _ENDS[name]])
+    record with its TCP tracepoints; None where the record lacks them or
+    does not cover the stretch. CPU wait: how long data that had reached a
+    socket of the request's engines (``tgids``) waited there for a reader
+    that waited for a CPU (:meth:`kvtrace.schedtrace.Timeline.starved_ns`).
+    The transfer itself (``*.wire``, ended where NIXL saw it done): that,
+    over the whole stretch. A crossing a thread of ours stamps the end of
+    (``write.notify``, D's engine loop noticing P's notification): that, up
+    to the last read from a socket in that thread's process (the
+    notification taken in by its progress thread); from there to the end
+    its critical path walked back from that thread (:func:`kernel_figures`'
+    walk: the engine loop late to notice, or working), its CPU work counted."""
+    start, end = span.start_ns, span.end_ns
+    if sched is None or not getattr(sched, "net", False) or end <= start or not sched.covers(start, end):
+        return None
+    tid = ending_tid(name, None, [rec.get(e) for e in _ENDS[name]]) if name in _ENDS else None
     pid = sched.tgid.get(tid) if tid is not None else None
-    got = sched.last_read((pid,), span.start_ns, span.end_ns) if pid is not None else None
+    got = sched.last_read((pid,), start, end) if pid is not None else None
     if got is None:
-        return PhaseCpu(0.0, wait)
-    w = sched.walk(tid, got, span.end_ns)
-    return PhaseCpu(w.on_ns / 1e9, sched.starved_ns(tgids, span.start_ns, got) / 1e9 + w.wait_ns / 1e9)
+        return PhaseCpu(0.0, sched.starved_ns(tgids, start, end) / 1e9)
+    w = sched.walk(tid, got, end)
+    return PhaseCpu(w.on_ns / 1e9, (sched.starved_ns(tgids, start, got) + w.wait_ns) / 1e9)
 
 
 #: The roles whose spans the engines record (the router's ``relay`` carries its loop's thread: not an engine).
@@ -238,11 +229,7 @@ def _kernel_part(
         return None
     tid = ending_tid(name, src, [rec.get(e) for e in _ENDS.get(name, ())])
     kf = kernel_figures(sched, name, span.start_ns, span.end_ns, tid)
-    if kf is None:
-        return None
-    share = min(ns / max(span.end_ns - span.start_ns, 1), 1.0)
-    w = min(kf.wait_s * share, ns / 1e9)
-    return w, min(kf.on_s * share, ns / 1e9 - w)
+    return None if kf is None else _scaled(kf, _share(ns, span), ns)
 
 
 class _Part(NamedTuple):
@@ -256,6 +243,11 @@ class _Part(NamedTuple):
     rest_unknown_s: float = 0.0
     #: said of the phase (``cpu_notes``), where there is something to say
     note: str | None = None
+
+
+def _share(ns: int, span: Any) -> float:
+    """The share of ``span`` that its ``ns`` on the critical path are."""
+    return min(ns / max(span.end_ns - span.start_ns, 1), 1.0)
 
 
 def _scaled(fig: PhaseCpu, share: float, ns: int) -> tuple[float, float]:
@@ -287,7 +279,7 @@ def _phase_part(src: _Sources, role: str | None, name: str, ns: int) -> _Part:
     span = src.derived.get((role, name)) if name in POLLED and src.tgids else None
     pf = polled_figures(src.sched, name, span, src.tgids, src.rec) if span is not None else None
     if pf is not None:  # the pollers spin: their work is not told from their polling
-        w, o = _scaled(pf, min(ns / max(span.end_ns - span.start_ns, 1), 1.0), ns)
+        w, o = _scaled(pf, _share(ns, span), ns)
         return _Part(w, o, on_known=False, note=NET_NOTE)
     if name in WIRE_PARTS:
         return _Part(None, note=WIRE_NOTE)
@@ -316,7 +308,7 @@ def _phase_part(src: _Sources, role: str | None, name: str, ns: int) -> _Part:
         if own is None:
             return _Part(None, note=DERIVED_NOTE)
         return _Part(None, note=str((own.attributes or {}).get(sc.ATTR_CPU_UNKNOWN) or "no CPU figures recorded"))
-    w, o = _scaled(fig, min(ns / max(own.end_ns - own.start_ns, 1), 1.0), ns)
+    w, o = _scaled(fig, _share(ns, own), ns)
     # where only a lower bound is placed, the rest is neither
     return _Part(w, o, on_known, 0.0 if fig.rest_known else max(ns / 1e9 - w - o, 0.0))
 

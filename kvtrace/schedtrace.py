@@ -138,7 +138,7 @@ class Timeline:
                 lo, hi = max(a, start_ns), min(r, end_ns)
                 if hi <= lo:
                     continue
-                i = max(bisect.bisect_right(self._wait_ends.get(tid, []), lo), 0)
+                i = bisect.bisect_right(self._wait_ends.get(tid, []), lo)
                 while i < len(waits) and waits[i][0] < hi:
                     w0, w1 = max(waits[i][0], lo), min(waits[i][1], hi)
                     if w1 > w0:
@@ -266,7 +266,12 @@ def _stamp_ns(line: str) -> int | None:
     if j < 0 or k < 0:
         return None
     secs, _, frac = line[j + 2 : k].rpartition(" ")[2].partition(".")
-    return int(secs) * 1_000_000_000 + int(frac.ljust(9, "0")[:9]) if secs.isdigit() and frac.isdigit() else None
+    return _ns(secs, frac) if secs.isdigit() and frac.isdigit() else None
+
+
+def _ns(secs: str, frac: str) -> int:
+    """The trace text's ``secs.frac`` timestamp in ns."""
+    return int(secs) * 1_000_000_000 + int(frac.ljust(9, "0")[:9])
 
 
 def parse(
@@ -305,7 +310,7 @@ def parse(
                 lost += int(x.group(2))
             continue
         _comm, cur, tg, cpu, flags, secs, frac, event, rest = m.groups()
-        t = int(secs) * 1_000_000_000 + int(frac.ljust(9, "0")[:9]) + offset_ns
+        t = _ns(secs, frac) + offset_ns
         first.setdefault(int(cpu), t)
         last = max(last, t)
         if tg.lstrip("-").isdigit() and int(tg) > 0:

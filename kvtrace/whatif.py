@@ -127,7 +127,7 @@ def _waits(from_mode: str, t: Trace, extra: float, queue: float) -> tuple[float 
 
     def total(phases) -> float | None:
         # the transfer itself has a CPU wait only from the kernel's record with its TCP tracepoints
-        # (cpusplit.polled_wait); without it none is removed from it (cpusplit.WIRE_NOTE)
+        # (cpusplit.polled_figures); without it none is removed from it (cpusplit.WIRE_NOTE)
         vals = [
             pw[p.value]
             for p in phases
