@@ -192,10 +192,18 @@ class _More:
     def cpu(self, a: Mapping[str, Any], d: float, tid: Any) -> None:
         """The span's CPU figures (``kvlens.cpu.wait_s`` / ``on_s``), where it
         carries them: a span whose figures are unknown adds to no counter, so
-        the share the recording rule reads stays over measured spans only."""
+        the share the recording rule reads stays over measured spans only.
+        The figures run from the thread's last reading at or before the
+        span's start (``kvlens.cpu.gap_s`` before it) to its end: the
+        denominator counts that whole stretch, so the share is a fraction of
+        the time the figures cover (a busy thread's wait in the gap would
+        otherwise exceed the span: a share of 1.33 was seen on a loaded host)."""
         wait, on = _num(a.get(sc.ATTR_CPU_WAIT_S)), _num(a.get(sc.ATTR_CPU_ON_S))
         if wait is None or on is None or wait < 0 or on < 0:
             return
+        gap = _num(a.get(sc.ATTR_CPU_GAP_S))
+        if gap is not None and gap > 0:
+            d += gap
         incs = self.cpu_incs
         if incs is None:
             fam, key = self.fam, (self.mode, self.role, self.phase)

@@ -70,6 +70,19 @@ def test_counters_sum_the_figures_of_the_spans_that_carry_them(feed):
     assert reg.get_sample_value("kvlens_phase_duration_seconds_count", dur) == 3
 
 
+def test_the_span_counter_covers_the_start_readings_gap(feed):
+    """The figures run from the thread's last reading at or before the start
+    (``kvlens.cpu.gap_s`` before it): a busy thread's wait over a 1 ms span
+    read 9 ms back is up to 10 ms, and the share stays a fraction (CI saw 1.33
+    when the counter took the span's wall alone)."""
+    reg, emit = feed
+    emit("decode.queue", 0.001, **fig(0.0005, 0.008), **{sc.ATTR_CPU_GAP_S: 0.009})
+    emit("decode.queue", 0.002, **fig(0.0005, 0.001), **{sc.ATTR_CPU_GAP_S: 0.0})
+    wait, on, span = (cpu(reg, w, "pull", "decode", "decode.queue") for w in ("_wait", "", "_span"))
+    assert span == pytest.approx(0.012) and wait == pytest.approx(0.009) and on == pytest.approx(0.001)
+    assert 0 <= wait / span <= 1 and span - on - wait >= 0  # a share, and off-CPU >= 0
+
+
 def test_a_phase_whose_spans_never_carry_figures_has_no_series(feed):
     reg, emit = feed
     emit("decode.queue", 0.004, **{sc.ATTR_CPU_UNKNOWN: "no reading of the thread at or before the phase's start"})
