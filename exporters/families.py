@@ -92,9 +92,10 @@ _CPU_ON_HELP = (
     "the thread spins), summed over the spans that carry CPU figures."
 )
 _CPU_SPAN_HELP = (
-    "Wall-clock seconds the CPU figures of the phase spans that carry them cover: each span plus the stretch "
-    "before its start back to the thread's start reading (kvlens.cpu.gap_s). The denominator of the CPU-wait "
-    "share (kvlens:handoff_cpu_wait_share:ratio_5m); off-CPU = this - cpu - cpu_wait."
+    "Wall-clock seconds of the phase spans that carry CPU figures, each the shortest stretch that holds its "
+    "figures: the span, or on-CPU + wait where a busy thread's figures exceed it (they run from its start reading, "
+    "kvlens.cpu.gap_s before the span), at most span + gap. The denominator of the CPU-wait share "
+    "(kvlens:handoff_cpu_wait_share:ratio_5m); off-CPU = this - cpu - cpu_wait."
 )
 _HOLD_HELP = (
     "Requests whose P held the KV blocks longer than KVLENS_HOLD_WARN_S (default 5 s) after D's kv.ready "

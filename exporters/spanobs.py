@@ -194,16 +194,20 @@ class _More:
         carries them: a span whose figures are unknown adds to no counter, so
         the share the recording rule reads stays over measured spans only.
         The figures run from the thread's last reading at or before the
-        span's start (``kvlens.cpu.gap_s`` before it) to its end: the
-        denominator counts that whole stretch, so the share is a fraction of
-        the time the figures cover (a busy thread's wait in the gap would
-        otherwise exceed the span: a share of 1.33 was seen on a loaded host)."""
+        span's start (``kvlens.cpu.gap_s`` before it) to its end. A blocked
+        thread's counters do not move in that gap (D's ``decode.queue``: an
+        idle engine, gaps of seconds), a busy one's do (P's ``write.complete``:
+        the worker polls, 5 ms of wait over a 2 ms span with a 4 ms gap). So
+        the time counted is the shortest stretch that holds the figures: the
+        span, or on-CPU + wait where they exceed it, at most span + gap. The
+        share stays a fraction (CI read 1.33 for pull with the span alone)
+        and an idle gap does not dilute it."""
         wait, on = _num(a.get(sc.ATTR_CPU_WAIT_S)), _num(a.get(sc.ATTR_CPU_ON_S))
         if wait is None or on is None or wait < 0 or on < 0:
             return
-        gap = _num(a.get(sc.ATTR_CPU_GAP_S))
-        if gap is not None and gap > 0:
-            d += gap
+        if on + wait > d:
+            gap = _num(a.get(sc.ATTR_CPU_GAP_S))
+            d = min(on + wait, d + gap) if gap is not None and gap > 0 else d
         incs = self.cpu_incs
         if incs is None:
             fam, key = self.fam, (self.mode, self.role, self.phase)

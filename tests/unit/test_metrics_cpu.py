@@ -70,17 +70,23 @@ def test_counters_sum_the_figures_of_the_spans_that_carry_them(feed):
     assert reg.get_sample_value("kvlens_phase_duration_seconds_count", dur) == 3
 
 
-def test_the_span_counter_covers_the_start_readings_gap(feed):
+def test_the_span_counter_holds_the_figures_of_a_gap(feed):
     """The figures run from the thread's last reading at or before the start
-    (``kvlens.cpu.gap_s`` before it): a busy thread's wait over a 1 ms span
-    read 9 ms back is up to 10 ms, and the share stays a fraction (CI saw 1.33
-    when the counter took the span's wall alone)."""
+    (``kvlens.cpu.gap_s`` before it). A busy thread's figures can exceed the
+    span (5 ms of wait over a 2 ms span read 4 ms back: P's write.complete on
+    a real stack): the span counter takes the shortest stretch that holds
+    them, so the share stays a fraction (CI read 1.33 with the span alone). A
+    blocked thread's (D's decode.queue, gaps of seconds) fit the span: the
+    gap does not dilute the share."""
     reg, emit = feed
-    emit("decode.queue", 0.001, **fig(0.0005, 0.008), **{sc.ATTR_CPU_GAP_S: 0.009})
-    emit("decode.queue", 0.002, **fig(0.0005, 0.001), **{sc.ATTR_CPU_GAP_S: 0.0})
-    wait, on, span = (cpu(reg, w, "pull", "decode", "decode.queue") for w in ("_wait", "", "_span"))
-    assert span == pytest.approx(0.012) and wait == pytest.approx(0.009) and on == pytest.approx(0.001)
-    assert 0 <= wait / span <= 1 and span - on - wait >= 0  # a share, and off-CPU >= 0
+    emit("write.complete", 0.002, **fig(0.001, 0.005), **{sc.ATTR_CPU_GAP_S: 0.004})  # 6 ms in 2 + 4
+    emit("write.complete", 0.002, **fig(0.001, 0.003), **{sc.ATTR_CPU_GAP_S: 0.004})  # 4 ms of 2 + 4
+    emit("write.complete", 0.003, **fig(0.0005, 0.001), **{sc.ATTR_CPU_GAP_S: 0.0})
+    wait, on, span = (cpu(reg, w, "pull", "decode", "write.complete") for w in ("_wait", "", "_span"))
+    assert span == pytest.approx(0.006 + 0.004 + 0.003) and wait == pytest.approx(0.009)
+    assert 0 <= wait / span <= 1
+    emit("decode.queue", 0.004, **fig(0.001, 0.001), **{sc.ATTR_CPU_GAP_S: 2.0})
+    assert cpu(reg, "_span", "pull", "decode", "decode.queue") == pytest.approx(0.004)
 
 
 def test_a_phase_whose_spans_never_carry_figures_has_no_series(feed):
