@@ -379,6 +379,50 @@ def test_a_frozen_record_ends_there_and_a_discarded_one_is_not_written(tmp_path)
     assert not [i for i in _instances() if i in (kept.instance, dropped.instance)]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's tracepoints need root")
+def test_the_holder_writes_out_at_real_time_priority_beside_busy_threads(tmp_path):
+    """The holder (and the ``cat`` it runs) is SCHED_FIFO: beside a normal-class thread busy on every core
+    (NIXL's spinning progress threads, one bound to each core), a plain reader bound to a core waited 20-75 s
+    for it, and a ``--hosts`` stack's record ran past the stop's grace (killed, no record)."""
+    import subprocess
+    import sys
+
+    from kvlens.stack.schedrec import SchedRecording
+
+    spin = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", spin, str(c)], start_new_session=True) for c in os.sched_getaffinity(0)
+    ]
+    try:
+        rec = SchedRecording(tmp_path, []).start()
+        assert rec.meta["holder_fifo"] is True
+        assert os.sched_getscheduler(rec.meta["holder_pid"]) == os.SCHED_FIFO
+        rec.stop()
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert schedtrace.load(tmp_path).runs  # written out, busy cores or not
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the kernel's tracepoints need root")
+def test_a_holder_killed_past_the_grace_leaves_no_instance(tmp_path, monkeypatch, caplog):
+    """A holder that cannot write out within the grace is killed: kvlens removes its instance (its kernel
+    memory) itself and says there is no record, instead of leaving both to the next recording."""
+    import signal
+
+    from kvlens.stack import schedrec
+
+    monkeypatch.setattr(schedrec, "STOP_GRACE_S", 1.0)
+    rec = schedrec.SchedRecording(tmp_path, []).start()
+    os.kill(rec.meta["holder_pid"], signal.SIGSTOP)  # it cannot run its trap: killed at the grace's end
+    with caplog.at_level("WARNING", logger="kvlens.up"):
+        rec.stop()
+    assert rec.instance not in _instances()
+    assert not (tmp_path / schedtrace.TEXT).exists()
+    assert "was not written out within 1 s" in caplog.text and rec.instance in caplog.text
+
+
 def test_the_records_buffer_size_is_checked(capsys):
     from kvlens.cli import main
     from kvlens.stack.errors import StackError
