@@ -111,6 +111,30 @@ def bootstrap_ratio(
     return float(lo), float(hi)
 
 
+def bootstrap_diff(
+    a_rounds: Sequence[Iterable[float | None]],
+    b_rounds: Sequence[Iterable[float | None]],
+    q: float = 50.0,
+    level: float = 0.95,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float] | None:
+    """A ``level`` percentile-bootstrap confidence interval for
+    percentile_q(a) - percentile_q(b), resampled as :func:`bootstrap_ratio`
+    resamples (rounds, then requests within them; the seed fixed). For
+    figures near 0, where a ratio says nothing (a CPU wait's rise). None when
+    a side has fewer than :data:`MIN_REQUESTS` figures."""
+    import numpy as np
+
+    a, b = _clean_rounds(a_rounds), _clean_rounds(b_rounds)
+    if sum(x.size for x in a) < MIN_REQUESTS or sum(x.size for x in b) < MIN_REQUESTS:
+        return None
+    gen = np.random.default_rng(seed)
+    d = _resampled_percentile(a, q, resamples, gen) - _resampled_percentile(b, q, resamples, gen)
+    lo, hi = np.percentile(d, [(1 - level) / 2 * 100, (1 + level) / 2 * 100])
+    return float(lo), float(hi)
+
+
 # ------------------------------------------------------------- stratified
 #: Fewest figures per side in a stratum for it to enter a stratified ratio:
 #: below it a stratum's percentile (p90 of 10 requests is its 9th) says

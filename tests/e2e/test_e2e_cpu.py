@@ -161,7 +161,7 @@ def _contention(stack, mode: str) -> None:
     assert measured_rise > 0, f"{mode}: the part with figures did not grow: {figs}"
     print(f"{mode}: CPU wait rose {wait_rise * 1e3:.1f} ms of a {rise * 1e3:.1f} ms rise ({wait_rise / rise:.0%}), "
           f"{wait_rise / measured_rise:.0%} of the {measured_rise * 1e3:.1f} ms in phases with figures")  # fmt: skip
-    if mode == "push":
+    if mode in MIN_SHARE:
         assert wait_rise >= MIN_SHARE[mode] * measured_rise, f"{mode}: CPU wait rose {wait_rise:.4f} s: {figs}"
     else:
         # pull, counters alone: reported, not asserted. The hog's delay lands in phases whose waiting thread the

@@ -19,7 +19,7 @@ from kvlens.bench.report import describe, format_table
 from kvlens.bench.results import Cell, Target, summarize_cell
 from kvlens.bench.rounds import abba, add_intervals, pooled_rows, stack_plan
 from kvlens.bench.runner import bench_routers, bench_stacks, new_run
-from kvtrace.stats import bootstrap_ratio
+from kvtrace.stats import bootstrap_diff, bootstrap_ratio
 
 
 def _rounds(rng, k, n, scale, level=None):
@@ -289,3 +289,13 @@ def test_ctrl_c_in_round_two_saves_pooled_rows(tmp_path, tiny_tokenizer_dir, cap
     assert sorted((r["mode"], r["rounds"]) for r in saved) == [("pull", 1), ("push", 2)]
     out = capsys.readouterr().out
     assert "interrupted in round 2 of 3" in out and "95% CI" in out
+
+
+def test_bootstrap_diff_brackets_a_known_shift_and_is_seeded():
+    """The difference of medians' interval (a CPU wait's rise near 0, where a ratio says nothing): a shift of
+    5 over a spread of 1 is bracketed; the same figures give the same interval; one figure a side is none."""
+    base = [0.0, 0.5, 1.0, 0.2, 0.8, 0.4, 0.6, 0.3]
+    lo, hi = bootstrap_diff([[x + 5.0 for x in base]], [base])
+    assert lo <= 5.0 <= hi and lo > 3.0
+    assert bootstrap_diff([[x + 5.0 for x in base]], [base]) == (lo, hi)
+    assert bootstrap_diff([[1.0]], [base]) is None
