@@ -75,6 +75,18 @@ def _resampled_percentile(rounds: list, q: float, resamples: int, gen) -> "Any":
     return np.nanpercentile(vals.reshape(resamples, -1), q, axis=1)
 
 
+def _resampled_pair(a_rounds, b_rounds, q: float, resamples: int, seed: int):
+    """Both sides' resampled percentiles (:func:`_resampled_percentile`, one seeded generator, ``a`` first);
+    None when a side has fewer than :data:`MIN_REQUESTS` figures."""
+    import numpy as np
+
+    a, b = _clean_rounds(a_rounds), _clean_rounds(b_rounds)
+    if sum(x.size for x in a) < MIN_REQUESTS or sum(x.size for x in b) < MIN_REQUESTS:
+        return None
+    gen = np.random.default_rng(seed)
+    return _resampled_percentile(a, q, resamples, gen), _resampled_percentile(b, q, resamples, gen)
+
+
 def bootstrap_ratio(
     num_rounds: Sequence[Iterable[float | None]],
     den_rounds: Sequence[Iterable[float | None]],
@@ -97,12 +109,10 @@ def bootstrap_ratio(
     figures, or the denominator's resampled percentile is mostly 0."""
     import numpy as np
 
-    num, den = _clean_rounds(num_rounds), _clean_rounds(den_rounds)
-    if sum(a.size for a in num) < MIN_REQUESTS or sum(a.size for a in den) < MIN_REQUESTS:
+    pair = _resampled_pair(num_rounds, den_rounds, q, resamples, seed)
+    if pair is None:
         return None
-    gen = np.random.default_rng(seed)
-    a = _resampled_percentile(num, q, resamples, gen)
-    b = _resampled_percentile(den, q, resamples, gen)
+    a, b = pair
     ok = b > 0
     if ok.sum() < resamples / 2:
         return None
@@ -126,11 +136,10 @@ def bootstrap_diff(
     a side has fewer than :data:`MIN_REQUESTS` figures."""
     import numpy as np
 
-    a, b = _clean_rounds(a_rounds), _clean_rounds(b_rounds)
-    if sum(x.size for x in a) < MIN_REQUESTS or sum(x.size for x in b) < MIN_REQUESTS:
+    pair = _resampled_pair(a_rounds, b_rounds, q, resamples, seed)
+    if pair is None:
         return None
-    gen = np.random.default_rng(seed)
-    d = _resampled_percentile(a, q, resamples, gen) - _resampled_percentile(b, q, resamples, gen)
+    d = pair[0] - pair[1]
     lo, hi = np.percentile(d, [(1 - level) / 2 * 100, (1 + level) / 2 * 100])
     return float(lo), float(hi)
 
