@@ -52,6 +52,10 @@ class PhaseCpu(NamedTuple):
     #: False: the figures are the part placed for sure (a lower bound: :func:`derived_figures`' one-run rule,
     #: :func:`landed_wait`); the phase's rest is unknown, not off-CPU (threads on its path were not all read)
     rest_known: bool = True
+    #: the part of the stretch that is neither, a figure of its own (:func:`kvtrace.cpusplit.polled_figures`: the
+    #: time its crossing's data was not waiting in a socket for a starved reader, the wire, the peer and a
+    #: starved sender alike); the rest beyond it and the figures is off-CPU
+    unknown_s: float = 0.0
 
 
 def span_figures(attrs: Mapping[str, Any], wall_s: float | None = None) -> PhaseCpu | None:

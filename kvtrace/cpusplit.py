@@ -19,7 +19,8 @@ up to an interrupt's wake-up (before it, off-CPU). Those figures are
 exact, not bounds. Where the record kept the kernel's TCP tracepoints too,
 the polled crossings get their CPU wait from it (:func:`polled_figures`: data
 that had arrived, waiting for a starved reader); their CPU work stays
-unknown (the pollers spin), the rest is the wire's.
+unknown (the pollers spin), and so does the rest of the socket stretch
+(the wire, the peer and a starved sender are not told apart there).
 
 Pure functions of a :class:`kvtrace.tracemodel.Trace`-like object.
 """
@@ -140,7 +141,13 @@ def polled_figures(sched: Any, name: str, span: Any, tgids: frozenset[int], rec:
     to the last read from a socket in that thread's process (the
     notification taken in by its progress thread); from there to the end
     its critical path walked back from that thread (:func:`kernel_figures`'
-    walk: the engine loop late to notice, or working), its CPU work counted."""
+    walk: the engine loop late to notice, or working), its CPU work counted.
+    The socket stretch's rest is ``unknown_s``, not off-CPU: data on the
+    wire, the peer turning a message round (on a CPU, or waiting for one),
+    a sender starved while its socket had room all leave the socket empty,
+    and the record does not tell them apart (CPU contention measured 30-40
+    ms of it per crossing on one host, where there is no wire to speak of:
+    docs/phases.md)."""
     start, end = span.start_ns, span.end_ns
     if sched is None or not getattr(sched, "net", False) or end <= start or not sched.covers(start, end):
         return None
@@ -148,9 +155,10 @@ def polled_figures(sched: Any, name: str, span: Any, tgids: frozenset[int], rec:
     pid = sched.tgid.get(tid) if tid is not None else None
     got = sched.last_read((pid,), start, end) if pid is not None else None
     if got is None:
-        return PhaseCpu(0.0, sched.starved_ns(tgids, start, end) / 1e9)
-    w = sched.walk(tid, got, end)
-    return PhaseCpu(w.on_ns / 1e9, (sched.starved_ns(tgids, start, got) + w.wait_ns) / 1e9)
+        starved = sched.starved_ns(tgids, start, end)
+        return PhaseCpu(0.0, starved / 1e9, unknown_s=(end - start - starved) / 1e9)
+    starved, w = sched.starved_ns(tgids, start, got), sched.walk(tid, got, end)
+    return PhaseCpu(w.on_ns / 1e9, (starved + w.wait_ns) / 1e9, unknown_s=(got - start - starved) / 1e9)
 
 
 #: The roles whose spans the engines record (the router's ``relay`` carries its loop's thread: not an engine).
@@ -203,9 +211,10 @@ _UP_STAMPED = frozenset({sc.Phase.DECODE_QUEUE.value})
 NET_NOTE = (
     "from the kernel's record with its TCP tracepoints (kvlens up --sched-trace): CPU wait is the time data that "
     "had reached a socket of the request's engines (tcp_probe) waited there while the thread that then read it "
-    "(tcp_rcv_space_adjust) waited for a CPU; the rest is the wire, the peer and the pollers' own polling and "
-    "work (they spin: their CPU work is not told from their polling). Not seen: a sender starved while its socket "
-    "had room (counted with the wire), and the engine loop's wait after the progress thread received the data"
+    "(tcp_rcv_space_adjust) waited for a CPU; the rest of that stretch is unknown, not off-CPU: the wire, the "
+    "peer turning a message round and a sender starved while its socket had room are not told apart there. The "
+    "pollers spin: their CPU work is not told from their polling. In push's notification, from its read on D the "
+    "engine loop's path is walked (CPU work, CPU wait, off-CPU)"
 )
 #: Said of a phase whose figures come from the kernel's record.
 KERNEL_NOTE = (
@@ -280,7 +289,15 @@ def _phase_part(src: _Sources, role: str | None, name: str, ns: int) -> _Part:
     pf = polled_figures(src.sched, name, span, src.tgids, src.rec) if span is not None else None
     if pf is not None:  # the pollers spin: their work is not told from their polling
         w, o = _scaled(pf, _share(ns, span), ns)
-        return _Part(w, o, on_known=False, note=NET_NOTE)
+        # the socket stretch's rest is neither: the wire, the peer's turn-around, a starved sender are not told
+        # apart there; only the engine loop's walked tail of write.notify is off-CPU where it is not the figures
+        return _Part(
+            w,
+            o,
+            on_known=False,
+            rest_unknown_s=min(pf.unknown_s * _share(ns, span), max(ns / 1e9 - w - o, 0.0)),
+            note=NET_NOTE,
+        )
     if name in WIRE_PARTS:
         return _Part(None, note=WIRE_NOTE)
     kp = _kernel_part(src.sched, role, name, ns, own, src.derived, src.rec) if src.sched is not None else None

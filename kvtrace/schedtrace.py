@@ -34,7 +34,10 @@ what a poller polls for can be seen: a segment with data reaching a socket
 (``tcp_rcv_space_adjust``, by the thread that read it). Between the two the
 data waited for its reader; the stretches of it the reader spent runnable,
 not running, are the transfer's CPU wait (:meth:`Timeline.starved_ns`). A
-poller's wait while nothing had arrived is not counted: that is the wire's.
+poller's wait while nothing had arrived is not counted, and that stretch
+is not called the wire's either: the peer turning a message round, or a
+sender starved while its socket had room, leave the socket empty too
+(:func:`kvtrace.cpusplit.polled_figures` counts it unknown).
 
 No I/O at import; :func:`load` reads the record.
 """

@@ -213,6 +213,10 @@ def test_the_transfer_gets_its_cpu_wait_from_the_tcp_tracepoints():
     # data there at +0.2 ms, A runnable to +1.2 ms; the router's starved HTTP read is not the transfer's
     assert h.phases_wait_s["read.wire"] == pytest.approx(0.001)
     assert h.phases_on_s["read.wire"] is None  # the pollers spin: their work is not told from polling
+    # the READ's other 2 ms (of NIXL's 3) are unknown, not off-CPU: the wire, P turning it round, P starved
+    bare = cpusplit.handoff_cpu(tr, _timeline(events))
+    assert h.unknown_s == pytest.approx(bare.unknown_s - 0.001)
+    assert h.off_cpu_s == pytest.approx(bare.off_cpu_s or 0.0)
 
 
 def test_push_notification_waits_for_its_reader_then_for_the_engine_loop():
@@ -242,6 +246,11 @@ def test_push_notification_waits_for_its_reader_then_for_the_engine_loop():
     # 8-12 ms: the notification waited for A, runnable; 12.5-20: A ran 12.5-14 and 17-20, waited 14-17
     assert h.phases_wait_s["write.notify"] == pytest.approx(0.004 + 0.003)
     assert h.cpu_on_s == pytest.approx(0.0045)
+    # unknown, not off-CPU: write.notify's 5-8 ms and 12-12.5 ms, when the notification was not in D's socket
+    # for a starved reader (P's side, the wire), and write.wire's 0-3 ms (no data waited in a socket for it);
+    # 12.5-20 ms is walked, all figures. Off-CPU: write.noticed's 3-5 ms only (its counters read 0 and 0)
+    assert h.unknown_s == pytest.approx(0.0035 + 0.003)
+    assert h.off_cpu_s == pytest.approx(0.002)
 
 
 def test_load_says_why_there_is_no_record(tmp_path):
