@@ -33,11 +33,15 @@ what a poller polls for can be seen: a segment with data reaching a socket
 (``tcp_probe``, in the receiving softirq) and the next read from that socket
 (``tcp_rcv_space_adjust``, by the thread that read it). Between the two the
 data waited for its reader; the stretches of it the reader spent runnable,
-not running, are the transfer's CPU wait (:meth:`Timeline.starved_ns`). A
+not running, are the transfer's CPU wait (:meth:`Timeline.starved_ns`);
+so are those of a thread that read a message from a socket and owes its
+peer a reply there, until its first send on it (``sock_send_length``:
+UCX's rendezvous turned round, on one host the KV copied between the
+processes first: :attr:`Timeline.turns`). A
 poller's wait while nothing had arrived is not counted, and that stretch
-is not called the wire's either: the peer turning a message round, or a
-sender starved while its socket had room, leave the socket empty too
-(:func:`kvtrace.cpusplit.polled_figures` counts it unknown).
+is not called the wire's either: the peer's own work, or a sender starved
+while its socket had room with no message to answer, leave the socket
+empty too (:func:`kvtrace.cpusplit.polled_figures` counts it unknown).
 
 No I/O at import; :func:`load` reads the record.
 """
@@ -72,6 +76,8 @@ STAMP_SLACK_NS = 200_000
 _LINE = re.compile(r"^\s*(.*)-(\d+)\s+\(\s*([-\d]+)\)\s+\[(\d+)\]\s+(\S+)\s+(\d+)\.(\d+):\s+(\w+):\s+(.*)$")
 _FIELD = re.compile(r"(\w+)=(\S+)")
 _LOST = re.compile(r"CPU:(\d+) \[LOST (\d+) EVENTS\]")
+#: ``sock_send_length``'s socket address and the bytes sent (0 where the send failed or sent nothing)
+_SEND = re.compile(r"sk address = (\S+?),.*?length = (\d+)")
 
 
 class SchedUnavailable(Exception):
@@ -115,6 +121,10 @@ class Timeline:
     pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     #: whether the TCP tracepoints were recorded (:data:`NET`): without them :meth:`starved_ns` is unknown
     net: bool = False
+    #: tid -> sorted (read, sent): this thread read data from a socket and then sent on that same socket, its
+    #: first send since (``sock_send_length``, where it was recorded): the stretch it owed the peer a reply
+    #: (UCX's rendezvous turned round, the KV copied between processes first on one host). Empty without it
+    turns: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._run_starts = {k: [a for a, _ in v] for k, v in self.runs.items()}
@@ -126,16 +136,20 @@ class Timeline:
         return self.first_ns <= start_ns and end_ns <= self.last_ns
 
     def starved_ns(self, tgids: Iterable[int], start_ns: int, end_ns: int) -> int:
-        """How long, within ``[start_ns, end_ns]``, data that had reached a
-        socket of one of the processes ``tgids`` waited there while the thread
-        that then read it waited for a CPU (runnable, not running): the
-        stretches of :attr:`pending` that lie in that thread's runnable
-        waits, merged over the threads (two starved at once count once)."""
+        """How long, within ``[start_ns, end_ns]``, a crossing of the
+        processes ``tgids`` waited for one of their threads that waited for a
+        CPU (runnable, not running): data that had reached a socket waiting
+        there for the thread that then read it (:attr:`pending`), and a
+        thread that had read from a socket and owed its peer a reply on it
+        (:attr:`turns`); the stretches of those that lie in the thread's
+        runnable waits, merged over the threads (two starved at once count
+        once)."""
         procs = set(tgids)
         cut: list[tuple[int, int]] = []
-        for tid, spans in self.pending.items():
+        for tid in self.pending.keys() | self.turns.keys():
             if self.tgid.get(tid) not in procs:
                 continue
+            spans = [*self.pending.get(tid, ()), *self.turns.get(tid, ())]
             waits = self.waits.get(tid, [])
             for a, r in spans:
                 lo, hi = max(a, start_ns), min(r, end_ns)
@@ -228,23 +242,39 @@ class Timeline:
 class _Sockets:
     """The TCP tracepoints while the record is read: data that reached each
     socket (``tcp_probe``, the recorder keeps only segments with data) and
-    waited there until a thread read it (``tcp_rcv_space_adjust``)."""
+    waited there until a thread read it (``tcp_rcv_space_adjust``); and
+    where sends were recorded too (``sock_send_length``, TCP over IPv4
+    only), a thread's first send on a socket after it read from it."""
 
-    EVENTS = frozenset({"tcp_probe", "tcp_rcv_space_adjust"})
+    EVENTS = frozenset({"tcp_probe", "tcp_rcv_space_adjust", "sock_send_length"})
 
     def __init__(self) -> None:
         self.arrived: dict[str, int] = {}  # socket cookie -> the first data segment since its last read
         #: reader tid -> (arrived, read) (:attr:`Timeline.pending`)
         self.pending: dict[int, list[tuple[int, int]]] = {}
+        self.cookie: dict[str, str] = {}  # socket address (hashed, as the kernel prints it) -> its cookie
+        self.read: dict[tuple[int, str], int] = {}  # (tid, cookie) -> its last read not yet answered
+        #: tid -> (read, sent) (:attr:`Timeline.turns`)
+        self.turns: dict[int, list[tuple[int, int]]] = {}
 
-    def event(self, event: str, t: int, tid: int, fields: dict[str, str]) -> None:
+    def event(self, event: str, t: int, tid: int, fields: dict[str, str], rest: str) -> None:
+        if event == "sock_send_length":  # "sk address = 0000..., family = AF_INET ..., length = N, error = 0"
+            m = _SEND.search(rest)
+            cookie = self.cookie.get(m.group(1)) if m is not None and m.group(2) != "0" else None
+            r = self.read.pop((tid, cookie), None) if cookie is not None else None
+            if r is not None and t > r:
+                self.turns.setdefault(tid, []).append((r, t))
+            return
         cookie = fields.get("sock_cookie")
         if cookie is None:
             return
         if event == "tcp_probe":
+            if (sk := fields.get("skaddr")) is not None:
+                self.cookie[sk] = cookie
             if fields.get("data_len", "1") != "0":
                 self.arrived.setdefault(cookie, t)
         else:  # this thread read from the socket
+            self.read[(tid, cookie)] = t
             a = self.arrived.pop(cookie, None)
             if a is not None and t > a:
                 self.pending.setdefault(tid, []).append((a, t))
@@ -335,7 +365,7 @@ def parse(
                 waits.setdefault(nxt, []).append((ready.pop(nxt), t))
             on[nxt] = t
         elif event in _Sockets.EVENTS:
-            sockets.event(event, t, int(cur), f)
+            sockets.event(event, t, int(cur), f, rest)
         elif event in ("sched_wakeup", "sched_wakeup_new"):
             woken = int(f.get("pid", -1))
             seen.add(woken)
@@ -343,13 +373,14 @@ def parse(
                 ctx = _CONTEXT.get(flags[2:3], 0) if len(flags) >= 3 else 0
                 ready[woken] = t
                 readies.setdefault(woken, []).append((t, int(cur), ctx))
-    pending = sockets.pending
-    for d in (runs, waits, readies, pending):
+    pending, turns = sockets.pending, sockets.turns
+    for d in (runs, waits, readies, pending, turns):
         for v in d.values():
             v.sort()
     return Timeline(
-        runs, waits, readies, tgid, frozenset(own), max(first.values(), default=0), last, lost, missed, pending, net
-    )
+        runs, waits, readies, tgid, frozenset(own), max(first.values(), default=0), last, lost, missed, pending, net,
+        turns,
+    )  # fmt: skip
 
 
 def _live(meta: dict) -> Path | None:

@@ -8,7 +8,8 @@ The kernel records them itself, into a tracefs instance of its own
 process id and interrupt context, and where the kernel has them the TCP
 tracepoints that say when data reached a socket and when a thread read it
 (``tcp_probe`` with data, ``tcp_rcv_space_adjust``: the transfer's CPU wait,
-:meth:`kvtrace.schedtrace.Timeline.starved_ns`; ``sched.net`` says they were on), in a ring buffer per CPU
+:meth:`kvtrace.schedtrace.Timeline.starved_ns`; ``sched.net`` says they were on) and the
+threads' TCP sends (``sock_send_length``: a reply a thread owed), in a ring buffer per CPU
 (:func:`buffer_kb`: 128 MiB in all by default, ``--sched-buffer-mb``) that keeps the
 newest events (the memory it takes is bounded; a long run keeps its last
 stretch). No process of ours copies events out while the stack serves: a first version ran ``perf record``, and on this 2-core host
@@ -124,6 +125,10 @@ E="$I/events/tcp"
 if [ -d "$E/tcp_probe" ] && [ -d "$E/tcp_rcv_space_adjust" ] && echo 'data_len > 0' > "$E/tcp_probe/filter" \
   && echo 1 > "$E/tcp_probe/enable" && echo 1 > "$E/tcp_rcv_space_adjust/enable"; then
   echo 1 > "$F/sched.net"  # kvtrace.schedtrace.NET
+  # and a thread's sends over TCP/IPv4 (sock_send_length: its socket's address), where the kernel has it: a
+  # thread that read from a socket and owes its peer a reply on it (kvtrace.schedtrace.Timeline.turns)
+  S="$I/events/sock/sock_send_length"
+  [ -d "$S" ] && echo 'family == 2 && protocol == 6' > "$S/filter" && echo 1 > "$S/enable"
 fi
 echo "$$" > "$F/sched.ready"
 while :; do sleep 3600 & wait $!; done

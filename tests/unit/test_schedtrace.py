@@ -22,7 +22,8 @@ A, B, C, OUTSIDE = 10, 20, 30, 99  # threads: A and B of the stack's process 10 
 def _lines(events):
     """``(kind, t_us, a, b, c)`` -> the kernel's trace text (``record-tgid``): S (prev, prev_state, next) with
     prev_state 0 / 0x100 for R / R+ (left runnable) and 1 for S; W (woken, waker, context flags); P (socket
-    cookie, data bytes, the thread the softirq interrupted): data reached a socket; R (cookie, reader, -): a read."""
+    cookie, data bytes, the thread the softirq interrupted): data reached a socket; R (cookie, reader, -): a read;
+    X (cookie, bytes, sender): a send on the socket (its address: the cookie's, as P prints it)."""
     tgid = {A: 10, B: 20, C: 30, OUTSIDE: 99, 0: 0}
     out = ["# tracer: nop", "#"]
     for kind, t, x, y, z in events:
@@ -34,7 +35,12 @@ def _lines(events):
             flags = "d..2."
         elif kind == "P":
             cur, flags = z, "..s2."
-            body = f"tcp_probe: family=AF_INET src=127.0.0.1:1 dest=127.0.0.1:2 mark=0x0 data_len={y} sock_cookie={x:x}"
+            body = (f"tcp_probe: family=AF_INET src=127.0.0.1:1 dest=127.0.0.1:2 mark=0x0 data_len={y} "
+                    f"sock_cookie={x:x} skbaddr=00000000deadbeef skaddr={x + 0xA000:016x}")  # fmt: skip
+        elif kind == "X":
+            cur, flags = z, "....."
+            body = (f"sock_send_length: sk address = {x + 0xA000:016x}, family = AF_INET protocol = IPPROTO_TCP, "
+                    f"length = {y}, error = 0, flags = 0x0")  # fmt: skip
         elif kind == "R":
             cur, flags = y, "....."
             body = f"tcp_rcv_space_adjust: family=AF_INET sport=2 dport=1 saddr=127.0.0.1 sock_cookie={x:x}"
@@ -187,6 +193,34 @@ def test_a_pollers_cpu_wait_counts_only_while_data_waited_for_it():
     assert schedtrace.parse(_lines(POLLING), 0).net is False  # the tracepoints were not said to be on
 
 
+def test_a_thread_that_owes_its_peer_a_reply_waits_as_the_crossing():
+    """A thread that read a message from a socket and has not yet answered on it (UCX's rendezvous on one host:
+    D reads P's request, copies the KV, sends the acknowledgment) is on the crossing's path: its CPU wait
+    between the read and its first send on that socket counts; after the send (spinning for the wire) it does
+    not, nor does a send on another socket or one that sent nothing."""
+    events = [
+        ("S", 0, 0, 1, A),
+        ("P", 100, 8, 10, C),  # socket 8's address is known (data reached it); nobody reads it
+        ("P", 900, 7, 64, C),  # the request reaches A's socket 7
+        ("R", 1_000, 7, A, 0),  # A reads it at 1 ms: it owes the reply from here
+        ("X", 1_500, 8, 100, A),  # a send on socket 8: not the reply
+        ("S", 2_000, A, 0x100, B),  # A preempted 2-5 ms: the crossing waits for its CPU
+        ("S", 5_000, B, 1, A),
+        ("X", 5_500, 7, 0, A),  # sent nothing (the socket was full): still owed
+        ("X", 6_000, 7, 120, A),  # the reply at 6 ms
+        ("S", 7_000, A, 0x100, B),  # preempted 7-9 ms while it spins for the peer: the wire's or the peer's
+        ("S", 9_000, B, 1, A),
+        ("X", 9_500, 7, 50, A),  # a second send opens nothing
+        ("S", 10_000, A, 1, 0),
+    ]
+    tl = _timeline(events, net=True)
+    assert tl.turns == {A: [(1_000 * US, 6_000 * US)]}
+    assert tl.starved_ns([10], 0, 10_000 * US) == 3_000 * US
+    assert tl.starved_ns([10], 3_000 * US, 10_000 * US) == 2_000 * US  # clipped to the stretch asked for
+    assert tl.starved_ns([20, 30], 0, 10_000 * US) == 0  # B and C owed nothing
+    assert _timeline([e for e in events if e[0] != "X"], net=True).starved_ns([10], 0, 10_000 * US) == 0
+
+
 def test_the_transfer_gets_its_cpu_wait_from_the_tcp_tracepoints():
     """read.wire: unknown without the TCP tracepoints; with them, the time data waited in a socket of the
     request's engines while its reader waited for a CPU (the engine's process from the spans' tids)."""
@@ -285,7 +319,11 @@ def test_a_real_recording_walks_a_sleep_and_a_spin(tmp_path):
         "s = socket.create_server(('127.0.0.1', 0)); c = socket.create_connection(s.getsockname())\n"
         "r, _ = s.accept(); c.sendall(b'x' * 100_000); time.sleep(0.03); n = 0\n"
         "while n < 100_000: n += len(r.recv(1 << 20))\n"
-        "print(threading.get_native_id(), t0, t1, time.time_ns(), os.getpid(), flush=True)\n"
+        "t2 = time.time_ns(); end = time.monotonic() + 0.01\n"
+        # then the reader owes a reply: 10 ms of work, then the reply on the socket it read
+        "while time.monotonic() < end: pass\n"
+        "r.sendall(b'y' * 10); c.recv(10)\n"
+        "print(threading.get_native_id(), t0, t1, t2, time.time_ns(), os.getpid(), flush=True)\n"
     )
     was_mounted = schedtrace.TRACEFS in open("/proc/self/mounts").read()
     with SchedRecording(tmp_path, []):  # no process of "the stack": a softirq's wake-up is never followed
@@ -294,7 +332,7 @@ def test_a_real_recording_walks_a_sleep_and_a_spin(tmp_path):
         assert not (tmp_path / schedtrace.TEXT).exists() and live.runs
     assert not (tmp_path / schedtrace.READY).exists()
     assert was_mounted or schedtrace.TRACEFS not in open("/proc/self/mounts").read(), "tracefs left mounted"
-    tid, t0, t1, t2, pid = (int(x) for x in out.stdout.split())
+    tid, t0, t1, t2, t3, pid = (int(x) for x in out.stdout.split())
     tl = schedtrace.load(tmp_path)
     w = tl.walk(tid, t0, t1)
     assert w.on_ns > 0 and w.on_ns + w.wait_ns >= 19 * MS, w
@@ -304,6 +342,10 @@ def test_a_real_recording_walks_a_sleep_and_a_spin(tmp_path):
         (a, r), *_ = [p for p in tl.pending.get(tid, []) if p[0] >= t1]
         assert r - a >= 29 * MS and r <= t2, (a, r)  # the data waited for its sleeping reader
         assert tl.starved_ns([pid], a, r) <= (r - a) - 29 * MS  # asleep is not waiting for a CPU
+        # the reply it owed: from its last read to its send on that socket (sock_send_length, matched to the
+        # socket tcp_probe named), the 10 ms of work inside
+        (rd, sent), *_ = [p for p in tl.turns.get(tid, []) if p[0] >= a]
+        assert rd <= t2 and sent - rd >= 10 * MS and sent <= t3, (rd, sent, t2, t3)
 
 
 def test_up_sched_trace_without_root_is_refused_before_anything_starts(tmp_path, capsys, monkeypatch):
