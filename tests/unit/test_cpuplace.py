@@ -81,9 +81,9 @@ def test_one_run_places_the_wait_however_far_back_the_reading_is():
         sc.ATTR_CPU_BEFORE_RUNS: [1],
     }
     # a 30 ms phase: the run began at most 2 ms before its end, the 20 ms wait just before that: all inside
-    assert cpucounters.derived_figures(30 * MS, [_S(lb)]) == pytest.approx((0.002, 0.020, False))
+    assert cpucounters.derived_figures(30 * MS, [_S(lb)]) == pytest.approx((0.002, 0.020, False, 0.0))
     # a 10 ms phase: only the 8 ms before the run's earliest start must be inside it
-    assert cpucounters.derived_figures(10 * MS, [_S(lb)]) == pytest.approx((0.002, 0.008, False))
+    assert cpucounters.derived_figures(10 * MS, [_S(lb)]) == pytest.approx((0.002, 0.008, False, 0.0))
     # put on a CPU three times since: the wait may lie anywhere; that reading is too far back for the old rule
     assert cpucounters.derived_figures(10 * MS, [_S({**lb, sc.ATTR_CPU_BEFORE_RUNS: [3]})]) is None
     assert cpucounters.derived_figures(10 * MS, [_S({**lb, sc.ATTR_CPU_BEFORE_RUNS: [-1]})]) is None
