@@ -134,8 +134,8 @@ def polled_figures(sched: Any, name: str, span: Any, tgids: frozenset[int], rec:
     record with its TCP tracepoints; None where the record lacks them or
     does not cover the stretch. CPU wait: how long data that had reached a
     socket of the request's engines (``tgids``) waited there for a reader
-    that waited for a CPU, and a thread of theirs that owed its peer a reply
-    waited for one (:meth:`kvtrace.schedtrace.Timeline.starved_ns`).
+    that waited for a CPU, and the thread that answered a message its
+    process had read waited for one before its answer (:meth:`kvtrace.schedtrace.Timeline.starved_ns`).
     The transfer itself (``*.wire``, ended where NIXL saw it done): that,
     over the whole stretch. A crossing a thread of ours stamps the end of
     (``write.notify``, D's engine loop noticing P's notification): that, up
@@ -212,8 +212,8 @@ _UP_STAMPED = frozenset({sc.Phase.DECODE_QUEUE.value})
 NET_NOTE = (
     "from the kernel's record with its TCP tracepoints (kvlens up --sched-trace): CPU wait is the time data that "
     "had reached a socket of the request's engines (tcp_probe) waited there while the thread that then read it "
-    "(tcp_rcv_space_adjust) waited for a CPU, and the time a thread that had read from a socket and owed its peer "
-    "a reply on it (until its first send there: sock_send_length) waited for one; the rest of that stretch is "
+    "(tcp_rcv_space_adjust) waited for a CPU, and the time the thread that answered a message its process had read "
+    "waited for one before its answer (the first send on that socket since: sock_send_length); the rest of that stretch is "
     "unknown, not off-CPU: the wire, the peer's own work and a sender starved while its socket had room without a "
     "message to answer are not told apart there. The "
     "pollers spin: their CPU work is not told from their polling. In push's notification, from its read on D the "

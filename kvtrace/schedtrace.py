@@ -34,8 +34,8 @@ what a poller polls for can be seen: a segment with data reaching a socket
 (``tcp_rcv_space_adjust``, by the thread that read it). Between the two the
 data waited for its reader; the stretches of it the reader spent runnable,
 not running, are the transfer's CPU wait (:meth:`Timeline.starved_ns`);
-so are those of a thread that read a message from a socket and owes its
-peer a reply there, until its first send on it (``sock_send_length``:
+so are those of the thread that answers a message its process read from a
+socket, until its first send there (``sock_send_length``:
 UCX's rendezvous turned round, on one host the KV copied between the
 processes first: :attr:`Timeline.turns`). A
 poller's wait while nothing had arrived is not counted, and that stretch
@@ -121,9 +121,12 @@ class Timeline:
     pending: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     #: whether the TCP tracepoints were recorded (:data:`NET`): without them :meth:`starved_ns` is unknown
     net: bool = False
-    #: tid -> sorted (read, sent): this thread read data from a socket and then sent on that same socket, its
-    #: first send since (``sock_send_length``, where it was recorded): the stretch it owed the peer a reply
-    #: (UCX's rendezvous turned round, the KV copied between processes first on one host). Empty without it
+    #: tid -> sorted (read, sent): a thread of this one's process read data from a socket, and this thread then
+    #: sent on that same socket, the first send since (``sock_send_length``, where it was recorded): the stretch
+    #: the process owed its peer a reply, that thread's to give (UCX's rendezvous turned round, the KV copied
+    #: between processes first on one host). Empty without it. A send that opens an exchange (not a reply)
+    #: after a read that wanted none is taken for one: within a crossing, a thread with a send to make that
+    #: waits for a CPU delays it all the same
     turns: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -140,8 +143,8 @@ class Timeline:
         processes ``tgids`` waited for one of their threads that waited for a
         CPU (runnable, not running): data that had reached a socket waiting
         there for the thread that then read it (:attr:`pending`), and a
-        thread that had read from a socket and owed its peer a reply on it
-        (:attr:`turns`); the stretches of those that lie in the thread's
+        process that had read from a socket and owed its peer a reply on it,
+        in the thread that then sent it (:attr:`turns`); the stretches of those that lie in the thread's
         runnable waits, merged over the threads (two starved at once count
         once)."""
         procs = set(tgids)
@@ -244,7 +247,9 @@ class _Sockets:
     socket (``tcp_probe``, the recorder keeps only segments with data) and
     waited there until a thread read it (``tcp_rcv_space_adjust``); and
     where sends were recorded too (``sock_send_length``, TCP over IPv4
-    only), a thread's first send on a socket after it read from it."""
+    only), the first send on a socket after a read from it, by whichever
+    thread of its process (NIXL's progress thread reads P's request, P's
+    worker thread sends the answer)."""
 
     EVENTS = frozenset({"tcp_probe", "tcp_rcv_space_adjust", "sock_send_length"})
 
@@ -253,7 +258,7 @@ class _Sockets:
         #: reader tid -> (arrived, read) (:attr:`Timeline.pending`)
         self.pending: dict[int, list[tuple[int, int]]] = {}
         self.cookie: dict[str, str] = {}  # socket address (hashed, as the kernel prints it) -> its cookie
-        self.read: dict[tuple[int, str], int] = {}  # (tid, cookie) -> its last read not yet answered
+        self.read: dict[str, int] = {}  # socket cookie -> its last read not yet answered (by any thread)
         #: tid -> (read, sent) (:attr:`Timeline.turns`)
         self.turns: dict[int, list[tuple[int, int]]] = {}
 
@@ -261,7 +266,7 @@ class _Sockets:
         if event == "sock_send_length":  # "sk address = 0000..., family = AF_INET ..., length = N, error = 0"
             m = _SEND.search(rest)
             cookie = self.cookie.get(m.group(1)) if m is not None and m.group(2) != "0" else None
-            r = self.read.pop((tid, cookie), None) if cookie is not None else None
+            r = self.read.pop(cookie, None) if cookie is not None else None
             if r is not None and t > r:
                 self.turns.setdefault(tid, []).append((r, t))
             return
@@ -274,7 +279,7 @@ class _Sockets:
             if fields.get("data_len", "1") != "0":
                 self.arrived.setdefault(cookie, t)
         else:  # this thread read from the socket
-            self.read[(tid, cookie)] = t
+            self.read[cookie] = t
             a = self.arrived.pop(cookie, None)
             if a is not None and t > a:
                 self.pending.setdefault(tid, []).append((a, t))

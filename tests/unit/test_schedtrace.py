@@ -17,6 +17,7 @@ from test_cpusplit import KV, MS, PF, _span, _trace
 
 US = 1_000
 A, B, C, OUTSIDE = 10, 20, 30, 99  # threads: A and B of the stack's process 10 (B in process 20), C of 30
+A2 = 11  # a second thread of A's process
 
 
 def _lines(events):
@@ -24,7 +25,7 @@ def _lines(events):
     prev_state 0 / 0x100 for R / R+ (left runnable) and 1 for S; W (woken, waker, context flags); P (socket
     cookie, data bytes, the thread the softirq interrupted): data reached a socket; R (cookie, reader, -): a read;
     X (cookie, bytes, sender): a send on the socket (its address: the cookie's, as P prints it)."""
-    tgid = {A: 10, B: 20, C: 30, OUTSIDE: 99, 0: 0}
+    tgid = {A: 10, A2: 10, B: 20, C: 30, OUTSIDE: 99, 0: 0}
     out = ["# tracer: nop", "#"]
     for kind, t, x, y, z in events:
         stamp = f"{t // 1_000_000}.{t % 1_000_000:06d}"
@@ -219,6 +220,20 @@ def test_a_thread_that_owes_its_peer_a_reply_waits_as_the_crossing():
     assert tl.starved_ns([10], 3_000 * US, 10_000 * US) == 2_000 * US  # clipped to the stretch asked for
     assert tl.starved_ns([20, 30], 0, 10_000 * US) == 0  # B and C owed nothing
     assert _timeline([e for e in events if e[0] != "X"], net=True).starved_ns([10], 0, 10_000 * US) == 0
+    # the reply from another thread of the process (NIXL's progress thread reads, the worker thread answers):
+    # the turn is that thread's, and its wait before its send counts
+    other = [
+        ("S", 0, 0, 1, A2),
+        ("P", 900, 7, 64, C),
+        ("R", 1_000, 7, A, 0),  # A reads the request at 1 ms
+        ("S", 2_000, A2, 0x100, B),  # A2, which will answer, preempted 2-5 ms
+        ("S", 5_000, B, 1, A2),
+        ("X", 6_000, 7, 120, A2),
+        ("S", 8_000, A2, 1, A),
+    ]
+    tl = _timeline(other, net=True)
+    assert tl.turns == {A2: [(1_000 * US, 6_000 * US)]}
+    assert tl.starved_ns([10], 0, 10_000 * US) == 3_000 * US
 
 
 def test_the_transfer_gets_its_cpu_wait_from_the_tcp_tracepoints():
