@@ -42,11 +42,13 @@ N = 12
 MIN_SHARE = {"push": 0.70}
 #: the same share with the kernel's scheduler record (``kvlens up --sched-trace``, kvtrace.schedtrace): each
 #: phase's critical path walked across threads and processes, the API server and the router's loop included,
-#: and the transfer's reader starved while data waited (the TCP tracepoints); the rest of a polled crossing's
-#: socket stretch (the wire, the peer's turn-around, a starved sender: not told apart) is unknown, outside the
+#: and the transfer's reader starved while data waited, or the thread answering a message its process read
+#: (the TCP tracepoints); the rest of a polled crossing's socket stretch (the wire, the peer's own work, a
+#: sender starved with no message to answer: not told apart) is unknown, outside the
 #: part with figures. The issue's 70 % for both. Before that rest was unknown (it was counted off-CPU, as the
 #: wire's), pull read 67-101 % over seven runs and was held to 55 %, and a CI run read push at 63 % (1.1 ms of
-#: write.wire's rise seen); with it (2026-12-07) pull 85 %, push 100 %. docs/phases.md, "Known answers".
+#: write.wire's rise seen); with it (2026-12-07) pull 85 %, push 100 %, and with the replies a process owed
+#: (Timeline.turns) pull 99 % and 99 %, push 100 % and 97 %. docs/phases.md, "Known answers".
 MIN_SHARE_KERNEL = {"push": 0.70, "pull": 0.70}
 
 
