@@ -291,15 +291,12 @@ def _phase_part(src: _Sources, role: str | None, name: str, ns: int) -> _Part:
     span = src.derived.get((role, name)) if name in POLLED and src.tgids else None
     pf = polled_figures(src.sched, name, span, src.tgids, src.rec) if span is not None else None
     if pf is not None:  # the pollers spin: their work is not told from their polling
-        w, o = _scaled(pf, _share(ns, span), ns)
+        share = _share(ns, span)
+        w, o = _scaled(pf, share, ns)
         # the socket stretch's rest is neither: the wire, the peer's turn-around, a starved sender are not told
         # apart there; only the engine loop's walked tail of write.notify is off-CPU where it is not the figures
         return _Part(
-            w,
-            o,
-            on_known=False,
-            rest_unknown_s=min(pf.unknown_s * _share(ns, span), max(ns / 1e9 - w - o, 0.0)),
-            note=NET_NOTE,
+            w, o, on_known=False, rest_unknown_s=min(pf.unknown_s * share, max(ns / 1e9 - w - o, 0.0)), note=NET_NOTE
         )
     if name in WIRE_PARTS:
         return _Part(None, note=WIRE_NOTE)
