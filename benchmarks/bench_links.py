@@ -94,13 +94,15 @@ def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions, sched_dir: Path
     t0 = time.monotonic()
     targets, run = reshaped_run(stack, delay_ms, opts)
     link = targets[0].link
-    whatif, phases = [], []
+    whatif, phases, cells_ids = [], [], []
     for tokens in opts.input_lens:
         for qps in opts.qps:
             cell = f"{delay_ms:g} ms, {tokens} tok, {qps:g} QPS"
             cells = [c for c in run.cells if c.input_len == tokens and c.qps == qps]
             tids = [r.trace for c in cells for r in c.results if r.ok]
             traces = list(settled(stack.store, tids, timeout_s=opts.trace_wait_s).values())
+            cells_ids.append({"cell": cell, "input_len": tokens, "qps": qps,
+                              **{m: [t.trace_id for t in traces if t.mode == m] for m in ("push", "pull")}})  # fmt: skip
             if sched_dir is not None:  # the live record, while the cell's requests are still in its buffer
                 t0_read = time.monotonic()
                 starts = [t.start_ns for t in traces if t.start_ns]
@@ -124,7 +126,7 @@ def run_delay(stack: Stack, delay_ms: float, opts: BenchOptions, sched_dir: Path
     took = time.monotonic() - t0
     print(f"=== delay {delay_ms:g} ms done in {took:.0f}s", flush=True)
     return {"delay_ms": delay_ms, "link": link, "run_id": run.run_id, "rows": run.rows, "whatif": whatif,
-            "phases": phases, "seconds": took}  # fmt: skip
+            "phases": phases, "cells": cells_ids, "seconds": took}  # fmt: skip
 
 
 def transfer_medians(traces: list) -> dict:
@@ -203,6 +205,15 @@ def _phase_text(p: dict | None) -> str:
     return text
 
 
+def keep_store(src: Path, dst: Path) -> None:
+    """A consistent copy of the live SQLite store ``src`` at ``dst`` (SQLite's online backup)."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{src}?mode=ro", uri=True) as a, sqlite3.connect(dst) as b:
+        a.backup(b)
+    print(f"trace store kept: {dst}", flush=True)
+
+
 def print_tables(delays: list[dict]) -> None:
     delays = sorted(delays, key=lambda d: d["delay_ms"])
     print("\n" + GRID_HEADER)
@@ -239,7 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sched-buffer-mb", type=int_in(1, 65536, "a size in MiB"), default=512,
                     help="with --sched-trace: the record's kernel memory, MiB (default 512: a cell's requests must "
                     "still be in it when the cell is read; the mixed fleet fills 128 MiB in about 100 s)")  # fmt: skip
+    ap.add_argument("--keep-store", type=Path, default=None,
+                    help="copy the stack's trace store (SQLite) here at the end: each cell's requests, named by "
+                    "trace id in --out's \"cells\", can then be read again (kvlens traces --store, or the what-if)")  # fmt: skip
     a = ap.parse_args(argv)
+    if a.keep_store is not None and a.keep_store.exists():
+        ap.error(f"--keep-store {a.keep_store}: exists already (not overwritten)")
     if a.table:
         print_tables([d for f in a.table for d in json.loads(f.read_text())["delays"]])
         return 0
@@ -268,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             with signals_ignored():
                 if stack.sched is not None:  # read live after each cell: not written out (minutes of text)
                     stack.sched.stop(keep=False)
+                if a.keep_store is not None and delays:
+                    keep_store(Path(stack.store.path), a.keep_store)
                 stack.stop()
     if delays:
         print_tables(delays)

@@ -63,6 +63,7 @@ def check_row(cell: str, w: kv_whatif.WhatIf) -> dict:
             "measured_p50_s": mt.get(f"{key}_p50_s"),
             "error": mt.get(f"{key}_error"),
             "inside": mt.get(f"{key}_in_interval"),
+            "floor": mt.get(f"{key}_floor"),
         }
     out["measured_n"] = mt.get("n")
     out["expected_cpu_wait_s"] = mt.get("expected_cpu_wait_s")
@@ -115,12 +116,15 @@ def coverage_lines(rows: list[dict], target_cells: str = "3 of 4") -> list[str]:
             inside = sum(bool(r[key]["inside"]) for r in mine)
             errs = [abs(r[key]["error"]) for r in mine if r[key]["error"] is not None]
             mae = statistics.median(errs) if errs else None
+            floors = [r[key]["floor"] for r in mine if r[key].get("floor") is not None]
+            floor = statistics.median(floors) if floors else None
             ttft = ""
             if key == "handoff":
                 ttft = f", TTFT inside in {sum(bool(r['ttft']['inside']) for r in mine)} of {len(mine)}"
             out.append(
                 f"{to} from {frm}, {words}: inside the interval in {inside} of {len(mine)} cells (target >= "
                 f"{target_cells}){ttft}; median |error| of the p50 "
-                f"{'-' if mae is None else f'{mae * 100:.0f} %'} (target <= 25 %)"
+                f"{'-' if mae is None else f'{mae * 100:.0f} %'} (target <= 25 %; sampling alone, median over the "
+                f"cells: {'-' if floor is None else f'{floor * 100:.0f} %'})"
             )
     return out

@@ -85,7 +85,8 @@ def verdict_rows(v: kv_verdict.Verdict) -> pd.DataFrame:
 
 def whatif_rows(results: list[kv_whatif.WhatIf]) -> pd.DataFrame:
     """One row per predicted mode and figure: predicted p50 [interval], the
-    measured p50 of that mode in the same window, the error, inside or not (pure)."""
+    measured p50 of that mode in the same window, the error, inside or not,
+    and the error sampling alone would give (pure)."""
     rows = []
     for w in results:
         for key, fig, name in (
@@ -96,6 +97,7 @@ def whatif_rows(results: list[kv_whatif.WhatIf]) -> pd.DataFrame:
             m = w.measured_to.get(f"{key}_p50_s")
             inside = w.measured_to.get(f"{key}_in_interval")
             err = w.measured_to.get(f"{key}_error")
+            floor = w.measured_to.get(f"{key}_floor")
             rows.append(
                 {
                     "predicted": f"{w.to_mode} (from {w.used} {w.from_mode} requests)",
@@ -105,6 +107,8 @@ def whatif_rows(results: list[kv_whatif.WhatIf]) -> pd.DataFrame:
                     "measured (ms)": _ms(m),
                     "error": "-" if err is None else f"{err * 100:+.0f} %",
                     "inside": "-" if inside is None else ("yes" if inside else "no"),
+                    # what the measured p50 moves by from sampling alone (kvtrace.stats.sampling_floor)
+                    "sampling alone": "-" if floor is None else f"±{floor * 100:.0f} %",
                 }
             )
     return pd.DataFrame(rows)

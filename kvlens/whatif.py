@@ -39,6 +39,18 @@ def _s(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}ms" if v < 10 else f"{v:.2f}s"
 
 
+def _pct(v: float | None) -> str:
+    return "unknown" if v is None else f"{v * 100:+.0f} %"
+
+
+def _error(w: kv_whatif.WhatIf, key: str) -> str:
+    """The p50's error, and the floor sampling alone sets under it (kvtrace.stats.sampling_floor)."""
+    floor = w.measured_to.get(f"{key}_floor")
+    return f"error {_pct(w.measured_to.get(f'{key}_error'))}; sampling alone: " + (
+        "unknown" if floor is None else f"±{floor * 100:.0f} %"
+    )
+
+
 def text(w: kv_whatif.WhatIf, window: str) -> str:
     """``kvlens whatif``'s report (pure)."""
     head = f"what if the {w.from_mode} requests of the last {window} had run {w.to_mode}"
@@ -56,7 +68,10 @@ def text(w: kv_whatif.WhatIf, window: str) -> str:
         m = w.measured_to.get(f"{key}_p50_s")
         if m is not None:
             inside = "inside" if w.measured_to.get(f"{key}_in_interval") else "outside"
-            lines.append(f"           measured {w.to_mode} p50 {_s(m)} in the same window ({inside} the interval)")
+            lines.append(
+                f"           measured {w.to_mode} p50 {_s(m)} in the same window ({inside} the interval; "
+                f"{_error(w, key)})"
+            )
     nw, ew = w.handoff_nowait, w.handoff_expected_wait
     if nw.p50 is None:
         lines.append("  without CPU wait: unknown (no measured request carries CPU figures, kvlens.cpu.*)")
@@ -69,7 +84,10 @@ def text(w: kv_whatif.WhatIf, window: str) -> str:
         m = w.measured_to.get("handoff_nowait_p50_s")
         if m is not None:
             inside = "inside" if w.measured_to.get("handoff_nowait_in_interval") else "outside"
-            lines.append(f"           measured {w.to_mode} p50 without CPU wait {_s(m)} ({inside} the interval)")
+            lines.append(
+                f"           measured {w.to_mode} p50 without CPU wait {_s(m)} ({inside} the interval; "
+                f"{_error(w, 'handoff_nowait')})"
+            )
     lines.append("borrowed figures (p50 of what was measured):")
     for b in w.borrowed:
         v = stats.percentile(b.values, 50)

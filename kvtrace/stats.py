@@ -144,6 +144,36 @@ def bootstrap_diff(
     return float(lo), float(hi)
 
 
+def sampling_floor(
+    values: Iterable[float | None],
+    n_a: int | None = None,
+    n_b: int | None = None,
+    q: float = 50.0,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> float | None:
+    """How far apart two samples' q-th percentiles lie from sampling alone,
+    relative to ``values``' own: the median over ``resamples`` of
+    |p(A) - p(B)| / p(values), A (``n_a`` requests) and B (``n_b``) drawn
+    independently, with replacement, from ``values`` (both default to its
+    size). A prediction that knew the distribution exactly but saw it
+    through ``n_b`` requests would miss ``n_a`` measured ones by about this
+    much: a smaller error is not resolvable (the what-if's floor,
+    docs/verdict.md). None with fewer than :data:`MIN_REQUESTS` figures or a
+    percentile of 0."""
+    import numpy as np
+
+    xs = _clean(values)
+    if xs.size < MIN_REQUESTS:
+        return None
+    mid = float(np.percentile(xs, q))
+    if mid == 0:
+        return None
+    gen = np.random.default_rng(seed)
+    a, b = (_resampled_stat(xs, q, resamples, gen, n) for n in (n_a, n_b))
+    return float(np.median(np.abs(a - b)) / abs(mid))
+
+
 # ------------------------------------------------------------- stratified
 #: Fewest figures per side in a stratum for it to enter a stratified ratio:
 #: below it a stratum's percentile (p90 of 10 requests is its 9th) says
@@ -207,13 +237,15 @@ def _clean(values: Iterable[float | None]) -> "Any":
     return np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
 
 
-def _resampled_stat(xs: "Any", q: float, resamples: int, gen) -> "Any":
-    """The q-th percentile of ``resamples`` resamples of ``xs`` (with replacement), in bounded chunks."""
+def _resampled_stat(xs: "Any", q: float, resamples: int, gen, n: int | None = None) -> "Any":
+    """The q-th percentile of ``resamples`` resamples of ``xs`` (with
+    replacement; ``n`` draws each, default its size), in bounded chunks."""
     import numpy as np
 
-    chunk = max(1, _MAX_CELLS // max(xs.size, 1))
+    n = n or xs.size
+    chunk = max(1, _MAX_CELLS // max(n, 1))
     out = [
-        np.percentile(xs[gen.integers(0, xs.size, size=(min(chunk, resamples - i), xs.size))], q, axis=1)
+        np.percentile(xs[gen.integers(0, xs.size, size=(min(chunk, resamples - i), n))], q, axis=1)
         for i in range(0, resamples, chunk)
     ]
     return np.concatenate(out)

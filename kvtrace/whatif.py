@@ -302,20 +302,22 @@ def predict(
     if expected is not None and nw.p50 is not None:
         ew = Figure(*(None if v is None else v + expected for v in (nw.p50, nw.lo, nw.hi, nw.p10, nw.p90)))
     mt = dict(base.pop("measured_to"))
-    mt["handoff_nowait_p50_s"] = stats.percentile(
-        [
-            t.handoff_s - w
-            for t in ok_others
-            if t.handoff_s is not None and (w := cpusplit.handoff_cpu(t).cpu_wait_s) is not None
-        ],
-        50,
-    )
+    to_nowait = [
+        t.handoff_s - w
+        for t in ok_others
+        if t.handoff_s is not None and (w := cpusplit.handoff_cpu(t).cpu_wait_s) is not None
+    ]
+    mt["handoff_nowait_p50_s"] = stats.percentile(to_nowait, 50)
     mt["expected_cpu_wait_s"] = expected
     mt["expected_cpu_wait_from"] = to_mode if to_waits else from_mode if from_waits else None
+    measured = {"handoff": [t.handoff_s for t in ok_others], "ttft": [t.ttft_s for t in ok_others]}
+    measured["handoff_nowait"] = to_nowait
     for key, fig in (("handoff", h), ("ttft", f), ("handoff_nowait", nw)):
         m = mt.get(f"{key}_p50_s")
         mt[f"{key}_in_interval"] = None if m is None or fig.lo is None else bool(fig.lo - _NS <= m <= fig.hi + _NS)
         mt[f"{key}_error"] = None if m is None or fig.p50 is None or m <= 0 else (fig.p50 - m) / m
+        # the error a prediction exact in distribution would show here from sampling alone (stats.sampling_floor)
+        mt[f"{key}_floor"] = stats.sampling_floor(measured[key], n_b=len(usable), resamples=resamples, seed=seed)
     return WhatIf(
         status="ok",
         handoff=h,

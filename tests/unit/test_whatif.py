@@ -116,6 +116,8 @@ def test_the_whatif_reproduces_a_handoff_built_from_known_phases(src, dst, make,
     assert got.measured_to["handoff_in_interval"] is True and got.measured_to["handoff_error"] == pytest.approx(
         0, abs=1e-6
     )
+    # identical measured requests: sampling alone moves nothing
+    assert got.measured_to["handoff_floor"] == 0.0
     doc = got.to_json()
     assert {b["name"] for b in doc["borrowed"]} >= {"bandwidth"}
     bw = next(b for b in doc["borrowed"] if b["name"] == "bandwidth")
@@ -192,6 +194,25 @@ def test_whatif_text_lists_borrowed_figures_and_assumptions(synthetic, capsys):
     assert main(["whatif", "--from", "pull", "--store", str(synthetic.store)]) == 0
     out = capsys.readouterr().out
     assert "predicted push p50" in out and "borrowed figures" in out and "Gb/s" in out and "assumptions:" in out
+    assert "sampling alone: ±" in out and "error " in out
+
+
+def test_the_floor_is_what_two_samples_of_one_distribution_disagree_by():
+    """stats.sampling_floor: the p50s of two independent samples of one
+    distribution, relative to its p50. A log-normal of sigma 1 sampled 20 at
+    a time: the p50's sampling sd is about 1.25 * sigma / sqrt(20) in log
+    terms (0.28), the difference of two about 0.40, whose median absolute
+    value (0.67 sd) is about 0.27 in log, 25-35 % relative; more requests
+    bring it down as 1 / sqrt(n)."""
+    import numpy as np
+
+    x = np.random.default_rng(3).lognormal(0.0, 1.0, 5000)
+    f20 = stats.sampling_floor(x, n_a=20, n_b=20)
+    f500 = stats.sampling_floor(x, n_a=500, n_b=500)
+    assert 0.2 < f20 < 0.4 and f500 == pytest.approx(f20 / 5, rel=0.3)
+    assert stats.sampling_floor([1.0] * 8) == 0.0
+    assert stats.sampling_floor([0.0, 0.0, 0.0]) is None and stats.sampling_floor([1.0]) is None
+    assert stats.sampling_floor([1.0, None, 3.0, float("nan")]) is not None  # None and NaN dropped
 
 
 def _with_cpu(t: Trace, waits: dict[str, float], noticed_wait: float) -> Trace:
