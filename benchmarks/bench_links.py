@@ -20,15 +20,19 @@ figures are written to ``--out`` as soon as they are measured, so a run can
 be split into chunks (``--delays 0,1`` then ``--delays 5,20``) and merged
 with ``--table``. Nothing is asserted: the figures are what they are;
 docs/links.md keeps a measured table. Everything runs in a scratch directory
-(its own home, store and logs), removed at exit.
+(its own home, store and logs), removed at exit; a stack that fails to start
+or breaks is said in one line on stderr, exit 1, its logs kept in a folder
+named there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -40,6 +44,7 @@ from kvrecord.argtypes import int_in
 from kvlens.bench.grid import BenchOptions
 from kvlens.bench.runner import bench_routers, new_run, stack_targets
 from kvlens.signals import sigterm_as_interrupt
+from kvlens.stack.errors import StackError
 from kvlens.stack.launch import Stack
 from kvlens.stack.supervise import signals_ignored
 from kvtrace import benchrows, schedtrace
@@ -266,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(mode="push,pull", model=a.model, port=0, kvlens_home=home, log_dir=home / "logs", quiet=True,
                   hosts=True, links=specs_for(0), vllm_args=["--no-enable-prefix-caching"])  # fmt: skip
     delays: list[dict] = []
+    failed = ""
     with sigterm_as_interrupt():
         try:
             t0 = time.monotonic()
@@ -280,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
                     a.out.write_text(json.dumps({"delays": delays}, indent=1) + "\n")
         except KeyboardInterrupt:
             print("interrupted; keeping the delays that finished", file=sys.stderr)
+        except StackError as e:  # the stack would not start or broke: said in words, its logs kept
+            failed = str(e)
         finally:
             with signals_ignored():
                 if stack.sched is not None:  # read live after each cell: not written out (minutes of text)
@@ -287,9 +295,13 @@ def main(argv: list[str] | None = None) -> int:
                 if a.keep_store is not None and delays:
                     keep_store(Path(stack.store.path), a.keep_store)
                 stack.stop()
+    if failed:
+        kept = Path(tempfile.mkdtemp(prefix="kvlens-bench-links-failed-"))
+        shutil.copytree(home / "logs", kept / "logs", dirs_exist_ok=True)
+        print(f"bench_links: {failed}\nthe stack's logs are kept in {kept / 'logs'}", file=sys.stderr)
     if delays:
         print_tables(delays)
-    return 0 if len(delays) == len(a.delays) else 130
+    return 1 if failed else 0 if len(delays) == len(a.delays) else 130
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ from kvrecord.ids import new_trace_id
 from kvlens.stack.errors import StackError
 
 
+#: The pause after a warm-up try answered with an error, seconds (doubling each time, at most :data:`PAUSE_MAX_S`).
+PAUSE_S = 2.0
+PAUSE_MAX_S = 30.0
+
+
 def warm_up(
     router_url: str,
     headers: Mapping[str, str],
@@ -22,6 +27,7 @@ def warm_up(
     rounds: int = 1,
     deadline: float | None = None,
     where_stuck: Callable[[str], str | None] | None = None,
+    pause_s: float = PAUSE_S,
 ) -> None:
     """``rounds`` tiny requests through the router at ``router_url`` (one per
     (P, D) pair: kvlens' router cycles over the pairs, so every pair's
@@ -33,8 +39,12 @@ def warm_up(
     where it is stuck: ``where_stuck(trace_id)`` (which side waits, in which
     phase, from the store), so a start that hangs fails within its timeout
     and names the side (issue 43 item 7), instead of reporting ready. With a
-    deadline the last try waits until it (not ``timeout_s``), and a request
-    that failed every try is a StackError too: ``tries`` times ``timeout_s``
+    deadline the last try waits until it (not ``timeout_s``), a try answered
+    with an error (HTTP 500: a handshake that missed vLLM's 5 s, below) is
+    tried again after a pause (``pause_s``, doubling, at most
+    :data:`PAUSE_MAX_S`) for as long as the deadline leaves time, even past
+    ``tries``, and a request that failed every try is a StackError too:
+    ``tries`` times ``timeout_s``
     (270 s by default) is shorter than a mixed fleet's start timeout (600 s),
     so a hung D used to run the tries out and the stack reported ready with a
     warning while its D hung (vLLM ends a hung worker only after
@@ -54,13 +64,16 @@ def warm_up(
     last_error = ""  # how it failed: HTTP status or transport error
     for n in range(1, rounds + 1):
         tag = f" {n}/{rounds}" if rounds > 1 else ""
-        for i in range(1, tries + 1):
+        i = 0
+        while True:
+            i += 1
             left = timeout_s if deadline is None else deadline - time.monotonic()
             if deadline is not None and i < tries:
                 left = min(timeout_s, left)  # the last try waits until the deadline
             tid = new_trace_id()
             if left < 1.0:
                 raise StackError(_stuck_message(tag, tid, last, where_stuck))
+            answered = False  # an answer that is an error (not a timeout): retried after a pause
             try:
                 r = httpx.post(
                     router_url + "/v1/completions",
@@ -71,7 +84,7 @@ def warm_up(
                 if r.status_code == 200:
                     say(f"warm-up request{tag} ok ({i}/{tries})")
                     break
-                last_error = f"HTTP {r.status_code}"
+                last_error, answered = f"HTTP {r.status_code}", True
                 say(f"warm-up request{tag} returned {last_error} ({i}/{tries})")
             except httpx.HTTPError as e:
                 last_error = type(e).__name__
@@ -82,11 +95,16 @@ def warm_up(
                 raise StackError(dead.died_message())
             if deadline is not None and deadline - time.monotonic() < 1.0:
                 raise StackError(_stuck_message(tag, tid, tid, where_stuck))
-        else:
-            if deadline is not None:  # every try answered with an error: the stack does not serve
-                raise StackError(_failed_message(tag, tries, last_error, last, where_stuck))
-            say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
-            return
+            pause = min(PAUSE_MAX_S, pause_s * 2 ** (i - 1))
+            if deadline is None:
+                if i >= tries:
+                    say("warning: warm-up never succeeded; the stack is up but may be unhealthy")
+                    return
+            elif i >= tries and (not answered or deadline - time.monotonic() - pause < 1.0):
+                # every try ended in an error before the deadline: the stack does not serve
+                raise StackError(_failed_message(tag, i, last_error, last, where_stuck))
+            if answered:
+                time.sleep(pause)
 
 
 def _stuck_message(tag: str, tid: str, last: str | None, where_stuck: Callable[[str], str | None] | None) -> str:

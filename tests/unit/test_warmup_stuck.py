@@ -19,12 +19,17 @@ from kvlens.stack.warmup import warm_up, where_stuck
 from kvtrace.store import StoreLocation
 
 
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+
+
 class SilentRouter:
     """Accepts connections, reads the request, answers nothing (a router whose D hangs);
-    with ``answer`` (raw HTTP bytes), answers every request with it."""
+    with ``answer`` (raw HTTP bytes), answers every request with it, or with
+    ``ok_after``, the first that many, then HTTP 200."""
 
-    def __init__(self, answer: bytes | None = None) -> None:
+    def __init__(self, answer: bytes | None = None, ok_after: int | None = None) -> None:
         self.answer = answer
+        self.ok_after = ok_after
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(8)
@@ -43,7 +48,8 @@ class SilentRouter:
             head = c.recv(65536).decode(errors="replace")
             self.ids += [x.split(":", 1)[1].strip() for x in head.splitlines() if x.lower().startswith("x-request-id:")]
             if self.answer is not None:
-                c.sendall(self.answer)
+                served = self.ok_after is not None and len(self.ids) > self.ok_after
+                c.sendall(OK if served else self.answer)
                 c.close()
 
     def close(self) -> None:
@@ -94,7 +100,10 @@ def test_warm_up_last_try_waits_until_the_deadline():
 
 def test_warm_up_that_fails_every_try_fails_the_start():
     """Every try answered with an error before the deadline: the stack does not serve,
-    so the start fails (naming the last error and where the store says it is stuck)."""
+    so the start fails (naming the last error and where the store says it is stuck).
+    Each error answer is tried again after a pause (0.5, 1, 2 s here) while the
+    deadline leaves time for it, past ``tries`` too: tries at about 0, 0.5,
+    1.5 and 3.5 s; the next pause (4 s) would end past the 6 s deadline."""
     router = SilentRouter(
         answer=b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
     )
@@ -108,14 +117,16 @@ def test_warm_up_that_fails_every_try_fails_the_start():
                 lambda: None,
                 tries=3,
                 timeout_s=30.0,
-                deadline=time.monotonic() + 120.0,
+                deadline=time.monotonic() + 6.0,
                 where_stuck=lambda tid: asked.append(tid) or None,
+                pause_s=0.5,
             )
     finally:
         router.close()
     msg = str(e.value)
-    assert len(router.ids) == 3 and asked == [router.ids[-1]], (router.ids, asked)
-    assert msg.startswith("start failed: the warm-up request failed 3 of 3 tries (last: HTTP 500, trace ")
+    n = len(router.ids)
+    assert n >= 3 and asked == [router.ids[-1]], (router.ids, asked)
+    assert msg.startswith(f"start failed: the warm-up request failed {n} of {n} tries (last: HTTP 500, trace ")
     assert router.ids[-1] in msg and "holds no span of it" in msg, msg
 
 
@@ -127,6 +138,23 @@ def test_warm_up_without_a_deadline_warns_as_before():
     finally:
         router.close()
     assert len(router.ids) == 2 and said[-1].startswith("warning: warm-up never succeeded"), said
+
+
+def test_a_warm_up_answered_with_an_error_is_tried_again_until_it_is_served():
+    """A cold engine's first handshakes can miss vLLM's 5 s and answer HTTP 500:
+    the warm-up pauses and tries again past ``tries`` while the start deadline
+    leaves time, and the stack is served once an answer is (4 errors, then 200)."""
+    router = SilentRouter(
+        answer=b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", ok_after=4
+    )
+    said: list[str] = []
+    try:
+        warm_up(router.url, {}, said.append, lambda: None, tries=3, timeout_s=30.0,
+                deadline=time.monotonic() + 60.0, pause_s=0.1)  # fmt: skip
+    finally:
+        router.close()
+    assert len(router.ids) == 5 and said[-1] == "warm-up request ok (5/3)", said
+    assert sum("returned HTTP 500" in m for m in said) == 4, said
 
 
 def test_where_stuck_reads_the_waiting_side_from_the_store(tmp_path):
