@@ -58,8 +58,6 @@ def warm_up(
     out of the user's (and the tests') first measured request. A failed
     handshake is retried by vLLM on the next request, hence the retries.
     """
-    import httpx  # start-up cost: ``kvlens --help`` imports this module
-
     last: str | None = None  # the trace id of the last request that got no answer
     last_error = ""  # how it failed: HTTP status or transport error
     for n in range(1, rounds + 1):
@@ -73,22 +71,12 @@ def warm_up(
             tid = new_trace_id()
             if left < 1.0:
                 raise StackError(_stuck_message(tag, tid, last, where_stuck))
-            answered = False  # an answer that is an error (not a timeout): retried after a pause
-            try:
-                r = httpx.post(
-                    router_url + "/v1/completions",
-                    json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
-                    timeout=left,
-                    headers={"X-Request-Id": tid, **headers},
-                )
-                if r.status_code == 200:
-                    say(f"warm-up request{tag} ok ({i}/{tries})")
-                    break
-                last_error, answered = f"HTTP {r.status_code}", True
-                say(f"warm-up request{tag} returned {last_error} ({i}/{tries})")
-            except httpx.HTTPError as e:
-                last_error = type(e).__name__
-                say(f"warm-up request{tag} failed: {last_error} ({i}/{tries})")
+            status, last_error = _request(router_url, headers, tid, left)
+            if status == 200:
+                say(f"warm-up request{tag} ok ({i}/{tries})")
+                break
+            answered = status is not None  # an answer that is an error (not a timeout): retried after a pause
+            say(f"warm-up request{tag} {'returned' if answered else 'failed:'} {last_error} ({i}/{tries})")
             last = tid
             dead = dead_child()
             if dead is not None:
@@ -105,6 +93,23 @@ def warm_up(
                 raise StackError(_failed_message(tag, i, last_error, last, where_stuck))
             if answered:
                 time.sleep(pause)
+
+
+def _request(router_url: str, headers: Mapping[str, str], tid: str, timeout_s: float) -> tuple[int | None, str]:
+    """One tiny completion through the router: (its HTTP status, how it failed
+    in words); status None where no answer came (a transport error, a timeout)."""
+    import httpx  # start-up cost: ``kvlens --help`` imports this module
+
+    try:
+        r = httpx.post(
+            router_url + "/v1/completions",
+            json={"prompt": "kvlens warm-up", "max_tokens": 2, "temperature": 0},
+            timeout=timeout_s,
+            headers={"X-Request-Id": tid, **headers},
+        )
+    except httpx.HTTPError as e:
+        return None, type(e).__name__
+    return r.status_code, f"HTTP {r.status_code}"
 
 
 def _stuck_message(tag: str, tid: str, last: str | None, where_stuck: Callable[[str], str | None] | None) -> str:
