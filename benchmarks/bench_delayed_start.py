@@ -1,10 +1,11 @@
 """Starts with a delay already in place (issue 43 item 7): ``kvlens up --hosts
---mode push,pull --link p-d=5ms --link router-d=5ms`` started ``--tries``
-times, each in a fresh kvlens home under ``--out``; per start whether it
+--mode push,pull --link p-d=5ms --link router-d=5ms`` (other links with
+``--link``, repeated) started ``--tries`` times, each in a fresh kvlens home under ``--out``; per start whether it
 served, its time to ready, the links' measured round trips, then 8
 requests through the router (push, pull, alternating, then two drawn) and a
-burst of 8 concurrent ~2000-token prompts per mode, then a stop by SIGINT
-and what was left (namespaces, veths, processes of its group).
+burst of 8 concurrent ~2000-token prompts per mode, then a stop by SIGINT,
+how many warm-up tries were answered with an error (and tried again), and
+what was left (namespaces, veths, processes of its group).
 
 A start whose warm-up has not answered 60, 150 and 400 s after its router
 came up is a hang in the making: each time, the Python stacks of every
@@ -54,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, help="model dir (default: the generated tiny model under --out)")
     p.add_argument("--give-up-s", type=float, default=1000.0, help="stop waiting for ready after this")
     p.add_argument("--table", type=Path, metavar="OUT", help="print the results found under OUT and exit")
+    p.add_argument("--link", action="append", default=None, metavar="SPEC",
+                   help=f"a link of the start, as kvlens up --link (repeat it; default {' '.join(LINKS)})")  # fmt: skip
     a = p.parse_args(argv)
     if a.table:
         print(table(a.table))
@@ -67,18 +70,18 @@ def main(argv: list[str] | None = None) -> int:
 
         model = ensure_model(a.out / "model")
     for n in range(a.first, a.first + a.tries):
-        r = one_start(a.out / f"try{n}", model, a.give_up_s)
+        r = one_start(a.out / f"try{n}", model, a.give_up_s, tuple(a.link or LINKS))
         print(json.dumps({k: v for k, v in r.items() if k != "tail"}), flush=True)
     print(table(a.out))
     return 0
 
 
-def one_start(home: Path, model: Path, give_up_s: float) -> dict:
+def one_start(home: Path, model: Path, give_up_s: float, links: tuple[str, ...] = LINKS) -> dict:
     home.mkdir(parents=True, exist_ok=False)
     logs, out = home / "run", home / "up.log"
     env = {**os.environ, "KVLENS_HOME": str(home), "UCX_LOG_LEVEL": os.environ.get("UCX_LOG_LEVEL", "info")}
     argv = [sys.executable, "-m", "kvlens.cli", "up", "--mode", "push,pull", "--hosts", "--insecure",
-            *[x for spec in LINKS for x in ("--link", spec)],
+            *[x for spec in links for x in ("--link", spec)],
             "--port", "0", "--model", str(model), "--log-dir", str(logs)]  # fmt: skip
     res: dict = {"home": str(home), "argv": argv[3:]}
     t0 = time.monotonic()
@@ -89,7 +92,10 @@ def one_start(home: Path, model: Path, give_up_s: float) -> dict:
         if "ready_s" in res:
             _send(json.loads((logs / "stack.json").read_text()), res)
     finally:
-        res["tail"] = out.read_text(errors="replace")[-3000:]
+        said = out.read_text(errors="replace")
+        res["tail"] = said[-3000:]
+        # warm-up tries answered with an error (tried again after a pause, kvlens.stack.warmup)
+        res["warmup_errors"] = len(re.findall(r"warm-up request[^\n]* returned HTTP", said))
         res["stop"] = _stop(up)
         res["leftovers"] = _leftovers(up.pid, _sid(logs))
         (home / "result.json").write_text(json.dumps(res, indent=1))
@@ -245,6 +251,7 @@ def table(out: Path) -> str:
             f"{f.parent.name:6} {'served' if served else 'FAILED':7} ready "
             f"{str(r.get('ready_s', '-')) + ' s':>6}  servers+router {r.get('router_started_s', '-')} s  "
             f"rtt {min(rtts, default=0):.1f}-{max(rtts, default=0):.1f} ms  {ok}/{len(sent)} answered  "
+            f"warm-up errors {r.get('warmup_errors', '-')}  "
             f"stack dumps {r.get('dumps', [])}  {'nothing left' if clean else 'LEFT: ' + json.dumps(left)}"
         )
     served = sum(1 for x in rows if " served " in x)
