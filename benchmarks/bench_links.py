@@ -296,9 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                     keep_store(Path(stack.store.path), a.keep_store)
                 stack.stop()
     if failed:
-        kept = Path(tempfile.mkdtemp(prefix="kvlens-bench-links-failed-"))
-        shutil.copytree(home / "logs", kept / "logs", dirs_exist_ok=True)
-        print(f"bench_links: {failed}\nthe stack's logs are kept in {kept / 'logs'}", file=sys.stderr)
+        where = "the stack wrote no logs"
+        if (home / "logs").is_dir():
+            kept = Path(tempfile.mkdtemp(prefix="kvlens-bench-links-failed-"))
+            shutil.copytree(home / "logs", kept / "logs", dirs_exist_ok=True)
+            where = f"the stack's logs are kept in {kept / 'logs'}"
+        print(f"bench_links: {failed}\n{where}", file=sys.stderr)
     if delays:
         print_tables(delays)
     return 1 if failed else 0 if len(delays) == len(a.delays) else 130
