@@ -295,23 +295,23 @@ def predict(
     h, f, rows, nw = _simulate(usable, pools, resamples, seed)
     # the target mode's expected CPU wait on this host: its own measured median where it ran here, else the
     # measured mode's (the same host, the same contention)
-    to_waits = [x for t in ok_others if (x := cpusplit.handoff_cpu(t).cpu_wait_s) is not None]
+    # each measured request of the target mode split once (with a kernel record the split walks it)
+    to_split = [(t, cpusplit.handoff_cpu(t).cpu_wait_s) for t in ok_others]
+    to_waits = [w for _, w in to_split if w is not None]
     from_waits = [p.handoff_wait_s for p in usable if p.handoff_wait_s is not None]
     expected = stats.percentile(to_waits or from_waits, 50)
     ew = Figure()
     if expected is not None and nw.p50 is not None:
         ew = Figure(*(None if v is None else v + expected for v in (nw.p50, nw.lo, nw.hi, nw.p10, nw.p90)))
     mt = dict(base.pop("measured_to"))
-    to_nowait = [
-        t.handoff_s - w
-        for t in ok_others
-        if t.handoff_s is not None and (w := cpusplit.handoff_cpu(t).cpu_wait_s) is not None
-    ]
-    mt["handoff_nowait_p50_s"] = stats.percentile(to_nowait, 50)
+    measured = {
+        "handoff": [t.handoff_s for t in ok_others],
+        "ttft": [t.ttft_s for t in ok_others],
+        "handoff_nowait": [t.handoff_s - w for t, w in to_split if t.handoff_s is not None and w is not None],
+    }
+    mt["handoff_nowait_p50_s"] = stats.percentile(measured["handoff_nowait"], 50)
     mt["expected_cpu_wait_s"] = expected
     mt["expected_cpu_wait_from"] = to_mode if to_waits else from_mode if from_waits else None
-    measured = {"handoff": [t.handoff_s for t in ok_others], "ttft": [t.ttft_s for t in ok_others]}
-    measured["handoff_nowait"] = to_nowait
     for key, fig in (("handoff", h), ("ttft", f), ("handoff_nowait", nw)):
         m = mt.get(f"{key}_p50_s")
         mt[f"{key}_in_interval"] = None if m is None or fig.lo is None else bool(fig.lo - _NS <= m <= fig.hi + _NS)
